@@ -223,7 +223,7 @@ class Layout:
     def uniform_dims(self) -> tuple[int, int, int]:
         """(tp, pp, dp) of a uniform layout with one TP degree; raises otherwise."""
         if not self.is_uniform() or len({s.tp for s in self.replicas[0].stages}) != 1:
-            raise LayoutError(f"layout is heterogeneous ({self.describe()}); no single tp x pp x dp")
+            raise LayoutError(f"layout is heterogeneous ({self._describe_hetero()}); no single tp x pp x dp")
         return self.replicas[0].stages[0].tp, len(self.replicas[0].stages), self.dp
 
     def boundaries(self, replica: int = 0) -> list[int]:
@@ -248,7 +248,10 @@ class Layout:
             even = b == balanced_boundaries(self.num_layers, pp)
             return f"tp{tp}.pp{pp}.dp{dp}" + ("" if even else f"(layers {b})")
         except LayoutError:
-            return " ".join(
+            return self._describe_hetero()
+
+    def _describe_hetero(self) -> str:
+        return " ".join(
                 f"R{i}(mb{r.micro_batches})[" + "|".join(f"tp{s.tp}:{s.layers[0]}-{s.layers[1]}" for s in r.stages) + "]"
                 for i, r in enumerate(self.replicas))
 
