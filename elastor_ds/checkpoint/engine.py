@@ -1,0 +1,438 @@
+"""CheckpointEngine: asynchronous, deduplicated, partition-agnostic save and resharding load.
+
+Save (``save``), one in flight at a time:
+1. Wait for the previous save; if it failed on any rank, raise :class:`AsyncSaveError` here, on
+   every rank.
+2. Agree on the save plan: all-gather a digest of each rank's shard metadata; when it matches the
+   cached one reuse the plan, else all-gather the metadata and compute the plan
+   (:func:`plan_save`: deduplicated, balanced, identical on every rank).
+3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
+4. Background writer thread: stream the buffer to ``data_<rank>.safetensors`` in the temp step
+   dir, fsync, write the rank's state file; all-gather every rank's outcome on the checkpoint
+   group; rank 0 commits (manifest last, rename, ``latest``, retention) and broadcasts the result.
+   Any rank's failure (disk full, permission denied, a dead peer) becomes every rank's error.
+
+Why a thread and not a process: the writer's time goes to ``os.write``/``zlib.crc32`` calls that
+release the GIL; a thread reads the staging buffer without copying it into shared memory, and a
+process would double host memory or need shared-memory staging. ``bench/ckpt_bench.py`` measures the
+training slowdown while the thread writes.
+
+Load (``load``): resolve the step dir (``latest``, optional fallback to the previous committed
+checkpoint when the newest fails verification on any rank), plan the byte ranges this rank needs
+(:func:`plan_load`) and read each once into the destination tensors, checking the CRC32 of every
+whole chunk read.
+
+Every collective runs on a dedicated gloo group (:class:`TorchComm`) with its own timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from ..comm.collectives import Comm, LocalComm, agree
+from ..errors import (AsyncSaveError, CheckpointError, CollectiveError, CorruptCheckpointError,
+                      IncompleteCheckpointError, TensorMismatchError)
+from ..layout.region import Region
+from . import commit as commit_mod
+from .load_plan import LoadPlan, ReadOp, Request, plan_load
+from .manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
+from .save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
+from .shards import TensorShard, dtype_name, region_view
+from .staging import StagingBuffer
+from .state import to_jsonable
+from .storage import EntrySpec, build_header, file_crc32, pread_into, write_stream
+from .verify import verify
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ELASTOR_TEST_FAIL_WRITE"  # test hook: "<rank>:<ENOSPC|EACCES|EIO>"
+
+
+@dataclass
+class SaveStats:
+    step: int
+    bytes_written: int = 0
+    plan_s: float = 0.0
+    stall_s: float = 0.0      # snapshot copy (what training waits for)
+    write_s: float = 0.0      # serialise + write + fsync in the background
+    durable_s: float = 0.0    # from save() to committed (rank-local view)
+    plan_cached: bool = False
+    committed_dir: Optional[str] = None
+
+
+@dataclass
+class LoadResult:
+    step: int
+    step_dir: str
+    extra: dict[str, Any]
+    rank_state: Optional[dict[str, Any]]
+    manifest: Manifest
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    seconds: float = 0.0
+    fell_back: bool = False
+
+
+@dataclass
+class _Job:
+    step: int
+    thread: Optional[threading.Thread] = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+    stats: Optional[SaveStats] = None
+    t0: float = 0.0
+
+
+class CheckpointEngine:
+    """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
+
+    def __init__(self, root: str, comm: Optional[Comm] = None, keep: int = 2, async_save: bool = True,
+                 pin_memory: Optional[bool] = None, fsync: bool = True):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
+        self.root = os.path.abspath(root)
+        self.comm: Comm = comm or LocalComm()
+        self.keep = keep
+        self.async_save = async_save
+        self.fsync = fsync
+        self.staging = StagingBuffer(pin_memory)
+        self._plan_key: Optional[tuple] = None
+        self._plan: Optional[SavePlan] = None
+        self._job: Optional[_Job] = None
+        self._saves = 0
+        self.last_stats: Optional[SaveStats] = None
+        if self.comm.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, shards: Sequence[TensorShard], extra: Optional[Mapping[str, Any]] = None,
+             rank_state: Optional[Mapping[str, Any]] = None, model: Optional[Mapping[str, Any]] = None,
+             layout: Optional[Mapping[str, Any]] = None) -> SaveStats:
+        """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit."""
+        self.wait()
+        t0 = time.perf_counter()
+        rank = self.comm.rank
+        metas = [ShardMeta(s.name, s.shape, dtype_name(s.tensor.dtype), s.region) for s in shards]
+        digest = metadata_digest(metas)
+        nonce = f"{os.getpid()}_{int(time.time() * 1000)}_{self._saves}"
+        keys = self.comm.all_gather_object((digest, nonce))
+        plan_key = tuple(k[0] for k in keys)
+        cached = plan_key == self._plan_key and self._plan is not None
+        if not cached:
+            gathered = self.comm.all_gather_object([m.to_tuple() for m in metas])
+            self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g] for g in gathered])
+            self._plan_key = plan_key
+        plan = self._plan
+        assert plan is not None
+        tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, keys[0][1]))
+        t1 = time.perf_counter()
+        items = plan.items[rank]
+        spans = self.staging.snapshot(items, shards)
+        t2 = time.perf_counter()
+        stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1, plan_cached=cached)
+        job = _Job(step, stats=stats, t0=t0)
+        extra_j = to_jsonable(dict(extra or {}), "extra")
+        rank_j = to_jsonable(dict(rank_state or {}), "rank_state") if rank_state is not None else None
+        args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
+        self._saves += 1
+        self._job = job
+        if self.async_save:
+            job.thread = threading.Thread(target=self._write_and_commit, args=args, name=f"elastor-writer-{step}",
+                                          daemon=True)
+            job.thread.start()
+        else:
+            self._write_and_commit(*args)
+            self.wait()
+        return stats
+
+    def wait(self) -> Optional[SaveStats]:
+        """Block until the in-flight save is committed; raise AsyncSaveError (on every rank) if it failed."""
+        job = self._job
+        if job is None:
+            return None
+        job.done.wait()
+        self._job = None
+        if job.thread is not None:
+            job.thread.join()
+        self.last_stats = job.stats
+        if job.error is not None:
+            raise AsyncSaveError(f"checkpoint save of step {job.step} failed: {job.error}")
+        return job.stats
+
+    def is_idle(self) -> bool:
+        """Collective: True on every rank when every rank's previous save has finished."""
+        local = self._job is None or self._job.done.is_set()
+        return all(self.comm.all_gather_object(local))
+
+    def finalize(self) -> Optional[SaveStats]:
+        """Wait for the in-flight save (raises if it failed). Call before exiting."""
+        return self.wait()
+
+    def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
+                          model, layout) -> None:
+        rank = self.comm.rank
+        stats = job.stats
+        assert stats is not None
+        outcome: Any
+        try:
+            tw = time.perf_counter()
+            outcome = ("ok", self._write_local(rank, plan, items, spans, tmp_dir, rank_state))
+            stats.write_s = time.perf_counter() - tw
+        except BaseException as e:  # noqa: BLE001 - reported to every rank
+            log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
+            outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
+        try:
+            outcomes = self.comm.all_gather_object(outcome)
+            errors = [o[1] for o in outcomes if o[0] != "ok"]
+            result: Any = None
+            if rank == 0:
+                if errors:
+                    result = ("error", "; ".join(errors[:8]))
+                    import shutil
+                    shutil.rmtree(tmp_dir, ignore_errors=True)
+                else:
+                    try:
+                        man = self._build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
+                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep)
+                        result = ("ok", final)
+                    except BaseException as e:  # noqa: BLE001
+                        result = ("error", f"rank 0 commit: {type(e).__name__}: {e}")
+            result = self.comm.broadcast_object(result, src=0)
+            if result[0] != "ok":
+                job.error = result[1]
+            else:
+                stats.committed_dir = result[1]
+                stats.durable_s = time.perf_counter() - job.t0
+        except BaseException as e:  # noqa: BLE001 - a dead peer or a timeout on the checkpoint group
+            job.error = f"rank {rank}: checkpoint group collective failed ({type(e).__name__}: {e})"
+        finally:
+            job.done.set()
+
+    def _write_local(self, rank: int, plan: SavePlan, items, spans, tmp_dir: str, rank_state) -> dict:
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault and int(fault.split(":")[0]) == rank:
+            import errno
+            code = getattr(errno, fault.split(":")[1], errno.EIO)
+            raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})")
+        os.makedirs(tmp_dir, exist_ok=True)
+        fname = f"data_{rank:05d}.safetensors"
+        entries = [EntrySpec(_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
+        header, rel = build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
+        buf = self.staging.buf
+        views = [] if buf is None or not items else [buf[:spans[-1][0] + spans[-1][1]].numpy()]
+        crcs = []
+        if buf is not None:
+            for (pos, n) in spans:
+                crcs.append(zlib.crc32(buf[pos:pos + n].numpy()))
+        size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=self.fsync)
+        chunks = [(it.name, _key(it.name, it.region), it.region.to_json(), len(header) + off, it.nbytes, c)
+                  for it, off, c in zip(items, rel, crcs)]
+        files = {fname: (size, crc)}
+        state_name = None
+        if rank_state is not None:
+            import json
+            state_name = f"rank_state/rank_{rank:05d}.json"
+            sp = os.path.join(tmp_dir, state_name)
+            os.makedirs(os.path.dirname(sp), exist_ok=True)
+            with open(sp, "w", encoding="utf-8") as f:
+                json.dump(rank_state, f)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            files[state_name] = file_crc32(sp)
+        return {"rank": rank, "chunks": chunks, "files": files, "state": state_name}
+
+    def _build_manifest(self, step: int, plan: SavePlan, results: list[dict], extra, model, layout) -> Manifest:
+        chunks: dict[str, list[Chunk]] = {n: [] for n in plan.tensors}
+        files: dict[str, FileEntry] = {}
+        states: dict[int, str] = {}
+        for res in results:
+            for name, key, reg, off, length, crc in res["chunks"]:
+                chunks[name].append(Chunk(next(iter(res["files"])), key, Region.from_json(reg), off, length, crc))
+            for fname, (size, crc) in res["files"].items():
+                files[fname] = FileEntry(fname, size, crc, res["rank"])
+            if res["state"]:
+                states[res["rank"]] = res["state"]
+        tensors = {n: TensorEntry(n, shape, dtype, tuple(sorted(chunks[n], key=lambda c: c.region.offsets)))
+                   for n, (shape, dtype) in plan.tensors.items()}
+        return Manifest(step=step, tensors=tensors, files=files, layout=layout, model=model, extra=extra,
+                        rank_state_files=states, world_size=len(results), created_unix=time.time())
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: Optional[str], shards: Sequence[TensorShard], *, strict: bool = True,
+             allow_cast: bool = False, verify_checksums: str = "chunks", fallback: bool = False) -> LoadResult:
+        """Fill ``shards`` in place from the checkpoint at ``path`` (root or step dir; default: this root).
+
+        ``strict``: every shard's tensor must be in the checkpoint. ``verify_checksums``: "chunks"
+        (CRC of every whole chunk read), "full" (CRC of every file, split across ranks) or "none".
+        ``fallback``: when the newest checkpoint fails on any rank, try older committed ones."""
+        root_or_dir = os.path.abspath(path or self.root)
+        candidates = self._load_candidates(root_or_dir, fallback)
+        last_err: Optional[BaseException] = None
+        for i, step_dir in enumerate(candidates):
+            try:
+                res, _ = agree(self.comm, lambda: self._load_from(step_dir, shards, strict, allow_cast,
+                                                                  verify_checksums),
+                               what=f"load of {step_dir}")
+                res.fell_back = i > 0
+                if i > 0:
+                    log.warning("loaded the older checkpoint %s after the newer one failed: %s", step_dir, last_err)
+                return res
+            except CollectiveError as e:
+                last_err = e
+                if not fallback or not _is_data_error(e):
+                    raise _unwrap(e) from e
+                log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
+        raise CorruptCheckpointError(f"no usable checkpoint under {root_or_dir}: {last_err}")
+
+    def _load_candidates(self, path: str, fallback: bool) -> list[str]:
+        try:
+            first = commit_mod.resolve(path)
+        except IncompleteCheckpointError:
+            if not fallback:
+                raise
+            first = None
+        cands = [first] if first else []
+        if fallback:
+            root = path if not commit_mod.is_committed(path) else os.path.dirname(path)
+            older = [p for _, p in reversed(commit_mod.list_committed(root)) if p != first]
+            cands.extend(older)
+        if not cands:
+            raise IncompleteCheckpointError(f"{path}: no committed checkpoint to load")
+        return cands
+
+    def _load_from(self, step_dir: str, shards: Sequence[TensorShard], strict: bool, allow_cast: bool,
+                   verify_checksums: str) -> LoadResult:
+        t0 = time.perf_counter()
+        man = commit_mod.read_manifest(step_dir)
+        if verify_checksums == "full":
+            mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
+            problems = verify(step_dir, files=mine, manifest=man)
+            if problems:
+                raise CorruptCheckpointError("; ".join(str(p) for p in problems))
+        for fname, fe in man.files.items():
+            p = os.path.join(step_dir, fname)
+            if not os.path.isfile(p):
+                raise IncompleteCheckpointError(f"{p}: data file is missing")
+            if os.path.getsize(p) != fe.size:
+                raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
+        requests = []
+        targets = []
+        for s in shards:
+            entry = man.tensors.get(s.name)
+            if entry is None:
+                if strict:
+                    raise TensorMismatchError(f"tensor {s.name!r} is not in checkpoint {step_dir} (it has "
+                                              f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
+                                              f"to skip missing tensors")
+                continue
+            if tuple(entry.shape) != tuple(s.shape):
+                raise TensorMismatchError(f"tensor {s.name}: checkpoint global shape {tuple(entry.shape)} != model "
+                                          f"{tuple(s.shape)}; the model config differs from the saved one")
+            want = dtype_name(s.tensor.dtype)
+            if want != entry.dtype and not allow_cast:
+                raise TensorMismatchError(f"tensor {s.name}: checkpoint dtype {entry.dtype} != destination {want}; "
+                                          f"pass allow_cast=True to convert")
+            requests.append(Request(s.name, s.region, len(targets)))
+            targets.append(s.tensor)
+        lplan = plan_load(man.tensors, requests)
+        self._execute(step_dir, lplan, targets)
+        rank_state = None
+        sf = man.rank_state_files.get(self.comm.rank)
+        if sf:
+            import json
+            with open(os.path.join(step_dir, sf), encoding="utf-8") as f:
+                rank_state = json.load(f)
+        return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, lplan.bytes_read,
+                          lplan.bytes_needed, time.perf_counter() - t0)
+
+    def _execute(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) -> None:
+        fds: dict[str, int] = {}
+        stage = torch.empty(0, dtype=torch.uint8)
+        try:
+            for op in lplan.reads:
+                fd = fds.get(op.file)
+                if fd is None:
+                    fd = fds[op.file] = os.open(os.path.join(step_dir, op.file), os.O_RDONLY)
+                direct = _direct_views(op, targets)
+                if direct is not None:
+                    pread_into(fd, direct, op.offset)
+                    for c, mv in zip(sorted(op.copies, key=lambda c: c.buf_offset), direct):
+                        if c.crc32 is not None:
+                            _check_crc(mv, c, op)
+                    continue
+                if stage.numel() < op.length:
+                    stage = torch.empty(op.length, dtype=torch.uint8)
+                buf = stage[:op.length]
+                pread_into(fd, [memoryview(buf.numpy())], op.offset)
+                for c in op.copies:
+                    raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
+                    if c.crc32 is not None:
+                        _check_crc(memoryview(raw.numpy()), c, op)
+                    src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
+                    region_view(targets[c.target], c.dst).copy_(src)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def _key(name: str, region: Region) -> str:
+    return f"{name}#{','.join(str(o) for o in region.offsets)}"
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _span_bytes(c) -> int:
+    if not c.sizes:
+        return c.itemsize
+    return (sum((n - 1) * s for n, s in zip(c.sizes, c.src_strides)) + 1) * c.itemsize
+
+
+def _direct_views(op: ReadOp, targets: Sequence[torch.Tensor]) -> Optional[list[memoryview]]:
+    """Destination memoryviews when the copies tile the read exactly and land contiguously."""
+    copies = sorted(op.copies, key=lambda c: c.buf_offset)
+    pos = 0
+    views = []
+    for c in copies:
+        t = targets[c.target]
+        if c.buf_offset != pos or not c.contiguous or DTYPE_SIZES.get(dtype_name(t.dtype)) != c.itemsize \
+                or dtype_name(t.dtype) != c.dtype or t.device.type != "cpu":
+            return None
+        v = region_view(t, c.dst)
+        if not v.is_contiguous():
+            return None
+        views.append(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
+        pos += c.nbytes
+    if pos != op.length:
+        return None
+    return views
+
+
+def _check_crc(mv: memoryview, c, op: ReadOp) -> None:
+    crc = zlib.crc32(mv)
+    if crc != c.crc32:
+        raise CorruptCheckpointError(f"{c.file or op.file}: chunk at byte {op.offset + c.buf_offset} has CRC32 "
+                                     f"{crc:08x}, manifest says {c.crc32:08x} (corrupt data)")
+
+
+def _is_data_error(e: BaseException) -> bool:
+    text = str(e)
+    return any(n in text for n in ("CorruptCheckpointError", "IncompleteCheckpointError", "FormatVersionError"))
+
+
+def _unwrap(e: CollectiveError) -> BaseException:
+    """Re-raise the typed error when every failing rank raised the same kind."""
+    text = str(e)
+    for cls in (TensorMismatchError, CorruptCheckpointError, IncompleteCheckpointError):
+        if cls.__name__ in text:
+            return cls(text)
+    return e

@@ -1,0 +1,212 @@
+"""Save planning: deduplicate what the ranks hold and pick exactly one writer per region.
+
+Input: every rank's shard metadata (tensor name, global shape, dtype, held region). Output: a
+:class:`SavePlan` listing, per rank, the regions it writes. The plan is a pure function of the
+gathered metadata, so every rank computes the same plan (or rank 0 computes and broadcasts it).
+
+Steps:
+1. Group shards by tensor; check that all ranks agree on the global shape and dtype.
+2. Units: if the distinct held regions of a tensor are pairwise disjoint (uniform layouts, ZeRO
+   partitions) each distinct region is a unit held by the ranks that hold it; otherwise (replicas
+   with different TP degrees hold overlapping regions) the tensor is cut into the grid of all
+   region boundaries and each covered cell is a unit.
+3. Coverage: every element of every tensor must be held by some rank, else :class:`ShardingError`.
+4. Balanced choice (greedy LPT, deterministic): units sorted by bytes (descending), then tensor
+   name, then offsets; each goes to the holder with the fewest bytes so far, ties to the lowest rank.
+5. Cells that went to the same writer are merged back into larger boxes, dim by dim.
+
+Pure: no torch, no I/O.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..errors import ShardingError
+from ..layout.region import Region
+from .manifest import DTYPE_SIZES
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """What one rank holds of one tensor (metadata only)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    region: Region
+
+    def to_tuple(self) -> tuple:
+        return (self.name, self.shape, self.dtype, self.region.offsets, self.region.sizes)
+
+    @staticmethod
+    def from_tuple(t: Sequence) -> "ShardMeta":
+        return ShardMeta(t[0], tuple(t[1]), t[2], Region(tuple(t[3]), tuple(t[4])))
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """Rank writes ``region`` of tensor ``name``, taken from its local shard number ``shard``."""
+
+    name: str
+    region: Region
+    shard: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (global shape, dtype)
+    items: tuple[tuple[WriteItem, ...], ...]          # per rank, in file order
+
+    def bytes_per_rank(self) -> list[int]:
+        return [sum(i.nbytes for i in its) for its in self.items]
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha1()
+        for r, its in enumerate(self.items):
+            for i in its:
+                h.update(repr((r, i.name, i.region.offsets, i.region.sizes, i.shard)).encode())
+        return h.hexdigest()[:16]
+
+
+def metadata_digest(metas: Sequence[ShardMeta]) -> str:
+    return hashlib.sha1(json.dumps([m.to_tuple() for m in metas]).encode()).hexdigest()
+
+
+def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
+    """Compute the deduplicated, balanced save plan from every rank's shard metadata."""
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    by_tensor: dict[str, list[tuple[Region, int, int]]] = {}
+    for rank, metas in enumerate(per_rank):
+        for idx, m in enumerate(metas):
+            prev = tensors.setdefault(m.name, (m.shape, m.dtype))
+            if prev != (m.shape, m.dtype):
+                raise ShardingError(f"tensor {m.name}: rank {rank} says shape {m.shape} dtype {m.dtype}, another "
+                                    f"rank says shape {prev[0]} dtype {prev[1]}; all ranks must agree")
+            if m.dtype not in DTYPE_SIZES:
+                raise ShardingError(f"tensor {m.name}: dtype {m.dtype} is not supported")
+            if not Region.full(m.shape).contains(m.region):
+                raise ShardingError(f"tensor {m.name}: rank {rank} holds {m.region} outside the global shape {m.shape}")
+            if m.region.numel:
+                by_tensor.setdefault(m.name, []).append((m.region, rank, idx))
+
+    # units: (bytes, name, region, holders[(rank, shard)])
+    units: list[tuple[int, str, Region, list[tuple[int, int]]]] = []
+    for name in sorted(tensors):
+        shape, dtype = tensors[name]
+        held = by_tensor.get(name, [])
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel == 0:
+            continue
+        if not held:
+            raise ShardingError(f"tensor {name} of shape {shape}: no rank holds any part of it")
+        distinct: dict[Region, list[tuple[int, int]]] = {}
+        for reg, rank, idx in held:
+            distinct.setdefault(reg, []).append((rank, idx))
+        regions = sorted(distinct)
+        if _pairwise_disjoint(regions):
+            covered = sum(r.numel for r in regions)
+            if covered != numel:
+                raise ShardingError(f"tensor {name} of shape {shape}: ranks hold {covered} of {numel} elements; "
+                                    f"some region is held by no rank (check the layout and sharding rules)")
+            for reg in regions:
+                units.append((reg.numel * DTYPE_SIZES[dtype], name, reg, sorted(distinct[reg])))
+        else:
+            units.extend(_grid_units(name, shape, dtype, distinct))
+
+    units.sort(key=lambda u: (-u[0], u[1], u[2].offsets))
+    loads = [0] * len(per_rank)
+    assigned: dict[str, list[tuple[Region, int, int]]] = {}
+    for nbytes, name, reg, holders in units:
+        rank, idx = min(holders, key=lambda h: (loads[h[0]], h[0]))
+        loads[rank] += nbytes
+        assigned.setdefault(name, []).append((reg, rank, idx))
+
+    items: list[list[WriteItem]] = [[] for _ in per_rank]
+    for name, regs in assigned.items():
+        dtype = tensors[name][1]
+        for reg, rank, idx in _merge(regs, per_rank):
+            items[rank].append(WriteItem(name, reg, idx, dtype))
+    ordered = tuple(tuple(sorted(its, key=lambda i: (-DTYPE_SIZES[i.dtype], i.name, i.region.offsets)))
+                    for its in items)
+    return SavePlan(tensors, ordered)
+
+
+def _pairwise_disjoint(regions: Sequence[Region]) -> bool:
+    if len(regions) > 256:  # avoid quadratic blow-up; the grid path handles any case
+        return False
+    for a, b in itertools.combinations(regions, 2):
+        if a.intersect(b) is not None:
+            return False
+    return True
+
+
+def _grid_units(name: str, shape: tuple[int, ...], dtype: str,
+                distinct: dict[Region, list[tuple[int, int]]]):
+    ndim = len(shape)
+    pts = [sorted({0, shape[d]} | {r.offsets[d] for r in distinct} | {r.ends[d] for r in distinct})
+           for d in range(ndim)]
+    cells: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for reg, holders in distinct.items():
+        ranges = [range(bisect.bisect_left(pts[d], reg.offsets[d]), bisect.bisect_left(pts[d], reg.ends[d]))
+                  for d in range(ndim)]
+        for idx in itertools.product(*ranges):
+            cells.setdefault(idx, []).extend(holders)
+    total = 1
+    for d in range(ndim):
+        total *= len(pts[d]) - 1
+    if len(cells) != total:
+        missing = next(idx for idx in itertools.product(*[range(len(p) - 1) for p in pts]) if idx not in cells)
+        reg = _cell_region(pts, missing)
+        raise ShardingError(f"tensor {name} of shape {shape}: region {reg} is held by no rank")
+    for idx in sorted(cells):
+        reg = _cell_region(pts, idx)
+        yield reg.numel * DTYPE_SIZES[dtype], name, reg, sorted(set(cells[idx]))
+
+
+def _cell_region(pts: list[list[int]], idx: tuple[int, ...]) -> Region:
+    return Region(tuple(pts[d][i] for d, i in enumerate(idx)),
+                  tuple(pts[d][i + 1] - pts[d][i] for d, i in enumerate(idx)))
+
+
+def _merge(regs: list[tuple[Region, int, int]], per_rank) -> Iterable[tuple[Region, int, int]]:
+    """Merge boxes with the same writer and shard that touch along one dim, dim by dim."""
+    boxes = list(regs)
+    if len(boxes) < 2:
+        return boxes
+    ndim = boxes[0][0].ndim
+    for d in reversed(range(ndim)):
+        groups: dict[tuple, list[tuple[Region, int, int]]] = {}
+        for reg, rank, idx in boxes:
+            key = (rank, idx) + tuple((reg.offsets[e], reg.sizes[e]) for e in range(ndim) if e != d)
+            groups.setdefault(key, []).append((reg, rank, idx))
+        out = []
+        for key in sorted(groups):
+            run = sorted(groups[key], key=lambda b: b[0].offsets[d])
+            cur = run[0]
+            for nxt in run[1:]:
+                if cur[0].ends[d] == nxt[0].offsets[d]:
+                    sizes = list(cur[0].sizes)
+                    sizes[d] += nxt[0].sizes[d]
+                    cur = (Region(cur[0].offsets, tuple(sizes)), cur[1], cur[2])
+                else:
+                    out.append(cur)
+                    cur = nxt
+            out.append(cur)
+        boxes = out
+    # a merged box must still lie inside the writer's shard region
+    for reg, rank, idx in boxes:
+        if not per_rank[rank][idx].region.contains(reg):  # pragma: no cover - defensive
+            raise AssertionError(f"merged box {reg} escapes rank {rank}'s shard")
+    return boxes

@@ -1,0 +1,65 @@
+"""TensorShard: a view of local memory that holds one region of a global tensor.
+
+This is the engine's whole interface to model state: save takes shards to read from, load takes
+shards to fill in place. Helpers build shards from a local tensor and its TP pieces, and from a
+ZeRO flat partition (see :mod:`elastor_ds.layout.zero`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..layout.region import Piece, Region
+from ..layout.zero import flat_partition_pieces
+
+
+@dataclass
+class TensorShard:
+    name: str
+    shape: tuple[int, ...]   # global shape
+    region: Region           # the part of the global tensor this shard holds
+    tensor: torch.Tensor     # view with shape == region.sizes (may be non-contiguous)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(s) for s in self.shape)
+        if tuple(self.tensor.shape) != tuple(self.region.sizes):
+            raise ValueError(f"shard {self.name}: tensor shape {tuple(self.tensor.shape)} != region sizes "
+                             f"{self.region.sizes}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def region_view(t: torch.Tensor, box: Region) -> torch.Tensor:
+    """``t[box]`` as a view."""
+    if box.ndim == 0:
+        return t
+    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+
+
+def shards_from_pieces(name: str, shape: Sequence[int], local: torch.Tensor,
+                       pieces: Sequence[Piece]) -> list[TensorShard]:
+    """One shard per TP piece of ``local`` (the rank's local tensor)."""
+    return [TensorShard(name, tuple(shape), p.global_, region_view(local, p.local)) for p in pieces]
+
+
+def shards_from_flat(names: Sequence[str], shapes: Sequence[Sequence[int]],
+                     local_shapes: Sequence[Sequence[int]], pieces: Sequence[Sequence[Piece]],
+                     flat: torch.Tensor, start: int, end: int) -> list[TensorShard]:
+    """Shards for a ZeRO partition: ``flat`` holds elements ``[start, end)`` of the concatenation
+    of the flattened local params (``local_shapes``) named ``names``."""
+    if flat.numel() != end - start:
+        raise ValueError(f"flat partition has {flat.numel()} elements, expected {end - start}")
+    out = []
+    for fp in flat_partition_pieces(local_shapes, pieces, start, end):
+        view = flat[fp.flat_offset: fp.flat_offset + fp.global_.numel].view(fp.global_.sizes)
+        out.append(TensorShard(names[fp.param_index], tuple(shapes[fp.param_index]), fp.global_, view))
+    return out
+
+
+def full_shard(name: str, t: torch.Tensor) -> TensorShard:
+    """The whole tensor (a replicated or unsharded tensor)."""
+    return TensorShard(name, tuple(t.shape), Region.full(t.shape), t)

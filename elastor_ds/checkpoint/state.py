@@ -1,0 +1,70 @@
+"""Extra training state that travels with a checkpoint: RNG states and JSON-safe encoding.
+
+Per-rank RNG state (python ``random``, numpy, torch CPU and, when present, CUDA) is captured as a
+JSON-safe dict and written to the rank's own state file; global state (iteration, consumed
+samples, LR scheduler, user metadata) goes in the manifest.
+"""
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    py = random.getstate()
+    npst = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch_cpu": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    if "python" in state:
+        v, internal, gauss = state["python"]
+        random.setstate((v, tuple(internal), gauss))
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "torch_cpu" in state:
+        torch.set_rng_state(_unb64(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        states = [_unb64(s) for s in state["torch_cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:  # different GPU count per process: set the current device's from device 0's saved state
+            torch.cuda.set_rng_state(states[0])
+
+
+def to_jsonable(obj: Any, where: str = "state") -> Any:
+    """Recursively convert tensors/numpy/tuples to JSON types; raise TypeError naming the key otherwise."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
+                    f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")

@@ -1,0 +1,153 @@
+"""Storage primitives: streaming safetensors files, checksums, durable renames.
+
+Files are standard safetensors (8-byte little-endian header length, JSON header padded with
+spaces to a multiple of 8, then the raw tensor bytes), readable by the ``safetensors`` library.
+We write the format ourselves instead of calling ``safetensors.torch.save_file`` because that
+function first copies every tensor into a new bytes object: double host memory and an extra
+memcpy. Here the header is computed from the save plan and the bytes stream straight from the
+(reused) staging buffer to the file, CRC32 computed on the way, then ``fsync``.
+
+Reads use ``os.preadv`` into caller-provided memory (no intermediate copy when possible).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .manifest import CODE_DTYPES, DTYPE_CODES
+
+WRITE_BLOCK = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """The padded header bytes and each entry's offset relative to the data section."""
+    hdr: dict = {}
+    if metadata:
+        hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offs = []
+    pos = 0
+    for e in entries:
+        hdr[e.key] = {"dtype": DTYPE_CODES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        offs.append(pos)
+        pos += e.nbytes
+    text = json.dumps(hdr, separators=(",", ":")).encode()
+    text += b" " * (-(len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, offs
+
+
+def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True) -> tuple[int, int]:
+    """Write ``header`` then each buffer; return (size, crc32). Raises OSError on failure."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        crc = zlib.crc32(header)
+        _write_all(fd, memoryview(header))
+        size = len(header)
+        for buf in buffers:
+            mv = memoryview(buf).cast("B")
+            for i in range(0, len(mv), WRITE_BLOCK):
+                blk = mv[i:i + WRITE_BLOCK]
+                crc = zlib.crc32(blk, crc)
+                _write_all(fd, blk)
+            size += len(mv)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, crc
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    while len(mv):
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """The safetensors header dict and the absolute offset of the data section."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise IncompleteCheckpointError(f"{path}: truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise CorruptCheckpointError(f"{path}: header length {n} is implausible; the file is corrupt")
+            text = f.read(n)
+            if len(text) != n:
+                raise IncompleteCheckpointError(f"{path}: truncated header ({len(text)} of {n} bytes)")
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: data file is missing") from None
+    try:
+        return json.loads(text), 8 + n
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from None
+
+
+def header_dtype(code: str) -> str:
+    return CODE_DTYPES[code]
+
+
+def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
+    """(size, crc32) of a whole file."""
+    crc = 0
+    size = 0
+    buf = bytearray(block)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(mv)
+            if not n:
+                break
+            crc = zlib.crc32(mv[:n], crc)
+            size += n
+    return size, crc
+
+
+def pread_into(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
+    """Fill ``bufs`` (in order) from ``offset``; raises on a short read."""
+    want = sum(len(b) for b in bufs)
+    got = 0
+    bufs = list(bufs)
+    while bufs:
+        n = os.preadv(fd, bufs[:1024], offset + got)
+        if n == 0:
+            raise CorruptCheckpointError(f"short read: file ended after {got} of {want} bytes at offset {offset}")
+        got += n
+        # drop fully-read buffers, trim a partial one
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via temp file + fsync + rename + directory fsync."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))

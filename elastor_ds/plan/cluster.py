@@ -1,0 +1,157 @@
+"""The GPUs left to train on: nodes with their usable GPU ids, per-GPU relative speed, memory and
+bandwidths (:class:`Cluster`), parsed from ``--gpus-per-node 8,8,8,7`` or a YAML/JSON file.
+
+File format (YAML or JSON)::
+
+    gpu_memory_gb: 80                 # optional, default 80
+    intra_node_bandwidth_gbs: 150     # optional, per GPU (NVLink), GB/s
+    inter_node_bandwidth_gbs: 25      # optional, per GPU (NIC), GB/s
+    gpus_per_node: [8, 8, 8, 7]       # either this (GPUs 0..k-1 usable) ...
+    nodes:                            # ... or explicit nodes
+      - {name: node0, gpus: [0, 1, 2, 3, 4, 5, 6, 7]}
+      - {name: node1, gpus: [0, 1, 2, 4, 5, 6, 7], speed: {"5": 0.6}}   # GPU 5 is a straggler
+
+Pure: no torch.distributed, deepspeed or megatron.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One usable GPU: ``node`` is the node's index in the cluster, ``local_id`` its GPU id there."""
+
+    node: int
+    node_name: str
+    local_id: int
+    speed: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.node_name}:{self.local_id}"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    gpus: tuple[int, ...]
+    speeds: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
+            raise ConfigError(f"node {self.name}: GPU ids {list(self.gpus)} must be distinct and >= 0")
+        if not self.speeds:
+            object.__setattr__(self, "speeds", tuple(1.0 for _ in self.gpus))
+        if len(self.speeds) != len(self.gpus):
+            raise ConfigError(f"node {self.name}: {len(self.speeds)} speeds for {len(self.gpus)} GPUs")
+        if any(not (s > 0) for s in self.speeds):
+            raise ConfigError(f"node {self.name}: relative speeds {list(self.speeds)} must be > 0")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: tuple[Node, ...]
+    gpu_memory_gb: float = 80.0
+    intra_node_bandwidth_gbs: float = 150.0
+    inter_node_bandwidth_gbs: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory_gb <= 0:
+            raise ConfigError(f"gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
+        if self.intra_node_bandwidth_gbs <= 0 or self.inter_node_bandwidth_gbs <= 0:
+            raise ConfigError("bandwidths must be > 0 GB/s")
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"node names {names} must be distinct")
+
+    # ---- constructors -------------------------------------------------------------------------
+    @staticmethod
+    def from_gpus_per_node(spec: str | list[int] | tuple[int, ...], **kw: Any) -> "Cluster":
+        """``"8,8,8,7"`` -> nodes ``node0..node3`` with GPUs ``0..k-1`` usable."""
+        if isinstance(spec, str):
+            try:
+                counts = [int(x) for x in spec.replace(" ", "").split(",") if x != ""]
+            except ValueError:
+                raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7") from None
+        else:
+            counts = [int(x) for x in spec]
+        if any(c < 0 for c in counts):
+            raise ConfigError(f"gpus per node {counts}: counts must be >= 0")
+        nodes = tuple(Node(f"node{i}", tuple(range(c))) for i, c in enumerate(counts))
+        return Cluster(nodes, **kw)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], **overrides: Any) -> "Cluster":
+        kw: dict[str, Any] = {k: float(d[k]) for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs",
+                                                        "inter_node_bandwidth_gbs") if k in d}
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(d) - {"gpu_memory_gb", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs",
+                            "gpus_per_node", "nodes"}
+        if unknown:
+            raise ConfigError(f"cluster file has unknown keys {sorted(unknown)}")
+        if ("nodes" in d) == ("gpus_per_node" in d):
+            raise ConfigError("cluster file needs exactly one of 'nodes' or 'gpus_per_node'")
+        if "gpus_per_node" in d:
+            return Cluster.from_gpus_per_node(list(d["gpus_per_node"]), **kw)
+        nodes = []
+        for i, nd in enumerate(d["nodes"]):
+            name = str(nd.get("name", f"node{i}"))
+            gpus = tuple(int(g) for g in nd.get("gpus", ()))
+            sp = nd.get("speed", {})
+            if isinstance(sp, Mapping):
+                bad = {int(k) for k in sp} - set(gpus)
+                if bad:
+                    raise ConfigError(f"node {name}: speed given for GPUs {sorted(bad)} that are not usable")
+                speeds = tuple(float(sp.get(str(g), sp.get(g, 1.0))) for g in gpus)
+            else:
+                speeds = tuple(float(s) for s in sp)
+            nodes.append(Node(name, gpus, speeds))
+        return Cluster(tuple(nodes), **kw)
+
+    @staticmethod
+    def from_file(path: str | Path, **overrides: Any) -> "Cluster":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read cluster file {p}: {e}") from None
+        try:
+            if p.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml  # PyYAML; JSON is valid YAML too
+                data = yaml.safe_load(text)
+        except Exception as e:  # noqa: BLE001 - any parse error is a config error
+            raise ConfigError(f"cannot parse cluster file {p}: {e}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"cluster file {p} must hold a mapping, got {type(data).__name__}")
+        return Cluster.from_dict(data, **overrides)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def devices(self) -> list[Device]:
+        """Every usable GPU, node by node, GPU ids ascending (the canonical order)."""
+        out = []
+        for ni, n in enumerate(self.nodes):
+            for g, s in sorted(zip(n.gpus, n.speeds)):
+                out.append(Device(ni, n.name, g, s))
+        return out
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)
+
+    @property
+    def max_gpus_per_node(self) -> int:
+        return max((len(n.gpus) for n in self.nodes), default=0)
+
+    def describe(self) -> str:
+        counts = [len(n.gpus) for n in self.nodes]
+        slow = sum(1 for n in self.nodes for s in n.speeds if s != 1.0)
+        return (f"{self.num_gpus} GPUs on {len(self.nodes)} nodes ({','.join(map(str, counts))}), "
+                f"{self.gpu_memory_gb:g} GB each" + (f", {slow} with non-nominal speed" if slow else ""))

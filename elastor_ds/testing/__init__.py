@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the demo (never imported by library code paths)."""
