@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from .errors import ElastorError
+from .errors import ConfigError, ElastorError
 
 _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ElastorError as e:
         logging.getLogger("elastor").error("%s", e)
-        return getattr(e, "exit_code", 1)
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -323,27 +323,13 @@ class CheckpointEngine:
                 raise IncompleteCheckpointError(f"{p}: data file is missing")
             if os.path.getsize(p) != fe.size:
                 raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
-        requests = []
-        targets = []
-        for s in shards:
-            entry = man.tensors.get(s.name)
-            if entry is None:
-                if strict:
-                    raise TensorMismatchError(f"tensor {s.name!r} is not in checkpoint {step_dir} (it has "
-                                              f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
-                                              f"to skip missing tensors")
-                continue
-            if tuple(entry.shape) != tuple(s.shape):
-                raise TensorMismatchError(f"tensor {s.name}: checkpoint global shape {tuple(entry.shape)} != model "
-                                          f"{tuple(s.shape)}; the model config differs from the saved one")
-            want = dtype_name(s.tensor.dtype)
-            if want != entry.dtype and not allow_cast:
-                raise TensorMismatchError(f"tensor {s.name}: checkpoint dtype {entry.dtype} != destination {want}; "
-                                          f"pass allow_cast=True to convert")
-            requests.append(Request(s.name, s.region, len(targets)))
-            targets.append(s.tensor)
-        lplan = plan_load(man.tensors, requests)
-        self._execute(step_dir, lplan, targets)
+        shards_found = [s for s in shards if s.name in man.tensors]
+        if strict and len(shards_found) != len(shards):
+            missing = next(s.name for s in shards if s.name not in man.tensors)
+            raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
+                                      f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
+                                      f"to skip missing tensors")
+        lplan = read_shards(step_dir, man, shards_found, allow_cast)
         rank_state = None
         sf = man.rank_state_files.get(self.comm.rank)
         if sf:
@@ -353,34 +339,59 @@ class CheckpointEngine:
         return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, lplan.bytes_read,
                           lplan.bytes_needed, time.perf_counter() - t0)
 
-    def _execute(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) -> None:
-        fds: dict[str, int] = {}
-        stage = torch.empty(0, dtype=torch.uint8)
-        try:
-            for op in lplan.reads:
-                fd = fds.get(op.file)
-                if fd is None:
-                    fd = fds[op.file] = os.open(os.path.join(step_dir, op.file), os.O_RDONLY)
-                direct = _direct_views(op, targets)
-                if direct is not None:
-                    pread_into(fd, direct, op.offset)
-                    for c, mv in zip(sorted(op.copies, key=lambda c: c.buf_offset), direct):
-                        if c.crc32 is not None:
-                            _check_crc(mv, c, op)
-                    continue
-                if stage.numel() < op.length:
-                    stage = torch.empty(op.length, dtype=torch.uint8)
-                buf = stage[:op.length]
-                pread_into(fd, [memoryview(buf.numpy())], op.offset)
-                for c in op.copies:
-                    raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
+
+def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False) -> LoadPlan:
+    """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective)."""
+    requests = []
+    targets = []
+    for s in shards:
+        entry = man.tensors.get(s.name)
+        if entry is None:
+            raise TensorMismatchError(f"tensor {s.name!r} is not in checkpoint {step_dir} (it has "
+                                      f"{len(man.tensors)} tensors; see `elastor inspect`)")
+        if tuple(entry.shape) != tuple(s.shape):
+            raise TensorMismatchError(f"tensor {s.name}: checkpoint global shape {tuple(entry.shape)} != model "
+                                      f"{tuple(s.shape)}; the model config differs from the saved one")
+        want = dtype_name(s.tensor.dtype)
+        if want != entry.dtype and not allow_cast:
+            raise TensorMismatchError(f"tensor {s.name}: checkpoint dtype {entry.dtype} != destination {want}; "
+                                      f"pass allow_cast=True to convert")
+        requests.append(Request(s.name, s.region, len(targets)))
+        targets.append(s.tensor)
+    lplan = plan_load(man.tensors, requests)
+    _execute(step_dir, lplan, targets)
+    return lplan
+
+
+def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) -> None:
+    """Run the reads: straight into destination memory when possible, else via a staging buffer."""
+    fds: dict[str, int] = {}
+    stage = torch.empty(0, dtype=torch.uint8)
+    try:
+        for op in lplan.reads:
+            fd = fds.get(op.file)
+            if fd is None:
+                fd = fds[op.file] = os.open(os.path.join(step_dir, op.file), os.O_RDONLY)
+            direct = _direct_views(op, targets)
+            if direct is not None:
+                pread_into(fd, direct, op.offset)
+                for c, mv in zip(sorted(op.copies, key=lambda c: c.buf_offset), direct):
                     if c.crc32 is not None:
-                        _check_crc(memoryview(raw.numpy()), c, op)
-                    src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
-                    region_view(targets[c.target], c.dst).copy_(src)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+                        _check_crc(mv, c, op)
+                continue
+            if stage.numel() < op.length:
+                stage = torch.empty(op.length, dtype=torch.uint8)
+            buf = stage[:op.length]
+            pread_into(fd, [memoryview(buf.numpy())], op.offset)
+            for c in op.copies:
+                raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
+                if c.crc32 is not None:
+                    _check_crc(memoryview(raw.numpy()), c, op)
+                src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
+                region_view(targets[c.target], c.dst).copy_(src)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _key(name: str, region: Region) -> str:

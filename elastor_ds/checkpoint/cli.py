@@ -1,0 +1,119 @@
+"""``elastor inspect | verify | convert``: checkpoint subcommands over library functions."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from ..errors import CheckpointError, ConfigError
+from . import commit as commit_mod
+from .convert import from_consolidated, to_consolidated
+from .verify import verify
+
+log = logging.getLogger("elastor")
+
+# format name -> (importer(src, dst, args), exporter(src, dst, args)); integrations add theirs
+IMPORTERS: dict = {}
+EXPORTERS: dict = {}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show a checkpoint's step, layout, tensors and files")
+    p.add_argument("ckpt", help="checkpoint root (uses 'latest') or a step directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check completeness and checksums (exit 0 good, 1 corrupt, 2 usage)")
+    p.add_argument("ckpt")
+    p.add_argument("--no-checksums", action="store_true", help="sizes and headers only (fast)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("convert", help="convert between elastor and other checkpoint formats")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--from", dest="src_format", default="elastor",
+                   help="source format: elastor (default), consolidated, or an integration's format")
+    p.add_argument("--to", dest="dst_format", default="elastor",
+                   help="target format: elastor (default), consolidated, or an integration's format")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_inspect(args) -> int:
+    try:
+        step_dir = commit_mod.resolve(args.ckpt)
+        man = commit_mod.read_manifest(step_dir)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        d = man.to_json()
+        d["step_dir"] = step_dir
+        d["total_bytes"] = man.total_bytes
+        json.dump(d, sys.stdout, indent=1)
+        print()
+        return 0
+    from ..layout import Layout
+    layout = "unknown"
+    if man.layout:
+        try:
+            layout = Layout.from_json(man.layout).describe()
+        except Exception:  # noqa: BLE001 - informational only
+            layout = "unreadable"
+    print(f"checkpoint  {step_dir}")
+    print(f"step        {man.step}")
+    print(f"format      elastor v{man.format_version}")
+    print(f"written by  {man.world_size} ranks, layout {layout}")
+    print(f"files       {len(man.files)}, {man.total_bytes / 2**20:.2f} MiB")
+    if man.extra:
+        print(f"extra       {json.dumps(man.extra)[:200]}")
+    print(f"tensors     {len(man.tensors)}")
+    width = max((len(n) for n in man.tensors), default=4)
+    for n, t in sorted(man.tensors.items()):
+        print(f"  {n:<{width}}  {str(list(t.shape)):>16}  {t.dtype:<9} {len(t.chunks):>3} chunks  {t.nbytes:>12,} B")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    try:
+        step_dir = commit_mod.resolve(args.ckpt)
+    except CheckpointError as e:
+        print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
+        return 1
+    problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty())
+    if problems:
+        for p in problems:
+            print(f"CORRUPT: {p}", file=sys.stderr)
+        print(f"{step_dir}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    man = commit_mod.read_manifest(step_dir)
+    print(f"OK {step_dir}: step {man.step}, {len(man.files)} files, {len(man.tensors)} tensors, "
+          f"{man.total_bytes / 2**20:.2f} MiB, checksums {'skipped' if args.no_checksums else 'match'}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    src_f, dst_f = args.src_format, args.dst_format
+    progress = not args.no_progress
+    if not os.path.exists(args.src):
+        print(f"error: source {args.src} does not exist", file=sys.stderr)
+        return 2
+    if src_f == "elastor" and dst_f == "consolidated":
+        out = to_consolidated(args.src, args.dst, progress=progress)
+    elif src_f == "consolidated" and dst_f == "elastor":
+        out = from_consolidated(args.src, args.dst, progress=progress)
+    elif dst_f == "elastor" and src_f in IMPORTERS:
+        out = IMPORTERS[src_f](args.src, args.dst, args)
+    elif src_f == "elastor" and dst_f in EXPORTERS:
+        out = EXPORTERS[dst_f](args.src, args.dst, args)
+    else:
+        known_from = ["elastor", "consolidated", *IMPORTERS]
+        known_to = ["elastor", "consolidated", *EXPORTERS]
+        raise ConfigError(f"cannot convert --from {src_f} --to {dst_f}; supported: --from {known_from} "
+                          f"(to elastor) or --to {known_to} (from elastor)")
+    print(f"wrote {out}")
+    return 0

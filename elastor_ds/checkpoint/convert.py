@@ -1,0 +1,162 @@
+"""Conversions between an elastor checkpoint and a consolidated (unsharded) safetensors directory.
+
+The format is layout-free, so converting between *layouts* needs no converter (load under the new
+layout). This module handles *formats*, one tensor at a time (never the whole model in RAM):
+
+* ``to_consolidated(src, dst)``: ``model.safetensors`` (every tensor whose name does not start with
+  ``optimizer.``) and ``optimizer.safetensors`` (the rest, when present), full tensors under their
+  saved names -- the canonical form, i.e. what megatron-core holds at TP=1 -- plus
+  ``elastor_metadata.json`` (step, extra state, model and source layout).
+* ``from_consolidated(src, dst_root)``: the reverse, written as a committed elastor checkpoint by
+  :func:`write_single_writer_checkpoint`, which other importers (DeepSpeed, Megatron) reuse.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ..errors import CheckpointError, ConfigError
+from ..layout.region import Region
+from . import commit as commit_mod
+from .engine import read_shards
+from .manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
+from .shards import dtype_name, full_shard
+from .storage import EntrySpec, build_header, fsync_dir, write_stream
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+META_FILE = "elastor_metadata.json"
+OPTIM_PREFIX = "optimizer."
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _stream_tensors(path: str, names: Sequence[str], shapes: Mapping[str, tuple], dtypes: Mapping[str, str],
+                    get: Callable[[str], torch.Tensor], progress: bool, metadata: Optional[dict] = None):
+    """Write a safetensors file tensor by tensor; return ({name: (offset, length, crc)}, size, crc)."""
+    entries = [EntrySpec(n, dtypes[n], tuple(shapes[n]), _numel(shapes[n]) * DTYPE_SIZES[dtypes[n]]) for n in names]
+    header, rel = build_header(entries, metadata)
+    info: dict[str, tuple[int, int, int]] = {}
+    bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=os.path.basename(path),
+               disable=not progress)
+
+    def gen():
+        for e, off in zip(entries, rel):
+            t = get(e.key).contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")
+            info[e.key] = (len(header) + off, e.nbytes, zlib.crc32(raw))
+            bar.update(e.nbytes)
+            yield raw
+    size, crc = write_stream(path, header, gen())
+    bar.close()
+    return info, size, crc
+
+
+def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[Iterable[str]] = None) -> str:
+    step_dir = commit_mod.resolve(src)
+    man = commit_mod.read_manifest(step_dir)
+    if os.path.exists(dst) and os.listdir(dst):
+        raise ConfigError(f"destination {dst} exists and is not empty; choose a new directory")
+    tmp = dst.rstrip("/") + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    wanted = sorted(man.tensors) if names is None else sorted(names)
+    groups = {MODEL_FILE: [n for n in wanted if not n.startswith(OPTIM_PREFIX)],
+              OPTIM_FILE: [n for n in wanted if n.startswith(OPTIM_PREFIX)]}
+
+    def get(name: str) -> torch.Tensor:
+        e = man.tensors[name]
+        t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+        read_shards(step_dir, man, [full_shard(name, t)])
+        return t
+    for fname, ns in groups.items():
+        if ns:
+            _stream_tensors(os.path.join(tmp, fname), ns, {n: man.tensors[n].shape for n in ns},
+                            {n: man.tensors[n].dtype for n in ns}, get, progress,
+                            {"format": "pt", "source": "elastor", "step": str(man.step)})
+    meta = {"step": man.step, "extra": dict(man.extra), "model": man.model, "layout": man.layout,
+            "source": step_dir, "format_version": man.format_version}
+    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.exists(dst):
+        os.rmdir(dst)
+    os.replace(tmp, dst)
+    log.info("wrote consolidated checkpoint of step %d to %s", man.step, dst)
+    return dst
+
+
+def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
+                                   dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor],
+                                   extra: Optional[Mapping[str, Any]] = None, model: Any = None,
+                                   layout: Any = None, keep: int = 2, progress: bool = True) -> str:
+    """Commit a checkpoint written by one process, streaming tensor by tensor (importers use this)."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, commit_mod.tmp_dirname(step, f"import{os.getpid()}"))
+    os.makedirs(tmp, exist_ok=True)
+    fname = "data_00000.safetensors"
+    try:
+        info, size, crc = _stream_tensors(os.path.join(tmp, fname), names, shapes, dtypes, get, progress)
+        fsync_dir(tmp)
+        tensors = {}
+        for n in names:
+            off, length, ccrc = info[n]
+            tensors[n] = TensorEntry(n, tuple(shapes[n]), dtypes[n],
+                                     (Chunk(fname, n, Region.full(shapes[n]), off, length, ccrc),))
+        man = Manifest(step=step, tensors=tensors, files={fname: FileEntry(fname, size, crc, 0)}, layout=layout,
+                       model=model, extra=dict(extra or {}), world_size=1, created_unix=time.time())
+        return commit_mod.commit(root, tmp, man, keep)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def from_consolidated(src: str, dst_root: str, progress: bool = True) -> str:
+    from safetensors import safe_open
+
+    model_path = os.path.join(src, MODEL_FILE)
+    if not os.path.isfile(model_path):
+        raise CheckpointError(f"{src} has no {MODEL_FILE}: a consolidated checkpoint is a directory with "
+                              f"{MODEL_FILE} (and optionally {OPTIM_FILE})")
+    meta: dict = {}
+    if os.path.isfile(os.path.join(src, META_FILE)):
+        with open(os.path.join(src, META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+    handles = {}
+    owner: dict[str, str] = {}
+    for fname in (MODEL_FILE, OPTIM_FILE):
+        p = os.path.join(src, fname)
+        if os.path.isfile(p):
+            h = safe_open(p, framework="pt")
+            handles[fname] = h
+            for k in h.keys():
+                if k in owner:
+                    raise CheckpointError(f"tensor {k} appears in both {owner[k]} and {fname}")
+                owner[k] = fname
+    names = sorted(owner)
+    shapes, dtypes = {}, {}
+    for n in names:
+        sl = handles[owner[n]].get_slice(n)
+        shapes[n] = tuple(sl.get_shape())
+        dtypes[n] = dtype_name(_st_dtype(sl.get_dtype()))
+    return write_single_writer_checkpoint(dst_root, int(meta.get("step", 0)), names, shapes, dtypes,
+                                          lambda n: handles[owner[n]].get_tensor(n), meta.get("extra"),
+                                          meta.get("model"), meta.get("layout"), progress=progress)
+
+
+def _st_dtype(code: str) -> torch.dtype:
+    from .manifest import CODE_DTYPES
+    return getattr(torch, CODE_DTYPES[code])

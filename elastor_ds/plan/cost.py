@@ -1,0 +1,349 @@
+"""The cost model: predicted iteration time and per-stage memory of a plan.
+
+Terms (all per iteration, seconds unless said otherwise):
+
+* **stage time** ``c`` (forward+backward of one micro-batch on one stage):
+  ``(layers x layer_time(tp) + [last stage] head_time(tp)) / speed``; ``speed`` is the slowest GPU
+  of the TP group (1.0 nominal). ``layer_time`` is analytical by default (matmul FLOPs / achieved
+  FLOP/s / tp, plus four TP all-reduces of the layer's activations over the intra-node link) or
+  comes from a measured :class:`Profile`.
+* **pipeline time** of replica ``i`` under 1F1B: ``(m_i + S_i - 1) x max_j c_j`` (``m_i``
+  micro-batches, ``S_i`` stages: the ``S_i - 1`` extra slots are the fill/drain bubble) plus the
+  stage-to-stage transfer on the fill/drain path: ``2 x sum over boundaries of
+  activation_bytes / bandwidth`` (forward activations and backward gradients; steady-state
+  transfers overlap with compute). Intra-node bandwidth when both stages share a node.
+* **gradient sync** across replicas: every gradient is cut into the finest TP blocks among the
+  replicas holding it and each block is all-reduced by the ranks that own it (one per replica).
+  A rank of TP degree ``t`` owns ``params/t`` of the layer whatever the block size, so its volume
+  is ``params/t x bytes``; ring factor ``2 (R-1)/R`` for an all-reduce (ZeRO 0) or
+  ``(R-1)/R x (grad_bytes + dtype_bytes)`` for reduce-scatter + all-gather (ZeRO >= 1). A layer
+  whose holders all sit on one node uses intra-node bandwidth, otherwise inter-node. Stages sync in
+  parallel; the sync time is the slowest stage's.
+* **iteration time** = ``max_i pipeline_i + sync`` (sync after the last backward, not overlapped).
+* **memory** per GPU of a stage: parameters, gradients and optimizer state of its layers
+  (ZeRO-sharded over the ``R`` replicas), activations of ``S - j`` in-flight micro-batches for the
+  ``j``-th stage (1F1B; an upper bound that does not depend on ``m``), embedding on the first stage,
+  output layer and fp32 logits on the last, plus a constant overhead; it must fit in
+  ``gpu_memory x (1 - safety_margin)``.
+
+Pure: no torch, torch.distributed, deepspeed or megatron.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+from .cluster import Cluster
+from .model import ModelSpec, TrainingSpec
+from .plan_doc import Plan
+
+log = logging.getLogger(__name__)
+
+GiB = float(1 << 30)
+GB = 1e9  # bandwidths are in GB/s
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Hardware and safety constants of the analytical model."""
+
+    gpu_tflops: float = 200.0           # achieved dense TFLOP/s of one nominal-speed GPU
+    memory_overhead_gb: float = 3.0     # CUDA context, NCCL buffers, allocator slack (GiB)
+    memory_safety_margin: float = 0.05  # fraction of GPU memory never planned for
+    tp_collective_latency_s: float = 20e-6
+
+    def __post_init__(self) -> None:
+        if self.gpu_tflops <= 0 or not (0 <= self.memory_safety_margin < 1) or self.memory_overhead_gb < 0:
+            raise ConfigError(f"invalid cost parameters {self}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured per-layer forward+backward time (seconds per micro-batch) at each TP width, and
+    optionally the output layer's time and per-layer activation bytes per micro-batch.
+
+    JSON: ``{"version": 1, "micro_batch_size": 1, "seq_length": 4096, "device": "...",
+    "layer_time_s": {"1": 0.0377, "2": 0.0191, "4": 0.01}, "head_time_s": {...},
+    "activation_bytes_per_layer": {"1": ..., ...}}``.
+    """
+
+    layer_time_s: Mapping[int, float]
+    head_time_s: Mapping[int, float] = field(default_factory=dict)
+    activation_bytes_per_layer: Mapping[int, float] = field(default_factory=dict)
+    micro_batch_size: int | None = None
+    seq_length: int | None = None
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layer_time_s:
+            raise ConfigError("profile has no layer_time_s entries")
+        for t, v in self.layer_time_s.items():
+            if t < 1 or v <= 0:
+                raise ConfigError(f"profile layer_time_s[{t}]={v}: TP width >= 1 and time > 0 required")
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "Profile":
+        if d.get("version", 1) != 1:
+            raise ConfigError(f"profile version {d.get('version')} is not supported (this build reads 1)")
+
+        def tbl(key: str) -> dict[int, float]:
+            return {int(k): float(v) for k, v in (d.get(key) or {}).items()}
+
+        return Profile(tbl("layer_time_s"), tbl("head_time_s"), tbl("activation_bytes_per_layer"),
+                       d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")))
+
+    @staticmethod
+    def load(path: str | Path) -> "Profile":
+        try:
+            return Profile.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"cannot read profile {path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": 1, "micro_batch_size": self.micro_batch_size, "seq_length": self.seq_length,
+                "device": self.device,
+                "layer_time_s": {str(k): v for k, v in sorted(self.layer_time_s.items())},
+                "head_time_s": {str(k): v for k, v in sorted(self.head_time_s.items())},
+                "activation_bytes_per_layer": {str(k): v for k, v in sorted(self.activation_bytes_per_layer.items())}}
+
+
+@dataclass(frozen=True)
+class ReplicaCost:
+    micro_batches: int
+    stage_times_s: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+    slowest_stage_s: float
+    compute_s: float      # m x slowest stage
+    bubble_s: float       # (S - 1) x slowest stage
+    p2p_s: float          # stage-to-stage transfer on the fill/drain path
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batches": self.micro_batches, "slowest_stage_s": self.slowest_stage_s,
+                "compute_s": self.compute_s, "bubble_s": self.bubble_s, "p2p_s": self.p2p_s,
+                "time_s": self.time_s}
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    iteration_time_s: float
+    pipeline_time_s: float
+    sync_time_s: float
+    replicas: tuple[ReplicaCost, ...]
+    memory_limit_bytes: float
+    feasible: bool
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(m for r in self.replicas for m in r.stage_memory_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        slow = max(range(len(self.replicas)), key=lambda i: (self.replicas[i].time_s, -i))
+        return {"iteration_s": self.iteration_time_s, "pipeline_s": self.pipeline_time_s,
+                "gradient_sync_s": self.sync_time_s, "bottleneck_replica": slow,
+                "peak_memory_gb": self.peak_memory_bytes / GiB,
+                "memory_limit_gb": self.memory_limit_bytes / GiB,
+                "replicas": [r.to_dict() for r in self.replicas]}
+
+
+class CostModel:
+    """Prices stages, replicas and whole plans for one model, training setup and cluster."""
+
+    def __init__(self, model: ModelSpec, training: TrainingSpec, cluster: Cluster,
+                 params: CostParams | None = None, profile: Profile | None = None) -> None:
+        self.model, self.training, self.cluster = model, training, cluster
+        self.params = params or CostParams()
+        self.profile = profile
+        self._lt: dict[int, float] = {}
+        self._ht: dict[int, float] = {}
+        if profile is not None:
+            if profile.micro_batch_size not in (None, training.micro_batch_size) or \
+                    profile.seq_length not in (None, model.seq_length):
+                log.warning("profile was measured at micro_batch_size=%s seq_length=%s, the plan uses %s/%s",
+                            profile.micro_batch_size, profile.seq_length, training.micro_batch_size,
+                            model.seq_length)
+
+    # ---- time ---------------------------------------------------------------------------------
+    def _analytic_layer_time(self, tp: int) -> float:
+        m, b = self.model, self.training.micro_batch_size
+        flops = 3.0 * m.layer_fwd_flops(b)
+        t = flops / tp / (self.params.gpu_tflops * 1e12)
+        if tp > 1:
+            nbytes = b * m.seq_length * m.hidden_size * m.dtype_bytes
+            ar = 2.0 * (tp - 1) / tp * nbytes / (self.cluster.intra_node_bandwidth_gbs * GB)
+            t += 4 * (ar + self.params.tp_collective_latency_s)
+        return t
+
+    def _analytic_head_time(self, tp: int) -> float:
+        return 3.0 * self.model.head_fwd_flops(self.training.micro_batch_size) / tp / (self.params.gpu_tflops * 1e12)
+
+    def layer_time(self, tp: int) -> float:
+        """Forward+backward seconds of one layer for one micro-batch at TP ``tp`` (nominal speed)."""
+        v = self._lt.get(tp)
+        if v is None:
+            if self.profile is not None:
+                prof = self.profile.layer_time_s
+                if tp in prof:
+                    v = prof[tp]
+                else:  # scale the analytical value by the nearest measured width
+                    near = min(prof, key=lambda k: (abs(k - tp), k))
+                    v = prof[near] * self._analytic_layer_time(tp) / self._analytic_layer_time(near)
+            else:
+                v = self._analytic_layer_time(tp)
+            self._lt[tp] = v
+        return v
+
+    def head_time(self, tp: int) -> float:
+        v = self._ht.get(tp)
+        if v is None:
+            prof = self.profile
+            if prof is not None and tp in prof.head_time_s:
+                v = prof.head_time_s[tp]
+            elif prof is not None:  # same measured/analytical ratio as the layers
+                v = self._analytic_head_time(tp) * self.layer_time(tp) / self._analytic_layer_time(tp)
+            else:
+                v = self._analytic_head_time(tp)
+            self._ht[tp] = v
+        return v
+
+    def stage_time(self, tp: int, num_layers: int, is_last: bool, speed: float = 1.0) -> float:
+        return (num_layers * self.layer_time(tp) + (self.head_time(tp) if is_last else 0.0)) / speed
+
+    def p2p_time(self, same_node: bool) -> float:
+        """One activation (or its gradient) between neighbouring stages, seconds."""
+        m = self.model
+        nbytes = self.training.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes
+        return nbytes / (self.bandwidth(same_node) * GB)
+
+    def bandwidth(self, same_node: bool) -> float:
+        c = self.cluster
+        return c.intra_node_bandwidth_gbs if same_node else c.inter_node_bandwidth_gbs
+
+    def sync_bytes_factor(self, num_replicas: int) -> float:
+        """Bytes moved per parameter a rank owns, for the cross-replica gradient sync."""
+        r = num_replicas
+        if r <= 1:
+            return 0.0
+        tr = self.training
+        if tr.zero_stage == 0:
+            return 2.0 * (r - 1) / r * tr.grad_bytes
+        return (r - 1) / r * (tr.grad_bytes + self.model.dtype_bytes)
+
+    # ---- memory -------------------------------------------------------------------------------
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.cluster.gpu_memory_gb * GiB * (1.0 - self.params.memory_safety_margin)
+
+    def state_bytes_per_param(self, num_replicas: int) -> float:
+        tr, z, r = self.training, self.training.zero_stage, max(1, num_replicas)
+        return (self.model.dtype_bytes / (r if z >= 3 else 1) + tr.grad_bytes / (r if z >= 2 else 1)
+                + tr.optimizer_bytes / (r if z >= 1 else 1))
+
+    def activation_bytes_per_layer(self, tp: int) -> float:
+        """Stored activations of one layer for one micro-batch (Korthikanti et al. with flash
+        attention: ``s b (10 h + (8 h + 2 f k) / tp)`` bytes at 2-byte dtype, k = 2 or 3 FFN mats)."""
+        prof = self.profile
+        if prof is not None and tp in prof.activation_bytes_per_layer:
+            return prof.activation_bytes_per_layer[tp]
+        m = self.model
+        s, b, h, f = m.seq_length, self.training.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+        k = 3 if m.gated_mlp else 2
+        return s * b * (10.0 * h + (8.0 * h + 2.0 * f * k) / tp) * m.dtype_bytes / 2.0  # type: ignore[operator]
+
+    def stage_memory_parts(self, tp: int, pos: int, num_stages: int, num_replicas: int) -> tuple[float, float]:
+        """(fixed bytes, bytes per layer) of stage ``pos`` of ``num_stages``: memory = fixed + n x per_layer."""
+        m, tr = self.model, self.training
+        in_flight = num_stages - pos
+        per_param = self.state_bytes_per_param(num_replicas)
+        per_layer = m.params_per_layer / tp * per_param + in_flight * self.activation_bytes_per_layer(tp)
+        fixed = self.params.memory_overhead_gb * GiB
+        tokens = tr.micro_batch_size * m.seq_length
+        if pos == 0:
+            fixed += m.embedding_params / tp * per_param + in_flight * tokens * m.hidden_size * m.dtype_bytes
+        if pos == num_stages - 1:
+            if not (m.tied_embeddings and num_stages == 1):
+                fixed += m.embedding_params / tp * per_param
+            fixed += tokens * m.vocab_size / tp * 4.0 * 2  # fp32 logits and their gradient
+        return fixed, per_layer
+
+    def stage_memory(self, tp: int, num_layers: int, pos: int, num_stages: int, num_replicas: int) -> float:
+        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas)
+        return fixed + num_layers * per_layer
+
+    def max_layers(self, tp: int, pos: int, num_stages: int, num_replicas: int) -> int:
+        """Most layers stage ``pos`` can hold within the memory limit (may be <= 0)."""
+        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas)
+        room = self.memory_limit_bytes - fixed
+        if room < 0:
+            return -1
+        return int(room // per_layer) if per_layer > 0 else self.model.num_layers
+
+    # ---- whole plans --------------------------------------------------------------------------
+    def evaluate(self, plan: Plan) -> CostBreakdown:
+        """Price a placed plan exactly (the function every search result and test is judged by)."""
+        R = len(plan.replicas)
+        limit = self.memory_limit_bytes
+        feasible = True
+        reps: list[ReplicaCost] = []
+        for rep in plan.replicas:
+            S = len(rep.stages)
+            times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) for j, s in enumerate(rep.stages))
+            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R) for j, s in enumerate(rep.stages))
+            if any(mm > limit for mm in mems):
+                feasible = False
+            slow = max(times)
+            p2p = 0.0
+            for a, b in zip(rep.stages, rep.stages[1:]):
+                same = {d.node for d in a.devices} | {d.node for d in b.devices}
+                p2p += 2.0 * self.p2p_time(len(same) == 1)
+            compute, bubble = rep.micro_batches * slow, (S - 1) * slow
+            reps.append(ReplicaCost(rep.micro_batches, times, mems, slow, compute, bubble, p2p,
+                                    compute + bubble + p2p))
+        sync = self.sync_time(plan)
+        pipe = max(r.time_s for r in reps)
+        return CostBreakdown(pipe + sync, pipe, sync, tuple(reps), limit, feasible)
+
+    def sync_time(self, plan: Plan) -> float:
+        """Cross-replica gradient sync (see module docstring): slowest stage over all replicas."""
+        R = len(plan.replicas)
+        factor = self.sync_bytes_factor(R)
+        if factor == 0.0:
+            return 0.0
+        m = self.model
+        # Nodes holding each layer (over all replicas), by segments between all stage boundaries.
+        cuts = sorted({b for r in plan.replicas for s in r.stages for b in s.layers})
+        seg_nodes: list[set[int]] = [set() for _ in range(len(cuts) - 1)]
+        seg_index = {c: i for i, c in enumerate(cuts)}
+        first_nodes: set[int] = set()
+        last_nodes: set[int] = set()
+        for r in plan.replicas:
+            for j, s in enumerate(r.stages):
+                nodes = {d.node for d in s.devices}
+                for i in range(seg_index[s.layers[0]], seg_index[s.layers[1]]):
+                    seg_nodes[i] |= nodes
+                if j == 0:
+                    first_nodes |= nodes
+                if j == len(r.stages) - 1:
+                    last_nodes |= nodes
+        seg_bw = [self.bandwidth(len(n) == 1) * GB for n in seg_nodes]
+        worst = 0.0
+        for r in plan.replicas:
+            S = len(r.stages)
+            for j, s in enumerate(r.stages):
+                per_layer = m.params_per_layer / s.tp * factor
+                t = 0.0
+                for i in range(seg_index[s.layers[0]], seg_index[s.layers[1]]):
+                    t += (cuts[i + 1] - cuts[i]) * per_layer / seg_bw[i]
+                emb = m.embedding_params / s.tp * factor
+                if j == 0:
+                    t += emb / (self.bandwidth(len(first_nodes) == 1) * GB)
+                if j == S - 1 and not (m.tied_embeddings and S == 1):
+                    t += emb / (self.bandwidth(len(last_nodes) == 1) * GB)
+                worst = max(worst, t)
+        return worst

@@ -1,0 +1,707 @@
+"""Strategy search: the best plan for the GPUs that are left, heterogeneous or uniform.
+
+Steps (:func:`plan`):
+
+1. **TP groups** (per node, power-of-two sizes <= nominal TP that divide the heads; never across
+   nodes). GPUs of a node are sorted by speed (fastest first, then id) and carved largest group
+   first, so slow GPUs end up together in small groups. Candidate groupings: every node greedy with
+   a cap ``c`` (7 GPUs, cap 4 -> 4+2+1; cap 2 -> 2+2+2+1), full nodes and short nodes with
+   different caps, and on small clusters every partition of every node (exhaustive).
+2. **Replicas from groups.** Small clusters (<= 8 groups): *exhaustive* over every multiset
+   partition of the groups into replicas, including leaving groups idle. Larger clusters:
+   *heuristic* LPT (largest capacity first to the replica with least capacity) for many replica
+   counts ``R`` (so the DP degree may change), coarse grid then local refinement around the best.
+   LPT runs on classes with multiplicities, so identical nodes cost nothing extra.
+3. **Stage order** per replica: *exhaustive* over distinct orders when there are <= 120 of them,
+   otherwise a few heuristic orders (TP descending / ascending, fastest last).
+4. **Layer split** per replica: *exact* dynamic program minimising the slowest stage under each
+   stage's memory limit (``f[j][k] = min_n max(f[j-1][k-n], c_j(n))`` with ``n <= n_max(j)``).
+   Cached per (replica signature, R): identical replicas are solved once.
+5. **Micro-batches**: *exact* minimisation of ``max_i (o_i m_i + b_i)`` with ``sum m_i = M`` and
+   ``m_i >= 1`` (``o_i`` slowest stage, ``b_i`` bubble + transfer): start from the continuous lower
+   bound, then the greedy that always increments the replica whose next value is smallest. Optimal:
+   whenever it would step above the optimum ``T*``, every replica already holds the most
+   micro-batches it can within ``T*``, and those sum to ``>= M``.
+6. **Placement**: slots in order of (first layer, replica) take groups of their class in node
+   order, so the replicas of a layer share a node where possible (gradient sync stays on NVLink).
+   The best few candidates by estimate are placed and priced exactly by
+   :meth:`CostModel.evaluate`.
+7. **Uniform baseline**: every TP x PP x DP grid (DP dividing ``M``, GPUs may stay idle, uneven
+   stage boundaries from the same DP). The better of the two is returned, with both predictions.
+
+Everything iterates in sorted order and breaks ties on explicit keys: same inputs, same plan.
+Pure: no torch, torch.distributed, deepspeed or megatron.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import PlanningError
+from .cluster import Cluster, Device
+from .cost import GiB, CostBreakdown, CostModel
+from .plan_doc import Plan, PlanReplica, PlanStage
+
+log = logging.getLogger(__name__)
+
+ClassKey = tuple[int, float]  # (tp, speed)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A TP group: ``tp`` GPUs of one node; runs at its slowest GPU's speed."""
+
+    devices: tuple[Device, ...]
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def speed(self) -> float:
+        return min(d.speed for d in self.devices)
+
+    @property
+    def node(self) -> int:
+        return self.devices[0].node
+
+    @property
+    def key(self) -> ClassKey:
+        return (self.tp, self.speed)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.node, self.devices[0].local_id)
+
+
+@dataclass(frozen=True)
+class ReplicaSolution:
+    """Best stage order and layer split of one replica signature."""
+
+    order: tuple[ClassKey, ...]
+    counts: tuple[int, ...]
+    slowest: float
+    p2p: float
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.order)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan before placement: replica kinds with multiplicities and micro-batches."""
+
+    estimate: float
+    kinds: tuple[tuple[ReplicaSolution, int, int], ...]  # (solution, micro_batches, how many replicas)
+    groups: tuple[Group, ...]                            # the pool the replicas are placed on
+    tie: tuple = ()
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(n for _, _, n in self.kinds)
+
+
+@dataclass(frozen=True)
+class ScoredPlan:
+    plan: Plan
+    cost: CostBreakdown
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, the best uniform plan, and the runners-up (best first)."""
+
+    best: ScoredPlan
+    uniform: ScoredPlan | None
+    heterogeneous: ScoredPlan | None
+    alternatives: list[ScoredPlan] = field(default_factory=list)
+    usable: tuple[Device, ...] = ()
+    search_stats: dict = field(default_factory=dict)
+
+
+# ---- step 1: TP groups ------------------------------------------------------------------------
+def greedy_parts(n: int, cap: int) -> tuple[int, ...]:
+    """Largest power-of-two parts <= cap summing to n (7, cap 4 -> (4, 2, 1))."""
+    out, t = [], cap
+    while n > 0:
+        while t > n:
+            t //= 2
+        out.append(t)
+        n -= t
+    return tuple(out)
+
+
+def all_parts(n: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every partition of n into allowed sizes, parts non-increasing, largest parts first."""
+    sizes = sorted(tps, reverse=True)
+    out: list[tuple[int, ...]] = []
+
+    def rec(rem: int, mx: int, acc: list[int]) -> None:
+        if rem == 0:
+            out.append(tuple(acc))
+            return
+        for s in sizes:
+            if s <= mx and s <= rem:
+                acc.append(s)
+                rec(rem - s, s, acc)
+                acc.pop()
+
+    rec(n, sizes[0] if sizes else 0, [])
+    return out
+
+
+def carve(devices: Sequence[Device], parts: Sequence[int]) -> list[Group]:
+    """Cut one node's devices into groups of the given sizes, fastest devices into largest groups."""
+    devs = sorted(devices, key=lambda d: (-d.speed, d.local_id))
+    out, i = [], 0
+    for p in sorted(parts, reverse=True):
+        out.append(Group(tuple(sorted(devs[i:i + p], key=lambda d: d.local_id))))
+        i += p
+    return out
+
+
+def node_devices(cluster: Cluster) -> list[list[Device]]:
+    per: list[list[Device]] = [[] for _ in cluster.nodes]
+    for d in cluster.devices():
+        per[d.node].append(d)
+    return per
+
+
+def grouping_candidates(cluster: Cluster, tps: Sequence[int], exhaustive: bool) -> list[tuple[tuple[int, ...], ...]]:
+    """Per-node part lists. Exhaustive on small clusters, else capped-greedy combinations."""
+    counts = [len(n.gpus) for n in cluster.nodes]
+    seen: set = set()
+    out = []
+    if exhaustive:
+        per_node = [all_parts(c, tps) if c else [()] for c in counts]
+        for combo in itertools.product(*per_node):
+            if combo not in seen:
+                seen.add(combo)
+                out.append(combo)
+        return out
+    full = max(counts, default=0)
+    for cf in sorted(tps, reverse=True):
+        for cd in sorted(tps, reverse=True):
+            combo = tuple(greedy_parts(c, cf if c == full else cd) for c in counts)
+            if combo not in seen:
+                seen.add(combo)
+                out.append(combo)
+    return out
+
+
+# ---- step 4: exact layer split ----------------------------------------------------------------
+def split_layers(per_layer: Sequence[float], extra: Sequence[float], max_layers: Sequence[int],
+                 num_layers: int) -> tuple[float, tuple[int, ...]] | None:
+    """Exact min-max split of ``num_layers`` contiguous layers over stages in order.
+
+    Stage ``j`` with ``n`` layers costs ``n * per_layer[j] + extra[j]`` and may hold
+    ``1 <= n <= max_layers[j]``. Returns (slowest stage time, layers per stage) or None when no
+    split fits. Dynamic program over (stage, layers placed), vectorised over both; ties go to the
+    smallest layer count for the later stage.
+    """
+    S, L = len(per_layer), num_layers
+    if S > L or any(m < 1 for m in max_layers):
+        return None
+    inf = math.inf
+    f = np.full(L + 1, inf)
+    f[0] = 0.0
+    k = np.arange(L + 1)
+    choices = []
+    for j in range(S):
+        nmax = min(max_layers[j], L)
+        n = np.arange(1, nmax + 1)
+        idx = k[:, None] - n[None, :]
+        prev = np.where(idx >= 0, f[np.clip(idx, 0, None)], inf)
+        cand = np.maximum(prev, (n * per_layer[j] + extra[j])[None, :])
+        best = np.argmin(cand, axis=1)
+        f = cand[k, best]
+        choices.append(best + 1)
+    if not np.isfinite(f[L]):
+        return None
+    counts = [0] * S
+    rem = L
+    for j in range(S - 1, -1, -1):
+        c = int(choices[j][rem])
+        counts[j] = c
+        rem -= c
+    return float(f[L]), tuple(counts)
+
+
+# ---- step 5: exact micro-batch assignment -----------------------------------------------------
+def assign_micro_batches(kinds: Sequence[tuple[float, float, int]], total: int) -> list[list[tuple[int, int]]] | None:
+    """Minimise ``max (o m + b)`` over replicas with ``sum m = total``, ``m >= 1``.
+
+    ``kinds`` lists ``(o, b, count)`` for groups of identical replicas. Returns, per kind, a list of
+    ``(m, how many replicas get m)``, larger m first; None if there are more replicas than
+    micro-batches. Exact (see module docstring, step 5).
+    """
+    R = sum(c for _, _, c in kinds)
+    if R > total or R == 0:
+        return None
+    lo = max(o + b for o, b, _ in kinds)
+    hi = lo + total * max(o for o, _, _ in kinds)
+
+    def fill(T: float) -> float:
+        return sum(c * max(1.0, (T - b) / o) for o, b, c in kinds)
+
+    if fill(lo) < total:
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if fill(mid) <= total:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo <= 1e-12 * hi:
+                break
+    ms = [max(1, int(math.floor((lo - b) / o))) for o, b, _ in kinds]
+    if sum(m * c for m, (_, _, c) in zip(ms, kinds)) > total:  # float safety net
+        ms = [1] * len(kinds)
+    rem = total - sum(m * c for m, (_, _, c) in zip(ms, kinds))
+    heap = [(o * (m + 1) + b, q, m, c) for q, (m, (o, b, c)) in enumerate(zip(ms, kinds))]
+    heapq.heapify(heap)
+    out: list[list[tuple[int, int]]] = [[] for _ in kinds]
+    while rem > 0:
+        _, q, m, c = heapq.heappop(heap)
+        o, b, _ = kinds[q]
+        if c <= rem:
+            rem -= c
+            heapq.heappush(heap, (o * (m + 2) + b, q, m + 1, c))
+        else:
+            out[q].append((m + 1, rem))
+            out[q].append((m, c - rem))
+            rem = 0
+    for _, q, m, c in heap:
+        out[q].append((m, c))
+    return [sorted(x, reverse=True) for x in out]
+
+
+# ---- the searcher -----------------------------------------------------------------------------
+class Planner:
+    """Runs the search for one cost model; caches replica sub-problems across candidates."""
+
+    SMALL_GROUPS = 8        # exhaustive replica partitions up to this many groups
+    MAX_ORDERS = 120        # exhaustive stage orders up to this many distinct orders
+
+    def __init__(self, cost: CostModel, top_k: int = 3) -> None:
+        self.cost = cost
+        self.model, self.training, self.cluster = cost.model, cost.training, cost.cluster
+        self.L = self.model.num_layers
+        self.M = self.training.num_micro_batches
+        self.tps = self.training.valid_tps(self.model)
+        self.top_k = max(1, top_k)
+        self._rep_cache: dict = {}
+        self._split_cache: dict = {}
+        self.stats = {"candidates": 0, "replica_subproblems": 0, "splits": 0}
+        self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
+
+    # -- replica sub-problem --------------------------------------------------------------------
+    def _solve_order(self, order: tuple[ClassKey, ...], R: int) -> tuple[float, tuple[int, ...]] | None:
+        key = (order, R)
+        if key in self._split_cache:
+            return self._split_cache[key]
+        self.stats["splits"] += 1
+        S = len(order)
+        c = self.cost
+        per = [c.layer_time(tp) / sp for tp, sp in order]
+        extra = [0.0] * (S - 1) + [c.head_time(order[-1][0]) / order[-1][1]]
+        mx = [c.max_layers(tp, j, S, R) for j, (tp, _) in enumerate(order)]
+        res = split_layers(per, extra, mx, self.L)
+        self._split_cache[key] = res
+        return res
+
+    def _orders(self, sig: tuple[ClassKey, ...]) -> list[tuple[ClassKey, ...]]:
+        counts: dict[ClassKey, int] = {}
+        for k in sig:
+            counts[k] = counts.get(k, 0) + 1
+        n_orders = math.factorial(len(sig))
+        for v in counts.values():
+            n_orders //= math.factorial(v)
+        if n_orders <= self.MAX_ORDERS:
+            return sorted(set(itertools.permutations(sig)), key=_order_key)
+        desc = tuple(sorted(sig, key=lambda k: (-k[0], -k[1])))
+        asc = tuple(reversed(desc))
+        fast_last = tuple(sorted(sig, key=lambda k: (k[1], -k[0])))
+        return sorted({desc, asc, fast_last}, key=_order_key)
+
+    def solve_replica(self, sig: tuple[ClassKey, ...], R: int) -> ReplicaSolution | None:
+        """Best (order, split) for a replica made of the groups in ``sig`` (exact over the orders tried)."""
+        Rk = R if self.training.zero_stage > 0 else 1
+        key = (sig, Rk)
+        if key in self._rep_cache:
+            return self._rep_cache[key]
+        self.stats["replica_subproblems"] += 1
+        best = None
+        gpus = sum(tp for tp, _ in sig)
+        same = gpus <= self.cluster.max_gpus_per_node
+        for order in self._orders(sig):
+            res = self._solve_order(order, Rk)
+            if res is None:
+                continue
+            slow, counts = res
+            if best is None or slow < best.slowest:
+                p2p = 2.0 * (len(order) - 1) * self.cost.p2p_time(same)
+                best = ReplicaSolution(order, counts, slow, p2p)
+        self._rep_cache[key] = best
+        return best
+
+    # -- candidates -----------------------------------------------------------------------------
+    def _candidate(self, reps: Sequence[tuple[tuple[ClassKey, ...], int]], groups: tuple[Group, ...],
+                   tie: tuple) -> Candidate | None:
+        """Price replica signatures (with multiplicities) quickly: exact compute/bubble/micro-batches,
+        estimated transfer and sync (placement is not known yet)."""
+        self.stats["candidates"] += 1
+        R = sum(n for _, n in reps)
+        if R < 1 or R > self.M:
+            return None
+        sols = []
+        for sig, n in reps:
+            s = self.solve_replica(sig, R)
+            if s is None:
+                return None
+            sols.append((s, n))
+        kinds = [(s.slowest, (s.num_stages - 1) * s.slowest + s.p2p, n) for s, n in sols]
+        mbs = assign_micro_batches(kinds, self.M)
+        if mbs is None:
+            return None
+        pipe = max(o * lst[0][0] + b for (o, b, _), lst in zip(kinds, mbs))
+        sync = self._sync_estimate([s for s, _ in sols], R, sum(g.tp for g in groups))
+        out = []
+        for (s, _), lst in zip(sols, mbs):
+            for m, n in lst:
+                out.append((s, m, n))
+        out.sort(key=lambda x: (-sum(t for t, _ in x[0].order), _order_key(x[0].order), x[0].counts, -x[1]))
+        return Candidate(pipe + sync, tuple(out), groups, tie)
+
+    def _sync_estimate(self, sols: Sequence[ReplicaSolution], R: int, used_gpus: int) -> float:
+        f = self.cost.sync_bytes_factor(R)
+        if f == 0.0:
+            return 0.0
+        m = self.model
+        same = used_gpus <= self.cluster.max_gpus_per_node and self.single_node
+        bw = self.cost.bandwidth(same) * 1e9
+        worst = 0.0
+        for s in sols:
+            S = s.num_stages
+            for j, ((tp, _), n) in enumerate(zip(s.order, s.counts)):
+                p = n * m.params_per_layer
+                if j == 0:
+                    p += m.embedding_params
+                if j == S - 1 and not (m.tied_embeddings and S == 1):
+                    p += m.embedding_params
+                worst = max(worst, p / tp * f / bw)
+        return worst
+
+    # -- heterogeneous --------------------------------------------------------------------------
+    def heterogeneous_candidates(self) -> list[Candidate]:
+        per_node = node_devices(self.cluster)
+        n_gpus = self.cluster.num_gpus
+        exhaustive = n_gpus <= self.SMALL_GROUPS
+        cands: list[Candidate] = []
+        for gi, combo in enumerate(grouping_candidates(self.cluster, self.tps, exhaustive)):
+            groups: list[Group] = []
+            for devs, parts in zip(per_node, combo):
+                groups.extend(carve(devs, parts))
+            groups.sort(key=lambda g: g.sort_key)
+            gt = tuple(groups)
+            if len(groups) <= self.SMALL_GROUPS:
+                cands.extend(self._exhaustive_replicas(gt, gi))
+            else:
+                cands.extend(self._lpt_replicas(gt, gi))
+        return cands
+
+    def _exhaustive_replicas(self, groups: tuple[Group, ...], gi: int) -> Iterator[Candidate]:
+        classes = sorted({g.key for g in groups}, key=lambda k: (-k[0], -k[1]))
+        counts = tuple(sum(1 for g in groups if g.key == c) for c in classes)
+        for used in _sub_vectors(counts):
+            if not any(used):
+                continue
+            for part in _multiset_partitions(used, used):
+                if len(part) > self.M:
+                    continue
+                reps: dict[tuple[ClassKey, ...], int] = {}
+                for blk in part:
+                    sig = tuple(c for c, n in zip(classes, blk) for _ in range(n))
+                    reps[sig] = reps.get(sig, 0) + 1
+                cand = self._candidate(sorted(reps.items()), groups, (gi, used, part))
+                if cand is not None:
+                    yield cand
+
+    def _lpt_replicas(self, groups: tuple[Group, ...], gi: int) -> list[Candidate]:
+        c = self.cost
+        classes = sorted({g.key for g in groups}, key=lambda k: (-k[1] / c.layer_time(k[0]), -k[0], -k[1]))
+        counts = [sum(1 for g in groups if g.key == k) for k in classes]
+        cap = {k: k[1] / c.layer_time(k[0]) for k in classes}
+        n_groups = len(groups)
+        used_gpus = sum(g.tp for g in groups)
+        hi = min(self.M, n_groups)
+
+        def run(R: int) -> Candidate | None:
+            reps = _bulk_lpt(classes, counts, cap, R)
+            return self._candidate(reps, groups, (gi, R))
+
+        Rs: set[int] = set()
+        for tp in self.tps:
+            for p in _geometric(self.L):
+                g = tp * p
+                for R in (used_gpus // g, -(-used_gpus // g)):
+                    if 1 <= R <= hi:
+                        Rs.add(R)
+        results: dict[int, Candidate | None] = {R: run(R) for R in sorted(Rs)}
+        # local refinement around the best few replica counts
+        for _ in range(3):
+            ranked = sorted((cd.estimate, R) for R, cd in results.items() if cd is not None)[:3]
+            new = [R + d for _, R in ranked for d in (-2, -1, 1, 2) if 1 <= R + d <= hi and R + d not in results]
+            if not new:
+                break
+            for R in sorted(set(new)):
+                results[R] = run(R)
+        return [cd for cd in results.values() if cd is not None]
+
+    # -- placement ------------------------------------------------------------------------------
+    def place(self, cand: Candidate) -> Plan:
+        """Assign physical groups: slots in (first layer, replica) order take groups of their class
+        in node order, so a layer's replicas share nodes where possible."""
+        pools: dict[ClassKey, list[Group]] = {}
+        for g in sorted(cand.groups, key=lambda g: g.sort_key):
+            pools.setdefault(g.key, []).append(g)
+        reps: list[tuple[ReplicaSolution, int]] = []
+        for sol, m, n in cand.kinds:
+            reps.extend([(sol, m)] * n)
+        slots = []
+        for ri, (sol, _) in enumerate(reps):
+            first = 0
+            for j, (k, cnt) in enumerate(zip(sol.order, sol.counts)):
+                slots.append((first, ri, j, k))
+                first += cnt
+        slots.sort(key=lambda s: (s[0], s[1], s[2]))
+        taken: dict[tuple[int, int], Group] = {}
+        idx = {k: 0 for k in pools}
+        for first, ri, j, k in slots:
+            taken[(ri, j)] = pools[k][idx[k]]
+            idx[k] += 1
+        out = []
+        for ri, (sol, m) in enumerate(reps):
+            stages, first = [], 0
+            for j, cnt in enumerate(sol.counts):
+                g = taken[(ri, j)]
+                stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))
+                first += cnt
+            out.append(PlanReplica(tuple(stages), m))
+        used = {d for r in out for s in r.stages for d in s.devices}
+        unused = tuple(d for d in self.cluster.devices() if d not in used)
+        plan = Plan(self.L, tuple(out), unused, "heterogeneous")
+        if plan.uniform_dims() is not None and len({mm for _, mm in reps}) == 1:
+            plan = Plan(self.L, tuple(out), unused, "uniform")
+        return plan
+
+    # -- uniform --------------------------------------------------------------------------------
+    def uniform_plans(self) -> list[ScoredPlan]:
+        """Every TP x PP x DP grid (DP | M, the d*p fastest groups), best few priced exactly."""
+        per_node = node_devices(self.cluster)
+        c = self.cost
+        est: list[tuple[float, tuple, Plan]] = []
+        divisors = [d for d in range(1, self.M + 1) if self.M % d == 0]
+        for tp in sorted(self.tps, reverse=True):
+            pool: list[Group] = []
+            for devs in per_node:
+                k = len(devs) // tp
+                if k:
+                    pool.extend(carve(devs, [tp] * k + [1] * (len(devs) - k * tp))[:k])
+            pool.sort(key=lambda g: (-g.speed, g.sort_key))
+            n = len(pool)
+            for p in range(1, min(self.L, n) + 1):
+                ds = [d for d in divisors if d * p <= n][-2:]
+                for d in ds:
+                    chosen = sorted(pool[:d * p], key=lambda g: g.sort_key)
+                    # stage-major: stage j of every replica on neighbouring GPUs
+                    grid = [[chosen[j * d + r] for j in range(p)] for r in range(d)]
+                    speeds = [min(grid[r][j].speed for r in range(d)) for j in range(p)]
+                    Rk = d if self.training.zero_stage > 0 else 1
+                    per = [c.layer_time(tp) / sp for sp in speeds]
+                    extra = [0.0] * (p - 1) + [c.head_time(tp) / speeds[-1]]
+                    mx = [c.max_layers(tp, j, p, Rk) for j in range(p)]
+                    key = ("u", tp, tuple(speeds), Rk)
+                    if key not in self._split_cache:
+                        self._split_cache[key] = split_layers(per, extra, mx, self.L)
+                    res = self._split_cache[key]
+                    if res is None:
+                        continue
+                    slow, counts = res
+                    mb = self.M // d
+                    same = tp * p <= self.cluster.max_gpus_per_node
+                    t = (mb + p - 1) * slow + 2 * (p - 1) * c.p2p_time(same)
+                    sol = ReplicaSolution(tuple((tp, sp) for sp in speeds), counts, slow, 0.0)
+                    t += self._sync_estimate([sol], d, d * p * tp)
+                    reps = []
+                    for r in range(d):
+                        stages, first = [], 0
+                        for j, cnt in enumerate(counts):
+                            stages.append(PlanStage(tp, (first, first + cnt), grid[r][j].devices))
+                            first += cnt
+                        reps.append(PlanReplica(tuple(stages), mb))
+                    used = {dv for g in chosen for dv in g.devices}
+                    unused = tuple(dv for dv in self.cluster.devices() if dv not in used)
+                    est.append((t, (-tp, p, d), Plan(self.L, tuple(reps), unused, "uniform")))
+        est.sort(key=lambda x: (x[0], x[1]))
+        scored = [ScoredPlan(pl, c.evaluate(pl)) for _, _, pl in est[:max(4, self.top_k)]]
+        scored = [s for s in scored if s.cost.feasible]
+        scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
+        return scored
+
+    def heterogeneous_plans(self) -> list[ScoredPlan]:
+        cands = self.heterogeneous_candidates()
+        cands.sort(key=lambda cd: (cd.estimate, cd.num_replicas, _cand_tie(cd)))
+        n_exact = max(16, 2 * self.top_k) if self.cluster.num_gpus <= 64 else max(6, self.top_k)
+        scored, seen = [], set()
+        for cd in cands:
+            if len(scored) >= n_exact:
+                break
+            pl = self.place(cd)
+            key = pl.describe()
+            if key in seen:
+                continue
+            seen.add(key)
+            cost = self.cost.evaluate(pl)
+            if cost.feasible:
+                scored.append(ScoredPlan(pl, cost))
+        scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
+        return scored
+
+
+def cluster_nodes(cluster: Cluster) -> list[int]:
+    return [len(n.gpus) for n in cluster.nodes]
+
+
+def _order_key(order: Sequence[ClassKey]) -> tuple:
+    return tuple((-tp, -sp) for tp, sp in order)
+
+
+def _plan_tie(plan: Plan) -> tuple:
+    return (plan.kind != "uniform", len(plan.replicas), plan.describe())
+
+
+def _cand_tie(cd: Candidate) -> tuple:
+    return tuple((_order_key(s.order), s.counts, m, n) for s, m, n in cd.kinds)
+
+
+def _geometric(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v = v + 1 if v < 8 else int(v * 1.25) + 1
+    return out
+
+
+def _sub_vectors(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """All vectors 0 <= v <= counts, lexicographically descending."""
+    return itertools.product(*(range(c, -1, -1) for c in counts))
+
+
+def _multiset_partitions(rem: tuple[int, ...], max_block: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Each partition of the multiset ``rem`` (counts per class) exactly once: blocks in
+    non-increasing lexicographic order."""
+    if not any(rem):
+        yield ()
+        return
+    for blk in _sub_vectors(rem):
+        if not any(blk) or blk > max_block:
+            continue
+        rest = tuple(r - b for r, b in zip(rem, blk))
+        for tail in _multiset_partitions(rest, blk):
+            yield (blk,) + tail
+
+
+def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict, R: int) -> list[tuple[tuple[ClassKey, ...], int]]:
+    """LPT with multiplicities: items of each class (largest capacity first) go one each to the
+    least-loaded replicas; replicas with identical contents are kept as one kind with a count."""
+    kinds: dict[tuple[int, ...], int] = {tuple([0] * len(classes)): R}
+    loads: dict[tuple[int, ...], float] = {tuple([0] * len(classes)): 0.0}
+    for ci, (k, n) in enumerate(zip(classes, counts)):
+        while n > 0:
+            comp = min(kinds, key=lambda x: (loads[x], sum(cnt * classes[i][0] for i, cnt in enumerate(x)), x))
+            avail = kinds[comp]
+            take = min(avail, n)
+            n -= take
+            if take == avail:
+                del kinds[comp]
+            else:
+                kinds[comp] = avail - take
+            new = tuple(v + (1 if i == ci else 0) for i, v in enumerate(comp))
+            loads[new] = loads[comp] + cap[k]
+            kinds[new] = kinds.get(new, 0) + take
+    out = []
+    for comp, n in kinds.items():
+        if not any(comp):
+            continue  # replicas that got nothing: fewer replicas in effect
+        sig = tuple(classes[i] for i, cnt in enumerate(comp) for _ in range(cnt))
+        out.append((tuple(sorted(sig, key=lambda x: (-x[0], -x[1]))), n))
+    return sorted(out)
+
+
+# ---- entry point ------------------------------------------------------------------------------
+def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> PlanResult:
+    """Search the best plan. ``layouts="uniform"`` restricts to TP x PP x DP grids."""
+    if layouts not in ("uniform", "heterogeneous"):
+        raise PlanningError(f"layouts={layouts!r}: choose 'uniform' or 'heterogeneous'")
+    cluster, model, training = cost.cluster, cost.model, cost.training
+    training.check_against(model)
+    if cluster.num_gpus == 0:
+        raise PlanningError("no usable GPUs: the cluster lists 0 GPUs; give at least one (e.g. --gpus-per-node 8)")
+    pl = Planner(cost, top_k)
+    if not pl.tps:
+        raise PlanningError(f"no TP degree <= {training.nominal_tp} divides num_attention_heads="
+                            f"{model.num_attention_heads} and num_query_groups={model.num_query_groups}")
+    uniform = pl.uniform_plans()
+    hetero = pl.heterogeneous_plans() if layouts == "heterogeneous" else []
+    pool = sorted(uniform + hetero, key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
+    if not pool:
+        raise PlanningError(infeasible_message(cost))
+    # dedupe alternatives by description
+    alts, seen = [], set()
+    for s in pool:
+        d = s.plan.describe()
+        if d not in seen:
+            seen.add(d)
+            alts.append(s)
+    best = alts[0]
+    stats = dict(pl.stats)
+    log.debug("planner stats: %s", stats)
+    return PlanResult(best, uniform[0] if uniform else None, hetero[0] if hetero else None,
+                      alts[:top_k], tuple(cluster.devices()), stats)
+
+
+def infeasible_message(cost: CostModel) -> str:
+    """Why nothing fits, and what would: the memory per GPU, or the GPU count, that would."""
+    m, tr, cl = cost.model, cost.training, cost.cluster
+    tp = max(tr.valid_tps(m) or (1,))
+    n = cl.num_gpus
+    per_param = cost.state_bytes_per_param(1)
+    total_state = (m.num_layers * m.params_per_layer + 2 * m.embedding_params) * per_param
+    limit = cost.memory_limit_bytes
+    # best case for memory: one replica, as many stages as layers/groups allow, at the widest TP
+    groups = sum(len(nd.gpus) // tp for nd in cl.nodes)
+    msg = (f"no layout fits: the model's parameters, gradients and optimizer state need "
+           f"{total_state / GiB:.1f} GiB (ZeRO-{tr.zero_stage}, one replica) but the limit is "
+           f"{limit / GiB:.1f} GiB per GPU on {n} usable GPU(s)")
+    if groups >= 1:
+        pp = max(1, min(m.num_layers, groups))
+        need = 0.0
+        for j in range(pp):
+            layers = -(-m.num_layers // pp)
+            need = max(need, cost.stage_memory(tp, layers, j, pp, 1))
+        need_gb = need / GiB / (1 - cost.params.memory_safety_margin)
+        msg += f"; with tp={tp} x pp={pp} a GPU would need about {need_gb:.0f} GB"
+        per_gpu = limit - cost.params.memory_overhead_gb * GiB
+        if per_gpu > 0:
+            est = math.ceil(total_state / per_gpu * 1.3)
+            msg += f", or about {est} GPUs of {cl.gpu_memory_gb:g} GB"
+    msg += ("; or raise --zero-stage, lower --micro-batch-size/--seq-length" +
+            ("" if tr.nominal_tp >= 8 else ", raise --tensor-model-parallel-size"))
+    return msg
