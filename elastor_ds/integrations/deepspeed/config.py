@@ -1,0 +1,186 @@
+"""The ``"elastor"`` section of a DeepSpeed config: typed, validated once, with errors that say the fix.
+
+Pure: no deepspeed, no torch. Shape (a contract; keys may be added, never removed)::
+
+    "elastor": {
+      "plan": "auto" | "<plan.json>" | {plan document} | null,
+      "checkpoint": {
+        "dir": "<path>", "interval_steps": N, "min_interval_s": S, "async": true, "keep": 2,
+        "load": "latest" | "none" | "<step dir>", "verify_on_load": true, "fallback_to_previous": true,
+        "on_save_checkpoint": true, "deepspeed_native": true, "timeout_s": 600
+      }
+    }
+
+Save policy: ``interval_steps`` N > 0 saves every N optimizer steps (and, when ``min_interval_s`` S > 0,
+not sooner than S seconds after the previous save); N = 0 with S > 0 is the reference's policy:
+save as soon as the previous save has finished everywhere and S seconds have passed. N = 0 and
+S = 0 disables periodic saves (``engine.save_checkpoint`` still writes one).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from ...errors import ConfigError
+
+SECTION = "elastor"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str
+    interval_steps: int = 0
+    min_interval_s: float = 0.0
+    async_save: bool = True          # JSON key "async"
+    keep: int = 2
+    load: str = "latest"             # "latest" | "none" | a step dir / root path
+    verify_on_load: bool = True
+    fallback_to_previous: bool = True
+    on_save_checkpoint: bool = True  # engine.save_checkpoint() also writes an elastor checkpoint
+    deepspeed_native: bool = True    # engine.save_checkpoint() still writes DeepSpeed's own files
+    timeout_s: float = 600.0         # timeout of the checkpoint process group
+
+    @property
+    def periodic(self) -> bool:
+        return self.interval_steps > 0 or self.min_interval_s > 0
+
+
+@dataclass(frozen=True)
+class ElastorConfig:
+    plan: Union[None, str, Mapping[str, Any]] = None
+    checkpoint: Optional[CheckpointConfig] = None
+
+
+_CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
+              "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
+              "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
+              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
+_TOP_KEYS = ("plan", "checkpoint")
+
+
+def _unknown(where: str, key: str, allowed) -> ConfigError:
+    close = difflib.get_close_matches(str(key), list(allowed), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint}; allowed keys: {', '.join(sorted(allowed))}")
+
+
+def _int(where: str, v: Any, lo: int, example: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{where}: expected an integer >= {lo}, got {v!r}; e.g. {example}")
+    return v
+
+
+def _float(where: str, v: Any, lo: float, example: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < lo:
+        raise ConfigError(f"{where}: expected a number >= {lo}, got {v!r}; e.g. {example}")
+    return float(v)
+
+
+def _bool(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: expected true or false, got {v!r}")
+    return v
+
+
+def _str(where: str, v: Any, example: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ConfigError(f"{where}: expected a non-empty string, got {v!r}; e.g. {example}")
+    return v
+
+
+def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> CheckpointConfig:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where}: expected an object like {{\"dir\": \"/ckpt\", \"interval_steps\": 100}}, "
+                          f"got {type(d).__name__} {d!r}")
+    for k in d:
+        if k not in _CKPT_KEYS:
+            raise _unknown(where, k, _CKPT_KEYS)
+    if "dir" not in d:
+        raise ConfigError(f"{where}: missing required key 'dir' (where checkpoints go), e.g. \"dir\": \"/ckpt/run1\"")
+    kw: dict[str, Any] = {"dir": _str(f"{where}.dir", d["dir"], '"dir": "/ckpt/run1"')}
+    if "interval_steps" in d:
+        kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 0, '"interval_steps": 100')
+    if "min_interval_s" in d:
+        kw["min_interval_s"] = _float(f"{where}.min_interval_s", d["min_interval_s"], 0.0, '"min_interval_s": 60')
+    if "keep" in d:
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 2 (the last good checkpoint is never deleted)')
+    if "timeout_s" in d:
+        kw["timeout_s"] = _float(f"{where}.timeout_s", d["timeout_s"], 1.0, '"timeout_s": 600')
+        if kw["timeout_s"] <= 0:
+            raise ConfigError(f"{where}.timeout_s: must be > 0, got {d['timeout_s']!r}")
+    for key in ("async", "verify_on_load", "fallback_to_previous", "on_save_checkpoint", "deepspeed_native"):
+        if key in d:
+            kw[_CKPT_KEYS[key]] = _bool(f"{where}.{key}", d[key])
+    if "load" in d:
+        load = _str(f"{where}.load", d["load"], '"load": "latest" (or "none", or a step directory)')
+        kw["load"] = load
+    return CheckpointConfig(**kw)
+
+
+def parse_plan(v: Any, where: str = f"{SECTION}.plan") -> Union[None, str, Mapping[str, Any]]:
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, Mapping):
+        if "replicas" not in v:
+            raise ConfigError(f"{where}: an inline plan needs a 'replicas' list (the planner's plan document); "
+                              f"got keys {sorted(v)}")
+        return dict(v)
+    if isinstance(v, str):
+        if not v.strip():
+            raise ConfigError(f"{where}: empty string; use \"auto\", a plan JSON path, or omit the key")
+        return v
+    raise ConfigError(f"{where}: expected \"auto\", a path to a plan JSON file or an inline plan object, got "
+                      f"{type(v).__name__} {v!r}")
+
+
+def parse_elastor_section(section: Any) -> ElastorConfig:
+    """Validate the ``"elastor"`` section (the value, not the whole DeepSpeed config)."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{SECTION}: expected an object like {{\"checkpoint\": {{\"dir\": \"/ckpt\"}}}}, got "
+                          f"{type(section).__name__} {section!r}")
+    for k in section:
+        if k not in _TOP_KEYS:
+            raise _unknown(SECTION, k, _TOP_KEYS)
+    plan = parse_plan(section.get("plan"))
+    ckpt = parse_checkpoint(section["checkpoint"]) if section.get("checkpoint") is not None else None
+    return ElastorConfig(plan=plan, checkpoint=ckpt)
+
+
+def split_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple[dict[str, Any], ElastorConfig]:
+    """(DeepSpeed config without the ``"elastor"`` key, validated :class:`ElastorConfig`)."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"DeepSpeed config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"DeepSpeed config: expected a dict or a JSON file path, got {type(config).__name__}")
+    ds = dict(config)
+    section = ds.pop(SECTION, None)
+    ecfg = parse_elastor_section(section) if section is not None else ElastorConfig()
+    return ds, ecfg
+
+
+def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The plan JSON document named by ``plan`` (a path) or the inline dict."""
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    try:
+        with open(plan, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{SECTION}.plan: plan file {plan!r} does not exist; run `elastor plan` to make one, "
+                          f"or use \"plan\": \"auto\"") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{SECTION}.plan: {plan!r} is not valid JSON: {e}") from None
+
+
+__all__ = ["CheckpointConfig", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
+           "split_ds_config", "load_plan_document", "SECTION"]

@@ -1,0 +1,100 @@
+"""Explicit, uneven pipeline-stage boundaries for DeepSpeed's ``PipelineModule``.
+
+DeepSpeed partitions layers by ``uniform``, ``parameters`` or ``type:``; a plan gives explicit
+boundaries instead. :class:`PipelineModule` is DeepSpeed's class with one more way to partition:
+``boundaries=[0, 2, 5, 8]`` (stage ``s`` builds layer specs ``[b[s], b[s+1])``) or ``plan=`` (a
+:class:`~elastor_ds.layout.Layout`, a plan dict or a plan JSON path, whose first replica's
+boundaries are used). A plan's layer index is the index in the module's layer list.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from deepspeed.pipe import PipelineModule as _DSPipelineModule
+
+from ...errors import ConfigError, LayoutError
+from ...layout import Layout
+from .config import load_plan_document
+
+log = logging.getLogger(__name__)
+
+PlanLike = Union[Layout, Mapping[str, Any], str]
+
+
+def layout_from_plan(plan: PlanLike, num_layers: Optional[int] = None) -> Layout:
+    if isinstance(plan, Layout):
+        return plan
+    try:
+        return Layout.from_json(load_plan_document(plan), num_layers=num_layers)
+    except (LayoutError, KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"elastor.plan: not a valid plan document: {e}") from None
+
+
+def grid_boundaries(layout: Layout, num_stages: int, world_size: int) -> list[int]:
+    """The boundaries of a plan that DeepSpeed's pipeline engine can run (a PP x DP grid, TP 1)."""
+    if not layout.is_uniform():
+        raise ConfigError(f"plan {layout.describe()} is heterogeneous (replicas with different stages or TP "
+                          f"degrees); DeepSpeed's PipelineEngine runs one PP x DP grid: use a uniform plan")
+    tp, pp, dp = layout.uniform_dims()
+    if tp != 1:
+        raise ConfigError(f"plan has tp={tp}; DeepSpeed's PipelineModule here runs TP 1 (TP needs Megatron-core "
+                          f"layers): use a plan with tp=1")
+    if pp != num_stages:
+        raise ConfigError(f"plan has pp={pp} stages but the PipelineModule was given num_stages={num_stages}")
+    if pp * dp != world_size:
+        raise ConfigError(f"plan pp({pp}) * dp({dp}) = {pp * dp} != WORLD_SIZE({world_size})")
+    mbs = {r.micro_batches for r in layout.replicas}
+    if len(mbs) > 1:
+        raise ConfigError(f"plan gives replicas different micro-batch counts {sorted(mbs)}; DeepSpeed runs the same "
+                          f"gradient_accumulation_steps on every replica")
+    return layout.boundaries()
+
+
+def check_boundaries(boundaries: Sequence[int], num_stages: int, num_layers: int) -> list[int]:
+    b = [int(x) for x in boundaries]
+    if len(b) != num_stages + 1 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
+        raise ConfigError(f"pipeline boundaries {b} must be {num_stages + 1} strictly increasing layer indices from 0 "
+                          f"to {num_layers} (num_stages={num_stages}, {num_layers} layer specs), e.g. "
+                          f"{_example(num_stages, num_layers)}")
+    return b
+
+
+def _example(pp: int, n: int) -> list[int]:
+    if pp > n:
+        return []
+    return [(i * n) // pp for i in range(pp)] + [n]
+
+
+class PipelineModule(_DSPipelineModule):
+    """DeepSpeed's PipelineModule plus explicit stage boundaries (``boundaries=`` or ``plan=``)."""
+
+    def __init__(self, layers, num_stages=None, topology=None, *, boundaries: Optional[Sequence[int]] = None,
+                 plan: Optional[PlanLike] = None, **kwargs: Any):
+        if boundaries is not None and plan is not None:
+            raise ConfigError("pass either boundaries= or plan=, not both")
+        object.__setattr__(self, "_elastor_boundaries", list(boundaries) if boundaries is not None else None)
+        object.__setattr__(self, "_elastor_plan", plan)
+        if boundaries is not None or plan is not None:
+            kwargs.setdefault("partition_method", "uniform")  # never 'parameters': it builds every layer
+        super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        b = self._elastor_boundaries
+        num_layers = len(self._layer_specs)
+        if b is None and self._elastor_plan is not None:
+            layout = layout_from_plan(self._elastor_plan, num_layers)
+            if layout.num_layers != num_layers:
+                raise ConfigError(f"plan covers {layout.num_layers} layers but the PipelineModule has {num_layers} "
+                                  f"layer specs (a plan's layer index is the index in the layer list)")
+            b = grid_boundaries(layout, self.num_stages, self.world_size)
+        if b is None:
+            super()._partition_layers(method=method)
+            return
+        self.parts = check_boundaries(b, self.num_stages, num_layers)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        if self.global_rank == 0:
+            log.info("pipeline boundaries from elastor: %s", self.parts)
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])

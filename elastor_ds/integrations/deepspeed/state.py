@@ -1,0 +1,204 @@
+"""What a DeepSpeed engine's training state looks like to the checkpoint engine.
+
+Maps an engine's memory to :class:`~elastor_ds.checkpoint.shards.TensorShard` s with global,
+partition-independent names, and its scalar state to JSON:
+
+* module weights and buffers: ``model.<name>``, where ``<name>`` is the module's own parameter name
+  (a ``PipelineModule`` names layer ``i``'s parameters ``"<i>.<param>"`` for the *global* layer
+  index ``i``, and tied weights ``"tied_modules.<key>.<param>"``), so it does not depend on the
+  stage boundaries;
+* optimizer tensors: ``optim.<state key>.<name>`` (``master`` = fp32 master weights, then every
+  per-element state of the optimizer, e.g. Adam's ``exp_avg``/``exp_avg_sq``). Under ZeRO-1 a rank
+  holds one contiguous run of each param group's flat buffer; each parameter's part of that run is
+  mapped to boxes of the parameter (:func:`shards_from_flat`), so any DP size or ZeRO stage can
+  read it back. Under ZeRO-0 every rank holds whole tensors.
+* scalars (Adam's ``step``, param-group hyper-parameters), the LR scheduler and engine counters go
+  into the manifest's ``extra``.
+
+Supported optimizers: a plain torch optimizer (ZeRO-0, fp32) and DeepSpeed's ZeRO stage 1/2
+optimizer (``DeepSpeedZeroOptimizer``). Others raise :class:`ConfigError` naming the class.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
+from ...errors import ConfigError
+from ...layout.region import Piece, Region
+
+log = logging.getLogger(__name__)
+
+MODEL = "model."
+OPTIM = "optim."
+MASTER = "master"
+
+
+def model_name(name: str) -> str:
+    return MODEL + name
+
+
+def optim_name(key: str, name: str) -> str:
+    return f"{OPTIM}{key}.{name}"
+
+
+@dataclass
+class _Group:
+    """One optimizer param group as this rank holds it."""
+
+    base_group: dict                      # the torch optimizer's param_group
+    state_params: list[torch.Tensor]      # tensors keyed in optimizer.state (ZeRO: the flat partition)
+    # per state param: list of (param name, param shape, start, end, flat offset) -- the flat range
+    # [start, end) of the param held at ``flat offset`` of the state tensor
+    spans: list[list[tuple[str, tuple[int, ...], int, int, int]]] = field(default_factory=list)
+
+
+def _is_zero(opt: Any) -> bool:
+    return hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "round_robin_bit16_groups")
+
+
+def base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    opt = engine.optimizer
+    if opt is None:
+        raise ConfigError("the DeepSpeed engine has no optimizer; elastor checkpoints need one (pass optimizer= or "
+                          "an \"optimizer\" config section)")
+    if _is_zero(opt):
+        return opt.optimizer
+    if isinstance(opt, torch.optim.Optimizer):
+        return opt
+    raise ConfigError(f"optimizer wrapper {type(opt).__name__} is not supported by elastor_ds yet (supported: a torch "
+                      f"optimizer with fp32 and ZeRO stage 0, or ZeRO stage 1/2); use fp32 with ZeRO-0/1")
+
+
+def _param_names(engine: Any) -> dict[int, str]:
+    return {id(p): n for n, p in engine.module.named_parameters()}
+
+
+def _groups(engine: Any) -> list[_Group]:
+    opt = engine.optimizer
+    names = _param_names(engine)
+    out = []
+    if _is_zero(opt):
+        import deepspeed.comm as dist
+        offsets_attr = getattr(opt, "round_robin_bit16_offsets", None)
+        for i, flat in enumerate(opt.single_partition_of_fp32_groups):
+            params = opt.round_robin_bit16_groups[i]
+            if offsets_attr is not None:
+                offsets = list(offsets_attr[i])
+            else:  # older DeepSpeed: params packed back to back
+                offsets, pos = [], 0
+                for p in params:
+                    offsets.append(pos)
+                    pos += p.numel()
+            pid = dist.get_rank(group=opt.real_dp_process_group[i])
+            psize = int(opt.partition_size[i])
+            if flat.numel() != psize:
+                raise ConfigError(f"ZeRO group {i}: fp32 partition has {flat.numel()} elements but partition_size is "
+                                  f"{psize}; this DeepSpeed version's ZeRO layout is not supported")
+            p0, p1 = pid * psize, (pid + 1) * psize
+            spans = []
+            for p, off in zip(params, offsets):
+                n = p.numel()
+                lo, hi = max(off, p0), min(off + n, p1)
+                if lo < hi:
+                    spans.append((names[id(p)], tuple(p.shape), lo - off, hi - off, lo - p0))
+            out.append(_Group(opt.optimizer.param_groups[i], [flat], [spans]))
+    else:
+        for g in base_optimizer(engine).param_groups:
+            ps = [p for p in g["params"] if p.requires_grad]
+            out.append(_Group(g, ps, [[(names[id(p)], tuple(p.shape), 0, p.numel(), 0)] for p in ps]))
+    return out
+
+
+def model_shards(engine: Any) -> list[TensorShard]:
+    out = [full_shard(model_name(n), p.data) for n, p in engine.module.named_parameters()]
+    for n, b in engine.module.named_buffers():
+        if b is not None and b.is_floating_point():
+            out.append(full_shard(model_name(n), b))
+    return out
+
+
+def _views(name_key: str, t: torch.Tensor, spans) -> list[TensorShard]:
+    flat = t.view(-1)
+    out = []
+    for name, shape, start, end, foff in spans:
+        full = Region.full(shape)
+        out.extend(shards_from_flat([optim_name(name_key, name)], [shape], [shape], [[Piece(full, full)]],
+                                    flat[foff:foff + (end - start)], start, end))
+    return out
+
+
+def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None) -> list[TensorShard]:
+    """Shards of the fp32 master weights and every per-element optimizer state.
+
+    ``state_keys``: when given (load), missing state tensors are created as zeros first (a fresh
+    optimizer has no state before its first step)."""
+    opt = base_optimizer(engine)
+    out: list[TensorShard] = []
+    for g in _groups(engine):
+        for sp, spans in zip(g.state_params, g.spans):
+            out.extend(_views(MASTER, sp.data, spans))
+            st = opt.state[sp]
+            if state_keys is not None:
+                for k in state_keys:
+                    if k not in st:
+                        st[k] = torch.zeros_like(sp.data, memory_format=torch.preserve_format)
+            for k in sorted(st):
+                v = st[k]
+                per_element = isinstance(v, torch.Tensor) and v.numel() == sp.numel()
+                if per_element and (v.numel() > 1 or (state_keys is not None and k in state_keys)):
+                    out.extend(_views(k, v, spans))
+    return out
+
+
+def optimizer_scalars(engine: Any) -> list[dict[str, Any]]:
+    """Per param group: hyper-parameters and scalar states (e.g. Adam's ``step``)."""
+    opt = base_optimizer(engine)
+    out = []
+    for g in _groups(engine):
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.base_group.items()
+                 if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+        scalars: dict[str, Any] = {}
+        for sp in g.state_params[:1]:
+            for k, v in opt.state[sp].items():
+                if isinstance(v, torch.Tensor) and v.numel() == 1 and sp.numel() != 1:
+                    scalars[k] = {"value": v.item(), "tensor": True, "dtype": str(v.dtype).replace("torch.", "")}
+                elif isinstance(v, (int, float)):
+                    scalars[k] = {"value": v, "tensor": False}
+        out.append({"hyper": hyper, "scalars": scalars})
+    return out
+
+
+def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> None:
+    opt = base_optimizer(engine)
+    groups = _groups(engine)
+    if len(saved) != len(groups):
+        log.warning("checkpoint has %d optimizer param groups, this optimizer %d: restoring hyper-parameters and "
+                    "step counters from group 0 into every group", len(saved), len(groups))
+    for i, g in enumerate(groups):
+        s = saved[i] if i < len(saved) else saved[0]
+        for k, v in s["hyper"].items():
+            if k in g.base_group:
+                g.base_group[k] = tuple(v) if isinstance(g.base_group[k], tuple) else v
+        for sp in g.state_params:
+            st = opt.state[sp]
+            for k, d in s["scalars"].items():
+                if d["tensor"]:
+                    st[k] = torch.tensor(d["value"], dtype=getattr(torch, d.get("dtype", "float32")),
+                                         device=sp.device if k != "step" else "cpu")
+                else:
+                    st[k] = d["value"]
+
+
+def state_keys_in(tensor_names: Iterable[str]) -> set[str]:
+    """Optimizer state keys present in a checkpoint's tensor names (``optim.<key>.<name>``)."""
+    keys = set()
+    for n in tensor_names:
+        if n.startswith(OPTIM):
+            k = n[len(OPTIM):].split(".", 1)[0]
+            if k != MASTER:
+                keys.add(k)
+    return keys
