@@ -1,0 +1,51 @@
+"""The pure core stays pure: layout and plan code imports neither torch.distributed, deepspeed nor
+megatron (nor torch at all); checkpoint planning modules import no torch."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "elastor_ds"
+FORBIDDEN_EVERYWHERE_PURE = ("torch", "deepspeed", "megatron")
+PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + [
+    PKG / "checkpoint" / "save_plan.py", PKG / "checkpoint" / "load_plan.py", PKG / "checkpoint" / "manifest.py",
+    PKG / "checkpoint" / "commit.py", PKG / "errors.py"]
+# files allowed to use torch for measurement, but never torch.distributed / deepspeed / megatron
+TORCH_OK = {PKG / "plan" / "profile.py"}
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def test_pure_modules_import_no_framework():
+    bad = []
+    for f in PURE_FILES:
+        for mod in imports(f):
+            top = mod.split(".")[0]
+            if f in TORCH_OK:
+                if mod.startswith("torch.distributed") or top in ("deepspeed", "megatron"):
+                    bad.append(f"{f.relative_to(PKG)} imports {mod}")
+            elif top in FORBIDDEN_EVERYWHERE_PURE:
+                bad.append(f"{f.relative_to(PKG)} imports {mod}")
+    assert not bad, bad
+    assert len(PURE_FILES) >= 8
+
+
+def test_only_comm_and_integrations_touch_distributed():
+    bad = []
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG).as_posix()
+        if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("demo.py", "deepspeed.py"):
+            continue
+        for mod in imports(f):
+            if mod.startswith("torch.distributed") or mod.split(".")[0] in ("deepspeed", "megatron"):
+                bad.append(f"{rel} imports {mod}")
+    assert not bad, bad
