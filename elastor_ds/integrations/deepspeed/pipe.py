@@ -79,6 +79,10 @@ class PipelineModule(_DSPipelineModule):
         object.__setattr__(self, "_elastor_plan", plan)
         if boundaries is not None or plan is not None:
             kwargs.setdefault("partition_method", "uniform")  # never 'parameters': it builds every layer
+        import deepspeed.comm as ds_dist
+        if not ds_dist.is_initialized():  # DeepSpeed's module needs its comm backend; skip the CPU JIT build
+            from .api import init_distributed
+            init_distributed()
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:

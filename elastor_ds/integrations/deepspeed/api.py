@@ -1,0 +1,123 @@
+"""``initialize``: a drop-in for ``deepspeed.initialize`` that adds elastor checkpointing.
+
+1. Split the ``"elastor"`` section off the DeepSpeed config and validate it (:mod:`.config`);
+   check the DeepSpeed version; on CPU avoid just-in-time op builds.
+2. Call ``deepspeed.initialize`` with the rest of the config, unchanged otherwise.
+3. Give the returned engine elastor behaviour: its class becomes a subclass of its own class
+   (``ElastorPipelineEngine`` for a ``PipelineEngine``) whose ``train_batch``/``step`` save when the
+   policy says so and whose ``save_checkpoint`` also writes an elastor checkpoint. The engine is
+   still an instance of the DeepSpeed class; ``engine.elastor`` is the :class:`ElastorCheckpointer`.
+4. Check the plan (if any) against the module's stage boundaries; with ``"load"`` set, resume.
+
+Returns what ``deepspeed.initialize`` returns.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ...errors import ConfigError
+from .compat import check_version, disable_cpu_jit_ops, harden_optimizer_config
+from .config import ElastorConfig, split_ds_config
+from .runtime import ElastorCheckpointer, engine_layout
+
+log = logging.getLogger(__name__)
+
+
+class ElastorEngineMixin:
+    """Hooks layered over a DeepSpeed engine class (kept as small as possible)."""
+
+    elastor: Optional[ElastorCheckpointer]
+    elastor_config: ElastorConfig
+
+    def train_batch(self, *args: Any, **kwargs: Any):  # PipelineEngine
+        loss = super().train_batch(*args, **kwargs)  # type: ignore[misc]
+        if self.elastor is not None:
+            self.elastor.maybe_save()
+        return loss
+
+    def step(self, *args: Any, **kwargs: Any):  # DeepSpeedEngine (non-pipeline)
+        out = super().step(*args, **kwargs)  # type: ignore[misc]
+        if self.elastor is not None and self.is_gradient_accumulation_boundary():  # type: ignore[attr-defined]
+            self.elastor.maybe_save()
+        return out
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS signature
+                        exclude_frozen_parameters=False):
+        ok = True
+        ec = self.elastor
+        if ec is None or ec.cfg.deepspeed_native:
+            ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,  # type: ignore[misc]
+                                         save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+        if ec is not None and ec.cfg.on_save_checkpoint:
+            ec.save(client_state=dict(client_state or {}))
+        return ok
+
+    def elastor_client_state(self) -> dict[str, Any]:
+        """The client state of the checkpoint resumed from (empty when none)."""
+        return dict(self.elastor.client_state) if self.elastor is not None else {}
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _elastor_class(cls: type) -> type:
+    if issubclass(cls, ElastorEngineMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Elastor{cls.__name__}", (ElastorEngineMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
+    if ecfg.plan is None:
+        return
+    layout = engine_layout(engine)
+    if ecfg.plan == "auto":
+        log.info("elastor.plan='auto': running the launch's layout %s (boundaries %s); build the module with "
+                 "elastor_ds.deepspeed.PipelineModule(plan=...) to use a planner's plan", layout.describe(),
+                 layout.boundaries())
+        return
+    from .pipe import grid_boundaries, layout_from_plan
+    plan = layout_from_plan(ecfg.plan, layout.num_layers)
+    want = grid_boundaries(plan, len(layout.replicas[0].stages), layout.world_size)
+    if want != layout.boundaries():
+        raise ConfigError(f"elastor.plan gives stage boundaries {want} but the PipelineModule was partitioned as "
+                          f"{layout.boundaries()}: build it with elastor_ds.deepspeed.PipelineModule(layers, "
+                          f"num_stages={len(want) - 1}, plan=<the same plan>)")
+
+
+def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwargs: Any):
+    """Same arguments and return values as ``deepspeed.initialize``; reads the ``"elastor"`` section."""
+    check_version()
+    import deepspeed
+
+    ds_args = kwargs.get("args", args[0] if args else None)
+    if config is None:
+        config = config_params
+    if config is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None):
+        config = ds_args.deepspeed_config
+        ds_args.deepspeed_config = None
+    if config is None:
+        raise ConfigError("no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    ds_config, ecfg = split_ds_config(config)
+    ds_config = harden_optimizer_config(ds_config)
+    disable_cpu_jit_ops()
+    engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
+    engine.__class__ = _elastor_class(type(engine))
+    engine.elastor_config = ecfg
+    engine.elastor = None
+    _check_plan(engine, ecfg)
+    if ecfg.checkpoint is not None:
+        engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint)
+        if ecfg.checkpoint.load != "none":
+            engine.elastor.load()
+    return engine, optimizer, loader, sched
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` without the CPU just-in-time op build."""
+    check_version()
+    disable_cpu_jit_ops()
+    import deepspeed
+    deepspeed.init_distributed(*args, **kwargs)
