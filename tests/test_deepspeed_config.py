@@ -1,0 +1,90 @@
+"""The "elastor" DeepSpeed config section: valid shapes parse, bad ones name the key and the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastor_ds.errors import ConfigError
+from elastor_ds.integrations.deepspeed.config import parse_elastor_section, split_ds_config
+
+
+def test_full_section_parses():
+    cfg = parse_elastor_section({"plan": "auto", "checkpoint": {
+        "dir": "/ckpt", "interval_steps": 0, "min_interval_s": 30, "async": False, "keep": 3, "load": "none",
+        "verify_on_load": False, "fallback_to_previous": False}})
+    c = cfg.checkpoint
+    assert cfg.plan == "auto" and c.dir == "/ckpt" and c.min_interval_s == 30.0 and not c.async_save
+    assert c.keep == 3 and c.load == "none" and c.periodic
+
+
+def test_defaults():
+    c = parse_elastor_section({"checkpoint": {"dir": "x"}}).checkpoint
+    assert (c.interval_steps, c.min_interval_s, c.async_save, c.keep, c.load) == (0, 0.0, True, 2, "latest")
+    assert c.verify_on_load and c.fallback_to_previous and not c.periodic
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"checkpont": {}}, ["checkpont", "did you mean 'checkpoint'"]),
+    ({"checkpoint": {"dir": "d", "intervl_steps": 3}}, ["intervl_steps", "interval_steps"]),
+    ({"checkpoint": {"interval_steps": 3}}, ["missing required key 'dir'"]),
+    ({"checkpoint": {"dir": "d", "interval_steps": -1}}, ["interval_steps", ">= 0", "-1"]),
+    ({"checkpoint": {"dir": "d", "interval_steps": 2.5}}, ["interval_steps", "2.5"]),
+    ({"checkpoint": {"dir": "d", "interval_steps": True}}, ["interval_steps", "True"]),
+    ({"checkpoint": {"dir": "d", "min_interval_s": "10"}}, ["min_interval_s", "'10'"]),
+    ({"checkpoint": {"dir": "d", "keep": 0}}, ["keep", ">= 1", "never deleted"]),
+    ({"checkpoint": {"dir": "d", "async": "yes"}}, ["async", "true or false"]),
+    ({"checkpoint": {"dir": ""}}, ["dir", "non-empty"]),
+    ({"checkpoint": {"dir": "d", "load": 3}}, ["load", "latest"]),
+    ({"checkpoint": "/ckpt"}, ["elastor.checkpoint", "expected an object"]),
+    ({"plan": 5}, ["elastor.plan", "auto"]),
+    ({"plan": {"stages": []}}, ["elastor.plan", "replicas"]),
+    ("on", ["elastor", "expected an object"]),
+])
+def test_bad_sections_name_the_problem(section, words):
+    with pytest.raises(ConfigError) as ei:
+        parse_elastor_section(section)
+    for w in words:
+        assert w in str(ei.value), (w, str(ei.value))
+
+
+def test_split_removes_section_and_reads_files(tmp_path):
+    ds = {"train_batch_size": 8, "elastor": {"checkpoint": {"dir": "c", "interval_steps": 5}}}
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(ds))
+    for src in (ds, str(p)):
+        rest, cfg = split_ds_config(src)
+        assert rest == {"train_batch_size": 8} and cfg.checkpoint.interval_steps == 5
+    assert "elastor" in ds  # the caller's dict is not modified
+    rest, cfg = split_ds_config({"train_batch_size": 8})
+    assert cfg.checkpoint is None and cfg.plan is None
+    with pytest.raises(ConfigError, match="does not exist"):
+        split_ds_config(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        split_ds_config(str(tmp_path / "bad.json"))
+
+
+def test_boundaries_and_plan_checks():
+    pytest.importorskip("deepspeed")
+    from elastor_ds.integrations.deepspeed.compat import check_version
+    from elastor_ds.integrations.deepspeed.pipe import check_boundaries, grid_boundaries
+    from elastor_ds.layout import Layout
+
+    assert check_boundaries([0, 2, 5, 8], 3, 8) == [0, 2, 5, 8]
+    for bad in ([0, 2, 8], [0, 5, 2, 8], [1, 2, 5, 8], [0, 2, 5, 7]):
+        with pytest.raises(ConfigError, match="strictly increasing"):
+            check_boundaries(bad, 3, 8)
+    lay = Layout.uniform(1, 3, 2, 8, boundaries=[0, 2, 5, 8])
+    assert grid_boundaries(lay, 3, 6) == [0, 2, 5, 8]
+    with pytest.raises(ConfigError, match=r"pp\(3\) \* dp\(2\) = 6 != WORLD_SIZE\(4\)"):
+        grid_boundaries(lay, 3, 4)
+    with pytest.raises(ConfigError, match="tp=2"):
+        grid_boundaries(Layout.uniform(2, 2, 1, 8), 2, 4)
+    hetero = Layout.from_json({"replicas": [{"stages": [{"tp": 1, "layers": [0, 3]}, {"tp": 1, "layers": [3, 8]}]},
+                                            {"stages": [{"tp": 1, "layers": [0, 8]}]}]})
+    with pytest.raises(ConfigError, match="heterogeneous"):
+        grid_boundaries(hetero, 2, 3)
+    with pytest.raises(ConfigError, match="too old"):
+        check_version("0.14.2")
+    assert check_version("0.19.8") == (0, 19, 8)
