@@ -372,6 +372,9 @@ def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) ->
             fd = fds.get(op.file)
             if fd is None:
                 fd = fds[op.file] = os.open(os.path.join(step_dir, op.file), os.O_RDONLY)
+            if op.repeat > 1:
+                _strided_read(fd, op, targets)
+                continue
             direct = _direct_views(op, targets)
             if direct is not None:
                 pread_into(fd, direct, op.offset)
@@ -392,6 +395,26 @@ def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) ->
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _strided_read(fd: int, op: ReadOp, targets: Sequence[torch.Tensor]) -> None:
+    """One run per outer row, straight into the destination rows when they are contiguous."""
+    (c,) = op.copies
+    t = targets[c.target]
+    v = region_view(t, c.dst)
+    row = op.length
+    if t.is_contiguous() and t.device.type == "cpu" and dtype_name(t.dtype) == c.dtype and v.dim() >= 1 \
+            and v[0].is_contiguous():
+        mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        base = (v.storage_offset() - t.storage_offset()) * t.element_size()
+        rs = v.stride(0) * t.element_size()
+        for k in range(op.repeat):
+            pread_into(fd, [mv[base + k * rs: base + k * rs + row]], op.offset + k * op.stride)
+        return
+    buf = torch.empty(row, dtype=torch.uint8)
+    for k in range(op.repeat):
+        pread_into(fd, [memoryview(buf.numpy())], op.offset + k * op.stride)
+        v[k].copy_(buf.view(_torch_dtype(c.dtype)).view(c.sizes[1:]))
 
 
 def _key(name: str, region: Region) -> str:

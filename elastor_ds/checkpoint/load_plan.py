@@ -57,10 +57,16 @@ class Copy:
 
 @dataclass(frozen=True)
 class ReadOp:
+    """Read ``length`` bytes at ``offset`` (``repeat`` times, ``stride`` bytes apart: a strided op
+    reads the same-sized run of every outer row of a 2-D-like box; its one copy's ``dst`` is the
+    whole box and run ``k`` fills row ``k`` of it)."""
+
     file: str
     offset: int
     length: int
     copies: tuple[Copy, ...]
+    repeat: int = 1
+    stride: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class LoadPlan:
 
     @property
     def bytes_read(self) -> int:
-        return sum(r.length for r in self.reads)
+        return sum(r.length * r.repeat for r in self.reads)
 
     @property
     def bytes_needed(self) -> int:
@@ -84,7 +90,7 @@ def _numel(sizes: Sequence[int]) -> int:
 
 
 def plan_load(tensors: Mapping[str, TensorEntry], requests: Sequence[Request],
-              run_threshold: int = 64 * 1024, max_merge: int = 256 * 1024 * 1024) -> LoadPlan:
+              run_threshold: int = 4096, max_merge: int = 256 * 1024 * 1024) -> LoadPlan:
     raw: list[ReadOp] = []
     for req in requests:
         entry = tensors.get(req.name)
@@ -126,6 +132,11 @@ def _reads_for(file: str, chunk_off: int, chunk: Region, inter: Region, req: Req
         d_star = 0
     outer = _numel(sub.sizes[:d_star]) if nd else 1
     run_elems = _numel(sub.sizes[d_star:]) if nd else 1
+    if outer > 1 and run_elems * itemsize >= run_threshold and d_star == 1:
+        start = sum(o * s for o, s in zip(sub.offsets, strides))
+        return [ReadOp(file, chunk_off + start * itemsize, run_elems * itemsize,
+                       (Copy(req.target, 0, sub.sizes, contiguous_strides(sub.sizes), dst, itemsize, dtype,
+                             None, file),), repeat=outer, stride=strides[0] * itemsize)]
     if outer > 1 and run_elems * itemsize >= run_threshold:
         ops = []
         for idx in itertools.product(*[range(s) for s in sub.sizes[:d_star]]):
@@ -148,7 +159,7 @@ def _coalesce(ops: list[ReadOp], max_merge: int) -> list[ReadOp]:
     ops.sort(key=lambda o: (o.file, o.offset, o.length))
     out: list[ReadOp] = []
     for op in ops:
-        if out:
+        if out and op.repeat == 1 and out[-1].repeat == 1:
             cur = out[-1]
             end = cur.offset + cur.length
             if (op.file == cur.file and op.offset <= end
