@@ -16,6 +16,7 @@ from .errors import ConfigError, ElastorError
 _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
     "elastor_ds.plan.cli",         # plan
+    "elastor_ds.integrations.deepspeed.cli",  # convert --from deepspeed[-universal]
 )
 
 

@@ -41,12 +41,17 @@ def runs(tmp_path_factory):
                 elastor={"plan": "auto", "checkpoint": {"dir": ck, "load": "latest", "async": True}})
     run_world(run_specs, 4, [base, resume("pp4_dp1_zero0", 4, 1, 4, 0, [0, 1, 4, 6, 8],
                                           {"interval_steps": 2})], out, timeout_s=120)
-    run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8])], out, timeout_s=120)
+    from elastor_ds.integrations.deepspeed.convert import convert
+    conv = str(d / "converted")
+    convert(native, conv, source="deepspeed")  # what `elastor convert native conv --from deepspeed` runs
+    from_native = resume("pp3_from_native", 3, 1, 4, 1, [0, 3, 5, 8])
+    from_native["elastor"]["checkpoint"]["load"] = conv
+    run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8]), from_native], out, timeout_s=120)
     run_world(run_specs, 2, [resume("pp1_dp2", 1, 2, 2, 1)], out, timeout_s=120)
     return out, ck, native, step_dir
 
 
-@pytest.mark.parametrize("name", ["pp4_dp1_zero0", "pp3_dp1_uneven", "pp1_dp2"])
+@pytest.mark.parametrize("name", ["pp4_dp1_zero0", "pp3_dp1_uneven", "pp1_dp2", "pp3_from_native"])
 def test_resume_reproduces_losses(runs, name):
     out = runs[0]
     ref = _read(out, "ref")
@@ -63,3 +68,15 @@ def test_periodic_save_and_native_files(runs):
     assert os.path.isdir(step_dir)
     assert os.path.isdir(os.path.join(os.path.dirname(out), "ck_pp4_dp1_zero0", step_dirname(K + 2)))
     assert any(n.startswith("global_step") for n in os.listdir(native))
+
+
+def test_cli_convert_from_deepspeed(runs, tmp_path):
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.cli import main
+
+    native = runs[2]
+    assert main(["convert", native, str(tmp_path / "c"), "--from", "deepspeed"]) == 0
+    man = commit_mod.read_manifest(commit_mod.resolve(str(tmp_path / "c")))
+    assert man.step == K and man.extra["client_state"] == {"epoch": 7}
+    assert "optim.exp_avg_sq.7.out.weight" in man.tensors and "model.0.emb.weight" in man.tensors
+    assert main(["convert", native, str(tmp_path / "d"), "--from", "nonsense"]) != 0

@@ -1,0 +1,192 @@
+"""Import DeepSpeed checkpoints into elastor checkpoints (offline, one process).
+
+Native pipeline checkpoint (``global_stepN/``): ``layer_XX-model_states.pt`` give module weights
+(``model.<XX>.<param>``: the same global names :mod:`.state` uses), ``mp_rank_XX_model_states.pt``
+the engine counters, LR scheduler and client state, ``zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``
+the ZeRO-1/2 flat partitions. Each partition's ``param_slice_mappings`` says which run of the
+partition holds which parameter; a parameter's fragments in DP-rank order concatenate to the whole
+flat parameter, so the offset of a fragment inside its parameter is the size of the fragments
+before it. Those runs become per-parameter regions (as in a live save), so the result loads under
+any layout.
+
+Universal checkpoint (``ds_to_universal`` output): ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``
+hold whole tensors.
+
+Limits: tied layers (``TiedLayerSpec``) and ZeRO-0 native optimizer files are not mapped (weights of a
+ZeRO-0 checkpoint can be imported with ``weights_only``).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+
+from ...checkpoint.engine import CheckpointEngine
+from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
+from ...errors import CheckpointNotFoundError, ConfigError
+from ...layout.region import Piece, Region
+from . import state as st
+from .runtime import FORMAT
+
+log = logging.getLogger(__name__)
+
+_LAYER_RE = re.compile(r"layer_(\d+)-model_states\.pt$")
+_ZERO_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+_DS_ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                   "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                   "ds_config", "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+                   "iteration", "args", "checkpoint_version", "tensor_parallel_size"}
+
+
+def _load(path: str) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def resolve_step_dir(src: str) -> str:
+    """``src`` or, for a save dir with a ``latest`` file, the tag directory it names."""
+    src = os.path.abspath(src)
+    if not os.path.isdir(src):
+        raise CheckpointNotFoundError(f"{src} does not exist")
+    latest = os.path.join(src, "latest")
+    if not glob.glob(os.path.join(src, "mp_rank_*_model_states.pt")) and os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(src, f.read().strip())
+    return src
+
+
+def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
+    client = {k: v for k, v in mp_sd.items() if k not in _DS_ENGINE_KEYS}
+    cfg = mp_sd.get("ds_config") or {}
+    return {
+        "format": FORMAT,
+        "global_steps": int(mp_sd.get("global_steps", 0)),
+        "global_samples": int(mp_sd.get("global_samples", 0)),
+        "skipped_steps": int(mp_sd.get("skipped_steps", 0)),
+        "train_batch_size": cfg.get("train_batch_size"),
+        "zero_stage": int((cfg.get("zero_optimization") or {}).get("stage", 0)),
+        "optimizer": optimizer,
+        "lr_scheduler": mp_sd.get("lr_scheduler"),
+        "client_state": client,
+        "imported_from": "deepspeed",
+    }
+
+
+def _group_scalars(group: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+             if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+    scalars = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            scalars[k] = {"value": v.item(), "tensor": True, "dtype": str(v.dtype).replace("torch.", "")}
+        elif isinstance(v, (int, float)):
+            scalars[k] = {"value": v, "tensor": False}
+    return {"hyper": hyper, "scalars": scalars}
+
+
+def native_shards(step_dir: str, weights_only: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
+    files = os.listdir(step_dir)
+    shards: list[TensorShard] = []
+    for f in sorted(files):
+        m = _LAYER_RE.match(f)
+        if m:
+            idx = int(m.group(1))
+            for k, t in _load(os.path.join(step_dir, f)).items():
+                if isinstance(t, torch.Tensor):
+                    shards.append(full_shard(st.model_name(f"{idx}.{k}"), t))
+    mp_files = sorted(f for f in files if _MP_RE.match(f))
+    if not mp_files:
+        raise CheckpointNotFoundError(f"{step_dir}: no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint tag dir")
+    mp0 = _load(os.path.join(step_dir, mp_files[0]))
+    if not shards:  # not a pipeline checkpoint: module weights live in mp_rank_XX
+        if mp0.get("module") is None:
+            raise ConfigError(f"{step_dir}: no layer_XX files and no module weights")
+        shards = [full_shard(st.model_name(k), t) for k, t in mp0["module"].items() if isinstance(t, torch.Tensor)]
+    zero = sorted((int(m.group(2)), int(m.group(1)), f) for f in files if (m := _ZERO_RE.match(f)))
+    optimizer: list[dict[str, Any]] = []
+    if not weights_only:
+        if not zero:
+            if mp0.get("optimizer") is not None:
+                raise ConfigError(f"{step_dir}: a ZeRO-0 DeepSpeed checkpoint's optimizer state is keyed by position, "
+                                  f"not by name; import it with --weights-only (optimizer starts fresh)")
+            log.warning("%s has no optimizer state: importing weights only", step_dir)
+        by_mp: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        for mp, dp, f in zero:
+            by_mp[mp].append((dp, f))
+        for mp, parts in sorted(by_mp.items()):
+            done: dict[tuple[int, str], int] = defaultdict(int)  # (group, name) -> elements seen so far
+            shapes = _load(os.path.join(step_dir, f"mp_rank_{mp:02d}_model_states.pt"))["param_shapes"]
+            for dp, f in sorted(parts):
+                osd = _load(os.path.join(step_dir, f))["optimizer_state_dict"]
+                base = osd["base_optimizer_state"]
+                for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
+                    state = base["state"].get(g, {})
+                    if mp == 0 and dp == 0:
+                        optimizer.append(_group_scalars(base["param_groups"][g], state))
+                    tensors = {st.MASTER: flat.detach()}
+                    tensors.update({k: v for k, v in state.items()
+                                    if isinstance(v, torch.Tensor) and v.numel() == flat.numel() and v.numel() > 1})
+                    for name, frag in osd["param_slice_mappings"][g].items():
+                        shape = tuple(shapes[g][name])
+                        start = done[(g, name)]
+                        done[(g, name)] += frag.numel
+                        full = Region.full(shape)
+                        for key, t in tensors.items():
+                            shards.extend(shards_from_flat(
+                                [st.optim_name(key, name)], [shape], [shape], [[Piece(full, full)]],
+                                t.view(-1)[frag.start:frag.start + frag.numel], start, start + frag.numel))
+    return shards, _engine_extra(mp0, optimizer)
+
+
+def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
+    zdir = os.path.join(step_dir, "zero")
+    if not os.path.isdir(zdir):
+        raise CheckpointNotFoundError(f"{step_dir}: no zero/ directory: not a DeepSpeed universal checkpoint")
+    shards: list[TensorShard] = []
+    step_val: Optional[float] = None
+    for name in sorted(os.listdir(zdir)):
+        pdir = os.path.join(zdir, name)
+        for f in sorted(os.listdir(pdir)):
+            key = f[:-3]
+            t = _load(os.path.join(pdir, f))
+            t = t["param"] if isinstance(t, dict) else t
+            if key == "step":
+                step_val = float(t.item() if isinstance(t, torch.Tensor) else t)
+                continue
+            if key == "fp32":
+                shards.append(full_shard(st.model_name(name), t))
+                shards.append(full_shard(st.optim_name(st.MASTER, name), t))
+            else:
+                shards.append(full_shard(st.optim_name(key, name), t))
+    mp_files = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt")))
+    mp0 = _load(mp_files[0]) if mp_files else {}
+    opt = []
+    if step_val is not None:
+        opt = [{"hyper": {}, "scalars": {"step": {"value": step_val, "tensor": True, "dtype": "float32"}}}]
+    return shards, _engine_extra(mp0, opt)
+
+
+def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = False) -> str:
+    """Convert a DeepSpeed checkpoint (native tag dir, its save dir, or a universal one) into an
+    elastor checkpoint under ``dst``; returns the committed step dir."""
+    step_dir = resolve_step_dir(src)
+    if source not in ("deepspeed", "deepspeed-universal"):
+        raise ConfigError(f"--from {source!r}: expected 'deepspeed' or 'deepspeed-universal'")
+    universal = source == "deepspeed-universal" or os.path.isdir(os.path.join(step_dir, "zero"))
+    shards, extra = universal_shards(step_dir) if universal else native_shards(step_dir, weights_only)
+    for s in shards:
+        if s.tensor.dtype != torch.float32 and s.name.startswith(st.OPTIM):
+            s.tensor = s.tensor.float()
+    eng = CheckpointEngine(dst, async_save=False)
+    stats = eng.save(int(extra["global_steps"]), shards, extra=extra,
+                     model={"framework": "deepspeed", "imported_from": step_dir})
+    log.info("converted %s -> %s (%d tensors, %d bytes)", step_dir, stats.committed_dir,
+             len({s.name for s in shards}), stats.bytes_written)
+    assert stats.committed_dir is not None
+    return stats.committed_dir
