@@ -63,6 +63,7 @@ class ElastorCheckpointer:
         self.stats: list[SaveStats] = []
         self.client_state: dict[str, Any] = {}
         self.loaded: Optional[LoadResult] = None
+        self.last_collect_s = 0.0
 
     # ---------------------------------------------------------------- save
     def maybe_save(self) -> Optional[SaveStats]:
@@ -92,7 +93,9 @@ class ElastorCheckpointer:
         eng = self.engine
         if client_state is not None:
             self.client_state = dict(client_state)
+        t0 = time.perf_counter()
         shards = st.model_shards(eng) + st.optimizer_shards(eng)
+        self.last_collect_s = time.perf_counter() - t0
         sched = eng.lr_scheduler
         extra = {
             "format": FORMAT,
