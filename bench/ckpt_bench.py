@@ -99,7 +99,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     eng = CheckpointEngine(root, comm, keep=2)
     shards = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_local, 0), (rows_local, COLS)), t)
               for i, t in enumerate(local)]
-    stalls, durables = [], []
+    stalls, durables, writes = [], [], []
     for step in range(1, args.saves + 1):
         dist.barrier()
         st = eng.save(step, shards)
@@ -107,8 +107,25 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         if step > 1:  # steady state: the staging buffer is warm
             stalls.append(st.stall_s + st.plan_s)
             durables.append(done.durable_s)
+            writes.append(done.write_s)
+    # training slowdown while the writer thread runs (the thread-vs-process question)
+    a = torch.randn(384, 384)
+
+    def compute(n: int = 30) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            (a @ a).sum().item()
+        return time.perf_counter() - t0
+    compute(5)
+    idle = min(compute() for _ in range(3))
+    dist.barrier()
+    eng.save(args.saves + 1, shards)
+    busy = compute()
+    eng.wait()
+    res["compute_slowdown_during_write"] = busy / idle
     res["elastor_stall_s"] = statistics.median(stalls)
     res["elastor_durable_s"] = statistics.median(durables)
+    res["elastor_write_s"] = statistics.median(writes)
     res["elastor_staging_bytes"] = eng.staging.capacity
     res["elastor_written_bytes"] = done.bytes_written
     res["rss_after_elastor_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -185,10 +202,13 @@ def report(path: str) -> None:
         ("elastor stall / memcpy floor", worst("elastor_stall_s") / worst("memcpy_s")),
         ("elastor persist: write floor / time-to-durable (bandwidth fraction)",
          worst("write_s") / worst("elastor_durable_s")),
+        ("elastor write+fsync of its file / write floor", worst("elastor_write_s") / worst("write_s")),
         ("elastor load with reshard / read floor (bytes needed)",
          worst("elastor_load_s") / (worst("read_s") * rs[0]["elastor_load_bytes_needed"] / rs[0]["bytes"])),
         ("elastor bytes read / bytes needed", rs[0]["elastor_load_bytes_read"] / rs[0]["elastor_load_bytes_needed"]),
         ("elastor staging bytes / bytes written", rs[0]["elastor_staging_bytes"] / rs[0]["elastor_written_bytes"]),
+        ("compute time while the writer thread writes / idle compute time",
+         max(r["compute_slowdown_during_write"] for r in rs)),
         ("DCP sync save / elastor stall", worst("dcp_sync_s") / worst("elastor_stall_s")),
         ("DCP async_save stall / elastor stall", worst("dcp_async_stall_s") / worst("elastor_stall_s")),
         ("DCP async durable / elastor durable", worst("dcp_async_durable_s") / worst("elastor_durable_s")),

@@ -22,11 +22,16 @@ def test_row_parallel_reshard_reads_exact_bytes(tmp_path):
     eng.save(1, [TensorShard("w", (64, 4096), Region((0, 0), (32, 4096)), w[:32]),
                  TensorShard("w", (64, 4096), Region((32, 0), (32, 4096)), w[32:])])
     eng.wait()
-    # TP2 over columns: strided reads straight into a contiguous destination
+    # TP2 over columns (dense runs): sequential covering reads, at most 2x the needed bytes
     dst = torch.zeros(64, 2048)
     res = eng.load(None, [TensorShard("w", (64, 4096), Region((0, 2048), (64, 2048)), dst)])
     assert torch.equal(dst, w[:, 2048:])
-    assert res.bytes_read == res.bytes_needed == 64 * 2048 * 4
+    assert res.bytes_needed == 64 * 2048 * 4 and res.bytes_read <= 2 * res.bytes_needed
+    # TP8 over columns (sparse runs): strided preads straight into the destination rows, exact bytes
+    dst8 = torch.zeros(64, 512)
+    res = eng.load(None, [TensorShard("w", (64, 4096), Region((0, 1536), (64, 512)), dst8)])
+    assert torch.equal(dst8, w[:, 1536:2048])
+    assert res.bytes_read == res.bytes_needed == 64 * 512 * 4
     # non-contiguous destination (a transposed view) takes the staged path
     big = torch.zeros(2048, 64)
     eng.load(None, [TensorShard("w", (64, 4096), Region((0, 0), (64, 2048)), big.t())])

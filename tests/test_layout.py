@@ -134,9 +134,13 @@ def test_load_plan_coalesces_and_reads_each_byte_once():
                                                Chunk("f", "b", R((4, 0), (4, 4)), 164, 64)))
     plan = plan_load({"w": ent}, [Request("w", R((0, 0), (8, 4)), 0)])
     assert len(plan.reads) == 1 and plan.reads[0].offset == 100 and plan.reads[0].length == 128
-    # half the columns of big rows -> one read per row run (no reading the other half)
+    # an eighth of the columns of big rows -> one strided op, reading exactly the needed runs
     big = TensorEntry("w", (4, 65536), "float32", (Chunk("f", "a", R((0, 0), (4, 65536)), 0, 4 * 65536 * 4),))
+    plan = plan_load({"w": big}, [Request("w", R((0, 0), (4, 8192)), 0)])
+    assert plan.bytes_read == plan.bytes_needed == 4 * 8192 * 4
+    assert len(plan.reads) == 1 and plan.reads[0].repeat == 4 and plan.reads[0].stride == 65536 * 4
+    # half the columns -> sequential covering read (2 rows' span minus the tail)
     plan = plan_load({"w": big}, [Request("w", R((0, 0), (4, 32768)), 0)])
-    assert plan.bytes_read == plan.bytes_needed == 4 * 32768 * 4
+    assert plan.bytes_read == (3 * 65536 + 32768) * 4
     with pytest.raises(TensorMismatchError, match="not in the checkpoint"):
         plan_load({"w": ent}, [Request("x", R((0,), (1,)), 0)])
