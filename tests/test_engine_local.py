@@ -27,14 +27,17 @@ def test_row_parallel_reshard_reads_exact_bytes(tmp_path):
     res = eng.load(None, [TensorShard("w", (64, 4096), Region((0, 2048), (64, 2048)), dst)])
     assert torch.equal(dst, w[:, 2048:])
     assert res.bytes_needed == 64 * 2048 * 4 and res.bytes_read <= 2 * res.bytes_needed
-    # TP8 over columns (sparse runs): strided preads straight into the destination rows, exact bytes
-    dst8 = torch.zeros(64, 512)
-    res = eng.load(None, [TensorShard("w", (64, 4096), Region((0, 1536), (64, 512)), dst8)])
-    assert torch.equal(dst8, w[:, 1536:2048])
-    assert res.bytes_read == res.bytes_needed == 64 * 512 * 4
+    # TP8 over columns of wide rows (sparse 4 KiB runs): strided preads into the destination rows
+    wide = torch.randn(64, 8192)
+    eng.save(2, [full_shard("wide", wide)])
+    eng.wait()
+    dst8 = torch.zeros(64, 1024)
+    res = eng.load(None, [TensorShard("wide", (64, 8192), Region((0, 3072), (64, 1024)), dst8)])
+    assert torch.equal(dst8, wide[:, 3072:4096])
+    assert res.bytes_read == res.bytes_needed == 64 * 1024 * 4
     # non-contiguous destination (a transposed view) takes the staged path
     big = torch.zeros(2048, 64)
-    eng.load(None, [TensorShard("w", (64, 4096), Region((0, 0), (64, 2048)), big.t())])
+    eng.load(str(tmp_path / "step_000000001"), [TensorShard("w", (64, 4096), Region((0, 0), (64, 2048)), big.t())])
     assert torch.equal(big.t(), w[:, :2048])
 
 
