@@ -1,0 +1,157 @@
+"""A megatron-core GPT's weights and torch-optimizer (Adam) state as elastor shards; save/load.
+
+Every local parameter is matched to its :class:`TensorSpec` by global name; the spec's rule gives
+the pieces of the canonical tensor the rank holds (:func:`rank_tensors`), and a local shape that
+differs from the rule's is an error (it means megatron and the rule disagree). Optimizer state is
+saved per parameter under ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` with the
+parameter's pieces, plus the scalar ``optimizer.step``; so it reshards exactly like the weights.
+
+Vocabulary padding rows are not saved; on load they are zero-filled (weights and moments).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from ...checkpoint.engine import CheckpointEngine, LoadResult
+from ...checkpoint.shards import TensorShard, full_shard, shards_from_pieces
+from ...errors import ShardingError
+from ...layout import Layout, RuleKind, TensorSpec, rank_tensors
+from .specs import GPTSpecConfig, gpt_tensor_specs, local_to_global
+
+log = logging.getLogger(__name__)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STEP_NAME = "optimizer.step"
+
+
+def named_local_params(model: Any, cfg: GPTSpecConfig, first_layer: int) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters under their global spec names."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters():
+        g = local_to_global(name, first_layer)
+        if g == "output_layer.weight" and cfg.share_embeddings_and_output_weights:
+            g = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+        out[g] = p
+    return out
+
+
+def _plan(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int):
+    pos = layout.position(rank)
+    params = named_local_params(model, cfg, pos.layers[0])
+    held = rank_tensors(gpt_tensor_specs(cfg), layout, rank)
+    names = {s.name for s, _ in held}
+    extra = sorted(set(params) - names)
+    if extra:
+        raise ShardingError(f"rank {rank}: model parameters {extra[:4]} have no elastor spec; the GPT config "
+                            f"{cfg} does not describe this model (check gated_linear_unit, add_bias_linear, "
+                            f"normalization, share_embeddings_and_output_weights)")
+    out = []
+    for spec, h in held:
+        p = params.get(spec.name)
+        if p is None:
+            raise ShardingError(f"rank {rank}: the layout puts {spec.name} on this rank (stage layers "
+                                f"{pos.layers}) but the model has no such parameter; was the model built "
+                                f"for this layout (build_gpt after initialize_from_layout)?")
+        if tuple(p.shape) != tuple(h.local_shape):
+            raise ShardingError(f"rank {rank}: {spec.name} has local shape {tuple(p.shape)} but rule "
+                                f"{spec.rule.kind.value} at tp={pos.tp} gives {h.local_shape}; megatron's layout "
+                                f"and the elastor rule disagree")
+        out.append((spec, h, p))
+    return out
+
+
+def _zero_padding(spec: TensorSpec, pieces, t: torch.Tensor) -> None:
+    if spec.rule.kind == RuleKind.VOCAB:
+        used = sum(pc.local.sizes[0] for pc in pieces)
+        t[used:].zero_()
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create zero Adam state (step 0) for parameters that have none yet, so it can be loaded into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
+               optimizer: Optional[torch.optim.Optimizer] = None, for_load: bool = False) -> list[TensorShard]:
+    """Shards of this rank's weights (and Adam moments + step when ``optimizer`` is given)."""
+    plan = _plan(model, cfg, layout, rank)
+    shards: list[TensorShard] = []
+    for spec, h, p in plan:
+        if for_load:
+            _zero_padding(spec, h.pieces, p.data)
+        shards += shards_from_pieces(spec.name, spec.shape, p.data, h.pieces)
+    if optimizer is None:
+        return shards
+    if for_load:
+        ensure_adam_state(optimizer)
+    step_t: Optional[torch.Tensor] = None
+    for spec, h, p in plan:
+        st = optimizer.state.get(p)
+        if not st:
+            raise ShardingError(f"optimizer has no state for {spec.name}: take one optimizer step or call "
+                                f"ensure_adam_state(optimizer) before saving")
+        for m in MOMENTS:
+            if m not in st:
+                raise ShardingError(f"optimizer state of {spec.name} has no {m!r} (keys {sorted(st)}); only "
+                                    f"Adam/AdamW state is supported")
+            if for_load:
+                _zero_padding(spec, h.pieces, st[m])
+            shards += shards_from_pieces(f"optimizer.{m}.{spec.name}", spec.shape, st[m], h.pieces)
+        if step_t is None:
+            step_t = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
+            if step_t.dtype != torch.float32:
+                step_t = step_t.float()
+    if step_t is not None:
+        shards.append(full_shard(STEP_NAME, step_t.reshape(())))
+    return shards
+
+
+def _set_steps(optimizer: torch.optim.Optimizer, step: torch.Tensor) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st and "step" in st:
+                if torch.is_tensor(st["step"]):
+                    st["step"].copy_(step.to(st["step"].dtype))
+                else:
+                    st["step"] = float(step)
+
+
+def save_gpt(engine: CheckpointEngine, step: int, model: Any, cfg: GPTSpecConfig, layout: Layout,
+             optimizer: Optional[torch.optim.Optimizer] = None, extra: Optional[Mapping[str, Any]] = None,
+             rank_state: Optional[Mapping[str, Any]] = None):
+    """Collective: save this rank's part of the GPT (and Adam state) as checkpoint ``step``."""
+    shards = gpt_shards(model, cfg, layout, engine.comm.rank, optimizer)
+    return engine.save(step, shards, extra=extra, rank_state=rank_state, model=cfg.to_json(),
+                       layout=layout.to_json())
+
+
+def load_gpt(engine: CheckpointEngine, path: Optional[str], model: Any, cfg: GPTSpecConfig, layout: Layout,
+             optimizer: Optional[torch.optim.Optimizer] = None, **kw: Any) -> LoadResult:
+    """Collective: fill the GPT (and Adam state) from a checkpoint saved under any layout."""
+    shards = gpt_shards(model, cfg, layout, engine.comm.rank, optimizer, for_load=True)
+    step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
+    res = engine.load(path, shards, **kw)
+    if optimizer is not None and step_t is not None:
+        _set_steps(optimizer, step_t)
+    return res
+
+
+def consolidated_names(cfg: GPTSpecConfig, with_optimizer: bool) -> list[str]:
+    names = [s.name for s in gpt_tensor_specs(cfg)]
+    if with_optimizer:
+        names += [f"optimizer.{m}.{n}" for m in MOMENTS for n in names] + [STEP_NAME]
+    return names
+
+
+def iter_specs(cfg: GPTSpecConfig) -> Iterable[TensorSpec]:
+    return gpt_tensor_specs(cfg)
