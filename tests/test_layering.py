@@ -7,7 +7,7 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "elastor_ds"
 FORBIDDEN_EVERYWHERE_PURE = ("torch", "deepspeed", "megatron")
-PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + [
+PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + sorted(PKG.glob("data/*.py")) + [
     PKG / "checkpoint" / "save_plan.py", PKG / "checkpoint" / "load_plan.py", PKG / "checkpoint" / "manifest.py",
     PKG / "checkpoint" / "commit.py", PKG / "errors.py"]
 # files allowed to use torch for measurement, but never torch.distributed / deepspeed / megatron
