@@ -26,6 +26,8 @@ def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("elastor") is not None:
         cfg["elastor"] = spec["elastor"]
+    if spec.get("ds_universal_load"):
+        cfg["checkpoint"] = {"load_universal": True}
     return cfg
 
 
@@ -44,6 +46,11 @@ def run_one(rank: int, spec: dict[str, Any], outdir: str) -> None:
     from elastor_ds.testing import toy_pipe as toy
 
     engine = build(spec)
+    client_state = None
+    if spec.get("ds_universal_load"):  # DeepSpeed's own loader reads an exported universal checkpoint
+        path, client_state = engine.load_checkpoint(spec["ds_universal_load"])
+        assert path is not None, spec
+        client_state = {k: v for k, v in client_state.items() if k == "epoch"}
     start = int(engine.global_steps)
     it = toy.batches(start, engine.grid.get_data_parallel_rank(), spec["dp"], spec["gas"], spec["mb"])
     losses = []
@@ -54,7 +61,7 @@ def run_one(rank: int, spec: dict[str, Any], outdir: str) -> None:
     if engine.elastor is not None:
         engine.elastor.finalize()
     out = {"start": start, "losses": losses, "lr": engine.get_lr()[0],
-           "client_state": engine.elastor_client_state(), "global_samples": int(engine.global_samples)}
+           "client_state": client_state if client_state is not None else engine.elastor_client_state(), "global_samples": int(engine.global_samples)}
     if rank == 0:
         with open(os.path.join(outdir, spec["name"] + ".json"), "w") as f:
             json.dump(out, f)

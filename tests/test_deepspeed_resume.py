@@ -47,11 +47,17 @@ def runs(tmp_path_factory):
     from_native = resume("pp3_from_native", 3, 1, 4, 1, [0, 3, 5, 8])
     from_native["elastor"]["checkpoint"]["load"] = conv
     run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8]), from_native], out, timeout_s=120)
-    run_world(run_specs, 2, [resume("pp1_dp2", 1, 2, 2, 1)], out, timeout_s=120)
+    from elastor_ds.integrations.deepspeed.convert import to_universal
+    uni = str(d / "universal")
+    to_universal(ck, uni)  # `elastor convert ckpt uni --to deepspeed-universal`
+    back = resume("pp2_ds_universal", 2, 1, 4, 1, [0, 3, 8])
+    back.update(elastor=None, ds_universal_load=uni)
+    run_world(run_specs, 2, [resume("pp1_dp2", 1, 2, 2, 1), back], out, timeout_s=120)
     return out, ck, native, step_dir
 
 
-@pytest.mark.parametrize("name", ["pp4_dp1_zero0", "pp3_dp1_uneven", "pp1_dp2", "pp3_from_native"])
+@pytest.mark.parametrize("name", ["pp4_dp1_zero0", "pp3_dp1_uneven", "pp1_dp2", "pp3_from_native",
+                                  "pp2_ds_universal"])
 def test_resume_reproduces_losses(runs, name):
     out = runs[0]
     ref = _read(out, "ref")

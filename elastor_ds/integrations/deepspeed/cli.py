@@ -1,5 +1,5 @@
 """CLI glue: plugs the DeepSpeed importers into ``elastor convert`` (``--from deepspeed``,
-``--from deepspeed-universal``). Registered through ``_SUBCOMMAND_MODULES`` in :mod:`elastor_ds.cli`;
+``--from deepspeed-universal``, ``--to deepspeed-universal``). Registered through ``_SUBCOMMAND_MODULES`` in :mod:`elastor_ds.cli`;
 adds no subcommand of its own."""
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ def _importer(source: str):
     return run
 
 
+def _to_universal(src: str, dst: str, args) -> str:
+    from .convert import to_universal
+    return to_universal(src, dst)
+
+
 def register(subparsers) -> None:
-    from ...checkpoint.cli import IMPORTERS
+    from ...checkpoint.cli import EXPORTERS, IMPORTERS
+    EXPORTERS["deepspeed-universal"] = _to_universal
     IMPORTERS["deepspeed"] = _importer("deepspeed")
     IMPORTERS["deepspeed-universal"] = _importer("deepspeed-universal")

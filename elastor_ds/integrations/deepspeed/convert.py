@@ -12,6 +12,11 @@ any layout.
 Universal checkpoint (``ds_to_universal`` output): ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``
 hold whole tensors.
 
+Export (``to_universal``): an elastor checkpoint becomes a DeepSpeed universal checkpoint
+(``<dst>/global_stepN/zero/<param>/{fp32,<state>,step}.pt``, ``zero/optimizer_state.pt``,
+``mp_rank_00_model_states.pt`` with counters, scheduler and client state, ``<dst>/latest_universal``),
+loadable with ``"checkpoint": {"load_universal": true}`` under any DeepSpeed layout.
+
 Limits: tied layers (``TiedLayerSpec``) and ZeRO-0 native optimizer files are not mapped (weights of a
 ZeRO-0 checkpoint can be imported with ``weights_only``).
 """
@@ -150,8 +155,14 @@ def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
         raise CheckpointNotFoundError(f"{step_dir}: no zero/ directory: not a DeepSpeed universal checkpoint")
     shards: list[TensorShard] = []
     step_val: Optional[float] = None
+    hyper: list[dict[str, Any]] = []
+    gpath = os.path.join(zdir, "optimizer_state.pt")
+    if os.path.isfile(gpath):
+        hyper = [_group_scalars(g, {})["hyper"] for g in _load(gpath).get("param_groups", [])]
     for name in sorted(os.listdir(zdir)):
         pdir = os.path.join(zdir, name)
+        if not os.path.isdir(pdir):
+            continue
         for f in sorted(os.listdir(pdir)):
             key = f[:-3]
             t = _load(os.path.join(pdir, f))
@@ -166,9 +177,8 @@ def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
                 shards.append(full_shard(st.optim_name(key, name), t))
     mp_files = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt")))
     mp0 = _load(mp_files[0]) if mp_files else {}
-    opt = []
-    if step_val is not None:
-        opt = [{"hyper": {}, "scalars": {"step": {"value": step_val, "tensor": True, "dtype": "float32"}}}]
+    scalars = {} if step_val is None else {"step": {"value": step_val, "tensor": True, "dtype": "float32"}}
+    opt = [{"hyper": h, "scalars": scalars} for h in hyper] or ([{"hyper": {}, "scalars": scalars}] if scalars else [])
     return shards, _engine_extra(mp0, opt)
 
 
@@ -190,3 +200,84 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
              len({s.name for s in shards}), stats.bytes_written)
     assert stats.committed_dir is not None
     return stats.committed_dir
+
+
+def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
+    """Write the elastor checkpoint ``src`` (root or step dir) as a DeepSpeed universal checkpoint
+    under ``dst``; returns the tag dir. Reads tensors in batches of about ``batch_bytes``."""
+    import deepspeed
+
+    from ...checkpoint import commit as commit_mod
+    from ...checkpoint.shards import full_shard as _full
+
+    step_dir = commit_mod.resolve(src)
+    man = commit_mod.read_manifest(step_dir)
+    ex = man.extra
+    step = int(ex.get("global_steps", man.step))
+    tag = f"global_step{step}"
+    zdir = os.path.join(dst, tag, "zero")
+    params = sorted(n[len(st.MODEL):] for n in man.tensors if n.startswith(st.MODEL))
+    if not params:
+        raise ConfigError(f"{step_dir}: no model.* tensors; not a checkpoint written by the DeepSpeed integration")
+    opt_groups = ex.get("optimizer") or []
+    step_scalar = (opt_groups[0].get("scalars", {}).get("step") if opt_groups else None)
+    keys = sorted(st.state_keys_in(man.tensors))
+    reader = CheckpointEngine(os.path.dirname(step_dir), async_save=False)
+    shapes: dict[str, tuple[int, ...]] = {}
+    batch: list[str] = []
+
+    def flush(names: list[str]) -> None:
+        bufs: dict[str, torch.Tensor] = {}
+        for n in names:
+            e = man.tensors[n]
+            bufs[n] = torch.empty(tuple(e.shape), dtype=getattr(torch, e.dtype))
+        reader.load(step_dir, [_full(n, t) for n, t in bufs.items()], verify_checksums="chunks")
+        for n, t in bufs.items():
+            if n.startswith(st.MODEL):
+                continue
+            key, pname = n[len(st.OPTIM):].split(".", 1)
+            pdir = os.path.join(zdir, pname)
+            os.makedirs(pdir, exist_ok=True)
+            torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
+        for n, t in bufs.items():  # weights of params without an fp32 master (weights-only checkpoints)
+            if n.startswith(st.MODEL):
+                pdir = os.path.join(zdir, n[len(st.MODEL):])
+                if not os.path.isfile(os.path.join(pdir, "fp32.pt")):
+                    os.makedirs(pdir, exist_ok=True)
+                    torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, "fp32.pt"))
+
+    size = 0
+    for p in params:
+        names = [st.optim_name(st.MASTER, p)] if st.optim_name(st.MASTER, p) in man.tensors else [st.model_name(p)]
+        names += [st.optim_name(k, p) for k in keys if st.optim_name(k, p) in man.tensors]
+        shapes[p] = tuple(man.tensors[st.model_name(p)].shape)
+        batch += names
+        size += sum(man.tensors[n].nbytes for n in names)
+        if size >= batch_bytes:
+            flush(batch)
+            batch, size = [], 0
+    if batch:
+        flush(batch)
+    if step_scalar is not None:
+        for p in params:
+            torch.save(torch.tensor(float(step_scalar["value"])), os.path.join(zdir, p, "step.pt"))
+    groups = []
+    for g in opt_groups or [{"hyper": {}}]:
+        h = {k: (tuple(v) if isinstance(v, list) else v) for k, v in g.get("hyper", {}).items()}
+        groups.append(dict(h, params=[0]))
+    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__,
+                "zero_stage": int(ex.get("zero_stage", 1))}, os.path.join(zdir, "optimizer_state.pt"))
+    from collections import OrderedDict
+    mp = {"module": None, "buffer_names": [], "optimizer": None,
+          "param_shapes": [OrderedDict((p, torch.Size(shapes[p])) for p in params)],
+          "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+          "lr_scheduler": ex.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
+          "skipped_steps": int(ex.get("skipped_steps", 0)), "global_steps": step,
+          "global_samples": int(ex.get("global_samples", 0)), "dp_world_size": 1, "mp_world_size": 1,
+          "ds_version": deepspeed.__version__, "universal_checkpoint_info": {}}
+    mp.update(ex.get("client_state") or {})
+    torch.save(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
+    with open(os.path.join(dst, "latest_universal"), "w") as f:
+        f.write(tag + "\n")
+    log.info("wrote DeepSpeed universal checkpoint %s (%d params)", os.path.join(dst, tag), len(params))
+    return os.path.join(dst, tag)

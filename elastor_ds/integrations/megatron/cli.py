@@ -1,0 +1,20 @@
+"""CLI glue: plugs ``--from megatron`` / ``--to megatron`` into ``elastor convert`` and adds the
+options they need (``--model-config``, ``--megatron-format``). Adds no subcommand of its own."""
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    from ...checkpoint.cli import EXPORTERS, IMPORTERS
+    from .convert import cli_export, cli_import
+
+    IMPORTERS["megatron"] = cli_import
+    EXPORTERS["megatron"] = cli_export
+    conv = subparsers.choices.get("convert")
+    if conv is not None:
+        known = {a.dest for a in conv._actions}
+        if "model_config" not in known:
+            conv.add_argument("--model-config", default=None,
+                              help="megatron: GPT config JSON (GPTSpecConfig fields) when the checkpoint has no args")
+        if "megatron_format" not in known:
+            conv.add_argument("--megatron-format", choices=("legacy", "torch_dist"), default="legacy",
+                              help="--to megatron: legacy mp_rank_* files (default) or torch_dist")

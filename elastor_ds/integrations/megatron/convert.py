@@ -1,0 +1,443 @@
+"""Megatron checkpoints in and out of the elastor format (``elastor convert --from/--to megatron``).
+
+Sources understood by :func:`import_megatron` (auto-detected):
+
+* **torch_dist** (written by ``megatron.core.dist_checkpointing.save``): a directory with
+  ``metadata.json`` (``sharded_backend: torch_dist``) and PyTorch DCP files, or a Megatron-LM
+  checkpoint root whose ``latest_checkpointed_iteration.txt`` points at such an ``iter_*`` dir.
+  Tensors are global already; per-layer tensors are stacked on a leading layer axis under
+  layer-free keys (:func:`torch_dist_key`). Vocabulary padding rows are dropped.
+* **legacy**: ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` plus
+  ``latest_checkpointed_iteration.txt``. Each rank's local tensors are put back together with the
+  same sharding rules the live integration uses (the inverse of :func:`export_legacy`).
+
+Optimizer state: carried from torch_dist when it holds ``optimizer.state.exp_avg[_sq].*`` tensors;
+a legacy checkpoint's optimizer state (indexed by Megatron's internal parameter-group order) is
+not carried, and the importer says so (log + the returned summary).
+
+Exports (:func:`export_megatron`): ``legacy`` (per TP/PP rank files, local layer indices, vocab
+padded for the target TP) or ``torch_dist`` (through megatron's own ``dist_checkpointing.save``,
+vocab padded for the target TP so that megatron's loader accepts it). Weights only: Megatron's
+optimizer checkpoint formats depend on its optimizer wrapper, so start Megatron with
+``--no-load-optim`` (and ``--no-load-rng``).
+
+The model configuration (heads, query groups, gated MLP, true vocabulary) comes from the
+checkpoint's ``args`` when it has them, else from ``--model-config FILE.json`` (a
+:class:`GPTSpecConfig` as JSON; an elastor checkpoint written by this integration carries it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+from typing import Any, Callable, Optional
+
+import torch
+
+from ...checkpoint import commit as commit_mod
+from ...checkpoint.convert import write_single_writer_checkpoint
+from ...checkpoint.engine import read_shards
+from ...checkpoint.shards import dtype_name, full_shard
+from ...errors import CheckpointError, ConfigError
+from ...layout import Layout, local_pieces
+from ...layout.region import Region
+from .specs import GPTSpecConfig, gpt_tensor_specs, layer_of
+from .state import MOMENTS, STEP_NAME
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_MP_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
+_LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LN_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                             "mlp.linear_fc2")
+
+
+# ---------------------------------------------------------------------------------- names
+def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
+    """(megatron sharded key, layer index on the stacked axis or None) of an elastor GPT name."""
+    m = _LAYER_KEY_RE.match(name)
+    if not m:
+        return name, None
+    rest = m.group(2)
+    for prefix, repl in _LN_KEYS.items():
+        if rest.startswith(prefix):
+            rest = repl + rest[len(prefix):]
+    return f"decoder.layers.{rest}", int(m.group(1))
+
+
+def _resolve_iter_dir(src: str) -> tuple[str, int]:
+    """The iteration directory of a Megatron checkpoint root (or the dir itself) and its iteration."""
+    tracker = os.path.join(src, TRACKER)
+    if os.path.isfile(tracker):
+        text = open(tracker, encoding="utf-8").read().strip()
+        if text == "release":
+            return os.path.join(src, "release"), 0
+        try:
+            it = int(text)
+        except ValueError:
+            raise CheckpointError(f"{tracker} holds {text!r}: expected an iteration number or 'release'") from None
+        return os.path.join(src, f"iter_{it:07d}"), it
+    m = re.search(r"iter_(\d+)$", src.rstrip("/"))
+    return src, int(m.group(1)) if m else 0
+
+
+def detect_format(src: str) -> str:
+    d, _ = _resolve_iter_dir(src)
+    if os.path.isfile(os.path.join(d, "metadata.json")):
+        return "torch_dist"
+    if os.path.isdir(d) and any(_MP_RE.match(x) for x in os.listdir(d)):
+        return "legacy"
+    raise CheckpointError(f"{src}: neither a torch_dist checkpoint (metadata.json) nor a legacy one "
+                          f"(mp_rank_* dirs) in {d}; point at a Megatron checkpoint root with {TRACKER} "
+                          f"or at an iter_* directory")
+
+
+def config_from_args(args: Any, vocab_size: Optional[int] = None) -> GPTSpecConfig:
+    """A spec config from Megatron-LM's saved ``args`` namespace."""
+    g = lambda k, d=None: getattr(args, k, d)  # noqa: E731
+    vocab = vocab_size or g("vocab_size") or g("padded_vocab_size")
+    return GPTSpecConfig(
+        num_layers=g("num_layers"), hidden_size=g("hidden_size"), num_attention_heads=g("num_attention_heads"),
+        vocab_size=int(vocab), ffn_hidden_size=g("ffn_hidden_size") or 4 * g("hidden_size"),
+        num_query_groups=g("num_query_groups") if g("group_query_attention", False) else None,
+        kv_channels=g("kv_channels"), gated_linear_unit=bool(g("swiglu", False)),
+        add_bias_linear=bool(g("add_bias_linear", True)), add_qkv_bias=bool(g("add_qkv_bias", False)),
+        normalization=g("normalization", "LayerNorm"),
+        make_vocab_size_divisible_by=int(g("make_vocab_size_divisible_by", 128)),
+        max_sequence_length=int(g("max_position_embeddings", 1024)),
+        position_embedding_type=g("position_embedding_type", "learned_absolute"),
+        share_embeddings_and_output_weights=not g("untie_embeddings_and_output_weights", False))
+
+
+def _load_config(path: Optional[str]) -> Optional[GPTSpecConfig]:
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return GPTSpecConfig.from_json(json.load(f))
+
+
+# ---------------------------------------------------------------------------------- import
+def import_megatron(src: str, dst: str, cfg: Optional[GPTSpecConfig] = None, progress: bool = False) -> dict:
+    """Convert a Megatron checkpoint (torch_dist or legacy) to a committed elastor checkpoint at ``dst``.
+
+    Returns a summary: format, step, tensors, ``optimizer`` (True/False) and the step dir."""
+    fmt = detect_format(src)
+    it_dir, it = _resolve_iter_dir(src)
+    if fmt == "torch_dist":
+        return _import_torch_dist(it_dir, it, dst, cfg, progress)
+    return _import_legacy(it_dir, it, dst, cfg, progress)
+
+
+def _no_optimizer(src: str, why: str) -> None:
+    log.warning("%s has no optimizer state that elastor can carry (%s): importing weights only; resume "
+                "with a fresh optimizer", src, why)
+
+
+def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+    import torch.distributed.checkpoint as dcp
+
+    reader = FileSystemReader(d)
+    meta = reader.read_metadata().state_dict_metadata
+    common: dict = {}
+    cp = os.path.join(d, "common.pt")
+    if os.path.isfile(cp):
+        common = torch.load(cp, map_location="cpu", weights_only=False)
+    if cfg is None and common.get("args") is not None:
+        cfg = config_from_args(common["args"])
+    if cfg is None:
+        raise ConfigError(f"{d} carries no Megatron args: pass --model-config FILE.json (GPTSpecConfig fields: "
+                          f"num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, "
+                          f"gated_linear_unit, vocab_size, ...)")
+    specs = gpt_tensor_specs(cfg)
+    names, shapes, dtypes = [], {}, {}
+    source: dict[str, tuple[str, Optional[int]]] = {}
+    for s in specs:
+        key, layer = torch_dist_key(s.name)
+        if key not in meta:
+            raise CheckpointError(f"{d}: tensor {key} (for {s.name}) is missing; the checkpoint does not match "
+                                  f"the model config {cfg}")
+        names.append(s.name)
+        shapes[s.name] = s.shape
+        dtypes[s.name] = dtype_name(meta[key].properties.dtype)
+        source[s.name] = (key, layer)
+    have_opt = all(f"optimizer.state.{m}.{source[n][0]}" in meta for m in MOMENTS for n in list(names))
+    if have_opt:
+        for m in MOMENTS:
+            for n in list(names[:len(specs)]):
+                on = f"optimizer.{m}.{n}"
+                names.append(on)
+                shapes[on] = shapes[n]
+                dtypes[on] = "float32"
+                source[on] = (f"optimizer.state.{m}.{source[n][0]}", source[n][1])
+    else:
+        _no_optimizer(d, "no optimizer.state.exp_avg.* tensors")
+    cache: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        key, layer = source[name]
+        if key not in cache:
+            cache.clear()  # one stacked key in memory at a time (names are grouped by key order below)
+            md = meta[key]
+            t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            dcp.load({key: t}, storage_reader=FileSystemReader(d), no_dist=True)
+            cache[key] = t
+        t = cache[key]
+        if layer is not None:
+            t = t[layer]
+        rows = shapes[name][0] if shapes[name] else 0
+        if layer is None and ("word_embeddings" in name or "output_layer" in name) and t.shape[0] > rows:
+            t = t[:rows]  # drop the vocabulary padding rows
+        return t.contiguous()
+    names.sort(key=lambda n: (source[n][0], source[n][1] or 0))
+    step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
+                                              extra={"source": "megatron-torch_dist", "iteration": it},
+                                              model=cfg.to_json(), layout=None, progress=progress)
+    return {"format": "torch_dist", "step": it, "tensors": len(names), "optimizer": have_opt, "step_dir": step_dir}
+
+
+def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool) -> dict:
+    ranks: dict[tuple[int, int], str] = {}
+    for x in os.listdir(d):
+        m = _MP_RE.match(x)
+        if m:
+            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(d, x, "model_optim_rng.pt")
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    if len(ranks) != tp * pp:
+        raise CheckpointError(f"{d}: found {len(ranks)} mp_rank dirs but tp={tp} x pp={pp} needs {tp * pp}")
+    sds = {k: torch.load(p, map_location="cpu", weights_only=False, mmap=True) for k, p in ranks.items()}
+    first = sds[(0, 0)]
+    if cfg is None and first.get("args") is not None:
+        cfg = config_from_args(first["args"])
+    if cfg is None:
+        raise ConfigError(f"{d}: the checkpoint carries no args; pass --model-config FILE.json")
+    if any("optimizer" in sd for sd in sds.values()):
+        _no_optimizer(d, "legacy Megatron optimizer state is indexed by Megatron's parameter-group order")
+    else:
+        _no_optimizer(d, "the checkpoint has no 'optimizer' entry")
+    counts = []
+    for p in range(pp):
+        idx = {int(m.group(1)) for k in sds[(0, p)]["model"] for m in [_LAYER_KEY_RE.match(k)] if m}
+        counts.append(len(idx))
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    layout = Layout.uniform(tp, pp, 1, cfg.num_layers, boundaries=bounds)
+    specs = gpt_tensor_specs(cfg)
+
+    def get(name: str) -> torch.Tensor:
+        spec = next(s for s in specs if s.name == name)
+        stage = _stage_of(spec, bounds)
+        full = torch.empty(spec.shape, dtype=getattr(torch, cfg.dtype))
+        local_name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+        for t in range(tp):
+            local = sds[(t, stage)]["model"][local_name]
+            _, pieces = local_pieces(spec, tp, t)
+            for pc in pieces:
+                _view(full, pc.global_).copy_(_view(local, pc.local))
+        full = full.to(sds[(0, stage)]["model"][local_name].dtype)
+        return full
+    names = [s.name for s in specs]
+    shapes = {s.name: s.shape for s in specs}
+    dtypes = {s.name: dtype_name(sds[(0, _stage_of(s, bounds))]["model"][
+        _local_name(s.name, bounds[_stage_of(s, bounds)], cfg, _stage_of(s, bounds) == pp - 1 and pp > 1)].dtype)
+              for s in specs}
+    step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
+                                              extra={"source": "megatron-legacy", "iteration": it},
+                                              model=cfg.to_json(), layout=layout.to_json(), progress=progress)
+    return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": False, "step_dir": step_dir}
+
+
+def _stage_of(spec, bounds: list[int]) -> int:
+    if spec.placement in ("pre", "tied"):
+        return 0
+    if spec.placement == "post":
+        return len(bounds) - 2
+    return next(i for i in range(len(bounds) - 1) if bounds[i] <= int(spec.placement) < bounds[i + 1])
+
+
+def _local_name(name: str, first_layer: int, cfg: GPTSpecConfig, last_not_first: bool) -> str:
+    m = _LAYER_KEY_RE.match(name)
+    if m:
+        return f"decoder.layers.{int(m.group(1)) - first_layer}.{m.group(2)}"
+    if name == "embedding.word_embeddings.weight" and last_not_first and cfg.share_embeddings_and_output_weights:
+        return "output_layer.weight"
+    return name
+
+
+def _view(t: torch.Tensor, r: Region) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))] if r.ndim else t
+
+
+# ---------------------------------------------------------------------------------- export
+class _Canonical:
+    """Read canonical tensors of an elastor checkpoint one at a time."""
+
+    def __init__(self, src: str, cfg: Optional[GPTSpecConfig]):
+        self.step_dir = commit_mod.resolve(src)
+        self.man = commit_mod.read_manifest(self.step_dir)
+        if cfg is None:
+            model = self.man.model or {}
+            if model.get("kind") != "megatron-core-gpt":
+                raise ConfigError(f"{self.step_dir} was not written by the megatron integration (model "
+                                  f"{str(model)[:80]}); pass --model-config FILE.json")
+            cfg = GPTSpecConfig.from_json(model)
+        self.cfg = cfg
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self.man.tensors.get(name)
+        if e is None:
+            raise CheckpointError(f"{self.step_dir}: tensor {name} is missing (has {len(self.man.tensors)})")
+        t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+        read_shards(self.step_dir, self.man, [full_shard(name, t)])
+        return t
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = torch.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+    out[:t.shape[0]] = t
+    return out
+
+
+def legacy_args(cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=cfg.num_query_groups is not None,
+        num_query_groups=cfg.num_query_groups, kv_channels=cfg.head_dim, swiglu=cfg.gated_linear_unit,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias, normalization=cfg.normalization,
+        vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab(tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        max_position_embeddings=cfg.max_sequence_length, position_embedding_type=cfg.position_embedding_type,
+        untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=it)
+
+
+def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None) -> str:
+    """Write a Megatron-LM legacy checkpoint (weights) for TP ``tp`` x PP ``pp`` under ``dst``."""
+    can = _Canonical(src, cfg)
+    cfg = can.cfg
+    cfg.check_tp(tp)
+    it = can.man.step
+    layout = Layout.uniform(tp, pp, 1, cfg.num_layers)
+    bounds = layout.boundaries()
+    if pp > 1 and len({b - a for a, b in zip(bounds, bounds[1:])}) > 1:
+        log.warning("num_layers=%d is not divisible by pp=%d: stages hold %s layers; start Megatron with "
+                    "matching --decoder-first/last-pipeline-num-layers", cfg.num_layers, pp,
+                    [b - a for a, b in zip(bounds, bounds[1:])])
+    specs = gpt_tensor_specs(cfg)
+    it_dir = os.path.join(dst, f"iter_{it:07d}")
+    padded = cfg.padded_vocab(tp)
+    per_rank: dict[tuple[int, int], dict[str, Any]] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    for spec in specs:  # one canonical tensor in memory at a time (+ its local slices)
+        full = can.get(spec.name)
+        stages = sorted({0, pp - 1}) if spec.placement == "tied" else [_stage_of(spec, bounds)]
+        for stage in stages:
+            lname = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+            for t in range(tp):
+                shape, pieces = local_pieces(spec, tp, t)
+                local = torch.zeros(shape, dtype=full.dtype)
+                for pc in pieces:
+                    _view(local, pc.local).copy_(_view(full, pc.global_))
+                per_rank[(t, stage)][lname] = local
+    for (t, p), sd in per_rank.items():
+        for k in list(sd):
+            for lin in _LINEARS_WITH_EXTRA_STATE:
+                if k.endswith(f".{lin}.weight"):
+                    sd[k[:-len("weight")] + "_extra_state"] = None
+        if "output_layer.weight" in sd:
+            sd["output_layer._extra_state"] = None
+        name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+        os.makedirs(os.path.join(it_dir, name), exist_ok=True)
+        torch.save({"model": sd, "iteration": it, "checkpoint_version": 3.0,
+                    "args": legacy_args(cfg, tp, pp, it)}, os.path.join(it_dir, name, "model_optim_rng.pt"))
+    with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
+        f.write(str(it))
+    log.info("wrote Megatron legacy checkpoint (tp=%d, pp=%d, padded vocab %d, weights only: start Megatron "
+             "with --no-load-optim --no-load-rng) to %s", tp, pp, padded, it_dir)
+    return it_dir
+
+
+def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] = None) -> str:
+    """Write a torch_dist checkpoint with megatron's ``dist_checkpointing.save`` (vocab padded for TP
+    ``tp``; loadable at any PP and at any TP with the same padded vocab). Collective over the default
+    group when torch.distributed is initialised (rank 0 writes); else runs in-process.
+
+    Callers that are scripts must guard their entry point with ``if __name__ == "__main__":``
+    (megatron's writer may start processes)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    can = _Canonical(src, cfg)
+    cfg = can.cfg
+    cfg.check_tp(tp)
+    it = can.man.step
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    padded = cfg.padded_vocab(tp)
+    it_dir = os.path.join(dst, f"iter_{it:07d}")
+    sd: dict[str, Any] = {}
+    for spec in gpt_tensor_specs(cfg):
+        key, layer = torch_dist_key(spec.name)
+        # every rank holds the full tensor; replica ids make rank 0 the only writer
+        full = can.get(spec.name)
+        if "word_embeddings" in spec.name or spec.name == "output_layer.weight":
+            full = _padded(full, padded)
+        offsets = () if layer is None else ((0, layer, cfg.num_layers),)
+        sd[spec.name] = ShardedTensor.from_rank_offsets(key, full, *offsets, replica_id=rank)
+    os.makedirs(it_dir, exist_ok=True)
+    dist_checkpointing.save(sd, it_dir)
+    if rank == 0:
+        with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
+            f.write(str(it))
+    if world > 1:
+        dist.barrier()
+    log.info("wrote torch_dist checkpoint (padded vocab %d for tp=%d) to %s", padded, tp, it_dir)
+    return it_dir
+
+
+# ---------------------------------------------------------------------------------- CLI glue
+def _ensure_single_process_group() -> None:
+    import datetime
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    import tempfile
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="elastor_pg_"), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+
+
+def cli_import(src: str, dst: str, args: Any) -> str:
+    res = import_megatron(src, dst, _load_config(getattr(args, "model_config", None)),
+                          progress=not getattr(args, "no_progress", False))
+    if not res["optimizer"]:
+        print(f"note: {src} has no optimizer state elastor can carry; imported weights only")
+    return res["step_dir"]
+
+
+def cli_export(src: str, dst: str, args: Any) -> str:
+    tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    fmt = getattr(args, "megatron_format", "legacy")
+    cfg = _load_config(getattr(args, "model_config", None))
+    if fmt == "legacy":
+        out = export_legacy(src, dst, tp, pp, cfg)
+    elif fmt == "torch_dist":
+        _ensure_single_process_group()
+        out = export_torch_dist(src, dst, tp, cfg)
+    else:
+        raise ConfigError(f"--megatron-format {fmt!r}: choose legacy or torch_dist")
+    print("note: weights only; start Megatron with --no-load-optim --no-load-rng")
+    return out
+
+
+EXPORT_FORMATS: dict[str, Callable] = {"legacy": export_legacy, "torch_dist": export_torch_dist}
