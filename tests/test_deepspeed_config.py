@@ -88,3 +88,19 @@ def test_boundaries_and_plan_checks():
     with pytest.raises(ConfigError, match="too old"):
         check_version("0.14.2")
     assert check_version("0.19.8") == (0, 19, 8)
+
+
+def test_save_policy():
+    from elastor_ds.integrations.deepspeed.config import parse_checkpoint, save_due
+
+    every3 = parse_checkpoint({"dir": "d", "interval_steps": 3})
+    assert [s for s in range(1, 10) if save_due(every3, s, (s - 1) // 3 * 3 or None, 0.0, True)] == [3, 6, 9]
+    assert not save_due(every3, 6, 6, 99.0, True)  # already saved this step
+    both = parse_checkpoint({"dir": "d", "interval_steps": 2, "min_interval_s": 10})
+    assert not save_due(both, 4, 2, 5.0, True) and save_due(both, 4, 2, 10.0, False)
+    ref = parse_checkpoint({"dir": "d", "min_interval_s": 10})  # the reference's policy
+    assert not save_due(ref, 5, 4, 11.0, False)  # previous save still writing
+    assert not save_due(ref, 5, 4, 9.0, True)
+    assert save_due(ref, 5, 4, 10.0, True)
+    off = parse_checkpoint({"dir": "d"})
+    assert not save_due(off, 100, None, 1e9, True)

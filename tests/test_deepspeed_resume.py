@@ -46,7 +46,8 @@ def runs(tmp_path_factory):
     convert(native, conv, source="deepspeed")  # what `elastor convert native conv --from deepspeed` runs
     from_native = resume("pp3_from_native", 3, 1, 4, 1, [0, 3, 5, 8])
     from_native["elastor"]["checkpoint"]["load"] = conv
-    run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8]), from_native], out, timeout_s=120)
+    run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8],
+                                     {"min_interval_s": 0.001}), from_native], out, timeout_s=120)
     from elastor_ds.integrations.deepspeed.convert import to_universal
     uni = str(d / "universal")
     to_universal(ck, uni)  # `elastor convert ckpt uni --to deepspeed-universal`
@@ -74,6 +75,9 @@ def test_periodic_save_and_native_files(runs):
     assert os.path.isdir(step_dir)
     assert os.path.isdir(os.path.join(os.path.dirname(out), "ck_pp4_dp1_zero0", step_dirname(K + 2)))
     assert any(n.startswith("global_step") for n in os.listdir(native))
+    # reference policy (interval_steps 0, min_interval_s > 0): saves whenever the previous one finished
+    ref_policy = os.path.join(os.path.dirname(out), "ck_pp3_dp1_uneven")
+    assert any(n.startswith("step_") for n in os.listdir(ref_policy))
 
 
 def test_cli_convert_from_deepspeed(runs, tmp_path):

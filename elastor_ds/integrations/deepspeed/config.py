@@ -182,5 +182,18 @@ def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
         raise ConfigError(f"{SECTION}.plan: {plan!r} is not valid JSON: {e}") from None
 
 
-__all__ = ["CheckpointConfig", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
+def save_due(cfg: CheckpointConfig, step: int, last_step: Optional[int], seconds_since_last: float,
+             previous_done: bool) -> bool:
+    """The save policy for one rank's view (pure). The caller makes every rank agree when the
+    answer depends on time (``min_interval_s`` > 0)."""
+    if not cfg.periodic or step == last_step:
+        return False
+    if cfg.interval_steps > 0:
+        if step - (last_step or 0) < cfg.interval_steps:
+            return False
+        return seconds_since_last >= cfg.min_interval_s
+    return previous_done and seconds_since_last >= cfg.min_interval_s
+
+
+__all__ = ["CheckpointConfig", "save_due", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
            "split_ds_config", "load_plan_document", "SECTION"]

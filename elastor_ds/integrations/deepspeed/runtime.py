@@ -31,7 +31,7 @@ from ...comm import TorchComm
 from ...errors import ConfigError, IncompleteCheckpointError
 from ...layout import Layout
 from . import state as st
-from .config import CheckpointConfig
+from .config import CheckpointConfig, save_due
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +69,12 @@ class ElastorCheckpointer:
     def maybe_save(self) -> Optional[SaveStats]:
         """After an optimizer step: save when the policy says so (identical decision on every rank)."""
         cfg = self.cfg
-        if not cfg.periodic:
-            return None
         step = int(self.engine.global_steps)
-        if step == self.last_save_step:
+        due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, _local_idle(self.ckpt))
+        if cfg.min_interval_s > 0 and cfg.periodic and step != self.last_save_step:
+            due = all(self.comm.all_gather_object(due))  # clocks differ per rank: agree
+        if not due:
             return None
-        if cfg.interval_steps > 0:
-            since = step - (self.last_save_step or 0)
-            if since < cfg.interval_steps:
-                return None
-            if cfg.min_interval_s > 0:
-                ok = time.monotonic() - self.last_save_time >= cfg.min_interval_s
-                if not all(self.comm.all_gather_object(ok)):
-                    return None
-        else:  # reference policy: previous save finished everywhere and S seconds passed
-            local = (time.monotonic() - self.last_save_time >= cfg.min_interval_s) and \
-                    (self.ckpt._job is None or self.ckpt._job.done.is_set())
-            if not all(self.comm.all_gather_object(local)):
-                return None
         return self.save()
 
     def save(self, client_state: Optional[dict[str, Any]] = None) -> SaveStats:
@@ -214,6 +202,12 @@ class ElastorCheckpointer:
         elif self.comm.rank == 0:
             log.info("layout changed (%s -> %s): RNG states start fresh",
                      Layout.from_json(saved_layout).describe() if saved_layout else "?", self.layout.describe())
+
+
+def _local_idle(ckpt: CheckpointEngine) -> bool:
+    """This rank's previous save has finished (non-collective; the policy agrees across ranks)."""
+    job = ckpt._job
+    return job is None or job.done.is_set()
 
 
 def _jsonable(obj: Any, where: str) -> Any:
