@@ -1,0 +1,135 @@
+"""A GPT made of megatron-core tensor-parallel layers, laid out as DeepSpeed pipeline layers.
+
+Layer list (DeepSpeed layer index -> canonical megatron-core GPTModel name prefix):
+
+    0          EmbeddingPipe          -> embedding.                (word + learned position embeddings)
+    1 .. L     TransformerLayerPipe   -> decoder.layers.{i-1}.     (megatron-core local spec layer)
+    L + 1      FinalNormPipe          -> decoder.final_layernorm.
+    L + 2      OutputPipe             -> output_layer.             (column-parallel, vocab padded)
+
+so an elastor checkpoint written by this trainer uses the same names and canonical shapes as a
+megatron-core GPTModel at TP=1 (``elastor convert --to megatron`` and back work on it).
+Transformer layer ``i`` of the plan is DeepSpeed layer ``i + 1``; :func:`ds_parts` turns plan stage
+boundaries into DeepSpeed partition boundaries.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import torch
+from deepspeed.pipe import LayerSpec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import nn
+
+
+def ds_parts(boundaries: Sequence[int], num_layers: int) -> list[int]:
+    """Plan boundaries over transformer layers -> DeepSpeed ``parts`` over the L+3 pipe layers."""
+    parts = [0] + [b + 1 for b in boundaries[1:-1]] + [num_layers + 3]
+    return parts
+
+
+def canonical_name(ds_name: str, num_layers: int) -> str:
+    """``"<ds index>.<param>"`` -> the megatron-core GPTModel name."""
+    m = re.match(r"^(\d+)\.(.*)$", ds_name)
+    if not m:
+        return ds_name
+    i, rest = int(m.group(1)), m.group(2)
+    if i == 0:
+        return rest  # embedding.word_embeddings.weight, embedding.position_embeddings.weight
+    if i <= num_layers:
+        return f"decoder.layers.{i - 1}.{rest}"
+    if i == num_layers + 1:
+        return "decoder.final_layernorm." + rest.split(".", 1)[1]   # strip the wrapper's "norm."
+    return "output_layer." + rest.split(".", 1)[1]                  # strip the wrapper's "linear."
+
+
+class EmbeddingPipe(nn.Module):
+    def __init__(self, config: Any, padded_vocab: int, max_seq: int):
+        super().__init__()
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        self.embedding = LanguageModelEmbedding(config, padded_vocab, max_seq, "learned_absolute")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        return self.embedding(tokens, pos)  # [s, b, h]
+
+
+class TransformerLayerPipe(TransformerLayer):
+    """A megatron-core local-spec transformer layer whose forward takes and returns one tensor."""
+
+    def __init__(self, config: Any, layer_number: int):
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        super().__init__(config, spec.submodules, layer_number=layer_number)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        s = hidden_states.shape[0]
+        mask = getattr(self, "_causal", None)
+        if mask is None or mask.shape[-1] != s or mask.device != hidden_states.device:
+            # explicit causal mask (True = masked): megatron's default one is built on "cuda"
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=hidden_states.device), 1)[None, None]
+            self._causal = mask
+        out, _ = super().forward(hidden_states=hidden_states, attention_mask=mask)
+        return out
+
+
+class FinalNormPipe(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        self.norm = WrappedTorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+class OutputPipe(nn.Module):
+    def __init__(self, config: Any, padded_vocab: int):
+        super().__init__()
+        from megatron.core import tensor_parallel
+        self.linear = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
+            gather_output=False, skip_bias_add=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.linear(h)
+        return logits  # [s, b, v / tp]
+
+
+def make_loss_fn(pad_id: int):
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        lab = labels.transpose(0, 1).contiguous()  # [s, b]
+        losses = vocab_parallel_cross_entropy(logits.float(), lab)
+        mask = (lab != pad_id).float()
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss_fn
+
+
+class SeededLayerSpec(LayerSpec):
+    """Builds its layer from its own seed. Megatron's CPU initialisation builds the full (TP=1)
+    weight before slicing it, so fresh weights do not depend on the layout either."""
+
+    def __init__(self, seed: int, typename: type, *args: Any, **kwargs: Any):
+        super().__init__(typename, *args, **kwargs)
+        self.seed = seed
+
+    def build(self, log: bool = False) -> nn.Module:
+        state = torch.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            return super().build(log=log)
+        finally:
+            torch.set_rng_state(state)
+
+
+def build_layers(config: Any, num_layers: int, padded_vocab: int, max_seq: int, seed: int = 1234) -> list:
+    """The L + 3 DeepSpeed pipe layers as LayerSpecs (each stage builds only its own)."""
+    base = seed * 1000
+    specs = [SeededLayerSpec(base, EmbeddingPipe, config, padded_vocab, max_seq)]
+    specs += [SeededLayerSpec(base + i + 1, TransformerLayerPipe, config, i + 1) for i in range(num_layers)]
+    specs += [SeededLayerSpec(base + num_layers + 1, FinalNormPipe, config),
+              SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab)]
+    return specs
