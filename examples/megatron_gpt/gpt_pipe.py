@@ -133,3 +133,27 @@ def build_layers(config: Any, num_layers: int, padded_vocab: int, max_seq: int, 
     specs += [SeededLayerSpec(base + num_layers + 1, FinalNormPipe, config),
               SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab)]
     return specs
+
+
+class Geometry:
+    """DeepSpeed parameter name -> (canonical name, global shape, TP pieces) for the elastor checkpoint.
+
+    Used by the DeepSpeed integration (``module.elastor_geometry``) so that the checkpoint holds
+    canonical megatron-core tensors whatever the TP degree and pipeline partition."""
+
+    def __init__(self, spec_cfg: Any, tp: int, tp_rank: int, num_layers: int):
+        from elastor_ds.integrations.megatron.specs import gpt_tensor_specs
+        self.specs = {s.name: s for s in gpt_tensor_specs(spec_cfg)}
+        self.tp, self.tp_rank, self.num_layers = tp, tp_rank, num_layers
+        self.model = spec_cfg.to_json()
+
+    def __call__(self, ds_name: str, local_shape: tuple) -> tuple:
+        from elastor_ds.layout import local_pieces
+        name = canonical_name(ds_name, self.num_layers)
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"parameter {ds_name} (canonical {name}) has no sharding spec")
+        shape, pieces = local_pieces(spec, self.tp, self.tp_rank)
+        if tuple(shape) != tuple(local_shape):
+            raise ValueError(f"{name}: local shape {tuple(local_shape)} != expected {shape} at TP {self.tp}")
+        return name, spec.shape, pieces

@@ -1,0 +1,316 @@
+"""Pretrain a GPT (megatron-core TP layers inside DeepSpeed's pipeline engine) with elastor.
+
+Launch with torchrun or the ``deepspeed`` launcher, one process per GPU (or CPU process)::
+
+    torchrun --nproc-per-node 4 examples/megatron_gpt/pretrain_gpt.py \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 \\
+        --seq-length 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 100 \\
+        --save ckpt --load ckpt --save-interval 10 --metrics-file metrics.jsonl
+
+With ``--load`` the run resumes from the newest elastor checkpoint under whatever layout this
+launch has (TP, PP, DP and stage boundaries may all differ): weights, Adam state, LR scheduler,
+RNG and the data position. ``--elastor-plan auto`` asks the planner for the best layout this
+runtime can execute on the launched processes; ``--elastor-plan plan.json`` uses a given plan.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+log = logging.getLogger("pretrain_gpt")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="GPT pretraining with elastor (megatron-core layers, DeepSpeed pipeline)")
+    a = p.add_argument
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers", type=int, default=4)
+    a("--hidden-size", type=int, default=64)
+    a("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden (2/3 of that with --swiglu)")
+    a("--num-attention-heads", type=int, default=4)
+    a("--num-query-groups", type=int, default=None, help="grouped-query attention (default: = heads)")
+    a("--seq-length", type=int, default=64)
+    a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    a("--micro-batch-size", type=int, default=2)
+    a("--global-batch-size", type=int, default=8)
+    a("--train-iters", type=int, default=100)
+    a("--lr", type=float, default=3e-3)
+    a("--min-lr", type=float, default=3e-4)
+    a("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    a("--lr-warmup-iters", type=int, default=10)
+    a("--weight-decay", type=float, default=0.0)
+    a("--seed", type=int, default=1234)
+    a("--swiglu", action=argparse.BooleanOptionalAction, default=True, help="gated MLP (linear_fc1 = [gate; up])")
+    a("--save", default=None, help="elastor checkpoint directory")
+    a("--load", default=None, help="resume from this elastor checkpoint directory (newest committed step)")
+    a("--save-interval", type=int, default=0, help="iterations between asynchronous saves (0: only at the end)")
+    a("--log-interval", type=int, default=10)
+    a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
+    a("--zero-stage", type=int, choices=[0, 1], default=1)
+    a("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+      help="DeepSpeed JSON config; its \"elastor\" section is honoured (flags above fill what it leaves out)")
+    a("--deepspeed", action="store_true", help="accepted for launcher compatibility")
+    a("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    a("--elastor-plan", default=None, help="plan JSON file, or 'auto' to ask the planner for this world size")
+    a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
+    a("--metrics-file", default=None, help="JSONL, one line per iteration")
+    a("--exit-after-iters", type=int, default=None, help="stop (as if killed) after this iteration; for demos")
+    return p.parse_args(argv)
+
+
+class UsageError(Exception):
+    pass
+
+
+def derive(args: argparse.Namespace, world: int) -> dict:
+    """Check the flags against each other and the world size; return the derived layout numbers."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    L, H = args.num_layers, args.num_attention_heads
+    groups = args.num_query_groups or H
+    boundaries = None
+    if args.elastor_plan:
+        from elastor_ds.layout import Layout
+        if args.elastor_plan == "auto":
+            layout = auto_plan(args, world)
+        else:
+            if not os.path.isfile(args.elastor_plan):
+                raise UsageError(f"--elastor-plan {args.elastor_plan}: no such file (give a plan JSON or 'auto')")
+            with open(args.elastor_plan) as f:
+                layout = Layout.from_json(json.load(f), L)
+        try:
+            tp, pp, dp_plan = layout.uniform_dims()
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"--elastor-plan: this trainer runs uniform TP x PP x DP grids (uneven stages "
+                             f"allowed); the plan is heterogeneous: {e}") from None
+        boundaries = layout.boundaries()
+        if layout.world_size != world:
+            raise UsageError(f"--elastor-plan needs {layout.world_size} processes but {world} were launched")
+    if tp < 1 or pp < 1:
+        raise UsageError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
+    if world % (tp * pp):
+        raise UsageError(f"world size {world} is not divisible by TP ({tp}) x PP ({pp}) = {tp * pp}; launch a multiple "
+                         f"of {tp * pp} processes or change the parallel sizes")
+    dp = world // (tp * pp)
+    if pp > L:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} > --num-layers {L}: every stage needs a layer")
+    if H % groups:
+        raise UsageError(f"--num-attention-heads {H} is not divisible by --num-query-groups {groups}")
+    if groups % tp or H % tp:
+        raise UsageError(f"TP {tp} must divide --num-attention-heads ({H}) and --num-query-groups ({groups})")
+    if args.hidden_size % H:
+        raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {H}")
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if gbs % (mbs * dp):
+        raise UsageError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) x data-parallel "
+                         f"size ({dp}) = {mbs * dp}")
+    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+    if ffn % tp:
+        raise UsageError(f"--ffn-hidden-size {ffn} is not divisible by TP {tp}")
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.seq_length > max_pos:
+        raise UsageError(f"--seq-length {args.seq_length} > --max-position-embeddings {max_pos}")
+    if args.train_iters < 1:
+        raise UsageError(f"--train-iters {args.train_iters} must be >= 1")
+    if args.load and not os.path.isdir(args.load):
+        log.warning("--load %s does not exist yet: starting from scratch", args.load)
+    from elastor_ds.layout import Layout, balanced_boundaries
+    if boundaries is None:
+        boundaries = balanced_boundaries(L, pp)
+    layout = Layout.uniform(tp, pp, dp, L, boundaries=boundaries, micro_batches=gbs // (mbs * dp))
+    return dict(tp=tp, pp=pp, dp=dp, gas=gbs // (mbs * dp), ffn=ffn, groups=groups, max_pos=max_pos,
+                boundaries=boundaries, layout=layout)
+
+
+def auto_plan(args: argparse.Namespace, world: int):
+    """The planner's best layout for ``world`` processes that this runtime executes (uniform grids)."""
+    from elastor_ds.plan import plan_for_trainer  # type: ignore[attr-defined]
+    return plan_for_trainer(world=world, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                            num_attention_heads=args.num_attention_heads,
+                            num_query_groups=args.num_query_groups or args.num_attention_heads,
+                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                            global_batch_size=args.global_batch_size,
+                            max_tp=args.tensor_model_parallel_size)
+
+
+def lr_lambda(args: argparse.Namespace):
+    def f(it: int) -> float:
+        if args.lr_warmup_iters and it < args.lr_warmup_iters:
+            return (it + 1) / args.lr_warmup_iters
+        if args.lr_decay_style == "constant":
+            return 1.0
+        frac = min(1.0, (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters))
+        lo = args.min_lr / args.lr
+        if args.lr_decay_style == "linear":
+            return lo + (1 - lo) * (1 - frac)
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+def ds_config(args: argparse.Namespace, d: dict) -> dict:
+    cfg: dict = {}
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:
+            cfg = json.load(f)
+    cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
+    cfg.setdefault("gradient_accumulation_steps", d["gas"])
+    cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
+                                                            "torch_adam": True}})
+    cfg.setdefault("zero_optimization", {"stage": args.zero_stage})
+    cfg.setdefault("steps_per_print", 10 ** 9)
+    cfg.setdefault("wall_clock_breakdown", False)
+    el = cfg.setdefault("elastor", {})
+    ck = el.setdefault("checkpoint", {})
+    if args.save:
+        ck.setdefault("dir", args.save)
+    elif args.load:
+        ck.setdefault("dir", args.load)
+    if "dir" not in ck:
+        cfg.pop("elastor")
+        return cfg
+    ck.setdefault("interval_steps", args.save_interval)
+    ck.setdefault("async", True)
+    ck.setdefault("keep", 2)
+    ck.setdefault("load", "latest" if args.load else "none")
+    if args.load and os.path.abspath(args.load) != os.path.abspath(ck["dir"]):
+        ck["load"] = args.load
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("DeepSpeed", "deepspeed", "megatron"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from elastor_ds.testing import megatron_cpu
+        megatron_cpu.apply()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        d = derive(args, world)
+    except (UsageError, Exception) as e:
+        if not isinstance(e, UsageError) and type(e).__module__.split(".")[0] != "elastor_ds":
+            raise
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+
+    from elastor_ds import deepspeed as eds
+    eds.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import gpt_pipe
+    from elastor_ds.data import CharTokenizer, PrefetchLoader, write_synthetic_corpus
+    from elastor_ds.integrations.megatron.specs import GPTSpecConfig
+
+    rank = dist.get_rank()
+    tp, pp, dp, gas = d["tp"], d["pp"], d["dp"], d["gas"]
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    tok = CharTokenizer()
+    spec_cfg = GPTSpecConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                             num_attention_heads=args.num_attention_heads, vocab_size=tok.vocab_size,
+                             ffn_hidden_size=d["ffn"], num_query_groups=d["groups"],
+                             gated_linear_unit=args.swiglu, add_bias_linear=False, normalization="RMSNorm",
+                             make_vocab_size_divisible_by=8, max_sequence_length=d["max_pos"])
+    tcfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=d["groups"], ffn_hidden_size=d["ffn"], gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    padded_vocab = spec_cfg.padded_vocab(tp)
+    layers = gpt_pipe.build_layers(tcfg, args.num_layers, padded_vocab, d["max_pos"], seed=args.seed)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    model = eds.PipelineModule(layers, topology=topo, loss_fn=gpt_pipe.make_loss_fn(CharTokenizer.PAD),
+                               boundaries=gpt_pipe.ds_parts(d["boundaries"], args.num_layers))
+    model.elastor_geometry = gpt_pipe.Geometry(spec_cfg, tp, ps.get_tensor_model_parallel_rank(), args.num_layers)
+    cfg = ds_config(args, d)
+    engine, optimizer, _, sched = eds.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
+    layout = d["layout"]
+    start = int(engine.global_steps)
+    gbs = args.global_batch_size
+    if rank == 0:
+        log.info("layout %s on %d processes (TP %d x PP %d x DP %d, gas %d); starting at iteration %d",
+                 layout.describe(), world, tp, pp, dp, gas, start)
+
+    # data: built-in corpus unless --data-path; each replica takes its slice of every global batch
+    data_path = args.data_path
+    if data_path is None:
+        base = args.save or args.load or os.path.join(os.getcwd(), "runs")
+        data_path = os.path.join(os.path.dirname(os.path.abspath(base)), f"corpus_seed{args.seed}.jsonl")
+        if rank == 0 and not os.path.exists(data_path):
+            write_synthetic_corpus(data_path, num_records=20000, chars_per_record=args.seq_length * 2, seed=args.seed)
+        dist.barrier()
+    stage = engine.stage_id
+    needs_data = stage == 0 or stage == pp - 1
+    loader = PrefetchLoader(data_path, args.seq_length, args.seed, tuple([gas] * dp), args.micro_batch_size,
+                            replica=engine.grid.get_data_parallel_id(), start_iteration=start) if needs_data else None
+
+    def batches():
+        while True:
+            b = torch.from_numpy(loader.next())
+            for k in range(gas):
+                mb = b[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
+                yield mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
+    it_data = batches() if needs_data else None
+    mfile = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
+    t_start = time.time()
+    last = args.train_iters if args.exit_after_iters is None else min(args.train_iters, args.exit_after_iters)
+    try:
+        for it in range(start, last):
+            t0 = time.perf_counter()
+            n_saves = len(engine.elastor.stats) if engine.elastor else 0
+            loss = float(engine.train_batch(it_data))
+            dt = time.perf_counter() - t0
+            saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
+            stall = engine.elastor.stats[-1].stall_s if saved else None
+            if mfile:
+                rec = {"iteration": it + 1, "lm_loss": loss, "consumed_samples": (it + 1) * gbs,
+                       "lr": float(sched.get_last_lr()[0]) if sched else args.lr, "layout": layout.describe(),
+                       "world_size": world, "iter_time_s": dt, "time": time.time()}
+                if saved:
+                    rec["save_stall_s"] = stall
+                mfile.write(json.dumps(rec) + "\n")
+                mfile.flush()
+            if rank == 0 and ((it + 1) % args.log_interval == 0 or it == start):
+                log.info("iteration %d/%d | lm loss %.4f | %.0f ms/iter%s", it + 1, args.train_iters, loss, dt * 1e3,
+                         f" | saved (stall {stall * 1e3:.1f} ms)" if saved else "")
+        if args.exit_after_iters is None and engine.elastor is not None and args.save:
+            if engine.elastor.last_save_step != int(engine.global_steps):
+                engine.elastor.save()
+        if engine.elastor is not None:
+            engine.elastor.finalize()
+    finally:
+        if loader is not None:
+            loader.close()
+        if mfile:
+            mfile.close()
+    if rank == 0:
+        log.info("done: %d iterations in %.1f s", last - start, time.time() - t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
