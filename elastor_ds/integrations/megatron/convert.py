@@ -374,7 +374,7 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
     (megatron's writer may start processes)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     can = _Canonical(src, cfg)
     cfg = can.cfg
@@ -391,8 +391,15 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
         full = can.get(spec.name)
         if "word_embeddings" in spec.name or spec.name == "output_layer.weight":
             full = _padded(full, padded)
-        offsets = () if layer is None else ((0, layer, cfg.num_layers),)
-        sd[spec.name] = ShardedTensor.from_rank_offsets(key, full, *offsets, replica_id=rank)
+        if layer is None:
+            sd[spec.name] = ShardedTensor.from_rank_offsets(key, full, replica_id=rank)
+        else:  # one slice of the stacked layer axis, like TransformerBlock.sharded_state_dict
+            sd[spec.name] = ShardedTensor.from_rank_offsets(key, full, (0, layer, cfg.num_layers),
+                                                            replica_id=rank, prepend_axis_num=1)
+    for lin in _LINEARS_WITH_EXTRA_STATE:  # megatron's loader expects the linears' (empty) extra state
+        for layer in range(cfg.num_layers):
+            sd[f"decoder.layers.{layer}.{lin}._extra_state"] = ShardedObject(
+                f"decoder.layers.{lin}._extra_state", None, (cfg.num_layers,), (layer,), replica_id=rank)
     os.makedirs(it_dir, exist_ok=True)
     dist_checkpointing.save(sd, it_dir)
     if rank == 0:
