@@ -17,6 +17,7 @@ _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
     "elastor_ds.plan.cli",         # plan
     "elastor_ds.integrations.deepspeed.cli",  # convert --from deepspeed[-universal]
+    "elastor_ds.integrations.megatron.cli",   # convert --from/--to megatron
 )
 
 
