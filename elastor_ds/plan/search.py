@@ -324,7 +324,7 @@ class Planner:
         for v in counts.values():
             n_orders //= math.factorial(v)
         if n_orders <= self.MAX_ORDERS:
-            return sorted(set(itertools.permutations(sig)), key=_order_key)
+            return sorted(_distinct_permutations(counts), key=_order_key)
         desc = tuple(sorted(sig, key=lambda k: (-k[0], -k[1])))
         asc = tuple(reversed(desc))
         fast_last = tuple(sorted(sig, key=lambda k: (k[1], -k[0])))
@@ -599,6 +599,29 @@ def _geometric(limit: int) -> list[int]:
     return out
 
 
+def _distinct_permutations(counts: dict[ClassKey, int]) -> list[tuple[ClassKey, ...]]:
+    keys = sorted(counts, key=lambda k: (-k[0], -k[1]))
+    rem = dict(counts)
+    total = sum(rem.values())
+    out: list[tuple[ClassKey, ...]] = []
+    acc: list[ClassKey] = []
+
+    def rec() -> None:
+        if len(acc) == total:
+            out.append(tuple(acc))
+            return
+        for k in keys:
+            if rem[k]:
+                rem[k] -= 1
+                acc.append(k)
+                rec()
+                acc.pop()
+                rem[k] += 1
+
+    rec()
+    return out
+
+
 def _sub_vectors(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """All vectors 0 <= v <= counts, lexicographically descending."""
     return itertools.product(*(range(c, -1, -1) for c in counts))
@@ -680,7 +703,8 @@ def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> Pla
 def infeasible_message(cost: CostModel) -> str:
     """Why nothing fits, and what would: the memory per GPU, or the GPU count, that would."""
     m, tr, cl = cost.model, cost.training, cost.cluster
-    tp = max(tr.valid_tps(m) or (1,))
+    node_max = max(cl.max_gpus_per_node, 1)
+    tp = max([t for t in (tr.valid_tps(m) or (1,)) if t <= node_max] or [1])
     n = cl.num_gpus
     per_param = cost.state_bytes_per_param(1)
     total_state = (m.num_layers * m.params_per_layer + 2 * m.embedding_params) * per_param
