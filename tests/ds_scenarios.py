@@ -36,7 +36,8 @@ def build(spec: dict[str, Any]):
     from elastor_ds.testing import toy_pipe as toy
 
     model = eds.PipelineModule(toy.layers(num_blocks=spec.get("blocks", 6), hidden=spec.get("hidden", 32)),
-                               num_stages=spec["pp"], boundaries=spec.get("boundaries"), loss_fn=toy.loss_fn)
+                               num_stages=spec["pp"], loss_fn=toy.loss_fn,
+                               **({"plan": spec["plan"]} if spec.get("plan") else {"boundaries": spec.get("boundaries")}))
     engine, _, _, _ = eds.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config(spec))
     return engine
 

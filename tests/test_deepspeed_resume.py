@@ -15,6 +15,7 @@ pytest.importorskip("deepspeed")
 from dist_utils import run_world  # noqa: E402
 from ds_scenarios import run_specs  # noqa: E402
 from elastor_ds.checkpoint.commit import step_dirname  # noqa: E402
+from elastor_ds.layout import Layout  # noqa: E402
 
 K, M = 3, 3  # save after K steps, then M more
 
@@ -46,8 +47,11 @@ def runs(tmp_path_factory):
     convert(native, conv, source="deepspeed")  # what `elastor convert native conv --from deepspeed` runs
     from_native = resume("pp3_from_native", 3, 1, 4, 1, [0, 3, 5, 8])
     from_native["elastor"]["checkpoint"]["load"] = conv
-    run_world(run_specs, 3, [resume("pp3_dp1_uneven", 3, 1, 4, 1, [0, 2, 5, 8],
-                                     {"min_interval_s": 0.001}), from_native], out, timeout_s=120)
+    pp3 = resume("pp3_dp1_uneven", 3, 1, 4, 1, None, {"min_interval_s": 0.001})
+    plan = Layout.uniform(1, 3, 1, 8, boundaries=[0, 2, 5, 8], micro_batches=4).to_json()  # a planner's plan
+    pp3["plan"] = plan                        # the module is partitioned from it ...
+    pp3["elastor"]["plan"] = plan             # ... and initialize checks the module against it
+    run_world(run_specs, 3, [pp3, from_native], out, timeout_s=120)
     from elastor_ds.integrations.deepspeed.convert import to_universal
     uni = str(d / "universal")
     to_universal(ck, uni)  # `elastor convert ckpt uni --to deepspeed-universal`

@@ -56,6 +56,9 @@ class ElastorCheckpointer:
         self.cfg = cfg
         self.engine = engine
         self.comm = TorchComm.create(cfg.timeout_s)
+        # main-thread agreement (policy, load) gets its own group: the background writer runs
+        # collectives on ``self.comm`` and two threads must never interleave collectives on one group
+        self.policy_comm = TorchComm.create(cfg.timeout_s)
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save)
         self.layout = engine_layout(engine)
         self.last_save_step: Optional[int] = None
@@ -72,7 +75,7 @@ class ElastorCheckpointer:
         step = int(self.engine.global_steps)
         due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, _local_idle(self.ckpt))
         if cfg.min_interval_s > 0 and cfg.periodic and step != self.last_save_step:
-            due = all(self.comm.all_gather_object(due))  # clocks differ per rank: agree
+            due = all(self.policy_comm.all_gather_object(due))  # clocks differ per rank: agree
         if not due:
             return None
         return self.save()
@@ -147,7 +150,7 @@ class ElastorCheckpointer:
     def load(self, path: Optional[str] = None) -> Optional[LoadResult]:
         eng = self.engine
         step_dir = self.resolve(path or self.cfg.load)
-        agreed = self.comm.all_gather_object(step_dir is not None)
+        agreed = self.policy_comm.all_gather_object(step_dir is not None)
         if not any(agreed):
             log.info("no elastor checkpoint under %s: starting fresh", self.cfg.dir)
             return None
