@@ -157,11 +157,12 @@ def all_parts(n: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def carve(devices: Sequence[Device], parts: Sequence[int]) -> list[Group]:
-    """Cut one node's devices into groups of the given sizes, fastest devices into largest groups."""
+def carve(devices: Sequence[Device], parts: Sequence[int], large_fast: bool = True) -> list[Group]:
+    """Cut one node's devices into groups of the given sizes, GPUs of similar speed together: the
+    fastest GPUs go into the largest groups (``large_fast``) or into the smallest ones."""
     devs = sorted(devices, key=lambda d: (-d.speed, d.local_id))
     out, i = [], 0
-    for p in sorted(parts, reverse=True):
+    for p in sorted(parts, reverse=large_fast):
         out.append(Group(tuple(sorted(devs[i:i + p], key=lambda d: d.local_id))))
         i += p
     return out
@@ -218,7 +219,7 @@ def split_layers(per_layer: Sequence[float], extra: Sequence[float], max_layers:
         nmax = min(max_layers[j], L)
         n = np.arange(1, nmax + 1)
         idx = k[:, None] - n[None, :]
-        prev = np.where(idx >= 0, f[np.clip(idx, 0, None)], inf)
+        prev = np.where(idx >= 0, f[np.maximum(idx, 0)], inf)
         cand = np.maximum(prev, (n * per_layer[j] + extra[j])[None, :])
         best = np.argmin(cand, axis=1)
         f = cand[k, best]
@@ -232,6 +233,46 @@ def split_layers(per_layer: Sequence[float], extra: Sequence[float], max_layers:
         counts[j] = c
         rem -= c
     return float(f[L]), tuple(counts)
+
+
+def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], max_layers: Sequence[int],
+                            num_layers: int) -> tuple[float, tuple[int, ...]] | None:
+    """Same optimum as :func:`split_layers`, found by exact parametric search (faster for long
+    pipelines): the optimum is one of the values ``n * per_layer[j] + extra[j]``; for a bound ``T``
+    every stage takes the most layers it can (time and memory), and ``T`` is feasible iff each
+    stage can take one layer and together they can take ``num_layers``. Binary search over the
+    sorted values; the split gives later stages as many layers as they can take."""
+    S, L = len(per_layer), num_layers
+    if S > L or any(m < 1 for m in max_layers):
+        return None
+    a = np.asarray(per_layer, dtype=float)
+    e = np.asarray(extra, dtype=float)
+    mx = np.minimum(np.asarray(max_layers), L)
+    n = np.arange(1, L + 1)
+    vals = np.unique((n[None, :] * a[:, None] + e[:, None])[n[None, :] <= mx[:, None]])
+
+    def take(T: float) -> np.ndarray:
+        return np.minimum(mx, np.floor((T - e) / a * (1 + 1e-12) + 1e-9)).astype(np.int64)
+
+    lo, hi = 0, len(vals) - 1
+    if take(vals[hi]).min() < 1 or take(vals[hi]).sum() < L:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        t = take(vals[mid])
+        if t.min() >= 1 and t.sum() >= L:
+            hi = mid
+        else:
+            lo = mid + 1
+    cap = take(vals[lo])
+    counts = [1] * S
+    rem = L - S
+    for j in range(S - 1, -1, -1):  # fill from the back (later stages keep fewer activations)
+        add = min(int(cap[j]) - 1, rem)
+        counts[j] += add
+        rem -= add
+    slow = max(c * a[j] + e[j] for j, c in enumerate(counts))
+    return float(slow), tuple(counts)
 
 
 # ---- step 5: exact micro-batch assignment -----------------------------------------------------
@@ -298,6 +339,9 @@ class Planner:
         self.top_k = max(1, top_k)
         self._rep_cache: dict = {}
         self._split_cache: dict = {}
+        self._mx_cache: dict = {}
+        self._devices = tuple(self.cluster.devices())
+        self.max_orders = self.MAX_ORDERS if self.cluster.num_gpus <= 64 else 6
         self.stats = {"candidates": 0, "replica_subproblems": 0, "splits": 0}
         self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
 
@@ -311,10 +355,17 @@ class Planner:
         c = self.cost
         per = [c.layer_time(tp) / sp for tp, sp in order]
         extra = [0.0] * (S - 1) + [c.head_time(order[-1][0]) / order[-1][1]]
-        mx = [c.max_layers(tp, j, S, R) for j, (tp, _) in enumerate(order)]
-        res = split_layers(per, extra, mx, self.L)
+        mx = [self._max_layers(tp, j, S, R) for j, (tp, _) in enumerate(order)]
+        res = (split_layers if S <= 8 else split_layers_parametric)(per, extra, mx, self.L)
         self._split_cache[key] = res
         return res
+
+    def _max_layers(self, tp: int, pos: int, S: int, R: int) -> int:
+        key = (tp, pos, S, R)
+        v = self._mx_cache.get(key)
+        if v is None:
+            v = self._mx_cache[key] = self.cost.max_layers(tp, pos, S, R)
+        return v
 
     def _orders(self, sig: tuple[ClassKey, ...]) -> list[tuple[ClassKey, ...]]:
         counts: dict[ClassKey, int] = {}
@@ -323,7 +374,7 @@ class Planner:
         n_orders = math.factorial(len(sig))
         for v in counts.values():
             n_orders //= math.factorial(v)
-        if n_orders <= self.MAX_ORDERS:
+        if n_orders <= self.max_orders:
             return sorted(_distinct_permutations(counts), key=_order_key)
         desc = tuple(sorted(sig, key=lambda k: (-k[0], -k[1])))
         asc = tuple(reversed(desc))
@@ -332,6 +383,8 @@ class Planner:
 
     def solve_replica(self, sig: tuple[ClassKey, ...], R: int) -> ReplicaSolution | None:
         """Best (order, split) for a replica made of the groups in ``sig`` (exact over the orders tried)."""
+        if len(sig) > self.L:
+            return None  # every stage needs at least one layer
         Rk = R if self.training.zero_stage > 0 else 1
         key = (sig, Rk)
         if key in self._rep_cache:
@@ -371,7 +424,8 @@ class Planner:
         if mbs is None:
             return None
         pipe = max(o * lst[0][0] + b for (o, b, _), lst in zip(kinds, mbs))
-        sync = self._sync_estimate([s for s, _ in sols], R, sum(g.tp for g in groups))
+        # a layer's holders can share a node when one stage of every replica fits on a node
+        sync = self._sync_estimate([s for s, _ in sols], R, sum(n * max(tp for tp, _ in s.order) for s, n in sols))
         out = []
         for (s, _), lst in zip(sols, mbs):
             for m, n in lst:
@@ -384,7 +438,7 @@ class Planner:
         if f == 0.0:
             return 0.0
         m = self.model
-        same = used_gpus <= self.cluster.max_gpus_per_node and self.single_node
+        same = used_gpus <= self.cluster.max_gpus_per_node
         bw = self.cost.bandwidth(same) * 1e9
         worst = 0.0
         for s in sols:
@@ -404,12 +458,19 @@ class Planner:
         n_gpus = self.cluster.num_gpus
         exhaustive = n_gpus <= self.SMALL_GROUPS
         cands: list[Candidate] = []
-        for gi, combo in enumerate(grouping_candidates(self.cluster, self.tps, exhaustive)):
+        mixed = len({d.speed for d in self._devices}) > 1
+        seen: set = set()
+        for gi, (combo, large_fast) in enumerate(itertools.product(
+                grouping_candidates(self.cluster, self.tps, exhaustive), (True, False) if mixed else (True,))):
             groups: list[Group] = []
             for devs, parts in zip(per_node, combo):
-                groups.extend(carve(devs, parts))
+                groups.extend(carve(devs, parts, large_fast))
             groups.sort(key=lambda g: g.sort_key)
             gt = tuple(groups)
+            sig = tuple(sorted((g.node, g.key) for g in gt))
+            if sig in seen:
+                continue
+            seen.add(sig)
             if len(groups) <= self.SMALL_GROUPS:
                 cands.extend(self._exhaustive_replicas(gt, gi))
             else:
@@ -441,6 +502,7 @@ class Planner:
         n_groups = len(groups)
         used_gpus = sum(g.tp for g in groups)
         hi = min(self.M, n_groups)
+        lo = max(1, -(-n_groups // self.L))  # fewer replicas would need more stages than layers
 
         def run(R: int) -> Candidate | None:
             reps = _bulk_lpt(classes, counts, cap, R)
@@ -451,13 +513,13 @@ class Planner:
             for p in _geometric(self.L):
                 g = tp * p
                 for R in (used_gpus // g, -(-used_gpus // g)):
-                    if 1 <= R <= hi:
+                    if lo <= R <= hi:
                         Rs.add(R)
         results: dict[int, Candidate | None] = {R: run(R) for R in sorted(Rs)}
         # local refinement around the best few replica counts
         for _ in range(3):
             ranked = sorted((cd.estimate, R) for R, cd in results.items() if cd is not None)[:3]
-            new = [R + d for _, R in ranked for d in (-2, -1, 1, 2) if 1 <= R + d <= hi and R + d not in results]
+            new = [R + d for _, R in ranked for d in (-2, -1, 1, 2) if lo <= R + d <= hi and R + d not in results]
             if not new:
                 break
             for R in sorted(set(new)):
@@ -495,7 +557,7 @@ class Planner:
                 first += cnt
             out.append(PlanReplica(tuple(stages), m))
         used = {d for r in out for s in r.stages for d in s.devices}
-        unused = tuple(d for d in self.cluster.devices() if d not in used)
+        unused = tuple(d for d in self._devices if d not in used)
         plan = Plan(self.L, tuple(out), unused, "heterogeneous")
         if plan.uniform_dims() is not None and len({mm for _, mm in reps}) == 1:
             plan = Plan(self.L, tuple(out), unused, "uniform")
@@ -526,10 +588,11 @@ class Planner:
                     Rk = d if self.training.zero_stage > 0 else 1
                     per = [c.layer_time(tp) / sp for sp in speeds]
                     extra = [0.0] * (p - 1) + [c.head_time(tp) / speeds[-1]]
-                    mx = [c.max_layers(tp, j, p, Rk) for j in range(p)]
+                    mx = [self._max_layers(tp, j, p, Rk) for j in range(p)]
                     key = ("u", tp, tuple(speeds), Rk)
                     if key not in self._split_cache:
-                        self._split_cache[key] = split_layers(per, extra, mx, self.L)
+                        fn = split_layers if p <= 8 else split_layers_parametric
+                        self._split_cache[key] = fn(per, extra, mx, self.L)
                     res = self._split_cache[key]
                     if res is None:
                         continue
@@ -538,19 +601,22 @@ class Planner:
                     same = tp * p <= self.cluster.max_gpus_per_node
                     t = (mb + p - 1) * slow + 2 * (p - 1) * c.p2p_time(same)
                     sol = ReplicaSolution(tuple((tp, sp) for sp in speeds), counts, slow, 0.0)
-                    t += self._sync_estimate([sol], d, d * p * tp)
-                    reps = []
-                    for r in range(d):
-                        stages, first = [], 0
-                        for j, cnt in enumerate(counts):
-                            stages.append(PlanStage(tp, (first, first + cnt), grid[r][j].devices))
-                            first += cnt
-                        reps.append(PlanReplica(tuple(stages), mb))
-                    used = {dv for g in chosen for dv in g.devices}
-                    unused = tuple(dv for dv in self.cluster.devices() if dv not in used)
-                    est.append((t, (-tp, p, d), Plan(self.L, tuple(reps), unused, "uniform")))
+                    t += self._sync_estimate([sol], d, d * tp)
+                    est.append((t, (-tp, p, d), (tp, d, counts, mb, grid, chosen)))
         est.sort(key=lambda x: (x[0], x[1]))
-        scored = [ScoredPlan(pl, c.evaluate(pl)) for _, _, pl in est[:max(4, self.top_k)]]
+        plans = []
+        for _, _, (tp, d, counts, mb, grid, chosen) in est[:max(4, self.top_k)]:
+            reps = []
+            for r in range(d):
+                stages, first = [], 0
+                for j, cnt in enumerate(counts):
+                    stages.append(PlanStage(tp, (first, first + cnt), grid[r][j].devices))
+                    first += cnt
+                reps.append(PlanReplica(tuple(stages), mb))
+            used = {dv for g in chosen for dv in g.devices}
+            unused = tuple(dv for dv in self._devices if dv not in used)
+            plans.append(Plan(self.L, tuple(reps), unused, "uniform"))
+        scored = [ScoredPlan(pl, c.evaluate(pl)) for pl in plans]
         scored = [s for s in scored if s.cost.feasible]
         scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
         return scored
@@ -558,13 +624,13 @@ class Planner:
     def heterogeneous_plans(self) -> list[ScoredPlan]:
         cands = self.heterogeneous_candidates()
         cands.sort(key=lambda cd: (cd.estimate, cd.num_replicas, _cand_tie(cd)))
-        n_exact = max(16, 2 * self.top_k) if self.cluster.num_gpus <= 64 else max(6, self.top_k)
+        n_exact = max(32, 2 * self.top_k) if self.cluster.num_gpus <= 64 else max(6, self.top_k)
         scored, seen = [], set()
         for cd in cands:
             if len(scored) >= n_exact:
                 break
             pl = self.place(cd)
-            key = pl.describe()
+            key = tuple((r.micro_batches, tuple((st.layers, st.devices) for st in r.stages)) for r in pl.replicas)
             if key in seen:
                 continue
             seen.add(key)
