@@ -527,6 +527,39 @@ class Planner:
         return [cd for cd in results.values() if cd is not None]
 
     # -- placement ------------------------------------------------------------------------------
+    def place_best(self, cand: Candidate, limit: int = 256) -> tuple[Plan, CostBreakdown]:
+        """:meth:`place`, then on small clusters every assignment of same-class groups to slots
+        (exhaustive when there are at most ``limit``), priced exactly; the first best wins."""
+        base = self.place(cand)
+        best = (base, self.cost.evaluate(base))
+        if self.cluster.num_gpus > 16 or len(self.cluster.nodes) < 2:
+            return best
+        slots: dict[ClassKey, list[tuple[int, int]]] = {}
+        for ri, r in enumerate(base.replicas):
+            for j, st in enumerate(r.stages):
+                slots.setdefault(Group(st.devices).key, []).append((ri, j))
+        pools: dict[ClassKey, list[Group]] = {}
+        for g in sorted(cand.groups, key=lambda g: g.sort_key):
+            pools.setdefault(g.key, []).append(g)
+        keys = sorted(slots)
+        options = [list(itertools.permutations(pools[k], len(slots[k]))) for k in keys]
+        if math.prod(len(o) for o in options) > limit:
+            return best
+        for choice in itertools.product(*options):
+            taken = {}
+            for k, groups in zip(keys, choice):
+                for (ri, j), g in zip(slots[k], groups):
+                    taken[(ri, j)] = g
+            reps = tuple(PlanReplica(tuple(PlanStage(st.tp, st.layers, taken[(ri, j)].devices)
+                                           for j, st in enumerate(r.stages)), r.micro_batches)
+                         for ri, r in enumerate(base.replicas))
+            used = {d for r in reps for st in r.stages for d in st.devices}
+            pl = Plan(self.L, reps, tuple(d for d in self._devices if d not in used), base.kind)
+            c = self.cost.evaluate(pl)
+            if c.iteration_time_s < best[1].iteration_time_s:
+                best = (pl, c)
+        return best
+
     def place(self, cand: Candidate) -> Plan:
         """Assign physical groups: slots in (first layer, replica) order take groups of their class
         in node order, so a layer's replicas share nodes where possible."""
@@ -629,12 +662,11 @@ class Planner:
         for cd in cands:
             if len(scored) >= n_exact:
                 break
-            pl = self.place(cd)
+            pl, cost = self.place_best(cd)
             key = tuple((r.micro_batches, tuple((st.layers, st.devices) for st in r.stages)) for r in pl.replicas)
             if key in seen:
                 continue
             seen.add(key)
-            cost = self.cost.evaluate(pl)
             if cost.feasible:
                 scored.append(ScoredPlan(pl, cost))
         scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
