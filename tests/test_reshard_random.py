@@ -71,7 +71,8 @@ def make_cases(n: int, seed: int = 1234):
 
 
 def _worker(rank: int, world: int, root: str, cases) -> None:
-    groups = {n: dist.new_group(list(range(n)), backend="gloo") for n in range(1, world + 1)}
+    groups = {n: (dist.new_group(list(range(n)), backend="gloo"), dist.new_group(list(range(n)), backend="gloo"))
+              for n in range(1, world + 1)}
     failures = []
     for i, shape, ja, za, jb, zb in cases:
         la, lb = Layout.from_json(ja), Layout.from_json(jb)
@@ -79,13 +80,15 @@ def _worker(rank: int, world: int, root: str, cases) -> None:
         globs = global_tensors(specs + optimizer_specs(specs), seed=i)
         ckpt = os.path.join(root, f"case{i}")
         if rank < la.world_size:
-            eng = CheckpointEngine(ckpt, TorchComm(groups[la.world_size], rank, la.world_size), keep=1)
+            eng = CheckpointEngine(ckpt, TorchComm(groups[la.world_size][0], rank, la.world_size,
+                                                writer_group=groups[la.world_size][1]), keep=1)
             st = rank_state(la, rank, specs, globs, za, fill=0.0)
             eng.save(10 + i, st.shards, extra={"case": i}, rank_state={"rank": rank})
             eng.finalize()
         dist.barrier()
         if rank < lb.world_size:
-            eng = CheckpointEngine(ckpt, TorchComm(groups[lb.world_size], rank, lb.world_size), keep=1)
+            eng = CheckpointEngine(ckpt, TorchComm(groups[lb.world_size][0], rank, lb.world_size,
+                                                writer_group=groups[lb.world_size][1]), keep=1)
             dst = rank_state(lb, rank, specs, None, zb)
             res = eng.load(None, dst.shards)
             assert res.step == 10 + i and res.extra == {"case": i}

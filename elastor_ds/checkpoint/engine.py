@@ -99,6 +99,8 @@ class CheckpointEngine:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         self.root = os.path.abspath(root)
         self.comm: Comm = comm or LocalComm()
+        # the background writer's collectives run on their own group: two threads never share one
+        self.writer_comm: Comm = self.comm.duplicate() if hasattr(self.comm, "duplicate") else self.comm
         self.keep = keep
         self.async_save = async_save
         self.fsync = fsync
@@ -166,10 +168,13 @@ class CheckpointEngine:
             raise AsyncSaveError(f"checkpoint save of step {job.step} failed: {job.error}")
         return job.stats
 
+    def local_idle(self) -> bool:
+        """This rank's previous save has finished (not collective)."""
+        return self._job is None or self._job.done.is_set()
+
     def is_idle(self) -> bool:
         """Collective: True on every rank when every rank's previous save has finished."""
-        local = self._job is None or self._job.done.is_set()
-        return all(self.comm.all_gather_object(local))
+        return all(self.comm.all_gather_object(self.local_idle()))
 
     def finalize(self) -> Optional[SaveStats]:
         """Wait for the in-flight save (raises if it failed). Call before exiting."""
@@ -189,7 +194,7 @@ class CheckpointEngine:
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
         try:
-            outcomes = self.comm.all_gather_object(outcome)
+            outcomes = self.writer_comm.all_gather_object(outcome)
             errors = [o[1] for o in outcomes if o[0] != "ok"]
             result: Any = None
             if rank == 0:
@@ -204,7 +209,7 @@ class CheckpointEngine:
                         result = ("ok", final)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", f"rank 0 commit: {type(e).__name__}: {e}")
-            result = self.comm.broadcast_object(result, src=0)
+            result = self.writer_comm.broadcast_object(result, src=0)
             if result[0] != "ok":
                 job.error = result[1]
             else:

@@ -28,6 +28,7 @@ class Comm(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]: ...
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
     def barrier(self) -> None: ...
+    def duplicate(self) -> "Comm": ...
 
 
 class LocalComm:
@@ -43,14 +44,21 @@ class LocalComm:
     def barrier(self) -> None:
         return None
 
+    def duplicate(self) -> "LocalComm":
+        return self
+
 
 class TorchComm:
     """Object collectives on a dedicated gloo group of the default world."""
 
-    def __init__(self, group: Any, rank: int, world_size: int):
+    def __init__(self, group: Any, rank: int, world_size: int, ranks: Any = None, timeout_s: float = 600.0,
+                 writer_group: Any = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.ranks = list(ranks) if ranks is not None else list(range(world_size))
+        self.timeout_s = timeout_s
+        self.writer_group = writer_group
 
     @staticmethod
     def create(timeout_s: float = 600.0) -> "TorchComm":
@@ -60,8 +68,23 @@ class TorchComm:
         if not dist.is_available() or not dist.is_initialized():
             raise CollectiveError("torch.distributed is not initialised: call init_process_group (or "
                                   "deepspeed.init_distributed) first, or use LocalComm for one process")
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return TorchComm(group, dist.get_rank(), dist.get_world_size())
+        td = datetime.timedelta(seconds=timeout_s)
+        group = dist.new_group(backend="gloo", timeout=td)
+        writer = dist.new_group(backend="gloo", timeout=td)
+        return TorchComm(group, dist.get_rank(), dist.get_world_size(), timeout_s=timeout_s, writer_group=writer)
+
+    def duplicate(self) -> "TorchComm":
+        """The same ranks on a second group, for the checkpoint writer thread: two threads must never
+        run collectives on one group (their order could differ per rank and hang). Uses the
+        ``writer_group`` made with this comm; without one, creates a group now, which every rank of
+        the default world must call in the same order."""
+        import torch.distributed as dist
+
+        group = self.writer_group
+        if group is None:
+            group = dist.new_group(ranks=self.ranks, backend="gloo",
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        return TorchComm(group, self.rank, self.world_size, self.ranks, self.timeout_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
@@ -74,7 +97,7 @@ class TorchComm:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, group=self.group, group_src=src)  # src: rank within this group
         return box[0]
 
     def barrier(self) -> None:
