@@ -92,5 +92,5 @@ def test_cli_convert_from_deepspeed(runs, tmp_path):
     assert main(["convert", native, str(tmp_path / "c"), "--from", "deepspeed"]) == 0
     man = commit_mod.read_manifest(commit_mod.resolve(str(tmp_path / "c")))
     assert man.step == K and man.extra["client_state"] == {"epoch": 7}
-    assert "optim.exp_avg_sq.7.out.weight" in man.tensors and "model.0.emb.weight" in man.tensors
+    assert "optimizer.exp_avg_sq.7.out.weight" in man.tensors and "0.emb.weight" in man.tensors
     assert main(["convert", native, str(tmp_path / "d"), "--from", "nonsense"]) != 0

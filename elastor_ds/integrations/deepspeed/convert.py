@@ -191,7 +191,7 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
     universal = source == "deepspeed-universal" or os.path.isdir(os.path.join(step_dir, "zero"))
     shards, extra = universal_shards(step_dir) if universal else native_shards(step_dir, weights_only)
     for s in shards:
-        if s.tensor.dtype != torch.float32 and s.name.startswith(st.OPTIM):
+        if s.tensor.dtype != torch.float32 and st.is_optim(s.name):
             s.tensor = s.tensor.float()
     eng = CheckpointEngine(dst, async_save=False)
     stats = eng.save(int(extra["global_steps"]), shards, extra=extra,
@@ -216,7 +216,7 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
     step = int(ex.get("global_steps", man.step))
     tag = f"global_step{step}"
     zdir = os.path.join(dst, tag, "zero")
-    params = sorted(n[len(st.MODEL):] for n in man.tensors if n.startswith(st.MODEL))
+    params = sorted(n[len(st.MODEL):] for n in man.tensors if st.is_model(n))
     if not params:
         raise ConfigError(f"{step_dir}: no model.* tensors; not a checkpoint written by the DeepSpeed integration")
     opt_groups = ex.get("optimizer") or []
@@ -233,14 +233,14 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
             bufs[n] = torch.empty(tuple(e.shape), dtype=getattr(torch, e.dtype))
         reader.load(step_dir, [_full(n, t) for n, t in bufs.items()], verify_checksums="chunks")
         for n, t in bufs.items():
-            if n.startswith(st.MODEL):
+            if st.is_model(n):
                 continue
             key, pname = n[len(st.OPTIM):].split(".", 1)
             pdir = os.path.join(zdir, pname)
             os.makedirs(pdir, exist_ok=True)
             torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
         for n, t in bufs.items():  # weights of params without an fp32 master (weights-only checkpoints)
-            if n.startswith(st.MODEL):
+            if st.is_model(n):
                 pdir = os.path.join(zdir, n[len(st.MODEL):])
                 if not os.path.isfile(os.path.join(pdir, "fp32.pt")):
                     os.makedirs(pdir, exist_ok=True)

@@ -39,16 +39,19 @@ FORMAT = "elastor_ds.deepspeed/1"
 
 
 def engine_layout(engine: Any) -> Layout:
-    """The TP1 x PP x DP grid the engine runs, with its actual stage boundaries."""
+    """The TP x PP x DP grid the engine runs (TP = the topology's "model" axis), with its actual
+    stage boundaries over the pipeline's layer list."""
     module = engine.module
     parts = getattr(module, "parts", None)
     num_layers = len(getattr(module, "_layer_specs", [])) or 1
     pp = int(getattr(engine, "num_stages", 1) or 1)
     dp = int(engine.dp_world_size)
     gas = int(engine.gradient_accumulation_steps())
+    grid = getattr(engine, "grid", None)
+    tp = int(grid.get_slice_parallel_world_size()) if grid is not None else 1
     if parts is None or pp == 1:
         parts = [0, num_layers]
-    return Layout.uniform(1, pp, dp, num_layers, boundaries=list(parts), micro_batches=gas)
+    return Layout.uniform(tp, pp, dp, num_layers, boundaries=list(parts), micro_batches=gas)
 
 
 class ElastorCheckpointer:
@@ -161,7 +164,7 @@ class ElastorCheckpointer:
         names = self._tensor_names(step_dir)
         keys = st.state_keys_in(names)
         shards = st.model_shards(eng)
-        has_optim = any(n.startswith(st.OPTIM) for n in names) or not names
+        has_optim = any(st.is_optim(n) for n in names) or not names
         if has_optim:
             shards += st.optimizer_shards(eng, state_keys=keys)
         else:
@@ -209,8 +212,7 @@ class ElastorCheckpointer:
 
 def _local_idle(ckpt: CheckpointEngine) -> bool:
     """This rank's previous save has finished (non-collective; the policy agrees across ranks)."""
-    job = ckpt._job
-    return job is None or job.done.is_set()
+    return ckpt.local_idle()
 
 
 def _jsonable(obj: Any, where: str) -> Any:

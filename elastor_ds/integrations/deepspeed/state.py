@@ -3,11 +3,14 @@
 Maps an engine's memory to :class:`~elastor_ds.checkpoint.shards.TensorShard` s with global,
 partition-independent names, and its scalar state to JSON:
 
-* module weights and buffers: ``model.<name>``, where ``<name>`` is the module's own parameter name
-  (a ``PipelineModule`` names layer ``i``'s parameters ``"<i>.<param>"`` for the *global* layer
-  index ``i``, and tied weights ``"tied_modules.<key>.<param>"``), so it does not depend on the
-  stage boundaries;
-* optimizer tensors: ``optim.<state key>.<name>`` (``master`` = fp32 master weights, then every
+* module weights and buffers: ``<name>``, the module's own parameter name (a ``PipelineModule``
+  names layer ``i``'s parameters ``"<i>.<param>"`` for the *global* layer index ``i``, and tied
+  weights ``"tied_modules.<key>.<param>"``), so it does not depend on the stage boundaries. When
+  the module has an ``elastor_geometry`` callable (``(name, local_shape) -> (canonical name, global
+  shape, TP pieces)``), tensor-parallel parameters are saved as regions of their canonical global
+  tensors under canonical names instead (e.g. megatron-core layers inside the pipeline), so TP can
+  change between save and load;
+* optimizer tensors: ``optimizer.<state key>.<name>`` (``master`` = fp32 master weights, then every
   per-element state of the optimizer, e.g. Adam's ``exp_avg``/``exp_avg_sq``). Under ZeRO-1 a rank
   holds one contiguous run of each param group's flat buffer; each parameter's part of that run is
   mapped to boxes of the parameter (:func:`shards_from_flat`), so any DP size or ZeRO stage can
@@ -26,14 +29,14 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
+from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat, shards_from_pieces
 from ...errors import ConfigError
 from ...layout.region import Piece, Region
 
 log = logging.getLogger(__name__)
 
-MODEL = "model."
-OPTIM = "optim."
+MODEL = ""              # model tensors keep their (canonical) names: a consolidated checkpoint is usable as is
+OPTIM = "optimizer."    # the repo-wide prefix of optimizer state (see elastor_ds.checkpoint.convert)
 MASTER = "master"
 
 
@@ -43,6 +46,28 @@ def model_name(name: str) -> str:
 
 def optim_name(key: str, name: str) -> str:
     return f"{OPTIM}{key}.{name}"
+
+
+def is_optim(name: str) -> bool:
+    return name.startswith(OPTIM)
+
+
+def is_model(name: str) -> bool:
+    return not is_optim(name)
+
+
+def _geometry(engine: Any):
+    return getattr(engine.module, "elastor_geometry", None)
+
+
+def _place(engine: Any, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], list[Piece]]:
+    """(checkpoint name, global shape, TP pieces) of the local parameter ``name``."""
+    geo = _geometry(engine)
+    if geo is None:
+        full = Region.full(shape)
+        return name, tuple(shape), [Piece(full, full)]
+    cname, gshape, pieces = geo(name, tuple(shape))
+    return cname, tuple(gshape), list(pieces)
 
 
 @dataclass
@@ -114,19 +139,22 @@ def _groups(engine: Any) -> list[_Group]:
 
 
 def model_shards(engine: Any) -> list[TensorShard]:
-    out = [full_shard(model_name(n), p.data) for n, p in engine.module.named_parameters()]
+    out = []
+    for n, p in engine.module.named_parameters():
+        cname, gshape, pieces = _place(engine, n, tuple(p.shape))
+        out.extend(shards_from_pieces(model_name(cname), gshape, p.data, pieces))
     for n, b in engine.module.named_buffers():
         if b is not None and b.is_floating_point():
             out.append(full_shard(model_name(n), b))
     return out
 
 
-def _views(name_key: str, t: torch.Tensor, spans) -> list[TensorShard]:
+def _views(engine: Any, name_key: str, t: torch.Tensor, spans) -> list[TensorShard]:
     flat = t.view(-1)
     out = []
     for name, shape, start, end, foff in spans:
-        full = Region.full(shape)
-        out.extend(shards_from_flat([optim_name(name_key, name)], [shape], [shape], [[Piece(full, full)]],
+        cname, gshape, pieces = _place(engine, name, tuple(shape))
+        out.extend(shards_from_flat([optim_name(name_key, cname)], [gshape], [shape], [pieces],
                                     flat[foff:foff + (end - start)], start, end))
     return out
 
@@ -140,7 +168,7 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None) ->
     out: list[TensorShard] = []
     for g in _groups(engine):
         for sp, spans in zip(g.state_params, g.spans):
-            out.extend(_views(MASTER, sp.data, spans))
+            out.extend(_views(engine, MASTER, sp.data, spans))
             st = opt.state[sp]
             if state_keys is not None:
                 for k in state_keys:
@@ -150,7 +178,7 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None) ->
                 v = st[k]
                 per_element = isinstance(v, torch.Tensor) and v.numel() == sp.numel()
                 if per_element and (v.numel() > 1 or (state_keys is not None and k in state_keys)):
-                    out.extend(_views(k, v, spans))
+                    out.extend(_views(engine, k, v, spans))
     return out
 
 
@@ -194,7 +222,7 @@ def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> None:
 
 
 def state_keys_in(tensor_names: Iterable[str]) -> set[str]:
-    """Optimizer state keys present in a checkpoint's tensor names (``optim.<key>.<name>``)."""
+    """Optimizer state keys present in a checkpoint's tensor names (``optimizer.<key>.<name>``)."""
     keys = set()
     for n in tensor_names:
         if n.startswith(OPTIM):
