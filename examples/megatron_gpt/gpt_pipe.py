@@ -86,16 +86,29 @@ class FinalNormPipe(nn.Module):
 
 
 class OutputPipe(nn.Module):
-    def __init__(self, config: Any, padded_vocab: int):
+    """Column-parallel output layer. Logits of the vocabulary padding rows are masked out, so the
+    loss does not depend on how much padding this TP degree adds (Megatron pads to a multiple of
+    ``divisible_by * tp``) and padding rows never train: resuming under another TP is exact."""
+
+    def __init__(self, config: Any, padded_vocab: int, true_vocab: int | None = None):
         super().__init__()
+        self.true_vocab = true_vocab if true_vocab is not None else padded_vocab
+        self.padded_vocab = padded_vocab
         from megatron.core import tensor_parallel
         self.linear = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
             gather_output=False, skip_bias_add=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits, _ = self.linear(h)
-        return logits  # [s, b, v / tp]
+        logits, _ = self.linear(h)  # [s, b, v / tp]
+        if self.true_vocab < self.padded_vocab:
+            from megatron.core import parallel_state as ps
+            n = logits.shape[-1]
+            start = ps.get_tensor_model_parallel_rank() * n
+            pad = torch.arange(start, start + n, device=logits.device) >= self.true_vocab
+            if bool(pad.any()):
+                logits = logits.masked_fill(pad, -1e4)
+        return logits
 
 
 def make_loss_fn(pad_id: int):
@@ -125,13 +138,14 @@ class SeededLayerSpec(LayerSpec):
             torch.set_rng_state(state)
 
 
-def build_layers(config: Any, num_layers: int, padded_vocab: int, max_seq: int, seed: int = 1234) -> list:
+def build_layers(config: Any, num_layers: int, padded_vocab: int, max_seq: int, seed: int = 1234,
+                 true_vocab: int | None = None) -> list:
     """The L + 3 DeepSpeed pipe layers as LayerSpecs (each stage builds only its own)."""
     base = seed * 1000
     specs = [SeededLayerSpec(base, EmbeddingPipe, config, padded_vocab, max_seq)]
     specs += [SeededLayerSpec(base + i + 1, TransformerLayerPipe, config, i + 1) for i in range(num_layers)]
     specs += [SeededLayerSpec(base + num_layers + 1, FinalNormPipe, config),
-              SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab)]
+              SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab, true_vocab)]
     return specs
 
 

@@ -133,14 +133,30 @@ def derive(args: argparse.Namespace, world: int) -> dict:
 
 
 def auto_plan(args: argparse.Namespace, world: int):
-    """The planner's best layout for ``world`` processes that this runtime executes (uniform grids)."""
-    from elastor_ds.plan import plan_for_trainer  # type: ignore[attr-defined]
-    return plan_for_trainer(world=world, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            num_attention_heads=args.num_attention_heads,
-                            num_query_groups=args.num_query_groups or args.num_attention_heads,
-                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                            global_batch_size=args.global_batch_size,
-                            max_tp=args.tensor_model_parallel_size)
+    """The planner's best layout for ``world`` processes (one node) that this runtime executes: a
+    uniform TP x PP x DP grid with uneven stages allowed and equal micro-batches per replica."""
+    from elastor_ds.layout import Layout
+    from elastor_ds.plan import Cluster, CostModel, ModelSpec, TrainingSpec, plan
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length, vocab_size=104,
+                      ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+                      dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False)
+    training = TrainingSpec(micro_batch_size=args.micro_batch_size,
+                            num_micro_batches=args.global_batch_size // args.micro_batch_size,
+                            nominal_tp=args.tensor_model_parallel_size, zero_stage=args.zero_stage)
+    res = plan(CostModel(model, training, Cluster.from_gpus_per_node([world])), layouts="uniform", top_k=20)
+    for cand in [res.best] + list(res.alternatives):
+        p = cand.plan
+        layout = Layout.from_json({"version": 1, "replicas": [
+            {"micro_batches": r.micro_batches, "stages": [{"tp": st.tp, "layers": list(st.layers)} for st in r.stages]}
+            for r in p.replicas]}, args.num_layers)
+        mbs = {r.micro_batches for r in layout.replicas}
+        if layout.world_size == world and len(mbs) == 1 and layout.is_uniform():
+            return layout
+    raise UsageError(f"the planner's best layouts for this model do not use all {world} processes with equal "
+                     f"micro-batches per replica (best: {res.best.plan.describe()}); run `elastor plan ... "
+                     f"--layouts uniform --json > plan.json` and relaunch with its process count and "
+                     f"--elastor-plan plan.json")
 
 
 def lr_lambda(args: argparse.Namespace):
@@ -239,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, params_dtype=torch.float32, pipeline_dtype=torch.float32)
     padded_vocab = spec_cfg.padded_vocab(tp)
-    layers = gpt_pipe.build_layers(tcfg, args.num_layers, padded_vocab, d["max_pos"], seed=args.seed)
+    layers = gpt_pipe.build_layers(tcfg, args.num_layers, padded_vocab, d["max_pos"], seed=args.seed,
+                                   true_vocab=tok.vocab_size)
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     model = eds.PipelineModule(layers, topology=topo, loss_fn=gpt_pipe.make_loss_fn(CharTokenizer.PAD),
                                boundaries=gpt_pipe.ds_parts(d["boundaries"], args.num_layers))
@@ -258,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     # data: built-in corpus unless --data-path; each replica takes its slice of every global batch
     data_path = args.data_path
     if data_path is None:
-        base = args.save or args.load or os.path.join(os.getcwd(), "runs")
-        data_path = os.path.join(os.path.dirname(os.path.abspath(base)), f"corpus_seed{args.seed}.jsonl")
+        base = args.save or args.load
+        folder = os.path.dirname(os.path.abspath(base)) if base else os.path.join(os.getcwd(), "runs")
+        os.makedirs(folder, exist_ok=True)
+        data_path = os.path.join(folder, f"corpus_seed{args.seed}.jsonl")
         if rank == 0 and not os.path.exists(data_path):
             write_synthetic_corpus(data_path, num_records=20000, chars_per_record=args.seq_length * 2, seed=args.seed)
         dist.barrier()
