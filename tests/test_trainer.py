@@ -1,0 +1,74 @@
+"""examples/megatron_gpt/pretrain_gpt.py end to end: megatron-core TP layers in DeepSpeed's pipeline
+engine, saved under TP2 x PP2 and resumed under TP1 x PP3 (uneven) and TP2 x PP1 x DP2; the resumed
+losses reproduce the uninterrupted run's. Bad flags exit 2 with a message."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
+sys.path.insert(0, os.path.join(ROOT, "examples", "megatron_gpt"))
+COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
+          "--lr-warmup-iters", "2", "--log-interval", "100"]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    from dist_utils import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", TRAINER, *COMMON, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def losses(path: str) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(path))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainer")
+    torchrun(4, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--save",
+             str(d / "ck"), "--save-interval", "3", "--metrics-file", str(d / "ref.jsonl"))
+    return d
+
+
+@pytest.mark.parametrize("nproc,tp,pp", [(3, 1, 3), (4, 2, 1)], ids=["tp1pp3-uneven", "tp2pp1dp2"])
+def test_resume_under_new_layout_reproduces_losses(reference, nproc, tp, pp):
+    out = reference / f"res_{tp}_{pp}.jsonl"
+    torchrun(nproc, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             "--load", str(reference / "ck" / "step_000000003"), "--save", str(reference / f"ck_{tp}_{pp}"),
+             "--metrics-file", str(out))
+    ref, got = losses(str(reference / "ref.jsonl")), losses(str(out))
+    assert sorted(got) == [4, 5, 6]
+    rec = [json.loads(line) for line in open(out)]
+    assert rec[0]["consumed_samples"] == 32 and rec[0]["world_size"] == nproc
+    for it in got:
+        assert got[it] == pytest.approx(ref[it], rel=2e-5), (it, got[it], ref[it])
+    assert ref[6] < ref[1]  # it learns
+
+
+def test_bad_flags_exit_2_with_message():
+    import pretrain_gpt
+    cases = [
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "not divisible by TP (2) x PP (2)"),
+        (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, "--global-batch-size 10 is not divisible"),
+        (["--num-attention-heads", "4", "--num-query-groups", "3"], 1, "not divisible by --num-query-groups 3"),
+        (["--pipeline-model-parallel-size", "8", "--num-layers", "4"], 8, "every stage needs a layer"),
+        (["--seq-length", "128", "--max-position-embeddings", "64"], 1, "--seq-length 128 > --max-position-embeddings 64"),
+        (["--elastor-plan", "/nonexistent.json"], 1, "no such file"),
+    ]
+    for argv, world, msg in cases:
+        args = pretrain_gpt.parse_args(argv)
+        with pytest.raises(pretrain_gpt.UsageError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            pretrain_gpt.derive(args, world)
+    p = subprocess.run([sys.executable, TRAINER, "--global-batch-size", "7"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, WORLD_SIZE="1"))
+    assert p.returncode == 2 and "--global-batch-size 7 is not divisible" in p.stderr
