@@ -1,20 +1,13 @@
 #!/usr/bin/env bash
-# The README's main job: a real multi-process save -> resharding load on CPU processes (gloo).
-#   4 processes save a GPT-like state (weights + Adam moments) under TP2 x PP2 asynchronously,
-#   then 3 processes (one "GPU" lost) load it under a heterogeneous layout and check every byte.
-# Installs what it needs into .venv first. Output and checkpoints go to runs/demo/.
+# The README's main job, on CPU processes (gloo) by default:
+#   train a GPT (megatron-core TP layers in DeepSpeed's pipeline engine) on 4 processes as TP2 x PP2,
+#   checkpoint asynchronously, kill one worker as a GPU loss would, ask the planner for the best
+#   layout for the 3 processes left, relaunch, resume under that layout and keep training.
+# Installs what it needs into .venv first. Outputs go to runs/elastic_demo/ (table, loss.png).
+#   ./scripts/demo.sh --gpus      # the same on this node's GPUs (NCCL)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
-export OMP_NUM_THREADS=1
-OUT=${OUT:-runs/demo}
-rm -rf "$OUT" && mkdir -p "$OUT"
-TORCHRUN=".venv/bin/torchrun --standalone"
-echo "== phase 1: train-time save, 4 processes, TP2 x PP2 =="
-$TORCHRUN --nproc-per-node 4 -m elastor_ds.demo --phase save --ckpt "$OUT/ckpt" --layout tp=2,pp=2,dp=1
-echo "== phase 2: one process lost; resume on 3 processes, heterogeneous layout =="
-PLAN='{"version":1,"replicas":[{"micro_batches":5,"stages":[{"tp":1,"layers":[0,3]},{"tp":1,"layers":[3,8]}]},{"micro_batches":3,"stages":[{"tp":1,"layers":[0,8]}]}]}'
-$TORCHRUN --nproc-per-node 3 -m elastor_ds.demo --phase load --ckpt "$OUT/ckpt" --layout "$PLAN"
-echo "== phase 3: and back to 2 processes, TP2 (checkpoint written by 4, read by 2) =="
-$TORCHRUN --nproc-per-node 2 -m elastor_ds.demo --phase load --ckpt "$OUT/ckpt" --layout tp=2,pp=1,dp=1
-.venv/bin/elastor inspect "$OUT/ckpt" | head -20 || true
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+if [[ " $* " == *" --gpus "* ]]; then unset DS_ACCELERATOR; fi
+exec .venv/bin/python examples/megatron_gpt/elastic_demo.py "$@"
