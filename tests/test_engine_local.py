@@ -70,3 +70,14 @@ def test_retention_and_safetensors_interop(tmp_path):
     d = commit_mod.resolve(str(tmp_path))
     loaded = load_file(os.path.join(d, "data_00000.safetensors"))
     assert torch.equal(next(iter(loaded.values())), t + 3)
+
+
+def test_crc32_combine_matches_zlib():
+    import zlib
+
+    from elastor_ds.checkpoint.storage import crc32_combine
+    rng = torch.Generator().manual_seed(0)
+    for n1, n2 in [(0, 5), (7, 0), (100, 1000), (1 << 20, 12345), (3, 1)]:
+        a = torch.randint(0, 256, (n1,), generator=rng, dtype=torch.uint8).numpy().tobytes()
+        b = torch.randint(0, 256, (n2,), generator=rng, dtype=torch.uint8).numpy().tobytes()
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)

@@ -39,7 +39,7 @@ def launch(root: str, world: int, steps: int, mib: int):
     return procs
 
 
-def wait_for_line(proc, prefix: str, timeout: float = 60.0) -> str:
+def wait_for_line(proc, prefix: str, timeout: float = 180.0) -> str:
     t0 = time.time()
     while time.time() - t0 < timeout:
         line = proc.stdout.readline()

@@ -231,12 +231,9 @@ class CheckpointEngine:
         entries = [EntrySpec(_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
         header, rel = build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
         buf = self.staging.buf
-        views = [] if buf is None or not items else [buf[:spans[-1][0] + spans[-1][1]].numpy()]
-        crcs = []
-        if buf is not None:
-            for (pos, n) in spans:
-                crcs.append(zlib.crc32(buf[pos:pos + n].numpy()))
-        size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=self.fsync)
+        views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
+        crcs: list[int] = []
+        size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=self.fsync, chunk_crcs=crcs)
         chunks = [(it.name, _key(it.name, it.region), it.region.to_json(), len(header) + off, it.nbytes, c)
                   for it, off, c in zip(items, rel, crcs)]
         files = {fname: (size, crc)}

@@ -48,8 +48,13 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
     return struct.pack("<Q", len(text)) + text, offs
 
 
-def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True) -> tuple[int, int]:
-    """Write ``header`` then each buffer; return (size, crc32). Raises OSError on failure."""
+def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True,
+                 chunk_crcs: list[int] | None = None) -> tuple[int, int]:
+    """Write ``header`` then each buffer; return (size, crc32 of the whole file).
+
+    Each byte is checksummed once: every buffer gets its own CRC32 (appended to ``chunk_crcs``
+    when given) and the file's CRC is combined from them (:func:`crc32_combine`), so per-chunk and
+    per-file checksums cost one pass. Raises OSError on failure."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         crc = zlib.crc32(header)
@@ -57,16 +62,61 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
         size = len(header)
         for buf in buffers:
             mv = memoryview(buf).cast("B")
+            c = 0
             for i in range(0, len(mv), WRITE_BLOCK):
                 blk = mv[i:i + WRITE_BLOCK]
-                crc = zlib.crc32(blk, crc)
+                c = zlib.crc32(blk, c)
                 _write_all(fd, blk)
+            if chunk_crcs is not None:
+                chunk_crcs.append(c)
+            crc = crc32_combine(crc, c, len(mv))
             size += len(mv)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return size, crc
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+_ZERO_BYTE_OPS: list[list[int]] = []  # _ZERO_BYTE_OPS[k]: CRC operator for 2**k zero bytes
+
+
+def _zero_ops(k: int) -> list[int]:
+    if not _ZERO_BYTE_OPS:
+        op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+        for _ in range(3):                                 # -> one zero byte
+            op = _gf2_square(op)
+        _ZERO_BYTE_OPS.append(op)
+    while len(_ZERO_BYTE_OPS) <= k:
+        _ZERO_BYTE_OPS.append(_gf2_square(_ZERO_BYTE_OPS[-1]))
+    return _ZERO_BYTE_OPS[k]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's method: shift
+    ``crc1`` over ``len2`` zero bytes with cached power-of-two operators, then xor ``crc2``)."""
+    k = 0
+    while len2 > 0:
+        if len2 & 1:
+            crc1 = _gf2_times(_zero_ops(k), crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
 
 
 def _write_all(fd: int, mv: memoryview) -> None:
