@@ -331,7 +331,7 @@ class CheckpointEngine:
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
                                       f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
                                       f"to skip missing tensors")
-        lplan = read_shards(step_dir, man, shards_found, allow_cast)
+        lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=verify_checksums != "none")
         rank_state = None
         sf = man.rank_state_files.get(self.comm.rank)
         if sf:
@@ -342,8 +342,10 @@ class CheckpointEngine:
                           lplan.bytes_needed, time.perf_counter() - t0)
 
 
-def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False) -> LoadPlan:
-    """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective)."""
+def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False,
+                check_crc: bool = True) -> LoadPlan:
+    """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective);
+    ``check_crc``: verify the CRC32 of every whole chunk read."""
     requests = []
     targets = []
     for s in shards:
@@ -361,11 +363,11 @@ def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], all
         requests.append(Request(s.name, s.region, len(targets)))
         targets.append(s.tensor)
     lplan = plan_load(man.tensors, requests)
-    _execute(step_dir, lplan, targets)
+    _execute(step_dir, lplan, targets, check_crc)
     return lplan
 
 
-def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) -> None:
+def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor], check_crc: bool = True) -> None:
     """Run the reads: straight into destination memory when possible, else via a staging buffer."""
     fds: dict[str, int] = {}
     stage = torch.empty(0, dtype=torch.uint8)
@@ -381,7 +383,7 @@ def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) ->
             if direct is not None:
                 pread_into(fd, direct, op.offset)
                 for c, mv in zip(sorted(op.copies, key=lambda c: c.buf_offset), direct):
-                    if c.crc32 is not None:
+                    if check_crc and c.crc32 is not None:
                         _check_crc(mv, c, op)
                 continue
             if stage.numel() < op.length:
@@ -390,7 +392,7 @@ def _execute(step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor]) ->
             pread_into(fd, [memoryview(buf.numpy())], op.offset)
             for c in op.copies:
                 raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
-                if c.crc32 is not None:
+                if check_crc and c.crc32 is not None:
                     _check_crc(memoryview(raw.numpy()), c, op)
                 src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
                 region_view(targets[c.target], c.dst).copy_(src)
