@@ -73,7 +73,9 @@ def test_sigkill_whole_job_mid_save_keeps_last_commit(tmp_path):
         root = str(tmp_path / f"t{trial}")
         procs = launch(root, 2, steps=50, mib=16)
         wait_for_line(procs[0], "COMMITTED 1")
-        time.sleep(rng.uniform(0.0, 0.6))
+        # "SAVING k" is printed when save() returned: the background writers are in flight
+        wait_for_line(procs[0], f"SAVING {rng.randint(2, 4)}")
+        time.sleep(rng.uniform(0.0, 0.03))
         for p in procs:
             p.send_signal(signal.SIGKILL)
         for p in procs:

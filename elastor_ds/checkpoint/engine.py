@@ -3,8 +3,8 @@
 Save (``save``), one in flight at a time:
 1. Wait for the previous save; if it failed on any rank, raise :class:`AsyncSaveError` here, on
    every rank.
-2. Agree on the save plan: all-gather a digest of each rank's shard metadata; when it matches the
-   cached one reuse the plan, else all-gather the metadata and compute the plan
+2. Agree on the save plan: one tiny all-reduce says whether every rank's shard metadata still
+   matches the cached plan; if so reuse it, else all-gather the metadata and compute the plan
    (:func:`plan_save`: deduplicated, balanced, identical on every rank).
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
 4. Background writer thread: stream the buffer to ``data_<rank>.safetensors`` in the temp step
@@ -105,8 +105,9 @@ class CheckpointEngine:
         self.async_save = async_save
         self.fsync = fsync
         self.staging = StagingBuffer(pin_memory)
-        self._plan_key: Optional[tuple] = None
         self._plan: Optional[SavePlan] = None
+        self._local_digest = ""
+        self._session = ""
         self._job: Optional[_Job] = None
         self._saves = 0
         self.last_stats: Optional[SaveStats] = None
@@ -123,17 +124,19 @@ class CheckpointEngine:
         rank = self.comm.rank
         metas = [ShardMeta(s.name, s.shape, dtype_name(s.tensor.dtype), s.region) for s in shards]
         digest = metadata_digest(metas)
-        nonce = f"{os.getpid()}_{int(time.time() * 1000)}_{self._saves}"
-        keys = self.comm.all_gather_object((digest, nonce))
-        plan_key = tuple(k[0] for k in keys)
-        cached = plan_key == self._plan_key and self._plan is not None
+        # fast path: every rank's shard metadata is what the cached plan was made from: one tiny
+        # all-reduce (all ranks reach the same answer); otherwise gather everything and plan again
+        local_same = self._plan is not None and digest == self._local_digest
+        cached = self.comm.all_equal(int(local_same)) and local_same
         if not cached:
-            gathered = self.comm.all_gather_object([m.to_tuple() for m in metas])
-            self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g] for g in gathered])
-            self._plan_key = plan_key
+            nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
+            gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce))
+            self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g[0]] for g in gathered])
+            self._session = gathered[0][1]
+            self._local_digest = digest
         plan = self._plan
         assert plan is not None
-        tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, keys[0][1]))
+        tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, f"{self._session}_{self._saves}"))
         t1 = time.perf_counter()
         items = plan.items[rank]
         spans = self.staging.snapshot(items, shards)
