@@ -1,7 +1,8 @@
 """Checkpoint benchmark: elastor vs PyTorch DCP vs the physical floors, side by side in one run.
 
 Every rank holds a Shard(0) half (by rows) of each global fp32 tensor. Measured per rank:
-  floors  memcpy of this rank's bytes into a warm buffer; sequential write + fsync; cold read
+  floors  memcpy of this rank's bytes into a warm buffer (all ranks at once, median of 5);
+          sequential write + fsync (median of measurements interleaved with the saves); cold read
   elastor stall per save (steady state, warm staging buffer), time to durable, load with reshard
           to a Shard(1) (column) layout, peak RSS and staging bytes vs bytes written
   DCP     dcp.save (sync), dcp.async_save (stall + durable), dcp.load with the same reshard
@@ -60,6 +61,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     torch.manual_seed(rank)
     ntensors = args.tensors
+    wfloors: list[float] = []
     rows_local = args.mib_per_rank * 2**20 // 4 // COLS // ntensors
     rows = rows_local * world
     local = [torch.randn(rows_local, COLS) for _ in range(ntensors)]
@@ -71,20 +73,25 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     src = torch.cat([t.reshape(-1) for t in local])
     warm.copy_(src)
     ts = []
-    for _ in range(3):
+    for _ in range(5):
+        dist.barrier()  # all ranks copy at once, as they do in a save (they share memory bandwidth)
         t0 = time.perf_counter()
         warm.copy_(src)
         ts.append(time.perf_counter() - t0)
-    res["memcpy_s"] = min(ts)
+    res["memcpy_s"] = statistics.median(ts)
     fpath = os.path.join(tmp, f"floor_{rank}.bin")
-    dist.barrier()
-    t0 = time.perf_counter()
-    with open(fpath, "wb", buffering=0) as f:
-        mv = memoryview(src.numpy()).cast("B")
-        for i in range(0, len(mv), 32 << 20):
-            f.write(mv[i:i + (32 << 20)])
-        os.fsync(f.fileno())
-    res["write_s"] = time.perf_counter() - t0
+
+    def write_floor() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        with open(fpath, "wb", buffering=0) as f:
+            mv = memoryview(src_bytes).cast("B")
+            for i in range(0, len(mv), 32 << 20):
+                f.write(mv[i:i + (32 << 20)])
+            os.fsync(f.fileno())
+        return time.perf_counter() - t0
+    src_bytes = src.numpy().copy()
+    wfloors.append(write_floor())
     dist.barrier()
     evict(fpath)
     dist.barrier()
@@ -98,7 +105,6 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
                 break
             pos += n
     res["read_s"] = time.perf_counter() - t0
-    os.remove(fpath)
     del src
 
     # ---- elastor
@@ -107,13 +113,16 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     eng = CheckpointEngine(root, comm, keep=2)
     shards = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_local, 0), (rows_local, COLS)), t)
               for i, t in enumerate(local)]
-    stalls, durables, writes = [], [], []
+    stalls, durables, writes, snaps, plans = [], [], [], [], []
     for step in range(1, args.saves + 1):
         dist.barrier()
         st = eng.save(step, shards)
         done = eng.wait()
+        wfloors.append(write_floor())  # the floor, measured between saves (disk speed drifts)
         if step > 1:  # steady state: the staging buffer is warm
             stalls.append(st.stall_s + st.plan_s)
+            snaps.append(st.stall_s)
+            plans.append(st.plan_s)
             durables.append(done.durable_s)
             writes.append(done.write_s)
     # training slowdown while the writer thread runs (the thread-vs-process question)
@@ -132,8 +141,12 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     eng.wait()
     res["compute_slowdown_during_write"] = busy / idle
     res["elastor_stall_s"] = statistics.median(stalls)
+    res["write_s"] = statistics.median(wfloors)
+    os.remove(fpath)
     res["elastor_durable_s"] = statistics.median(durables)
     res["elastor_write_s"] = statistics.median(writes)
+    res["elastor_snapshot_s"] = statistics.median(snaps)
+    res["elastor_plan_agree_s"] = statistics.median(plans)
     res["elastor_staging_bytes"] = eng.staging.capacity
     res["elastor_written_bytes"] = done.bytes_written
     res["rss_after_elastor_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -208,6 +221,8 @@ def report(path: str) -> None:
           f"saves={d['args']['saves']}; slowest rank shown; ratios are measured in this run\n")
     rows = [
         ("elastor stall / memcpy floor", worst("elastor_stall_s") / worst("memcpy_s")),
+        ("  of which the snapshot copy / memcpy floor", worst("elastor_snapshot_s") / worst("memcpy_s")),
+        ("  of which plan agreement (all-reduce) / memcpy floor", worst("elastor_plan_agree_s") / worst("memcpy_s")),
         ("elastor persist: write floor / time-to-durable (bandwidth fraction)",
          worst("write_s") / worst("elastor_durable_s")),
         ("elastor write+fsync of its file / write floor", worst("elastor_write_s") / worst("write_s")),

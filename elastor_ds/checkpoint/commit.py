@@ -14,7 +14,8 @@ Commit (rank 0, after every rank's data files are fsynced):
 1. write ``manifest.json`` into the temp dir (temp name, fsync, rename, fsync dir);
 2. rename the temp dir to ``step_<step>``; fsync the root;
 3. write ``latest`` atomically (temp, fsync, rename, fsync root);
-4. retention: delete the oldest committed dirs beyond ``keep`` (never the newest) and stale temp dirs.
+4. retention: delete the oldest committed dirs beyond ``keep`` (never the newest) and stale temp
+   dirs of steps up to the newest committed one (never a newer save's temp dir in progress).
 
 A directory without ``manifest.json`` is never treated as a checkpoint.
 """
@@ -105,8 +106,10 @@ def read_manifest(step_dir: str) -> Manifest:
         raise IncompleteCheckpointError(f"{step_dir} has no {MANIFEST_NAME}: it was never committed") from None
 
 
-def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int) -> str:
-    """Steps 1-4 above. Returns the committed step directory."""
+def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bool = True) -> str:
+    """Steps 1-3 above, and step 4 unless ``retention`` is False (the caller then runs
+    :func:`apply_retention` itself, e.g. after telling the other ranks the save is durable).
+    Returns the committed step directory."""
     atomic_write_text(os.path.join(tmp_dir, MANIFEST_NAME), manifest.dumps())
     final = os.path.join(root, step_dirname(manifest.step))
     if os.path.exists(final):  # re-save of the same step: move the old one aside first
@@ -116,7 +119,8 @@ def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int) -> str:
     os.replace(tmp_dir, final)
     fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST), os.path.basename(final) + "\n")
-    apply_retention(root, keep, protect=final)
+    if retention:
+        apply_retention(root, keep, protect=final)
     return final
 
 
@@ -130,9 +134,16 @@ def apply_retention(root: str, keep: int, protect: str | None = None, active_tmp
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
+    newest = max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
         p = os.path.join(root, n)
-        if n.startswith(TMP_PREFIX) and p != active_tmp:
+        if not n.startswith(TMP_PREFIX) or p == active_tmp:
+            continue
+        try:
+            tmp_step = int(n[len(TMP_PREFIX):].split("_", 1)[0])
+        except ValueError:
+            continue
+        if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     if removed:

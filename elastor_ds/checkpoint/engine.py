@@ -208,7 +208,7 @@ class CheckpointEngine:
                 else:
                     try:
                         man = self._build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
-                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep)
+                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
                         result = ("ok", final)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", f"rank 0 commit: {type(e).__name__}: {e}")
@@ -218,6 +218,11 @@ class CheckpointEngine:
             else:
                 stats.committed_dir = result[1]
                 stats.durable_s = time.perf_counter() - job.t0
+                if rank == 0:  # durable and announced: now delete what retention drops
+                    try:
+                        commit_mod.apply_retention(self.root, self.keep, protect=result[1])
+                    except OSError as e:  # never fails a committed save
+                        log.warning("retention under %s failed: %s", self.root, e)
         except BaseException as e:  # noqa: BLE001 - a dead peer or a timeout on the checkpoint group
             job.error = f"rank {rank}: checkpoint group collective failed ({type(e).__name__}: {e})"
         finally:
