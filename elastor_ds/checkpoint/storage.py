@@ -52,27 +52,45 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
                  chunk_crcs: list[int] | None = None) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
 
-    Each byte is checksummed once: every buffer gets its own CRC32 (appended to ``chunk_crcs``
-    when given) and the file's CRC is combined from them (:func:`crc32_combine`), so per-chunk and
-    per-file checksums cost one pass. Raises OSError on failure."""
+    1. Write everything (into the page cache).
+    2. ``fsync`` in a helper thread while this thread computes the CRC32 of every buffer from
+       memory (both release the GIL), so checksumming hides behind the disk flush.
+    3. The file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`): one pass over the
+       bytes gives per-chunk (appended to ``chunk_crcs``) and per-file checksums.
+    Raises OSError on failure."""
+    import threading
+
+    mvs = [memoryview(b).cast("B") for b in buffers]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        crc = zlib.crc32(header)
         _write_all(fd, memoryview(header))
         size = len(header)
-        for buf in buffers:
-            mv = memoryview(buf).cast("B")
+        for mv in mvs:
+            for i in range(0, len(mv), WRITE_BLOCK):
+                _write_all(fd, mv[i:i + WRITE_BLOCK])
+            size += len(mv)
+        err: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                os.fsync(fd)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                err.append(e)
+        t = threading.Thread(target=flush, name="elastor-fsync", daemon=True) if fsync else None
+        if t is not None:
+            t.start()
+        crc = zlib.crc32(header)
+        for mv in mvs:
             c = 0
             for i in range(0, len(mv), WRITE_BLOCK):
-                blk = mv[i:i + WRITE_BLOCK]
-                c = zlib.crc32(blk, c)
-                _write_all(fd, blk)
+                c = zlib.crc32(mv[i:i + WRITE_BLOCK], c)
             if chunk_crcs is not None:
                 chunk_crcs.append(c)
             crc = crc32_combine(crc, c, len(mv))
-            size += len(mv)
-        if fsync:
-            os.fsync(fd)
+        if t is not None:
+            t.join()
+            if err:
+                raise err[0]
     finally:
         os.close(fd)
     return size, crc
