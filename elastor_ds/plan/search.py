@@ -542,9 +542,10 @@ class Planner:
         for g in sorted(cand.groups, key=lambda g: g.sort_key):
             pools.setdefault(g.key, []).append(g)
         keys = sorted(slots)
-        options = [list(itertools.permutations(pools[k], len(slots[k]))) for k in keys]
-        if math.prod(len(o) for o in options) > limit:
+        # count before materialising: permutations of 15 groups would never fit in memory
+        if math.prod(math.perm(len(pools[k]), len(slots[k])) for k in keys) > limit:
             return best
+        options = [list(itertools.permutations(pools[k], len(slots[k]))) for k in keys]
         for choice in itertools.product(*options):
             taken = {}
             for k, groups in zip(keys, choice):
