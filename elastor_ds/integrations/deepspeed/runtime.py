@@ -105,6 +105,10 @@ class ElastorCheckpointer:
         import deepspeed
         model = {"framework": "deepspeed", "deepspeed_version": deepspeed.__version__,
                  "module_class": type(eng.module).__name__, "num_layers": self.layout.num_layers}
+        geo_model = getattr(getattr(eng.module, "elastor_geometry", None), "model", None)
+        if isinstance(geo_model, dict):  # e.g. a megatron-core GPT description: exporters can use it
+            model = {**geo_model, **{k: v for k, v in model.items() if k != "num_layers"},
+                     "pipeline_layers": self.layout.num_layers}
         step = int(eng.global_steps)
         stats = self.ckpt.save(step, shards, extra=extra, rank_state={"rng": capture_rng_state()}, model=model,
                                layout=self.layout.to_json())
