@@ -72,3 +72,27 @@ def test_bad_flags_exit_2_with_message():
     p = subprocess.run([sys.executable, TRAINER, "--global-batch-size", "7"], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, WORLD_SIZE="1"))
     assert p.returncode == 2 and "--global-batch-size 7 is not divisible" in p.stderr
+
+
+def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
+    """The trainer's checkpoint carries its megatron-core model description: `elastor convert --to
+    megatron` works without --model-config, and importing the result gives the same weights."""
+    from safetensors.torch import load_file
+    import torch
+
+    src = str(reference / "ck")
+
+    def cli(*a):
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", *a], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+    cli("convert", src, str(tmp_path / "mlm"), "--to", "megatron", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--no-progress")
+    cli("convert", str(tmp_path / "mlm"), str(tmp_path / "back"), "--from", "megatron", "--no-progress")
+    cli("convert", src, str(tmp_path / "c1"), "--to", "consolidated", "--no-progress")
+    cli("convert", str(tmp_path / "back"), str(tmp_path / "c2"), "--to", "consolidated", "--no-progress")
+    a = load_file(str(tmp_path / "c1" / "model.safetensors"))
+    b = load_file(str(tmp_path / "c2" / "model.safetensors"))
+    assert set(b) <= set(a) and "decoder.layers.3.mlp.linear_fc1.weight" in b
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
