@@ -204,6 +204,15 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from elastor_ds.errors import ConfigError
+    try:
+        return _main(argv)
+    except ConfigError as e:  # a bad config section or plan: a message, not a traceback
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("DeepSpeed", "deepspeed", "megatron"):
