@@ -88,7 +88,7 @@ class ElastorCheckpointer:
         if client_state is not None:
             self.client_state = dict(client_state)
         t0 = time.perf_counter()
-        shards = st.model_shards(eng) + st.optimizer_shards(eng)
+        shards = st.model_shards(eng) + st.optimizer_shards(eng, include_master=not st.master_is_weight(eng))
         self.last_collect_s = time.perf_counter() - t0
         sched = eng.lr_scheduler
         extra = {
@@ -170,7 +170,11 @@ class ElastorCheckpointer:
         shards = st.model_shards(eng)
         has_optim = any(st.is_optim(n) for n in names) or not names
         if has_optim:
-            shards += st.optimizer_shards(eng, state_keys=keys)
+            for sh in st.optimizer_shards(eng, state_keys=keys):
+                src = st.master_from_weight_name(sh.name)
+                if src is not None and sh.name not in names and src in names:
+                    sh.name = src  # fp32 checkpoints keep one copy: the master comes from the weights
+                shards.append(sh)
         else:
             log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", step_dir)
         res = self.ckpt.load(step_dir, shards, strict=True,

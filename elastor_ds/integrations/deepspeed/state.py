@@ -159,8 +159,22 @@ def _views(engine: Any, name_key: str, t: torch.Tensor, spans) -> list[TensorSha
     return out
 
 
-def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None) -> list[TensorShard]:
-    """Shards of the fp32 master weights and every per-element optimizer state.
+def master_is_weight(engine: Any) -> bool:
+    """fp32 training: the fp32 master copy equals the module's weights after every step, so a
+    checkpoint need not store it twice (loads fill the master from the weights)."""
+    return all(p.dtype == torch.float32 for p in engine.module.parameters())
+
+
+def master_from_weight_name(name: str) -> Optional[str]:
+    """``optimizer.master.<x>`` -> ``<x>`` (the model tensor that holds the same fp32 values)."""
+    prefix = optim_name(MASTER, "")
+    return MODEL + name[len(prefix):] if name.startswith(prefix) else None
+
+
+def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
+                     include_master: bool = True) -> list[TensorShard]:
+    """Shards of the fp32 master weights (unless ``include_master`` is False) and every
+    per-element optimizer state.
 
     ``state_keys``: when given (load), missing state tensors are created as zeros first (a fresh
     optimizer has no state before its first step)."""
@@ -168,7 +182,8 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None) ->
     out: list[TensorShard] = []
     for g in _groups(engine):
         for sp, spans in zip(g.state_params, g.spans):
-            out.extend(_views(engine, MASTER, sp.data, spans))
+            if include_master:
+                out.extend(_views(engine, MASTER, sp.data, spans))
             st = opt.state[sp]
             if state_keys is not None:
                 for k in state_keys:
