@@ -24,6 +24,8 @@ def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if spec.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
     if spec.get("elastor") is not None:
         cfg["elastor"] = spec["elastor"]
     if spec.get("ds_universal_load"):
