@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def _worker(rank, world, root, hidden, layers):
-    import torch
     import torch.distributed as dist
 
     from elastor_ds.testing import megatron_cpu

@@ -17,9 +17,7 @@ import json
 import logging
 import os
 import sys
-import time
 
-import torch
 import torch.distributed as dist
 
 from .checkpoint.engine import CheckpointEngine
@@ -79,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         stats = eng.save(100, st.shards, extra={"iteration": 100, "consumed_samples": 3200},
                          rank_state={"rank": rank}, model={"gpt": shape.__dict__},
                          layout=layout.to_json())
-        t = time.perf_counter()
         done = eng.finalize()
         rows = comm.all_gather_object((held, stats.bytes_written, stats.stall_s, done.durable_s))
         if rank == 0:
@@ -91,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r:>4} {hb / 2**20:9.2f} {wb / 2**20:9.2f} {s * 1e3:9.1f} {d * 1e3:10.1f}")
             print(f"deduplication: ranks hold {total_held / 2**20:.1f} MiB, checkpoint stores "
                   f"{total_written / 2**20:.1f} MiB ({total_held / max(total_written, 1):.2f}x less)")
-        del t
     else:
         dst = rank_state(layout, rank, specs, None, args.zero and layout.dp > 1)
         res = eng.load(None, dst.shards)

@@ -210,19 +210,6 @@ class _Stepper:
         self.inner.step()
 
 
-def _equal_dirs(a: str, b: str) -> list[str]:
-    import torch
-    from safetensors.torch import load_file
-
-    bad = []
-    for f in ("model.safetensors", "optimizer.safetensors"):
-        x, y = load_file(os.path.join(a, f)), load_file(os.path.join(b, f))
-        if set(x) != set(y):
-            bad.append(f"{f}: names differ {sorted(set(x) ^ set(y))[:4]}")
-        bad += [f"{f}:{k}" for k in x if k in y and not torch.equal(x[k], y[k])]
-    return bad
-
-
 def _worker(rank: int, world: int, root: str, kind: str) -> None:
     import json
 
@@ -235,7 +222,8 @@ def _worker(rank: int, world: int, root: str, kind: str) -> None:
     from elastor_ds.integrations.megatron import initialize_from_layout, training_hooks as th
     from elastor_ds.integrations.megatron.model import build_gpt
     from elastor_ds.layout import Layout
-    from elastor_ds.testing.megatron_gpt import eval_loss, fixed_batch, tiny_gpt_config, train_step
+    from elastor_ds.testing.megatron_gpt import (consolidated_differences, eval_loss, fixed_batch,
+                                                 tiny_gpt_config, train_step)
 
     cfg = tiny_gpt_config(num_layers=3)
     batch = fixed_batch(cfg)
@@ -278,7 +266,7 @@ def _worker(rank: int, world: int, root: str, kind: str) -> None:
         names = set(load_file(os.path.join(root, "c1", "optimizer.safetensors")))
         res = {"it": it, "flops": flops, "consumed": args2.consumed_train_samples,
                "valid": args2.consumed_valid_samples, "sched": sched.num_steps, "loss_src": loss_src,
-               "loss_dst": loss_dst, "diff": _equal_dirs(os.path.join(root, "c1"), os.path.join(root, "c2")),
+               "loss_dst": loss_dst, "diff": consolidated_differences(os.path.join(root, "c1"), os.path.join(root, "c2")),
                "main": any(n.startswith(th.MAIN_PREFIX) for n in names),
                "moments": any(n.startswith("optimizer.exp_avg.") for n in names)}
         with open(os.path.join(root, "res.json"), "w") as f:

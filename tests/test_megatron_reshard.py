@@ -16,19 +16,6 @@ from dist_utils import free_port, run_world  # noqa: E402
 LOSS_RTOL = 1e-6
 
 
-def _equal_dirs(a: str, b: str) -> list[str]:
-    import torch
-    from safetensors.torch import load_file
-
-    bad = []
-    for f in ("model.safetensors", "optimizer.safetensors"):
-        x, y = load_file(os.path.join(a, f)), load_file(os.path.join(b, f))
-        if set(x) != set(y):
-            bad.append(f"{f}: names differ {sorted(set(x) ^ set(y))[:4]}")
-        bad += [f"{f}:{k}" for k in x if k in y and not torch.equal(x[k], y[k])]
-    return bad
-
-
 def _worker(rank: int, world: int, root: str, port2: int) -> None:
     import datetime
 
@@ -46,7 +33,8 @@ def _worker(rank: int, world: int, root: str, port2: int) -> None:
     from elastor_ds.integrations.megatron.convert import export_torch_dist, import_megatron
     from elastor_ds.integrations.megatron.model import build_gpt
     from elastor_ds.layout import Layout
-    from elastor_ds.testing.megatron_gpt import eval_loss, fixed_batch, tiny_gpt_config, train_step
+    from elastor_ds.testing.megatron_gpt import (consolidated_differences, eval_loss, fixed_batch,
+                                                 tiny_gpt_config, train_step)
     from safetensors.torch import load_file
 
     cfg = tiny_gpt_config(num_layers=4)
@@ -64,7 +52,7 @@ def _worker(rank: int, world: int, root: str, port2: int) -> None:
         dist.barrier()
         if rank == 0:
             to_consolidated(eng.root, os.path.join(root, f"cons_{tag}"), progress=False)
-            results[tag + "_diff"] = _equal_dirs(os.path.join(root, "cons_src"), os.path.join(root, f"cons_{tag}"))
+            results[tag + "_diff"] = consolidated_differences(os.path.join(root, "cons_src"), os.path.join(root, f"cons_{tag}"))
         dist.barrier()
 
     # ---- source: TP2 x PP2, one Adam step, elastor save + megatron torch_dist save

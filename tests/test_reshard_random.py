@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
-import torch
 import torch.distributed as dist
 
 from dist_utils import run_world

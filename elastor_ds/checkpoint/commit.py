@@ -124,7 +124,7 @@ def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bo
     return final
 
 
-def apply_retention(root: str, keep: int, protect: str | None = None, active_tmp: str | None = None) -> list[str]:
+def apply_retention(root: str, keep: int, protect: str | None = None) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs."""
     keep = max(1, keep)
     removed = []
@@ -137,7 +137,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, active_tmp
     newest = max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
         p = os.path.join(root, n)
-        if not n.startswith(TMP_PREFIX) or p == active_tmp:
+        if not n.startswith(TMP_PREFIX):
             continue
         try:
             tmp_step = int(n[len(TMP_PREFIX):].split("_", 1)[0])

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..comm.collectives import Comm, LocalComm, agree
-from ..errors import (AsyncSaveError, CheckpointError, CollectiveError, CorruptCheckpointError,
+from ..errors import (AsyncSaveError, CollectiveError, CorruptCheckpointError,
                       IncompleteCheckpointError, TensorMismatchError)
 from ..layout.region import Region
 from . import commit as commit_mod
@@ -288,7 +288,7 @@ class CheckpointEngine:
         last_err: Optional[BaseException] = None
         for i, step_dir in enumerate(candidates):
             try:
-                res, _ = agree(self.comm, lambda: self._load_from(step_dir, shards, strict, allow_cast,
+                res = agree(self.comm, lambda: self._load_from(step_dir, shards, strict, allow_cast,
                                                                   verify_checksums),
                                what=f"load of {step_dir}")
                 res.fell_back = i > 0

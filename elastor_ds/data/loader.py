@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import traceback
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 

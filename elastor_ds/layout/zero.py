@@ -50,7 +50,6 @@ def flat_partition_pieces(param_shapes: Sequence[Sequence[int]], param_pieces: S
         if lo < hi:
             strides = contiguous_strides(shape)
             for box in flat_range_to_regions(shape, lo - base, hi - base):
-                box_flat = sum(o * st for o, st in zip(box.offsets, strides))
                 for pc in param_pieces[i]:
                     inter = box.intersect(pc.local)
                     if inter is None:
@@ -59,7 +58,6 @@ def flat_partition_pieces(param_shapes: Sequence[Sequence[int]], param_pieces: S
                     inter_flat = sum(o * st for o, st in zip(inter.offsets, strides))
                     glob = inter.relative_to(pc.local).shift(pc.global_.offsets)
                     out.append(FlatPiece(i, base + inter_flat - start, glob))
-                del box_flat
         base += n
         if base >= end:
             break

@@ -73,3 +73,18 @@ def train_step(model: Any, cfg: GPTSpecConfig, batch, optimizer: torch.optim.Opt
     optimizer.zero_grad(set_to_none=True)
     _run(model, cfg, batch, forward_only=False)
     optimizer.step()
+
+
+def consolidated_differences(a: str, b: str) -> list[str]:
+    """Tensors that differ between two consolidated checkpoint directories (empty: bit-identical)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    bad = []
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        x, y = load_file(os.path.join(a, f)), load_file(os.path.join(b, f))
+        if set(x) != set(y):
+            bad.append(f"{f}: names differ {sorted(set(x) ^ set(y))[:4]}")
+        bad += [f"{f}:{k}" for k in x if k in y and not torch.equal(x[k], y[k])]
+    return bad

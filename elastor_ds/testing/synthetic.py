@@ -15,7 +15,6 @@ import torch
 
 from ..checkpoint.shards import TensorShard, full_shard, shards_from_flat, shards_from_pieces
 from ..layout import Layout, ShardRule, TensorSpec, local_pieces, partition_bounds, rank_tensors
-from ..layout.region import Region
 
 
 @dataclass(frozen=True)
@@ -171,4 +170,4 @@ def all_specs(c: GPTShape) -> list[TensorSpec]:
 
 
 __all__ = ["GPTShape", "gpt_specs", "optimizer_specs", "global_tensors", "rank_state", "check_rank_state",
-           "all_specs", "Region"]
+           "all_specs"]

@@ -38,7 +38,6 @@ def model_flags(a: argparse.Namespace) -> list[str]:
 
 
 def launch(nproc: int, args: list[str], out: str, tag: str) -> subprocess.Popen:
-    from elastor_ds.testing.synthetic import __name__ as _  # noqa: F401  (import check)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(HERE, "pretrain_gpt.py"), *args]
     log.info("launch (%s): %s", tag, " ".join(cmd[3:]))
@@ -72,7 +71,7 @@ def kill_one_worker(job: subprocess.Popen, rank: int) -> int:
     raise RuntimeError(f"no worker with RANK={rank} under pid {job.pid}")
 
 
-def plan_for(n: int, a: argparse.Namespace, out: str, gpus: bool) -> tuple[str, int, str]:
+def plan_for(n: int, a: argparse.Namespace, out: str) -> tuple[str, int, str]:
     """Run the planner (restricted to layouts the trainer runs) for ``n`` processes; return (file, nproc, text)."""
     from elastor_ds.cli import main as elastor
     path = os.path.join(out, f"plan_{n}.json")
@@ -153,7 +152,6 @@ def main() -> int:
 
     # 1. train on n0 processes
     t_start = time.time()
-    dp0 = n0 // (a.tp * a.pp)
     job = launch(n0, flags + ["--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size",
                               str(a.pp)], a.out, "phase1")
     fail_time = None
@@ -176,7 +174,7 @@ def main() -> int:
 
     # 2. re-plan for the processes left
     t_plan = time.time()
-    plan_path, n1, desc = plan_for(n0 - 1, a, a.out, a.gpus)
+    plan_path, n1, desc = plan_for(n0 - 1, a, a.out)
     log.info("planner: best layout the trainer can run on %d processes: %s (uses %d)", n0 - 1, desc, n1)
     plan_s = time.time() - t_plan
 

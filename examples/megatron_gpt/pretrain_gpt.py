@@ -224,11 +224,10 @@ def _main(argv: list[str] | None = None) -> int:
         from elastor_ds.testing import megatron_cpu
         megatron_cpu.apply()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from elastor_ds.errors import ElastorError
     try:
         d = derive(args, world)
-    except (UsageError, Exception) as e:
-        if not isinstance(e, UsageError) and type(e).__module__.split(".")[0] != "elastor_ds":
-            raise
+    except (UsageError, ElastorError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
 

@@ -5,7 +5,6 @@ checked after the job is killed at a random point.
 Usage: RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python save_worker.py ROOT STEPS MIB
 """
 import datetime
-import os
 import sys
 
 import torch
@@ -28,7 +27,6 @@ def state(step: int, rank: int, world: int, mib: int) -> list[TensorShard]:
 
 
 def expected(name: str, step: int, world: int, mib: int) -> torch.Tensor:
-    rows = mib * 2**20 // 4 // 256
     return torch.cat([state(step, r, world, mib)[0 if name == "w" else 1].tensor for r in range(world)])
 
 

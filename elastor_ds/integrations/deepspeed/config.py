@@ -22,7 +22,7 @@ import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from ...errors import ConfigError
 
@@ -91,13 +91,17 @@ def _str(where: str, v: Any, example: str) -> str:
     return v
 
 
-def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> CheckpointConfig:
+def _check_object(where: str, d: Any, allowed: Collection[str], example: str) -> None:
+    """``d`` must be a JSON object whose keys are all in ``allowed``."""
     if not isinstance(d, Mapping):
-        raise ConfigError(f"{where}: expected an object like {{\"dir\": \"/ckpt\", \"interval_steps\": 100}}, "
-                          f"got {type(d).__name__} {d!r}")
+        raise ConfigError(f"{where}: expected an object like {example}, got {type(d).__name__} {d!r}")
     for k in d:
-        if k not in _CKPT_KEYS:
-            raise _unknown(where, k, _CKPT_KEYS)
+        if k not in allowed:
+            raise _unknown(where, k, allowed)
+
+
+def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> CheckpointConfig:
+    _check_object(where, d, _CKPT_KEYS, '{"dir": "/ckpt", "interval_steps": 100}')
     if "dir" not in d:
         raise ConfigError(f"{where}: missing required key 'dir' (where checkpoints go), e.g. \"dir\": \"/ckpt/run1\"")
     kw: dict[str, Any] = {"dir": _str(f"{where}.dir", d["dir"], '"dir": "/ckpt/run1"')}
@@ -138,12 +142,7 @@ def parse_plan(v: Any, where: str = f"{SECTION}.plan") -> Union[None, str, Mappi
 
 def parse_elastor_section(section: Any) -> ElastorConfig:
     """Validate the ``"elastor"`` section (the value, not the whole DeepSpeed config)."""
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"{SECTION}: expected an object like {{\"checkpoint\": {{\"dir\": \"/ckpt\"}}}}, got "
-                          f"{type(section).__name__} {section!r}")
-    for k in section:
-        if k not in _TOP_KEYS:
-            raise _unknown(SECTION, k, _TOP_KEYS)
+    _check_object(SECTION, section, _TOP_KEYS, '{"checkpoint": {"dir": "/ckpt"}}')
     plan = parse_plan(section.get("plan"))
     ckpt = parse_checkpoint(section["checkpoint"]) if section.get("checkpoint") is not None else None
     return ElastorConfig(plan=plan, checkpoint=ckpt)

@@ -76,7 +76,7 @@ class ElastorCheckpointer:
         """After an optimizer step: save when the policy says so (identical decision on every rank)."""
         cfg = self.cfg
         step = int(self.engine.global_steps)
-        due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, _local_idle(self.ckpt))
+        due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, self.ckpt.local_idle())
         if cfg.min_interval_s > 0 and cfg.periodic and step != self.last_save_step:
             due = all(self.policy_comm.all_gather_object(due))  # clocks differ per rank: agree
         if not due:
@@ -216,11 +216,6 @@ class ElastorCheckpointer:
         elif self.comm.rank == 0:
             log.info("layout changed (%s -> %s): RNG states start fresh",
                      Layout.from_json(saved_layout).describe() if saved_layout else "?", self.layout.describe())
-
-
-def _local_idle(ckpt: CheckpointEngine) -> bool:
-    """This rank's previous save has finished (non-collective; the policy agrees across ranks)."""
-    return ckpt.local_idle()
 
 
 def _jsonable(obj: Any, where: str) -> Any:

@@ -43,8 +43,8 @@ from ...checkpoint.shards import dtype_name, full_shard
 from ...errors import CheckpointError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
-from .specs import GPTSpecConfig, gpt_tensor_specs, layer_of
-from .state import MOMENTS, STEP_NAME
+from .specs import GPTSpecConfig, gpt_tensor_specs
+from .state import MOMENTS
 
 log = logging.getLogger(__name__)
 

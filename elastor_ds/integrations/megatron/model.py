@@ -7,7 +7,7 @@ tests and the benchmark. Fusions are off so the model also runs on CPU (with
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
