@@ -45,11 +45,49 @@ def canonical_name(ds_name: str, num_layers: int) -> str:
     return "output_layer." + rest.split(".", 1)[1]                  # strip the wrapper's "linear."
 
 
+def _vocab_rows(weight: torch.Tensor, true_vocab: int, start: int, init: Any, seed: int) -> None:
+    """Fill a vocab-parallel shard (rows ``[start, start + n)`` of the padded table) from a canonical
+    ``[true_vocab, h]`` master drawn from ``seed``; padding rows are zero.
+
+    Megatron draws the master of the *padded* table, whose size depends on the TP degree
+    (``make_vocab_size_divisible_by * tp``): the number of random values drawn then differs per TP, and
+    so does everything drawn after it (the position embeddings were 0.1 apart between TP1 and TP2)."""
+    gen_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        master = torch.empty(true_vocab, weight.shape[1], dtype=torch.float32)
+        init(master)
+    finally:
+        torch.set_rng_state(gen_state)
+    n = weight.shape[0]
+    with torch.no_grad():
+        weight.zero_()
+        hi = min(start + n, true_vocab)
+        if hi > start:
+            weight[: hi - start].copy_(master[start:hi].to(weight.dtype))
+
+
 class EmbeddingPipe(nn.Module):
-    def __init__(self, config: Any, padded_vocab: int, max_seq: int):
+    """Word + learned position embeddings. Fresh weights do not depend on the TP degree: the word
+    table comes from a canonical master over the true vocabulary and the position table from its own
+    seed (see :func:`_vocab_rows`)."""
+
+    def __init__(self, config: Any, padded_vocab: int, max_seq: int, true_vocab: int | None = None,
+                 init_seed: int | None = None):
         super().__init__()
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         self.embedding = LanguageModelEmbedding(config, padded_vocab, max_seq, "learned_absolute")
+        if init_seed is not None and config.perform_initialization:
+            words = self.embedding.word_embeddings
+            _vocab_rows(words.weight, true_vocab or padded_vocab, words.vocab_start_index,
+                        config.embedding_init_method, init_seed)
+            gen_state = torch.get_rng_state()
+            torch.manual_seed(init_seed + 1)
+            try:
+                with torch.no_grad():
+                    config.embedding_init_method(self.embedding.position_embeddings.weight)
+            finally:
+                torch.set_rng_state(gen_state)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
@@ -90,14 +128,19 @@ class OutputPipe(nn.Module):
     loss does not depend on how much padding this TP degree adds (Megatron pads to a multiple of
     ``divisible_by * tp``) and padding rows never train: resuming under another TP is exact."""
 
-    def __init__(self, config: Any, padded_vocab: int, true_vocab: int | None = None):
+    def __init__(self, config: Any, padded_vocab: int, true_vocab: int | None = None, init_seed: int | None = None):
         super().__init__()
         self.true_vocab = true_vocab if true_vocab is not None else padded_vocab
         self.padded_vocab = padded_vocab
+        from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         self.linear = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
             gather_output=False, skip_bias_add=False)
+        if init_seed is not None and config.perform_initialization:
+            w = self.linear.weight
+            _vocab_rows(w, self.true_vocab, ps.get_tensor_model_parallel_rank() * w.shape[0], config.init_method,
+                        init_seed)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits, _ = self.linear(h)  # [s, b, v / tp]
@@ -142,10 +185,11 @@ def build_layers(config: Any, num_layers: int, padded_vocab: int, max_seq: int, 
                  true_vocab: int | None = None) -> list:
     """The L + 3 DeepSpeed pipe layers as LayerSpecs (each stage builds only its own)."""
     base = seed * 1000
-    specs = [SeededLayerSpec(base, EmbeddingPipe, config, padded_vocab, max_seq)]
+    specs = [SeededLayerSpec(base, EmbeddingPipe, config, padded_vocab, max_seq, true_vocab, init_seed=base)]
     specs += [SeededLayerSpec(base + i + 1, TransformerLayerPipe, config, i + 1) for i in range(num_layers)]
     specs += [SeededLayerSpec(base + num_layers + 1, FinalNormPipe, config),
-              SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab, true_vocab)]
+              SeededLayerSpec(base + num_layers + 2, OutputPipe, config, padded_vocab, true_vocab,
+                              init_seed=base + num_layers + 2)]
     return specs
 
 
