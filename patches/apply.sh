@@ -34,7 +34,7 @@ die() { echo "apply.sh: $*" >&2; exit 1; }
 info="$dir/megatron/core/package_info.py"
 [ -f "$info" ] || die "$dir is not a Megatron-LM source tree (no megatron/core/package_info.py)"
 for f in pretrain_gpt.py megatron/training/checkpointing.py megatron/training/arguments.py \
-         megatron/training/initialize.py megatron/training/async_utils.py; do
+         megatron/training/initialize.py megatron/training/async_utils.py megatron/training/yaml_arguments.py; do
   [ -f "$dir/$f" ] || die "$dir has no $f: not a Megatron-LM checkout (megatron-core alone is not enough)"
 done
 ver=$(python3 - "$info" <<'PY'
@@ -58,13 +58,14 @@ fits() {  # fits PATCH [reverse]: does it apply (or, reversed, is it applied)?
   if [ $use_git = 1 ]; then
     git -C "$dir" apply --check ${rev:+--reverse} "$p" 2>/dev/null
   else
-    patch -p1 --dry-run --force --silent ${rev:+--reverse} -d "$dir" < "$p" >/dev/null 2>&1
+    # --forward --fuzz=0: an applied patch must not "fit" again with fuzz (it would leave a .rej)
+    patch -p1 --dry-run --forward --fuzz=0 --silent ${rev:+--reverse} -d "$dir" < "$p" >/dev/null 2>&1
   fi
 }
 run() {
   local p=$1 rev=${2:-}
   if [ $use_git = 1 ]; then git -C "$dir" apply ${rev:+--reverse} "$p"
-  else patch -p1 --forward --silent ${rev:+--reverse} -d "$dir" < "$p"; fi
+  else patch -p1 --forward --fuzz=0 --silent ${rev:+--reverse} -d "$dir" < "$p"; fi
 }
 
 # 2. check every patch first; 3. then apply (or reverse) them all

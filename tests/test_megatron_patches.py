@@ -27,6 +27,7 @@ INTENDED = {
     "megatron-lm/0003-initialize-elastor-check.patch": {"megatron/training/initialize.py"},
     "megatron-lm/0004-checkpointing-elastor-save-load.patch": {"megatron/training/checkpointing.py"},
     "megatron-lm/0005-async_utils-elastor-finalize.patch": {"megatron/training/async_utils.py"},
+    "megatron-lm/0006-yaml_arguments-elastor-plan.patch": {"megatron/training/yaml_arguments.py"},
 }
 HEADER_KEYS = ("What:", "Why:", "Upstream:", "Drop:")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")

@@ -40,14 +40,14 @@ import torch
 
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine, SaveStats
-from ...checkpoint.shards import shards_from_pieces
+from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_pieces
 from ...checkpoint.state import capture_rng_state, restore_rng_state
 from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
 from ...layout import Layout
 from .model import spec_config_from_model
 from .parallel import MEGATRON_ORDER, check_layout
 from .specs import GPTSpecConfig
-from .state import STEP_NAME, _plan, _set_steps, ensure_adam_state, gpt_shards
+from .state import MOMENTS, STEP_NAME, _plan, _set_steps, ensure_adam_state, gpt_shards
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,13 @@ def plan_layout(args: Any) -> Optional[Layout]:
         return None
     if not os.path.isfile(path):
         raise ConfigError(f"--elastor-plan {path}: no such file (write one with `elastor plan ... --json`)")
-    with open(path, encoding="utf-8") as f:
-        return Layout.from_json(json.load(f), args.num_layers)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--elastor-plan {path}: not a readable plan JSON ({e})") from None
+    lm = getattr(args, "language_model", None)  # --yaml-cfg keeps num_layers there
+    return Layout.from_json(doc, getattr(args, "num_layers", None) or getattr(lm, "num_layers", None))
 
 
 def pipeline_layout_string(boundaries: Sequence[int]) -> str:
@@ -90,25 +95,34 @@ def pipeline_layout_string(boundaries: Sequence[int]) -> str:
     return "E" + "|".join(stages) + "L"
 
 
+def _parallel_ns(args: Any) -> Any:
+    """Where the parallel sizes live: ``args`` (argparse) or ``args.model_parallel`` (--yaml-cfg)."""
+    mp = getattr(args, "model_parallel", None)
+    return mp if mp is not None and hasattr(mp, "tensor_model_parallel_size") else args
+
+
 def configure(args: Any) -> Optional[Layout]:
-    """Check the flags (start of ``validate_args``) and apply ``--elastor-plan``; returns its layout."""
-    if args.elastor_keep < 1:
-        raise ConfigError(f"--elastor-keep {args.elastor_keep}: must be >= 1")
-    bad = [(f, v) for f, v in (("--context-parallel-size", getattr(args, "context_parallel_size", 1)),
-                               ("--expert-model-parallel-size", getattr(args, "expert_model_parallel_size", 1)))
+    """Check the flags (start of ``validate_args`` / ``validate_yaml``) and apply ``--elastor-plan``;
+    returns its layout. A plan that contradicts an explicit ``--tensor/--pipeline-model-parallel-size``
+    or ``--pipeline-model-parallel-layout`` is an error, never silently overridden."""
+    keep = getattr(args, "elastor_keep", 2)
+    if keep < 1:
+        raise ConfigError(f"--elastor-keep {keep}: must be >= 1")
+    mp = _parallel_ns(args)
+    bad = [(f, v) for f, v in (("--context-parallel-size", getattr(mp, "context_parallel_size", 1)),
+                               ("--expert-model-parallel-size", getattr(mp, "expert_model_parallel_size", 1)))
            if (v or 1) > 1]
     for f in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
-        if getattr(args, f, None) is not None:
-            bad.append(("--" + f.replace("_", "-"), getattr(args, f)))
+        if getattr(args, f, None) is not None or getattr(mp, f, None) is not None:
+            bad.append(("--" + f.replace("_", "-"), getattr(args, f, None) or getattr(mp, f, None)))
     if getattr(args, "use_tp_pp_dp_mapping", False):
         bad.append(("--use-tp-pp-dp-mapping", True))
     if bad:
         raise ConfigError(f"--elastor supports TP x PP x DP grids in megatron-core's {MEGATRON_ORDER} order only; "
                           f"drop {', '.join(f'{f} {v}' for f, v in bad)} or run without --elastor")
-    if getattr(args, "use_distributed_optimizer", False):
-        log.warning("--elastor with --use-distributed-optimizer: elastor does not yet carry the distributed "
-                    "optimizer's state; checkpoints hold the weights, scheduler, iteration and RNG only, and a "
-                    "resume starts the optimizer moments from zero")
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        raise ConfigError("--elastor with --non-persistent-ckpt-type local: elastor writes non-persistent "
+                          "checkpoints globally; use --non-persistent-ckpt-type global or run without --elastor")
     layout = plan_layout(args)
     if layout is None:
         return None
@@ -122,12 +136,23 @@ def configure(args: Any) -> Optional[Layout]:
         raise ConfigError(f"--elastor-plan needs {layout.world_size} processes (tp({tp}) * pp({pp}) * dp({dp})) "
                           f"but WORLD_SIZE={world}")
     for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(args, f, None) is not None:
+        if getattr(args, f, None) is not None or getattr(mp, f, None) is not None:
             raise ConfigError(f"--elastor-plan sets the stage boundaries; drop --{f.replace('_', '-')}")
-    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    for flag, attr, dim, want in (("--tensor-model-parallel-size", "tensor_model_parallel_size", "TP", tp),
+                                  ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "PP", pp)):
+        have = int(getattr(mp, attr, 1) or 1)
+        if have not in (1, want):
+            raise ConfigError(f"--elastor-plan {args.elastor_plan} says {dim}={want} but "
+                              f"{flag} {have} was given: drop {flag} (the plan sets it) or use a plan for it")
     bounds = layout.boundaries()
-    if pp > 1 and check_layout(layout).uneven:
-        args.pipeline_model_parallel_layout = pipeline_layout_string(bounds)
+    want_layout = pipeline_layout_string(bounds) if pp > 1 and check_layout(layout).uneven else None
+    have_layout = getattr(mp, "pipeline_model_parallel_layout", None) or getattr(args, "pipeline_model_parallel_layout", None)
+    if have_layout is not None and str(have_layout) != str(want_layout):
+        raise ConfigError(f"--elastor-plan {args.elastor_plan} places the layers at stage boundaries {bounds} but "
+                          f"--pipeline-model-parallel-layout {have_layout} was given: drop one of them")
+    mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size = tp, pp
+    if want_layout is not None:
+        mp.pipeline_model_parallel_layout = want_layout
     log.info("elastor plan %s: tp %d, pp %d, dp %d, stage boundaries %s", layout.describe(), tp, pp, dp, bounds)
     return layout
 
@@ -139,6 +164,9 @@ def check_parallel_state(args: Any) -> None:
     layout = plan_layout(args)
     if layout is None:
         return
+    if not ps.model_parallel_is_initialized():
+        raise LayoutError("--elastor-plan: megatron-core's model parallel state was not initialised (Megatron-LM "
+                          "skips it when torch.cuda.device_count() is 0); cannot check the plan's placement")
     check_layout(layout)
     rank = torch.distributed.get_rank()
     pos = layout.position(rank)
@@ -170,11 +198,11 @@ def _comm(args: Any) -> Any:
     return _S.comm
 
 
-def _engine(args: Any, root: str) -> CheckpointEngine:
+def _engine(args: Any, root: str, keep: Optional[int] = None) -> CheckpointEngine:
     key = os.path.abspath(root)
     eng = _S.engines.get(key)
     if eng is None:
-        eng = CheckpointEngine(key, _comm(args), keep=int(getattr(args, "elastor_keep", 2)),
+        eng = CheckpointEngine(key, _comm(args), keep=int(keep or getattr(args, "elastor_keep", 2)),
                                async_save=bool(getattr(args, "elastor_async", True)))
         _S.engines[key] = eng
     return eng
@@ -220,16 +248,55 @@ def _one_chunk(model: Any) -> Any:
 
 
 def _true_vocab(args: Any, chunk: Any) -> int:
-    if getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
+    """The unpadded vocabulary: what Megatron pads from, i.e. the tokenizer's ``vocab_size``
+    (NullTokenizer: ``--vocab-size`` + 1 for EOD). ``--vocab-size`` only when there is no tokenizer."""
     try:
         from megatron.training.global_vars import get_tokenizer
 
         return int(get_tokenizer().vocab_size)
-    except Exception:  # noqa: BLE001 - no tokenizer: the padded size is the best we know
-        _warn_once("vocab", "elastor: true vocabulary size unknown (no --vocab-size, no tokenizer); saving the "
-                   "padded vocabulary %d, so a resume at another TP degree may fail", int(chunk.vocab_size))
-        return int(chunk.vocab_size)
+    except Exception:  # noqa: BLE001 - no tokenizer built (tests, tools): fall back below
+        pass
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    _warn_once("vocab", "elastor: true vocabulary size unknown (no tokenizer, no --vocab-size); saving the "
+               "padded vocabulary %d, so a resume at another TP degree may fail", int(chunk.vocab_size))
+    return int(chunk.vocab_size)
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padded vocabulary: a multiple of ``divisible_by * tp``."""
+    m = max(1, int(divisible_by)) * max(1, int(tp))
+    return -(-int(vocab) // m) * m
+
+
+def vocab_divisor_fix(vocab: int, padded: int, tps: Sequence[int]) -> Optional[int]:
+    """The largest ``--make-vocab-size-divisible-by`` that pads ``vocab`` to ``padded`` under every TP
+    degree in ``tps`` (None if there is none)."""
+    for d in range(padded, 0, -1):
+        if padded % d == 0 and all(padded_vocab(vocab, d, t) == padded for t in tps):
+            return d
+    return None
+
+
+def check_padded_vocab(saved_model: Mapping[str, Any], saved_tp: int, vocab: int, divisible_by: int,
+                       tp: int) -> Optional[str]:
+    """A warning when this run pads the vocabulary differently from the run that saved (None if same).
+
+    The checkpoint holds the true rows only; extra padding rows are zero-filled here and enter the
+    softmax, so the loss of a resumed run differs. The fix is a divisor giving the same padded size."""
+    old_div = int(saved_model.get("make_vocab_size_divisible_by", divisible_by) or divisible_by)
+    old = padded_vocab(vocab, old_div, saved_tp)
+    new = padded_vocab(vocab, divisible_by, tp)
+    if old == new:
+        return None
+    fix = vocab_divisor_fix(vocab, old, sorted({saved_tp, tp, 1}))
+    how = (f"relaunch with --make-vocab-size-divisible-by {fix} (pads {vocab} to {old} under TP "
+           f"{sorted({saved_tp, tp, 1})}; choose it so that divisor x TP divides {old} for every TP you will use)"
+           if fix else f"no divisor gives {old} rows at TP {tp}; keep TP {saved_tp} or accept a changed loss")
+    return (f"elastor: the checkpoint was trained with a padded vocabulary of {old} rows (vocab {vocab}, "
+            f"--make-vocab-size-divisible-by {old_div} x TP {saved_tp}); this run pads to {new} (divisible-by "
+            f"{divisible_by} x TP {tp}): the {abs(new - old)} extra zero rows change the softmax and the loss. "
+            f"Fix: {how}")
 
 
 def _layout(args: Any, chunk: Any, cfg: GPTSpecConfig, comm: Any) -> Layout:
@@ -249,11 +316,24 @@ def _layout(args: Any, chunk: Any, cfg: GPTSpecConfig, comm: Any) -> Layout:
 
 
 @dataclass
+class _Flat:
+    """A DistributedOptimizer's part of one model parameter: elements ``[start, end)`` of the
+    flattened (TP-local) parameter; ``key`` is the tensor Adam keeps state for (the fp32 main shard
+    of a 16-bit parameter, else a view of the fp32 parameter); ``main`` is that fp32 main shard."""
+
+    key: Any
+    main: Optional[Any]
+    start: int
+    end: int
+
+
+@dataclass
 class _AdamView:
     """Adam state of the model parameters, wherever the Megatron optimizer keeps it."""
 
     torch_opts: list                      # the torch optimizers holding the state
     main: dict                            # model param -> fp32 main param (mixed precision)
+    flat: dict = field(default_factory=dict)  # model param -> _Flat (distributed optimizer)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -262,6 +342,9 @@ class _AdamView:
     @property
     def state(self) -> "_ViewState":
         return _ViewState(self)
+
+    def has_state(self) -> bool:
+        return all(o.state for o in self.torch_opts if any(g["params"] for g in o.param_groups))
 
 
 class _ViewState:
@@ -279,22 +362,53 @@ class _ViewState:
         return default
 
 
+def sub_optimizers(optimizer: Any) -> list:
+    """The optimizers inside a Megatron ChainedOptimizer (or ``[optimizer]``)."""
+    if optimizer is None:
+        return []
+    subs = getattr(optimizer, "chained_optimizers", None)
+    return list(subs) if subs is not None else [optimizer]
+
+
+def _distributed_view(optimizer: Any) -> Optional[_AdamView]:
+    inner = getattr(optimizer, "optimizer", None)
+    need = ("model_float16_groups", "shard_fp32_from_float16_groups", "model_fp32_groups", "shard_fp32_groups",
+            "_get_model_param_range_map")
+    missing = [n for n in need if not hasattr(optimizer, n)]
+    if missing or not isinstance(inner, torch.optim.Optimizer):
+        _warn_once("distopt", "elastor: %s has no %s (a Megatron version this integration does not know); its "
+                   "state is not carried", type(optimizer).__name__, missing or "torch optimizer")
+        return None
+    flat: dict = {}
+    for groups, mains, is16 in ((optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, True),
+                                (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, False)):
+        for mg, sg in zip(groups, mains):
+            for p, shard in zip(mg, sg):
+                if shard is None:
+                    _warn_once("distopt-prec", "elastor: precision-aware distributed optimizer keeps its main "
+                               "params inside the fused optimizer; its state is not carried")
+                    return None
+                r = optimizer._get_model_param_range_map(p)["param"]
+                flat[p] = _Flat(shard, shard if is16 else None, int(r.start), int(r.end))
+    return _AdamView([inner], {}, flat)
+
+
 def adam_view(optimizer: Any) -> Optional[_AdamView]:
     """The Adam state behind ``optimizer`` (None when there is none elastor can carry)."""
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
         return _AdamView([optimizer], {})
-    if "DistributedOptimizer" in type(optimizer).__name__:
-        _warn_once("distopt", "elastor: the %s's state is not carried yet; the checkpoint holds weights only "
-                   "and a resume starts Adam from zero", type(optimizer).__name__)
-        return None
     subs = getattr(optimizer, "chained_optimizers", None)
     if subs is not None:
         views = [adam_view(o) for o in subs]
-        if any(v is None for v in views):
+        views = [v for v, o in zip(views, subs) if not (v is None and getattr(o, "is_stub_optimizer", False))]
+        if not views or any(v is None for v in views):
             return None
-        return _AdamView([o for v in views for o in v.torch_opts], {k: m for v in views for k, m in v.main.items()})
+        return _AdamView([o for v in views for o in v.torch_opts], {k: m for v in views for k, m in v.main.items()},
+                         {k: f for v in views for k, f in v.flat.items()})
+    if "DistributedOptimizer" in type(optimizer).__name__:
+        return _distributed_view(optimizer)
     inner = getattr(optimizer, "optimizer", None)
     if not isinstance(inner, torch.optim.Optimizer):
         return None  # a stub optimizer (no parameters on this rank) or an unknown wrapper
@@ -304,11 +418,42 @@ def adam_view(optimizer: Any) -> Optional[_AdamView]:
     return _AdamView([inner], main)
 
 
+def _flat_state_shards(plan: list, view: _AdamView, for_load: bool, with_main: bool) -> list:
+    """Adam moments (and fp32 main shards) of a distributed optimizer: each rank's contiguous range
+    of each flattened parameter mapped to regions of the global tensors (elastor_ds.layout.zero)."""
+    shards: list = []
+    step_t = None
+    for spec, h, p in plan:
+        f = view.flat.get(p)
+        if f is None or f.end <= f.start:
+            continue
+        st = view.state.get(f.key)
+        if not st:
+            raise ConfigError(f"distributed optimizer has no state for {spec.name}: take one step first")
+        for m in MOMENTS:
+            if for_load:
+                st[m].zero_()
+            shards += shards_from_flat([f"optimizer.{m}.{spec.name}"], [spec.shape], [tuple(p.shape)], [h.pieces],
+                                       st[m].view(-1), f.start, f.end)
+        if f.main is not None and with_main:
+            shards += shards_from_flat([MAIN_PREFIX + spec.name], [spec.shape], [tuple(p.shape)], [h.pieces],
+                                       f.main.data.view(-1), f.start, f.end)
+        if step_t is None and "step" in st:
+            step_t = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
+    if step_t is not None:
+        shards.append(full_shard(STEP_NAME, step_t.float().reshape(()) if step_t.dtype != torch.float32
+                                 else step_t.reshape(())))
+    return shards
+
+
 def _shards(chunk: Any, cfg: GPTSpecConfig, layout: Layout, rank: int, view: Optional[_AdamView],
             for_load: bool, with_main: bool):
     if view is not None and for_load:
         for o in view.torch_opts:
             ensure_adam_state(o)
+    if view is not None and view.flat:
+        shards = gpt_shards(chunk, cfg, layout, rank, None, for_load=for_load)
+        return shards + _flat_state_shards(_plan(chunk, cfg, layout, rank), view, for_load, with_main)
     shards = gpt_shards(chunk, cfg, layout, rank, view, for_load=for_load)
     if view is not None and view.main and with_main:
         for spec, h, p in _plan(chunk, cfg, layout, rank):
@@ -316,6 +461,37 @@ def _shards(chunk: Any, cfg: GPTSpecConfig, layout: Layout, rank: int, view: Opt
             if m is not None:
                 shards += shards_from_pieces(MAIN_PREFIX + spec.name, spec.shape, m.data, h.pieces)
     return shards
+
+
+def _scaler_states(optimizer: Any) -> Optional[list]:
+    """fp16 loss scaler state of every (chained) optimizer, JSON-safe (None when no scaler)."""
+    out = []
+    for o in sub_optimizers(optimizer):
+        sc = getattr(o, "grad_scaler", None)
+        if sc is None or not hasattr(sc, "state_dict"):
+            out.append(None)
+            continue
+        out.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in sc.state_dict().items()})
+    return out if any(x is not None for x in out) else None
+
+
+def _load_scalers(optimizer: Any, states: Optional[list]) -> None:
+    if not states:
+        return
+    subs = sub_optimizers(optimizer)
+    for o, st in zip(subs, states):
+        sc = getattr(o, "grad_scaler", None)
+        if sc is None or st is None:
+            continue
+        sc.load_state_dict({k: (torch.tensor(v, dtype=torch.float32) if k == "scale" else v) for k, v in st.items()})
+
+
+def _reload_main_params(optimizer: Any) -> None:
+    """fp32 main params from the (just loaded) model weights, like Megatron-LM when it does not load
+    optimizer state; without it the first step writes the fresh-init main params back."""
+    fn = getattr(optimizer, "reload_model_params", None)
+    if fn is not None:
+        fn()
 
 
 # ------------------------------------------------------------------ RNG
@@ -346,18 +522,48 @@ def _restore_rng(st: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ save / load
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default place for non-persistent global saves
+
+
+def _non_persistent_root(args: Any, base: Optional[str]) -> Optional[str]:
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        return None
+    d = getattr(args, "non_persistent_global_ckpt_dir", None)
+    return d or (os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None)
+
+
+def _cfg(args: Any, chunk: Any) -> GPTSpecConfig:
+    return spec_config_from_model(chunk, _true_vocab(args, chunk), int(getattr(args, "make_vocab_size_divisible_by", 128)))
+
+
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                    num_floating_point_operations_so_far: float, args: Any, **_megatron_kwargs: Any) -> SaveStats:
-    """Collective: save checkpoint ``iteration`` under ``args.save`` (Megatron-LM's signature + args)."""
+                    num_floating_point_operations_so_far: float, args: Any, non_persistent_ckpt: bool = False,
+                    **_megatron_kwargs: Any) -> SaveStats:
+    """Collective: save checkpoint ``iteration`` under ``args.save`` (Megatron-LM's signature + args).
+
+    ``non_persistent_ckpt`` (Megatron's ``--non-persistent-save-interval``) goes to
+    ``--non-persistent-global-ckpt-dir`` (default ``SAVE/non_persistent``), keeping only the newest
+    one, so it never pushes persistent checkpoints out of ``--elastor-keep``."""
     if not getattr(args, "save", None):
         raise ConfigError("--elastor: saving needs --save DIR")
+    root = args.save
+    keep = None
+    if non_persistent_ckpt:
+        root = _non_persistent_root(args, args.save)
+        if root is None:
+            raise ConfigError("--elastor: a non-persistent save needs --non-persistent-ckpt-type global "
+                              "(elastor does not write 'local' non-persistent checkpoints)")
+        keep = 1
     chunk = _one_chunk(model)
-    cfg = spec_config_from_model(chunk, _true_vocab(args, chunk), int(getattr(args, "make_vocab_size_divisible_by", 128)))
-    eng = _engine(args, args.save)
+    cfg = _cfg(args, chunk)
+    eng = _engine(args, root, keep)
     layout = _layout(args, chunk, cfg, eng.comm)
     view = adam_view(optimizer)
-    if view is not None and not all(o.state for o in view.torch_opts):
+    if view is not None and not view.has_state():
         _warn_once("nostate", "elastor: optimizer has no state yet (no step taken); saving weights only")
+        view = None
+    # every rank must agree (a DistributedOptimizer rank may own no element of a parameter)
+    if not all(eng.comm.all_gather_object(view is not None)):
         view = None
     shards = _shards(chunk, cfg, layout, eng.comm.rank, view, for_load=False, with_main=True)
     extra = {
@@ -368,75 +574,163 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
         "optimizer_state": view is not None,
+        "grad_scaler": _scaler_states(optimizer),
         "global_batch_size": getattr(args, "global_batch_size", None),
+        "non_persistent": bool(non_persistent_ckpt),
     }
     stats = eng.save(int(iteration), shards, extra=extra, rank_state=_rng_state(), model=cfg.to_json(),
                      layout=layout.to_json())
     if eng.comm.rank == 0:
-        log.info("elastor: saving iteration %d under %s (%s, stall %.3fs%s)", iteration, eng.root,
-                 layout.describe(), stats.stall_s, ", async" if eng.async_save else "")
+        log.info("elastor: saving %siteration %d under %s (%s, stall %.3fs%s)",
+                 "non-persistent " if non_persistent_ckpt else "", iteration, eng.root, layout.describe(),
+                 stats.stall_s, ", async" if eng.async_save else "")
     return stats
 
 
+def stock_megatron_checkpoint(root: str) -> Optional[str]:
+    """What marks ``root`` as a stock Megatron-LM checkpoint directory (None if it is not one)."""
+    if not root or not os.path.isdir(root):
+        return None
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        return os.path.basename(tracker)
+    iters = sorted(n for n in os.listdir(root) if n.startswith("iter_") or n == "release")
+    return iters[-1] if iters else None
+
+
+def _stock_error(root: str, mark: str, load_arg: str) -> ConfigError:
+    return ConfigError(
+        f"--{load_arg.replace('_', '-')} {root} holds a stock Megatron checkpoint ({mark}), not an elastor one; "
+        f"elastor will not silently start over from scratch. Convert it once with `elastor convert {root} "
+        f"NEW_DIR --from megatron` and pass --{load_arg.replace('_', '-')} NEW_DIR (use --no-load-optim "
+        f"--no-load-rng if the conversion reports weights only), or drop --elastor to resume with "
+        f"Megatron-LM's own loader")
+
+
+def _find_step(root: str, args: Any, load_arg: str) -> Optional[str]:
+    """The committed step dir to load from ``root`` (None: nothing there). Honours ``--ckpt-step``
+    and a newer non-persistent checkpoint; refuses a stock Megatron checkpoint directory."""
+    step = getattr(args, "ckpt_step", None)
+    if step is not None:
+        dirs = dict(commit_mod.list_committed(root))
+        if int(step) not in dirs:
+            mark = stock_megatron_checkpoint(root)
+            if mark and not dirs:
+                raise _stock_error(root, mark, load_arg)
+            raise ConfigError(f"--ckpt-step {step}: {root} has no committed elastor checkpoint of that iteration "
+                              f"(it has {sorted(dirs) or 'none'})")
+        return dirs[int(step)]
+    found = []
+    for r in (root, _non_persistent_root(args, root) if load_arg == "load" else None):
+        if not r:
+            continue
+        try:
+            d = commit_mod.resolve(r)
+        except CheckpointNotFoundError:
+            continue
+        found.append((commit_mod.read_manifest(d).step, r != root, d))
+    if found:
+        return max(found)[2]
+    mark = stock_megatron_checkpoint(root)
+    if mark:
+        raise _stock_error(root, mark, load_arg)
+    return None
+
+
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: Any, load_arg: str = "load",
-                    strict: bool = True, **_megatron_kwargs: Any) -> tuple[int, float]:
+                    strict: bool = True, skip_load_to_model_and_opt: bool = False,
+                    **_megatron_kwargs: Any) -> tuple[int, float]:
     """Collective: load the latest checkpoint under ``args.<load_arg>`` into this layout.
 
     Returns ``(iteration, num_floating_point_operations_so_far)`` like Megatron-LM; ``(0, 0)`` when
     there is no checkpoint (an error with ``--exit-on-missing-checkpoint``). Sets
-    ``args.consumed_train_samples`` and friends, like Megatron-LM."""
+    ``args.consumed_train_samples`` and friends, like Megatron-LM. Like Megatron-LM it falls back to
+    ``--pretrained-checkpoint`` (as ``--finetune``) when ``--load`` holds nothing, honours
+    ``--ckpt-step``, ``--finetune``, ``--no-load-optim``, ``--no-load-rng`` and
+    ``skip_load_to_model_and_opt`` (read the metadata only)."""
     root = getattr(args, load_arg, None)
-    if not root:
-        return 0, 0
     finalize()  # a save of this process must be committed before it is read
-    try:
-        step_dir = commit_mod.resolve(root)
-    except CheckpointNotFoundError:
+    step_dir = _find_step(root, args, load_arg) if root else None
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if step_dir is None and pretrained and load_arg == "load":
+        step_dir = _find_step(pretrained, args, "pretrained_checkpoint")
+        if step_dir is None:
+            raise CheckpointNotFoundError(f"no checkpoint under --load {root} nor --pretrained-checkpoint "
+                                          f"{pretrained}")
+        log.info("elastor: nothing under --load %s; fine-tuning from --pretrained-checkpoint %s", root, step_dir)
+        args.finetune = True
+    if step_dir is None:
+        if not root:
+            return 0, 0
         if getattr(args, "exit_on_missing_checkpoint", False):
-            raise
+            raise CheckpointNotFoundError(f"--exit-on-missing-checkpoint: no elastor checkpoint under {root}")
         log.warning("elastor: no checkpoint under %s; starting from scratch", root)
         return 0, 0
     man = commit_mod.read_manifest(step_dir)
+    if man.extra.get("format") not in (None, FORMAT):
+        raise ConfigError(f"{step_dir}: format {man.extra.get('format')!r}; this reader knows {FORMAT}")
     chunk = _one_chunk(model)
-    cfg = spec_config_from_model(chunk, _true_vocab(args, chunk), int(getattr(args, "make_vocab_size_divisible_by", 128)))
-    eng = _engine(args, root)
+    cfg = _cfg(args, chunk)
+    eng = _engine(args, os.path.dirname(step_dir))
     layout = _layout(args, chunk, cfg, eng.comm)
+    saved = Layout.from_json(man.layout) if man.layout else None
     finetune = bool(getattr(args, "finetune", False))
-    view = None if finetune or getattr(args, "no_load_optim", False) else adam_view(optimizer)
-    if view is not None and not man.extra.get("optimizer_state"):
-        _warn_once("noopt", "elastor: checkpoint %s has no optimizer state; loading weights only", step_dir)
+    no_optim = finetune or bool(getattr(args, "no_load_optim", False))
+    if skip_load_to_model_and_opt:
+        ex, rank_state = dict(man.extra), None
         view = None
-    with_main = any(n.startswith(MAIN_PREFIX) for n in man.tensors)
-    shards = _shards(chunk, cfg, layout, eng.comm.rank, view, for_load=True, with_main=with_main)
-    step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
-    res = eng.load(step_dir, shards, strict=strict)
-    if view is not None:
-        if step_t is not None:
-            _set_steps(view, step_t)  # type: ignore[arg-type]
-        if view.main and not with_main:  # main params from the (lower precision) weights
-            for p, m in view.main.items():
-                m.data.copy_(p.data)
-    ex = res.extra
-    if ex.get("format") not in (None, FORMAT):
-        raise ConfigError(f"{step_dir}: format {ex.get('format')!r}; this reader knows {FORMAT}")
+    else:
+        if man.model and saved is not None and eng.comm.rank == 0:
+            msg = check_padded_vocab(man.model, saved.uniform_dims()[0] if _uniform(saved) else 1, cfg.vocab_size,
+                                     cfg.make_vocab_size_divisible_by, layout.uniform_dims()[0])
+            if msg:
+                log.warning(msg)
+        view = None if no_optim else adam_view(optimizer)
+        if view is not None and not man.extra.get("optimizer_state"):
+            _warn_once("noopt", "elastor: checkpoint %s has no optimizer state; loading weights only", step_dir)
+            view = None
+        if not all(eng.comm.all_gather_object(view is not None)):
+            view = None
+        with_main = any(n.startswith(MAIN_PREFIX) for n in man.tensors)
+        shards = _shards(chunk, cfg, layout, eng.comm.rank, view, for_load=True, with_main=with_main)
+        step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
+        res = eng.load(step_dir, shards, strict=strict)
+        ex, rank_state = res.extra, res.rank_state
+        if view is not None:
+            if step_t is not None:
+                _set_steps(view, step_t)  # type: ignore[arg-type]
+            if not with_main:  # main params from the (lower precision) weights
+                _reload_main_params(optimizer)
+            _load_scalers(optimizer, ex.get("grad_scaler"))
+        elif optimizer is not None:
+            _reload_main_params(optimizer)
     if finetune:
         return 0, 0
     for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         setattr(args, k, int(ex.get(k, 0)))
     _update_num_microbatches(args.consumed_train_samples)
-    if view is not None and opt_param_scheduler is not None and ex.get("opt_param_scheduler") is not None:
+    # like Megatron-LM: the scheduler comes back unless --finetune / --no-load-optim, whether or not
+    # the optimizer state itself could be loaded
+    if not no_optim and opt_param_scheduler is not None and ex.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(ex["opt_param_scheduler"])
-    saved = Layout.from_json(man.layout) if man.layout else None
-    if saved is not None and saved.fingerprint() == layout.fingerprint() and res.rank_state \
+    if saved is not None and saved.fingerprint() == layout.fingerprint() and rank_state \
             and not getattr(args, "no_load_rng", False):
-        _restore_rng(res.rank_state)
+        _restore_rng(rank_state)
     elif eng.comm.rank == 0:
         log.info("elastor: layout %s -> %s: RNG states start fresh", saved.describe() if saved else "?",
                  layout.describe())
+    it = int(ex.get("iteration", man.step))
     if eng.comm.rank == 0:
-        log.info("elastor: loaded iteration %s from %s into %s", ex.get("iteration", res.step), step_dir,
-                 layout.describe())
-    return int(ex.get("iteration", res.step)), float(ex.get("num_floating_point_operations_so_far", 0))
+        log.info("elastor: loaded iteration %s from %s into %s", it, step_dir, layout.describe())
+    return it, float(ex.get("num_floating_point_operations_so_far", 0))
+
+
+def _uniform(layout: Layout) -> bool:
+    try:
+        layout.uniform_dims()
+        return True
+    except LayoutError:
+        return False
 
 
 def _update_num_microbatches(consumed: int) -> None:

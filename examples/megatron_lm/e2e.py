@@ -1,0 +1,303 @@
+"""The Megatron-LM end-to-end sequence: patched ``pretrain_gpt.py --elastor`` trains, saves and
+resumes under new layouts (CPU through ``cpu_pretrain_gpt.py``, or a GPU with ``--gpu``).
+
+usage: python examples/megatron_lm/e2e.py MEGATRON_LM_DIR WORKDIR [--gpu] [--only NAME,...]
+(run by ``scripts/megatron_lm_e2e.sh``, which applies the patches and installs the extras first).
+
+Every scenario is a real launch (torchrun, one process per rank). Oracles: the uninterrupted run's
+logged losses (Megatron's own log lines), and consolidated checkpoints compared tensor by tensor
+(``elastor convert --to consolidated``): a checkpoint loaded under a new layout and saved again
+without a step must be bit-identical to the one it came from (weights, fp32 main params, Adam
+moments and steps). Prints one line per check and a summary; exit 0 only when all pass.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+RUNNER = os.path.join(HERE, "cpu_pretrain_gpt.py")
+WORLD = 4
+LAYERS = 4
+LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
+
+MODEL = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--max-position-embeddings", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+         "--lr-decay-iters", "20", "--weight-decay", "0.01",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--make-vocab-size-divisible-by", "64", "--mock-data", "--split", "1,0,0",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+         "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+CPU = ["--distributed-backend", "gloo", "--use-cpu-initialization", "--clip-grad", "0"]
+GPU = ["--distributed-backend", "nccl", "--bf16", "--use-distributed-optimizer"]
+
+
+class Failed(Exception):
+    pass
+
+
+class E2E:
+    def __init__(self, mlm: str, work: str, gpu: bool) -> None:
+        self.mlm, self.work, self.gpu = os.path.abspath(mlm), os.path.abspath(work), gpu
+        self.results: list[tuple[str, bool, str]] = []
+        self.reuse = bool(os.environ.get("E2E_REUSE"))
+        self.losses: dict[str, dict[int, str]] = {}
+        self.commands: list[str] = []
+        os.makedirs(self.work, exist_ok=True)
+
+    # ---------------------------------------------------------------- launching
+    def launch(self, name: str, flags: list[str], world: int = WORLD, expect_rc: int = 0,
+               timeout: float = 900) -> str:
+        log = os.path.join(self.work, name + ".log")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        entry = ([os.path.join(self.mlm, "pretrain_gpt.py")] if self.gpu
+                 else [RUNNER, "--megatron-lm", self.mlm])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-port", str(port), *entry, *MODEL, *(GPU if self.gpu else CPU), *flags]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([self.mlm, REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        env["PYENV_VERSION"] = "%d.%d.%d" % sys.version_info[:3]
+        self.commands.append(f"[{name}] torchrun --nproc-per-node {world} "
+                             f"{'pretrain_gpt.py' if self.gpu else 'cpu_pretrain_gpt.py'} <model flags> "
+                             + " ".join(flags))
+        t0 = time.time()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
+        text = open(log, errors="replace").read()
+        print(f"  launched {name}: rc {rc} in {time.time() - t0:.0f}s ({log})", flush=True)
+        if rc != expect_rc:
+            tail = "\n".join(text.splitlines()[-25:])
+            raise Failed(f"{name}: exit code {rc}, expected {expect_rc}; log {log}:\n{tail}")
+        self.losses[name] = {int(i): v for i, v in LOSS_RE.findall(text)}
+        return text
+
+    def ck(self, name: str) -> str:
+        return os.path.join(self.work, "ckpt_" + name)
+
+    def plan(self, name: str, tp: int, pp: int, dp: int, bounds: list[int]) -> str:
+        from elastor_ds.layout import Layout
+
+        path = os.path.join(self.work, f"plan_{name}.json")
+        with open(path, "w") as f:
+            json.dump(Layout.uniform(tp, pp, dp, LAYERS, bounds).to_json(), f)
+        return path
+
+    def consolidate(self, root: str, step: int) -> str:
+        from elastor_ds.checkpoint import commit as commit_mod
+        from elastor_ds.checkpoint.convert import to_consolidated
+
+        dirs = dict(commit_mod.list_committed(root))
+        if step not in dirs:
+            raise Failed(f"{root}: no committed step {step} (has {sorted(dirs)})")
+        out = os.path.join(self.work, "cons", f"{os.path.basename(root)}_{step}")
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        return to_consolidated(dirs[step], out, progress=False)
+
+    # ---------------------------------------------------------------- checks
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        self.results.append((name, ok, detail))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+    def same_losses(self, name: str, run: str, ref: str, iters: list[int], exact: bool, rtol: float = 0.0) -> None:
+        a, b = self.losses[run], self.losses[ref]
+        bad = []
+        for i in iters:
+            if i not in a or i not in b:
+                bad.append(f"iteration {i} not logged ({run}: {i in a}, {ref}: {i in b})")
+            elif exact and a[i] != b[i]:
+                bad.append(f"iteration {i}: {a[i]} vs {b[i]}")
+            elif not exact and abs(float(a[i]) - float(b[i])) > rtol * abs(float(b[i])):
+                bad.append(f"iteration {i}: {a[i]} vs {b[i]} (rtol {rtol})")
+        shown = ", ".join(f"{i}: {a.get(i)} vs {b.get(i)}" for i in iters[:2])
+        self.check(name, not bad, "; ".join(bad) if bad else f"{'identical' if exact else f'rtol {rtol}'} ({shown})")
+
+    def same_checkpoint(self, name: str, a: tuple[str, int], b: tuple[str, int], optimizer: bool = True) -> None:
+        from safetensors.torch import load_file
+
+        from elastor_ds.testing.megatron_gpt import consolidated_differences
+
+        ca, cb = self.consolidate(*a), self.consolidate(*b)
+        bad = consolidated_differences(ca, cb) if optimizer else []
+        if not optimizer:
+            x, y = load_file(os.path.join(ca, "model.safetensors")), load_file(os.path.join(cb, "model.safetensors"))
+            bad = [k for k in x if k not in y or not x[k].equal(y[k])]
+        nopt = 0
+        if os.path.exists(os.path.join(ca, "optimizer.safetensors")):
+            nopt = len(load_file(os.path.join(ca, "optimizer.safetensors")))
+        if optimizer and nopt == 0:
+            bad.append("no optimizer state in the checkpoint")
+        self.check(name, not bad, f"{len(bad)} tensors differ: {bad[:4]}" if bad else
+                   f"bit-identical ({nopt} optimizer tensors)" if optimizer else "weights bit-identical")
+
+    # ---------------------------------------------------------------- the sequence
+    def base(self, tag: str, extra: list[str]) -> str:
+        """Uninterrupted 20 iterations at TP1 x PP1 x DP4, saving iterations 10 and 20."""
+        name = f"{tag}uninterrupted"
+        log = os.path.join(self.work, name + ".log")
+        if self.reuse and os.path.exists(log) and os.path.isdir(os.path.join(self.ck(name), "step_000000020")):
+            self.losses[name] = {int(i): v for i, v in LOSS_RE.findall(open(log, errors="replace").read())}
+            print(f"  reusing {name} ({log})", flush=True)
+            return name
+        if os.path.exists(self.ck(name)):
+            shutil.rmtree(self.ck(name))
+        self.launch(name, ["--train-iters", "20", "--save-interval", "10", "--save", self.ck(name),
+                           "--elastor", "--elastor-keep", "4", *extra])
+        return name
+
+    def resume(self, tag: str, base: str, name: str, extra: list[str], iters: int = 20) -> str:
+        run = f"{tag}{name}"
+        if os.path.exists(self.ck(run)):
+            shutil.rmtree(self.ck(run))
+        # iters == 10: load iteration 10 and save it again at once (Megatron-LM saves at the end when
+        # the iteration is not a multiple of --save-interval); the scheduler keeps --train-iters 20's
+        self.launch(run, ["--train-iters", str(iters), "--save-interval", "7" if iters == 10 else "10",
+                          "--load", self.ck(base), "--ckpt-step", "10", "--save", self.ck(run),
+                          "--elastor", *(["--override-opt_param-scheduler"] if iters == 10 else []), *extra])
+        return run
+
+    def layouts(self, tag: str, base: str, extra: list[str], rtol: float) -> None:
+        cases = [("tp2", ["--tensor-model-parallel-size", "2"]),
+                 ("pp2_uneven_plan", ["--elastor-plan", self.plan("pp2", 1, 2, 2, [0, 1, 4])]),
+                 ("tp2pp2_plan", ["--elastor-plan", self.plan("tp2pp2", 2, 2, 1, [0, 3, 4])])]
+        for name, flags in cases:
+            run = self.resume(tag, base, name, flags + extra)
+            self.same_losses(f"{run}: first iteration after the resume", run, base, [11], exact=False, rtol=rtol)
+            # the TP2 round trip also pads the vocabulary differently (128 x 2 = 256 rows instead of 128)
+            pad = ["--make-vocab-size-divisible-by", "128"] if name == "tp2" else []
+            rt = self.resume(tag, base, name + "_roundtrip", flags + extra + pad, iters=10)
+            self.same_checkpoint(f"{rt}: loaded at {name}, saved again", (self.ck(base), 10), (self.ck(rt), 10))
+            if pad:
+                text = open(os.path.join(self.work, rt + ".log"), errors="replace").read()
+                ok = "--make-vocab-size-divisible-by 64" in text and "padded vocabulary of 128 rows" in text
+                self.check(f"{rt}: warns that TP2 pads the vocabulary to 256 rows, names divisor 64", ok,
+                           "warning logged" if ok else "no padded-vocabulary warning with the fix")
+
+    def run(self, only: Optional[set]) -> bool:
+        want = lambda n: only is None or n in only  # noqa: E731
+        steps = []
+        if want("fp32"):
+            steps.append(("fp32", self.seq_fp32))
+        if want("stock"):
+            steps.append(("stock", self.seq_stock))
+        if want("bf16") and not self.gpu:
+            steps.append(("bf16", self.seq_bf16))
+        if want("distopt"):
+            steps.append(("distopt", self.seq_distopt))
+        for name, fn in steps:
+            print(f"== {name}", flush=True)
+            try:
+                fn()
+            except Failed as e:
+                self.check(name, False, str(e))
+        n_ok = sum(ok for _, ok, _ in self.results)
+        print(f"\n{n_ok} passed, {len(self.results) - n_ok} failed")
+        with open(os.path.join(self.work, "summary.json"), "w") as f:
+            json.dump({"results": self.results, "commands": self.commands, "losses": self.losses}, f, indent=1)
+        return n_ok == len(self.results) and bool(self.results)
+
+    def seq_fp32(self) -> None:
+        """fp32, Megatron's FP32Optimizer (CPU); on a GPU this is the bf16 + distributed optimizer run."""
+        base = self.base("", [])
+        run = self.resume("", base, "same_layout", [])
+        # Megatron-LM's log does not reset its loss average after a resume: only the first logged
+        # iteration compares; the checkpoint at iteration 20 covers the rest
+        self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
+        self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
+        self.layouts("", base, [], rtol=1e-4)
+        ft = self.resume("", base, "no_load_optim", ["--no-load-optim"])
+        self.same_losses(f"{ft}: iteration 11 (weights loaded)", ft, base, [11], exact=True)
+        self.check(f"{ft}: iteration stays at 10", min(self.losses[ft]) == 11, f"first logged {min(self.losses[ft])}")
+        ft = self.resume("", base, "finetune", ["--finetune"])
+        first = min(self.losses[ft])
+        self.check(f"{ft}: starts at iteration 1 from the loaded weights",
+                   first == 1 and float(self.losses[ft][1]) < float(self.losses[base][1]) - 0.1,
+                   f"iteration {first}: loss {self.losses[ft].get(first)} (fresh start {self.losses[base][1]})")
+
+    def seq_bf16(self) -> None:
+        """bf16 with Float16OptimizerWithFloat16Params (fp32 main params), CPU."""
+        base = self.base("bf16_", ["--bf16"])
+        run = self.resume("bf16_", base, "same_layout", ["--bf16"])
+        # Megatron-LM's log does not reset its loss average after a resume: only the first logged
+        # iteration compares; the checkpoint at iteration 20 covers the rest
+        self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
+        self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
+        run = self.resume("bf16_", base, "tp2pp2_plan", ["--bf16", "--elastor-plan",
+                                                         self.plan("tp2pp2", 2, 2, 1, [0, 3, 4])], iters=10)
+        self.same_checkpoint(f"{run}: loaded at TP2xPP2, saved again", (self.ck(base), 10), (self.ck(run), 10))
+        nl = self.resume("bf16_", base, "no_load_optim", ["--bf16", "--no-load-optim"])
+        a, b = float(self.losses[nl].get(12, "nan")), float(self.losses[base][12])
+        fresh = float(self.losses[base][1])
+        self.check(f"{nl}: iteration 12 continues from the loaded weights (fp32 main params reloaded)",
+                   abs(a - b) < 0.25 * abs(fresh - b), f"{a} vs uninterrupted {b} (fresh start {fresh})")
+
+    def seq_stock(self) -> None:
+        """A --load directory holding a stock Megatron checkpoint (torch format): imported, not ignored."""
+        stock = self.ck("stock_megatron")
+        if os.path.exists(stock):
+            shutil.rmtree(stock)
+        self.launch("stock_save", ["--train-iters", "10", "--save-interval", "10", "--save", stock,
+                                   "--ckpt-format", "torch"])
+        run = "stock_resume_elastor"
+        if os.path.exists(self.ck(run)):
+            shutil.rmtree(self.ck(run))
+        text = self.launch(run, ["--train-iters", "12", "--save-interval", "10", "--load", stock,
+                                 "--save", self.ck(run), "--elastor"])
+        ref = "stock_resume_stock"
+        self.launch(ref, ["--train-iters", "12", "--save-interval", "100", "--load", stock, "--ckpt-format", "torch"])
+        self.check(f"{run}: continues at iteration 11", min(self.losses[run], default=0) == 11,
+                   f"first logged iteration {min(self.losses[run], default=None)}")
+        self.same_losses(f"{run}: iterations 11-12 vs stock Megatron's own resume", run, ref, [11, 12], exact=True)
+        same = "stock_into_same_dir"
+        text = self.launch(same, ["--train-iters", "12", "--save-interval", "10", "--load", stock, "--save", stock,
+                                  "--elastor"], expect_rc=1)
+        self.check(f"{same}: refuses to write an elastor checkpoint over a stock one",
+                   "stock Megatron checkpoint" in text, "clear error" if "stock Megatron checkpoint" in text
+                   else "no clear message")
+
+    def seq_distopt(self) -> None:
+        """--use-distributed-optimizer: Adam state resharded through the flat ranges."""
+        extra = [] if self.gpu else ["--use-distributed-optimizer"]
+        base = self.base("distopt_", extra)
+        run = self.resume("distopt_", base, "same_layout", extra)
+        # Megatron-LM's log does not reset its loss average after a resume: only the first logged
+        # iteration compares; the checkpoint at iteration 20 covers the rest
+        self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
+        self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
+        self.layouts("distopt_", base, extra, rtol=1e-4)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("megatron_lm")
+    ap.add_argument("workdir")
+    ap.add_argument("--gpu", action="store_true", help="run on GPUs (nccl, --bf16 --use-distributed-optimizer)")
+    ap.add_argument("--only", default=None, help="comma-separated: fp32,stock,bf16,distopt")
+    a = ap.parse_args()
+    sys.path.insert(0, REPO)
+    e = E2E(a.megatron_lm, a.workdir, a.gpu)
+    return 0 if e.run(set(a.only.split(",")) if a.only else None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
