@@ -21,8 +21,15 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit 2 (subcommand parsers inherit this class)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastor", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="elastor", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod_name in _SUBCOMMAND_MODULES:
@@ -44,11 +51,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    log = logging.getLogger("elastor")
     try:
         return int(args.func(args) or 0)
     except ElastorError as e:
-        logging.getLogger("elastor").error("%s", e)
+        log.error("%s", _one_line(e))
         return 2 if isinstance(e, ConfigError) else 1
+    except OSError as e:  # a full disk, a permission, a vanished file: a runtime failure, not a bug
+        log.error("%s: %s", type(e).__name__, _one_line(e))
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked (-v)
+        log.error("unexpected %s: %s (rerun with -v for the traceback)", type(e).__name__, _one_line(e),
+                  exc_info=args.verbose)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " | ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ class CorruptCheckpointError(CheckpointError):
     """A data file's checksum or size does not match the manifest."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint names a path outside its directory, or needs unpickling that was not trusted."""
+
+
+class DestinationNotEmptyError(ConfigError):
+    """A conversion's destination holds data; nothing is overwritten unless asked explicitly."""
+
+
 class FormatVersionError(CheckpointError):
     """The checkpoint was written by a format version this reader does not know."""
 

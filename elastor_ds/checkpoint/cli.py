@@ -37,10 +37,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="source format: elastor (default), consolidated, or an integration's format")
     p.add_argument("--to", dest="dst_format", default="elastor",
                    help="target format: elastor (default), consolidated, or an integration's format")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="import into a non-empty elastor checkpoint root: adds the imported step next to the "
+                        "others; never replaces a step, never moves 'latest' to an older step, runs no retention "
+                        "(exports always need an absent or empty destination)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="DeepSpeed/Megatron sources: allow full unpickling (runs code stored in the checkpoint); "
+                        "only for checkpoints you made yourself. Default: torch.load(weights_only=True) with an "
+                        "allow-list of the types these formats need")
     p.set_defaults(func=cmd_convert)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
 
 
 def cmd_inspect(args) -> int:
@@ -102,18 +121,27 @@ def cmd_convert(args) -> int:
     if not os.path.exists(args.src):
         print(f"error: source {args.src} does not exist", file=sys.stderr)
         return 2
-    if src_f == "elastor" and dst_f == "consolidated":
-        out = to_consolidated(args.src, args.dst, progress=progress)
-    elif src_f == "consolidated" and dst_f == "elastor":
-        out = from_consolidated(args.src, args.dst, progress=progress)
-    elif dst_f == "elastor" and src_f in IMPORTERS:
-        out = IMPORTERS[src_f](args.src, args.dst, args)
-    elif src_f == "elastor" and dst_f in EXPORTERS:
-        out = EXPORTERS[dst_f](args.src, args.dst, args)
-    else:
+    importing = dst_f == "elastor" and (src_f == "consolidated" or src_f in IMPORTERS)
+    exporting = src_f == "elastor" and (dst_f == "consolidated" or dst_f in EXPORTERS)
+    if not (importing or exporting):
         known_from = ["elastor", "consolidated", *IMPORTERS]
         known_to = ["elastor", "consolidated", *EXPORTERS]
         raise ConfigError(f"cannot convert --from {src_f} --to {dst_f}; supported: --from {known_from} "
                           f"(to elastor) or --to {known_to} (from elastor)")
+    if os.path.abspath(args.src) == os.path.abspath(args.dst):
+        raise ConfigError(f"source and destination are both {args.src}; choose a new destination")
+    # refuse a non-empty destination before any work (the writers check again when they commit)
+    if importing:
+        commit_mod.check_import_destination(args.dst, None, args.force)
+    else:
+        commit_mod.check_empty_destination(os.path.abspath(args.dst))
+    if src_f == "elastor" and dst_f == "consolidated":
+        out = to_consolidated(args.src, args.dst, progress=progress)
+    elif src_f == "consolidated" and dst_f == "elastor":
+        out = from_consolidated(args.src, args.dst, progress=progress, force=args.force)
+    elif importing:
+        out = IMPORTERS[src_f](args.src, args.dst, args)
+    else:
+        out = EXPORTERS[dst_f](args.src, args.dst, args)
     print(f"wrote {out}")
     return 0

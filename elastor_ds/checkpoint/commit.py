@@ -1,4 +1,4 @@
-"""The on-disk commit protocol: step directories, the manifest written last, ``latest``, retention.
+"""The on-disk commit protocol: one atomic-commit type for every writer, ``latest``, retention.
 
 Layout of a checkpoint root::
 
@@ -10,26 +10,49 @@ Layout of a checkpoint root::
         rank_state/rank_00000.json ...
       .tmp_step_000000200_<id>/   # a save in progress (never a checkpoint)
 
-Commit (rank 0, after every rank's data files are fsynced):
-1. write ``manifest.json`` into the temp dir (temp name, fsync, rename, fsync dir);
-2. rename the temp dir to ``step_<step>``; fsync the root;
-3. write ``latest`` atomically (temp, fsync, rename, fsync root);
-4. retention: delete the oldest committed dirs beyond ``keep`` (never the newest) and stale temp
-   dirs of steps up to the newest committed one (never a newer save's temp dir in progress).
+:class:`AtomicCommit` is the named concept (after Orbax's ``AtomicRenameTemporaryPath``): ``create``
+a temporary directory, write into ``path``, then ``finalize`` (the result appears at once, whole)
+or ``abort`` (the temporary directory is removed; nothing else changes). Two kinds:
 
-A directory without ``manifest.json`` is never treated as a checkpoint.
+* :class:`StepCommit`: a step of an elastor checkpoint root. ``finalize(manifest)``:
+  1. write ``manifest.json`` into the temp dir (temp name, fsync, rename, fsync dir): from here on
+     the temp dir is a complete checkpoint;
+  2. move it to ``step_<step>``: a plain rename when the step is new; when the step already exists
+     (a re-save), an atomic exchange of the two directories (``renameat2(RENAME_EXCHANGE)``), so
+     ``step_<step>`` is always either the old or the new complete checkpoint; the old one then
+     sits under the temp name and is removed. Without exchange support: ``latest`` first points at
+     the complete temp dir, the old step moves aside, the new one moves in, and :func:`read_latest`
+     maps a ``latest`` that names a vanished temp dir to its step dir. fsync the root;
+  3. write ``latest`` atomically (temp, fsync, rename, fsync root) under a :class:`LatestPolicy`:
+     ``ALWAYS`` (a training run: its newest save is the one to resume) or ``FORWARD`` (imports:
+     never move ``latest`` to an older step than it names);
+  4. retention (optional): delete the oldest committed dirs beyond ``keep``, never the new step,
+     never the one ``latest`` names, never a step newer than the new one; and stale temp dirs of
+     steps up to the newest committed one (never a newer save's temp dir in progress).
+* :class:`DirCommit`: a whole directory (an export: consolidated, Megatron, DeepSpeed universal)
+  written as ``.<name>.tmp-<id>`` next to the destination and renamed into place; the destination
+  must be absent or empty.
+
+A directory without ``manifest.json`` is never treated as a checkpoint. Every name read from a
+checkpoint (``latest``, the manifest's files, chunks and rank state files) goes through
+:func:`~elastor_ds.checkpoint.paths.safe_join`.
 """
 from __future__ import annotations
 
+import ctypes
+import enum
+import errno
 import logging
 import os
 import re
 import shutil
 import time
+import uuid
 from typing import Optional
 
-from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 from .manifest import MANIFEST_NAME, Manifest
+from .paths import safe_join
 from .storage import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -37,6 +60,14 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 TMP_PREFIX = ".tmp_step_"
+_TMP_RE = re.compile(r"^\.tmp_step_(\d{9,})_")
+
+
+class LatestPolicy(enum.Enum):
+    """How a commit moves ``latest``."""
+    ALWAYS = "always"     # to the new step (a training run resumes from its newest save)
+    FORWARD = "forward"   # only when the new step is not older than the one ``latest`` names
+    NEVER = "never"
 
 
 def step_dirname(step: int) -> str:
@@ -45,6 +76,12 @@ def step_dirname(step: int) -> str:
 
 def tmp_dirname(step: int, nonce: str) -> str:
     return f"{TMP_PREFIX}{step:09d}_{nonce}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a ``step_N`` or ``.tmp_step_N_*`` directory name, else None."""
+    m = _STEP_RE.match(name) or _TMP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def is_committed(path: str) -> bool:
@@ -56,7 +93,7 @@ def list_committed(root: str) -> list[tuple[int, str]]:
     out = []
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     for n in names:
         m = _STEP_RE.match(n)
@@ -65,13 +102,31 @@ def list_committed(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def read_latest(root: str) -> Optional[str]:
+def _latest_name(root: str) -> Optional[str]:
     try:
         with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            name = f.read().strip()
-    except FileNotFoundError:
+            name = f.read(4096).strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return os.path.join(root, name) if name else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise IncompleteCheckpointError(f"{root}/{LATEST} is unreadable ({e}); load a step dir directly") from None
+    return name or None
+
+
+def read_latest(root: str) -> Optional[str]:
+    """The step dir ``root/latest`` names (checked to stay inside ``root``), or None."""
+    name = _latest_name(root)
+    if name is None:
+        return None
+    if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
+        raise UnsafeCheckpointError(f"{root}/{LATEST} names {name[:120]!r}, not a step_<N> directory; refusing it "
+                                    f"(corrupt or crafted pointer)")
+    path = safe_join(root, name, what=f"{root}/{LATEST} entry")
+    if _TMP_RE.match(name) and not os.path.exists(path):
+        # a re-save without directory exchange crashed between its last rename and moving `latest`:
+        # the complete new checkpoint is now the step dir
+        path = os.path.join(root, step_dirname(step_of(name)))  # type: ignore[arg-type]
+    return path
 
 
 def resolve(path: str) -> str:
@@ -97,51 +152,226 @@ def resolve(path: str) -> str:
     raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint (no {MANIFEST_NAME}, no 'latest', no step_* dirs)")
 
 
+def check_manifest_paths(step_dir: str, man: Manifest) -> None:
+    """Every name the manifest joins to ``step_dir`` resolves inside it (else UnsafeCheckpointError)."""
+    for name in man.files:
+        safe_join(step_dir, name, what="manifest file")
+    for t in man.tensors.values():
+        for ch in t.chunks:
+            if ch.file not in man.files:
+                safe_join(step_dir, ch.file, what=f"chunk file of tensor {t.name!r}")
+    for rank, name in man.rank_state_files.items():
+        safe_join(step_dir, name, what=f"rank_state_files[{rank}]", allow_subdirs=True)
+
+
 def read_manifest(step_dir: str) -> Manifest:
     p = os.path.join(step_dir, MANIFEST_NAME)
     try:
         with open(p, encoding="utf-8") as f:
-            return Manifest.loads(f.read(), where=p)
+            text = f.read()
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{step_dir} has no {MANIFEST_NAME}: it was never committed") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise IncompleteCheckpointError(f"{p} is unreadable ({e})") from None
+    man = Manifest.loads(text, where=p)
+    check_manifest_paths(step_dir, man)
+    return man
 
 
-def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bool = True) -> str:
-    """Steps 1-3 above, and step 4 unless ``retention`` is False (the caller then runs
-    :func:`apply_retention` itself, e.g. after telling the other ranks the save is durable).
-    Returns the committed step directory."""
-    atomic_write_text(os.path.join(tmp_dir, MANIFEST_NAME), manifest.dumps())
-    final = os.path.join(root, step_dirname(manifest.step))
-    if os.path.exists(final):  # re-save of the same step: move the old one aside first
-        aside = os.path.join(root, tmp_dirname(manifest.step, f"replaced{int(time.time() * 1e6)}"))
-        os.replace(final, aside)
+# ---------------------------------------------------------------------------------- atomic commit
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two directory entries (Linux ``renameat2``); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+class AtomicCommit:
+    """A write that appears whole or not at all: ``create`` -> write into ``path`` -> ``finalize``
+    or ``abort``. As a context manager, an exception (or leaving without ``finalize``) aborts."""
+
+    path: str
+    finalized: bool = False
+    aborted: bool = False
+
+    def finalize(self, *args, **kwargs) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Remove the temporary directory; touches nothing else. Idempotent."""
+        if self.finalized or self.aborted:
+            return
+        self.aborted = True
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.finalized:
+            self.abort()
+
+
+class StepCommit(AtomicCommit):
+    """One step of an elastor checkpoint root (protocol steps 1-4 in the module docstring)."""
+
+    def __init__(self, root: str, step: int, tmp_dir: str, latest: LatestPolicy = LatestPolicy.ALWAYS):
+        self.root, self.step, self.path, self.latest = root, int(step), tmp_dir, latest
+
+    @property
+    def final_dir(self) -> str:
+        return os.path.join(self.root, step_dirname(self.step))
+
+    @classmethod
+    def create(cls, root: str, step: int, nonce: Optional[str] = None,
+               latest: LatestPolicy = LatestPolicy.ALWAYS) -> "StepCommit":
+        """Make ``root`` (if needed) and a fresh temp dir for ``step`` in it."""
+        if int(step) < 0:
+            raise CheckpointError(f"step {step} is negative")
+        os.makedirs(root, exist_ok=True)
+        tmp = os.path.join(root, tmp_dirname(step, nonce or f"{os.getpid()}_{uuid.uuid4().hex[:8]}"))
+        os.makedirs(tmp)
+        return cls(root, step, tmp, latest)
+
+    @classmethod
+    def adopt(cls, root: str, tmp_dir: str, step: int,
+              latest: LatestPolicy = LatestPolicy.ALWAYS) -> "StepCommit":
+        """Take over a temp dir created by someone else (every rank writes into it)."""
+        return cls(root, step, tmp_dir, latest)
+
+    def finalize(self, manifest: Optional[Manifest] = None, keep: int = 0, retention: bool = False) -> str:
+        """Commit; ``manifest`` None means the temp dir already holds its manifest. Returns the step dir."""
+        if self.finalized or self.aborted:
+            raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
+        if manifest is not None:
+            if manifest.step != self.step:
+                raise CheckpointError(f"manifest step {manifest.step} != commit step {self.step}")
+            atomic_write_text(os.path.join(self.path, MANIFEST_NAME), manifest.dumps())
+        elif not is_committed(self.path):
+            raise IncompleteCheckpointError(f"{self.path} has no {MANIFEST_NAME} to commit")
+        final = self.final_dir
+        if not os.path.exists(final):
+            os.rename(self.path, final)
+        elif _exchange(self.path, final):
+            fsync_dir(self.root)
+            shutil.rmtree(self.path, ignore_errors=True)  # now the old step's content
+        else:
+            self._replace_without_exchange(final)
+        self.finalized = True
+        fsync_dir(self.root)
+        if self._should_move_latest():
+            atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
+        if retention:
+            apply_retention(self.root, keep, protect=final)
+        return final
+
+    def _replace_without_exchange(self, final: str) -> None:
+        atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(self.path) + "\n")
+        aside = os.path.join(self.root, tmp_dirname(self.step, f"replaced{int(time.time() * 1e6)}"))
+        os.rename(final, aside)
+        os.rename(self.path, final)
+        fsync_dir(self.root)
+        atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         shutil.rmtree(aside, ignore_errors=True)
-    os.replace(tmp_dir, final)
-    fsync_dir(root)
-    atomic_write_text(os.path.join(root, LATEST), os.path.basename(final) + "\n")
-    if retention:
-        apply_retention(root, keep, protect=final)
-    return final
+
+    def _should_move_latest(self) -> bool:
+        if self.latest is LatestPolicy.ALWAYS:
+            return True
+        if self.latest is LatestPolicy.NEVER:
+            return False
+        try:
+            cur = _latest_name(self.root)
+        except CheckpointError:
+            cur = None
+        cur_step = step_of(cur) if cur else None
+        return cur_step is None or cur_step <= self.step
+
+
+class DirCommit(AtomicCommit):
+    """A whole directory written next to its destination and renamed into place."""
+
+    def __init__(self, final: str, tmp_dir: str):
+        self.final, self.path = final, tmp_dir
+
+    @classmethod
+    def create(cls, final: str, nonce: Optional[str] = None) -> "DirCommit":
+        """Refuses a destination that exists and is not an empty directory (nothing is overwritten)."""
+        final = os.path.abspath(final)
+        check_empty_destination(final)
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{nonce or uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp, exist_ok=nonce is not None)
+        return cls(final, tmp)
+
+    def finalize(self) -> str:
+        if self.finalized or self.aborted:
+            raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
+        check_empty_destination(self.final)  # someone may have written there meanwhile
+        if os.path.isdir(self.final):
+            os.rmdir(self.final)  # empty (checked); fails rather than delete anything else
+        os.rename(self.path, self.final)
+        self.finalized = True
+        fsync_dir(os.path.dirname(self.final))
+        return self.final
+
+
+def check_empty_destination(dst: str) -> None:
+    """Raise :class:`DestinationNotEmptyError` unless ``dst`` is absent or an empty directory."""
+    from ..errors import DestinationNotEmptyError
+    if not os.path.lexists(dst):
+        return
+    if not os.path.isdir(dst) or os.path.islink(dst):
+        raise DestinationNotEmptyError(f"destination {dst} exists and is not a directory; choose a new path")
+    if os.listdir(dst):
+        raise DestinationNotEmptyError(f"destination {dst} exists and is not empty; choose a new or empty directory "
+                                       f"(nothing there is overwritten)")
+
+
+# ---------------------------------------------------------------------------------- API kept for callers
+def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bool = True,
+           latest: LatestPolicy = LatestPolicy.ALWAYS) -> str:
+    """Commit ``tmp_dir`` (already holding every data file) as ``manifest.step``; see
+    :meth:`StepCommit.finalize`. Returns the committed step directory."""
+    return StepCommit.adopt(root, tmp_dir, manifest.step, latest).finalize(manifest, keep=keep, retention=retention)
 
 
 def apply_retention(root: str, keep: int, protect: str | None = None) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs."""
+    """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs; never
+    ``protect``, never the step ``latest`` names, never one newer than ``protect``."""
     keep = max(1, keep)
     removed = []
     committed = list_committed(root)
-    for _, path in committed[:-keep]:
-        if protect and os.path.abspath(path) == os.path.abspath(protect):
+    keep_paths = {os.path.abspath(p) for p in (protect,) if p}
+    try:
+        cur = read_latest(root)
+    except CheckpointError:
+        cur = None
+    if cur:
+        keep_paths.add(os.path.abspath(cur))
+    limit = step_of(os.path.basename(protect)) if protect else None
+    for step, path in committed[:-keep]:
+        if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
         p = os.path.join(root, n)
-        if not n.startswith(TMP_PREFIX):
-            continue
-        try:
-            tmp_step = int(n[len(TMP_PREFIX):].split("_", 1)[0])
-        except ValueError:
+        tmp_step = step_of(n) if n.startswith(TMP_PREFIX) else None
+        if tmp_step is None or os.path.abspath(p) in keep_paths:
             continue
         if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
             shutil.rmtree(p, ignore_errors=True)
@@ -149,3 +379,25 @@ def apply_retention(root: str, keep: int, protect: str | None = None) -> list[st
     if removed:
         log.info("retention removed %s", ", ".join(os.path.basename(p) for p in removed))
     return removed
+
+
+def check_import_destination(root: str, step: Optional[int] = None, force: bool = False) -> None:
+    """May an import commit ``step`` under ``root``? Yes when ``root`` is absent or empty. A
+    non-empty ``root`` needs ``force`` and must be an elastor checkpoint root without that step
+    (an import adds a step; it never replaces one, never moves ``latest`` back, runs no retention).
+    ``step`` None checks everything but the step."""
+    from ..errors import DestinationNotEmptyError
+    if not os.path.lexists(root) or (os.path.isdir(root) and not os.path.islink(root) and not os.listdir(root)):
+        return
+    if not os.path.isdir(root):
+        raise DestinationNotEmptyError(f"destination {root} exists and is not a directory; choose a new path")
+    if not force:
+        raise DestinationNotEmptyError(f"destination {root} is not empty; choose a new directory, or pass --force to "
+                                       f"add the imported step to this elastor checkpoint root (nothing is replaced "
+                                       f"or deleted and 'latest' never moves to an older step)")
+    if not list_committed(root) and _latest_name(root) is None:
+        raise DestinationNotEmptyError(f"destination {root} is not empty and is not an elastor checkpoint root (no "
+                                       f"step_* dirs, no 'latest'); refusing even with --force: choose a new directory")
+    if step is not None and os.path.lexists(os.path.join(root, step_dirname(step))):
+        raise DestinationNotEmptyError(f"destination {root} already holds {step_dirname(step)}; an import never "
+                                       f"replaces a committed step: choose a new directory")

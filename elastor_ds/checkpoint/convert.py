@@ -26,6 +26,7 @@ from ..errors import CheckpointError, ConfigError
 from ..layout.region import Region
 from . import commit as commit_mod
 from .engine import read_shards
+from .paths import check_tensor_name
 from .manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
 from .shards import dtype_name, full_shard
 from .storage import EntrySpec, build_header, fsync_dir, write_stream
@@ -67,12 +68,9 @@ def _stream_tensors(path: str, names: Sequence[str], shapes: Mapping[str, tuple]
 
 
 def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[Iterable[str]] = None) -> str:
+    """Export (a :class:`~.commit.DirCommit`: ``dst`` must be absent or empty; a failure leaves nothing)."""
     step_dir = commit_mod.resolve(src)
     man = commit_mod.read_manifest(step_dir)
-    if os.path.exists(dst) and os.listdir(dst):
-        raise ConfigError(f"destination {dst} exists and is not empty; choose a new directory")
-    tmp = dst.rstrip("/") + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
     wanted = sorted(man.tensors) if names is None else sorted(names)
     groups = {MODEL_FILE: [n for n in wanted if not n.startswith(OPTIM_PREFIX)],
               OPTIM_FILE: [n for n in wanted if n.startswith(OPTIM_PREFIX)]}
@@ -82,18 +80,17 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
         t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
         read_shards(step_dir, man, [full_shard(name, t)])
         return t
-    for fname, ns in groups.items():
-        if ns:
-            _stream_tensors(os.path.join(tmp, fname), ns, {n: man.tensors[n].shape for n in ns},
-                            {n: man.tensors[n].dtype for n in ns}, get, progress,
-                            {"format": "pt", "source": "elastor", "step": str(man.step)})
-    meta = {"step": man.step, "extra": dict(man.extra), "model": man.model, "layout": man.layout,
-            "source": step_dir, "format_version": man.format_version}
-    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-    if os.path.exists(dst):
-        os.rmdir(dst)
-    os.replace(tmp, dst)
+    with commit_mod.DirCommit.create(dst) as out:
+        for fname, ns in groups.items():
+            if ns:
+                _stream_tensors(os.path.join(out.path, fname), ns, {n: man.tensors[n].shape for n in ns},
+                                {n: man.tensors[n].dtype for n in ns}, get, progress,
+                                {"format": "pt", "source": "elastor", "step": str(man.step)})
+        meta = {"step": man.step, "extra": dict(man.extra), "model": man.model, "layout": man.layout,
+                "source": step_dir, "format_version": man.format_version}
+        with open(os.path.join(out.path, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        out.finalize()
     log.info("wrote consolidated checkpoint of step %d to %s", man.step, dst)
     return dst
 
@@ -101,15 +98,19 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
 def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
                                    dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor],
                                    extra: Optional[Mapping[str, Any]] = None, model: Any = None,
-                                   layout: Any = None, keep: int = 2, progress: bool = True) -> str:
-    """Commit a checkpoint written by one process, streaming tensor by tensor (importers use this)."""
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, commit_mod.tmp_dirname(step, f"import{os.getpid()}"))
-    os.makedirs(tmp, exist_ok=True)
+                                   layout: Any = None, keep: int = 2, progress: bool = True,
+                                   force: bool = False) -> str:
+    """Commit a checkpoint written by one process, streaming tensor by tensor (importers use this).
+
+    An import: ``root`` must be absent or empty unless ``force`` (then it must be an elastor root
+    without ``step``); ``latest`` only moves forward and no retention runs (``keep`` is ignored)."""
+    commit_mod.check_import_destination(root, step, force)
+    for n in names:
+        check_tensor_name(n)
     fname = "data_00000.safetensors"
-    try:
-        info, size, crc = _stream_tensors(os.path.join(tmp, fname), names, shapes, dtypes, get, progress)
-        fsync_dir(tmp)
+    with commit_mod.StepCommit.create(root, step, f"import{os.getpid()}", latest=commit_mod.LatestPolicy.FORWARD) as c:
+        info, size, crc = _stream_tensors(os.path.join(c.path, fname), names, shapes, dtypes, get, progress)
+        fsync_dir(c.path)
         tensors = {}
         for n in names:
             off, length, ccrc = info[n]
@@ -117,24 +118,17 @@ def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], s
                                      (Chunk(fname, n, Region.full(shapes[n]), off, length, ccrc),))
         man = Manifest(step=step, tensors=tensors, files={fname: FileEntry(fname, size, crc, 0)}, layout=layout,
                        model=model, extra=dict(extra or {}), world_size=1, created_unix=time.time())
-        return commit_mod.commit(root, tmp, man, keep)
-    except BaseException:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return c.finalize(man, retention=False)
 
 
-def from_consolidated(src: str, dst_root: str, progress: bool = True) -> str:
+def from_consolidated(src: str, dst_root: str, progress: bool = True, force: bool = False) -> str:
     from safetensors import safe_open
 
     model_path = os.path.join(src, MODEL_FILE)
     if not os.path.isfile(model_path):
         raise CheckpointError(f"{src} has no {MODEL_FILE}: a consolidated checkpoint is a directory with "
                               f"{MODEL_FILE} (and optionally {OPTIM_FILE})")
-    meta: dict = {}
-    if os.path.isfile(os.path.join(src, META_FILE)):
-        with open(os.path.join(src, META_FILE), encoding="utf-8") as f:
-            meta = json.load(f)
+    meta = _read_metadata(src)
     handles = {}
     owner: dict[str, str] = {}
     for fname in (MODEL_FILE, OPTIM_FILE):
@@ -152,9 +146,31 @@ def from_consolidated(src: str, dst_root: str, progress: bool = True) -> str:
         sl = handles[owner[n]].get_slice(n)
         shapes[n] = tuple(sl.get_shape())
         dtypes[n] = dtype_name(_st_dtype(sl.get_dtype()))
-    return write_single_writer_checkpoint(dst_root, int(meta.get("step", 0)), names, shapes, dtypes,
+    return write_single_writer_checkpoint(dst_root, meta["step"], names, shapes, dtypes,
                                           lambda n: handles[owner[n]].get_tensor(n), meta.get("extra"),
-                                          meta.get("model"), meta.get("layout"), progress=progress)
+                                          meta.get("model"), meta.get("layout"), progress=progress,
+                                          force=force)
+
+
+def _read_metadata(src: str) -> dict:
+    """``elastor_metadata.json`` of a consolidated directory, checked (untrusted input)."""
+    p = os.path.join(src, META_FILE)
+    if not os.path.isfile(p):
+        return {"step": 0}
+    try:
+        with open(p, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p} is not readable JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p} holds a {type(meta).__name__}, expected a JSON object")
+    step = meta.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{p}: step {step!r} is not a non-negative integer")
+    for k in ("extra", "model", "layout"):
+        if meta.get(k) is not None and not isinstance(meta[k], dict):
+            raise CheckpointError(f"{p}: {k!r} holds a {type(meta[k]).__name__}, expected a JSON object or null")
+    return meta
 
 
 def _st_dtype(code: str) -> torch.dtype:

@@ -31,9 +31,12 @@ from typing import Any, Optional
 
 import torch
 
+from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine
+from ...checkpoint.paths import check_tensor_name, safe_join
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
-from ...errors import CheckpointNotFoundError, ConfigError
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ..safe_load import load_pt
 from ...layout.region import Piece, Region
 from . import state as st
 from .runtime import FORMAT
@@ -50,8 +53,11 @@ _DS_ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "froze
                    "iteration", "args", "checkpoint_version", "tensor_parallel_size"}
 
 
-def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _load_file(path: str, trust: bool = False) -> Any:
+    obj = load_pt(path, trust)
+    if path.endswith("_states.pt") and not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, expected DeepSpeed's state dict")
+    return obj
 
 
 def resolve_step_dir(src: str) -> str:
@@ -61,8 +67,8 @@ def resolve_step_dir(src: str) -> str:
         raise CheckpointNotFoundError(f"{src} does not exist")
     latest = os.path.join(src, "latest")
     if not glob.glob(os.path.join(src, "mp_rank_*_model_states.pt")) and os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(src, f.read().strip())
+        with open(latest, encoding="utf-8", errors="replace") as f:
+            return safe_join(src, f.read(4096).strip(), what=f"{latest} tag")
     return src
 
 
@@ -95,20 +101,24 @@ def _group_scalars(group: dict[str, Any], state: dict[str, Any]) -> dict[str, An
     return {"hyper": hyper, "scalars": scalars}
 
 
-def native_shards(step_dir: str, weights_only: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
+def native_shards(step_dir: str, weights_only: bool = False,
+                  trust: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
     files = os.listdir(step_dir)
+
+    def _load(name: str) -> Any:
+        return _load_file(safe_join(step_dir, name, what="DeepSpeed checkpoint file"), trust)
     shards: list[TensorShard] = []
     for f in sorted(files):
         m = _LAYER_RE.match(f)
         if m:
             idx = int(m.group(1))
-            for k, t in _load(os.path.join(step_dir, f)).items():
+            for k, t in _load(f).items():
                 if isinstance(t, torch.Tensor):
                     shards.append(full_shard(st.model_name(f"{idx}.{k}"), t))
     mp_files = sorted(f for f in files if _MP_RE.match(f))
     if not mp_files:
         raise CheckpointNotFoundError(f"{step_dir}: no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint tag dir")
-    mp0 = _load(os.path.join(step_dir, mp_files[0]))
+    mp0 = _load(mp_files[0])
     if not shards:  # not a pipeline checkpoint: module weights live in mp_rank_XX
         if mp0.get("module") is None:
             raise ConfigError(f"{step_dir}: no layer_XX files and no module weights")
@@ -126,9 +136,9 @@ def native_shards(step_dir: str, weights_only: bool = False) -> tuple[list[Tenso
             by_mp[mp].append((dp, f))
         for mp, parts in sorted(by_mp.items()):
             done: dict[tuple[int, str], int] = defaultdict(int)  # (group, name) -> elements seen so far
-            shapes = _load(os.path.join(step_dir, f"mp_rank_{mp:02d}_model_states.pt"))["param_shapes"]
+            shapes = _load(f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]
             for dp, f in sorted(parts):
-                osd = _load(os.path.join(step_dir, f))["optimizer_state_dict"]
+                osd = _load(f)["optimizer_state_dict"]
                 base = osd["base_optimizer_state"]
                 for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
                     state = base["state"].get(g, {})
@@ -149,8 +159,8 @@ def native_shards(step_dir: str, weights_only: bool = False) -> tuple[list[Tenso
     return shards, _engine_extra(mp0, optimizer)
 
 
-def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
-    zdir = os.path.join(step_dir, "zero")
+def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
+    zdir = safe_join(step_dir, "zero", what="DeepSpeed universal dir")
     if not os.path.isdir(zdir):
         raise CheckpointNotFoundError(f"{step_dir}: no zero/ directory: not a DeepSpeed universal checkpoint")
     shards: list[TensorShard] = []
@@ -158,14 +168,20 @@ def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
     hyper: list[dict[str, Any]] = []
     gpath = os.path.join(zdir, "optimizer_state.pt")
     if os.path.isfile(gpath):
-        hyper = [_group_scalars(g, {})["hyper"] for g in _load(gpath).get("param_groups", [])]
+        gsd = _load_file(gpath, trust)
+        if not isinstance(gsd, dict):
+            raise CheckpointError(f"{gpath} holds a {type(gsd).__name__}, expected a dict")
+        hyper = [_group_scalars(g, {})["hyper"] for g in gsd.get("param_groups", [])]
     for name in sorted(os.listdir(zdir)):
-        pdir = os.path.join(zdir, name)
+        pdir = safe_join(zdir, name, what="DeepSpeed universal parameter dir")
         if not os.path.isdir(pdir):
             continue
+        check_tensor_name(name, f"{zdir}: ")
         for f in sorted(os.listdir(pdir)):
+            if not f.endswith(".pt"):
+                continue
             key = f[:-3]
-            t = _load(os.path.join(pdir, f))
+            t = _load_file(safe_join(pdir, f, what="DeepSpeed universal file"), trust)
             t = t["param"] if isinstance(t, dict) else t
             if key == "step":
                 step_val = float(t.item() if isinstance(t, torch.Tensor) else t)
@@ -176,47 +192,78 @@ def universal_shards(step_dir: str) -> tuple[list[TensorShard], dict[str, Any]]:
             else:
                 shards.append(full_shard(st.optim_name(key, name), t))
     mp_files = sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt")))
-    mp0 = _load(mp_files[0]) if mp_files else {}
+    mp0 = _load_file(safe_join(step_dir, os.path.basename(mp_files[0])), trust) if mp_files else {}
     scalars = {} if step_val is None else {"step": {"value": step_val, "tensor": True, "dtype": "float32"}}
     opt = [{"hyper": h, "scalars": scalars} for h in hyper] or ([{"hyper": {}, "scalars": scalars}] if scalars else [])
     return shards, _engine_extra(mp0, opt)
 
 
-def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = False) -> str:
+def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = False, force: bool = False,
+            trust: bool = False) -> str:
     """Convert a DeepSpeed checkpoint (native tag dir, its save dir, or a universal one) into an
-    elastor checkpoint under ``dst``; returns the committed step dir."""
+    elastor checkpoint under ``dst``; returns the committed step dir.
+
+    ``dst`` must be absent or empty unless ``force`` (then an elastor root without that step: the
+    import is added, nothing replaced, ``latest`` never moves back, no retention). ``trust``
+    allows full unpickling (see :mod:`..safe_load`)."""
     step_dir = resolve_step_dir(src)
     if source not in ("deepspeed", "deepspeed-universal"):
         raise ConfigError(f"--from {source!r}: expected 'deepspeed' or 'deepspeed-universal'")
+    commit_mod.check_import_destination(dst, None, force)
     universal = source == "deepspeed-universal" or os.path.isdir(os.path.join(step_dir, "zero"))
-    shards, extra = universal_shards(step_dir) if universal else native_shards(step_dir, weights_only)
+    shards, extra = universal_shards(step_dir, trust) if universal else native_shards(step_dir, weights_only, trust)
     for s in shards:
+        check_tensor_name(s.name, f"{step_dir}: ")
         if s.tensor.dtype != torch.float32 and st.is_optim(s.name):
             s.tensor = s.tensor.float()
-    eng = CheckpointEngine(dst, async_save=False)
-    stats = eng.save(int(extra["global_steps"]), shards, extra=extra,
-                     model={"framework": "deepspeed", "imported_from": step_dir})
-    log.info("converted %s -> %s (%d tensors, %d bytes)", step_dir, stats.committed_dir,
-             len({s.name for s in shards}), stats.bytes_written)
-    assert stats.committed_dir is not None
-    return stats.committed_dir
+    step = int(extra["global_steps"])
+    commit_mod.check_import_destination(dst, step, force)
+    # the engine commits into a private staging root inside the destination; its step dir then
+    # becomes this import's step through one StepCommit (latest forward only, no retention)
+    with commit_mod.StepCommit.create(dst, step, f"import{os.getpid()}",
+                                      latest=commit_mod.LatestPolicy.FORWARD) as c:
+        staging = c.path + ".stage"
+        try:
+            stats = CheckpointEngine(staging, async_save=False).save(
+                step, shards, extra=extra, model={"framework": "deepspeed", "imported_from": step_dir})
+            if stats.committed_dir is None:
+                raise CheckpointError(f"import of {step_dir}: the save did not commit")
+            os.rmdir(c.path)
+            os.rename(stats.committed_dir, c.path)
+            out = c.finalize(retention=False)
+        finally:
+            import shutil
+            shutil.rmtree(staging, ignore_errors=True)
+    log.info("converted %s -> %s (%d tensors, %d bytes)", step_dir, out, len({s.name for s in shards}),
+             stats.bytes_written)
+    return out
 
 
 def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
     """Write the elastor checkpoint ``src`` (root or step dir) as a DeepSpeed universal checkpoint
     under ``dst``; returns the tag dir. Reads tensors in batches of about ``batch_bytes``."""
-    import deepspeed
-
-    from ...checkpoint import commit as commit_mod
-    from ...checkpoint.shards import full_shard as _full
-
     step_dir = commit_mod.resolve(src)
     man = commit_mod.read_manifest(step_dir)
     ex = man.extra
     step = int(ex.get("global_steps", man.step))
     tag = f"global_step{step}"
-    zdir = os.path.join(dst, tag, "zero")
     params = sorted(n[len(st.MODEL):] for n in man.tensors if st.is_model(n))
+    for p in params:  # parameter names become directory names
+        check_tensor_name(p, f"{step_dir}: ")
+    with commit_mod.DirCommit.create(dst) as out:
+        _write_universal(out.path, step_dir, man, ex, tag, params, batch_bytes)
+        out.finalize()
+    log.info("wrote DeepSpeed universal checkpoint %s (%d params)", os.path.join(dst, tag), len(params))
+    return os.path.join(dst, tag)
+
+
+def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: list[str], batch_bytes: int) -> None:
+    import deepspeed
+
+    from ...checkpoint.shards import full_shard as _full
+
+    step = int(ex.get("global_steps", man.step))
+    zdir = os.path.join(dst, tag, "zero")
     if not params:
         raise ConfigError(f"{step_dir}: no model.* tensors; not a checkpoint written by the DeepSpeed integration")
     opt_groups = ex.get("optimizer") or []
@@ -236,12 +283,12 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
             if st.is_model(n):
                 continue
             key, pname = n[len(st.OPTIM):].split(".", 1)
-            pdir = os.path.join(zdir, pname)
+            pdir = safe_join(zdir, pname, what="parameter name")
             os.makedirs(pdir, exist_ok=True)
             torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
         for n, t in bufs.items():  # weights of params without an fp32 master (weights-only checkpoints)
             if st.is_model(n):
-                pdir = os.path.join(zdir, n[len(st.MODEL):])
+                pdir = safe_join(zdir, n[len(st.MODEL):], what="parameter name")
                 if not os.path.isfile(os.path.join(pdir, "fp32.pt")):
                     os.makedirs(pdir, exist_ok=True)
                     torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, "fp32.pt"))
@@ -279,5 +326,3 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
     torch.save(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
     with open(os.path.join(dst, "latest_universal"), "w") as f:
         f.write(tag + "\n")
-    log.info("wrote DeepSpeed universal checkpoint %s (%d params)", os.path.join(dst, tag), len(params))
-    return os.path.join(dst, tag)

@@ -39,10 +39,12 @@ import torch
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.convert import write_single_writer_checkpoint
 from ...checkpoint.engine import read_shards
+from ...checkpoint.paths import safe_join
 from ...checkpoint.shards import dtype_name, full_shard
 from ...errors import CheckpointError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
+from ..safe_load import load_pt, safe_dcp_reader
 from .specs import GPTSpecConfig, gpt_tensor_specs
 from .state import MOMENTS
 
@@ -74,14 +76,14 @@ def _resolve_iter_dir(src: str) -> tuple[str, int]:
     """The iteration directory of a Megatron checkpoint root (or the dir itself) and its iteration."""
     tracker = os.path.join(src, TRACKER)
     if os.path.isfile(tracker):
-        text = open(tracker, encoding="utf-8").read().strip()
+        with open(tracker, encoding="utf-8", errors="replace") as f:
+            text = f.read(4096).strip()
         if text == "release":
-            return os.path.join(src, "release"), 0
-        try:
-            it = int(text)
-        except ValueError:
-            raise CheckpointError(f"{tracker} holds {text!r}: expected an iteration number or 'release'") from None
-        return os.path.join(src, f"iter_{it:07d}"), it
+            return safe_join(src, "release", what=TRACKER), 0
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker} holds {text[:80]!r}: expected an iteration number or 'release'")
+        it = int(text)
+        return safe_join(src, f"iter_{it:07d}", what=TRACKER), it
     m = re.search(r"iter_(\d+)$", src.rstrip("/"))
     return src, int(m.group(1)) if m else 0
 
@@ -117,20 +119,34 @@ def config_from_args(args: Any, vocab_size: Optional[int] = None) -> GPTSpecConf
 def _load_config(path: Optional[str]) -> Optional[GPTSpecConfig]:
     if not path:
         return None
-    with open(path, encoding="utf-8") as f:
-        return GPTSpecConfig.from_json(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model-config {path}: not a readable JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--model-config {path}: holds a {type(d).__name__}, expected a JSON object of "
+                          f"GPTSpecConfig fields")
+    try:
+        return GPTSpecConfig.from_json(d)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"--model-config {path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------- import
-def import_megatron(src: str, dst: str, cfg: Optional[GPTSpecConfig] = None, progress: bool = False) -> dict:
+def import_megatron(src: str, dst: str, cfg: Optional[GPTSpecConfig] = None, progress: bool = False,
+                    force: bool = False, trust: bool = False) -> dict:
     """Convert a Megatron checkpoint (torch_dist or legacy) to a committed elastor checkpoint at ``dst``.
 
+    ``dst`` must be absent or empty unless ``force`` (see :func:`~elastor_ds.checkpoint.commit.
+    check_import_destination`); pickled files load through :mod:`..safe_load` unless ``trust``.
     Returns a summary: format, step, tensors, ``optimizer`` (True/False) and the step dir."""
     fmt = detect_format(src)
     it_dir, it = _resolve_iter_dir(src)
+    commit_mod.check_import_destination(dst, it, force)
     if fmt == "torch_dist":
-        return _import_torch_dist(it_dir, it, dst, cfg, progress)
-    return _import_legacy(it_dir, it, dst, cfg, progress)
+        return _import_torch_dist(it_dir, it, dst, cfg, progress, force, trust)
+    return _import_legacy(it_dir, it, dst, cfg, progress, force, trust)
 
 
 def _no_optimizer(src: str, why: str) -> None:
@@ -138,16 +154,17 @@ def _no_optimizer(src: str, why: str) -> None:
                 "with a fresh optimizer", src, why)
 
 
-def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
+def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool,
+                       force: bool = False, trust: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    reader = FileSystemReader(d)
-    meta = reader.read_metadata().state_dict_metadata
+    meta = safe_dcp_reader(d, trust).read_metadata().state_dict_metadata
     common: dict = {}
-    cp = os.path.join(d, "common.pt")
+    cp = safe_join(d, "common.pt", what="torch_dist common state")
     if os.path.isfile(cp):
-        common = torch.load(cp, map_location="cpu", weights_only=False)
+        common = load_pt(cp, trust)
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{cp} holds a {type(common).__name__}, expected a dict")
     if cfg is None and common.get("args") is not None:
         cfg = config_from_args(common["args"])
     if cfg is None:
@@ -185,7 +202,7 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
             cache.clear()  # one stacked key in memory at a time (names are grouped by key order below)
             md = meta[key]
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            dcp.load({key: t}, storage_reader=FileSystemReader(d), no_dist=True)
+            dcp.load({key: t}, storage_reader=safe_dcp_reader(d, trust), no_dist=True)
             cache[key] = t
         t = cache[key]
         if layer is not None:
@@ -197,21 +214,26 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
     names.sort(key=lambda n: (source[n][0], source[n][1] or 0))
     step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
                                               extra={"source": "megatron-torch_dist", "iteration": it},
-                                              model=cfg.to_json(), layout=None, progress=progress)
+                                              model=cfg.to_json(), layout=None, progress=progress, force=force)
     return {"format": "torch_dist", "step": it, "tensors": len(names), "optimizer": have_opt, "step_dir": step_dir}
 
 
-def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool) -> dict:
+def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool,
+                   force: bool = False, trust: bool = False) -> dict:
     ranks: dict[tuple[int, int], str] = {}
     for x in os.listdir(d):
         m = _MP_RE.match(x)
         if m:
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(d, x, "model_optim_rng.pt")
+            ranks[(int(m.group(1)), int(m.group(2) or 0))] = safe_join(d, f"{x}/model_optim_rng.pt",
+                                                                      what="Megatron rank file", allow_subdirs=True)
     tp = max(t for t, _ in ranks) + 1
     pp = max(p for _, p in ranks) + 1
     if len(ranks) != tp * pp:
         raise CheckpointError(f"{d}: found {len(ranks)} mp_rank dirs but tp={tp} x pp={pp} needs {tp * pp}")
-    sds = {k: torch.load(p, map_location="cpu", weights_only=False, mmap=True) for k, p in ranks.items()}
+    sds = {k: load_pt(p, trust, mmap=True) for k, p in ranks.items()}
+    for k, sd in sds.items():
+        if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
+            raise CheckpointError(f"{ranks[k]} holds no 'model' state dict: not a Megatron legacy checkpoint")
     first = sds[(0, 0)]
     if cfg is None and first.get("args") is not None:
         cfg = config_from_args(first["args"])
@@ -250,7 +272,8 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
               for s in specs}
     step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
                                               extra={"source": "megatron-legacy", "iteration": it},
-                                              model=cfg.to_json(), layout=layout.to_json(), progress=progress)
+                                              model=cfg.to_json(), layout=layout.to_json(), progress=progress,
+                                              force=force)
     return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": False, "step_dir": step_dir}
 
 
@@ -333,7 +356,6 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                     "matching --decoder-first/last-pipeline-num-layers", cfg.num_layers, pp,
                     [b - a for a, b in zip(bounds, bounds[1:])])
     specs = gpt_tensor_specs(cfg)
-    it_dir = os.path.join(dst, f"iter_{it:07d}")
     padded = cfg.padded_vocab(tp)
     per_rank: dict[tuple[int, int], dict[str, Any]] = {(t, p): {} for t in range(tp) for p in range(pp)}
     for spec in specs:  # one canonical tensor in memory at a time (+ its local slices)
@@ -347,6 +369,17 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                 for pc in pieces:
                     _view(local, pc.local).copy_(_view(full, pc.global_))
                 per_rank[(t, stage)][lname] = local
+    with commit_mod.DirCommit.create(dst) as out:
+        _write_legacy(out.path, per_rank, cfg, tp, pp, it)
+        out.finalize()
+    it_dir = os.path.join(dst, f"iter_{it:07d}")
+    log.info("wrote Megatron legacy checkpoint (tp=%d, pp=%d, padded vocab %d, weights only: start Megatron "
+             "with --no-load-optim --no-load-rng) to %s", tp, pp, padded, it_dir)
+    return it_dir
+
+
+def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> None:
+    it_dir = os.path.join(dst, f"iter_{it:07d}")
     for (t, p), sd in per_rank.items():
         for k in list(sd):
             for lin in _LINEARS_WITH_EXTRA_STATE:
@@ -360,9 +393,6 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                     "args": legacy_args(cfg, tp, pp, it)}, os.path.join(it_dir, name, "model_optim_rng.pt"))
     with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
         f.write(str(it))
-    log.info("wrote Megatron legacy checkpoint (tp=%d, pp=%d, padded vocab %d, weights only: start Megatron "
-             "with --no-load-optim --no-load-rng) to %s", tp, pp, padded, it_dir)
-    return it_dir
 
 
 def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] = None) -> str:
@@ -383,7 +413,6 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     padded = cfg.padded_vocab(tp)
-    it_dir = os.path.join(dst, f"iter_{it:07d}")
     sd: dict[str, Any] = {}
     for spec in gpt_tensor_specs(cfg):
         key, layer = torch_dist_key(spec.name)
@@ -400,13 +429,29 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
         for layer in range(cfg.num_layers):
             sd[f"decoder.layers.{layer}.{lin}._extra_state"] = ShardedObject(
                 f"decoder.layers.{lin}._extra_state", None, (cfg.num_layers,), (layer,), replica_id=rank)
-    os.makedirs(it_dir, exist_ok=True)
-    dist_checkpointing.save(sd, it_dir)
-    if rank == 0:
-        with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
-            f.write(str(it))
+    # rank 0 creates the temporary directory and tells the others its name; rank 0 renames it
+    out = commit_mod.DirCommit.create(dst) if rank == 0 else None
+    tmp = [out.path if out else None]
     if world > 1:
-        dist.barrier()
+        dist.broadcast_object_list(tmp, src=0)
+    try:
+        tmp_it = os.path.join(tmp[0], f"iter_{it:07d}")
+        if rank == 0:
+            os.makedirs(tmp_it, exist_ok=True)
+        if world > 1:
+            dist.barrier()
+        dist_checkpointing.save(sd, tmp_it)
+        if rank == 0:
+            with open(os.path.join(tmp[0], TRACKER), "w", encoding="utf-8") as f:
+                f.write(str(it))
+        if world > 1:
+            dist.barrier()
+        if out is not None:
+            out.finalize()
+    finally:
+        if out is not None:
+            out.abort()  # no-op once finalized
+    it_dir = os.path.join(dst, f"iter_{it:07d}")
     log.info("wrote torch_dist checkpoint (padded vocab %d for tp=%d) to %s", padded, tp, it_dir)
     return it_dir
 
@@ -425,7 +470,8 @@ def _ensure_single_process_group() -> None:
 
 def cli_import(src: str, dst: str, args: Any) -> str:
     res = import_megatron(src, dst, _load_config(getattr(args, "model_config", None)),
-                          progress=not getattr(args, "no_progress", False))
+                          progress=not getattr(args, "no_progress", False), force=bool(getattr(args, "force", False)),
+                          trust=bool(getattr(args, "trust_checkpoint", False)))
     if not res["optimizer"]:
         print(f"note: {src} has no optimizer state elastor can carry; imported weights only")
     return res["step_dir"]

@@ -1,0 +1,61 @@
+"""Names read from a checkpoint are untrusted: resolve them inside their directory or refuse.
+
+Every name that comes out of a checkpoint (a manifest's file names and chunk files, its
+``rank_state_files``, the ``latest`` pointer, a DeepSpeed ``latest`` tag, a Megatron tracker, a
+tensor name turned into a directory on export) goes through :func:`safe_join` before it touches
+the file system. A name is refused when it is empty, absolute, contains ``..``, a NUL byte or a
+backslash, or when the joined path, after following symlinks, lies outside the base directory.
+
+Pure path logic plus ``os.path.realpath``; no torch.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import UnsafeCheckpointError
+
+_BAD_CHARS = ("\x00", "\\")
+
+
+def _check_relative(name: object, what: str, allow_subdirs: bool) -> str:
+    if not isinstance(name, str) or not name:
+        raise UnsafeCheckpointError(f"{what} {name!r} is not a non-empty string")
+    if any(c in name for c in _BAD_CHARS) or os.path.isabs(name) or name.startswith("~"):
+        raise UnsafeCheckpointError(f"{what} {name!r} is not a relative name inside the checkpoint; refusing it "
+                                    f"(the checkpoint is corrupt or crafted)")
+    parts = name.split("/")
+    if not allow_subdirs and len(parts) != 1:
+        raise UnsafeCheckpointError(f"{what} {name!r} must be a plain file name without '/'; refusing it "
+                                    f"(the checkpoint is corrupt or crafted)")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafeCheckpointError(f"{what} {name!r} has an empty, '.' or '..' path component; refusing it "
+                                    f"(the checkpoint is corrupt or crafted)")
+    return name
+
+
+def safe_join(base: str, name: object, what: str = "name", allow_subdirs: bool = False) -> str:
+    """``base/name`` when ``name`` is a relative name that resolves (symlinks followed) inside
+    ``base``; else :class:`~elastor_ds.errors.UnsafeCheckpointError`. ``allow_subdirs`` admits
+    ``a/b`` (never ``..``)."""
+    _check_relative(name, what, allow_subdirs)
+    path = os.path.join(base, name)  # type: ignore[arg-type]
+    real_base = os.path.realpath(base)
+    real = os.path.realpath(path)
+    if real != real_base and not real.startswith(real_base.rstrip(os.sep) + os.sep):
+        raise UnsafeCheckpointError(f"{what} {name!r} in {base} resolves to {real}, outside the checkpoint "
+                                    f"directory (a symlink out?); refusing it")
+    return path
+
+
+_TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-:\[\]]+$")
+
+
+def check_tensor_name(name: object, where: str = "") -> str:
+    """A tensor name that may become a directory or file name on export: ASCII letters, digits and
+    ``_ . - : [ ]``, no ``..`` component, not starting with ``.``. Raises UnsafeCheckpointError."""
+    if not isinstance(name, str) or not _TENSOR_NAME_RE.match(name) or name.startswith(".") \
+            or ".." in name.split("/") or ".." in name:
+        raise UnsafeCheckpointError(f"{where}tensor name {name!r} is not a plain parameter name (letters, digits, "
+                                    f"'_', '.', '-', ':', '[', ']'; no '..', no '/'); refusing it")
+    return name

@@ -1,0 +1,161 @@
+"""Load other frameworks' pickled checkpoint files without running code stored in them.
+
+DeepSpeed (``*_model_states.pt``, ``*_optim_states.pt``, universal ``zero/*/*.pt``) and Megatron
+(``model_optim_rng.pt``, torch_dist ``common.pt`` and DCP's pickled ``.metadata``) store Python
+objects with pickle, and a crafted file runs arbitrary code when fully unpickled. By default:
+
+* ``.pt`` files load with ``torch.load(weights_only=True)`` plus :data:`ALLOWED_GLOBALS`, the
+  few non-tensor types these formats hold (checked on files written by deepspeed 0.19.8 and
+  megatron-core 0.16.1: DeepSpeed's ``fragment_address``, ``ZeroStageEnum``, ``LossScaler``;
+  Megatron-LM's ``args`` namespace and its enums);
+* DCP ``.metadata`` loads with a restricted unpickler that knows only DCP's metadata classes,
+  and every storage file it names must lie inside the checkpoint directory.
+
+Anything else raises :class:`~elastor_ds.errors.UnsafeCheckpointError` naming the type and the
+fix: ``--trust-checkpoint`` (``trust=True``), which fully unpickles after a logged warning.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import logging
+import os
+import pickle
+import re
+from typing import Any
+
+import torch
+
+from ..checkpoint.paths import safe_join
+from ..errors import UnsafeCheckpointError
+
+log = logging.getLogger(__name__)
+
+TRUST_HINT = "rerun with --trust-checkpoint only if you trust where this checkpoint comes from"
+
+# (module, qualified name) of the non-tensor types DeepSpeed / Megatron checkpoints need
+_ALLOWED_NAMES = (
+    ("argparse", "Namespace"),
+    ("collections", "OrderedDict"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("megatron.core.enums", "ModelType"),
+    ("megatron.core.transformer.enums", "AttnBackend"),
+    ("megatron.core.transformer.enums", "AttnMaskType"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+)
+
+
+def _resolve(module: str, name: str) -> Any:
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
+        return None
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def allowed_globals() -> list[Any]:
+    """The allow-list as objects (types of packages that are not installed are skipped)."""
+    out: list[Any] = [argparse.Namespace, collections.OrderedDict]
+    for module, name in _ALLOWED_NAMES:
+        obj = _resolve(module, name)
+        if callable(obj) and obj not in out:
+            out.append(obj)
+    try:  # numpy scalar dtypes (Megatron-LM's rng_state holds numpy arrays)
+        import numpy as np
+        out += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32", "bool")]
+    except ImportError:
+        pass
+    return out
+
+
+_UNSUPPORTED_RE = re.compile(r"(Unsupported global: GLOBAL [^\s]+|Unsupported operand [^\s]+|"
+                             r"Trying to call reduce for [^\s]+|Can only build Tensor[^.]*)")
+
+
+def load_pt(path: str, trust: bool = False, mmap: bool = False) -> Any:
+    """``torch.load`` of an untrusted ``.pt`` file (see the module docstring)."""
+    if trust:
+        log.warning("--trust-checkpoint: fully unpickling %s; this runs any code stored in the file", path)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        m = _UNSUPPORTED_RE.search(str(e))
+        what = m.group(1) if m else str(e).splitlines()[0][:200]
+        raise UnsafeCheckpointError(f"{path} needs a type outside the safe allow-list ({what}); refusing to "
+                                    f"unpickle it: {TRUST_HINT}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise UnsafeCheckpointError(f"{path} is not a readable torch checkpoint ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+# ---------------------------------------------------------------------------------- DCP metadata
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES = {
+    (_DCP_META, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                             "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                         "TensorWriteData")
+     } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"DCP metadata refers to {module}.{name}, which is not a DCP metadata type; "
+                                    f"refusing to unpickle it: {TRUST_HINT}")
+
+
+def load_dcp_metadata(path: str, trust: bool = False) -> Any:
+    """A DCP ``.metadata`` file, unpickled with only DCP's metadata classes allowed."""
+    with open(path, "rb") as f:
+        if trust:
+            log.warning("--trust-checkpoint: fully unpickling %s; this runs any code stored in the file", path)
+            return pickle.load(f)
+        try:
+            return _DcpMetadataUnpickler(f).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any malformed pickle is a corrupt checkpoint
+            raise UnsafeCheckpointError(f"{path} is not a readable DCP metadata file ({type(e).__name__}: "
+                                        f"{str(e)[:200]})") from None
+
+
+def safe_dcp_reader(directory: str, trust: bool = False):
+    """A ``FileSystemReader`` for ``directory`` whose metadata loads through
+    :func:`load_dcp_metadata` and whose storage files all lie inside ``directory``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = os.path.join(directory, ".metadata" if kwargs.get("rank") is None
+                                else f"__{kwargs['rank']}.metadata")
+            md = load_dcp_metadata(path, trust)
+            if not isinstance(md, Metadata):
+                raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+            for info in (md.storage_data or {}).values():
+                safe_join(directory, getattr(info, "relative_path", None), what="DCP storage file",
+                          allow_subdirs=True)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _Reader(directory)
