@@ -109,3 +109,14 @@ def test_forward_latest_and_retention_never_touch_newer_steps(tmp_path):
     assert commit_mod.resolve(root).endswith(commit_mod.step_dirname(200))  # latest not rewound
     # retention with keep=1 after committing step 50 removed nothing newer than 50 and not latest
     assert [s for s, _ in commit_mod.list_committed(root)] == [50, 100, 200]
+
+
+def test_rank_state_files_in_a_subdir_still_load(tmp_path):
+    """The manifest lists rank state files as ``rank_state/rank_00000.json``: a subdirectory inside
+    the step dir is allowed (only ``..``, absolute names and symlinks out are refused)."""
+    root = str(tmp_path / "r")
+    CheckpointEngine(root, async_save=False).save(1, _shards(1.0), rank_state={"rng": 7})
+    man = commit_mod.read_manifest(commit_mod.resolve(root))
+    assert any("/" in f for f in man.files)
+    res = CheckpointEngine(root, async_save=False).load(None, _shards(0.0))
+    assert res.rank_state == {"rng": 7}
