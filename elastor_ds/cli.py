@@ -18,6 +18,7 @@ _SUBCOMMAND_MODULES = (
     "elastor_ds.plan.cli",         # plan
     "elastor_ds.integrations.deepspeed.cli",  # convert --from deepspeed[-universal]
     "elastor_ds.integrations.megatron.cli",   # convert --from/--to megatron
+    "elastor_ds.elastic.cli",      # run
 )
 
 

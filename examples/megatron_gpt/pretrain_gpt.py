@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="DeepSpeed JSON config; its \"elastor\" section is honoured (flags above fill what it leaves out)")
     a("--deepspeed", action="store_true", help="accepted for launcher compatibility")
     a("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    a("--elastor-plan", default=None, help="plan JSON file, or 'auto' to ask the planner for this world size")
+    a("--elastor-plan", default=None, help="plan JSON file, 'auto' to ask the planner for the launched world, or "
+      "'on-change' (under `elastor run`): the TP/PP flags on the first launched world, the planner's after it changed")
     a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
     a("--metrics-file", default=None, help="JSONL, one line per iteration")
     a("--exit-after-iters", type=int, default=None, help="stop (as if killed) after this iteration; for demos")
@@ -144,7 +145,7 @@ def auto_plan(args: argparse.Namespace, world: int):
     training = TrainingSpec(micro_batch_size=args.micro_batch_size,
                             num_micro_batches=args.global_batch_size // args.micro_batch_size,
                             nominal_tp=args.tensor_model_parallel_size, zero_stage=args.zero_stage)
-    res = plan(CostModel(model, training, Cluster.from_gpus_per_node([world])), layouts="uniform", top_k=20)
+    res = plan(CostModel(model, training, elastic_cluster(world)), layouts="uniform", top_k=20)
     for cand in [res.best] + list(res.alternatives):
         p = cand.plan
         layout = Layout.from_json({"version": 1, "replicas": [
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    ctl = elastic_attach()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("DeepSpeed", "deepspeed", "megatron"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -225,15 +227,19 @@ def _main(argv: list[str] | None = None) -> int:
         megatron_cpu.apply()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from elastor_ds.errors import ElastorError
+    elastic_mark(ctl, "t_imports")
+    elastic_plan_mode(args, world)
     try:
         d = derive(args, world)
     except (UsageError, ElastorError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    elastic_mark(ctl, "t_planned")
 
     from elastor_ds import deepspeed as eds
     eds.init_distributed(dist_backend="nccl" if cuda else "gloo")
     import torch.distributed as dist
+    elastic_mark(ctl, "t_dist")
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -275,6 +281,10 @@ def _main(argv: list[str] | None = None) -> int:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
     layout = d["layout"]
     start = int(engine.global_steps)
+    elastic_mark(ctl, "t_loaded")
+    if ctl is not None:
+        ctl.report_started(rank, world_size=world, layout=layout.describe(), resumed_from=start,
+                           metrics_file=os.path.abspath(args.metrics_file) if args.metrics_file else None)
     gbs = args.global_batch_size
     if rank == 0:
         log.info("layout %s on %d processes (TP %d x PP %d x DP %d, gas %d); starting at iteration %d",
@@ -324,6 +334,9 @@ def _main(argv: list[str] | None = None) -> int:
             if rank == 0 and ((it + 1) % args.log_interval == 0 or it == start):
                 log.info("iteration %d/%d | lm loss %.4f | %.0f ms/iter%s", it + 1, args.train_iters, loss, dt * 1e3,
                          f" | saved (stall {stall * 1e3:.1f} ms)" if saved else "")
+            code = elastic_stop_point(ctl, engine, args, it + 1, rank)
+            if code is not None:
+                return code
         if args.exit_after_iters is None and engine.elastor is not None and args.save:
             if engine.elastor.last_save_step != int(engine.global_steps):
                 engine.elastor.save()
@@ -337,6 +350,60 @@ def _main(argv: list[str] | None = None) -> int:
     if rank == 0:
         log.info("done: %d iterations in %.1f s", last - start, time.time() - t_start)
     return 0
+
+
+# ---------------------------------------------------------------- elastic controller hooks (`elastor run`)
+def elastic_attach():
+    """The hooks of ``elastor run`` (heartbeat, graceful stop, start-up marks), or None without it."""
+    from elastor_ds.elastic.worker import ElasticWorker
+    return ElasticWorker.from_env()
+
+
+def elastic_mark(ctl, name: str) -> None:
+    if ctl is not None:
+        ctl.mark(name)
+
+
+def elastic_cluster(world: int):
+    """The cluster the planner sees: the processes per node (and device memory) ``elastor run``
+    launched, else one node of ``world`` processes."""
+    from elastor_ds.elastic.protocol import launched_world
+    from elastor_ds.plan import Cluster
+    lw = launched_world()
+    if lw is None or lw.world_size != world:
+        return Cluster.from_gpus_per_node([world])
+    kw = {"gpu_memory_gb": lw.gpu_memory_gb} if lw.gpu_memory_gb else {}
+    return Cluster.from_gpus_per_node(list(lw.procs_per_node), **kw)
+
+
+def elastic_plan_mode(args: argparse.Namespace, world: int) -> None:
+    """``--elastor-plan on-change``: the TP/PP flags while the world is the one ``elastor run``
+    first launched, the planner's layout ('auto') once it changed."""
+    if args.elastor_plan != "on-change":
+        return
+    from elastor_ds.elastic.protocol import launched_world
+    lw = launched_world()
+    initial = lw.initial_world_size if lw is not None and lw.initial_world_size else world
+    args.elastor_plan = None if world == initial else "auto"
+
+
+def elastic_stop_point(ctl, engine, args: argparse.Namespace, iteration: int, rank: int) -> int | None:
+    """End of an iteration under ``elastor run``: heartbeat, then agree on a stop request; on one,
+    checkpoint this iteration, wait until it is durable and return the exit code."""
+    if ctl is None:
+        return None
+    ctl.heartbeat(iteration)
+    code = ctl.agree_stop()
+    if not code:
+        return None
+    el = engine.elastor
+    if el is not None and (args.save or args.load):
+        if el.last_save_step != int(engine.global_steps):
+            el.save()
+        el.finalize()
+    if rank == 0:
+        log.info("stop requested (%s): iteration %d checkpointed durably; exiting", code.name.lower(), iteration)
+    return code.exit_code()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,408 @@
+"""``elastor run``'s agent: torch.distributed.elastic's ``LocalElasticAgent`` (c10d rendezvous,
+worker groups, per-rank logs) with elastor's run loop.
+
+The loop (``_invoke_run``), every ``monitor_interval``:
+
+1. Operator requests: SIGTERM/SIGINT -> forward SIGTERM to the workers (they save the current
+   iteration durably and exit 0); SIGUSR1 (devices are back) -> SIGUSR1 to the workers (they save
+   and exit ``EXIT_RESIZE``), then relaunch on the larger world. A second SIGINT kills at once.
+2. Observe each worker: exit code, signal, heartbeat age (``--hang-timeout``), SIGSTOP state.
+3. Failure: SIGKILL the rest of the local group at once (survivors of a lost peer cannot save
+   anyway; waiting for a SIGTERM grace period only delays recovery), ask :mod:`policy` which
+   devices to use (probing GPUs for ``probe``), then set ``spec.local_world_size`` and run a new
+   rendezvous + start; or stop with the policy's reason.
+4. All exited ``EXIT_RESIZE``: relaunch (scale-up, or another node changed the membership).
+   All exited 0: done (after the exit barrier with the other nodes).
+5. Another node waiting in the rendezvous while ours are healthy: ask ours to stop gracefully.
+
+Each relaunch exports the launched world to the workers (``ELASTOR_PROCS_PER_NODE`` read from the
+round's store, where every agent published its local size). Every step is an event record.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.agent.server.api import (DEFAULT_ROLE, RunResult, WorkerSpec, WorkerState,
+                                                        _RoleInstanceInfo)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from . import probe as probe_mod
+from .events import EventKind, EventLog
+from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
+from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
+                       ENV_ROUND, EXIT_RESIZE, heartbeat_path)
+
+log = logging.getLogger("elastor.run")
+
+
+@dataclass
+class RunConfig:
+    script: str
+    script_args: list[str]
+    nproc_per_node: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_id: str = "none"
+    rdzv_conf: dict = field(default_factory=dict)
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    on_failure: OnFailure = OnFailure.SHRINK
+    hang_timeout: float | None = None
+    events: str | None = None
+    log_dir: str = "elastor_logs"
+    shutdown_timeout: float = 120.0
+    exit_barrier_timeout: float = 300.0
+    gpu_memory_gb: float | None = None
+    probe_timeout: float = 60.0
+    probe_interval: float = 60.0
+    use_gpu: bool = False
+    node_name: str = ""
+    tee: bool = True
+
+
+class _Stopping:
+    def __init__(self, kind: str, deadline: float, devices: tuple[int, ...] = ()):
+        self.kind = kind            # "preempt" | "scale_up" | "membership"
+        self.deadline = deadline
+        self.devices = devices      # devices to add back after the stop (scale-up)
+        self.t0 = time.monotonic()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+class ElastorAgent(LocalElasticAgent):
+    def __init__(self, spec: WorkerSpec, cfg: RunConfig, events: EventLog, book: DeviceBook,
+                 logs_specs: DefaultLogsSpecs):
+        super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
+                         exit_barrier_timeout=cfg.exit_barrier_timeout, shutdown_timeout=int(cfg.shutdown_timeout))
+        self.cfg, self.events, self.book = cfg, events, book
+        self.round = 0
+        self.restarts_used = 0
+        self.initial_world: int | None = None
+        self.procs_per_node: list[int] = []
+        self.devices: tuple[int, ...] = ()
+        self.exit_code = 0
+        self.message = ""
+        self._preempt = False
+        self._force = False
+        self._scale_up = False
+        self._stopping: _Stopping | None = None
+        self._last_probe = time.monotonic()
+        self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
+        self._visible = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, _frame) -> None:
+        if signum == signal.SIGUSR1:
+            self._scale_up = True
+            return
+        if self._preempt and signum == signal.SIGINT:
+            self._force = True
+        self._preempt = True
+
+    def install_signal_handlers(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(s, self._on_signal)
+
+    # ------------------------------------------------------------------ torch elastic hooks
+    def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
+        workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+        raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
+        self.procs_per_node = [_RoleInstanceInfo.deserialize(b).local_world_size for b in raw]
+        return workers
+
+    def _start_workers(self, worker_group):
+        n = worker_group.spec.local_world_size
+        self.devices = self.book.usable[:n]
+        world = sum(self.procs_per_node) or n
+        if self.initial_world is None:
+            self.initial_world = world
+        hb = os.path.join(self._hb_dir, f"round{self.round}")
+        os.makedirs(hb, exist_ok=True)
+        env = {ENV_PROCS_PER_NODE: ",".join(map(str, self.procs_per_node or [n])),
+               ENV_INITIAL_WORLD: str(self.initial_world), ENV_ROUND: str(self.round), ENV_HEARTBEAT_DIR: hb,
+               "ELASTOR_DEVICES": ",".join(map(str, self.devices))}
+        if self.cfg.events:
+            env[ENV_EVENTS_FILE] = os.path.abspath(self.cfg.events)
+        if self.cfg.gpu_memory_gb:
+            env[ENV_GPU_MEMORY_GB] = str(self.cfg.gpu_memory_gb)
+        if self.cfg.use_gpu:
+            ids = [self._visible[d] if d < len(self._visible) else str(d) for d in self.devices]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        os.environ.update(env)
+        pids = super()._start_workers(worker_group)
+        self.install_signal_handlers()   # the process context installed torch's own handlers
+        self.events.emit(EventKind.LAUNCH, round=self.round, world_size=world, procs_per_node=self.procs_per_node,
+                         node_rank=worker_group.group_rank, local_world_size=n, devices=list(self.devices),
+                         global_ranks=[w.global_rank for w in worker_group.workers], pids=list(pids.values()))
+        log.info("round %d: %d worker(s) on devices %s; world %d = %s per node", self.round, n, list(self.devices),
+                 world, self.procs_per_node)
+        self.round += 1
+        return pids
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        self.install_signal_handlers()
+        try:
+            return self._invoke_run(role)
+        finally:
+            self._shutdown(signal.SIGKILL, timeout=5)
+
+    # ------------------------------------------------------------------ helpers
+    def _handlers(self) -> dict:
+        return dict(getattr(self._pcontext, "subprocess_handlers", {}) or {})
+
+    def _signal_workers(self, sig: int) -> None:
+        for h in self._handlers().values():
+            if h.proc.poll() is None:
+                try:
+                    os.kill(h.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _kill_all(self) -> float:
+        """SIGKILL every live worker (and its process group); returns seconds until all are reaped."""
+        t0 = time.monotonic()
+        hs = self._handlers()
+        for h in hs.values():
+            if h.proc.poll() is None:
+                for kill in (lambda: os.killpg(h.proc.pid, signal.SIGKILL), lambda: os.kill(h.proc.pid, signal.SIGKILL)):
+                    try:
+                        kill()
+                        break
+                    except (ProcessLookupError, PermissionError):
+                        continue
+        for h in hs.values():
+            try:
+                h.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - best effort; close() below escalates
+                pass
+        self._close_context()
+        return time.monotonic() - t0
+
+    def _close_context(self) -> None:
+        if self._pcontext is not None:
+            self._pcontext.close(signal.SIGKILL, 2)
+            self._pcontext = None
+
+    def _heartbeat(self, local_rank: int) -> tuple[float | None, int | None]:
+        path = heartbeat_path(os.path.join(self._hb_dir, f"round{self.round - 1}"), local_rank)
+        try:
+            st = os.stat(path)
+            with open(path) as f:
+                it = int(f.read().split()[0])
+            return st.st_mtime, it
+        except (OSError, ValueError, IndexError):
+            return None, None
+
+    def _observe(self, wg) -> list[WorkerOutcome]:
+        outs = []
+        now = time.time()
+        for lr, h in sorted(self._handlers().items()):
+            rc = h.proc.poll()
+            hung = stopped = False
+            if rc is None and self.cfg.hang_timeout and self._stopping is None:
+                t_hb, _ = self._heartbeat(lr)
+                if t_hb is not None and now - t_hb > self.cfg.hang_timeout:
+                    hung = True
+                    stopped = _proc_state(h.proc.pid) in ("T", "t")
+            dev = self.devices[lr] if lr < len(self.devices) else lr
+            outs.append(WorkerOutcome(local_rank=lr, device=dev, global_rank=wg.workers[lr].global_rank, exitcode=rc,
+                                      hung=hung, stopped=stopped))
+        return outs
+
+    def _worker_error(self, local_rank: int) -> str:
+        """The last error line of a worker's stderr log, if any."""
+        errs = getattr(self._pcontext, "stderrs", {}) or {}
+        path = errs.get(local_rank)
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        hits = [ln for ln in lines if "error" in ln.lower()]
+        return (hits or lines or [""])[-1][:500]
+
+    def _launch(self) -> None:
+        wg = self._worker_group
+        wg.spec.local_world_size = len(self.book.usable)
+        self._stopping = None
+        self.events.emit(EventKind.RENDEZVOUS, round=self.round, local_world_size=wg.spec.local_world_size)
+        self._initialize_workers(wg)
+
+    def _result(self, ok: bool) -> RunResult:
+        return RunResult(state=WorkerState.SUCCEEDED if ok else WorkerState.FAILED)
+
+    def _stop_job(self, reason: str, code: int = 1) -> RunResult:
+        self.exit_code, self.message = code, reason
+        self.events.emit(EventKind.STOPPED, reason=reason, exit_code=code)
+        log.error("%s", reason)
+        return self._result(False)
+
+    def _returning_devices(self) -> tuple[int, ...]:
+        """Lost devices that may be used again: all of them on the operator's word (CPU), those that pass
+        a probe on GPU."""
+        if not self.book.lost:
+            return ()
+        if self.cfg.use_gpu:
+            res, dur = probe_mod.probe_gpus([int(self._visible[d]) if d < len(self._visible) else d
+                                            for d in sorted(self.book.lost)], self.cfg.probe_timeout)
+            ok = [d for d, passed in zip(sorted(self.book.lost), res.values()) if passed]
+            self.events.emit(EventKind.PROBE, devices=sorted(self.book.lost), passed=ok, duration_s=dur,
+                             reason="scale-up")
+            return decide_scale_up(self.book, ok)
+        return decide_scale_up(self.book, None)
+
+    # ------------------------------------------------------------------ the loop
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        wg = self._worker_group
+        spec = wg.spec
+        self._launch()
+        while True:
+            time.sleep(spec.monitor_interval)
+            now = time.monotonic()
+            if self._force:
+                self._kill_all()
+                return self._stop_job("interrupted twice: workers killed without a final checkpoint", 130)
+            if self._preempt and (self._stopping is None or self._stopping.kind != "preempt"):
+                self.events.emit(EventKind.PREEMPT_REQUESTED)
+                log.warning("preemption: asking the workers to checkpoint the current iteration and exit")
+                self._stopping = _Stopping("preempt", now + self.cfg.shutdown_timeout)
+                self._signal_workers(signal.SIGTERM)
+            elif self._stopping is None and (self._scale_up or self._probe_due(now)):
+                operator = self._scale_up
+                self._scale_up = False
+                back = self._returning_devices()
+                if back:
+                    self.events.emit(EventKind.SCALE_UP_REQUESTED, devices=list(back),
+                                     source="operator" if operator else "probe")
+                    log.info("scale-up: device(s) %s usable again; stopping the workers at a checkpoint", list(back))
+                    self._stopping = _Stopping("scale_up", now + self.cfg.shutdown_timeout, back)
+                    self._signal_workers(signal.SIGUSR1)
+                elif operator:
+                    log.info("scale-up requested but no lost device is usable again (lost: %s)", sorted(self.book.lost))
+            outs = self._observe(wg)
+            if any(o.failed for o in outs):
+                res = self._on_failure(wg, outs)
+                if res is not None:
+                    return res
+                continue
+            if outs and all(o.exitcode is not None for o in outs):
+                codes = {o.exitcode for o in outs}
+                stop_s = time.monotonic() - self._stopping.t0 if self._stopping else 0.0
+                if codes == {0}:
+                    self._close_context()
+                    if self._stopping is not None and self._stopping.kind == "preempt":
+                        self.events.emit(EventKind.PREEMPTED, stop_s=stop_s)
+                        log.info("preempted: workers saved and exited in %.1f s", stop_s)
+                    else:
+                        self.events.emit(EventKind.FINISHED)
+                    self._exit_barrier()
+                    return self._result(True)
+                # EXIT_RESIZE (possibly with 0s): relaunch on the current devices
+                self._close_context()
+                if self._stopping is not None and self._stopping.kind == "scale_up":
+                    back = self.book.restore(self._stopping.devices)
+                    self.events.emit(EventKind.SCALE_UP, devices=back, stop_s=stop_s)
+                else:
+                    self.events.emit(EventKind.TEARDOWN, reason="workers stopped for a membership change",
+                                     duration_s=stop_s)
+                self._launch()
+                continue
+            if self._stopping is not None and now > self._stopping.deadline:
+                kind = self._stopping.kind
+                log.error("workers did not stop within --shutdown-timeout %.0f s; killing them", self.cfg.shutdown_timeout)
+                self._kill_all()
+                if kind == "preempt":
+                    return self._stop_job(f"workers did not checkpoint and exit within --shutdown-timeout "
+                                          f"{self.cfg.shutdown_timeout:.0f} s; raise it above the worst-case save time")
+                if kind == "scale_up":
+                    self.book.restore(self._stopping.devices)
+                self._launch()
+                continue
+            if self._stopping is None and spec.rdzv_handler.num_nodes_waiting() > 0:
+                self.events.emit(EventKind.MEMBERSHIP, waiting=True)
+                log.info("another node is waiting in the rendezvous: stopping the workers at a checkpoint")
+                self._stopping = _Stopping("membership", now + self.cfg.shutdown_timeout)
+                self._signal_workers(signal.SIGUSR1)
+
+    def _probe_due(self, now: float) -> bool:
+        if not (self.cfg.use_gpu and self.cfg.on_failure is OnFailure.PROBE and self.book.lost):
+            return False
+        if now - self._last_probe < self.cfg.probe_interval:
+            return False
+        self._last_probe = now
+        return True
+
+    def _on_failure(self, wg, outs: list[WorkerOutcome]) -> RunResult | None:
+        failed = [o for o in outs if o.failed]
+        preempting = self._stopping is not None and self._stopping.kind == "preempt"
+        last_hb = [t for t in (self._heartbeat(o.local_rank)[0] for o in failed if o.hung) if t]
+        primary = sorted(failed, key=lambda o: (o.cause.value != "signal", o.cause.value != "hang", o.local_rank))[0]
+        self.events.emit(EventKind.FAILURE, cause=primary.cause.value, world_size=sum(self.procs_per_node),
+                         last_heartbeat=min(last_hb) if last_hb else None,
+                         ranks=[{"local_rank": o.local_rank, "global_rank": o.global_rank, "device": o.device,
+                                 "cause": o.cause.value, "exitcode": o.exitcode, "signal": o.signal_name(),
+                                 "stopped": o.stopped} for o in failed])
+        log.warning("failure: %s", ", ".join(
+            f"rank {o.global_rank} (device {o.device}) {o.cause.value}"
+            + (f" {o.signal_name()}" if o.signal else f" exit {o.exitcode}" if o.exitcode is not None else "")
+            for o in failed))
+        errors = {o.local_rank: self._worker_error(o.local_rank) for o in failed if o.cause.value == "rejected"}
+        dur = self._kill_all()
+        self.events.emit(EventKind.TEARDOWN, duration_s=dur)
+        if preempting:
+            return self._stop_job("a worker failed while checkpointing for preemption; the newest committed "
+                                  "checkpoint is the previous one")
+        probe_ok = None
+        if self.cfg.on_failure is OnFailure.PROBE and self.cfg.use_gpu:
+            ids = [int(self._visible[d]) if d < len(self._visible) else d for d in self.book.usable]
+            res, pdur = probe_mod.probe_gpus(ids, self.cfg.probe_timeout)
+            probe_ok = {d: ok for d, ok in zip(self.book.usable, res.values())}
+            self.events.emit(EventKind.PROBE, devices=list(self.book.usable),
+                             passed=[d for d, ok in probe_ok.items() if ok], duration_s=pdur, reason="failure")
+        dec = decide_after_failure(self.cfg.on_failure, self.book, outs, self.restarts_used, self.cfg.max_restarts,
+                                   probe_ok)
+        self.events.emit(EventKind.DECISION, action=dec.action.value, devices=list(dec.devices), lost=list(dec.lost),
+                         reason=dec.reason, restarts_used=self.restarts_used)
+        if dec.action is Action.STOP:
+            err = next((e for e in errors.values() if e), "")
+            return self._stop_job(dec.reason + (f": {err}" if err else ""))
+        log.info("%s", dec.reason)
+        self.book.lose(dec.lost)
+        if dec.counts_as_restart:
+            self.restarts_used += 1
+        self._launch()
+        return None
+
+
+def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"   # restarts read stale gloo addresses otherwise
+    params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
+                                  min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, **cfg.rdzv_conf)
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    spec = WorkerSpec(role="default", local_world_size=cfg.nproc_per_node, rdzv_handler=handler,
+                      entrypoint=os.environ.get("ELASTOR_PYTHON") or __import__("sys").executable,
+                      args=("-u", "-m", "elastor_ds.elastic.worker_main", cfg.script, *cfg.script_args),
+                      max_restarts=cfg.max_restarts, monitor_interval=cfg.monitor_interval)
+    logs = DefaultLogsSpecs(log_dir=cfg.log_dir, redirects=Std.ALL, tee=Std.ALL if cfg.tee else Std.NONE)
+    book = DeviceBook(tuple(range(cfg.nproc_per_node)))
+    return ElastorAgent(spec, cfg, events, book, logs)
+
+
+def node_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"

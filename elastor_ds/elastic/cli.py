@@ -1,0 +1,192 @@
+"""``elastor run``: torchrun's launcher flags plus failure policy, hang detection and an event log."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+from ..errors import ConfigError
+
+log = logging.getLogger("elastor.run")
+
+EPILOG = """\
+behaviour:
+  failure     a worker exits non-zero, dies of a signal, or has no heartbeat for --hang-timeout s
+              (a SIGSTOPped worker counts). The controller kills the rest of the local group,
+              decides which devices are usable (--on-failure) and relaunches through the
+              rendezvous; the trainer re-plans and resumes from its newest committed checkpoint.
+              Bounded by --max-restarts. If the trainer rejects the usable world (exit code 2, e.g.
+              the planner finds no plan that fits), the run stops with that message, exit 1.
+  scale-up    operator: `kill -USR1 <pid of elastor run>` says the lost devices are back (the pid
+              is logged at start and in the events file's "start" record). With --on-failure
+              probe on GPUs, lost GPUs are also re-probed every --probe-interval s. The workers
+              finish their iteration, checkpoint it durably and exit; the job relaunches on the
+              larger world. Nothing is lost.
+  preemption  SIGTERM or SIGINT (Slurm, Kubernetes, Ctrl-C): the workers finish the current
+              iteration, checkpoint it, wait until it is durable and exit; elastor run exits 0.
+              A second SIGINT kills at once (exit 130).
+  events      --events FILE gets one JSON line per event (start, launch, failure with ranks,
+              devices and causes, probe, decision, scale-up, preemption, worker start-up marks);
+              at the end a summary table is printed and a timeline PNG written (--plot).
+
+what the workers get (besides torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...):
+  ELASTOR_PROCS_PER_NODE   processes per node of this launch, e.g. "2,1" (the trainer's
+                           --elastor-plan auto plans for exactly this cluster)
+  ELASTOR_INITIAL_WORLD_SIZE, ELASTOR_ROUND, ELASTOR_HEARTBEAT_DIR, ELASTOR_EVENTS_FILE,
+  ELASTOR_GPU_MEMORY_GB (with --gpu-memory-gb). A trainer cooperates through
+  elastor_ds.elastic.worker.ElasticWorker (heartbeat, agree_stop); examples/megatron_gpt/
+  pretrain_gpt.py does.
+
+exit codes: 0 finished or preempted cleanly; 1 gave up (max restarts, infeasible world, no device
+left); 2 usage errors; 130 interrupted twice.
+"""
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    try:
+        if ":" in text:
+            lo, hi = (int(x) for x in text.split(":", 1))
+        else:
+            lo = hi = int(text)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4") from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def _rdzv_conf(text: str) -> dict:
+    out: dict = {}
+    for kv in filter(None, (x.strip() for x in text.split(","))):
+        if "=" not in kv:
+            raise ConfigError(f"--rdzv-conf {text!r}: expected key=value pairs separated by commas")
+        k, v = kv.split("=", 1)
+        try:
+            out[k] = float(v) if "." in v else int(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="launch a trainer like torchrun and keep it alive through failures",
+                       description="Launch SCRIPT on this node's processes (torchrun's flags) and keep the job "
+                                   "alive: detect failures and hangs, shrink / restart / probe, scale back up "
+                                   "when devices return, checkpoint and exit cleanly on preemption.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
+    a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
+      help="processes on this node: an integer, 'gpu' (one per visible GPU) or 'auto' (GPUs, else 1)")
+    a("--standalone", action="store_true", help="single node: local c10d rendezvous on a free port")
+    a("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
+    a("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
+      help="HOST:PORT of the rendezvous store (default localhost:<free port> for one node)")
+    a("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", help="job id shared by all nodes")
+    a("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="",
+      help="backend options, e.g. join_timeout=600,last_call_timeout=2,close_timeout=10")
+    a("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
+      help="relaunches after failures before giving up (default 3; resizes and membership changes do not count)")
+    a("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1,
+      help="seconds between worker checks (default 0.1)")
+    a("--on-failure", choices=["shrink", "restart", "probe"], default="probe",
+      help="shrink: drop the failed worker's device; restart: same size again; probe (default): use the GPUs "
+           "that pass a health probe (no GPUs: as shrink)")
+    a("--hang-timeout", type=float, default=300.0,
+      help="seconds without a worker heartbeat (one per iteration) that count as a hang (default 300; 0: off)")
+    a("--events", default=None, help="JSONL event log; also enables the summary table and the timeline plot")
+    a("--plot", default=None, help="timeline PNG (default: next to --events, *_timeline.png)")
+    a("--log-dir", "--log_dir", dest="log_dir", default=None,
+      help="per-worker stdout/stderr logs and heartbeats (default: next to --events, else ./elastor_logs)")
+    a("--shutdown-timeout", type=float, default=120.0,
+      help="seconds the workers get to checkpoint and exit after a stop request before SIGKILL (default 120)")
+    a("--exit-barrier-timeout", type=float, default=300.0,
+      help="seconds a finished node waits for the other nodes (default 300)")
+    a("--gpu-memory-gb", type=float, default=None, help="per-device memory the trainer's planner should assume")
+    a("--probe-timeout", type=float, default=60.0, help="seconds per GPU probe (default 60)")
+    a("--probe-interval", type=float, default=60.0, help="seconds between re-probes of lost GPUs (default 60)")
+    a("script", help="the training script (run with this Python, as torchrun does)")
+    a("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .agent import RunConfig, build_agent, node_name
+    from .events import EventKind, EventLog
+    from .policy import OnFailure
+
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"script {args.script!r} does not exist; give the path of the training script")
+    lo, hi = _nnodes(args.nnodes)
+    import torch
+    n_gpu = torch.cuda.device_count()
+    npn = args.nproc_per_node
+    if npn in ("gpu", "auto"):
+        if npn == "gpu" and n_gpu == 0:
+            raise ConfigError("--nproc-per-node gpu: no GPU is visible; give a process count")
+        nproc = n_gpu or 1
+    else:
+        try:
+            nproc = int(npn)
+        except ValueError:
+            raise ConfigError(f"--nproc-per-node {npn!r}: expected an integer, 'gpu' or 'auto'") from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc}: must be >= 1")
+    if args.monitor_interval <= 0 or args.shutdown_timeout <= 0:
+        raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    endpoint = args.rdzv_endpoint
+    if args.standalone or not endpoint:
+        if hi > 1 and not args.standalone:
+            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        endpoint, rdzv_id = "localhost:0", (args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4()))
+        lo = hi = 1
+    else:
+        rdzv_id = args.rdzv_id
+    use_gpu = n_gpu > 0 and not os.environ.get("ELASTOR_FORCE_CPU")
+    events_path = os.path.abspath(args.events) if args.events else None
+    base = os.path.splitext(events_path)[0] if events_path else None
+    log_dir = os.path.abspath(args.log_dir) if args.log_dir else (f"{base}_logs" if base else os.path.abspath("elastor_logs"))
+    plot = args.plot or (f"{base}_timeline.png" if base else None)
+    # workers import this package through worker_main: make sure they find this copy of it
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join([pkg_root] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    cfg = RunConfig(script=os.path.abspath(args.script), script_args=list(args.script_args), nproc_per_node=nproc,
+                    min_nodes=lo, max_nodes=hi, rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint,
+                    rdzv_id=rdzv_id, rdzv_conf=_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
+                    monitor_interval=args.monitor_interval, on_failure=OnFailure(args.on_failure),
+                    hang_timeout=args.hang_timeout or None, events=events_path, log_dir=log_dir,
+                    shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,
+                    gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
+                    probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name())
+    events = EventLog(events_path, node=cfg.node_name)
+    policy = cfg.on_failure.value + (" (no GPU: as shrink)" if cfg.on_failure is OnFailure.PROBE and not use_gpu else "")
+    events.emit(EventKind.START, pid=os.getpid(), nproc_per_node=nproc, nnodes=[lo, hi], on_failure=cfg.on_failure.value,
+                max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
+    log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
+             "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, log_dir, os.getpid())
+    agent = build_agent(cfg, events)
+    try:
+        agent.run()
+    finally:
+        try:
+            agent.get_worker_group().spec.rdzv_handler.shutdown()
+        except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code
+            log.debug("rendezvous shutdown: %s", e)
+    if events_path:
+        from .report import write_report
+        try:
+            table, png = write_report(events_path, plot)
+            print(table, flush=True)
+            if png:
+                print(f"timeline: {png}", flush=True)
+        except Exception as e:  # noqa: BLE001 - the report must not turn a good run into a failure
+            log.warning("could not write the report: %s", e)
+    if agent.exit_code:
+        print(f"elastor run: {agent.message}", file=sys.stderr, flush=True)
+    return agent.exit_code

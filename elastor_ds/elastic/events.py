@@ -1,0 +1,227 @@
+"""Event records of an elastic run and what they add up to (pure: no torch).
+
+One JSON object per line: ``{"event": KIND, "time": unix seconds, "node": node id, ...}``. The
+controller writes most kinds; rank 0 of the workers appends ``worker_started`` (its start-up marks)
+and an external fault injector may append ``injected`` (when it broke something). Lines are
+written with one ``write`` on an ``O_APPEND`` descriptor, so writers on one machine do not
+interleave.
+
+:func:`recoveries` turns failure and scale-up events into a breakdown: detection, teardown, probe,
+rendezvous + spawn, start-up (imports, process group), planning, model build + load, and the time
+from the failure to resumed training, plus the iterations lost (taken from the metrics file).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EventKind(str, enum.Enum):
+    START = "start"                      # controller started (pid, flags)
+    RENDEZVOUS = "rendezvous"            # about to rendezvous for a launch
+    LAUNCH = "launch"                    # workers spawned (round, world, devices)
+    WORKER_STARTED = "worker_started"    # trainer rank 0: start-up marks, resumed step, layout
+    INJECTED = "injected"                # a fault injector broke something (demo/tests)
+    FAILURE = "failure"                  # detected: ranks, devices, causes
+    TEARDOWN = "teardown"                # remaining workers stopped
+    PROBE = "probe"                      # device probe results
+    DECISION = "decision"                # shrink/restart/stop and why
+    SCALE_UP_REQUESTED = "scale_up_requested"
+    SCALE_UP = "scale_up"                # devices added back; graceful stop done
+    MEMBERSHIP = "membership"            # another node joins/leaves: relaunch
+    PREEMPT_REQUESTED = "preempt_requested"
+    PREEMPTED = "preempted"              # workers saved and exited
+    FINISHED = "finished"                # all workers exited 0
+    STOPPED = "stopped"                  # gave up (infeasible, max restarts, no device)
+
+
+class EventLog:
+    """Append-only JSONL event file (``path=None``: keep events in memory only)."""
+
+    def __init__(self, path: str | None, node: str = "0"):
+        self.path = path
+        self.node = node
+        self.records: list[dict] = []
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+
+    def emit(self, kind: EventKind | str, **fields: Any) -> dict:
+        rec = {"event": EventKind(kind).value, "time": fields.pop("time", None) or time.time(), "node": self.node}
+        rec.update(fields)
+        self.records.append(rec)
+        if self.path:
+            append_line(self.path, rec)
+        return rec
+
+
+def append_line(path: str, rec: dict) -> None:
+    data = (json.dumps(rec, sort_keys=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | None) -> list[dict]:
+    """Records of a JSONL file; a torn last line (being written) is skipped."""
+    if not path or not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+@dataclass
+class Phase:
+    """One launch that trained: its world, layout and iterations."""
+    index: int
+    world_size: int
+    layout: str
+    resumed_from: int
+    first_iteration: int | None = None
+    last_iteration: int | None = None
+    median_iter_s: float | None = None
+    samples_per_s: float | None = None
+    t_begin: float = 0.0
+    t_end: float = 0.0
+    plan: dict = field(default_factory=dict)   # chosen plan / predicted times when the trainer logs them
+    ended_by: str = ""
+
+
+@dataclass
+class Recovery:
+    """From a failure (or scale-up request) to training again."""
+    kind: str                      # "failure" | "scale_up"
+    t0: float                      # failure injected / last heartbeat / request time
+    cause: str
+    world_before: int | None
+    world_after: int | None
+    last_iteration_before: int | None
+    resumed_from: int | None
+    parts: dict[str, float] = field(default_factory=dict)   # seconds: detection, teardown, ...
+    total_s: float | None = None   # t0 -> first resumed iteration starts
+
+    @property
+    def lost_iterations(self) -> int | None:
+        if self.last_iteration_before is None or self.resumed_from is None:
+            return None
+        return max(0, self.last_iteration_before - self.resumed_from)
+
+
+PLAN_KEYS = ("plan", "predicted_iteration_s", "predicted_iter_s", "best_uniform_predicted_s",
+             "best_uniform_iteration_s", "predicted_speedup")
+
+
+def _plan_fields(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k in PLAN_KEYS or k.startswith("predicted") or k.startswith("plan_")}
+
+
+def phases(events: list[dict], metrics: list[dict]) -> list[Phase]:
+    starts = [e for e in events if e.get("event") == EventKind.WORKER_STARTED.value]
+    starts.sort(key=lambda e: e["time"])
+    its = [m for m in metrics if "iteration" in m and "time" in m]
+    enders = [e for e in events if e.get("event") in (EventKind.FAILURE.value, EventKind.SCALE_UP_REQUESTED.value,
+                                                      EventKind.MEMBERSHIP.value, EventKind.PREEMPT_REQUESTED.value,
+                                                      EventKind.FINISHED.value, EventKind.STOPPED.value)]
+    out = []
+    for i, s in enumerate(starts):
+        t_begin = s.get("t_loaded", s["time"])
+        t_next = starts[i + 1].get("t_process_start", starts[i + 1]["time"]) if i + 1 < len(starts) else float("inf")
+        mine = [m for m in its if t_begin - 1e-3 <= m["time"] - m.get("iter_time_s", 0) and m["time"] <= t_next]
+        ph = Phase(index=i, world_size=int(s.get("world_size", 0)), layout=str(s.get("layout", "?")),
+                   resumed_from=int(s.get("resumed_from", 0)), t_begin=t_begin)
+        if mine:
+            ph.first_iteration, ph.last_iteration = mine[0]["iteration"], mine[-1]["iteration"]
+            ph.t_end = mine[-1]["time"]
+            steady = [m["iter_time_s"] for m in mine[1:] if "iter_time_s" in m] or [m.get("iter_time_s", 0) for m in mine]
+            ph.median_iter_s = statistics.median(steady) if steady else None
+            if len(mine) > 1 and mine[-1]["time"] > mine[0]["time"]:
+                samples = mine[-1].get("consumed_samples", 0) - mine[0].get("consumed_samples", 0)
+                ph.samples_per_s = samples / (mine[-1]["time"] - mine[0]["time"]) if samples else None
+            ph.plan = _plan_fields(mine[-1]) or _plan_fields(s)
+        else:
+            ph.t_end = t_begin
+            ph.plan = _plan_fields(s)
+        nxt = [e for e in enders if e["time"] >= t_begin and e["time"] <= t_next]
+        ph.ended_by = nxt[0]["event"] if nxt else ""
+        out.append(ph)
+    return out
+
+
+def _last_iteration_before(metrics: list[dict], t: float) -> int | None:
+    done = [m["iteration"] for m in metrics if "iteration" in m and m.get("time", float("inf")) <= t]
+    return max(done) if done else None
+
+
+def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
+    """One :class:`Recovery` per failure relaunch and per scale-up relaunch (events of one node)."""
+    ev = sorted(events, key=lambda e: e["time"])
+    out: list[Recovery] = []
+    starts = [e for e in ev if e["event"] == EventKind.WORKER_STARTED.value]
+    for i, e in enumerate(ev):
+        kind = e["event"]
+        if kind not in (EventKind.FAILURE.value, EventKind.SCALE_UP_REQUESTED.value, EventKind.MEMBERSHIP.value):
+            continue
+        later = ev[i + 1:]
+        nxt_start = next((s for s in starts if s["time"] > e["time"]), None)
+        # a following failure/request before any worker started belongs to this recovery
+        launch = next((x for x in later if x["event"] == EventKind.LAUNCH.value), None)
+        if nxt_start is None or launch is None:
+            continue
+        t_detect = e["time"]
+        if kind == EventKind.FAILURE.value:
+            inj = [x for x in ev[:i] if x["event"] == EventKind.INJECTED.value and t_detect - x["time"] < 120]
+            if inj:
+                t0, origin = inj[-1]["time"], "injected"
+            elif e.get("last_heartbeat") and e.get("cause") == "hang":
+                t0, origin = float(e["last_heartbeat"]), "last heartbeat"
+            else:
+                t0, origin = t_detect, "detected"
+            cause = e.get("cause", "?")
+        else:
+            t0, origin, cause = t_detect, "request", kind
+        prev_start = [s for s in starts if s["time"] < e["time"]]
+        world_before = int(prev_start[-1].get("world_size", 0)) if prev_start else None
+        rec = Recovery(kind="failure" if kind == EventKind.FAILURE.value else "scale_up", t0=t0, cause=cause,
+                       world_before=world_before, world_after=int(nxt_start.get("world_size", 0)),
+                       last_iteration_before=_last_iteration_before(metrics, t_detect),
+                       resumed_from=int(nxt_start.get("resumed_from", 0)))
+        p = rec.parts
+        segment = [x for x in later if x["time"] <= launch["time"]]
+        if kind == EventKind.FAILURE.value:
+            p["detection"] = t_detect - t0
+            td = next((x for x in segment if x["event"] == EventKind.TEARDOWN.value), None)
+            p["teardown"] = float(td.get("duration_s", 0.0)) if td else 0.0
+        else:
+            sd = next((x for x in segment if x["event"] in (EventKind.SCALE_UP.value, EventKind.TEARDOWN.value)), None)
+            p["graceful stop"] = float(sd.get("stop_s", sd.get("duration_s", 0.0))) if sd else 0.0
+        p["probe"] = sum(float(x.get("duration_s", 0.0)) for x in segment if x["event"] == EventKind.PROBE.value)
+        rdzv = next((x for x in segment if x["event"] == EventKind.RENDEZVOUS.value), None)
+        s = nxt_start
+        if rdzv and "t_process_start" in s:
+            p["rendezvous + spawn"] = s["t_process_start"] - rdzv["time"]
+        if all(k in s for k in ("t_process_start", "t_imports", "t_planned", "t_dist", "t_loaded")):
+            p["start-up (imports, process group)"] = (s["t_imports"] - s["t_process_start"]) + (s["t_dist"] - s["t_planned"])
+            p["planning"] = s["t_planned"] - s["t_imports"]
+            p["model build + load"] = s["t_loaded"] - s["t_dist"]
+            rec.total_s = s["t_loaded"] - t0
+        rec.parts = {k: max(0.0, v) for k, v in p.items()}
+        rec.cause = cause if origin != "injected" else f"{cause} (injected)"
+        out.append(rec)
+    return out

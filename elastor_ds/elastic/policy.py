@@ -1,0 +1,154 @@
+"""What to do after a failure, a scale-up request or a preemption (pure: values in, decisions out).
+
+Devices are the node's local slots (GPU ids, or process slots on CPU). Local rank ``i`` of a launch
+runs on ``usable[i]``. A worker is a *culprit* when it died of a signal the controller did not send
+(SIGKILL, SIGSEGV, ...) or was found stopped (SIGSTOP) while hung; a worker that exited non-zero
+on its own is not (its peers' loss makes survivors fail with a communication error). Policies:
+
+- ``shrink``: culprits' devices are lost; relaunch on the rest (no culprit: same devices again).
+- ``restart``: relaunch on the same devices (a transient fault).
+- ``probe``: the devices that pass a health probe (GPU); without GPUs it behaves as ``shrink``.
+
+Failure relaunches count against ``max_restarts``; resizes and membership changes do not. A world
+the trainer rejects (exit code 2: no plan fits, flags do not fit) is not retried.
+"""
+from __future__ import annotations
+
+import enum
+import signal as _signal
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from .protocol import EXIT_RESIZE, EXIT_USAGE
+
+
+class OnFailure(enum.Enum):
+    SHRINK = "shrink"
+    RESTART = "restart"
+    PROBE = "probe"
+
+
+class Cause(enum.Enum):
+    SIGNAL = "signal"      # died of a signal the controller did not send
+    EXIT = "exit"          # exited non-zero
+    HANG = "hang"          # no heartbeat for --hang-timeout seconds
+    REJECTED = "rejected"  # exit code 2: the trainer cannot run the launched world
+
+
+class Action(enum.Enum):
+    RELAUNCH = "relaunch"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """One local worker at detection time."""
+    local_rank: int
+    device: int
+    global_rank: int = -1
+    exitcode: int | None = None      # None: still running at detection (then torn down by the controller)
+    hung: bool = False               # heartbeat older than the hang timeout
+    stopped: bool = False            # process state T (SIGSTOP) at detection
+
+    @property
+    def signal(self) -> int | None:
+        return -self.exitcode if self.exitcode is not None and self.exitcode < 0 else None
+
+    def signal_name(self) -> str | None:
+        s = self.signal
+        if s is None:
+            return None
+        try:
+            return _signal.Signals(s).name
+        except ValueError:
+            return f"signal {s}"
+
+    @property
+    def failed(self) -> bool:
+        return self.hung or (self.exitcode is not None and self.exitcode not in (0, EXIT_RESIZE))
+
+    @property
+    def cause(self) -> Cause | None:
+        if self.hung:
+            return Cause.HANG
+        if self.exitcode is None or self.exitcode in (0, EXIT_RESIZE):
+            return None
+        if self.exitcode < 0:
+            return Cause.SIGNAL
+        return Cause.REJECTED if self.exitcode == EXIT_USAGE else Cause.EXIT
+
+
+def culprits(outcomes: list[WorkerOutcome]) -> list[WorkerOutcome]:
+    """The workers whose device is suspect: signal deaths, and hung workers found stopped (when no
+    hung worker is stopped, a hang names no culprit: every rank waits on every other)."""
+    sig = [o for o in outcomes if o.cause is Cause.SIGNAL]
+    stopped = [o for o in outcomes if o.hung and o.stopped]
+    return sorted(sig + stopped, key=lambda o: o.local_rank)
+
+
+@dataclass
+class DeviceBook:
+    """The node's device slots: which are usable, which were lost (and may return)."""
+    all_devices: tuple[int, ...]
+    lost: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.all_devices:
+            raise ConfigError("a node needs at least one device slot (--nproc-per-node >= 1)")
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        return tuple(d for d in self.all_devices if d not in self.lost)
+
+    def lose(self, devices) -> None:
+        self.lost |= set(devices) & set(self.all_devices)
+
+    def restore(self, devices) -> list[int]:
+        back = sorted(set(devices) & self.lost)
+        self.lost -= set(back)
+        return back
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    devices: tuple[int, ...] = ()        # devices of the next launch (RELAUNCH)
+    lost: tuple[int, ...] = ()           # devices newly treated as lost
+    counts_as_restart: bool = True
+    reason: str = ""
+
+
+def decide_after_failure(policy: OnFailure, book: DeviceBook, outcomes: list[WorkerOutcome], restarts_used: int,
+                         max_restarts: int, probe_ok: dict[int, bool] | None = None) -> Decision:
+    """The decision after a failed launch. ``probe_ok`` (device -> passed) is given for ``probe``
+    on GPU; ``probe`` without it behaves as ``shrink``. Updates nothing: apply ``lost`` yourself."""
+    failed = [o for o in outcomes if o.failed]
+    rejected = [o for o in failed if o.cause is Cause.REJECTED]
+    if rejected and len(rejected) == len(failed):
+        return Decision(Action.STOP, reason=f"the trainer rejected the launched world (exit code {EXIT_USAGE} on "
+                                            f"local ranks {[o.local_rank for o in rejected]}): the usable devices "
+                                            f"cannot run the model; see the worker's error above")
+    if restarts_used >= max_restarts:
+        return Decision(Action.STOP, reason=f"--max-restarts {max_restarts} exhausted ({restarts_used} relaunches "
+                                            f"after failures); raise --max-restarts to keep going")
+    current = book.usable
+    if policy is OnFailure.RESTART:
+        lost: tuple[int, ...] = ()
+    elif policy is OnFailure.PROBE and probe_ok is not None:
+        lost = tuple(d for d in current if not probe_ok.get(d, False))
+    else:
+        lost = tuple(sorted({o.device for o in culprits(outcomes)}))
+    devices = tuple(d for d in current if d not in lost)
+    if not devices:
+        return Decision(Action.STOP, lost=lost, reason=f"no usable device left on this node (lost {list(lost)}); "
+                                                       f"the node leaves the job")
+    what = "same devices" if not lost else f"without device(s) {list(lost)}"
+    return Decision(Action.RELAUNCH, devices=devices, lost=lost,
+                    reason=f"{policy.value}: relaunch on {len(devices)} device(s), {what}")
+
+
+def decide_scale_up(book: DeviceBook, returned: list[int] | None) -> tuple[int, ...]:
+    """Devices to add back: ``returned`` (probe results) or, for an operator's request (None),
+    every lost device. Empty: nothing to do."""
+    cand = sorted(book.lost) if returned is None else sorted(set(returned) & book.lost)
+    return tuple(cand)

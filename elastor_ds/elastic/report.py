@@ -1,0 +1,141 @@
+"""The end-of-run report of ``elastor run``: a summary table (phases, recoveries with their time
+broken down, lost iterations) and a timeline PNG (loss and throughput over wall time, events marked)."""
+from __future__ import annotations
+
+import logging
+import os
+
+from .events import EventKind, Phase, Recovery, phases, read_jsonl, recoveries
+
+log = logging.getLogger("elastor.run")
+
+
+def metrics_file(events: list[dict]) -> str | None:
+    for e in reversed(events):
+        if e.get("event") == EventKind.WORKER_STARTED.value and e.get("metrics_file"):
+            return e["metrics_file"]
+    return None
+
+
+def _fmt(x, spec=".2f", none="-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _plan_text(ph: Phase) -> str:
+    p = ph.plan
+    if not p:
+        return ""
+    bits = []
+    pred = next((p[k] for k in p if k.startswith("predicted") and "uniform" not in k and isinstance(p[k], (int, float))), None)
+    uni = next((p[k] for k in p if "uniform" in k and isinstance(p[k], (int, float))), None)
+    if "plan" in p and isinstance(p["plan"], str):
+        bits.append(p["plan"])
+    if pred is not None:
+        bits.append(f"predicted {pred * 1e3:.3g} ms/it")
+    if uni is not None:
+        bits.append(f"best uniform {uni * 1e3:.3g} ms/it")
+    return "; ".join(bits)
+
+
+def summary_table(events: list[dict], metrics: list[dict]) -> str:
+    phs = phases(events, metrics)
+    recs = recoveries(events, metrics)
+    lines = ["=" * 100, "elastor run: phases"]
+    lines.append(f"{'#':<3}{'world':>6}  {'layout':<34}{'iterations':<14}{'ms/iter':>9}{'samples/s':>11}  ended by")
+    for ph in phs:
+        its = f"{ph.first_iteration}-{ph.last_iteration}" if ph.first_iteration is not None else "-"
+        lines.append(f"{ph.index:<3}{ph.world_size:>6}  {ph.layout[:33]:<34}{its:<14}"
+                     f"{_fmt(ph.median_iter_s and ph.median_iter_s * 1e3, '.0f'):>9}{_fmt(ph.samples_per_s, '.1f'):>11}  "
+                     f"{ph.ended_by or '-'}")
+        pt = _plan_text(ph)
+        if pt:
+            lines.append(f"{'':<11}plan: {pt}")
+    if recs:
+        keys: list[str] = []
+        for r in recs:
+            for k in r.parts:
+                if k not in keys:
+                    keys.append(k)
+        lines.append("-" * 100)
+        lines.append("recoveries (seconds)")
+        head = f"{'kind':<10}{'cause':<22}{'world':<8}{'lost its':>9}  " + "".join(f"{k[:14]:>15}" for k in keys) + \
+               f"{'to training':>13}"
+        lines.append(head)
+        for r in recs:
+            world = f"{r.world_before}->{r.world_after}"
+            row = f"{r.kind:<10}{r.cause[:21]:<22}{world:<8}{_fmt(r.lost_iterations, 'd'):>9}  " + \
+                  "".join(f"{_fmt(r.parts.get(k)):>15}" for k in keys) + f"{_fmt(r.total_s):>13}"
+            lines.append(row)
+        lines.append("  to training = from the failure (or request) to the first resumed iteration starting; start-up ="
+                     " imports + process group")
+    stops = [e for e in events if e.get("event") in (EventKind.STOPPED.value, EventKind.PREEMPTED.value,
+                                                     EventKind.FINISHED.value)]
+    if stops:
+        e = stops[-1]
+        lines.append("-" * 100)
+        lines.append(f"end: {e['event']}" + (f" - {e['reason']}" if e.get("reason") else ""))
+    lines.append("=" * 100)
+    return "\n".join(lines)
+
+
+def timeline_png(events: list[dict], metrics: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no timeline plot")
+        return False
+    its = [m for m in metrics if "iteration" in m and "time" in m]
+    if not its and not events:
+        return False
+    t0 = min([e["time"] for e in events] + [m["time"] for m in its])
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    phs = phases(events, metrics)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ph in phs:
+        pts = [m for m in its if ph.t_begin - 1e-3 <= m["time"] - m.get("iter_time_s", 0) and m["time"] <= ph.t_end + 1e-6]
+        if not pts:
+            continue
+        c = colors[ph.index % len(colors)]
+        ax1.plot([m["time"] - t0 for m in pts], [m["lm_loss"] for m in pts], color=c, lw=1.1,
+                 label=f"{ph.layout} on {ph.world_size}")
+        tp = [(m["time"] - t0, m.get("consumed_samples", 0) / max(1, m["iteration"]) / m["iter_time_s"])
+              for m in pts if m.get("iter_time_s")]
+        ax2.plot([p[0] for p in tp], [p[1] for p in tp], color=c, lw=0.8)
+        ax2.axvspan(ph.t_begin - t0, ph.t_end - t0, color=c, alpha=0.08)
+    style = {"failure": ("red", "--"), "scale_up": ("green", "-."), "preempt_requested": ("purple", ":"),
+             "injected": ("black", ":"), "launch": ("gray", ":")}
+    seen = set()
+    for e in events:
+        k = e.get("event")
+        if k not in style:
+            continue
+        c, ls = style[k]
+        for ax in (ax1, ax2):
+            ax.axvline(e["time"] - t0, color=c, ls=ls, lw=0.9, label=k if (ax is ax1 and k not in seen) else None)
+        seen.add(k)
+    ax1.set_ylabel("lm loss")
+    ax2.set_ylabel("samples / s")
+    ax2.set_xlabel("wall time (s)")
+    ax1.set_title("elastor run: loss and throughput; failures, relaunches and scale-ups marked")
+    ax1.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(events_path: str, png_path: str | None = None) -> tuple[str, str | None]:
+    events = read_jsonl(events_path)
+    metrics = read_jsonl(metrics_file(events))
+    table = summary_table(events, metrics)
+    png = None
+    if png_path:
+        os.makedirs(os.path.dirname(os.path.abspath(png_path)) or ".", exist_ok=True)
+        if timeline_png(events, metrics, png_path):
+            png = png_path
+    return table, png
+
+
+__all__ = ["Phase", "Recovery", "summary_table", "timeline_png", "write_report"]

@@ -1,0 +1,111 @@
+"""The trainer's side of ``elastor run``: heartbeat, graceful stop, start-up marks, the launched world.
+
+A trainer launched by ``elastor run`` (through :mod:`worker_main`) does, per iteration::
+
+    ctl = ElasticWorker.from_env()          # None when not launched by ``elastor run``
+    ...
+    ctl.heartbeat(iteration)                # cheap: rewrites one small file
+    code = ctl.agree_stop()                 # one all-reduce (MAX) of the local stop request
+    if code: save this iteration, wait until durable, return code.exit_code()
+
+Signals (installed by :mod:`worker_main` before the trainer's imports, so a stop requested during
+start-up is not lost): SIGTERM and SIGINT request ``PREEMPT``, SIGUSR1 requests ``RESIZE``.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+
+from .events import EventKind, append_line
+from .protocol import (ENV_EVENTS_FILE, ENV_HEARTBEAT_DIR, ENV_ROUND, ENV_T_START, StopCode, heartbeat_path,
+                       launched_world)
+
+log = logging.getLogger(__name__)
+
+_requested = StopCode.NONE
+_PR_SET_PDEATHSIG = 1
+
+
+def _on_signal(signum: int, _frame) -> None:
+    global _requested
+    code = StopCode.RESIZE if signum == signal.SIGUSR1 else StopCode.PREEMPT
+    _requested = max(_requested, code)
+
+
+def install_signal_handlers() -> None:
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, _on_signal)
+
+
+def requested() -> StopCode:
+    return StopCode(_requested)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Die with the controller: a SIGKILLed agent must not leave workers behind (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() == 1:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+class ElasticWorker:
+    """Per-process hooks; every method is cheap except :meth:`agree_stop` (one tiny all-reduce)."""
+
+    def __init__(self, heartbeat_dir: str | None, events_file: str | None, local_rank: int):
+        self.heartbeat_file = heartbeat_path(heartbeat_dir, local_rank) if heartbeat_dir else None
+        self.events_file = events_file
+        self.local_rank = local_rank
+        self.marks: dict[str, float] = {}
+        t0 = os.environ.get(ENV_T_START)
+        if t0:
+            self.marks["t_process_start"] = float(t0)
+        self.world = launched_world()
+        self.round = int(os.environ.get(ENV_ROUND, "0"))
+
+    @classmethod
+    def from_env(cls) -> "ElasticWorker | None":
+        if not os.environ.get(ENV_HEARTBEAT_DIR) and not os.environ.get(ENV_EVENTS_FILE):
+            return None
+        return cls(os.environ.get(ENV_HEARTBEAT_DIR), os.environ.get(ENV_EVENTS_FILE),
+                   int(os.environ.get("LOCAL_RANK", "0")))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.time()
+
+    def heartbeat(self, iteration: int) -> None:
+        if not self.heartbeat_file:
+            return
+        tmp = f"{self.heartbeat_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{int(iteration)} {time.time():.3f}\n")
+        os.replace(tmp, self.heartbeat_file)
+
+    def agree_stop(self) -> StopCode:
+        """The largest stop code requested on any rank (collective: every rank calls it each iteration)."""
+        import torch
+        import torch.distributed as dist
+        local = int(requested())
+        if not (dist.is_available() and dist.is_initialized()):
+            return StopCode(local)
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([local], dtype=torch.int32, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return StopCode(int(t.item()))
+
+    def report_started(self, rank: int, **fields) -> None:
+        """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world)."""
+        if rank != 0 or not self.events_file:
+            return
+        rec = {"event": EventKind.WORKER_STARTED.value, "time": time.time(), "node": "workers", "round": self.round,
+               **self.marks, **fields}
+        try:
+            append_line(self.events_file, rec)
+        except OSError as e:  # events are a report, never a reason to stop training
+            log.warning("could not append to the events file %s: %s", self.events_file, e)
