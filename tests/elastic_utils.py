@@ -1,0 +1,128 @@
+"""Helpers for `elastor run` tests: launch the controller on the example trainer (tiny GPT), watch
+its metrics, inject real faults into its worker processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
+# tiny GPT: TP1 x PP3 on 3 processes, TP1 x PP2 x DP2 on 4, PP2 on 2 under --elastor-plan auto
+MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+         "--log-interval", "1", "--elastor-plan", "auto"]
+
+
+class Job:
+    def __init__(self, tmp, nproc: int, iters: int, save_interval: int, ctl_args=(), name="job", metrics=None,
+                 ckpt=None):
+        self.dir = str(tmp)
+        self.metrics = metrics or os.path.join(self.dir, "metrics.jsonl")
+        self.ckpt = ckpt or os.path.join(self.dir, "ckpt")
+        self.events = os.path.join(self.dir, f"{name}_events.jsonl")
+        self.out = open(os.path.join(self.dir, f"{name}.out"), "w")
+        cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", str(nproc), "--events", self.events,
+               "--monitor-interval", "0.1", *ctl_args, TRAINER, *MODEL, "--train-iters", str(iters),
+               "--save", self.ckpt, "--load", self.ckpt, "--save-interval", str(save_interval),
+               "--metrics-file", self.metrics]
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
+                                     start_new_session=True)
+
+    def output(self) -> str:
+        self.out.flush()
+        with open(self.out.name, errors="replace") as f:
+            return f.read()
+
+    def records(self) -> list[dict]:
+        return read_jsonl(self.metrics)
+
+    def event_list(self) -> list[dict]:
+        return read_jsonl(self.events)
+
+    def wait_for(self, cond, timeout: float = 240, what: str = "condition") -> list[dict]:
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            recs = self.records()
+            if cond(recs):
+                return recs
+            if self.proc.poll() is not None:
+                raise AssertionError(f"elastor run exited ({self.proc.returncode}) before {what}:\n{self.output()[-5000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-5000:]}")
+
+    def workers(self) -> dict[int, int]:
+        """global rank -> pid of this controller's live workers (its direct children: a worker's own
+        helper processes, e.g. the data loader's, inherit RANK too)."""
+        import psutil
+        out = {}
+        for c in psutil.Process(self.proc.pid).children(recursive=False):
+            try:
+                env = c.environ()
+                if "ELASTOR_HEARTBEAT_DIR" in env and c.status() != psutil.STATUS_ZOMBIE:
+                    out[int(env["RANK"])] = c.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                continue
+        return out
+
+    def signal_worker(self, rank: int, sig: int) -> int:
+        pid = self.workers()[rank]
+        os.kill(pid, sig)
+        with open(self.events, "a") as f:   # what the controller's report measures detection from
+            f.write(json.dumps({"event": "injected", "time": time.time(), "node": "test", "rank": rank,
+                                "signal": signal.Signals(sig).name}) + "\n")
+        return pid
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"elastor run did not finish in {timeout} s:\n{self.output()[-5000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.workers().values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def last_iteration(recs: list[dict]) -> int:
+    return recs[-1]["iteration"] if recs else 0
+
+
+def assert_losses_reproduce(recs: list[dict], iters: int, rel: float = 2e-5) -> int:
+    """Every iteration 1..iters was logged; each re-run iteration's loss equals the loss logged
+    for it before the failure. Returns how many iterations were re-run."""
+    first: dict[int, float] = {}
+    reruns = 0
+    for r in recs:
+        it, loss = r["iteration"], r["lm_loss"]
+        if it in first:
+            reruns += 1
+            assert abs(loss - first[it]) <= rel * abs(first[it]), (it, loss, first[it])
+        else:
+            first[it] = loss
+    assert sorted(first) == list(range(1, iters + 1)), sorted(first)
+    return reruns

@@ -1,0 +1,125 @@
+"""Pure decision logic of the elastic controller: culprits, shrink / restart / probe, restart
+budget, rejected worlds, scale-up; event records -> phases and recovery breakdown; the launched
+world the workers read."""
+from __future__ import annotations
+
+import pytest
+
+from elastor_ds.elastic.events import EventLog, phases, read_jsonl, recoveries
+from elastor_ds.elastic.policy import (Action, Cause, DeviceBook, OnFailure, WorkerOutcome, culprits,
+                                       decide_after_failure, decide_scale_up)
+from elastor_ds.elastic.protocol import EXIT_RESIZE, LaunchedWorld, StopCode, launched_world
+from elastor_ds.errors import ConfigError
+
+
+def W(lr, rc=None, hung=False, stopped=False, dev=None):
+    return WorkerOutcome(local_rank=lr, device=lr if dev is None else dev, exitcode=rc, hung=hung, stopped=stopped)
+
+
+def test_culprits_are_signal_deaths_and_stopped_hung_workers():
+    outs = [W(0, rc=1), W(1, rc=-9), W(2, rc=None), W(3, rc=0)]
+    assert [o.local_rank for o in culprits(outs)] == [1]
+    assert outs[1].cause is Cause.SIGNAL and outs[1].signal_name() == "SIGKILL"
+    assert outs[0].cause is Cause.EXIT and outs[3].cause is None and not outs[2].failed
+    hang = [W(0, hung=True), W(1, hung=True, stopped=True)]
+    assert [o.local_rank for o in culprits(hang)] == [1]
+    assert culprits([W(0, hung=True), W(1, hung=True)]) == []       # a hang without a stopped process names nobody
+    assert not W(0, rc=EXIT_RESIZE).failed and W(0, rc=2).cause is Cause.REJECTED
+
+
+def test_shrink_drops_only_the_culprits_device():
+    book = DeviceBook((0, 1, 2, 3))
+    outs = [W(0, rc=1), W(1, rc=None), W(2, rc=-9, dev=2), W(3, rc=1)]
+    d = decide_after_failure(OnFailure.SHRINK, book, outs, restarts_used=0, max_restarts=3)
+    assert d.action is Action.RELAUNCH and d.devices == (0, 1, 3) and d.lost == (2,)
+    # a later failure of local rank 2 (now on device 3) loses device 3
+    book.lose(d.lost)
+    d2 = decide_after_failure(OnFailure.SHRINK, book, [W(0, 1), W(1, 1), W(2, -11, dev=3)], 1, 3)
+    assert d2.devices == (0, 1) and d2.lost == (3,)
+
+
+def test_shrink_without_culprit_restarts_same_devices_and_restart_policy_keeps_size():
+    book = DeviceBook((0, 1))
+    d = decide_after_failure(OnFailure.SHRINK, book, [W(0, rc=1), W(1, rc=None)], 0, 3)
+    assert d.devices == (0, 1) and d.lost == ()
+    d = decide_after_failure(OnFailure.RESTART, book, [W(0, rc=-9), W(1)], 0, 3)
+    assert d.devices == (0, 1) and d.lost == ()
+
+
+def test_probe_uses_probe_results_and_falls_back_to_shrink_without_them():
+    book = DeviceBook((0, 1, 2, 3))
+    outs = [W(0, 1), W(1, -9), W(2), W(3)]
+    d = decide_after_failure(OnFailure.PROBE, book, outs, 0, 3, probe_ok={0: True, 1: True, 2: False, 3: True})
+    assert d.devices == (0, 1, 3) and d.lost == (2,)                # the probe, not the signal, decides
+    d = decide_after_failure(OnFailure.PROBE, book, outs, 0, 3, probe_ok=None)
+    assert d.devices == (0, 2, 3) and d.lost == (1,)                # CPU: as shrink
+
+
+def test_stops_on_budget_rejected_world_and_empty_node():
+    book = DeviceBook((0, 1))
+    d = decide_after_failure(OnFailure.SHRINK, book, [W(0, -9), W(1)], restarts_used=2, max_restarts=2)
+    assert d.action is Action.STOP and "--max-restarts 2 exhausted" in d.reason
+    d = decide_after_failure(OnFailure.SHRINK, book, [W(0, 2), W(1, 2)], 0, 3)
+    assert d.action is Action.STOP and "rejected" in d.reason
+    one = DeviceBook((0,))
+    d = decide_after_failure(OnFailure.SHRINK, one, [W(0, -9)], 0, 3)
+    assert d.action is Action.STOP and "no usable device" in d.reason
+    with pytest.raises(ConfigError):
+        DeviceBook(())
+
+
+def test_scale_up_restores_lost_devices():
+    book = DeviceBook((0, 1, 2, 3))
+    book.lose([2, 3])
+    assert book.usable == (0, 1)
+    assert decide_scale_up(book, None) == (2, 3)
+    assert decide_scale_up(book, [3, 0]) == (3,)                    # probe passed for 3 (0 was never lost)
+    assert book.restore([3]) == [3] and book.usable == (0, 1, 3)
+    assert decide_scale_up(DeviceBook((0,)), None) == ()
+
+
+def test_launched_world_and_stop_codes():
+    assert launched_world({}) is None
+    w = launched_world({"ELASTOR_PROCS_PER_NODE": "2,1", "ELASTOR_GPU_MEMORY_GB": "40",
+                        "ELASTOR_INITIAL_WORLD_SIZE": "4"})
+    assert w == LaunchedWorld((2, 1), 40.0, 4) and w.world_size == 3
+    for bad in ("2,x", "2,0"):
+        with pytest.raises(ValueError):
+            launched_world({"ELASTOR_PROCS_PER_NODE": bad})
+    assert max(StopCode.RESIZE, StopCode.PREEMPT) is StopCode.PREEMPT
+    assert StopCode.PREEMPT.exit_code() == 0 and StopCode.RESIZE.exit_code() == EXIT_RESIZE
+
+
+def test_recovery_breakdown_from_events(tmp_path):
+    path = str(tmp_path / "ev.jsonl")
+    log = EventLog(path, node="n0")
+    T = 1000.0
+    started = dict(t_process_start=T + 1.2, t_imports=T + 3.0, t_planned=T + 3.25, t_dist=T + 3.75, t_loaded=T + 4.5)
+    log.emit("launch", time=T + 1.0, round=0, world_size=4)
+    log.emit("worker_started", time=T + 4.5, world_size=4, layout="A", resumed_from=0, **started)
+    log.emit("injected", time=T + 20.0)
+    log.emit("failure", time=T + 20.5, cause="signal")
+    log.emit("teardown", time=T + 20.7, duration_s=0.2)
+    log.emit("rendezvous", time=T + 20.8)
+    log.emit("launch", time=T + 21.0, round=1, world_size=3)
+    s2 = {k: v + 20.0 for k, v in started.items()}
+    log.emit("worker_started", time=T + 24.5, world_size=3, layout="B", resumed_from=6, **s2)
+    log.emit("finished", time=T + 40.0)
+    metrics = [{"iteration": i, "time": T + 4.5 + i, "iter_time_s": 1.0, "lm_loss": 1.0, "consumed_samples": 4 * i}
+               for i in range(1, 9)]   # iterations 1..8 done before the failure at T+20.5 (8 at T+12.5)
+    metrics += [{"iteration": i, "time": T + 24.5 + (i - 6), "iter_time_s": 1.0, "lm_loss": 1.0,
+                 "consumed_samples": 4 * i} for i in range(7, 12)]
+    ev = read_jsonl(path)
+    assert len(ev) == 9 and ev[0]["node"] == "n0"
+    (r,) = recoveries(ev, metrics)
+    assert r.world_before == 4 and r.world_after == 3
+    assert r.last_iteration_before == 8 and r.resumed_from == 6 and r.lost_iterations == 2
+    assert r.parts["detection"] == pytest.approx(0.5) and r.parts["teardown"] == pytest.approx(0.2)
+    assert r.parts["rendezvous + spawn"] == pytest.approx(21.2 - 20.8)
+    assert r.parts["start-up (imports, process group)"] == pytest.approx(1.8 + 0.5)
+    assert r.parts["planning"] == pytest.approx(0.25) and r.parts["model build + load"] == pytest.approx(0.75)
+    assert r.total_s == pytest.approx(4.5)
+    ph = phases(ev, metrics)
+    assert [(p.world_size, p.layout, p.first_iteration, p.last_iteration) for p in ph] == [(4, "A", 1, 8), (3, "B", 7, 11)]
+    assert ph[0].ended_by == "failure" and ph[1].ended_by == "finished"
+    assert ph[0].samples_per_s == pytest.approx(4.0)

@@ -1,0 +1,186 @@
+"""`elastor run` end to end on the example trainer (CPU, gloo, real processes, real signals):
+SIGKILL mid-iteration -> shrink -> losses of re-run iterations reproduce -> scale back up; two
+failures in a row (the second right after an asynchronous save started); a SIGSTOPped worker;
+--max-restarts exhausted; an infeasible shrink; SIGTERM preemption; two controllers as two nodes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic_utils import ROOT, Job, assert_losses_reproduce, last_iteration
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def worlds(recs):
+    out = []
+    for r in recs:
+        if not out or out[-1] != r["world_size"]:
+            out.append(r["world_size"])
+    return out
+
+
+def kinds(events):
+    return [e["event"] for e in events]
+
+
+def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
+    iters = 14
+    job = Job(tmp_path, nproc=4, iters=iters, save_interval=3, ctl_args=["--on-failure", "shrink"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 5, what="iteration 5 on 4 processes")
+        job.signal_worker(3, signal.SIGKILL)
+        recs = job.wait_for(lambda r: len(r) > 0 and r[-1]["world_size"] == 3 and
+                            sum(1 for x in r if x["world_size"] == 3) >= 3, what="3 iterations on 3 processes")
+        os.kill(job.proc.pid, signal.SIGUSR1)            # the operator: the device is back
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.kill()
+    recs = job.records()
+    assert worlds(recs) == [4, 3, 4], worlds(recs)
+    layouts = [r["layout"] for r in recs]
+    assert layouts[0].startswith("tp1.pp2.dp2") and any(x.startswith("tp1.pp3") for x in layouts)
+    reruns = assert_losses_reproduce(recs, iters)
+    assert reruns >= 1       # the kill came after iteration 5, the last save before it at 3
+    ev = job.event_list()
+    fail = next(e for e in ev if e["event"] == "failure")
+    assert fail["cause"] == "signal"
+    assert [(r["global_rank"], r["signal"]) for r in fail["ranks"] if r["cause"] == "signal"] == [(3, "SIGKILL")]
+    dec = next(e for e in ev if e["event"] == "decision")
+    assert dec["action"] == "relaunch" and dec["lost"] == [3] and dec["devices"] == [0, 1, 2]
+    up = next(e for e in ev if e["event"] == "scale_up")
+    assert up["devices"] == [3]
+    launches = [e for e in ev if e["event"] == "launch"]
+    assert [e["world_size"] for e in launches] == [4, 3, 4]
+    # graceful stop before the scale-up: the resized launch resumed exactly where the 3-process one stopped
+    started = [e for e in ev if e["event"] == "worker_started"]
+    before_up = max(r["iteration"] for r in recs if r["world_size"] == 3)
+    assert started[-1]["resumed_from"] == before_up
+    out = job.output()
+    assert "recoveries" in out and "scale_up" in out and "failure" in out
+    assert os.path.getsize(job.events.replace(".jsonl", "_timeline.png")) > 10_000
+
+
+def test_two_failures_in_a_row_second_right_after_a_save_started(tmp_path):
+    iters = 12
+    job = Job(tmp_path, nproc=3, iters=iters, save_interval=2, ctl_args=["--on-failure", "shrink"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 3, what="iteration 3")
+        job.signal_worker(2, signal.SIGKILL)
+        n0 = len(job.records())
+        # aim the second kill at an in-flight asynchronous save of the 2-process run
+        job.wait_for(lambda r: any(x["world_size"] == 2 and "save_stall_s" in x for x in r[n0:]), what="a save on 2")
+        job.signal_worker(1, signal.SIGKILL)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.kill()
+    recs = job.records()
+    assert worlds(recs) == [3, 2, 1], worlds(recs)
+    assert_losses_reproduce(recs, iters)
+    ev = job.event_list()
+    assert [e["lost"] for e in ev if e["event"] == "decision"] == [[2], [1]]
+    verify = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "verify", job.ckpt], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_sigstopped_worker_is_a_hang_and_is_dropped(tmp_path):
+    iters, hang = 9, 4.0
+    job = Job(tmp_path, nproc=2, iters=iters, save_interval=2, ctl_args=["--on-failure", "shrink", "--hang-timeout",
+                                                                         str(hang)])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 3, what="iteration 3")
+        t_stop = time.time()
+        job.signal_worker(1, signal.SIGSTOP)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.kill()
+    recs = job.records()
+    assert worlds(recs) == [2, 1]
+    assert_losses_reproduce(recs, iters)
+    fail = next(e for e in job.event_list() if e["event"] == "failure")
+    assert fail["cause"] == "hang"
+    stopped = [r for r in fail["ranks"] if r["stopped"]]
+    assert [r["global_rank"] for r in stopped] == [1]
+    assert hang <= fail["time"] - t_stop + 0.5 and fail["time"] - t_stop < hang + 10
+
+
+def test_max_restarts_exhausted_exits_1(tmp_path):
+    job = Job(tmp_path, nproc=2, iters=200, save_interval=5, ctl_args=["--on-failure", "shrink", "--max-restarts", "0"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 2, what="iteration 2")
+        job.signal_worker(1, signal.SIGKILL)
+        assert job.wait() == 1
+    finally:
+        job.kill()
+    out = job.output()
+    assert "--max-restarts 0 exhausted" in out and "Traceback" not in out.split("[default")[0]
+    assert kinds(job.event_list())[-1] == "stopped"
+
+
+def test_infeasible_shrink_stops_with_the_planners_message(tmp_path):
+    # planner memory: the tiny model fits 2 devices of 3.1615 GB (3 GB fixed overhead each) but not 1
+    job = Job(tmp_path, nproc=2, iters=200, save_interval=5,
+              ctl_args=["--on-failure", "shrink", "--gpu-memory-gb", "3.1615"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 2, what="iteration 2")
+        job.signal_worker(0, signal.SIGKILL)
+        assert job.wait() == 1
+    finally:
+        job.kill()
+    out = job.output()
+    assert "elastor run: the trainer rejected the launched world" in out, out[-3000:]
+    assert "infeasible" in out.lower() or "does not fit" in out.lower() or "no plan" in out.lower(), out[-3000:]
+    launches = [e for e in job.event_list() if e["event"] == "launch"]
+    assert [e["world_size"] for e in launches] == [2, 1]
+
+
+def test_sigterm_checkpoints_the_last_iteration_and_exits_0(tmp_path):
+    job = Job(tmp_path, nproc=2, iters=500, save_interval=100, ctl_args=["--on-failure", "shrink"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 4, what="iteration 4")
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.kill()
+    last = last_iteration(job.records())
+    assert 4 <= last < 500
+    latest = os.path.join(job.ckpt, "latest")
+    with open(latest) as f:
+        name = f.read().strip()
+    man = json.load(open(os.path.join(job.ckpt, name, "manifest.json")))
+    assert man["step"] == last, (man["step"], last)
+    assert kinds(job.event_list())[-1] == "preempted"
+
+
+def test_two_controllers_as_two_nodes(tmp_path):
+    from dist_utils import free_port
+    port = free_port()
+    iters = 12
+    common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t2n",
+              "--on-failure", "shrink", "--rdzv-conf", "join_timeout=120,last_call_timeout=1"]
+    metrics, ckpt = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt")
+    a = Job(tmp_path, nproc=2, iters=iters, save_interval=3, ctl_args=common, name="nodeA", metrics=metrics, ckpt=ckpt)
+    b = Job(tmp_path, nproc=1, iters=iters, save_interval=3, ctl_args=common, name="nodeB", metrics=metrics, ckpt=ckpt)
+    try:
+        a.wait_for(lambda r: last_iteration(r) >= 4, what="iteration 4 on 3 processes")
+        victim = max(a.workers())            # a worker of node A
+        a.signal_worker(victim, signal.SIGKILL)
+        assert a.wait() == 0, a.output()[-5000:]
+        assert b.wait() == 0, b.output()[-5000:]
+    finally:
+        a.kill()
+        b.kill()
+    recs = a.records()
+    assert worlds(recs) == [3, 2], worlds(recs)
+    assert_losses_reproduce(recs, iters)
+    la = [e for e in a.event_list() if e["event"] == "launch"]
+    lb = [e for e in b.event_list() if e["event"] == "launch"]
+    assert [e["world_size"] for e in la] == [3, 2] and [e["world_size"] for e in lb] == [3, 2]
+    assert sorted(la[-1]["procs_per_node"]) == [1, 1] and sorted(la[0]["procs_per_node"]) == [1, 2]
