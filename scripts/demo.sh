@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The README's main job, on CPU processes (gloo) by default:
-#   train a GPT (megatron-core TP layers in DeepSpeed's pipeline engine) on 4 processes as TP2 x PP2,
-#   checkpoint asynchronously, kill one worker as a GPU loss would, ask the planner for the best
-#   layout for the 3 processes left, relaunch, resume under that layout and keep training.
-# Installs what it needs into .venv first. Outputs go to runs/elastic_demo/ (table, loss.png).
+# The README's main job, on CPU processes (gloo) by default, run by the elastic controller:
+#   `elastor run` trains a GPT (megatron-core TP layers in DeepSpeed's pipeline engine) on 4 processes
+#   as TP2 x PP2 with asynchronous checkpoints; the demo kills one worker as a GPU loss would; the
+#   controller shrinks to 3 processes under the planner's layout and resumes; the device "returns"
+#   (operator scale-up signal) and the job scales back to 4 and finishes. Summary table, recovery
+#   time breakdown and timeline plot at the end.
+# Installs what it needs into .venv first. Outputs go to runs/elastic_demo/ (events, timeline.png).
 #   ./scripts/demo.sh --gpus      # the same on this node's GPUs (NCCL)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -123,3 +123,21 @@ def test_recovery_breakdown_from_events(tmp_path):
     assert [(p.world_size, p.layout, p.first_iteration, p.last_iteration) for p in ph] == [(4, "A", 1, 8), (3, "B", 7, 11)]
     assert ph[0].ended_by == "failure" and ph[1].ended_by == "finished"
     assert ph[0].samples_per_s == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--nnodes", "0"], "--nnodes '0'"),
+    (["--nnodes", "3:2"], "--nnodes '3:2'"),
+    (["--nnodes", "2"], "--rdzv-endpoint"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0"),
+    (["--max-restarts", "-1"], "--max-restarts -1"),
+    (["--rdzv-conf", "oops"], "--rdzv-conf"),
+])
+def test_run_usage_errors_exit_2_with_message(argv, msg, caplog):
+    import os
+
+    from elastor_ds.cli import main
+    trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt",
+                           "pretrain_gpt.py")
+    assert main(["run", *argv, trainer]) == 2
+    assert msg in caplog.text

@@ -102,6 +102,8 @@ class Phase:
     t_end: float = 0.0
     plan: dict = field(default_factory=dict)   # chosen plan / predicted times when the trainer logs them
     ended_by: str = ""
+    loss_first: float | None = None
+    loss_last: float | None = None
 
 
 @dataclass
@@ -148,6 +150,7 @@ def phases(events: list[dict], metrics: list[dict]) -> list[Phase]:
                    resumed_from=int(s.get("resumed_from", 0)), t_begin=t_begin)
         if mine:
             ph.first_iteration, ph.last_iteration = mine[0]["iteration"], mine[-1]["iteration"]
+            ph.loss_first, ph.loss_last = mine[0].get("lm_loss"), mine[-1].get("lm_loss")
             ph.t_end = mine[-1]["time"]
             steady = [m["iter_time_s"] for m in mine[1:] if "iter_time_s" in m] or [m.get("iter_time_s", 0) for m in mine]
             ph.median_iter_s = statistics.median(steady) if steady else None
