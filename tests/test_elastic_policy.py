@@ -25,6 +25,10 @@ def test_culprits_are_signal_deaths_and_stopped_hung_workers():
     assert [o.local_rank for o in culprits(hang)] == [1]
     assert culprits([W(0, hung=True), W(1, hung=True)]) == []       # a hang without a stopped process names nobody
     assert not W(0, rc=EXIT_RESIZE).failed and W(0, rc=2).cause is Cause.REJECTED
+    # killed by the controller's own stop signal (e.g. while exiting after a peer's loss): not a culprit
+    ours = WorkerOutcome(local_rank=0, device=0, exitcode=-10, stop_signalled=True)
+    assert ours.cause is Cause.EXIT and culprits([ours]) == []
+    assert WorkerOutcome(local_rank=0, device=0, exitcode=-9, stop_signalled=True).cause is Cause.SIGNAL
 
 
 def test_shrink_drops_only_the_culprits_device():
@@ -114,10 +118,10 @@ def test_recovery_breakdown_from_events(tmp_path):
     (r,) = recoveries(ev, metrics)
     assert r.world_before == 4 and r.world_after == 3
     assert r.last_iteration_before == 8 and r.resumed_from == 6 and r.lost_iterations == 2
-    assert r.parts["detection"] == pytest.approx(0.5) and r.parts["teardown"] == pytest.approx(0.2)
-    assert r.parts["rendezvous + spawn"] == pytest.approx(21.2 - 20.8)
-    assert r.parts["start-up (imports, process group)"] == pytest.approx(1.8 + 0.5)
-    assert r.parts["planning"] == pytest.approx(0.25) and r.parts["model build + load"] == pytest.approx(0.75)
+    assert r.parts["detect"] == pytest.approx(0.5) and r.parts["teardown"] == pytest.approx(0.2)
+    assert r.parts["rdzv+spawn"] == pytest.approx(21.2 - 20.8)
+    assert r.parts["start-up"] == pytest.approx(1.8 + 0.5)
+    assert r.parts["planning"] == pytest.approx(0.25) and r.parts["build+load"] == pytest.approx(0.75)
     assert r.total_s == pytest.approx(4.5)
     ph = phases(ev, metrics)
     assert [(p.world_size, p.layout, p.first_iteration, p.last_iteration) for p in ph] == [(4, "A", 1, 8), (3, "B", 7, 11)]

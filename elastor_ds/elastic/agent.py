@@ -223,7 +223,7 @@ class ElastorAgent(LocalElasticAgent):
                     stopped = _proc_state(h.proc.pid) in ("T", "t")
             dev = self.devices[lr] if lr < len(self.devices) else lr
             outs.append(WorkerOutcome(local_rank=lr, device=dev, global_rank=wg.workers[lr].global_rank, exitcode=rc,
-                                      hung=hung, stopped=stopped))
+                                      hung=hung, stopped=stopped, stop_signalled=self._stopping is not None))
         return outs
 
     def _worker_error(self, local_rank: int) -> str:

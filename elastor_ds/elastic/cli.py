@@ -170,14 +170,21 @@ def run(args: argparse.Namespace) -> int:
                 max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, log_dir, os.getpid())
+    from torch.distributed.elastic.rendezvous import RendezvousError
     agent = build_agent(cfg, events)
     try:
         agent.run()
+    except RendezvousError as e:   # closed by another node, timed out, ...: a message, not a traceback
+        agent.exit_code = 1
+        agent.message = (f"rendezvous failed ({type(e).__name__}: {e or 'the job was closed by another node'}); "
+                         f"the other nodes stopped or could not be reached at {cfg.rdzv_endpoint}")
+        events.emit(EventKind.STOPPED, reason=agent.message, exit_code=1)
     finally:
-        try:
-            agent.get_worker_group().spec.rdzv_handler.shutdown()
-        except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code
-            log.debug("rendezvous shutdown: %s", e)
+        if agent.exit_code == 0:   # a node that leaves must not close the rendezvous for the others
+            try:
+                agent.get_worker_group().spec.rdzv_handler.shutdown()
+            except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code
+                log.debug("rendezvous shutdown: %s", e)
     if events_path:
         from .report import write_report
         try:

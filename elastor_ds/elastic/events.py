@@ -8,7 +8,11 @@ interleave.
 
 :func:`recoveries` turns failure and scale-up events into a breakdown: detection, teardown, probe,
 rendezvous + spawn, start-up (imports, process group), planning, model build + load, and the time
-from the failure to resumed training, plus the iterations lost (taken from the metrics file).
+from the failure to resumed training, plus the iterations lost (taken from the metrics file). Part
+names: ``detect`` (fault -> noticed), ``teardown`` (rest of the group killed), ``graceful stop``
+(scale-up: workers checkpoint and exit), ``probe``, ``rdzv+spawn`` (rendezvous until the worker
+process runs), ``start-up`` (imports + process group), ``planning``, ``build+load`` (model,
+engine and checkpoint load).
 """
 from __future__ import annotations
 
@@ -208,7 +212,7 @@ def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
         p = rec.parts
         segment = [x for x in later if x["time"] <= launch["time"]]
         if kind == EventKind.FAILURE.value:
-            p["detection"] = t_detect - t0
+            p["detect"] = t_detect - t0
             td = next((x for x in segment if x["event"] == EventKind.TEARDOWN.value), None)
             p["teardown"] = float(td.get("duration_s", 0.0)) if td else 0.0
         else:
@@ -218,11 +222,11 @@ def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
         rdzv = next((x for x in segment if x["event"] == EventKind.RENDEZVOUS.value), None)
         s = nxt_start
         if rdzv and "t_process_start" in s:
-            p["rendezvous + spawn"] = s["t_process_start"] - rdzv["time"]
+            p["rdzv+spawn"] = s["t_process_start"] - rdzv["time"]
         if all(k in s for k in ("t_process_start", "t_imports", "t_planned", "t_dist", "t_loaded")):
-            p["start-up (imports, process group)"] = (s["t_imports"] - s["t_process_start"]) + (s["t_dist"] - s["t_planned"])
+            p["start-up"] = (s["t_imports"] - s["t_process_start"]) + (s["t_dist"] - s["t_planned"])
             p["planning"] = s["t_planned"] - s["t_imports"]
-            p["model build + load"] = s["t_loaded"] - s["t_dist"]
+            p["build+load"] = s["t_loaded"] - s["t_dist"]
             rec.total_s = s["t_loaded"] - t0
         rec.parts = {k: max(0.0, v) for k, v in p.items()}
         rec.cause = cause if origin != "injected" else f"{cause} (injected)"

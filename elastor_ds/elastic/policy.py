@@ -49,6 +49,7 @@ class WorkerOutcome:
     exitcode: int | None = None      # None: still running at detection (then torn down by the controller)
     hung: bool = False               # heartbeat older than the hang timeout
     stopped: bool = False            # process state T (SIGSTOP) at detection
+    stop_signalled: bool = False     # the controller had sent it a stop signal (SIGTERM/SIGUSR1)
 
     @property
     def signal(self) -> int | None:
@@ -74,6 +75,10 @@ class WorkerOutcome:
         if self.exitcode is None or self.exitcode in (0, EXIT_RESIZE):
             return None
         if self.exitcode < 0:
+            # killed by the stop signal the controller sent: it was already on its way out (e.g. an
+            # interpreter exiting after a peer's loss resets its handlers): not the device's fault
+            if self.stop_signalled and -self.exitcode in (_signal.SIGTERM, _signal.SIGUSR1, _signal.SIGINT):
+                return Cause.EXIT
             return Cause.SIGNAL
         return Cause.REJECTED if self.exitcode == EXIT_USAGE else Cause.EXIT
 

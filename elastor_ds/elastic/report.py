@@ -58,16 +58,17 @@ def summary_table(events: list[dict], metrics: list[dict]) -> str:
                     keys.append(k)
         lines.append("-" * 100)
         lines.append("recoveries (seconds)")
-        head = f"{'kind':<10}{'cause':<22}{'world':<8}{'lost its':>9}  " + "".join(f"{k[:14]:>15}" for k in keys) + \
+        head = f"{'kind':<10}{'cause':<22}{'world':<8}{'lost its':>9}  " + "".join(f"{k[:13]:>14}" for k in keys) + \
                f"{'to training':>13}"
         lines.append(head)
         for r in recs:
             world = f"{r.world_before}->{r.world_after}"
             row = f"{r.kind:<10}{r.cause[:21]:<22}{world:<8}{_fmt(r.lost_iterations, 'd'):>9}  " + \
-                  "".join(f"{_fmt(r.parts.get(k)):>15}" for k in keys) + f"{_fmt(r.total_s):>13}"
+                  "".join(f"{_fmt(r.parts.get(k)):>14}" for k in keys) + f"{_fmt(r.total_s):>13}"
             lines.append(row)
-        lines.append("  to training = from the failure (or request) to the first resumed iteration starting; start-up ="
-                     " imports + process group")
+        lines.append("  detect: fault -> noticed; rdzv+spawn: rendezvous until the worker runs; start-up: imports + "
+                     "process group;\n  build+load: model, engine, checkpoint load; to training: fault (or request) -> "
+                     "first resumed iteration starts")
     stops = [e for e in events if e.get("event") in (EventKind.STOPPED.value, EventKind.PREEMPTED.value,
                                                      EventKind.FINISHED.value)]
     if stops:
@@ -104,8 +105,12 @@ def timeline_png(events: list[dict], metrics: list[dict], path: str) -> bool:
               for m in pts if m.get("iter_time_s")]
         ax2.plot([p[0] for p in tp], [p[1] for p in tp], color=c, lw=0.8)
         ax2.axvspan(ph.t_begin - t0, ph.t_end - t0, color=c, alpha=0.08)
-    style = {"failure": ("red", "--"), "scale_up": ("green", "-."), "preempt_requested": ("purple", ":"),
-             "injected": ("black", ":"), "launch": ("gray", ":")}
+    for a, b in zip(phs, phs[1:]):   # recovering: no training between two phases
+        for ax in (ax1, ax2):
+            ax.axvspan(a.t_end - t0, b.t_begin - t0, color="gray", alpha=0.15,
+                       label="recovering" if (ax is ax1 and a is phs[0]) else None)
+    style = {"failure": ("red", "--"), "scale_up_requested": ("green", "-."), "preempt_requested": ("purple", ":"),
+             "injected": ("black", ":"), "stopped": ("red", "-")}
     seen = set()
     for e in events:
         k = e.get("event")
