@@ -31,7 +31,7 @@ from torch.distributed.elastic.agent.server.api import (DEFAULT_ROLE, RunResult,
                                                         _RoleInstanceInfo)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from . import probe as probe_mod
@@ -41,6 +41,7 @@ from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, EN
                        ENV_ROUND, EXIT_RESIZE, heartbeat_path)
 
 log = logging.getLogger("elastor.run")
+__all__ = ["ElastorAgent", "RendezvousError", "RunConfig", "build_agent", "node_name"]
 
 
 @dataclass

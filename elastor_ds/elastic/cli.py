@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, log_dir, os.getpid())
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from .agent import RendezvousError
     agent = build_agent(cfg, events)
     try:
         agent.run()
