@@ -341,3 +341,14 @@ def test_distributed_optimizer_state_reshards_and_missing_state_paths(tmp_path):
     assert r["persistent_steps"] == ["step_000000005", "step_000000008"]
     assert r["no_opt_state"] == [8, 8, True]  # scheduler restored, main params = loaded weights
     assert r["no_load_optim"] == [5, 0, True]
+
+
+def test_converter_vocab_from_a_null_tokenizer_run():
+    """Megatron-LM's saved args say --vocab-size 127 but NullTokenizer trains 128 rows (EOD)."""
+    from elastor_ds.integrations.megatron.convert import config_from_args
+
+    a = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=127,
+                           padded_vocab_size=128, tokenizer_type="NullTokenizer", make_vocab_size_divisible_by=64)
+    assert config_from_args(a).vocab_size == 128
+    a.tokenizer_type = "HuggingFaceTokenizer"
+    assert config_from_args(a).vocab_size == 127

@@ -103,6 +103,8 @@ def config_from_args(args: Any, vocab_size: Optional[int] = None) -> GPTSpecConf
     """A spec config from Megatron-LM's saved ``args`` namespace."""
     g = lambda k, d=None: getattr(args, k, d)  # noqa: E731
     vocab = vocab_size or g("vocab_size") or g("padded_vocab_size")
+    if not vocab_size and g("tokenizer_type") == "NullTokenizer" and g("vocab_size"):
+        vocab = int(g("vocab_size")) + 1  # Megatron's NullTokenizer adds an EOD token to --vocab-size
     return GPTSpecConfig(
         num_layers=g("num_layers"), hidden_size=g("hidden_size"), num_attention_heads=g("num_attention_heads"),
         vocab_size=int(vocab), ffn_hidden_size=g("ffn_hidden_size") or 4 * g("hidden_size"),
