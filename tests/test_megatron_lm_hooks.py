@@ -352,3 +352,14 @@ def test_converter_vocab_from_a_null_tokenizer_run():
     assert config_from_args(a).vocab_size == 128
     a.tokenizer_type = "HuggingFaceTokenizer"
     assert config_from_args(a).vocab_size == 127
+
+
+def test_legacy_counters_are_carried_and_filtered():
+    from elastor_ds.integrations.megatron.convert import legacy_counters
+
+    sd = {"args": argparse.Namespace(consumed_train_samples=80, skipped_train_samples=0, consumed_valid_samples=True),
+          "num_floating_point_operations_so_far": 12, "opt_param_scheduler": {"num_steps": 80, "max_lr": 1e-3}}
+    assert legacy_counters(sd) == {"consumed_train_samples": 80, "skipped_train_samples": 0,
+                                   "num_floating_point_operations_so_far": 12.0,
+                                   "opt_param_scheduler": {"num_steps": 80, "max_lr": 1e-3}}
+    assert legacy_counters({"args": None, "opt_param_scheduler": {"num_steps": object()}}) == {}

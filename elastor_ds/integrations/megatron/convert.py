@@ -273,10 +273,30 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
         _local_name(s.name, bounds[_stage_of(s, bounds)], cfg, _stage_of(s, bounds) == pp - 1 and pp > 1)].dtype)
               for s in specs}
     step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
-                                              extra={"source": "megatron-legacy", "iteration": it},
+                                              extra={"source": "megatron-legacy", "iteration": it,
+                                                     **legacy_counters(first)},
                                               model=cfg.to_json(), layout=layout.to_json(), progress=progress,
                                               force=force)
     return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": False, "step_dir": step_dir}
+
+
+def legacy_counters(sd: dict) -> dict:
+    """What the Megatron-LM hooks restore besides tensors, from a legacy rank file: sample counters,
+    FLOPs so far and the LR scheduler (JSON-safe numbers only; anything else is left out)."""
+    out: dict = {}
+    a = sd.get("args")
+    for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        v = getattr(a, k, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v
+    flops = sd.get("num_floating_point_operations_so_far")
+    if isinstance(flops, (int, float)) and not isinstance(flops, bool):
+        out["num_floating_point_operations_so_far"] = float(flops)
+    sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))
+    if isinstance(sched, dict) and all(isinstance(k, str) and (v is None or isinstance(v, (int, float, str, bool)))
+                                       for k, v in sched.items()):
+        out["opt_param_scheduler"] = dict(sched)
+    return out
 
 
 def _stage_of(spec, bounds: list[int]) -> int:
