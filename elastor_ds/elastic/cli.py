@@ -186,8 +186,14 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code
                 log.debug("rendezvous shutdown: %s", e)
     if events_path:
-        from .report import write_report
+        from .events import read_jsonl, recoveries
+        from .report import metrics_file, write_report
         try:
+            evs = read_jsonl(events_path)
+            for r in recoveries(evs, read_jsonl(metrics_file(evs))):
+                events.emit(EventKind.RECOVERY, kind=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
+                            resumed_from=r.resumed_from, lost_iterations=r.lost_iterations,
+                            to_training_s=r.total_s, parts_s=r.parts, t0=r.t0)
             table, png = write_report(events_path, plot)
             print(table, flush=True)
             if png:

@@ -42,6 +42,7 @@ class EventKind(str, enum.Enum):
     PREEMPTED = "preempted"              # workers saved and exited
     FINISHED = "finished"                # all workers exited 0
     STOPPED = "stopped"                  # gave up (infeasible, max restarts, no device)
+    RECOVERY = "recovery"                # at the end: lost iterations, time to resumed training, parts
 
 
 class EventLog:

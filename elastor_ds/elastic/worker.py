@@ -26,6 +26,7 @@ from .protocol import (ENV_EVENTS_FILE, ENV_HEARTBEAT_DIR, ENV_ROUND, ENV_T_STAR
 log = logging.getLogger(__name__)
 
 _requested = StopCode.NONE
+_agreed = StopCode.NONE      # what the ranks agreed on (set by ElasticWorker.agree_stop)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -42,6 +43,10 @@ def install_signal_handlers() -> None:
 
 def requested() -> StopCode:
     return StopCode(_requested)
+
+
+def agreed() -> StopCode:
+    return StopCode(_agreed)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -89,15 +94,18 @@ class ElasticWorker:
 
     def agree_stop(self) -> StopCode:
         """The largest stop code requested on any rank (collective: every rank calls it each iteration)."""
+        global _agreed
         import torch
         import torch.distributed as dist
         local = int(requested())
         if not (dist.is_available() and dist.is_initialized()):
-            return StopCode(local)
+            _agreed = StopCode(local)
+            return _agreed
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([local], dtype=torch.int32, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return StopCode(int(t.item()))
+        _agreed = StopCode(int(t.item()))
+        return _agreed
 
     def report_started(self, rank: int, **fields) -> None:
         """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world)."""

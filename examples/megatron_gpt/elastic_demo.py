@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--train-iters", type=int, default=240)
-    ap.add_argument("--fail-at", type=int, default=100, help="kill a worker after this iteration")
+    ap.add_argument("--fail-at", type=int, default=110, help="kill a worker after this iteration")
     ap.add_argument("--return-after", type=int, default=50,
                     help="iterations on the smaller world before the device returns (scale-up)")
     ap.add_argument("--save-interval", type=int, default=20)
