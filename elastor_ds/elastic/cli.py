@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             evs = read_jsonl(events_path)
             for r in recoveries(evs, read_jsonl(metrics_file(evs))):
-                events.emit(EventKind.RECOVERY, kind=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
+                events.emit(EventKind.RECOVERY, of=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
                             resumed_from=r.resumed_from, lost_iterations=r.lost_iterations,
                             to_training_s=r.total_s, parts_s=r.parts, t0=r.t0)
             table, png = write_report(events_path, plot)
