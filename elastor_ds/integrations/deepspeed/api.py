@@ -73,6 +73,15 @@ def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
     if ecfg.plan is None:
         return
     layout = engine_layout(engine)
+    rt = getattr(engine.module, "_elastor_runtime", None)
+    if rt is not None:
+        if ecfg.plan != "auto":
+            from .pipe import layout_from_plan
+            plan = layout_from_plan(ecfg.plan, layout.num_layers)
+            if plan.fingerprint() != rt.layout.fingerprint():
+                raise ConfigError(f"elastor.plan {plan.describe()} differs from the plan the PipelineModule was built "
+                                  f"with ({rt.layout.describe()}): pass the same plan to both")
+        return
     if ecfg.plan == "auto":
         log.info("elastor.plan='auto': running the launch's layout %s (boundaries %s); build the module with "
                  "elastor_ds.deepspeed.PipelineModule(plan=...) to use a planner's plan", layout.describe(),
@@ -80,7 +89,13 @@ def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
         return
     from .pipe import grid_boundaries, layout_from_plan
     plan = layout_from_plan(ecfg.plan, layout.num_layers)
-    want = grid_boundaries(plan, len(layout.replicas[0].stages), layout.world_size)
+    import deepspeed.comm as ds_dist
+    from .hetero import needs_hetero
+    if needs_hetero(plan):
+        raise ConfigError(f"elastor.plan {plan.describe()} is heterogeneous but the PipelineModule was built without "
+                          f"it: build it with elastor_ds.deepspeed.PipelineModule(layers, plan=<the same plan>) so "
+                          f"each rank builds its own replica's stage")
+    want = grid_boundaries(plan, len(layout.replicas[0].stages), layout.world_size, ds_dist.get_rank())
     if want != layout.boundaries():
         raise ConfigError(f"elastor.plan gives stage boundaries {want} but the PipelineModule was partitioned as "
                           f"{layout.boundaries()}: build it with elastor_ds.deepspeed.PipelineModule(layers, "
@@ -103,8 +118,20 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     ds_config, ecfg = split_ds_config(config)
     ds_config = harden_optimizer_config(ds_config)
     disable_cpu_jit_ops()
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    rt = getattr(model, "_elastor_runtime", None)
+    clip = 0.0
+    if rt is not None:  # a heterogeneous plan: this rank's replica runs its own PipelineEngine
+        from .hetero import prepare_config
+        ds_config, clip = prepare_config(ds_config, rt)
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
-    engine.__class__ = _elastor_class(type(engine))
+    if rt is not None:
+        from .hetero import HeteroPipelineEngine, install_p2p
+        install_p2p()
+        engine.__class__ = _elastor_class(HeteroPipelineEngine)
+        engine.hetero_setup(rt, clip, int(ds_config["train_micro_batch_size_per_gpu"]) * rt.total_micro_batches)
+    else:
+        engine.__class__ = _elastor_class(type(engine))
     engine.elastor_config = ecfg
     engine.elastor = None
     _check_plan(engine, ecfg)

@@ -5,6 +5,10 @@ boundaries instead. :class:`PipelineModule` is DeepSpeed's class with one more w
 ``boundaries=[0, 2, 5, 8]`` (stage ``s`` builds layer specs ``[b[s], b[s+1])``) or ``plan=`` (a
 :class:`~elastor_ds.layout.Layout`, a plan dict or a plan JSON path, whose first replica's
 boundaries are used). A plan's layer index is the index in the module's layer list.
+
+A heterogeneous plan (replicas with different stages, TP degrees or micro-batches) builds the module
+on this rank's replica only, with groups from :class:`~.hetero.HeteroRuntime` (see :mod:`.hetero`);
+the stage boundaries are those of this rank's replica.
 """
 from __future__ import annotations
 
@@ -33,24 +37,18 @@ def layout_from_plan(plan: PlanLike, num_layers: Optional[int] = None) -> Layout
         raise ConfigError(f"elastor.plan: not a valid plan document: {e}") from None
 
 
-def grid_boundaries(layout: Layout, num_stages: int, world_size: int) -> list[int]:
-    """The boundaries of a plan that DeepSpeed's pipeline engine can run (a PP x DP grid, TP 1)."""
-    if not layout.is_uniform():
-        raise ConfigError(f"plan {layout.describe()} is heterogeneous (replicas with different stages or TP "
-                          f"degrees); DeepSpeed's PipelineEngine runs one PP x DP grid: use a uniform plan")
-    tp, pp, dp = layout.uniform_dims()
-    if tp != 1:
-        raise ConfigError(f"plan has tp={tp}; DeepSpeed's PipelineModule here runs TP 1 (TP needs Megatron-core "
-                          f"layers): use a plan with tp=1")
-    if pp != num_stages:
-        raise ConfigError(f"plan has pp={pp} stages but the PipelineModule was given num_stages={num_stages}")
-    if pp * dp != world_size:
-        raise ConfigError(f"plan pp({pp}) * dp({dp}) = {pp * dp} != WORLD_SIZE({world_size})")
-    mbs = {r.micro_batches for r in layout.replicas}
-    if len(mbs) > 1:
-        raise ConfigError(f"plan gives replicas different micro-batch counts {sorted(mbs)}; DeepSpeed runs the same "
-                          f"gradient_accumulation_steps on every replica")
-    return layout.boundaries()
+def grid_boundaries(layout: Layout, num_stages: int, world_size: int, rank: int = 0) -> list[int]:
+    """The stage boundaries ``rank`` runs under ``layout`` (its replica's), after checking the plan
+    against the launch: the plan's devices must equal the world size and the replica's stage count
+    the module's."""
+    if layout.world_size != world_size:
+        raise ConfigError(f"plan {layout.describe()} has {layout.world_size} devices but WORLD_SIZE is {world_size}")
+    pos = layout.position(rank)
+    stages = layout.replicas[pos.replica].stages
+    if len(stages) != num_stages:
+        raise ConfigError(f"plan gives replica {pos.replica} {len(stages)} stages but the PipelineModule has "
+                          f"num_stages={num_stages}")
+    return layout.boundaries(pos.replica)
 
 
 def check_boundaries(boundaries: Sequence[int], num_stages: int, num_layers: int) -> list[int]:
@@ -83,7 +81,35 @@ class PipelineModule(_DSPipelineModule):
         if not ds_dist.is_initialized():  # DeepSpeed's module needs its comm backend; skip the CPU JIT build
             from .api import init_distributed
             init_distributed()
-        super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
+        layers = list(layers)
+        rt = None
+        if plan is not None:
+            from .hetero import HeteroRuntime, needs_hetero
+            layout = layout_from_plan(plan, len(layers))
+            if layout.num_layers != len(layers):
+                raise ConfigError(f"plan covers {layout.num_layers} layers but the PipelineModule has {len(layers)} "
+                                  f"layer specs (a plan's layer index is the index in the layer list)")
+            if needs_hetero(layout):
+                rt = HeteroRuntime.create(layout)
+        object.__setattr__(self, "_elastor_runtime", rt)
+        if rt is None:
+            super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
+            return
+        if topology is not None or (num_stages is not None and num_stages != len(rt.stages)):
+            raise ConfigError(f"a heterogeneous plan sets each replica's topology: pass plan= without topology/"
+                              f"num_stages (this rank's replica has {len(rt.stages)} stages)")
+        from deepspeed.pipe import TiedLayerSpec
+        from deepspeed.runtime.pipe import module as ds_module
+        if any(isinstance(s, TiedLayerSpec) for s in layers):
+            raise ConfigError("heterogeneous plans do not support tied layers (TiedLayerSpec) yet: untie them or use "
+                              "a uniform plan")
+        grid = rt.make_grid()
+        orig = ds_module.PipelineParallelGrid
+        ds_module.PipelineParallelGrid = lambda *a, **k: grid  # PipelineModule.__init__ builds its grid by name
+        try:
+            super().__init__(layers, topology=rt.topology, **kwargs)
+        finally:
+            ds_module.PipelineParallelGrid = orig
 
     def _partition_layers(self, method: str = "uniform") -> None:
         b = self._elastor_boundaries
@@ -93,7 +119,7 @@ class PipelineModule(_DSPipelineModule):
             if layout.num_layers != num_layers:
                 raise ConfigError(f"plan covers {layout.num_layers} layers but the PipelineModule has {num_layers} "
                                   f"layer specs (a plan's layer index is the index in the layer list)")
-            b = grid_boundaries(layout, self.num_stages, self.world_size)
+            b = grid_boundaries(layout, self.num_stages, self.world_size, self.global_rank)
         if b is None:
             super()._partition_layers(method=method)
             return

@@ -40,8 +40,11 @@ FORMAT = "elastor_ds.deepspeed/1"
 
 def engine_layout(engine: Any) -> Layout:
     """The TP x PP x DP grid the engine runs (TP = the topology's "model" axis), with its actual
-    stage boundaries over the pipeline's layer list."""
+    stage boundaries over the pipeline's layer list (a heterogeneous plan's layout as is)."""
     module = engine.module
+    rt = getattr(module, "_elastor_runtime", None)
+    if rt is not None:
+        return rt.layout
     parts = getattr(module, "parts", None)
     num_layers = len(getattr(module, "_layer_specs", [])) or 1
     pp = int(getattr(engine, "num_stages", 1) or 1)

@@ -123,3 +123,27 @@ def apply_to_config(config: Any, grid: MegatronGrid) -> Any:
     if lay is not None and grid.uneven:
         config["pipeline_model_parallel_layout"] = lay
     return config
+
+
+def use_stage_tp_group(group: Any, ranks: Any, seed: Optional[int] = None) -> None:
+    """Make megatron-core's parallel_state describe *this rank's stage* of a heterogeneous layout:
+    its tensor-parallel group, ranks, size and rank become the stage's TP group (replicas and even
+    stages of one replica may have different TP degrees, which ``initialize_model_parallel`` cannot
+    express). Call after ``initialize_model_parallel(1, 1)`` (which creates megatron's other groups
+    collectively on every rank) and before building TP layers. ``seed``: re-seed the RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ranks = [int(r) for r in ranks]
+    me = dist.get_rank()
+    if me not in ranks:
+        raise LayoutError(f"rank {me} is not in the stage TP group {ranks}")
+    if not ps.model_parallel_is_initialized():
+        raise LayoutError("call megatron's parallel_state.initialize_model_parallel(1, 1) before use_stage_tp_group")
+    ps._TENSOR_MODEL_PARALLEL_GROUP = group
+    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = ranks
+    ps.set_tensor_model_parallel_world_size(len(ranks))
+    ps.set_tensor_model_parallel_rank(ranks.index(me))
+    if seed is not None:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

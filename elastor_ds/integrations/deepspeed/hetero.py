@@ -1,0 +1,372 @@
+"""Heterogeneous plans on DeepSpeed: each replica runs DeepSpeed's own ``PipelineEngine`` (its 1F1B
+schedule, p2p and optimizer wrapper) on its own process groups; the cross-replica work sits at the
+edge.
+
+Where stock DeepSpeed stops, and what this module does instead (see RUNTIME_FACTS.md):
+
+* ``PipelineModule`` wants ``num_stages`` to divide the world and builds a ``PipelineParallelGrid``
+  over the whole world ("Invalid Grid" otherwise). :class:`HeteroTopology` gives *one replica's*
+  coordinates as global ranks and :class:`HeteroGrid` takes its groups from :class:`HeteroRuntime`
+  instead of creating them; the module is built with that grid (``PipelineModule`` constructs the
+  grid class by name, so it is swapped for the duration of the constructor).
+* ``new_group`` is collective over the world: :meth:`HeteroRuntime.create` creates every group of
+  every replica (singletons, stage TP groups, replica groups) on every rank in the one sorted order
+  of :func:`elastor_ds.runtime.creation_order`; the split all-reduce groups follow, also sorted,
+  once the engine is built and every rank's parameters are known.
+* A stage's TP degree may differ from its neighbours' (TP2 -> TP1 -> TP4): DeepSpeed's p2p pairs
+  equal TP ranks only. :func:`install_p2p` routes ``deepspeed.runtime.pipe.p2p.send/recv`` through
+  :mod:`elastor_ds.runtime.p2p` when the engine's grid is a :class:`HeteroGrid` (one pipeline engine
+  per process: p2p keeps one module-level grid). Activation/gradient partitioning across the TP
+  group (``pipe_partitioned``) is turned off: it assumes equal widths.
+* Gradients: the last stage divides the loss by its own ``gradient_accumulation_steps`` (M_p), so
+  replica p holds ``g_p = (1/M_p) sum``; :class:`HeteroPipelineEngine` overrides
+  ``_exec_reduce_grads`` -- re-registered in its ``_INSTRUCTION_MAP``, through which the engine
+  dispatches (an override of the method alone is silently ignored) -- to run the split all-reduce of
+  ``(M_p/M) g_p`` over the finest common sub-regions first, then DeepSpeed's own (DP = 1) reduction.
+* Gradient clipping: DeepSpeed's fp32 path computes the norm from model-parallel rank 0's view and
+  would clip replicas with different norms. The engine's ``gradient_clipping`` is taken over: the
+  norm of the *whole* model gradient (each element once, across the replica set) after the
+  reduction, then DeepSpeed's formula ``coef = min(1, max_norm / (norm + 1e-6))`` on every rank.
+* Losses: the engine returns the global loss ``sum_p M_p loss_p / M`` on every rank.
+* ZeRO: DeepSpeed's ZeRO-1 keeps one data-parallel group for every flat buffer; replicas with
+  different partitions have no such group. Heterogeneous plans run ZeRO stage 0 (the optimizer
+  state of each rank covers its own parameters); ZeRO >= 1 is refused with :class:`ConfigError`.
+  The planner's memory model assumes no ZeRO sharding for heterogeneous plans.
+"""
+from __future__ import annotations
+
+import logging
+from collections import namedtuple
+from typing import Any, Optional
+
+import torch
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+from ...comm.hetero import SplitAllReduce, create_groups, global_mean
+from ...errors import ConfigError
+from ...layout import Layout
+from ...runtime import creation_order, recv_source, reduce_groups, send_targets, split_reduce_plan
+
+log = logging.getLogger(__name__)
+
+_Coord = namedtuple("ProcessCoord", ["pipe", "data", "model"])
+
+
+def needs_hetero(layout: Layout) -> bool:
+    """True when DeepSpeed's one-grid pipeline cannot run ``layout`` as is: replicas differ (stages,
+    boundaries, TP), stages of a replica have different TP degrees, or micro-batches differ."""
+    if not layout.is_uniform():
+        return True
+    if len({s.tp for s in layout.replicas[0].stages}) > 1:
+        return True
+    if len({r.micro_batches for r in layout.replicas}) > 1:
+        return True
+    tp, pp, dp = layout.uniform_dims()
+    return Layout.uniform(tp, pp, dp, layout.num_layers, boundaries=layout.boundaries(),
+                          micro_batches=[r.micro_batches for r in layout.replicas]).to_json() != layout.to_json()
+
+
+class HeteroTopology:
+    """DeepSpeed topology duck type: one replica's (pipe, data=0, model) coordinates <-> global ranks.
+    ``model`` is the TP rank within the stage; the model dimension is this rank's stage TP degree."""
+
+    def __init__(self, layout: Layout, rank: int):
+        self.layout, self.rank = layout, rank
+        self.pos = layout.position(rank)
+        self.stages = layout.replicas[self.pos.replica].stages
+
+    def get_axis_names(self) -> list[str]:
+        return ["pipe", "data", "model"]
+
+    def get_dim(self, axis: str) -> int:
+        return {"pipe": len(self.stages), "data": 1, "model": self.pos.tp}[axis]
+
+    def get_coord(self, rank: int):
+        p = self.layout.position(rank)
+        if p.replica != self.pos.replica:
+            raise ConfigError(f"rank {rank} is in replica {p.replica}, not in this rank's replica {self.pos.replica}")
+        return _Coord(p.stage, 0, p.tp_rank)
+
+    def get_rank(self, pipe: int = 0, data: int = 0, model: int = 0, **_: Any) -> int:
+        st = self.stages[pipe]
+        return st.ranks[model % st.tp]
+
+    def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
+        c = self.get_coord(rank)
+        return "" if self.pos.tp == 1 else f"model{inner_sep}{c.model:02d}"
+
+    def world_size(self) -> int:
+        return sum(s.tp for s in self.stages)
+
+    def get_axis_comm_lists(self, axis: str):
+        raise ConfigError(f"heterogeneous layouts do not support DeepSpeed features that need the '{axis}' axis "
+                          f"communicators (tied layers across stages)")
+
+    def __str__(self) -> str:
+        return f"HeteroTopology(replica {self.pos.replica}: {self.layout.describe()})"
+
+
+class HeteroGrid(PipelineParallelGrid):
+    """DeepSpeed's grid for one rank of a heterogeneous layout; groups come from :class:`HeteroRuntime`."""
+
+    def __init__(self, rt: "HeteroRuntime"):  # noqa: D401 - deliberately does not call super().__init__
+        import deepspeed.comm as dist
+        lay, pos = rt.layout, rt.pos
+        self.rt = rt
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._topo = rt.topology
+        self.data_parallel_size = 1
+        self.pipe_parallel_size = len(rt.stages)
+        self.model_parallel_size = pos.tp
+        self.slice_parallel_size = pos.tp
+        self.stage_id = pos.stage
+        self.data_parallel_id = 0
+        rep = rt.replica_ranks
+        self.ds_model_proc_group = rt.groups[rep]
+        self.ds_model_world_size = len(rep)
+        self.ds_model_rank = rep.index(self.global_rank)
+        self.dp_group = [self.global_rank]
+        self.dp_groups = [[r] for r in range(self.world_size)]
+        self.dp_proc_group = rt.groups[(self.global_rank,)]
+        self.is_first_stage = pos.stage == 0
+        self.is_last_stage = pos.stage == len(rt.stages) - 1
+        self.p2p_groups = []
+        self.pp_group = list(rep)
+        self.pp_proc_group = rt.groups[rep]
+        self.pipe_groups = [list(rep)]
+        self.slice_group = list(rt.stage_ranks)
+        self.slice_proc_group = rt.groups[rt.stage_ranks]
+        self.mp_group = list(rt.stage_ranks)
+        del lay
+
+    def stage_to_global(self, stage_id: int, **kwargs: Any) -> int:
+        st = self.rt.stages[stage_id]
+        return st.ranks[self.rt.pos.tp_rank % st.tp]
+
+    def get_data_parallel_id(self) -> int:
+        return 0
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def send_targets(self, dest_stage: int) -> list[int]:
+        return send_targets(self.rt.layout, self.global_rank, dest_stage)
+
+    def recv_source(self, src_stage: int) -> int:
+        return recv_source(self.rt.layout, self.global_rank, src_stage)
+
+
+class HeteroRuntime:
+    """This process's place in a heterogeneous layout and every group it needs (one per process)."""
+
+    _current: Optional["HeteroRuntime"] = None
+
+    def __init__(self, layout: Layout):
+        import deepspeed.comm as dist
+        world = dist.get_world_size()
+        if layout.world_size != world:
+            raise ConfigError(f"plan {layout.describe()} has {layout.world_size} devices but WORLD_SIZE is {world}: "
+                              f"launch {layout.world_size} processes or give a plan for {world}")
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.pos = layout.position(self.rank)
+        self.stages = layout.replicas[self.pos.replica].stages
+        self.stage_ranks = tuple(sorted(self.stages[self.pos.stage].ranks))
+        self.replica_ranks = tuple(sorted(r for s in self.stages for r in s.ranks))
+        self.micro_batches = layout.replicas[self.pos.replica].micro_batches
+        self.total_micro_batches = sum(r.micro_batches for r in layout.replicas)
+        self.weight = self.micro_batches / self.total_micro_batches
+        self.groups = create_groups(creation_order(layout))
+        self.topology = HeteroTopology(layout, self.rank)
+        self.grid: Optional[HeteroGrid] = None
+        self.reducer: Optional[SplitAllReduce] = None
+
+    @classmethod
+    def create(cls, layout: Layout) -> "HeteroRuntime":
+        """The process's runtime for ``layout`` (collective on first call; one layout per process)."""
+        cur = cls._current
+        if cur is not None:
+            if cur.layout.fingerprint() != layout.fingerprint():
+                raise ConfigError(f"this process already runs plan {cur.layout.describe()}; one heterogeneous "
+                                  f"plan (one pipeline engine) per process")
+            return cur
+        cls._current = cls(layout)
+        return cls._current
+
+    @classmethod
+    def release(cls) -> None:
+        """Forget the process's runtime (tests running several plans in one process; its groups stay)."""
+        cls._current = None
+
+    @property
+    def tp_group(self) -> Any:
+        return self.groups[self.stage_ranks]
+
+    def make_grid(self) -> HeteroGrid:
+        if self.grid is None:
+            self.grid = HeteroGrid(self)
+        return self.grid
+
+    def build_reducer(self, engine: Any) -> SplitAllReduce:
+        """Every rank announces its parameters (canonical name, global shape, pieces); the split
+        all-reduce plan and its groups follow (collective)."""
+        import torch.distributed as dist
+
+        from .state import _place
+        held = []
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for n, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            cname, gshape, pieces = _place(engine, n, tuple(p.shape))
+            held.append((cname, tuple(gshape), tuple(pieces)))
+            self.params[cname] = p
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)
+        rep = {r: self.layout.position(r).replica for r in range(len(everyone))}
+        plan = split_reduce_plan(dict(enumerate(everyone)), rep)
+        new = [g for g in reduce_groups(plan) if g not in set(creation_order(self.layout))]
+        self.groups.update(create_groups(new))
+        self.reducer = SplitAllReduce(plan[self.rank], self.groups)
+        return self.reducer
+
+    def grad_of(self, name: str) -> Optional[torch.Tensor]:
+        p = self.params[name]
+        return None if p.grad is None else p.grad.data
+
+    def data_of(self, name: str) -> torch.Tensor:
+        return self.params[name].data
+
+
+def install_p2p() -> None:
+    """Route DeepSpeed's pipeline p2p through the cross-width pairing when the grid is a HeteroGrid."""
+    from deepspeed.runtime.pipe import p2p
+    if getattr(p2p, "_elastor_hetero", False):
+        return
+    import deepspeed.comm as dist
+    orig_send, orig_recv = p2p.send, p2p.recv
+
+    def send(tensor, dest_stage, async_op=False):
+        grid = p2p._grid
+        if not isinstance(grid, HeteroGrid):
+            return orig_send(tensor, dest_stage, async_op=async_op)
+        for r in grid.send_targets(dest_stage):
+            dist.send(tensor, r)
+
+    def recv(tensor, src_stage, async_op=False):
+        grid = p2p._grid
+        if not isinstance(grid, HeteroGrid):
+            return orig_recv(tensor, src_stage, async_op=async_op)
+        return dist.recv(tensor, grid.recv_source(src_stage))
+
+    p2p.send, p2p.recv = send, recv
+    p2p._elastor_hetero = True
+
+
+def prepare_config(ds_config: dict, rt: HeteroRuntime) -> tuple[dict, float]:
+    """The DeepSpeed config for this rank's replica; returns it and the clipping norm taken over."""
+    cfg = dict(ds_config)
+    zero = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    if zero > 0:
+        raise ConfigError(f"zero_optimization.stage={zero} with heterogeneous plan {rt.layout.describe()}: DeepSpeed's "
+                          f"ZeRO keeps one data-parallel group per flat buffer and replicas with different stages/TP "
+                          f"have none; use stage 0 (optimizer state then lives with each rank's own parameters) or "
+                          f"a uniform plan")
+    for key in ("fp16", "bf16"):
+        if (cfg.get(key) or {}).get("enabled"):
+            raise ConfigError(f"{key} with a heterogeneous plan is not supported yet: the split all-reduce runs on "
+                              f"fp32 gradients; use fp32 or a uniform plan")
+    mbs = cfg.get("train_micro_batch_size_per_gpu")
+    if mbs is None:
+        raise ConfigError("heterogeneous plans need train_micro_batch_size_per_gpu in the DeepSpeed config (the "
+                          "plan gives micro-batches per replica)")
+    tbs = cfg.pop("train_batch_size", None)
+    if tbs is not None and int(tbs) != int(mbs) * rt.total_micro_batches:
+        raise ConfigError(f"train_batch_size {tbs} != train_micro_batch_size_per_gpu ({mbs}) x the plan's total "
+                          f"micro-batches ({rt.total_micro_batches}) = {int(mbs) * rt.total_micro_batches}")
+    cfg["gradient_accumulation_steps"] = rt.micro_batches
+    clip = float(cfg.get("gradient_clipping", 1.0))  # DeepSpeed's default is 1.0
+    cfg["gradient_clipping"] = 0.0
+    pipe = dict(cfg.get("pipeline") or {})
+    pipe["pipe_partitioned"] = False
+    pipe["grad_partitioned"] = False
+    cfg["pipeline"] = pipe
+    return cfg, clip
+
+
+def _hetero_reduce_grads(self: "HeteroPipelineEngine") -> None:
+    rt: HeteroRuntime = self.elastor_runtime
+    rt.reducer.reduce(rt.grad_of, rt.weight)
+    PipelineEngine._exec_reduce_grads(self)
+    if self.elastor_clip > 0:
+        norm = rt.reducer.grad_norm(rt.grad_of)
+        coef = min(1.0, self.elastor_clip / (norm + 1e-6))
+        self.elastor_grad_norm = norm
+        if coef < 1.0:
+            for p in rt.params.values():
+                if p.grad is not None:
+                    p.grad.data.mul_(coef)
+
+
+class HeteroPipelineEngine(PipelineEngine):
+    """DeepSpeed's PipelineEngine for one replica of a heterogeneous plan (see the module docstring).
+    Instances are created by ``deepspeed.initialize`` as ``PipelineEngine`` and re-classed."""
+
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _hetero_reduce_grads}
+    elastor_runtime: HeteroRuntime
+    elastor_clip: float = 0.0
+    elastor_grad_norm: Optional[float] = None
+
+    def _exec_reduce_grads(self) -> None:
+        _hetero_reduce_grads(self)
+
+    def _aggregate_total_loss(self):
+        rt = self.elastor_runtime
+        mine = None
+        if self.is_last_stage() and rt.pos.tp_rank == 0:
+            mine = float(self.total_loss.detach()) / self.gradient_accumulation_steps()
+        glob = global_mean(mine, rt.weight)
+        self.dp_group_loss = torch.tensor(glob)
+        return torch.tensor(glob, device=self.device)
+
+    def eval_batch(self, *args: Any, **kwargs: Any):
+        raise ConfigError("eval_batch is not supported under heterogeneous plans yet (its loss broadcast assumes "
+                          "equal TP widths); evaluate under a uniform plan")
+
+    def hetero_setup(self, rt: HeteroRuntime, clip: float, global_batch: int) -> None:
+        import deepspeed.comm as dist
+        self.elastor_runtime = rt
+        self.elastor_clip = clip
+        self.elastor_global_batch = global_batch
+        reducer = rt.build_reducer(self)
+        self._sync_initial_weights(rt)
+        if dist.get_rank() == 0:
+            log.info("heterogeneous plan %s: %d split all-reduce groups", rt.layout.describe(),
+                     len(reduce_groups_of(rt)))
+        log.debug("rank %d: split all-reduce sends %d bytes per step", rt.rank, reducer.bytes_sent)
+
+    def _sync_initial_weights(self, rt: HeteroRuntime) -> None:
+        """Replicas build their stages from their own RNG streams: make every copy of every weight
+        equal to its owner's (lowest holder's) copy, so all replicas start from one model."""
+        from ...runtime.groups import Cell
+        red = rt.reducer
+        owner_only = SplitAllReduce.__new__(SplitAllReduce)
+        owner_only.cells = [Cell(c.name, c.region, c.local, c.holders, c.owner, c.owner, c.cross_replica)
+                            for c in red.cells]
+        owner_only.by_group = {g: [Cell(c.name, c.region, c.local, c.holders, c.owner, c.owner, c.cross_replica)
+                                   for c in cs] for g, cs in red.by_group.items()}
+        owner_only.groups = red.groups
+        with torch.no_grad():
+            owner_only.reduce(rt.data_of, 1.0)
+
+    def train_batch(self, *args: Any, **kwargs: Any):
+        loss = super().train_batch(*args, **kwargs)
+        self.global_samples = int(self.global_steps) * self.elastor_global_batch
+        return loss
+
+
+def reduce_groups_of(rt: HeteroRuntime) -> list:
+    return sorted(rt.reducer.by_group) if rt.reducer is not None else []
