@@ -7,7 +7,8 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "elastor_ds"
 FORBIDDEN_EVERYWHERE_PURE = ("torch", "deepspeed", "megatron")
-PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + sorted(PKG.glob("data/*.py")) + [
+PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + sorted(PKG.glob("data/*.py")) + sorted(
+    PKG.glob("runtime/*.py")) + [
     PKG / "checkpoint" / "save_plan.py", PKG / "checkpoint" / "load_plan.py", PKG / "checkpoint" / "manifest.py",
     PKG / "checkpoint" / "commit.py", PKG / "errors.py",
     # the elastic controller's decision logic and records

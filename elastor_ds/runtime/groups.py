@@ -66,6 +66,15 @@ class Cell:
     cross_replica: bool       # holders span two or more replicas: needs the all-reduce
 
 
+def needs_hetero(layout: Layout) -> bool:
+    """True when ``layout`` is not one TP x PP x DP grid with equal micro-batches (replicas or stages
+    differ in TP, boundaries or micro-batches): such plans run on the heterogeneous runtime. A grid
+    runs as the framework's own grid (its rank order)."""
+    if not layout.is_uniform() or len({s.tp for s in layout.replicas[0].stages}) > 1:
+        return True
+    return len({r.micro_batches for r in layout.replicas}) > 1
+
+
 def stage_groups(layout: Layout) -> list[tuple[int, ...]]:
     """The TP group of every stage of every replica, sorted."""
     return sorted({tuple(sorted(s.ranks)) for r in layout.replicas for s in r.stages})

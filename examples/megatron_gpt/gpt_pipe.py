@@ -30,6 +30,20 @@ def ds_parts(boundaries: Sequence[int], num_layers: int) -> list[int]:
     return parts
 
 
+def pipe_layout(layout: Any) -> Any:
+    """A plan over the L transformer layers -> the same plan over the L + 3 pipe layers (the first
+    stage of each replica also takes the embedding, the last the final norm and output layer)."""
+    from elastor_ds.layout import Layout
+    L = layout.num_layers
+    doc = layout.to_json()
+    for rep in doc["replicas"]:
+        for st in rep["stages"]:
+            a, b = st["layers"]
+            st["layers"] = [0 if a == 0 else a + 1, L + 3 if b == L else b + 1]
+    doc["num_layers"] = L + 3
+    return Layout.from_json(doc, L + 3)
+
+
 def canonical_name(ds_name: str, num_layers: int) -> str:
     """``"<ds index>.<param>"`` -> the megatron-core GPTModel name."""
     m = re.match(r"^(\d+)\.(.*)$", ds_name)

@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--save-interval", type=int, default=0, help="iterations between asynchronous saves (0: only at the end)")
     a("--log-interval", type=int, default=10)
     a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
-    a("--zero-stage", type=int, choices=[0, 1], default=1)
+    a("--zero-stage", type=int, choices=[0, 1], default=None,
+      help="default: 1 (uniform plans), 0 (heterogeneous plans, where ZeRO-1 is refused)")
     a("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
       help="DeepSpeed JSON config; its \"elastor\" section is honoured (flags above fill what it leaves out)")
     a("--deepspeed", action="store_true", help="accepted for launcher compatibility")
@@ -80,23 +81,49 @@ def derive(args: argparse.Namespace, world: int) -> dict:
     L, H = args.num_layers, args.num_attention_heads
     groups = args.num_query_groups or H
     boundaries = None
+    plan_layout = None
     if args.elastor_plan:
         from elastor_ds.layout import Layout
         if args.elastor_plan == "auto":
-            layout = auto_plan(args, world)
+            plan_layout = auto_plan(args, world)
         else:
             if not os.path.isfile(args.elastor_plan):
                 raise UsageError(f"--elastor-plan {args.elastor_plan}: no such file (give a plan JSON or 'auto')")
-            with open(args.elastor_plan) as f:
-                layout = Layout.from_json(json.load(f), L)
-        try:
-            tp, pp, dp_plan = layout.uniform_dims()
-        except Exception as e:  # noqa: BLE001
-            raise UsageError(f"--elastor-plan: this trainer runs uniform TP x PP x DP grids (uneven stages "
-                             f"allowed); the plan is heterogeneous: {e}") from None
-        boundaries = layout.boundaries()
-        if layout.world_size != world:
-            raise UsageError(f"--elastor-plan needs {layout.world_size} processes but {world} were launched")
+            try:
+                with open(args.elastor_plan) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"--elastor-plan {args.elastor_plan}: not a JSON plan document: {e}") from None
+            if not isinstance(doc, dict):
+                raise UsageError(f"--elastor-plan {args.elastor_plan}: expected a JSON object with 'replicas'")
+            if doc.get("num_layers") not in (None, L):
+                raise UsageError(f"--elastor-plan covers {doc['num_layers']} layers but --num-layers is {L}")
+            try:
+                plan_layout = Layout.from_json(doc, L)
+            except (KeyError, TypeError, ValueError) as e:
+                raise UsageError(f"--elastor-plan {args.elastor_plan}: invalid plan: {e}") from None
+        if plan_layout.world_size != world:
+            raise UsageError(f"--elastor-plan has {plan_layout.world_size} devices but {world} processes were "
+                             f"launched (WORLD_SIZE={world}): launch {plan_layout.world_size} or give a plan for {world}")
+    if H % groups:
+        raise UsageError(f"--num-attention-heads {H} is not divisible by --num-query-groups {groups}")
+    if args.hidden_size % H:
+        raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {H}")
+    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.seq_length > max_pos:
+        raise UsageError(f"--seq-length {args.seq_length} > --max-position-embeddings {max_pos}")
+    if args.train_iters < 1:
+        raise UsageError(f"--train-iters {args.train_iters} must be >= 1")
+    if args.load and not os.path.isdir(args.load):
+        log.warning("--load %s does not exist yet: starting from scratch", args.load)
+    common = dict(ffn=ffn, groups=groups, max_pos=max_pos)
+    from elastor_ds.runtime import needs_hetero
+    if plan_layout is not None and needs_hetero(plan_layout):
+        return dict(common, **check_hetero(args, plan_layout, world, ffn, groups))
+    if plan_layout is not None:
+        tp, pp, _ = plan_layout.uniform_dims()
+        boundaries = plan_layout.boundaries()
     if tp < 1 or pp < 1:
         raise UsageError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
     if world % (tp * pp):
@@ -105,32 +132,49 @@ def derive(args: argparse.Namespace, world: int) -> dict:
     dp = world // (tp * pp)
     if pp > L:
         raise UsageError(f"--pipeline-model-parallel-size {pp} > --num-layers {L}: every stage needs a layer")
-    if H % groups:
-        raise UsageError(f"--num-attention-heads {H} is not divisible by --num-query-groups {groups}")
     if groups % tp or H % tp:
         raise UsageError(f"TP {tp} must divide --num-attention-heads ({H}) and --num-query-groups ({groups})")
-    if args.hidden_size % H:
-        raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {H}")
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     if gbs % (mbs * dp):
         raise UsageError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) x data-parallel "
                          f"size ({dp}) = {mbs * dp}")
-    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
     if ffn % tp:
         raise UsageError(f"--ffn-hidden-size {ffn} is not divisible by TP {tp}")
-    max_pos = args.max_position_embeddings or args.seq_length
-    if args.seq_length > max_pos:
-        raise UsageError(f"--seq-length {args.seq_length} > --max-position-embeddings {max_pos}")
-    if args.train_iters < 1:
-        raise UsageError(f"--train-iters {args.train_iters} must be >= 1")
-    if args.load and not os.path.isdir(args.load):
-        log.warning("--load %s does not exist yet: starting from scratch", args.load)
     from elastor_ds.layout import Layout, balanced_boundaries
     if boundaries is None:
         boundaries = balanced_boundaries(L, pp)
     layout = Layout.uniform(tp, pp, dp, L, boundaries=boundaries, micro_batches=gbs // (mbs * dp))
-    return dict(tp=tp, pp=pp, dp=dp, gas=gbs // (mbs * dp), ffn=ffn, groups=groups, max_pos=max_pos,
-                boundaries=boundaries, layout=layout)
+    return dict(common, tp=tp, pp=pp, dp=dp, gas=gbs // (mbs * dp), boundaries=boundaries, layout=layout,
+                hetero=False, zero_stage=1 if args.zero_stage is None else args.zero_stage)
+
+
+def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups: int) -> dict:
+    """Checks of a heterogeneous plan against the model and the launch (before any work)."""
+    H, mbs, gbs = args.num_attention_heads, args.micro_batch_size, args.global_batch_size
+    total = sum(r.micro_batches for r in layout.replicas)
+    if total * mbs != gbs:
+        raise UsageError(f"the plan's micro-batches {[r.micro_batches for r in layout.replicas]} sum to {total}; "
+                         f"{total} x --micro-batch-size {mbs} = {total * mbs} != --global-batch-size {gbs}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    for ri, rep in enumerate(layout.replicas):
+        for si, st in enumerate(rep.stages):
+            where = f"replica {ri} stage {si} (TP {st.tp}, layers [{st.layers[0]}, {st.layers[1]}))"
+            if st.layers[1] <= st.layers[0]:
+                raise UsageError(f"{where} holds no layer: every stage needs one")
+            for what, n in (("--num-attention-heads", H), ("--num-query-groups", groups), ("--ffn-hidden-size", ffn)):
+                if n % st.tp:
+                    raise UsageError(f"{where}: TP {st.tp} does not divide {what} {n}")
+            nodes = sorted({r // local for r in st.ranks})
+            if len(nodes) > 1:
+                raise UsageError(f"{where} spans nodes {nodes} (ranks {list(st.ranks)}, {local} processes per node "
+                                 f"from LOCAL_WORLD_SIZE): a TP group must sit inside one node")
+    if args.zero_stage:
+        raise UsageError(f"--zero-stage {args.zero_stage} with heterogeneous plan {layout.describe()}: DeepSpeed's ZeRO "
+                         f"shards over one data-parallel group and replicas with different stages/TP have none; "
+                         f"use --zero-stage 0 (the default for heterogeneous plans) or a uniform plan")
+    if args.eval_interval:
+        raise UsageError("--eval-interval is not supported with a heterogeneous plan yet; use 0")
+    return dict(hetero=True, layout=layout, zero_stage=0, boundaries=None, tp=None, pp=None, dp=layout.dp, gas=None)
 
 
 def auto_plan(args: argparse.Namespace, world: int):
@@ -180,10 +224,11 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
         with open(args.deepspeed_config) as f:
             cfg = json.load(f)
     cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
-    cfg.setdefault("gradient_accumulation_steps", d["gas"])
+    if not d["hetero"]:  # heterogeneous: each replica's own micro-batches (set by the runtime)
+        cfg.setdefault("gradient_accumulation_steps", d["gas"])
     cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
                                                             "torch_adam": True}})
-    cfg.setdefault("zero_optimization", {"stage": args.zero_stage})
+    cfg.setdefault("zero_optimization", {"stage": d["zero_stage"]})
     cfg.setdefault("steps_per_print", 10 ** 9)
     cfg.setdefault("wall_clock_breakdown", False)
     el = cfg.setdefault("elastor", {})
@@ -251,7 +296,16 @@ def _main(argv: list[str] | None = None) -> int:
 
     rank = dist.get_rank()
     tp, pp, dp, gas = d["tp"], d["pp"], d["dp"], d["gas"]
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    rt = None
+    if d["hetero"]:  # each replica its own pipeline; megatron's TP group = this rank's stage's
+        from elastor_ds.integrations.deepspeed.hetero import HeteroRuntime
+        from elastor_ds.integrations.megatron.parallel import use_stage_tp_group
+        rt = HeteroRuntime.create(gpt_pipe.pipe_layout(d["layout"]))
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        use_stage_tp_group(rt.tp_group, rt.stage_ranks)
+        tp, pp, gas = rt.pos.tp, len(rt.stages), rt.micro_batches
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     tok = CharTokenizer()
@@ -271,9 +325,12 @@ def _main(argv: list[str] | None = None) -> int:
     padded_vocab = spec_cfg.padded_vocab(tp)
     layers = gpt_pipe.build_layers(tcfg, args.num_layers, padded_vocab, d["max_pos"], seed=args.seed,
                                    true_vocab=tok.vocab_size)
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    model = eds.PipelineModule(layers, topology=topo, loss_fn=gpt_pipe.make_loss_fn(CharTokenizer.PAD),
-                               boundaries=gpt_pipe.ds_parts(d["boundaries"], args.num_layers))
+    if rt is not None:
+        model = eds.PipelineModule(layers, loss_fn=gpt_pipe.make_loss_fn(CharTokenizer.PAD), plan=rt.layout)
+    else:
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        model = eds.PipelineModule(layers, topology=topo, loss_fn=gpt_pipe.make_loss_fn(CharTokenizer.PAD),
+                                   boundaries=gpt_pipe.ds_parts(d["boundaries"], args.num_layers))
     model.elastor_geometry = gpt_pipe.Geometry(spec_cfg, tp, ps.get_tensor_model_parallel_rank(), args.num_layers)
     cfg = ds_config(args, d)
     engine, optimizer, _, sched = eds.initialize(
@@ -287,8 +344,12 @@ def _main(argv: list[str] | None = None) -> int:
                            metrics_file=os.path.abspath(args.metrics_file) if args.metrics_file else None)
     gbs = args.global_batch_size
     if rank == 0:
-        log.info("layout %s on %d processes (TP %d x PP %d x DP %d, gas %d); starting at iteration %d",
-                 layout.describe(), world, tp, pp, dp, gas, start)
+        if rt is not None:
+            log.info("heterogeneous layout %s on %d processes; starting at iteration %d", layout.describe(), world,
+                     start)
+        else:
+            log.info("layout %s on %d processes (TP %d x PP %d x DP %d, gas %d); starting at iteration %d",
+                     layout.describe(), world, tp, pp, dp, gas, start)
 
     # data: built-in corpus unless --data-path; each replica takes its slice of every global batch
     data_path = args.data_path
@@ -302,8 +363,10 @@ def _main(argv: list[str] | None = None) -> int:
         dist.barrier()
     stage = engine.stage_id
     needs_data = stage == 0 or stage == pp - 1
-    loader = PrefetchLoader(data_path, args.seq_length, args.seed, tuple([gas] * dp), args.micro_batch_size,
-                            replica=engine.grid.get_data_parallel_id(), start_iteration=start) if needs_data else None
+    per_replica = tuple(r.micro_batches for r in layout.replicas) if rt is not None else tuple([gas] * dp)
+    replica = rt.pos.replica if rt is not None else engine.grid.get_data_parallel_id()
+    loader = PrefetchLoader(data_path, args.seq_length, args.seed, per_replica, args.micro_batch_size,
+                            replica=replica, start_iteration=start) if needs_data else None
 
     def batches():
         while True:

@@ -122,12 +122,12 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     rt = getattr(model, "_elastor_runtime", None)
     clip = 0.0
     if rt is not None:  # a heterogeneous plan: this rank's replica runs its own PipelineEngine
-        from .hetero import prepare_config
+        from .hetero import install_p2p, prepare_config
         ds_config, clip = prepare_config(ds_config, rt)
+        install_p2p()  # before the engine: its constructor already sends between stages
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
     if rt is not None:
-        from .hetero import HeteroPipelineEngine, install_p2p
-        install_p2p()
+        from .hetero import HeteroPipelineEngine
         engine.__class__ = _elastor_class(HeteroPipelineEngine)
         engine.hetero_setup(rt, clip, int(ds_config["train_micro_batch_size_per_gpu"]) * rt.total_micro_batches)
     else:

@@ -47,25 +47,11 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from ...comm.hetero import SplitAllReduce, create_groups, global_mean
 from ...errors import ConfigError
 from ...layout import Layout
-from ...runtime import creation_order, recv_source, reduce_groups, send_targets, split_reduce_plan
+from ...runtime import creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan
 
 log = logging.getLogger(__name__)
 
 _Coord = namedtuple("ProcessCoord", ["pipe", "data", "model"])
-
-
-def needs_hetero(layout: Layout) -> bool:
-    """True when DeepSpeed's one-grid pipeline cannot run ``layout`` as is: replicas differ (stages,
-    boundaries, TP), stages of a replica have different TP degrees, or micro-batches differ."""
-    if not layout.is_uniform():
-        return True
-    if len({s.tp for s in layout.replicas[0].stages}) > 1:
-        return True
-    if len({r.micro_batches for r in layout.replicas}) > 1:
-        return True
-    tp, pp, dp = layout.uniform_dims()
-    return Layout.uniform(tp, pp, dp, layout.num_layers, boundaries=layout.boundaries(),
-                          micro_batches=[r.micro_batches for r in layout.replicas]).to_json() != layout.to_json()
 
 
 class HeteroTopology:
