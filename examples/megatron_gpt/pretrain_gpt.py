@@ -188,7 +188,8 @@ def auto_plan(args: argparse.Namespace, world: int):
                       dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False)
     training = TrainingSpec(micro_batch_size=args.micro_batch_size,
                             num_micro_batches=args.global_batch_size // args.micro_batch_size,
-                            nominal_tp=args.tensor_model_parallel_size, zero_stage=args.zero_stage)
+                            nominal_tp=args.tensor_model_parallel_size,
+                            zero_stage=1 if args.zero_stage is None else args.zero_stage)
     res = plan(CostModel(model, training, elastic_cluster(world)), layouts="uniform", top_k=20)
     for cand in [res.best] + list(res.alternatives):
         p = cand.plan
