@@ -4,7 +4,7 @@
 # TP2 x PP2 from a plan, --no-load-optim / --finetune, a stock-checkpoint --load directory, bf16,
 # the distributed optimizer). Results: WORKDIR/summary.json and one PASS/FAIL line per check.
 #
-# usage: scripts/megatron_lm_e2e.sh MEGATRON_LM_DIR [--gpu] [--only fp32,stock,bf16,distopt] [--workdir DIR]
+# usage: scripts/megatron_lm_e2e.sh MEGATRON_LM_DIR [--gpu] [--only fp32,stock,bf16,distopt,distopt_bf16,fp16] [--workdir DIR]
 #   MEGATRON_LM_DIR  a Megatron-LM checkout at tag core_v0.16.1 (this script never downloads it);
 #                    the patches are applied to it (patches/apply.sh; a no-op when already applied)
 #   --gpu            run on GPUs (nccl, --bf16 --use-distributed-optimizer, stock pretrain_gpt.py,

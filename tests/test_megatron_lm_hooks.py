@@ -317,6 +317,14 @@ def _worker(rank: int, world: int, root: str) -> None:
     mains_ok = all(torch.equal(mm, p.detach().view(-1)[opt4.ranges[p][0]:opt4.ranges[p][1]])
                    for p, mm in zip(opt4.model_float16_groups[0], opt4.shard_fp32_from_float16_groups[0]))
     out["no_load_optim"] = (it4, s4.num_steps, mains_ok)
+    # --pretrained-checkpoint: used (as --finetune) when --load holds nothing
+    a5 = argparse.Namespace(**vars(args))
+    a5.load, a5.pretrained_checkpoint = os.path.join(root, "empty"), ck
+    os.makedirs(a5.load, exist_ok=True)
+    m5 = build_gpt(cfg, grid, parallel_output=False)
+    it5, _ = th.load_checkpoint([m5], None, None, a5)
+    same = all(torch.equal(x, y) for x, y in zip(m5.parameters(), m3.parameters()))  # m3 holds step 8
+    out["pretrained"] = (it5, a5.finetune, same)
     th.finalize()
     th.reset()
     dist.barrier()
@@ -341,6 +349,7 @@ def test_distributed_optimizer_state_reshards_and_missing_state_paths(tmp_path):
     assert r["persistent_steps"] == ["step_000000005", "step_000000008"]
     assert r["no_opt_state"] == [8, 8, True]  # scheduler restored, main params = loaded weights
     assert r["no_load_optim"] == [5, 0, True]
+    assert r["pretrained"] == [0, True, True]
 
 
 def test_converter_vocab_from_a_null_tokenizer_run():

@@ -204,6 +204,10 @@ class E2E:
             steps.append(("bf16", self.seq_bf16))
         if want("distopt"):
             steps.append(("distopt", self.seq_distopt))
+        if want("distopt_bf16") and not self.gpu:
+            steps.append(("distopt_bf16", self.seq_distopt_bf16))
+        if want("fp16") and not self.gpu:
+            steps.append(("fp16", self.seq_fp16))
         for name, fn in steps:
             print(f"== {name}", flush=True)
             try:
@@ -304,12 +308,35 @@ class E2E:
         self.layouts("distopt_", base, extra, rtol=1e-4)
 
 
+    def seq_distopt_bf16(self) -> None:
+        """bf16 + --use-distributed-optimizer (the GPU default): fp32 main shards in the flat ranges."""
+        extra = ["--bf16", "--use-distributed-optimizer"]
+        base = self.base("distopt_bf16_", extra)
+        run = self.resume("distopt_bf16_", base, "same_layout", extra)
+        self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
+        self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
+        run = self.resume("distopt_bf16_", base, "tp2pp2_plan", extra + [
+            "--elastor-plan", self.plan("tp2pp2", 2, 2, 1, [0, 3, 4])], iters=10)
+        self.same_checkpoint(f"{run}: loaded at TP2xPP2, saved again", (self.ck(base), 10), (self.ck(run), 10))
+
+    def seq_fp16(self) -> None:
+        """fp16: Float16OptimizerWithFloat16Params with a dynamic loss scaler, whose state is carried."""
+        extra = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3"]
+        base = self.base("fp16_", extra)
+        run = self.resume("fp16_", base, "same_layout", extra)
+        self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
+        sa = re.findall(r"iteration\s+11/.*?loss scale: ([0-9.E+-]+)", open(os.path.join(self.work, run + ".log")).read())
+        sb = re.findall(r"iteration\s+11/.*?loss scale: ([0-9.E+-]+)", open(os.path.join(self.work, base + ".log")).read())
+        self.check(f"{run}: loss scale at iteration 11 as uninterrupted", bool(sa) and sa == sb, f"{sa} vs {sb}")
+        self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("megatron_lm")
     ap.add_argument("workdir")
     ap.add_argument("--gpu", action="store_true", help="run on GPUs (nccl, --bf16 --use-distributed-optimizer)")
-    ap.add_argument("--only", default=None, help="comma-separated: fp32,stock,bf16,distopt")
+    ap.add_argument("--only", default=None, help="comma-separated: fp32,stock,bf16,distopt,distopt_bf16,fp16")
     a = ap.parse_args()
     sys.path.insert(0, REPO)
     if a.gpu:

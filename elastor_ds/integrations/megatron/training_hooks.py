@@ -14,17 +14,24 @@ The patches call, in order:
    :class:`CheckpointEngine`, loadable under any TP x PP x DP.
 5. :func:`finalize` (blocking ``maybe_finalize_async_save``): wait for the in-flight async save.
 
-What a checkpoint carries: the weights of every rank's model; Adam state (``exp_avg``,
-``exp_avg_sq``, ``step``) when the optimizer is a torch optimizer over the model parameters,
-Megatron's ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` (plus its fp32 main
-parameters, as ``optimizer.fp32_param.<name>``) or a ``ChainedOptimizer`` of those; the LR
-scheduler (``opt_param_scheduler.state_dict()``), iteration, consumed/skipped train samples,
-consumed valid samples, FLOPs so far; per-rank RNG (python, numpy, torch, CUDA and megatron's RNG
-tracker), restored only when the layout is unchanged.
+What a checkpoint carries: the weights of every rank's model (true vocabulary rows: the tokenizer's
+size); Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) when the optimizer is a torch optimizer
+over the model parameters, Megatron's ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``
+(plus its fp32 main parameters, as ``optimizer.fp32_param.<name>``), the ``DistributedOptimizer``
+(each DP rank's contiguous range of every flattened parameter mapped to regions of the global
+tensor, :func:`elastor_ds.layout.zero.flat_partition_pieces`) or a ``ChainedOptimizer`` of those;
+the fp16 loss scaler; the LR scheduler (``opt_param_scheduler.state_dict()``), iteration,
+consumed/skipped train samples, consumed valid samples, FLOPs so far; per-rank RNG (python, numpy,
+torch, CUDA and megatron's RNG tracker), restored only when the layout is unchanged.
 
-Not carried (yet): the state of Megatron's ``DistributedOptimizer`` (its shards live in flat
-buffers; only the weights are saved and a warning says so), virtual pipeline chunks, context and
-expert parallelism (rejected by :func:`configure`).
+Loading follows Megatron-LM's own loader: ``--ckpt-step``, a newer non-persistent checkpoint,
+``--pretrained-checkpoint`` as a fallback (fine-tuning), ``--finetune`` / ``--no-load-optim``
+(weights only, then ``optimizer.reload_model_params()``), the scheduler unless those two, and a
+warning when this run pads the vocabulary differently (:func:`check_padded_vocab`). A stock
+Megatron checkpoint under ``--load`` is refused with the conversion command.
+
+Not carried: virtual pipeline chunks, context and expert parallelism (rejected by
+:func:`configure`), the precision-aware distributed optimizer.
 """
 from __future__ import annotations
 
