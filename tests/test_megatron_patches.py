@@ -112,6 +112,43 @@ def test_patch_header_and_shape(name):
         assert "import elastor_ds" not in ln or ln.startswith((" ", "\t")), "elastor is imported lazily"
 
 
+def _added(name: str) -> list[str]:
+    text = open(os.path.join(PATCH_DIR, name)).read()
+    return [ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+
+
+def test_extra_args_provider_imports_elastor_only_with_the_flag(monkeypatch):
+    """0001's function, executed as written: no --elastor -> elastor_ds is not imported at all."""
+    import subprocess
+    import sys
+
+    text = open(os.path.join(PATCH_DIR, "megatron-lm/0001-pretrain_gpt-elastor-flags.patch")).read()
+    first_hunk = text.split("\n@@")[1]  # the function; the second hunk passes it to pretrain()
+    src = "\n".join(ln[1:] for ln in first_hunk.splitlines()[1:] if ln.startswith("+"))
+    prog = ("import argparse, sys\nhas_nvidia_modelopt = False\n" + src + "\n"
+            "p = extra_args_provider(argparse.ArgumentParser())\n"
+            "print(sorted(m for m in sys.modules if m.startswith('elastor_ds')).__len__(),\n"
+            "      any(a.dest == 'elastor_plan' for a in p._actions))\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    plain = subprocess.run([sys.executable, "-c", prog, "--lr", "1"], capture_output=True, text=True, env=env)
+    flagged = subprocess.run([sys.executable, "-c", prog, "--elastor"], capture_output=True, text=True, env=env)
+    assert plain.stdout.split() == ["0", "False"], plain.stderr
+    n, has = flagged.stdout.split()
+    assert int(n) > 0 and has == "True", flagged.stderr
+    # --elastor without elastor_ds installed: a message, not an ImportError traceback
+    missing = subprocess.run([sys.executable, "-c", "import sys; sys.modules['elastor_ds'] = None\n" + prog,
+                              "--elastor"], capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and "--elastor needs elastor_ds" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_parallel_state_check_is_not_gated_on_device_count():
+    """0003 calls the check at function level (4 spaces), after the `if device_count > 0:` block."""
+    added = _added("megatron-lm/0003-initialize-elastor-check.patch")
+    first = next(ln for ln in added if "getattr(args, 'elastor'" in ln)
+    assert first.startswith("    if ") and not first.startswith("     ")
+
+
 def test_parse_patch_rejects_bad_hunk():
     bad = "What: x\n--- a/f.py\n+++ b/f.py\n@@ -1,2 +1,3 @@\n a\n+b\n"
     with pytest.raises(ValueError, match="hunk"):
