@@ -7,10 +7,9 @@ import logging
 import os
 import sys
 
+from ..cli_types import positive_int
 from ..errors import CheckpointError, ConfigError
 from . import commit as commit_mod
-from .convert import from_consolidated, to_consolidated
-from .verify import verify
 
 log = logging.getLogger("elastor")
 
@@ -51,24 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
-
-
 def cmd_inspect(args) -> int:
     try:
         step_dir = commit_mod.resolve(args.ckpt)
         man = commit_mod.read_manifest(step_dir)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if not os.path.exists(args.ckpt) else 1  # a typo is a usage error
     if args.json:
         d = man.to_json()
         d["step_dir"] = step_dir
@@ -101,8 +89,12 @@ def cmd_verify(args) -> int:
     try:
         step_dir = commit_mod.resolve(args.ckpt)
     except CheckpointError as e:
+        if not os.path.exists(args.ckpt):  # a typo is a usage error
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
         return 1
+    from .verify import verify  # torch-free CLI start: heavy modules load on use
     problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty())
     if problems:
         for p in problems:
@@ -135,6 +127,7 @@ def cmd_convert(args) -> int:
         commit_mod.check_import_destination(args.dst, None, args.force)
     else:
         commit_mod.check_empty_destination(os.path.abspath(args.dst))
+    from .convert import from_consolidated, to_consolidated
     if src_f == "elastor" and dst_f == "consolidated":
         out = to_consolidated(args.src, args.dst, progress=progress)
     elif src_f == "consolidated" and dst_f == "elastor":

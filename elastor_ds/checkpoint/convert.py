@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..layout.region import Region
 from . import commit as commit_mod
 from .engine import read_shards

@@ -156,8 +156,20 @@ class Layout:
     def from_json(obj: Mapping[str, Any] | str, num_layers: int | None = None) -> "Layout":
         """Build from a plan document (dict or JSON text). Ranks are assigned in order of appearance
         (replica, stage, TP rank) unless a stage lists ``"ranks"``."""
-        if isinstance(obj, str):
-            obj = json.loads(obj)
+        try:
+            if isinstance(obj, str):
+                obj = json.loads(obj)
+            if not isinstance(obj, Mapping):
+                raise LayoutError(f"a plan document is a JSON object, got {type(obj).__name__}")
+            return Layout._from_json(obj, num_layers)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            if isinstance(e, LayoutError):
+                raise
+            raise LayoutError(f"malformed plan document ({type(e).__name__}: {e}); write one with "
+                              f"`elastor plan ... --json`") from None
+
+    @staticmethod
+    def _from_json(obj: Mapping[str, Any], num_layers: int | None = None) -> "Layout":
         version = obj.get("version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
             raise LayoutError(f"plan version {version} is not supported (this build reads {PLAN_FORMAT_VERSION})")

@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from ..cli_types import positive_float, positive_int
 from ..errors import ConfigError, PlanningError
 from .cluster import Cluster
 from .cost import CostModel, CostParams, GiB, Profile
@@ -22,32 +23,32 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="choose the best layout for the usable GPUs",
                               description=__doc__.splitlines()[0])
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA); default = heads")
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--vocab-size", type=int, required=True)
+    g.add_argument("--num-layers", type=positive_int, required=True)
+    g.add_argument("--hidden-size", type=positive_int, required=True)
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden")
+    g.add_argument("--num-attention-heads", type=positive_int, required=True)
+    g.add_argument("--num-query-groups", type=positive_int, default=None, help="KV heads (GQA); default = heads")
+    g.add_argument("--seq-length", type=positive_int, required=True)
+    g.add_argument("--vocab-size", type=positive_int, required=True)
     g.add_argument("--swiglu", action="store_true", help="gated MLP (three FFN matrices)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--dtype-bytes", type=int, default=2)
+    g.add_argument("--dtype-bytes", type=positive_int, default=2)
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, required=True)
-    t.add_argument("--global-batch-size", type=int, required=True, help="samples per iteration (fixed)")
-    t.add_argument("--tensor-model-parallel-size", type=int, default=1, help="nominal (maximum) TP")
+    t.add_argument("--micro-batch-size", type=positive_int, required=True)
+    t.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per iteration (fixed)")
+    t.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="nominal (maximum) TP")
     t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     c = p.add_argument_group("cluster")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--gpus-per-node", help="usable GPUs per node, e.g. 8,8,8,7")
     src.add_argument("--cluster", help="cluster YAML/JSON file (see elastor_ds.plan.cluster)")
-    c.add_argument("--gpu-memory-gb", type=float, default=None, help="default 80 (or the file's)")
-    c.add_argument("--intra-node-bandwidth-gbs", type=float, default=None)
-    c.add_argument("--inter-node-bandwidth-gbs", type=float, default=None)
-    c.add_argument("--gpu-tflops", type=float, default=CostParams.gpu_tflops, help="achieved TFLOP/s per GPU")
+    c.add_argument("--gpu-memory-gb", type=positive_float, default=None, help="default 80 (or the file's)")
+    c.add_argument("--intra-node-bandwidth-gbs", type=positive_float, default=None)
+    c.add_argument("--inter-node-bandwidth-gbs", type=positive_float, default=None)
+    c.add_argument("--gpu-tflops", type=positive_float, default=CostParams.gpu_tflops, help="achieved TFLOP/s per GPU")
     s = p.add_argument_group("search")
     s.add_argument("--profile", help="per-layer time profile JSON (elastor_ds.plan.profile)")
-    s.add_argument("--top-k", type=int, default=3, help="alternatives to list")
+    s.add_argument("--top-k", type=positive_int, default=3, help="alternatives to list")
     s.add_argument("--layouts", choices=("uniform", "heterogeneous"), default="heterogeneous",
                    help="uniform: TP x PP x DP grids only (what stock DeepSpeed/Megatron run)")
     s.add_argument("--json", action="store_true", help="print the plan JSON document to stdout")

@@ -15,6 +15,8 @@ Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
+import math
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +52,7 @@ class Node:
             object.__setattr__(self, "speeds", tuple(1.0 for _ in self.gpus))
         if len(self.speeds) != len(self.gpus):
             raise ConfigError(f"node {self.name}: {len(self.speeds)} speeds for {len(self.gpus)} GPUs")
-        if any(not (s > 0) for s in self.speeds):
+        if any(not (s > 0) or not math.isfinite(s) for s in self.speeds):
             raise ConfigError(f"node {self.name}: relative speeds {list(self.speeds)} must be > 0")
 
 
@@ -62,10 +64,10 @@ class Cluster:
     inter_node_bandwidth_gbs: float = 25.0
 
     def __post_init__(self) -> None:
-        if self.gpu_memory_gb <= 0:
-            raise ConfigError(f"gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
-        if self.intra_node_bandwidth_gbs <= 0 or self.inter_node_bandwidth_gbs <= 0:
-            raise ConfigError("bandwidths must be > 0 GB/s")
+        for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{k}={v!r}: must be a finite number > 0")
         names = [n.name for n in self.nodes]
         if len(set(names)) != len(names):
             raise ConfigError(f"node names {names} must be distinct")
@@ -79,6 +81,8 @@ class Cluster:
                 counts = [int(x) for x in spec.replace(" ", "").split(",") if x != ""]
             except ValueError:
                 raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7") from None
+            if not counts:
+                raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7")
         else:
             counts = [int(x) for x in spec]
         if any(c < 0 for c in counts):
@@ -88,6 +92,16 @@ class Cluster:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], **overrides: Any) -> "Cluster":
+        try:
+            return Cluster._from_dict(d, **overrides)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"malformed cluster description ({type(e).__name__}: {e}); see "
+                              f"elastor_ds.plan.cluster for the format") from None
+
+    @staticmethod
+    def _from_dict(d: Mapping[str, Any], **overrides: Any) -> "Cluster":
         kw: dict[str, Any] = {k: float(d[k]) for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs",
                                                         "inter_node_bandwidth_gbs") if k in d}
         kw.update({k: v for k, v in overrides.items() if v is not None})

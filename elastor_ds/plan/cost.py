@@ -30,6 +30,8 @@ Pure: no torch, torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 from dataclasses import dataclass, field
@@ -82,7 +84,7 @@ class Profile:
         if not self.layer_time_s:
             raise ConfigError("profile has no layer_time_s entries")
         for t, v in self.layer_time_s.items():
-            if t < 1 or v <= 0:
+            if t < 1 or not (v > 0) or not math.isfinite(v):
                 raise ConfigError(f"profile layer_time_s[{t}]={v}: TP width >= 1 and time > 0 required")
 
     @staticmethod
@@ -100,10 +102,10 @@ class Profile:
     def load(path: str | Path) -> "Profile":
         try:
             return Profile.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"cannot read profile {path}: {e}") from None
+            raise ConfigError(f"cannot read profile {path}: {type(e).__name__}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": 1, "micro_batch_size": self.micro_batch_size, "seq_length": self.seq_length,

@@ -19,6 +19,7 @@ S = 0 disables periodic saves (``engine.save_checkpoint`` still writes one).
 from __future__ import annotations
 
 import difflib
+import math
 import json
 import os
 from dataclasses import dataclass
@@ -74,8 +75,8 @@ def _int(where: str, v: Any, lo: int, example: str) -> int:
 
 
 def _float(where: str, v: Any, lo: float, example: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < lo:
-        raise ConfigError(f"{where}: expected a number >= {lo}, got {v!r}; e.g. {example}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+        raise ConfigError(f"{where}: expected a finite number >= {lo}, got {v!r}; e.g. {example}")
     return float(v)
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 def register(subparsers) -> None:
     from ...checkpoint.cli import EXPORTERS, IMPORTERS
-    from .convert import cli_export, cli_import
+
+    def cli_import(src, dst, args):  # the converter (torch, megatron) loads on use
+        from .convert import cli_import as run
+        return run(src, dst, args)
+
+    def cli_export(src, dst, args):
+        from .convert import cli_export as run
+        return run(src, dst, args)
 
     IMPORTERS["megatron"] = cli_import
     EXPORTERS["megatron"] = cli_export

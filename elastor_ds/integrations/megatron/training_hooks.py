@@ -93,7 +93,10 @@ def plan_layout(args: Any) -> Optional[Layout]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--elastor-plan {path}: not a readable plan JSON ({e})") from None
     lm = getattr(args, "language_model", None)  # --yaml-cfg keeps num_layers there
-    return Layout.from_json(doc, getattr(args, "num_layers", None) or getattr(lm, "num_layers", None))
+    try:
+        return Layout.from_json(doc, getattr(args, "num_layers", None) or getattr(lm, "num_layers", None))
+    except LayoutError as e:
+        raise ConfigError(f"--elastor-plan {path}: {e}") from None
 
 
 def pipeline_layout_string(boundaries: Sequence[int]) -> str:

@@ -1,0 +1,29 @@
+"""argparse value types shared by the CLI subcommands: integers >= 1, finite numbers > 0.
+
+A bad value becomes argparse's one-line usage error (exit 2) naming the flag and the value."""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return v

@@ -1,0 +1,121 @@
+"""Nothing lost: conversions into non-empty destinations refuse (exit 2, destination byte-identical);
+``--force`` adds an imported step without replacing, deleting or rewinding anything; a failed
+conversion leaves no temporary directory. Real files, the CLI in subprocesses."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from elastor_ds.checkpoint import CheckpointEngine, TensorShard
+from elastor_ds.checkpoint import commit as commit_mod
+from elastor_ds.layout.region import Region
+
+SHAPE = (16, 8)
+
+
+def elastor(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv, "--no-progress"], env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def tree_hash(path: str) -> str:
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(path)):
+        dirs.sort()
+        for f in sorted(files):
+            h.update(os.path.join(d, f).encode())
+            h.update(open(os.path.join(d, f), "rb").read())
+    return h.hexdigest()
+
+
+def save(root: str, step: int) -> None:
+    shards = [TensorShard(n, SHAPE, Region.full(SHAPE), torch.full(SHAPE, step + i / 10)) for i, n in enumerate("ab")]
+    CheckpointEngine(root, async_save=False, keep=2).save(step, shards)
+
+
+def load_value(root_or_step: str) -> float:
+    t = torch.empty(SHAPE)
+    CheckpointEngine(root_or_step, async_save=False).load(root_or_step, [TensorShard("a", SHAPE, Region.full(SHAPE), t)])
+    return float(t[0, 0])
+
+
+def test_import_into_existing_root_refuses_then_force_adds_without_rewinding(tmp_path):
+    src, target, cons = str(tmp_path / "src"), str(tmp_path / "target"), str(tmp_path / "cons")
+    save(src, 5)
+    save(target, 3)
+    save(target, 9)  # a newer run's checkpoints, latest -> 9
+    assert elastor("convert", src, cons, "--to", "consolidated").returncode == 0
+    before = tree_hash(target)
+    p = elastor("convert", cons, target, "--from", "consolidated")
+    assert p.returncode == 2 and "--force" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert tree_hash(target) == before
+    steps = {s: tree_hash(path) for s, path in commit_mod.list_committed(target)}
+    p = elastor("convert", cons, target, "--from", "consolidated", "--force")
+    assert p.returncode == 0, p.stderr
+    # step 5 added; 3 and 9 untouched (no retention ran, keep=2 would have deleted 3); latest still 9
+    assert [s for s, _ in commit_mod.list_committed(target)] == [3, 5, 9]
+    assert {s: tree_hash(path) for s, path in commit_mod.list_committed(target) if s != 5} == steps
+    assert os.path.basename(commit_mod.resolve(target)) == commit_mod.step_dirname(9)
+    assert load_value(os.path.join(target, commit_mod.step_dirname(5))) == 5.0
+    # the same step again: refused even with --force (an import never replaces a step)
+    before = tree_hash(target)
+    p = elastor("convert", cons, target, "--from", "consolidated", "--force")
+    assert p.returncode == 2 and "never replaces" in p.stderr, p.stderr
+    assert tree_hash(target) == before
+    assert not [n for n in os.listdir(target) if n.startswith(".")]
+
+
+def test_exports_into_non_empty_destinations_refuse(tmp_path):
+    src = str(tmp_path / "src")
+    save(src, 5)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "precious.txt").write_text("mine")
+    (dst / "latest_checkpointed_iteration.txt").write_text("100")
+    before = tree_hash(str(dst))
+    for fmt in ("consolidated", "megatron", "deepspeed-universal"):
+        p = elastor("convert", src, str(dst), "--to", fmt)
+        assert p.returncode == 2 and "not empty" in p.stderr and "Traceback" not in p.stderr, (fmt, p.stderr)
+        assert tree_hash(str(dst)) == before, fmt
+    assert sorted(os.listdir(tmp_path)) == ["dst", "src"]  # no temp dirs either
+
+
+def test_failed_conversions_leave_no_temp_dirs(tmp_path):
+    src = str(tmp_path / "src")
+    save(src, 5)
+    step_dir = commit_mod.resolve(src)
+    data = next(n for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+    man = commit_mod.read_manifest(step_dir)
+    off = man.tensors["b"].chunks[0].offset + 4
+    with open(os.path.join(step_dir, data), "r+b") as f:  # flip a byte of tensor b (read in full)
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = tmp_path / "out"
+    out.mkdir()
+    p = elastor("convert", src, str(out / "cons"), "--to", "consolidated")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert os.listdir(out) == []  # neither the destination nor its temporary sibling
+    # an import that fails half way (the second tensor's bytes are missing) into an existing root
+    good = str(tmp_path / "good")
+    save(good, 7)
+    cons = tmp_path / "cons"
+    assert elastor("convert", good, str(cons), "--to", "consolidated").returncode == 0
+    meta = json.loads((cons / "elastor_metadata.json").read_text())
+    meta["step"] = 8
+    (cons / "elastor_metadata.json").write_text(json.dumps(meta))
+    size = os.path.getsize(cons / "model.safetensors")
+    os.truncate(cons / "model.safetensors", size - 16)
+    target = str(tmp_path / "target")
+    save(target, 3)
+    before = tree_hash(target)
+    p = elastor("convert", str(cons), target, "--from", "consolidated", "--force")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert tree_hash(target) == before and sorted(os.listdir(target)) == ["latest", commit_mod.step_dirname(3)]

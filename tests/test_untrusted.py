@@ -1,0 +1,200 @@
+"""Untrusted checkpoints through the real CLI (subprocesses): names that escape their directory,
+tensor names that would escape an export, crafted pickles that run code, malformed plan and
+convert flags. Each must exit non-zero with a one-line message, no traceback, nothing read or
+written outside, and no code run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastor_ds.checkpoint import CheckpointEngine, TensorShard
+from elastor_ds.errors import ElastorError
+from elastor_ds.layout.region import Region
+
+SHAPE = (16, 8)
+
+
+def elastor(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_failure(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.startswith(("ERROR", "elastor", "error", "CORRUPT"))]
+    assert len(lines) == 1, p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    root = str(tmp_path / "ck")
+    shards = [TensorShard(n, SHAPE, Region.full(SHAPE), torch.full(SHAPE, float(i))) for i, n in enumerate("ab")]
+    step_dir = CheckpointEngine(root, async_save=False).save(3, shards).committed_dir
+    data = next(n for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+    secret = tmp_path / "outside" / "secret.safetensors"
+    secret.parent.mkdir()
+    shutil.copy(os.path.join(step_dir, data), secret)  # a valid data file: a leak would "work"
+    return root, step_dir, data, str(secret)
+
+
+def _edit_manifest(step_dir: str, fn) -> None:
+    p = os.path.join(step_dir, "manifest.json")
+    m = json.load(open(p))
+    fn(m)
+    with open(p, "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_manifest_file_name_outside_the_step_dir_is_refused(ckpt, tmp_path, how):
+    root, step_dir, data, secret = ckpt
+    name = os.path.relpath(secret, step_dir) if how == "dotdot" else secret
+
+    def rename(m):
+        m["files"][name] = m["files"].pop(data)
+        for t in m["tensors"].values():
+            for ch in t["chunks"]:
+                ch["file"] = name
+    _edit_manifest(step_dir, rename)
+    os.unlink(os.path.join(step_dir, data))  # the data now lives only outside
+    dst = str(tmp_path / "cons")
+    assert_one_line_failure(elastor("convert", root, dst, "--to", "consolidated", "--no-progress"), 1,
+                            "refusing")
+    assert not os.path.exists(dst) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    assert_one_line_failure(elastor("verify", root), 1)
+
+
+def test_symlinked_data_file_and_latest_outside_are_refused(ckpt, tmp_path):
+    root, step_dir, data, secret = ckpt
+    os.unlink(os.path.join(step_dir, data))
+    os.symlink(secret, os.path.join(step_dir, data))
+    assert_one_line_failure(elastor("verify", root), 1, "outside")
+    # `latest` naming a step dir of another root
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    with open(os.path.join(other, "latest"), "w") as f:
+        f.write("../ck/" + os.path.basename(step_dir))
+    assert_one_line_failure(elastor("verify", other), 1, "latest")
+    assert_one_line_failure(elastor("inspect", other), 1, "latest")
+
+
+def test_rank_state_file_outside_is_refused_on_load(ckpt):
+    root, step_dir, _, secret = ckpt
+    _edit_manifest(step_dir, lambda m: m.update(rank_state_files={"0": "../../outside/secret.safetensors"}))
+    out = [TensorShard("a", SHAPE, Region.full(SHAPE), torch.empty(SHAPE))]
+    with pytest.raises(ElastorError, match="rank_state_files"):
+        CheckpointEngine(root, async_save=False).load(None, out)
+
+
+def test_escaping_tensor_names_are_refused_on_export_and_import(tmp_path):
+    import elastor_ds.checkpoint.convert as cv
+
+    evil = "model.../../../escaped.weight"
+    src = str(tmp_path / "el")
+    orig = cv.check_tensor_name
+    cv.check_tensor_name = lambda n, where="": n  # build the crafted checkpoint behind the check's back
+    try:
+        cv.write_single_writer_checkpoint(src, 1, [evil], {evil: (4, 4)}, {evil: "float32"},
+                                          lambda n: torch.ones(4, 4), progress=False)
+    finally:
+        cv.check_tensor_name = orig
+    dst = str(tmp_path / "a" / "b" / "uni")
+    assert_one_line_failure(elastor("convert", src, dst, "--to", "deepspeed-universal", "--no-progress"), 1,
+                            "tensor name")
+    escaped = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if "escaped" in f]
+    assert escaped == [] and not os.path.exists(dst)
+    # import side: a consolidated file carrying the name
+    from safetensors.torch import save_file
+    cons = tmp_path / "cons"
+    cons.mkdir()
+    save_file({"../../../escaped.weight": torch.ones(2)}, str(cons / "model.safetensors"))
+    assert_one_line_failure(elastor("convert", str(cons), str(tmp_path / "imp"), "--from", "consolidated",
+                                    "--no-progress"), 1, "tensor name")
+    assert not os.path.exists(tmp_path / "imp")
+
+
+class _Payload:
+    """Unpickling this writes a marker file: what any code in a crafted checkpoint could do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def _crafted_deepspeed(tmp_path, marker: str) -> str:
+    tag = tmp_path / "ds" / "global_step1"
+    tag.mkdir(parents=True)
+    torch.save({"weight": torch.ones(2)}, str(tag / "layer_00-model_states.pt"))
+    torch.save({"module": None, "global_steps": 1, "client": _Payload(marker)}, str(tag / "mp_rank_00_model_states.pt"))
+    return str(tag)
+
+
+def _crafted_megatron(tmp_path, marker: str) -> str:
+    it = tmp_path / "mg" / "iter_0000001" / "mp_rank_00"
+    it.mkdir(parents=True)
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save({"model": {}, "args": _Payload(marker)}, str(it / "model_optim_rng.pt"))
+    return str(tmp_path / "mg")
+
+
+@pytest.mark.parametrize("fmt", ["deepspeed", "megatron"])
+def test_crafted_pickle_does_not_run_without_trust(tmp_path, fmt):
+    marker = str(tmp_path / "PWNED")
+    src = _crafted_deepspeed(tmp_path, marker) if fmt == "deepspeed" else _crafted_megatron(tmp_path, marker)
+    dst = str(tmp_path / "out")
+    p = elastor("convert", src, dst, "--from", fmt, "--no-progress")
+    assert not os.path.exists(marker), "the checkpoint's code ran"
+    assert_one_line_failure(p, 1, "--trust-checkpoint")
+    assert not os.path.exists(dst)
+    # the payload is real: with the explicit flag the code runs (and a warning says so)
+    p = elastor("convert", src, dst, "--from", fmt, "--no-progress", "--trust-checkpoint")
+    assert os.path.exists(marker)
+    assert "--trust-checkpoint: fully unpickling" in p.stderr
+
+
+def test_dcp_metadata_payload_is_refused(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+    marker = str(tmp_path / "PWNED")
+    it = tmp_path / "td" / "iter_0000001"
+    it.mkdir(parents=True)
+    (tmp_path / "td" / "latest_checkpointed_iteration.txt").write_text("1")
+    (it / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    with open(it / ".metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata={"x": _Payload(marker)}), f)
+    p = elastor("convert", str(tmp_path / "td"), str(tmp_path / "out"), "--from", "megatron", "--no-progress")
+    assert not os.path.exists(marker)
+    assert_one_line_failure(p, 1, "--trust-checkpoint")
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-gb", "nan"), ("--gpu-tflops", "inf"),
+                                        ("--inter-node-bandwidth-gbs", "-1"), ("--num-layers", "0"),
+                                        ("--micro-batch-size", "-2"), ("--gpus-per-node", ",")])
+def test_malformed_plan_flags_exit_2_in_one_line(flag, value):
+    argv = ["plan", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
+            "--vocab-size", "1000", "--micro-batch-size", "1", "--global-batch-size", "8", "--gpus-per-node", "2,2"]
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    assert_one_line_failure(elastor(*argv), 2, value)
+
+
+def test_convert_tp_zero_exits_2(ckpt, tmp_path):
+    root = ckpt[0]
+    assert_one_line_failure(elastor("convert", root, str(tmp_path / "m"), "--to", "megatron",
+                                    "--tensor-model-parallel-size", "0"), 2, "--tensor-model-parallel-size")
+    assert not os.path.exists(tmp_path / "m")
