@@ -184,3 +184,9 @@ def test_two_controllers_as_two_nodes(tmp_path):
     lb = [e for e in b.event_list() if e["event"] == "launch"]
     assert [e["world_size"] for e in la] == [3, 2] and [e["world_size"] for e in lb] == [3, 2]
     assert sorted(la[-1]["procs_per_node"]) == [1, 1] and sorted(la[0]["procs_per_node"]) == [1, 2]
+
+
+def test_gpu_probe_fails_cleanly_without_a_gpu():
+    from elastor_ds.elastic.probe import probe_gpus
+    res, secs = probe_gpus([0, 1], timeout_s=120, visible="")
+    assert res == {0: False, 1: False} and secs > 0

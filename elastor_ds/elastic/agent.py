@@ -106,7 +106,8 @@ class ElastorAgent(LocalElasticAgent):
         self._stopping: _Stopping | None = None
         self._last_probe = time.monotonic()
         self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
-        self._visible = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+        self._visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")   # before we narrow it per launch
+        self._visible = [x for x in (self._visible_env or "").split(",") if x.strip()]
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame) -> None:
@@ -260,9 +261,8 @@ class ElastorAgent(LocalElasticAgent):
         if not self.book.lost:
             return ()
         if self.cfg.use_gpu:
-            res, dur = probe_mod.probe_gpus([int(self._visible[d]) if d < len(self._visible) else d
-                                            for d in sorted(self.book.lost)], self.cfg.probe_timeout)
-            ok = [d for d, passed in zip(sorted(self.book.lost), res.values()) if passed]
+            res, dur = probe_mod.probe_gpus(sorted(self.book.lost), self.cfg.probe_timeout, self._visible_env)
+            ok = [d for d, passed in res.items() if passed]
             self.events.emit(EventKind.PROBE, devices=sorted(self.book.lost), passed=ok, duration_s=dur,
                              reason="scale-up")
             return decide_scale_up(self.book, ok)
@@ -371,9 +371,7 @@ class ElastorAgent(LocalElasticAgent):
                                   "checkpoint is the previous one")
         probe_ok = None
         if self.cfg.on_failure is OnFailure.PROBE and self.cfg.use_gpu:
-            ids = [int(self._visible[d]) if d < len(self._visible) else d for d in self.book.usable]
-            res, pdur = probe_mod.probe_gpus(ids, self.cfg.probe_timeout)
-            probe_ok = {d: ok for d, ok in zip(self.book.usable, res.values())}
+            probe_ok, pdur = probe_mod.probe_gpus(list(self.book.usable), self.cfg.probe_timeout, self._visible_env)
             self.events.emit(EventKind.PROBE, devices=list(self.book.usable),
                              passed=[d for d, ok in probe_ok.items() if ok], duration_s=pdur, reason="failure")
         dec = decide_after_failure(self.cfg.on_failure, self.book, outs, self.restarts_used, self.cfg.max_restarts,

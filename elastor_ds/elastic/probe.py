@@ -3,6 +3,7 @@ with a timeout, so a wedged device cannot hang the controller."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -21,23 +22,20 @@ sys.exit(0 if ok else 3)
 """
 
 
-def gpu_count() -> int:
-    """Visible GPUs, counted in a subprocess (the controller never initialises CUDA itself)."""
-    try:
-        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                             capture_output=True, text=True, timeout=120)
-        return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
-    except (subprocess.TimeoutExpired, ValueError, OSError):
-        return 0
-
-
-def probe_gpus(devices: list[int], timeout_s: float = 60.0) -> tuple[dict[int, bool], float]:
-    """Probe ``devices`` in parallel subprocesses; returns (device -> passed, seconds)."""
+def probe_gpus(devices: list[int], timeout_s: float = 60.0,
+               visible: str | None = None) -> tuple[dict[int, bool], float]:
+    """Probe ``devices`` (indices into ``visible``, the controller's original CUDA_VISIBLE_DEVICES;
+    None: all GPUs) in parallel subprocesses; returns (device -> passed, seconds)."""
     t0 = time.monotonic()
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
 
     def one(dev: int) -> bool:
         try:
-            r = subprocess.run([sys.executable, "-c", _PROBE, str(dev)], capture_output=True, timeout=timeout_s)
+            r = subprocess.run([sys.executable, "-c", _PROBE, str(dev)], capture_output=True, timeout=timeout_s,
+                               env=env)
             if r.returncode != 0:
                 log.warning("probe of GPU %d failed (exit %d): %s", dev, r.returncode,
                             r.stderr.decode(errors="replace").strip().splitlines()[-1:] or "")
