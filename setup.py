@@ -21,6 +21,7 @@ setup(
         "deepspeed": ["deepspeed>=0.16"],
         "megatron": ["megatron-core>=0.16", "psutil>=5.9"],
         "planner": ["scipy>=1.10"],
+        "elastic": ["matplotlib>=3.7"],   # `elastor run`'s timeline plot (the table needs nothing)
     },
     entry_points={"console_scripts": ["elastor=elastor_ds.cli:main"]},
 )
