@@ -751,6 +751,12 @@ def _kill_scenarios(work: str):
         shards = [TensorShard(n, SHAPE, Region.full(SHAPE), _value(n, 12)) for n in NAMES]
         CheckpointEngine(root, async_save=False, keep=2).save(2, shards)
 
+    def save3_async(root: str) -> None:
+        eng = CheckpointEngine(root, async_save=True, keep=1)
+        eng.save(3, [TensorShard(n, SHAPE, Region.full(SHAPE), _value(n, 3)) for n in NAMES],
+                 rank_state={"rng": 3})
+        eng.wait()
+
     def import5(root: str) -> None:
         from_consolidated(cons, root, progress=False, force=True)
 
@@ -774,6 +780,8 @@ def _kill_scenarios(work: str):
     return {
         "save (new step + retention)": (t12, save3, lambda r: check_root(r, {2, 3}, lambda l: {2, 3} if l == 3 else
                                                                           {1, 2}, same)),
+        "async save with rank state, keep=1": (t12, save3_async, lambda r: check_root(
+            r, {2, 3}, lambda l: {3} if l == 3 else {1, 2}, same)),
         "re-save (exchange)": (t12, resave2, lambda r: check_root(r, {2}, lambda l: {1, 2}, resaved)),
         "re-save (no exchange)": (t12, ("noexchange", resave2), lambda r: check_root(r, {2}, lambda l: {1, 2},
                                                                                       resaved)),
@@ -804,17 +812,16 @@ def run_sigkill(work: str, rng: random.Random, budget: int) -> Row:
         o = forked(count, 120)
         assert o.rc == 0, (name, o.err)
         totals[name] = int(open(cfile).read())
-    per = max(1, budget // len(scen))
+    print(f"# sigkill-save: file-system calls per scenario {totals}", file=sys.stderr)
+    total = sum(totals.values())
     for name, (tmpl, op, check) in scen.items():
         exch = None
         if isinstance(op, tuple):
             exch, op = False, op[1]
         n = totals[name]
-        points = list(range(1, n + 1))
-        if len(points) > per:
-            points = sorted({1 + (j * n) // per for j in range(per)})
-        while len(points) < per:  # more kills than I/O calls: repeat points with other seeds of timing
-            points.append(points[len(points) % n])
+        # every call once when the budget allows; else an even, deterministic spread over the calls
+        per = n if total <= budget else max(1, (budget * n) // total)
+        points = sorted({1 + (j * n) // per for j in range(per)})
         for k in points:
             root = _copy(tmpl, os.path.join(work, "k", f"{name.replace(' ', '_')}_{k}_{rng.randrange(10**6)}"))
 
@@ -829,6 +836,108 @@ def run_sigkill(work: str, rng: random.Random, budget: int) -> Row:
                     o.hang, o.traceback)
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(root + "_export", ignore_errors=True)
+    return row
+
+
+def _rank_shards(step: int, rank: int, world: int, seed: Optional[int] = None) -> list[TensorShard]:
+    rows = SHAPE[0] // world
+    return [TensorShard(n, SHAPE, Region((rank * rows, 0), (rows, SHAPE[1])),
+                        _value(n, step if seed is None else seed)[rank * rows:(rank + 1) * rows].clone())
+            for n in NAMES]
+
+
+def world_job(root: str, steps: tuple[int, ...], kill_at: dict[int, int], world: int = 2, timeout_s: float = 60.0,
+              count_file: Optional[str] = None) -> list[int]:
+    """A ``world``-rank gloo job (forked processes) that saves ``steps`` with rank state, async; rank r
+    SIGKILLs itself before its ``kill_at[r]``-th file-system call. When any rank dies, the job's
+    launcher kills the others (as torchrun does): the whole job goes down. Returns exit statuses."""
+    from elastor_ds.testing.faults import kill_at_io
+    store = tempfile.mktemp(prefix="elastor_store_")
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                import datetime
+                import torch.distributed as dist
+                from elastor_ds.comm import TorchComm
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 2)
+                dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+                comm = TorchComm.create(timeout_s=timeout_s)
+                counter = kill_at_io(kill_at.get(rank, 0))
+                eng = CheckpointEngine(root, comm=comm, async_save=True, keep=2)
+                for step in steps:
+                    eng.save(step, _rank_shards(step, rank, world), extra={"iteration": step},
+                             rank_state={"rank": rank, "step": step})
+                eng.wait()
+                if count_file:
+                    with open(f"{count_file}.{rank}", "w") as f:
+                        f.write(str(counter.count))
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    status = {}
+    deadline = time.monotonic() + timeout_s + 30
+    while len(status) < world:
+        for pid in pids:
+            if pid in status:
+                continue
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status[pid] = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+                if status[pid] != 0:  # the launcher tears the whole job down
+                    for other in pids:
+                        if other not in status:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(other, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            for other in pids:
+                if other not in status:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGKILL)
+                    os.waitpid(other, 0)
+                    status[other] = HANG
+        time.sleep(0.002)
+    with contextlib.suppress(OSError):
+        os.unlink(store)
+    return [status[p] for p in pids]
+
+
+def run_sigkill_world(work: str, rng: random.Random, budget: int) -> Row:
+    """The whole 2-rank job killed at rank 0's n-th file-system call (then the launcher kills rank 1)
+    and at rank 1's n-th call, for every n over two async saves with rank state and retention."""
+    row = Row()
+    tmpl = os.path.join(work, "w_tmpl")
+    save_ckpt(tmpl, 1, keep=2)
+    save_ckpt(tmpl, 2, keep=2)
+    counts = {}
+    root = _copy(tmpl, os.path.join(work, "w_count"))
+    st = world_job(root, (3, 4), {}, count_file=os.path.join(work, "w_count"))
+    assert st == [0, 0], st
+    for r in (0, 1):
+        counts[r] = int(open(os.path.join(work, f"w_count.{r}")).read())
+    print(f"# sigkill-world: file-system calls per rank {counts}", file=sys.stderr)
+    points = [(r, k) for r in (0, 1) for k in range(1, counts[r] + 1)]
+    if len(points) > budget:
+        points = [points[(j * len(points)) // budget] for j in range(budget)]
+    for r, k in points:
+        root = _copy(tmpl, os.path.join(work, "w", f"{r}_{k}_{rng.randrange(10**6)}"))
+        st = world_job(root, (3, 4), {r: k})
+        hang = HANG in st
+        try:
+            latest = commit_mod.resolve(root)
+            lstep = commit_mod.step_of(os.path.basename(latest))
+            ok = lstep in (2, 3, 4) and loads_ok(root, lstep)
+            have = {s for s, _ in commit_mod.list_committed(root)}
+            ok = ok and {lstep - 1, lstep} <= have  # the newest and the one before survive
+        except Exception:  # noqa: BLE001
+            ok = False
+        row.add(f"2-rank job, rank {r} killed before I/O call {k}/{counts[r]} (statuses {st})", ok, not ok, hang)
+        shutil.rmtree(root, ignore_errors=True)
     return row
 
 
@@ -956,13 +1065,15 @@ def run_eacces(work: str, rng: random.Random, reps: int) -> Row:
 
 # ---------------------------------------------------------------------------------- main
 CLASSES = ("cli-malformed", "ds-config", "trainer-flags", "path-escape", "malicious-pickle", "non-empty-destination",
-           "corruption", "sigkill-save", "enospc", "eacces")
+           "corruption", "sigkill-save", "sigkill-job", "enospc", "eacces")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kills", type=int, default=220, help="SIGKILL trials (spread over the save scenarios)")
+    ap.add_argument("--kills", type=int, default=200, help="most SIGKILL trials over the one-process save, "
+                    "re-save, import and export scenarios (every file-system call of each once when it allows)")
+    ap.add_argument("--job-kills", type=int, default=120, help="SIGKILL trials of a whole 2-rank job")
     ap.add_argument("--corruptions", type=int, default=120)
     ap.add_argument("--malformed", type=int, default=1, help="repetitions of the malformed-input sets")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the other small classes")
@@ -983,6 +1094,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                "non-empty-destination": lambda w: run_non_empty_destination(w, rng, args.reps),
                "corruption": lambda w: run_corruption(w, rng, args.corruptions),
                "sigkill-save": lambda w: run_sigkill(w, rng, args.kills),
+               "sigkill-job": lambda w: run_sigkill_world(w, rng, args.job_kills),
                "enospc": lambda w: run_enospc(w, rng, args.reps),
                "eacces": lambda w: run_eacces(w, rng, args.reps)}
     rows: dict[str, Row] = {}
