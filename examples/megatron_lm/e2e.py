@@ -261,7 +261,8 @@ class E2E:
         stock = self.ck("stock_megatron")
         if os.path.exists(stock):
             shutil.rmtree(stock)
-        self.launch("stock_save", ["--train-iters", "10", "--save-interval", "10", "--save", stock,
+        # 12 iterations (the scheduler's totals must match the resumes'), iterations 10 and 12 saved
+        self.launch("stock_save", ["--train-iters", "12", "--save-interval", "10", "--save", stock,
                                    "--ckpt-format", "torch"])
         run = "stock_load_elastor"
         if os.path.exists(self.ck(run)):
@@ -275,7 +276,8 @@ class E2E:
         conv = self.ck("stock_converted")
         if os.path.exists(conv):
             shutil.rmtree(conv)
-        cmd = [sys.executable, "-m", "elastor_ds.cli", "convert", stock, conv, "--from", "megatron", "--no-progress"]
+        cmd = [sys.executable, "-m", "elastor_ds.cli", "convert", os.path.join(stock, "iter_0000010"), conv,
+               "--from", "megatron", "--no-progress"]
         self.commands.append("[stock_convert] elastor convert " + " ".join(cmd[5:]))
         r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO + os.pathsep
                                                                           + os.environ.get("PYTHONPATH", "")))
@@ -291,7 +293,8 @@ class E2E:
         # oracle: stock Megatron's own resume from the same checkpoint (the converted checkpoint has no
         # sample counter; Megatron-LM then takes iteration x global batch, i.e. the same data)
         ref = "stock_resume_stock"
-        self.launch(ref, ["--train-iters", "12", "--save-interval", "100", "--load", stock, "--ckpt-format", "torch"])
+        self.launch(ref, ["--train-iters", "12", "--save-interval", "100", "--load", stock, "--ckpt-format", "torch",
+                          "--ckpt-step", "10"])
         a, b = self.losses[run].get(11), self.losses[ref].get(11)
         self.check(f"{run}: iteration 11 loss equals stock Megatron's own resume",
                    a is not None and a == b, f"{a} vs {b}")
@@ -321,13 +324,19 @@ class E2E:
 
     def seq_fp16(self) -> None:
         """fp16: Float16OptimizerWithFloat16Params with a dynamic loss scaler, whose state is carried."""
-        extra = ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3"]
+        # a small initial scale that grows every 2 iterations: at iteration 10 it is far from the
+        # initial one, so a scaler that was not restored shows at once
+        extra = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2"]
         base = self.base("fp16_", extra)
         run = self.resume("fp16_", base, "same_layout", extra)
         self.same_losses(f"{run}: iteration 11", run, base, [11], exact=True)
-        sa = re.findall(r"iteration\s+11/.*?loss scale: ([0-9.E+-]+)", open(os.path.join(self.work, run + ".log")).read())
-        sb = re.findall(r"iteration\s+11/.*?loss scale: ([0-9.E+-]+)", open(os.path.join(self.work, base + ".log")).read())
-        self.check(f"{run}: loss scale at iteration 11 as uninterrupted", bool(sa) and sa == sb, f"{sa} vs {sb}")
+        pat = r"iteration\s+(\d+)/.*?loss scale: ([0-9.E+-]+)"
+        sa = dict(re.findall(pat, open(os.path.join(self.work, run + ".log")).read()))
+        sb = dict(re.findall(pat, open(os.path.join(self.work, base + ".log")).read()))
+        want = {str(i): sb.get(str(i)) for i in range(11, 21)}
+        self.check(f"{run}: loss scale at iterations 11-20 as uninterrupted (initial 1024)",
+                   bool(sa) and {k: sa.get(k) for k in want} == want and sb.get("10") != "1024.0",
+                   f"resumed {[sa.get(str(i)) for i in (11, 12, 13)]}, uninterrupted {[sb.get(str(i)) for i in (10, 11, 12, 13)]}")
         self.same_checkpoint(f"{run}: iteration 20 vs uninterrupted", (self.ck(base), 20), (self.ck(run), 20))
 
 
