@@ -71,6 +71,10 @@ class RunConfig:
     tee: bool = True
 
 
+class _PreemptedInRendezvous(Exception):
+    """SIGTERM/SIGINT while waiting in the rendezvous: no worker runs, nothing to checkpoint."""
+
+
 class _Stopping:
     def __init__(self, kind: str, deadline: float, devices: tuple[int, ...] = ()):
         self.kind = kind            # "preempt" | "scale_up" | "membership"
@@ -104,6 +108,7 @@ class ElastorAgent(LocalElasticAgent):
         self._force = False
         self._scale_up = False
         self._stopping: _Stopping | None = None
+        self._in_rendezvous = False
         self._last_probe = time.monotonic()
         self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
         self._visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")   # before we narrow it per launch
@@ -117,12 +122,23 @@ class ElastorAgent(LocalElasticAgent):
         if self._preempt and signum == signal.SIGINT:
             self._force = True
         self._preempt = True
+        if self._in_rendezvous:   # the rendezvous may wait minutes for other nodes: leave now
+            raise _PreemptedInRendezvous()
 
     def install_signal_handlers(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(s, self._on_signal)
 
     # ------------------------------------------------------------------ torch elastic hooks
+    def _rendezvous(self, worker_group) -> None:
+        self._in_rendezvous = True
+        try:
+            if self._preempt:
+                raise _PreemptedInRendezvous()
+            super()._rendezvous(worker_group)
+        finally:
+            self._in_rendezvous = False
+
     def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
         workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
         raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
@@ -162,6 +178,10 @@ class ElastorAgent(LocalElasticAgent):
         self.install_signal_handlers()
         try:
             return self._invoke_run(role)
+        except _PreemptedInRendezvous:
+            self.events.emit(EventKind.PREEMPTED, stop_s=0.0, during="rendezvous")
+            log.warning("preempted while waiting in the rendezvous: no worker was running, nothing to checkpoint")
+            return self._result(True)
         finally:
             self._shutdown(signal.SIGKILL, timeout=5)
 

@@ -88,7 +88,7 @@ def timeline_png(events: list[dict], metrics: list[dict], path: str) -> bool:
         log.warning("matplotlib is not installed: no timeline plot")
         return False
     its = [m for m in metrics if "iteration" in m and "time" in m]
-    if not its and not events:
+    if not its:   # nothing trained: the table says what happened
         return False
     t0 = min([e["time"] for e in events] + [m["time"] for m in its])
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
