@@ -210,3 +210,24 @@ def test_gpu_probe_fails_cleanly_without_a_gpu():
     from elastor_ds.elastic.probe import probe_gpus
     res, secs = probe_gpus([0, 1], timeout_s=120, visible="")
     assert res == {0: False, 1: False} and secs > 0
+
+
+def test_sigterm_while_waiting_for_other_nodes_exits_0_at_once(tmp_path):
+    from dist_utils import free_port
+    job = Job(tmp_path, nproc=1, iters=5, save_interval=5,
+              ctl_args=["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "alone"])
+    try:
+        t_end = time.time() + 120
+        while not any(e["event"] == "rendezvous" for e in job.event_list()):
+            assert time.time() < t_end and job.proc.poll() is None, job.output()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        t0 = time.time()
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait(timeout=60) == 0, job.output()[-3000:]
+        assert time.time() - t0 < 30
+    finally:
+        job.kill()
+    ev = job.event_list()
+    assert ev[-1]["event"] == "preempted" and ev[-1]["during"] == "rendezvous"
+    assert not any(e["event"] == "launch" for e in ev)
