@@ -945,6 +945,95 @@ def run_sigkill_world(work: str, rng: random.Random, budget: int) -> Row:
     return row
 
 
+def peer_job(root: str, victim: int, mode: str, at_call: int, timeout_s: float) -> tuple[int, str, float]:
+    """2 ranks save step 3 (async, rank state); rank ``victim`` is SIGKILLed or SIGSTOPped (``mode``)
+    before its ``at_call``-th file-system call and the launcher does NOT tear the job down: the
+    survivor must fail on its own, with a typed error, within about ``timeout_s`` (the comm timeout).
+    Returns (survivor exit code or HANG, its error line, seconds from the fault to its exit)."""
+    from elastor_ds.testing.faults import kill_at_io
+    store = tempfile.mktemp(prefix="elastor_store_")
+    errfile = tempfile.mktemp(prefix="elastor_err_")
+    marker = tempfile.mktemp(prefix="elastor_fault_")
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                import datetime
+                import torch.distributed as dist
+                from elastor_ds.comm import TorchComm
+                from elastor_ds.errors import ElastorError
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 2)
+                dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+                comm = TorchComm.create(timeout_s=timeout_s)
+                if rank == victim:
+                    c = kill_at_io(0)
+                    orig = c.hit
+
+                    def hit(what: str, c=c, orig=orig) -> None:
+                        if c.count + 1 == at_call:
+                            with open(marker, "w") as f:
+                                f.write(str(time.time()))
+                            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+                        orig(what)
+                    c.hit = hit  # type: ignore[method-assign]
+                try:
+                    eng = CheckpointEngine(root, comm=comm, async_save=True, keep=2)
+                    eng.save(3, _rank_shards(3, rank, 2), rank_state={"rank": rank})
+                    eng.wait()
+                    code = 0
+                except ElastorError as e:
+                    with open(errfile, "w") as f:
+                        f.write(f"{type(e).__name__}: {e}"[:300])
+                except BaseException as e:  # noqa: BLE001 - an untyped error reaches the user as a traceback
+                    with open(errfile, "w") as f:
+                        f.write(f"UNTYPED {type(e).__name__}: {e}"[:300])
+                    code = 3
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    survivor = pids[1 - victim]
+    deadline = time.monotonic() + 3 * timeout_s + 30
+    rc = HANG
+    while time.monotonic() < deadline:
+        done, st = os.waitpid(survivor, os.WNOHANG)
+        if done:
+            rc = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+            break
+        time.sleep(0.01)
+    end = time.time()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    fault_t = float(open(marker).read()) if os.path.exists(marker) else end
+    err = open(errfile).read() if os.path.exists(errfile) else ""
+    for f in (store, errfile, marker):
+        with contextlib.suppress(OSError):
+            os.unlink(f)
+    return rc, err, end - fault_t
+
+
+def run_peers(work: str, rng: random.Random, reps: int, timeout_s: float = 10.0) -> Row:
+    """A peer killed (SIGKILL) or hung (SIGSTOP) mid-save while the survivor keeps running: the
+    survivor must raise a typed error within ~3x the comm timeout; its previous checkpoint stays."""
+    row = Row()
+    tmpl = os.path.join(work, "p_tmpl")
+    save_ckpt(tmpl, 2)
+    for i in range(max(1, reps)):
+        for mode in ("kill", "stop"):
+            for at_call in (1 + rng.randrange(3), 4 + rng.randrange(5)):
+                root = _copy(tmpl, os.path.join(work, "p", f"{mode}_{at_call}_{i}"))
+                rc, err, secs = peer_job(root, 1, mode, at_call, timeout_s)
+                intact = loads_ok(root)
+                row.add(f"peer {mode} at I/O call {at_call}: survivor rc {rc} after {secs:.1f} s ({err[:160]})",
+                        rc == 1, not intact, rc == HANG, rc == 3)
+    return row
+
+
 # ---------------------------------------------------------------------------------- ENOSPC, EACCES
 @contextlib.contextmanager
 def small_fs(path: str, size_kib: int):
@@ -1069,7 +1158,7 @@ def run_eacces(work: str, rng: random.Random, reps: int) -> Row:
 
 # ---------------------------------------------------------------------------------- main
 CLASSES = ("cli-malformed", "ds-config", "trainer-flags", "path-escape", "malicious-pickle", "non-empty-destination",
-           "corruption", "sigkill-save", "sigkill-job", "enospc", "eacces")
+           "corruption", "sigkill-save", "sigkill-job", "peers", "enospc", "eacces")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1099,6 +1188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                "corruption": lambda w: run_corruption(w, rng, args.corruptions),
                "sigkill-save": lambda w: run_sigkill(w, rng, args.kills),
                "sigkill-job": lambda w: run_sigkill_world(w, rng, args.job_kills),
+               "peers": lambda w: run_peers(w, rng, args.reps),
                "enospc": lambda w: run_enospc(w, rng, args.reps),
                "eacces": lambda w: run_eacces(w, rng, args.reps)}
     rows: dict[str, Row] = {}
