@@ -246,7 +246,7 @@ def test_hand_computed_cost_two_nodes_zero1():
     cl = Cluster.from_gpus_per_node("1,1", gpu_memory_gb=40, inter_node_bandwidth_gbs=10)
     cost = tiny_cost(cl, zero=1)
     p = Plan(4, (PlanReplica((stage(cl, 1, (0, 4), ["node0:0"]),), 3),
-                 PlanReplica((stage(cl, 1, (0, 4), ["node1:0"]),), 2)))
+                 PlanReplica((stage(cl, 1, (0, 4), ["node1:0"]),), 3)))
     c = cost.evaluate(p)
     # ZeRO-1 sync: reduce-scatter grads (4 B) + all-gather weights (2 B), factor (R-1)/R = 1/2,
     # across nodes at 10 GB/s
@@ -257,6 +257,12 @@ def test_hand_computed_cost_two_nodes_zero1():
     act = S_LEN * (10 * H + 8 * H + 4 * 4096)
     want = 4 * (P_LAYER * 12 + act) + P_EMB * 12 + S_LEN * H * 2 + S_LEN * V * 8
     assert c.replicas[0].stage_memory_bytes[0] == pytest.approx(want)
+    # micro-batches 3:2 make the plan heterogeneous: the runtime runs it with ZeRO-0, so the model
+    # prices 2 + 4 + 12 bytes per parameter and an all-reduce (2 (R-1)/R x 4 bytes)
+    h = cost.evaluate(Plan(4, (PlanReplica((stage(cl, 1, (0, 4), ["node0:0"]),), 3),
+                               PlanReplica((stage(cl, 1, (0, 4), ["node1:0"]),), 2))))
+    assert h.replicas[0].stage_memory_bytes[0] == pytest.approx(want + (4 * P_LAYER + P_EMB) * 6)
+    assert h.sync_time_s == pytest.approx((4 * P_LAYER + P_EMB) * 4 / 10e9)
 
 
 def test_memory_limit_marks_plan_infeasible():

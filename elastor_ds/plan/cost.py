@@ -227,13 +227,13 @@ class CostModel:
         c = self.cluster
         return c.intra_node_bandwidth_gbs if same_node else c.inter_node_bandwidth_gbs
 
-    def sync_bytes_factor(self, num_replicas: int) -> float:
+    def sync_bytes_factor(self, num_replicas: int, zero_stage: int | None = None) -> float:
         """Bytes moved per parameter a rank owns, for the cross-replica gradient sync."""
         r = num_replicas
         if r <= 1:
             return 0.0
         tr = self.training
-        if tr.zero_stage == 0:
+        if (tr.zero_stage if zero_stage is None else zero_stage) == 0:
             return 2.0 * (r - 1) / r * tr.grad_bytes
         return (r - 1) / r * (tr.grad_bytes + self.model.dtype_bytes)
 
@@ -290,13 +290,17 @@ class CostModel:
     def evaluate(self, plan: Plan) -> CostBreakdown:
         """Price a placed plan exactly (the function every search result and test is judged by)."""
         R = len(plan.replicas)
+        # ZeRO shards optimizer state over the data-parallel group of a grid only: the heterogeneous
+        # runtime runs ZeRO-0 (DeepSpeed's ZeRO needs one DP group per flat buffer), so a heterogeneous
+        # plan's memory is priced unsharded
+        R_shard = R if self.is_grid(plan) else 1
         limit = self.memory_limit_bytes
         feasible = True
         reps: list[ReplicaCost] = []
         for rep in plan.replicas:
             S = len(rep.stages)
             times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) for j, s in enumerate(rep.stages))
-            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R) for j, s in enumerate(rep.stages))
+            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R_shard) for j, s in enumerate(rep.stages))
             if any(mm > limit for mm in mems):
                 feasible = False
             slow = max(times)
@@ -311,10 +315,16 @@ class CostModel:
         pipe = max(r.time_s for r in reps)
         return CostBreakdown(pipe + sync, pipe, sync, tuple(reps), limit, feasible)
 
+    @staticmethod
+    def is_grid(plan: Plan) -> bool:
+        """A TP x PP x DP grid with equal micro-batches: the only plans that run with ZeRO sharding
+        (heterogeneous plans run ZeRO-0 and an unsharded split all-reduce)."""
+        return plan.uniform_dims() is not None and len({r.micro_batches for r in plan.replicas}) == 1
+
     def sync_time(self, plan: Plan) -> float:
         """Cross-replica gradient sync (see module docstring): slowest stage over all replicas."""
         R = len(plan.replicas)
-        factor = self.sync_bytes_factor(R)
+        factor = self.sync_bytes_factor(R, None if self.is_grid(plan) else 0)
         if factor == 0.0:
             return 0.0
         m = self.model
