@@ -79,6 +79,19 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     a = torch.cat([got[k].flatten() for k in sorted(want)])
     b = torch.cat([want[k].flatten() for k in sorted(want)])
     assert float((a - b).norm() / b.norm()) < 1e-5
+    # the trainer measured a per-layer profile (A runs TP2 and TP1 stages) in `elastor plan --profile` format
+    prof = json.load(open(tmp_path / "ckA" / "profile.json"))
+    assert prof["version"] == 1 and sorted(prof["layer_time_s"]) == ["1", "2"] and prof["seq_length"] == 32
+    from elastor_ds.plan import Profile
+    assert all(v > 0 for v in Profile.load(tmp_path / "ckA" / "profile.json").layer_time_s.values())
+    # --elastor-plan auto: a heterogeneous search priced with that profile, resumed from A's step 3
+    torchrun(3, "--elastor-plan", "auto", "--load", str(tmp_path / "ckA" / "step_000000003"),
+             "--save", str(tmp_path / "ckAuto"), "--metrics-file", str(tmp_path / "auto.jsonl"))
+    assert_losses(losses(str(tmp_path / "auto.jsonl")), ref, range(4, 7))
+    rec = [json.loads(line) for line in open(tmp_path / "auto.jsonl")]
+    assert rec[0]["plan_source"] == "auto" and rec[0]["profile"] == str(tmp_path / "ckA" / "profile.json")
+    assert rec[0]["predicted_iter_s"] > 0 and rec[0]["uniform_predicted_iter_s"] > 0 and rec[0]["uniform_plan"]
+    assert rec[0]["plan"]["num_gpus"] == 3 and rec[0]["layout"] == rec[-1]["layout"]
     # C (cross-width stages) from scratch
     torchrun(5, "--elastor-plan", write(tmp_path / "c.json", C), "--metrics-file", str(tmp_path / "c.jsonl"))
     assert_losses(losses(str(tmp_path / "c.jsonl")), ref, range(1, 7))

@@ -10,8 +10,28 @@ Launch with torchrun or the ``deepspeed`` launcher, one process per GPU (or CPU 
 
 With ``--load`` the run resumes from the newest elastor checkpoint under whatever layout this
 launch has (TP, PP, DP and stage boundaries may all differ): weights, Adam state, LR scheduler,
-RNG and the data position. ``--elastor-plan auto`` asks the planner for the best layout this
-runtime can execute on the launched processes; ``--elastor-plan plan.json`` uses a given plan.
+RNG and the data position. ``--elastor-plan plan.json`` runs any valid plan document (the
+planner's JSON, ``version: 1``): replicas with different stage counts and layer splits, TP degrees
+that differ between replicas and between the stages of one replica, and micro-batches per replica
+(heterogeneous plans run one DeepSpeed PipelineEngine per replica on the heterogeneous runtime,
+ZeRO-0). ``--elastor-plan auto`` asks the planner for the best plan that uses exactly the launched
+processes, searching heterogeneous plans too (``--elastor-layouts uniform`` restricts it), priced with
+the per-layer profile this trainer measured in an earlier run (``<save>/profile.json``, written after
+``--profile-iters`` timed iterations, in ``elastor plan --profile`` format) when there is one.
+Bad plans exit 2 before any work, with the numbers (devices vs world size, layer coverage,
+micro-batches vs global batch, TP vs heads/query groups/FFN, a stage spanning nodes).
+
+Metrics file (``--metrics-file``, JSONL, written by rank 0, one record per iteration). Keys, a
+contract for readers such as the demo table (keys may be added, never removed):
+
+    iteration, lm_loss (global batch mean), consumed_samples, lr, layout (short description),
+    world_size, iter_time_s (measured), time (unix), save_stall_s (iterations that saved),
+    plan_source ("flags" | "file" | "auto"),
+    with --elastor-plan auto also: predicted_iter_s (the chosen plan's prediction),
+      uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
+      processes), profile (path of the profile used, or null for the analytical model);
+    profile_written (path, from the iteration the profile was written on);
+    plan (the full plan document; in the first record of each launch only).
 """
 from __future__ import annotations
 
@@ -65,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     a("--elastor-plan", default=None, help="plan JSON file, 'auto' to ask the planner for the launched world, or "
       "'on-change' (under `elastor run`): the TP/PP flags on the first launched world, the planner's after it changed")
+    a("--elastor-layouts", choices=["heterogeneous", "uniform"], default="heterogeneous",
+      help="search space of the planner for --elastor-plan auto (default: heterogeneous plans too)")
+    a("--profile-iters", type=int, default=3, help="iterations timed for the per-layer profile written to "
+      "<save>/profile.json, which --elastor-plan auto uses after a restart (0: off)")
     a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
     a("--metrics-file", default=None, help="JSONL, one line per iteration")
     a("--exit-after-iters", type=int, default=None, help="stop (as if killed) after this iteration; for demos")
@@ -178,10 +202,11 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
 
 
 def auto_plan(args: argparse.Namespace, world: int):
-    """The planner's best layout for ``world`` processes (one node) that this runtime executes: a
-    uniform TP x PP x DP grid with uneven stages allowed and equal micro-batches per replica."""
-    from elastor_ds.layout import Layout
-    from elastor_ds.plan import Cluster, CostModel, ModelSpec, TrainingSpec, plan
+    """The planner's best plan for the ``world`` launched processes, heterogeneous plans included
+    (the default search space), priced with the per-layer profile this trainer measured before
+    (``<load or save dir>/profile.json``) when there is one. Sets ``args.plan_info`` (metrics keys)."""
+    import layer_profile
+    from elastor_ds.plan import CostModel, ModelSpec, Profile, TrainingSpec, plan
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length, vocab_size=104,
                       ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
@@ -190,19 +215,29 @@ def auto_plan(args: argparse.Namespace, world: int):
                             num_micro_batches=args.global_batch_size // args.micro_batch_size,
                             nominal_tp=args.tensor_model_parallel_size,
                             zero_stage=1 if args.zero_stage is None else args.zero_stage)
-    res = plan(CostModel(model, training, elastic_cluster(world)), layouts="uniform", top_k=20)
-    for cand in [res.best] + list(res.alternatives):
-        p = cand.plan
-        layout = Layout.from_json({"version": 1, "replicas": [
-            {"micro_batches": r.micro_batches, "stages": [{"tp": st.tp, "layers": list(st.layers)} for st in r.stages]}
-            for r in p.replicas]}, args.num_layers)
-        mbs = {r.micro_batches for r in layout.replicas}
-        if layout.world_size == world and len(mbs) == 1 and layout.is_uniform():
-            return layout
-    raise UsageError(f"the planner's best layouts for this model do not use all {world} processes with equal "
-                     f"micro-batches per replica (best: {res.best.plan.describe()}); run `elastor plan ... "
-                     f"--layouts uniform --json > plan.json` and relaunch with its process count and "
-                     f"--elastor-plan plan.json")
+    prof_path = layer_profile.find(args.load, args.save)
+    profile = Profile.load(prof_path) if prof_path else None
+    res = plan(CostModel(model, training, elastic_cluster(world), profile=profile), layouts=args.elastor_layouts,
+               top_k=50)
+    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+    groups = args.num_query_groups or args.num_attention_heads
+    for cand in list(res.alternatives) or [res.best]:
+        layout = cand.plan.to_layout()
+        if layout.world_size != world or any(ffn % s.tp or groups % s.tp for r in layout.replicas for s in r.stages):
+            continue
+        uni = res.uniform
+        args.plan_info = {"plan_source": "auto", "predicted_iter_s": cand.cost.iteration_time_s,
+                          "uniform_plan": uni.plan.describe() if uni else None,
+                          "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
+                          "profile": prof_path}
+        log.info("planner (%s search, profile %s): %s, predicted %.4g s/iter; best uniform %s, predicted %s s/iter",
+                 args.elastor_layouts, prof_path or "none: analytical model", layout.describe(),
+                 cand.cost.iteration_time_s, uni.plan.describe() if uni else "none",
+                 f"{uni.cost.iteration_time_s:.4g}" if uni else "-")
+        return layout
+    raise UsageError(f"none of the planner's best plans for this model uses exactly the {world} launched processes "
+                     f"(best: {res.best.plan.describe()}); run `elastor plan ... --json > plan.json` and relaunch "
+                     f"with its process count and --elastor-plan plan.json")
 
 
 def lr_lambda(args: argparse.Namespace):
@@ -376,6 +411,12 @@ def _main(argv: list[str] | None = None) -> int:
                 mb = b[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
                 yield mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
     it_data = batches() if needs_data else None
+    prof = None
+    if args.save and args.profile_iters > 0 and start + 1 < args.train_iters:  # skip the first (warm-up) iteration
+        import layer_profile
+        prof = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, start + 1,
+                                           min(args.profile_iters, args.train_iters - start - 1))
+    plan_info = dict(getattr(args, "plan_info", None) or {"plan_source": "file" if args.elastor_plan else "flags"})
     mfile = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
     t_start = time.time()
     last = args.train_iters if args.exit_after_iters is None else min(args.train_iters, args.exit_after_iters)
@@ -383,8 +424,16 @@ def _main(argv: list[str] | None = None) -> int:
         for it in range(start, last):
             t0 = time.perf_counter()
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
+            if prof is not None:
+                prof.begin(it)
             loss = float(engine.train_batch(it_data))
             dt = time.perf_counter() - t0
+            if prof is not None and prof.end(it):
+                doc = prof.gather(args.micro_batch_size, args.seq_length)
+                if rank == 0:
+                    import layer_profile
+                    plan_info["profile_written"] = layer_profile.write(doc, args.save)
+                prof = None
             saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
             stall = engine.elastor.stats[-1].stall_s if saved else None
             if mfile:
@@ -393,6 +442,9 @@ def _main(argv: list[str] | None = None) -> int:
                        "world_size": world, "iter_time_s": dt, "time": time.time()}
                 if saved:
                     rec["save_stall_s"] = stall
+                rec.update(plan_info)
+                if it == start:
+                    rec["plan"] = layout.to_json()
                 mfile.write(json.dumps(rec) + "\n")
                 mfile.flush()
             if rank == 0 and ((it + 1) % args.log_interval == 0 or it == start):
