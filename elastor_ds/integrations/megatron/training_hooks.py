@@ -681,7 +681,9 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
         raise ConfigError(f"{step_dir}: format {man.extra.get('format')!r}; this reader knows {FORMAT}")
     chunk = _one_chunk(model)
     cfg = _cfg(args, chunk)
-    eng = _engine(args, os.path.dirname(step_dir))
+    np_root = _non_persistent_root(args, root)
+    from_np = bool(np_root) and os.path.abspath(os.path.dirname(step_dir)) == os.path.abspath(np_root)
+    eng = _engine(args, os.path.dirname(step_dir), 1 if from_np else None)  # the same engine later saves there
     layout = _layout(args, chunk, cfg, eng.comm)
     saved = Layout.from_json(man.layout) if man.layout else None
     finetune = bool(getattr(args, "finetune", False))
