@@ -7,7 +7,7 @@ from .integrations.deepspeed import (CheckpointConfig, ElastorConfig, parse_elas
                                      split_ds_config)
 
 __all__ = ["initialize", "init_distributed", "PipelineModule", "ElastorConfig", "CheckpointConfig",
-           "parse_elastor_section", "split_ds_config", "ElastorCheckpointer", "check_version"]
+           "parse_elastor_section", "split_ds_config", "ElastorCheckpointer", "check_version", "resolve_plan"]
 
 
 def __getattr__(name: str) -> Any:

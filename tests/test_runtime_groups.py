@@ -134,3 +134,29 @@ def test_cross_width_p2p_pairs():
                 assert r in send_targets(layout, recv_source(layout, r, src), st)
     with pytest.raises(LayoutError, match="adjacent"):
         send_targets(layout, 0, 2)
+
+
+def test_deepspeed_auto_plan_from_launch_world(tmp_path):
+    """"elastor": {"plan": "auto"} plans from WORLD_SIZE / LOCAL_WORLD_SIZE, the model description and a
+    measured profile: the plan uses exactly the launched processes and no TP group spans two nodes."""
+    import json
+
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.integrations.deepspeed.autoplan import launch_world, resolve_plan
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"version": 1, "layer_time_s": {"1": 0.01, "2": 0.006}}))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 16,
+           "elastor": {"plan": "auto", "profile": str(prof),
+                       "model": {"hidden_size": 1024, "num_attention_heads": 16, "seq_length": 1024,
+                                 "vocab_size": 32000}}}
+    assert launch_world({"WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "4"}) == [4, 3]
+    for env in ({"WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "4"}, {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}):
+        lay = resolve_plan(cfg, num_layers=12, env=env)
+        assert lay.world_size == int(env["WORLD_SIZE"]) and lay.num_layers == 12
+        local = int(env["LOCAL_WORLD_SIZE"])
+        assert all(len({r // local for r in s.ranks}) == 1 for rep in lay.replicas for s in rep.stages)
+        assert sum(r.micro_batches for r in lay.replicas) == 16
+    bad = dict(cfg, elastor={"plan": "auto"})
+    with pytest.raises(ConfigError, match="needs the model description"):
+        resolve_plan(bad, num_layers=12, env={"WORLD_SIZE": "3"})
+    assert resolve_plan({"train_batch_size": 4}, num_layers=12) is None

@@ -4,6 +4,9 @@ Pure: no deepspeed, no torch. Shape (a contract; keys may be added, never remove
 
     "elastor": {
       "plan": "auto" | "<plan.json>" | {plan document} | null,
+      "model": {"hidden_size": ..., "num_attention_heads": ..., "seq_length": ..., "vocab_size": ...},
+                                                 # for "auto": the planner's ModelSpec fields
+      "profile": "<profile.json>",               # for "auto": a measured per-layer profile (optional)
       "checkpoint": {
         "dir": "<path>", "interval_steps": N, "min_interval_s": S, "async": true, "keep": 2,
         "load": "latest" | "none" | "<step dir>", "verify_on_load": true, "fallback_to_previous": true,
@@ -53,13 +56,15 @@ class CheckpointConfig:
 class ElastorConfig:
     plan: Union[None, str, Mapping[str, Any]] = None
     checkpoint: Optional[CheckpointConfig] = None
+    model: Optional[Mapping[str, Any]] = None   # ModelSpec fields for "plan": "auto"
+    profile: Optional[str] = None               # profile JSON for "plan": "auto"
 
 
 _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
               "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
-_TOP_KEYS = ("plan", "checkpoint")
+_TOP_KEYS = ("plan", "checkpoint", "model", "profile")
 
 
 def _unknown(where: str, key: str, allowed) -> ConfigError:
@@ -146,7 +151,15 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
     _check_object(SECTION, section, _TOP_KEYS, '{"checkpoint": {"dir": "/ckpt"}}')
     plan = parse_plan(section.get("plan"))
     ckpt = parse_checkpoint(section["checkpoint"]) if section.get("checkpoint") is not None else None
-    return ElastorConfig(plan=plan, checkpoint=ckpt)
+    model = section.get("model")
+    if model is not None and not isinstance(model, Mapping):
+        raise ConfigError(f"{SECTION}.model: expected an object of the planner's model fields (hidden_size, "
+                          f"num_attention_heads, seq_length, vocab_size, ...), got {type(model).__name__}")
+    profile = section.get("profile")
+    if profile is not None and (not isinstance(profile, str) or not profile.strip()):
+        raise ConfigError(f"{SECTION}.profile: expected a path to a profile JSON (elastor plan --profile format)")
+    return ElastorConfig(plan=plan, checkpoint=ckpt, model=dict(model) if model is not None else None,
+                         profile=profile)
 
 
 def split_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple[dict[str, Any], ElastorConfig]:
