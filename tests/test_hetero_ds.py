@@ -29,8 +29,6 @@ def plan(*replicas):
 PLANS = {
     # PP2 (uneven) with 3 micro-batches beside PP1 with 1
     "pp2+pp1": plan((3, [(0, 3), (3, 8)]), (1, [(0, 8)])),
-    # three replicas, three different pipelines, micro-batches 1:2:1
-    "pp1+pp3+pp2": plan((1, [(0, 8)]), (2, [(0, 2), (2, 5), (5, 8)]), (1, [(0, 6), (6, 8)])),
 }
 
 
@@ -87,12 +85,31 @@ def check(outdir, name, ref_losses, ref_params, rel=1e-5):
 
 def test_hetero_plans_match_single_process(tmp_path):
     specs = [dict(name=n, plan=p, mb=MB, steps=STEPS) for n, p in PLANS.items()]
-    # both plans in one 3- and one 6-rank world would cost two spawns; run pp2+pp1 on 3 ranks and the
-    # 6-rank plan separately only if the first passes
-    run(specs[:1], 3, tmp_path)
+    run(specs, 3, tmp_path)
     ref_losses, ref_params = oracle(4)
     got = check(tmp_path, "pp2+pp1", ref_losses, ref_params)
     assert got["global_samples"] == STEPS * 4 * MB
     from elastor_ds.testing import toy_pipe as toy
     init = dict(torch.nn.Sequential(*toy.layers(num_blocks=6)).named_parameters())
     assert param_error({n: p.detach() for n, p in init.items()}, ref_params) > 1e-3  # it trained
+
+
+def test_deepspeed_config_for_a_replica():
+    """Per-replica DeepSpeed config: its own gradient accumulation, clipping taken over (global norm),
+    no activation partitioning; ZeRO >= 1 and half precision refused with the limit named."""
+    from types import SimpleNamespace
+
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.integrations.deepspeed.hetero import prepare_config
+    from elastor_ds.layout import Layout
+    lay = Layout.from_json(PLANS["pp2+pp1"], 8)
+    rt = SimpleNamespace(layout=lay, micro_batches=3, total_micro_batches=4)
+    cfg, clip = prepare_config({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}, rt)
+    assert clip == 1.0 and cfg["gradient_clipping"] == 0.0 and cfg["gradient_accumulation_steps"] == 3
+    assert "train_batch_size" not in cfg and cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=1 with heterogeneous plan .*use stage 0"):
+        prepare_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}, rt)
+    with pytest.raises(ConfigError, match=r"train_batch_size 6 != .* = 8"):
+        prepare_config({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 6}, rt)
+    with pytest.raises(ConfigError, match="bf16 with a heterogeneous plan"):
+        prepare_config({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}}, rt)
