@@ -291,6 +291,13 @@ def malformed_cli_cases(work: str, ckpt: str) -> list[tuple[str, list[str], int]
                     ("--tensor-model-parallel-size", "x"), ("--pipeline-model-parallel-size", "0"),
                     ("--pipeline-model-parallel-size", "nan")):
         cases.append((f"convert --to megatron {flag} {v}", ["convert", ckpt, dst, "--to", "megatron", flag, v], 2))
+    script = write(os.path.join(work, "in", "ok_script.py"), "import sys\nsys.exit(0)\n")
+    for flag, v in (("--monitor-interval", "nan"), ("--monitor-interval", "0"), ("--hang-timeout", "-1"),
+                    ("--hang-timeout", "inf"), ("--nnodes", "0"), ("--nnodes", "3:1"), ("--nproc-per-node", "0"),
+                    ("--nproc-per-node", "x"), ("--max-restarts", "-1"), ("--shutdown-timeout", "nan"),
+                    ("--probe-timeout", "inf"), ("--gpu-memory-gb", "-8")):
+        cases.append((f"run {flag} {v}", ["run", flag, v, "--standalone", script], 2))
+    cases.append(("run missing script", ["run", "--standalone", os.path.join(work, "nope.py")], 2))
     cases += [
         ("convert --to nonsense", ["convert", ckpt, dst, "--to", "nonsense"], 2),
         ("convert --from nonsense", ["convert", ckpt, dst, "--from", "nonsense"], 2),

@@ -1,4 +1,4 @@
-"""argparse value types shared by the CLI subcommands: integers >= 1, finite numbers > 0.
+"""argparse value types shared by the CLI subcommands: integers >= 1, finite numbers > 0 (or >= 0).
 
 A bad value becomes argparse's one-line usage error (exit 2) naming the flag and the value."""
 from __future__ import annotations
@@ -26,4 +26,15 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (0 typically means "off")."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
     return v

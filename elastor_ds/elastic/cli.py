@@ -7,6 +7,7 @@ import os
 import sys
 import uuid
 
+from ..cli_types import nonnegative_float, positive_float
 from ..errors import ConfigError
 
 log = logging.getLogger("elastor.run")
@@ -89,24 +90,24 @@ def register(sub) -> None:
       help="backend options, e.g. join_timeout=600,last_call_timeout=2,close_timeout=10")
     a("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
       help="relaunches after failures before giving up (default 3; resizes and membership changes do not count)")
-    a("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1,
+    a("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=positive_float, default=0.1,
       help="seconds between worker checks (default 0.1)")
     a("--on-failure", choices=["shrink", "restart", "probe"], default="probe",
       help="shrink: drop the failed worker's device; restart: same size again; probe (default): use the GPUs "
            "that pass a health probe (no GPUs: as shrink)")
-    a("--hang-timeout", type=float, default=300.0,
+    a("--hang-timeout", type=nonnegative_float, default=300.0,
       help="seconds without a worker heartbeat (one per iteration) that count as a hang (default 300; 0: off)")
     a("--events", default=None, help="JSONL event log; also enables the summary table and the timeline plot")
     a("--plot", default=None, help="timeline PNG (default: next to --events, *_timeline.png)")
     a("--log-dir", "--log_dir", dest="log_dir", default=None,
       help="per-worker stdout/stderr logs and heartbeats (default: next to --events, else ./elastor_logs)")
-    a("--shutdown-timeout", type=float, default=120.0,
+    a("--shutdown-timeout", type=positive_float, default=120.0,
       help="seconds the workers get to checkpoint and exit after a stop request before SIGKILL (default 120)")
-    a("--exit-barrier-timeout", type=float, default=300.0,
+    a("--exit-barrier-timeout", type=positive_float, default=300.0,
       help="seconds a finished node waits for the other nodes (default 300)")
-    a("--gpu-memory-gb", type=float, default=None, help="per-device memory the trainer's planner should assume")
-    a("--probe-timeout", type=float, default=60.0, help="seconds per GPU probe (default 60)")
-    a("--probe-interval", type=float, default=60.0, help="seconds between re-probes of lost GPUs (default 60)")
+    a("--gpu-memory-gb", type=positive_float, default=None, help="per-device memory the trainer's planner should assume")
+    a("--probe-timeout", type=positive_float, default=60.0, help="seconds per GPU probe (default 60)")
+    a("--probe-interval", type=positive_float, default=60.0, help="seconds between re-probes of lost GPUs (default 60)")
     a("script", help="the training script (run with this Python, as torchrun does)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=run)
