@@ -46,6 +46,10 @@ class DestinationNotEmptyError(ConfigError):
     """A conversion's destination holds data; nothing is overwritten unless asked explicitly."""
 
 
+class ManifestError(CorruptCheckpointError, ValueError):
+    """A manifest is not valid JSON, fails its checksum, or breaks the schema (names the field)."""
+
+
 class FormatVersionError(CheckpointError):
     """The checkpoint was written by a format version this reader does not know."""
 

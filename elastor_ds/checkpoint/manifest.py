@@ -1,29 +1,48 @@
-"""The checkpoint manifest: a versioned, human-readable JSON document written last.
+"""The checkpoint manifest: a versioned, checksummed, schema-validated JSON document written last.
 
-A checkpoint is a step directory holding data files (safetensors) and ``manifest.json``. The
-manifest says, for every saved tensor, its global shape and dtype and where each chunk (a region of
-the global tensor) lives: file, safetensors key, absolute byte offset and length. It also records
-per-file sizes and CRC32 checksums, the source layout, the model/sharding description, global extra
-state (iteration, consumed samples, LR scheduler, user metadata) and the per-rank state files.
+A checkpoint is a step directory holding data files (safetensors), their block-CRC tables and
+``manifest.json``. The manifest says, for every saved tensor, its global shape and dtype and where
+each chunk (a region of the global tensor) lives: file, safetensors key, absolute byte offset and
+length, the CRC32 of the whole chunk and (format 2) where its block CRCs are. It also records
+per-file sizes and CRC32s, the source layout, the model description, global extra state and the
+per-rank state files.
 
-Format versions: 1 (current). Readers keep accepting every version listed in
-``READABLE_VERSIONS``; a newer unknown version raises :class:`FormatVersionError`.
+Block CRCs (format 2): a chunk is cut into fixed-size blocks of ``block.size`` bytes (the last one
+shorter); its table (little-endian uint32 in the file ``block.table`` from entry ``block.index``)
+holds the *cumulative* CRC32 of the chunk at the end of each block. Any run of whole blocks
+``[i, j)`` is verified with one ``zlib.crc32(bytes, table[i-1])`` (0 for i == 0) that must equal
+``table[j-1]``; the last entry is the chunk's CRC. Readers therefore verify every byte they read
+after widening each read to block boundaries (see :mod:`.load_plan`).
+
+The manifest carries ``checksum`` (``sha256:<hex>`` of its canonical JSON without that field);
+format 1 manifests have none and stay readable.
+
+Format versions: 1 (chunk CRCs only), 2 (current: block CRCs, manifest checksum). Readers accept
+every version in ``READABLE_VERSIONS``; an unknown one raises :class:`FormatVersionError`. Every
+field is validated on reading (:class:`ManifestError` names the field and the bad value).
 
 Pure: no torch, no I/O beyond (de)serialising text.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import FormatVersionError, IncompleteCheckpointError
+from ..errors import FormatVersionError, ManifestError
 from ..layout.region import Region
 
 FORMAT_NAME = "elastor"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+CRC_TABLE_SUFFIX = ".crc32"
+CRC_ENTRY_BYTES = 4
+# chosen by bench/crc_block_bench.py (see bench/README.md): smallest block whose table stays
+# <= 0.1% of the data, so power-of-two column splits of rows >= 8 KiB read no extra byte
+BLOCK_SIZE = 4096
 
 # safetensors dtype codes <-> torch dtype names (strings keep this module torch-free)
 DTYPE_CODES = {
@@ -36,6 +55,27 @@ DTYPE_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64":
                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+def crc_table_name(data_file: str) -> str:
+    """The block-CRC table file that belongs to ``data_file`` (same directory)."""
+    stem = data_file[:-len(".safetensors")] if data_file.endswith(".safetensors") else data_file
+    return stem + CRC_TABLE_SUFFIX
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Where a chunk's cumulative block CRCs live: ``table`` file, first entry ``index``."""
+
+    size: int    # block size in bytes
+    table: str   # file name (in the step dir)
+    index: int   # first entry of this chunk in the table
+
+    def count(self, length: int) -> int:
+        return max(1, -(-length // self.size))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "table": self.table, "index": self.index}
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One region of a global tensor stored contiguously (row-major) in one file."""
@@ -45,20 +85,17 @@ class Chunk:
     region: Region
     offset: int   # absolute byte offset in the file
     length: int   # bytes
-    crc32: int | None = None  # of the chunk's bytes; readers that read a whole chunk check it
+    crc32: int | None = None  # of the chunk's bytes
+    blocks: BlockTable | None = None  # format 2: per-block cumulative CRCs
 
     def to_json(self) -> dict[str, Any]:
-        d = {"file": self.file, "key": self.key, "region": self.region.to_json(),
-             "offset": self.offset, "length": self.length}
+        d: dict[str, Any] = {"file": self.file, "key": self.key, "region": self.region.to_json(),
+                             "offset": self.offset, "length": self.length}
         if self.crc32 is not None:
             d["crc32"] = f"{self.crc32:08x}"
+        if self.blocks is not None:
+            d["blocks"] = self.blocks.to_json()
         return d
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "Chunk":
-        crc = d.get("crc32")
-        return Chunk(d["file"], d["key"], Region.from_json(d["region"]), int(d["offset"]), int(d["length"]),
-                     int(crc, 16) if crc is not None else None)
 
 
 @dataclass(frozen=True)
@@ -78,10 +115,6 @@ class TensorEntry:
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype, "chunks": [c.to_json() for c in self.chunks]}
 
-    @staticmethod
-    def from_json(name: str, d: Mapping[str, Any]) -> "TensorEntry":
-        return TensorEntry(name, tuple(d["shape"]), d["dtype"], tuple(Chunk.from_json(c) for c in d["chunks"]))
-
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -92,10 +125,6 @@ class FileEntry:
 
     def to_json(self) -> dict[str, Any]:
         return {"size": self.size, "crc32": f"{self.crc32:08x}", "writer_rank": self.writer_rank}
-
-    @staticmethod
-    def from_json(name: str, d: Mapping[str, Any]) -> "FileEntry":
-        return FileEntry(name, int(d["size"]), int(d["crc32"], 16), int(d.get("writer_rank", -1)))
 
 
 @dataclass(frozen=True)
@@ -112,6 +141,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
+        """The document without its checksum (what the checksum covers)."""
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -127,33 +157,203 @@ class Manifest:
         }
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1, sort_keys=False)
+        d = self.to_json()
+        if self.format_version >= 2:
+            d["checksum"] = document_checksum(d)
+        return json.dumps(d, indent=1, sort_keys=False, allow_nan=False)
 
     @staticmethod
-    def from_json(d: Mapping[str, Any], where: str = "") -> "Manifest":
-        if d.get("format") != FORMAT_NAME:
-            raise IncompleteCheckpointError(f"{where}: not an elastor manifest (format={d.get('format')!r})")
-        v = d.get("format_version")
-        if v not in READABLE_VERSIONS:
-            raise FormatVersionError(f"{where}: checkpoint format version {v} is not readable by this elastor_ds "
-                                     f"(reads {list(READABLE_VERSIONS)}); upgrade elastor_ds")
-        return Manifest(
-            step=int(d["step"]),
-            tensors={k: TensorEntry.from_json(k, t) for k, t in d["tensors"].items()},
-            files={k: FileEntry.from_json(k, f) for k, f in d["files"].items()},
-            layout=d.get("layout"), model=d.get("model"), extra=d.get("extra", {}),
-            rank_state_files={int(k): v for k, v in d.get("rank_state_files", {}).items()},
-            world_size=int(d.get("world_size", 1)), created_unix=float(d.get("created_unix", 0.0)),
-            format_version=v)
+    def from_json(d: Any, where: str = "") -> "Manifest":
+        """Validate ``d`` (parsed JSON) against the schema; raise ManifestError / FormatVersionError."""
+        return _parse(d, where or "manifest")
 
     @staticmethod
     def loads(text: str, where: str = "") -> "Manifest":
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise IncompleteCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        return Manifest.from_json(d, where)
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where or 'manifest'}: not valid JSON ({e}); the manifest is corrupt") from None
+        return _parse(d, where or "manifest")
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+def document_checksum(d: Mapping[str, Any]) -> str:
+    """``sha256:<hex>`` of the canonical JSON of ``d`` without its ``checksum`` field."""
+    body = {k: v for k, v in d.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ schema
+def is_plain_name(name: Any) -> bool:
+    """A file name that stays in its directory: not empty, no separators, not '.' or '..', no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def is_relative_subpath(name: Any) -> bool:
+    """'a/b/c' with every component a plain name (no absolute paths, no '..')."""
+    return isinstance(name, str) and all(is_plain_name(p) for p in name.split("/"))
+
+
+class _V:
+    """Validation helpers bound to the manifest's location; every failure is one ManifestError line."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, path: str, what: str, value: Any) -> ManifestError:
+        v = repr(value)
+        if len(v) > 80:
+            v = v[:77] + "..."
+        return ManifestError(f"{self.where}: invalid manifest: {path}: expected {what}, got {v}")
+
+    def obj(self, d: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(d, dict):
+            raise self.fail(path, "a JSON object", d)
+        return d
+
+    def req(self, d: Mapping[str, Any], key: str, path: str) -> Any:
+        if key not in d:
+            raise ManifestError(f"{self.where}: invalid manifest: {path}: missing required field {key!r}")
+        return d[key]
+
+    def int_(self, v: Any, path: str, lo: int = 0) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise self.fail(path, f"an integer >= {lo}", v)
+        return v
+
+    def hex32(self, v: Any, path: str) -> int:
+        if not isinstance(v, str) or len(v) != 8:
+            raise self.fail(path, "8 hex digits", v)
+        try:
+            return int(v, 16)
+        except ValueError:
+            raise self.fail(path, "8 hex digits", v) from None
+
+    def str_(self, v: Any, path: str) -> str:
+        if not isinstance(v, str) or not v:
+            raise self.fail(path, "a non-empty string", v)
+        return v
+
+
+def _parse(d: Any, where: str) -> Manifest:
+    v = _V(where)
+    d = v.obj(d, "document")
+    if d.get("format") != FORMAT_NAME:
+        raise ManifestError(f"{where}: not an elastor manifest (format={d.get('format')!r})")
+    ver = d.get("format_version")
+    if isinstance(ver, bool) or ver not in READABLE_VERSIONS:
+        raise FormatVersionError(f"{where}: checkpoint format version {ver!r} is not readable by this elastor_ds "
+                                 f"(reads {list(READABLE_VERSIONS)}); upgrade elastor_ds")
+    if ver >= 2:
+        got = d.get("checksum")
+        if not isinstance(got, str):
+            raise ManifestError(f"{where}: format {ver} manifest has no checksum; the manifest is corrupt")
+        want = document_checksum(d)
+        if got != want:
+            raise ManifestError(f"{where}: manifest checksum {got[:23]}... does not match its content "
+                                f"({want[:23]}...); the manifest is corrupt")
+    step = v.int_(v.req(d, "step", "step"), "step")
+    world = v.int_(d.get("world_size", 1), "world_size", 1)
+    created = d.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise v.fail("created_unix", "a finite number", created)
+    for key in ("layout", "model"):
+        if d.get(key) is not None:
+            v.obj(d[key], key)
+    extra = v.obj(d.get("extra", {}) if d.get("extra") is not None else {}, "extra")
+    rsf_raw = v.obj(d.get("rank_state_files", {}), "rank_state_files")
+    rank_state_files: dict[int, str] = {}
+    for k, name in rsf_raw.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise v.fail("rank_state_files key", "a rank number", k)
+        if not is_relative_subpath(name):
+            raise v.fail(f"rank_state_files[{k}]", "a relative path inside the step directory", name)
+        rank_state_files[int(k)] = name
+    files: dict[str, FileEntry] = {}
+    for name, fe in v.obj(v.req(d, "files", "files"), "files").items():
+        p = f"files[{name!r}]"
+        if not is_relative_subpath(name):
+            raise v.fail(p, "a file name inside the step directory", name)
+        fe = v.obj(fe, p)
+        files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
+                                v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
+                                v.int_(fe.get("writer_rank", -1), p + ".writer_rank", -1))
+    for k, name in rank_state_files.items():
+        if name not in files:
+            raise v.fail(f"rank_state_files[{k}]", "a file listed in 'files'", name)
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in v.obj(v.req(d, "tensors", "tensors"), "tensors").items():
+        tensors[name] = _parse_tensor(v, name, t, files)
+    return Manifest(step=step, tensors=tensors, files=files, layout=d.get("layout"), model=d.get("model"),
+                    extra=extra, rank_state_files=rank_state_files, world_size=world,
+                    created_unix=float(created), format_version=ver)
+
+
+def _shape(v: _V, s: Any, path: str) -> tuple[int, ...]:
+    if not isinstance(s, list):
+        raise v.fail(path, "a list of non-negative integers", s)
+    return tuple(v.int_(x, f"{path}[{i}]") for i, x in enumerate(s))
+
+
+def _parse_tensor(v: _V, name: str, t: Any, files: Mapping[str, FileEntry]) -> TensorEntry:
+    p = f"tensors[{name!r}]"
+    if not name:
+        raise v.fail("tensors", "non-empty tensor names", name)
+    t = v.obj(t, p)
+    shape = _shape(v, v.req(t, "shape", p), p + ".shape")
+    dtype = v.req(t, "dtype", p)
+    if dtype not in DTYPE_SIZES:
+        raise v.fail(p + ".dtype", f"one of {sorted(DTYPE_SIZES)}", dtype)
+    raw = v.req(t, "chunks", p)
+    if not isinstance(raw, list):
+        raise v.fail(p + ".chunks", "a list", raw)
+    full = Region.full(shape)
+    chunks = []
+    for i, c in enumerate(raw):
+        cp = f"{p}.chunks[{i}]"
+        c = v.obj(c, cp)
+        fname = v.req(c, "file", cp)
+        if not is_plain_name(fname):
+            raise v.fail(cp + ".file", "a plain file name (no directories)", fname)
+        if fname not in files:
+            raise v.fail(cp + ".file", "a file listed in 'files'", fname)
+        key = c.get("key", "")
+        if not isinstance(key, str):
+            raise v.fail(cp + ".key", "a string", key)
+        reg = v.req(c, "region", cp)
+        if not (isinstance(reg, list) and len(reg) == 2):
+            raise v.fail(cp + ".region", "[[offsets], [sizes]]", reg)
+        offs = _shape(v, reg[0], cp + ".region offsets")
+        sizes = _shape(v, reg[1], cp + ".region sizes")
+        if len(offs) != len(shape) or len(sizes) != len(shape):
+            raise v.fail(cp + ".region", f"{len(shape)} offsets and sizes (the tensor's rank)", reg)
+        region = Region(offs, sizes)
+        if not full.contains(region):
+            raise v.fail(cp + ".region", f"a box inside the tensor's shape {list(shape)}", reg)
+        off = v.int_(v.req(c, "offset", cp), cp + ".offset")
+        length = v.int_(v.req(c, "length", cp), cp + ".length")
+        if length != region.numel * DTYPE_SIZES[dtype]:
+            raise v.fail(cp + ".length", f"{region.numel * DTYPE_SIZES[dtype]} (region elements x {dtype} size)",
+                         length)
+        if off + length > files[fname].size:
+            raise v.fail(cp + ".offset", f"a byte range inside {fname} ({files[fname].size} bytes)",
+                         [off, off + length])
+        crc = v.hex32(c["crc32"], cp + ".crc32") if c.get("crc32") is not None else None
+        blocks = None
+        if c.get("blocks") is not None:
+            b = v.obj(c["blocks"], cp + ".blocks")
+            bsize = v.int_(v.req(b, "size", cp + ".blocks"), cp + ".blocks.size", 1)
+            table = v.req(b, "table", cp + ".blocks")
+            if not is_plain_name(table) or table not in files:
+                raise v.fail(cp + ".blocks.table", "a plain file name listed in 'files'", table)
+            index = v.int_(v.req(b, "index", cp + ".blocks"), cp + ".blocks.index")
+            blocks = BlockTable(bsize, table, index)
+            if (index + blocks.count(length)) * CRC_ENTRY_BYTES > files[table].size:
+                raise v.fail(cp + ".blocks.index", f"entries inside {table} ({files[table].size} bytes)", index)
+        chunks.append(Chunk(fname, key, region, off, length, crc, blocks))
+    return TensorEntry(name, shape, dtype, tuple(chunks))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from .manifest import CODE_DTYPES, DTYPE_CODES
+from .manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
 
 WRITE_BLOCK = 32 * 1024 * 1024
 
@@ -49,14 +49,16 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
 
 
 def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True,
-                 chunk_crcs: list[int] | None = None) -> tuple[int, int]:
+                 chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
+                 block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
 
     1. Write everything (into the page cache).
     2. ``fsync`` in a helper thread while this thread computes the CRC32 of every buffer from
        memory (both release the GIL), so checksumming hides behind the disk flush.
-    3. The file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`): one pass over the
-       bytes gives per-chunk (appended to ``chunk_crcs``) and per-file checksums.
+    3. One pass over each buffer gives its cumulative CRC32 at every ``block_size`` boundary
+       (appended to ``block_crcs`` when given; the last one is the buffer's CRC, appended to
+       ``chunk_crcs``); the file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`).
     Raises OSError on failure."""
     import threading
 
@@ -81,9 +83,14 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
             t.start()
         crc = zlib.crc32(header)
         for mv in mvs:
-            c = 0
-            for i in range(0, len(mv), WRITE_BLOCK):
-                c = zlib.crc32(mv[i:i + WRITE_BLOCK], c)
+            if block_crcs is not None:
+                cum = cumulative_crcs(mv, block_size)
+                block_crcs.append(cum)
+                c = cum[-1]
+            else:
+                c = 0
+                for i in range(0, len(mv), WRITE_BLOCK):
+                    c = zlib.crc32(mv[i:i + WRITE_BLOCK], c)
             if chunk_crcs is not None:
                 chunk_crcs.append(c)
             crc = crc32_combine(crc, c, len(mv))
@@ -94,6 +101,57 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
     finally:
         os.close(fd)
     return size, crc
+
+
+def cumulative_crcs(mv: memoryview, block_size: int) -> list[int]:
+    """CRC32 of ``mv[:end]`` for every block end (``block_size`` apart, the last at ``len(mv)``);
+    at least one entry (0 for an empty buffer)."""
+    c = 0
+    out = [c := zlib.crc32(mv[i:i + block_size], c) for i in range(0, len(mv), block_size)]
+    return out or [0]
+
+
+def write_crc_table(path: str, tables: Sequence[Sequence[int]], fsync: bool = True) -> tuple[int, int, list[int]]:
+    """Write the block-CRC tables of a data file's chunks, back to back (little-endian uint32);
+    return (size, crc32 of the file, first entry index of each table)."""
+    import array
+    import sys
+
+    arr = array.array("I")
+    starts = []
+    for t in tables:
+        starts.append(len(arr))
+        arr.extend(t)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    data = arr.tobytes()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data), zlib.crc32(data), starts
+
+
+def read_crc_entries(path: str, lo: int, hi: int) -> list[int]:
+    """Entries ``lo .. hi`` (inclusive) of a block-CRC table file."""
+    import array
+    import sys
+
+    n = hi - lo + 1
+    with open(path, "rb", buffering=0) as f:
+        f.seek(lo * 4)
+        data = f.read(n * 4)
+    if len(data) != n * 4:
+        raise CorruptCheckpointError(f"{path}: block-CRC table is truncated (entries {lo}..{hi} wanted, "
+                                     f"{len(data) // 4} there)")
+    arr = array.array("I")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
