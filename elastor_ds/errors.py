@@ -64,3 +64,94 @@ class AsyncSaveError(CheckpointError):
 
 class CollectiveError(ElastorError, RuntimeError):
     """A collective failed on some rank; raised on every rank."""
+
+
+# ------------------------------------------------------------------ errors gathered from every rank
+class RankFailure:
+    """What one rank raised: its exception's class name, message, and the names of its classes."""
+
+    __slots__ = ("rank", "type_name", "message", "mro")
+
+    def __init__(self, rank: int, type_name: str, message: str, mro: tuple[str, ...] = ()):
+        self.rank, self.type_name, self.message, self.mro = rank, type_name, message, tuple(mro) or (type_name,)
+
+    @staticmethod
+    def of(rank: int, e: BaseException) -> "RankFailure":
+        if isinstance(e, RanksFailedError):  # already gathered elsewhere: keep the original type
+            e = e.original() or e
+        return RankFailure(rank, type(e).__name__, str(e), tuple(c.__name__ for c in type(e).__mro__))
+
+    def to_wire(self) -> tuple:
+        """Plain strings only: safe to send through a pickling collective."""
+        return (self.rank, self.type_name, self.message, self.mro)
+
+    @staticmethod
+    def from_wire(t: tuple) -> "RankFailure":
+        return RankFailure(int(t[0]), str(t[1]), str(t[2]), tuple(str(x) for x in t[3]))
+
+    def is_a(self, cls: type) -> bool:
+        return cls.__name__ in self.mro
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"RankFailure({self.rank}, {self.type_name!r}, {self.message[:60]!r})"
+
+
+class RanksFailedError(CollectiveError):
+    """An operation failed on some ranks; raised on every rank with each failing rank's exception
+    class and message (``failures``). When every failing rank raised the same elastor error type,
+    the raised object is also an instance of that type (see :func:`ranks_failed`)."""
+
+    def __init__(self, message: str, failures: "list[RankFailure] | None" = None, what: str = ""):
+        super().__init__(message)
+        self.failures: list[RankFailure] = list(failures or [])
+        self.what = what
+
+    def all_are(self, *classes: type) -> bool:
+        return bool(self.failures) and all(any(f.is_a(c) for c in classes) for f in self.failures)
+
+    def original(self) -> "BaseException | None":
+        return getattr(self, "_original", None)
+
+
+class PeerFailedError(RanksFailedError):
+    """A peer died or stopped answering during a checkpoint collective (detected within the
+    configured timeout)."""
+
+
+_COMBINED: dict[type, type] = {}
+
+
+def _error_classes() -> dict[str, type]:
+    return {n: c for n, c in globals().items() if isinstance(c, type) and issubclass(c, ElastorError)}
+
+
+def ranks_failed(what: str, failures: "list[RankFailure]", world_size: int,
+                 base: type = RanksFailedError) -> RanksFailedError:
+    """One error for ``failures`` gathered from every rank: a ``base`` (RanksFailedError) that is
+    also the most specific elastor error class common to every failure (so ``except
+    CorruptCheckpointError`` still works), listing each rank's class and message."""
+    failures = sorted(failures, key=lambda f: f.rank)
+    shown = "; ".join(str(f) for f in failures[:8]) + (f"; ... {len(failures) - 8} more" if len(failures) > 8 else "")
+    msg = f"{what} failed on {len(failures)} of {world_size} ranks: {shown}"
+    known = _error_classes()
+    common = None
+    if failures:
+        names = [n for n in failures[0].mro if n in known]
+        for n in names:  # most specific first
+            if all(n in f.mro for f in failures) and not issubclass(known[n], CollectiveError):
+                common = known[n]
+                break
+    cls = base
+    if common is not None and common is not ElastorError:
+        key = (common, base)
+        cls = _COMBINED.get(key)  # type: ignore[arg-type]
+        if cls is None:
+            cls = type(common.__name__, (common, base), {"__module__": __name__,
+                                                         "__doc__": f"{common.__name__} gathered from ranks"})
+            _COMBINED[key] = cls  # type: ignore[index]
+    err = cls.__new__(cls)
+    RanksFailedError.__init__(err, msg, failures, what)
+    return err

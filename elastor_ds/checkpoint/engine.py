@@ -37,8 +37,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..comm.collectives import Comm, LocalComm, agree
-from ..errors import (AsyncSaveError, CollectiveError, CorruptCheckpointError,
-                      IncompleteCheckpointError, TensorMismatchError)
+from ..errors import (AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError,
+                      RanksFailedError, TensorMismatchError)
 from ..layout.region import Region
 from . import commit as commit_mod
 from .load_plan import Check, LoadPlan, ReadOp, Request, plan_load
@@ -53,6 +53,9 @@ from .storage import (EntrySpec, build_header, file_crc32, pread_into, read_crc_
 from .verify import verify
 
 log = logging.getLogger(__name__)
+
+# a checkpoint that fails with one of these on every failing rank is unusable: fall back to an older one
+DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionError)
 
 FAULT_ENV = "ELASTOR_TEST_FAIL_WRITE"  # test hook: "<rank>:<ENOSPC|EACCES|EIO>"
 
@@ -302,10 +305,10 @@ class CheckpointEngine:
                 if i > 0:
                     log.warning("loaded the older checkpoint %s after the newer one failed: %s", step_dir, last_err)
                 return res
-            except CollectiveError as e:
+            except RanksFailedError as e:
                 last_err = e
-                if not fallback or not _is_data_error(e):
-                    raise _unwrap(e) from e
+                if not fallback or not e.all_are(*DATA_ERRORS):
+                    raise
                 log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
         raise CorruptCheckpointError(f"no usable checkpoint under {root_or_dir}: {last_err}")
 
@@ -546,17 +549,3 @@ def _direct_views(op: ReadOp, targets: Sequence[torch.Tensor]) -> Optional[list[
     if pos != op.length:
         return None
     return views
-
-
-def _is_data_error(e: BaseException) -> bool:
-    text = str(e)
-    return any(n in text for n in ("CorruptCheckpointError", "IncompleteCheckpointError", "FormatVersionError"))
-
-
-def _unwrap(e: CollectiveError) -> BaseException:
-    """Re-raise the typed error when every failing rank raised the same kind."""
-    text = str(e)
-    for cls in (TensorMismatchError, CorruptCheckpointError, IncompleteCheckpointError):
-        if cls.__name__ in text:
-            return cls(text)
-    return e

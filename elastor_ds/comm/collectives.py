@@ -15,7 +15,7 @@ import datetime
 import logging
 from typing import Any, Callable, Protocol, TypeVar
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, RankFailure, ranks_failed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,21 +122,26 @@ class TorchComm:
 
 
 def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> T:
-    """Run ``fn`` locally; if it raised on any rank, raise CollectiveError on all ranks.
+    """Run ``fn`` locally; if it raised on any rank, raise one typed error on all ranks.
 
-    Only the outcome (ok, or the error text) is gathered, never the result. Returns the local result."""
+    Only the outcome is gathered (ok, or the exception's class names and message as plain
+    strings), never the result. The error raised is a :class:`RanksFailedError` listing every
+    failing rank's class and message, and also an instance of the most specific elastor error
+    class they share (e.g. CorruptCheckpointError), so callers decide by type. Returns the local
+    result."""
+    local: BaseException | None = None
     try:
         result: Any = fn()
-        status: tuple[str, Any] = ("ok", None)
+        status: tuple = ("ok",)
     except BaseException as e:  # noqa: BLE001 - re-raised on every rank below
-        status = ("error", f"{type(e).__name__}: {e}")
-        result = e
+        local = e
+        status = ("error", RankFailure.of(comm.rank, e).to_wire())
+        result = None
     statuses = comm.all_gather_object(status)
-    failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
-    if failed:
-        msg = "; ".join(f"rank {r}: {m}" for r, m in failed[:8])
-        err = CollectiveError(f"{what} failed on {len(failed)} of {comm.world_size} ranks: {msg}")
-        if isinstance(result, BaseException):
-            raise err from result
+    failures = [RankFailure.from_wire(s[1]) for s in statuses if s[0] != "ok"]
+    if failures:
+        err = ranks_failed(what, failures, comm.world_size)
+        if local is not None:
+            raise err from local
         raise err
     return result

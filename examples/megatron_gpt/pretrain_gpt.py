@@ -286,12 +286,15 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from elastor_ds.errors import ConfigError
+    from elastor_ds.errors import CheckpointError, ConfigError
     try:
         return _main(argv)
     except ConfigError as e:  # a bad config section or plan: a message, not a traceback
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # corrupt / incomplete checkpoint (every rank says which file): exit 1
+        print(f"pretrain_gpt.py: checkpoint error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: list[str] | None = None) -> int:
