@@ -26,13 +26,14 @@ Every collective runs on a dedicated gloo group (:class:`TorchComm`) with its ow
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -83,6 +84,29 @@ class LoadResult:
     bytes_needed: int = 0
     seconds: float = 0.0
     fell_back: bool = False
+
+
+class VerifyMode(str, enum.Enum):
+    """How a load checks what it reads."""
+
+    CHUNKS = "chunks"   # every byte read, against the block CRCs of its chunk
+    FULL = "full"       # also every file's CRC (ranks split the files)
+    NONE = "none"       # no checks (trusted storage, fastest)
+
+
+@dataclass(frozen=True)
+class OpenCheckpoint:
+    """A resolved checkpoint whose manifest was read once (by :meth:`CheckpointEngine.open`)."""
+
+    step_dir: str
+    manifest: Manifest
+    older: tuple[str, ...] = ()   # committed fallbacks, newest first (empty without fallback)
+    fallback: bool = False
+    fell_back: bool = False       # the newest one's manifest was unusable
+    error: Optional[BaseException] = None
+
+
+ShardsFor = Callable[[Manifest], Sequence[TensorShard]]
 
 
 @dataclass
@@ -286,31 +310,57 @@ class CheckpointEngine:
                         rank_state_files=states, world_size=len(results), created_unix=time.time())
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Optional[str], shards: Sequence[TensorShard], *, strict: bool = True,
-             allow_cast: bool = False, verify_checksums: str = "chunks", fallback: bool = False) -> LoadResult:
-        """Fill ``shards`` in place from the checkpoint at ``path`` (root or step dir; default: this root).
-
-        ``strict``: every shard's tensor must be in the checkpoint. ``verify_checksums``: "chunks"
-        (CRC of every whole chunk read), "full" (CRC of every file, split across ranks) or "none".
-        ``fallback``: when the newest checkpoint fails on any rank, try older committed ones."""
+    def open(self, path: Optional[str] = None, *, fallback: bool = False) -> "OpenCheckpoint":
+        """Collective: resolve ``path`` (root or step dir; default: this root) and read its manifest,
+        once. With ``fallback``, a newest checkpoint whose manifest is unreadable on any rank gives way
+        to the next older committed one. Pass the result to :meth:`load`."""
         root_or_dir = os.path.abspath(path or self.root)
         candidates = self._load_candidates(root_or_dir, fallback)
         last_err: Optional[BaseException] = None
         for i, step_dir in enumerate(candidates):
             try:
-                res = agree(self.comm, lambda: self._load_from(step_dir, shards, strict, allow_cast,
-                                                                  verify_checksums),
-                               what=f"load of {step_dir}")
-                res.fell_back = i > 0
-                if i > 0:
-                    log.warning("loaded the older checkpoint %s after the newer one failed: %s", step_dir, last_err)
-                return res
+                man = agree(self.comm, lambda: commit_mod.read_manifest(step_dir), what=f"manifest of {step_dir}")
+                return OpenCheckpoint(step_dir, man, tuple(candidates[i + 1:]), fallback, i > 0, last_err)
             except RanksFailedError as e:
                 last_err = e
                 if not fallback or not e.all_are(*DATA_ERRORS):
                     raise
                 log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
         raise CorruptCheckpointError(f"no usable checkpoint under {root_or_dir}: {last_err}")
+
+    def load(self, path: "Optional[str] | OpenCheckpoint", shards: "Sequence[TensorShard] | ShardsFor", *,
+             strict: bool = True, allow_cast: bool = False, verify_checksums: "VerifyMode | str" = "chunks",
+             fallback: bool = False) -> LoadResult:
+        """Collective: fill shards in place from a checkpoint.
+
+        ``path``: a root or step dir (default: this root), or what :meth:`open` returned (then its
+        manifest is not read again and its ``fallback`` applies). ``shards``: the destination shards,
+        or a function ``shards_for(manifest)`` building them from the manifest actually loaded (so an
+        adapter never reads a manifest itself, and a fallback gets shards for the older one).
+        ``strict``: every shard's tensor must be in the checkpoint. ``verify_checksums``: "chunks"
+        (every byte read is checked against its block CRCs), "full" (also the CRC of every file,
+        split across ranks) or "none". ``fallback``: when the newest checkpoint fails on any rank
+        with a data error (corrupt, incomplete, unknown format), try older committed ones."""
+        mode = VerifyMode(verify_checksums)
+        opened = path if isinstance(path, OpenCheckpoint) else self.open(path, fallback=fallback)
+        fallback = opened.fallback
+        todo: list[tuple[str, Optional[Manifest]]] = [(opened.step_dir, opened.manifest)]
+        todo += [(c, None) for c in opened.older]
+        last_err: Optional[BaseException] = opened.error
+        for i, (step_dir, man) in enumerate(todo):
+            try:
+                res = agree(self.comm, lambda: self._load_from(step_dir, man, shards, strict, allow_cast, mode),
+                            what=f"load of {step_dir}")
+                res.fell_back = opened.fell_back or i > 0
+                if res.fell_back:
+                    log.warning("loaded the older checkpoint %s after the newer one failed: %s", step_dir, last_err)
+                return res
+            except RanksFailedError as e:
+                last_err = e
+                if not fallback or not e.all_are(*DATA_ERRORS) or i == len(todo) - 1:
+                    raise
+                log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
+        raise CorruptCheckpointError(f"no usable checkpoint: {last_err}")  # pragma: no cover
 
     def _load_candidates(self, path: str, fallback: bool) -> list[str]:
         try:
@@ -328,11 +378,13 @@ class CheckpointEngine:
             raise IncompleteCheckpointError(f"{path}: no committed checkpoint to load")
         return cands
 
-    def _load_from(self, step_dir: str, shards: Sequence[TensorShard], strict: bool, allow_cast: bool,
-                   verify_checksums: str) -> LoadResult:
+    def _load_from(self, step_dir: str, man: Optional[Manifest], shards_arg: "Sequence[TensorShard] | ShardsFor",
+                   strict: bool, allow_cast: bool, mode: "VerifyMode") -> LoadResult:
         t0 = time.perf_counter()
-        man = commit_mod.read_manifest(step_dir)
-        if verify_checksums == "full":
+        if man is None:
+            man = commit_mod.read_manifest(step_dir)
+        shards = list(shards_arg(man)) if callable(shards_arg) else list(shards_arg)
+        if mode is VerifyMode.FULL:
             mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
             problems = verify(step_dir, files=mine, manifest=man)
             if problems:
@@ -349,7 +401,7 @@ class CheckpointEngine:
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
                                       f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
                                       f"to skip missing tensors")
-        lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=verify_checksums != "none")
+        lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=mode is not VerifyMode.NONE)
         rank_state = None
         sf = man.rank_state_files.get(self.comm.rank)
         if sf:

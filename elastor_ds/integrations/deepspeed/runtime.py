@@ -25,7 +25,7 @@ import time
 from typing import Any, Optional
 
 from ...checkpoint import commit as commit_mod
-from ...checkpoint.engine import CheckpointEngine, LoadResult, SaveStats
+from ...checkpoint import CheckpointEngine, LoadResult, Manifest, SaveStats
 from ...checkpoint.state import capture_rng_state, restore_rng_state, to_jsonable
 from ...comm import TorchComm
 from ...errors import ConfigError, IncompleteCheckpointError
@@ -141,22 +141,6 @@ class ElastorCheckpointer:
             return None
         return root
 
-    @staticmethod
-    def _tensor_names(path: str) -> set[str]:
-        """Tensor names of the checkpoint ``path`` resolves to (or of the newest readable one)."""
-        cands = []
-        try:
-            cands.append(commit_mod.resolve(path))
-        except Exception:  # noqa: BLE001 - the engine's load reports it (and may fall back)
-            pass
-        cands += [p for _, p in reversed(commit_mod.list_committed(path))] if os.path.isdir(path) else []
-        for c in cands:
-            try:
-                return set(commit_mod.read_manifest(c).tensors)
-            except Exception:  # noqa: BLE001
-                continue
-        return set()
-
     def load(self, path: Optional[str] = None) -> Optional[LoadResult]:
         eng = self.engine
         step_dir = self.resolve(path or self.cfg.load)
@@ -168,19 +152,22 @@ class ElastorCheckpointer:
             raise IncompleteCheckpointError(f"some ranks see a checkpoint under {self.cfg.dir} and others do not: "
                                             f"the directory must be on storage shared by every rank")
         assert step_dir is not None
-        names = self._tensor_names(step_dir)
-        keys = st.state_keys_in(names)
-        shards = st.model_shards(eng)
-        has_optim = any(st.is_optim(n) for n in names) or not names
-        if has_optim:
-            for sh in st.optimizer_shards(eng, state_keys=keys):
-                src = st.master_from_weight_name(sh.name)
-                if src is not None and sh.name not in names and src in names:
-                    sh.name = src  # fp32 checkpoints keep one copy: the master comes from the weights
-                shards.append(sh)
-        else:
-            log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", step_dir)
-        res = self.ckpt.load(step_dir, shards, strict=True,
+
+        def shards_for(man: Manifest) -> list:
+            """This engine's shards for the checkpoint actually loaded (the engine reads its manifest)."""
+            names = set(man.tensors)
+            keys = st.state_keys_in(names)
+            shards = st.model_shards(eng)
+            if any(st.is_optim(n) for n in names) or not names:
+                for sh in st.optimizer_shards(eng, state_keys=keys):
+                    src = st.master_from_weight_name(sh.name)
+                    if src is not None and sh.name not in names and src in names:
+                        sh.name = src  # fp32 checkpoints keep one copy: the master comes from the weights
+                    shards.append(sh)
+            else:
+                log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", step_dir)
+            return shards
+        res = self.ckpt.load(step_dir, shards_for, strict=True,
                              verify_checksums="chunks" if self.cfg.verify_on_load else "none",
                              fallback=self.cfg.fallback_to_previous)
         self._restore_extra(res)

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--elastor-async", dest="elastor_async", action=argparse.BooleanOptionalAction, default=True,
                    help="write checkpoints in a background thread (default on)")
     g.add_argument("--elastor-keep", type=int, default=2, help="committed checkpoints to keep (default 2)")
+    g.add_argument("--elastor-fallback", dest="elastor_fallback", action=argparse.BooleanOptionalAction,
+                   default=True, help="when the newest checkpoint is corrupt or incomplete, load the previous "
+                                      "committed one (default on)")
     g.add_argument("--elastor-plan", default=None, metavar="FILE",
                    help="elastor plan JSON: sets TP, PP and the (uneven) pipeline stage boundaries")
     return parser
@@ -617,6 +620,12 @@ def _stock_error(root: str, mark: str, load_arg: str) -> ConfigError:
         f"Megatron-LM's own loader")
 
 
+def _step_of(step_dir: str) -> int:
+    """The step of a committed step dir, from its name (the manifest is read once, by the engine)."""
+    name = os.path.basename(step_dir.rstrip("/"))
+    return int(name[len("step_"):]) if name.startswith("step_") and name[len("step_"):].isdigit() else -1
+
+
 def _find_step(root: str, args: Any, load_arg: str) -> Optional[str]:
     """The committed step dir to load from ``root`` (None: nothing there). Honours ``--ckpt-step``
     and a newer non-persistent checkpoint; refuses a stock Megatron checkpoint directory."""
@@ -638,7 +647,7 @@ def _find_step(root: str, args: Any, load_arg: str) -> Optional[str]:
             d = commit_mod.resolve(r)
         except CheckpointNotFoundError:
             continue
-        found.append((commit_mod.read_manifest(d).step, r != root, d))
+        found.append((_step_of(d), r != root, d))
     if found:
         return max(found)[2]
     mark = stock_megatron_checkpoint(root)
@@ -676,14 +685,18 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
             raise CheckpointNotFoundError(f"--exit-on-missing-checkpoint: no elastor checkpoint under {root}")
         log.warning("elastor: no checkpoint under %s; starting from scratch", root)
         return 0, 0
-    man = commit_mod.read_manifest(step_dir)
-    if man.extra.get("format") not in (None, FORMAT):
-        raise ConfigError(f"{step_dir}: format {man.extra.get('format')!r}; this reader knows {FORMAT}")
     chunk = _one_chunk(model)
     cfg = _cfg(args, chunk)
     np_root = _non_persistent_root(args, root)
     from_np = bool(np_root) and os.path.abspath(os.path.dirname(step_dir)) == os.path.abspath(np_root)
     eng = _engine(args, os.path.dirname(step_dir), 1 if from_np else None)  # the same engine later saves there
+    # the engine resolves and reads the manifest once (past unusable ones with --elastor-fallback);
+    # --ckpt-step pins one step: no fallback then
+    fallback = bool(getattr(args, "elastor_fallback", True)) and getattr(args, "ckpt_step", None) is None
+    opened = eng.open(step_dir, fallback=fallback)
+    man = opened.manifest
+    if man.extra.get("format") not in (None, FORMAT):
+        raise ConfigError(f"{opened.step_dir}: format {man.extra.get('format')!r}; this reader knows {FORMAT}")
     layout = _layout(args, chunk, cfg, eng.comm)
     saved = Layout.from_json(man.layout) if man.layout else None
     finetune = bool(getattr(args, "finetune", False))
@@ -697,16 +710,26 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
                                      cfg.make_vocab_size_divisible_by, layout.uniform_dims()[0])
             if msg:
                 log.warning(msg)
-        view = None if no_optim else adam_view(optimizer)
-        if view is not None and not man.extra.get("optimizer_state"):
-            _warn_once("noopt", "elastor: checkpoint %s has no optimizer state; loading weights only", step_dir)
-            view = None
-        if not all(eng.comm.all_gather_object(view is not None)):
-            view = None
-        with_main = any(n.startswith(MAIN_PREFIX) for n in man.tensors)
-        shards = _shards(chunk, cfg, layout, eng.comm.rank, view, for_load=True, with_main=with_main)
-        step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
-        res = eng.load(step_dir, shards, strict=strict)
+        want = None if no_optim else adam_view(optimizer)
+        if not all(eng.comm.all_gather_object(want is not None)):
+            want = None
+        chosen: dict[str, Any] = {}
+
+        def shards_for(m: Any) -> list:
+            """This rank's shards for the checkpoint the engine loads (no collectives: runs per candidate)."""
+            v = want
+            if v is not None and not m.extra.get("optimizer_state"):
+                _warn_once("noopt", "elastor: checkpoint of step %s has no optimizer state; loading weights only",
+                           m.step)
+                v = None
+            wm = any(n.startswith(MAIN_PREFIX) for n in m.tensors)
+            shards = _shards(chunk, cfg, layout, eng.comm.rank, v, for_load=True, with_main=wm)
+            chosen.update(view=v, with_main=wm, step_t=next((s.tensor for s in shards if s.name == STEP_NAME), None))
+            return shards
+        res = eng.load(opened, shards_for, strict=strict)
+        man, step_dir = res.manifest, res.step_dir
+        saved = Layout.from_json(man.layout) if man.layout else None
+        view, with_main, step_t = chosen["view"], chosen["with_main"], chosen["step_t"]
         ex, rank_state = res.extra, res.rank_state
         if view is not None:
             if step_t is not None:
