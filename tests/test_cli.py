@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
 def test_inspect_and_verify(ckpt, capsys):
     assert main(["inspect", ckpt, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["step"] == 42 and d["world_size"] == 2 and d["format_version"] == 1
+    assert d["step"] == 42 and d["world_size"] == 2 and d["format_version"] == 2
     assert d["tensors"]["embedding.word_embeddings.weight"]["shape"] == [SHAPE.vocab, SHAPE.hidden]
     assert main(["inspect", ckpt]) == 0
     out = capsys.readouterr().out
