@@ -22,7 +22,7 @@ from elastor_ds.layout.region import Region
 
 pytestmark = pytest.mark.integration
 
-SHAPES = {"w": (64, 4096), "cube": (6, 10, 300)}
+SHAPES = {"w": (64, 4096), "cube": (6, 10, 300), "big": (128, 4096)}
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -40,7 +40,8 @@ def _save_two_steps(root: str) -> dict[int, dict[str, torch.Tensor]]:
         eng.save(step, [TensorShard("w", SHAPES["w"], Region((0, 0), (32, 4096)), w[:32]),
                         TensorShard("w", SHAPES["w"], Region((32, 0), (32, 4096)), w[32:]),
                         TensorShard("cube", SHAPES["cube"], Region((0, 0, 0), (6, 5, 300)), c[:, :5]),
-                        TensorShard("cube", SHAPES["cube"], Region((0, 5, 0), (6, 5, 300)), c[:, 5:])])
+                        TensorShard("cube", SHAPES["cube"], Region((0, 5, 0), (6, 5, 300)), c[:, 5:]),
+                        full_shard("big", st["big"])])  # 2 MiB: stored as 4 column tiles
         eng.wait()
         out[step] = st
     return out
@@ -78,6 +79,9 @@ PATTERNS = {
     "tp8_slice": ("w", Region((0, 1536), (64, 512))),
     "unaligned": ("w", Region((5, 333), (50, 1001))),
     "cube_box": ("cube", Region((1, 2, 17), (4, 6, 200))),
+    "tiled_column_half": ("big", Region((0, 2048), (128, 2048))),
+    "tiled_rows": ("big", Region((10, 0), (50, 4096))),
+    "tiled_unaligned": ("big", Region((3, 700), (100, 2500))),
 }
 
 
@@ -126,6 +130,19 @@ def _element_at(man: dict, name: str, pos: int):
                 lin //= s
             return tuple(o + i for o, i in zip(co, reversed(rel)))
     return None
+
+
+def test_column_tiles_make_a_column_split_read_exactly_its_bytes(tmp_path):
+    root = str(tmp_path / "ck")
+    states = _save_two_steps(root)
+    man = json.load(open(os.path.join(commit_mod.resolve(root), "manifest.json")))
+    assert [c["region"] for c in man["tensors"]["big"]["chunks"]] == [[[0, c], [128, 1024]] for c in (0, 1024, 2048,
+                                                                                                          3072)]
+    box = Region((0, 2048), (128, 2048))
+    dst = torch.zeros(box.sizes)
+    res = CheckpointEngine(root).load(None, [TensorShard("big", SHAPES["big"], box, dst)])
+    assert torch.equal(dst, _box(states[2]["big"], box))
+    assert res.bytes_read == res.bytes_needed + 2 * 128 * 4  # two whole tiles + their 2 x 128 table entries
 
 
 def test_a_load_never_returns_wrong_bytes(tmp_path):
