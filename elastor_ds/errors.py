@@ -58,10 +58,6 @@ class TensorMismatchError(CheckpointError, ValueError):
     """A requested tensor is missing, or its shape/dtype differs from the checkpoint's."""
 
 
-class AsyncSaveError(CheckpointError):
-    """A background save failed on some rank; raised on every rank."""
-
-
 class CollectiveError(ElastorError, RuntimeError):
     """A collective failed on some rank; raised on every rank."""
 
@@ -121,7 +117,12 @@ class PeerFailedError(RanksFailedError):
     configured timeout)."""
 
 
-_COMBINED: dict[type, type] = {}
+class AsyncSaveError(CheckpointError, RanksFailedError):
+    """A background save failed on some rank; raised on every rank, listing each failing rank's
+    exception class and message (``failures``)."""
+
+
+_COMBINED: dict = {}
 
 
 def _error_classes() -> dict[str, type]:
@@ -145,7 +146,7 @@ def ranks_failed(what: str, failures: "list[RankFailure]", world_size: int,
                 common = known[n]
                 break
     cls = base
-    if common is not None and common is not ElastorError:
+    if common is not None and common is not ElastorError and not issubclass(base, common):
         key = (common, base)
         cls = _COMBINED.get(key)  # type: ignore[arg-type]
         if cls is None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dist_utils import free_port, run_world
 from elastor_ds.checkpoint import commit as commit_mod
-from elastor_ds.checkpoint.engine import FAULT_ENV, CheckpointEngine
+from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.shards import full_shard
 from elastor_ds.checkpoint.verify import verify
 from elastor_ds.cli import main as cli_main
@@ -86,46 +86,97 @@ def test_sigkill_whole_job_mid_save_keeps_last_commit(tmp_path):
     assert mid_save >= 2, f"only {mid_save} of 5 kills landed during a save; the test lost its teeth"
 
 
-def test_killed_peer_fails_survivor_without_hang(tmp_path):
-    root = str(tmp_path / "ck")
-    procs = launch(root, 2, steps=200, mib=8)
-    wait_for_line(procs[0], "COMMITTED 2")
+def _survivor_error(proc, timeout: float) -> tuple[int, float, str]:
     t0 = time.time()
-    procs[1].send_signal(signal.SIGKILL)
-    rc = procs[0].wait(timeout=60)
-    elapsed = time.time() - t0
-    err = procs[0].stderr.read()
-    assert rc != 0, "survivor must fail, not continue silently"
-    assert elapsed < 45, f"survivor took {elapsed:.1f}s to notice"
-    assert "AsyncSaveError" in err or "Connection" in err or "closed" in err.lower(), err[-2000:]
-    check_root(root, 2, 8)
+    rc = proc.wait(timeout=timeout)
+    return rc, time.time() - t0, proc.stderr.read()
 
 
-def _failing_writer(rank: int, world: int, root: str) -> None:
-    eng = CheckpointEngine(root, TorchComm.create(30), keep=2)
-    t = torch.full((64, 64), float(rank))
+def launch_live(root: str, world: int, liveness_s: float):
+    env_extra = {"ELASTOR_WORKER_LIVENESS": str(liveness_s)}
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env_extra)
+        procs.append(subprocess.Popen([sys.executable, WORKER, root, "400", "8"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_stopped_peer_gives_a_typed_error_within_the_liveness_bound(tmp_path, sig):
+    """A peer killed (SIGKILL) or frozen (SIGSTOP) mid-run: the survivor raises PeerFailedError (inside
+    AsyncSaveError when the writer notices first) naming the silent rank within the configured
+    liveness bound (3 s here; the gloo timeout is 120 s), and the last commit stays loadable."""
+    root = str(tmp_path / "ck")
+    procs = launch_live(root, 2, 3.0)
+    try:
+        wait_for_line(procs[0], "COMMITTED 2")
+        procs[1].send_signal(getattr(signal, sig))
+        rc, elapsed, err = _survivor_error(procs[0], 90)
+        assert rc != 0, "survivor must fail, not continue silently"
+        assert elapsed < 25, f"survivor took {elapsed:.1f}s to notice (liveness bound 3 s, gloo timeout 120 s)"
+        assert "PeerFailedError" in err, err[-2000:]
+        if sig == "SIGSTOP":
+            assert "rank(s) [1] stopped answering" in err, err[-2000:]
+        check_root(root, 2, 8)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(timeout=30)
+
+
+def _failing_writer(rank: int, world: int, root: str, how: str) -> None:
+    """Rank 1's write of step 2 fails for real: RLIMIT_FSIZE (EFBIG from write(2)) or a full tmpfs
+    (ENOSPC); every rank raises AsyncSaveError naming rank 1 and the OS error; nothing half-written."""
+    import resource
+
+    eng = CheckpointEngine(root, TorchComm.create(30, liveness_s=10), keep=2)
     from elastor_ds.checkpoint.shards import TensorShard
     from elastor_ds.layout.region import Region
-    sh = [TensorShard("t", (64 * world, 64), Region((64 * rank, 0), (64, 64)), t)]
-    eng.save(1, sh)
+
+    def shards(rows1: int):  # rank 1 holds rows1 rows of 64 floats, rank 0 holds 8
+        rows = (8, rows1)
+        t = torch.full((rows[rank], 64), float(rank))
+        return [TensorShard("t", (8 + rows1, 64), Region((0 if rank == 0 else 8, 0), (rows[rank], 64)), t)]
+    eng.save(1, shards(8))
     eng.wait()
-    os.environ[FAULT_ENV] = "1:ENOSPC"
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1 and how == "efbig":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write(2) then fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
     t0 = time.time()
-    eng.save(2, sh)  # returns after the snapshot; the failure surfaces at wait()
-    with pytest.raises(AsyncSaveError, match="rank 1.*No space left"):
+    eng.save(2, shards(8192))  # rank 1 writes 2 MiB: over the limit / more than the tmpfs holds
+    want = "File too large" if how == "efbig" else "No space left"
+    with pytest.raises(AsyncSaveError, match=f"rank 1: OSError: .*{want}") as ei:
         eng.wait()
+    assert [f.rank for f in ei.value.failures] == [1] and ei.value.failures[0].type_name == "OSError"
     assert time.time() - t0 < 20
+    if rank == 1 and how == "efbig":
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     dist.barrier()
-    os.environ.pop(FAULT_ENV)
     assert os.path.basename(commit_mod.resolve(root)) == "step_000000001"
     assert not [n for n in os.listdir(root) if n.startswith(commit_mod.TMP_PREFIX)]
-    eng.save(3, sh)  # the engine keeps working after a failed save
+    eng.save(3, shards(8))  # the engine keeps working after a failed save
     eng.wait()
     assert os.path.basename(commit_mod.resolve(root)) == "step_000000003"
 
 
-def test_writer_failure_raises_on_every_rank(tmp_path):
-    run_world(_failing_writer, 2, str(tmp_path / "ck"), timeout_s=60)
+def test_writer_failure_raises_on_every_rank_efbig(tmp_path):
+    run_world(_failing_writer, 2, str(tmp_path / "ck"), "efbig", timeout_s=60)
+
+
+def test_writer_failure_raises_on_every_rank_enospc(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root); the RLIMIT_FSIZE variant covers the path")
+    try:
+        run_world(_failing_writer, 2, str(mnt / "ck"), "enospc", timeout_s=60)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 def _make_two_steps(root: str):

@@ -39,7 +39,7 @@ import torch
 
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError,
-                      RanksFailedError, TensorMismatchError)
+                      RankFailure, RanksFailedError, TensorMismatchError, ranks_failed)
 from ..layout.region import Region
 from . import commit as commit_mod
 from .load_plan import Check, LoadPlan, ReadOp, Request, plan_load
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 # a checkpoint that fails with one of these on every failing rank is unusable: fall back to an older one
 DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionError)
 
-FAULT_ENV = "ELASTOR_TEST_FAIL_WRITE"  # test hook: "<rank>:<ENOSPC|EACCES|EIO>"
 
 
 @dataclass
@@ -114,7 +113,7 @@ class _Job:
     step: int
     thread: Optional[threading.Thread] = None
     done: threading.Event = field(default_factory=threading.Event)
-    error: Optional[str] = None
+    error: Optional[BaseException] = None
     stats: Optional[SaveStats] = None
     t0: float = 0.0
 
@@ -197,7 +196,7 @@ class CheckpointEngine:
             job.thread.join()
         self.last_stats = job.stats
         if job.error is not None:
-            raise AsyncSaveError(f"checkpoint save of step {job.step} failed: {job.error}")
+            raise job.error
         return job.stats
 
     def local_idle(self) -> bool:
@@ -217,6 +216,7 @@ class CheckpointEngine:
         rank = self.comm.rank
         stats = job.stats
         assert stats is not None
+        what = f"checkpoint save of step {job.step}"
         outcome: Any
         try:
             tw = time.perf_counter()
@@ -224,14 +224,14 @@ class CheckpointEngine:
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
-            outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
+            outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
             outcomes = self.writer_comm.all_gather_object(outcome)
-            errors = [o[1] for o in outcomes if o[0] != "ok"]
+            failures = [o[1] for o in outcomes if o[0] != "ok"]
             result: Any = None
             if rank == 0:
-                if errors:
-                    result = ("error", "; ".join(errors[:8]))
+                if failures:
+                    result = ("error", failures)
                     import shutil
                     shutil.rmtree(tmp_dir, ignore_errors=True)
                 else:
@@ -240,10 +240,11 @@ class CheckpointEngine:
                         final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
                         result = ("ok", final)
                     except BaseException as e:  # noqa: BLE001
-                        result = ("error", f"rank 0 commit: {type(e).__name__}: {e}")
+                        result = ("error", [RankFailure.of(0, e).to_wire()])
             result = self.writer_comm.broadcast_object(result, src=0)
             if result[0] != "ok":
-                job.error = result[1]
+                job.error = ranks_failed(what, [RankFailure.from_wire(f) for f in result[1]], self.comm.world_size,
+                                         base=AsyncSaveError)
             else:
                 stats.committed_dir = result[1]
                 stats.durable_s = time.perf_counter() - job.t0
@@ -252,17 +253,15 @@ class CheckpointEngine:
                         commit_mod.apply_retention(self.root, self.keep, protect=result[1])
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
-        except BaseException as e:  # noqa: BLE001 - a dead peer or a timeout on the checkpoint group
-            job.error = f"rank {rank}: checkpoint group collective failed ({type(e).__name__}: {e})"
+        except BaseException as e:  # noqa: BLE001 - a dead or stopped peer on the checkpoint group
+            failures = e.failures if isinstance(e, RanksFailedError) else [RankFailure.of(rank, e)]
+            err = ranks_failed(what, failures, self.comm.world_size, base=AsyncSaveError)
+            err.__cause__ = e
+            job.error = err
         finally:
             job.done.set()
 
     def _write_local(self, rank: int, plan: SavePlan, items, spans, tmp_dir: str, rank_state) -> dict:
-        fault = os.environ.get(FAULT_ENV, "")
-        if fault and int(fault.split(":")[0]) == rank:
-            import errno
-            code = getattr(errno, fault.split(":")[1], errno.EIO)
-            raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})")
         os.makedirs(tmp_dir, exist_ok=True)
         fname = f"data_{rank:05d}.safetensors"
         entries = [EntrySpec(_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Callable, Protocol, TypeVar
+import os
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
-from ..errors import CollectiveError, RankFailure, ranks_failed
+from ..errors import CollectiveError, PeerFailedError, RankFailure, ranks_failed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,30 +55,157 @@ class LocalComm:
         return True
 
 
+class _Liveness:
+    """Store-based liveness for one checkpoint group: a heartbeat thread per process and arrival
+    barriers that notice a dead or stopped peer within ``liveness_s`` (not the gloo timeout).
+
+    Every rank bumps its heartbeat counter in the rendezvous store every ``liveness_s / 10``
+    seconds from a daemon thread (a SIGKILLed or SIGSTOPped process stops bumping). Before each
+    collective a rank marks its arrival and waits until every rank has arrived; while waiting it
+    watches the other ranks' counters, and raises :class:`PeerFailedError` naming the ranks whose
+    counter has not moved for ``liveness_s``. Store clients are private (own connection, timeout
+    ``liveness_s``), so an unreachable store is a PeerFailedError too, never a long hang."""
+
+    def __init__(self, host: str, port: int, tag: str, rank: int, world_size: int, liveness_s: float):
+        import torch.distributed as dist
+
+        self.host, self.port, self.tag, self.rank, self.world = host, port, tag, rank, world_size
+        self.liveness_s = liveness_s
+        self._timeout = datetime.timedelta(seconds=max(1.0, liveness_s))
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
+        self._seq = 0
+        self._beat(self._store)  # visible before any collective of this group
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
+        self._thread.start()
+
+    def _hb_key(self, r: int) -> str:
+        return f"elastor/{self.tag}/hb/{r}"
+
+    def _beat(self, store: Any) -> None:
+        store.add(self._hb_key(self.rank), 1)
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self._timeout,
+                                  wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - peers will notice the missing heartbeat
+            log.warning("elastor heartbeat: cannot reach the store at %s:%s (%s)", self.host, self.port, e)
+            return
+        period = max(0.05, self.liveness_s / 10)
+        while not self._stop.wait(period):
+            try:
+                self._beat(store)
+            except Exception as e:  # noqa: BLE001 - the store is gone: nothing left to tell
+                log.debug("elastor heartbeat stopped: %s", e)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def arrive(self, what: str) -> None:
+        """Wait until every rank reached this point of the group's collective sequence."""
+        self._seq += 1
+        base = f"elastor/{self.tag}/arrive/{self._seq}"
+        keys = [f"{base}/{r}" for r in range(self.world)]
+        try:
+            self._store.set(keys[self.rank], b"1")
+            if self._seq > 2:
+                self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/{self.rank}")
+            seen: dict[int, tuple[int, float]] = {}
+            pause = 0.001
+            while not self._store.check(keys):
+                now = time.monotonic()
+                dead = []
+                for r in range(self.world):
+                    if r == self.rank:
+                        continue
+                    beat = int(self._store.add(self._hb_key(r), 0))
+                    prev = seen.get(r)
+                    if prev is None or prev[0] != beat:
+                        seen[r] = (beat, now)
+                    elif now - prev[1] > self.liveness_s:
+                        dead.append(r)
+                if dead:
+                    missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                    raise PeerFailedError(
+                        f"{what}: rank(s) {dead} stopped answering (no heartbeat for {self.liveness_s:g} s: killed, "
+                        f"hung or stopped); ranks {missing} never reached this collective",
+                        [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s") for r in dead],
+                        what)
+                time.sleep(pause)
+                pause = min(0.05, pause * 2)
+        except PeerFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself is unreachable
+            raise PeerFailedError(f"{what}: the rendezvous store at {self.host}:{self.port} did not answer within "
+                                  f"{self.liveness_s:g} s (the process hosting it died or hangs): {e}",
+                                  [RankFailure(-1, type(e).__name__, str(e))], what) from None
+
+
+def _store_address() -> tuple[str, int]:
+    """Host and port of the default process group's TCP store (env:// or torchrun)."""
+    import os
+
+    import torch.distributed as dist
+
+    try:
+        st = dist.distributed_c10d._get_default_store()
+        while hasattr(st, "underlying_store"):
+            st = st.underlying_store
+        if hasattr(st, "host") and hasattr(st, "port"):
+            return str(st.host), int(st.port)
+    except Exception:  # noqa: BLE001 - fall back to the launcher's environment
+        pass
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+
+
 class TorchComm:
-    """Object collectives on a dedicated gloo group of the default world."""
+    """Object collectives on a dedicated gloo group of the default world, with liveness checks.
+
+    ``timeout_s`` bounds one collective once every rank has arrived (gloo's timeout);
+    ``liveness_s`` bounds how long a rank waits for a peer that died or stopped before the
+    collective (see :class:`_Liveness`). Every failure is a :class:`PeerFailedError`."""
 
     def __init__(self, group: Any, rank: int, world_size: int, ranks: Any = None, timeout_s: float = 600.0,
-                 writer_group: Any = None):
+                 writer_group: Any = None, liveness: Optional[_Liveness] = None,
+                 writer_liveness: Optional[_Liveness] = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))
         self.timeout_s = timeout_s
         self.writer_group = writer_group
+        self.liveness = liveness
+        self.writer_liveness = writer_liveness
 
     @staticmethod
-    def create(timeout_s: float = 600.0) -> "TorchComm":
-        """Collective: every rank must call it, in the same order relative to other group creations."""
+    def create(timeout_s: float = 600.0, liveness_s: Optional[float] = None) -> "TorchComm":
+        """Collective: every rank must call it, in the same order relative to other group creations.
+        ``liveness_s`` (default: min(30, timeout_s)): a peer silent that long fails the collective."""
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise CollectiveError("torch.distributed is not initialised: call init_process_group (or "
                                   "deepspeed.init_distributed) first, or use LocalComm for one process")
+        live = float(min(30.0, timeout_s) if liveness_s is None else liveness_s)
+        if not live > 0:
+            raise ValueError(f"liveness_s={liveness_s!r}: must be > 0 seconds")
         td = datetime.timedelta(seconds=timeout_s)
         group = dist.new_group(backend="gloo", timeout=td)
         writer = dist.new_group(backend="gloo", timeout=td)
-        return TorchComm(group, dist.get_rank(), dist.get_world_size(), timeout_s=timeout_s, writer_group=writer)
+        box = [f"{os.getpid():x}{int(time.time() * 1e6):x}"]
+        dist.broadcast_object_list(box, group=group, group_src=0)  # one tag for this comm on every rank
+        rank, world = dist.get_rank(), dist.get_world_size()
+        liveness = writer_liveness = None
+        if world > 1:
+            host, port = _store_address()
+            liveness = _Liveness(host, port, box[0], rank, world, live)
+            writer_liveness = _Liveness(host, port, box[0] + "w", rank, world, live)
+        return TorchComm(group, rank, world, timeout_s=timeout_s, writer_group=writer, liveness=liveness,
+                         writer_liveness=writer_liveness)
 
     def duplicate(self) -> "TorchComm":
         """The same ranks on a second group, for the checkpoint writer thread: two threads must never
@@ -88,26 +218,38 @@ class TorchComm:
         if group is None:
             group = dist.new_group(ranks=self.ranks, backend="gloo",
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-        return TorchComm(group, self.rank, self.world_size, self.ranks, self.timeout_s)
+        return TorchComm(group, self.rank, self.world_size, self.ranks, self.timeout_s,
+                         liveness=self.writer_liveness)
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        if self.liveness is not None:
+            self.liveness.arrive(what)
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - gloo: a peer died mid-collective, or the timeout
+            raise PeerFailedError(f"{what} on the checkpoint group failed: a peer died or did not answer within "
+                                  f"{self.timeout_s:g} s ({type(e).__name__}: {str(e).splitlines()[0][:300]})",
+                                  [RankFailure(-1, type(e).__name__, str(e)[:500])], what) from e
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=src)  # src: rank within this group
+        # src: rank within this group
+        self._run("broadcast_object", lambda: dist.broadcast_object_list(box, group=self.group, group_src=src))
         return box[0]
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier(group=self.group)
+        self._run("barrier", lambda: dist.barrier(group=self.group))
 
     def all_equal(self, value: int) -> bool:
         """True on every rank iff every rank passed the same 62-bit ``value`` (one tiny all-reduce,
@@ -117,7 +259,7 @@ class TorchComm:
 
         v = int(value) & ((1 << 62) - 1)
         t = torch.tensor([v, -v], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._run("all_equal", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
         return int(t[0]) == v and -int(t[1]) == v
 
 
