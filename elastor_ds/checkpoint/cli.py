@@ -88,6 +88,7 @@ def cmd_inspect(args) -> int:
 def cmd_verify(args) -> int:
     try:
         step_dir = commit_mod.resolve(args.ckpt)
+        man = commit_mod.read_manifest(step_dir)  # a malformed manifest: one line, exit 1
     except CheckpointError as e:
         if not os.path.exists(args.ckpt):  # a typo is a usage error
             print(f"error: {e}", file=sys.stderr)
@@ -95,13 +96,12 @@ def cmd_verify(args) -> int:
         print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
         return 1
     from .verify import verify  # torch-free CLI start: heavy modules load on use
-    problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty())
+    problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty(), manifest=man)
     if problems:
         for p in problems:
             print(f"CORRUPT: {p}", file=sys.stderr)
         print(f"{step_dir}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    man = commit_mod.read_manifest(step_dir)
     print(f"OK {step_dir}: step {man.step}, {len(man.files)} files, {len(man.tensors)} tensors, "
           f"{man.total_bytes / 2**20:.2f} MiB, checksums {'skipped' if args.no_checksums else 'match'}")
     return 0
