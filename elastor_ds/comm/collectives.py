@@ -66,18 +66,27 @@ class _Liveness:
     counter has not moved for ``liveness_s``. Store clients are private (own connection, timeout
     ``liveness_s``), so an unreachable store is a PeerFailedError too, never a long hang."""
 
-    def __init__(self, host: str, port: int, tag: str, rank: int, world_size: int, liveness_s: float):
-        import torch.distributed as dist
-
-        self.host, self.port, self.tag, self.rank, self.world = host, port, tag, rank, world_size
+    def __init__(self, address: Optional[tuple[str, int]], tag: str, rank: int, world_size: int,
+                 liveness_s: float, shared_store: Any = None):
+        self.address, self.tag, self.rank, self.world = address, tag, rank, world_size
         self.liveness_s = liveness_s
         self._timeout = datetime.timedelta(seconds=max(1.0, liveness_s))
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
+        self._shared = shared_store  # a server-less store (FileStore, HashStore): used directly
+        self._store = self._client()
         self._seq = 0
         self._beat(self._store)  # visible before any collective of this group
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
         self._thread.start()
+
+    def _client(self) -> Any:
+        """A private TCP store client with a short timeout, or the shared server-less store."""
+        import torch.distributed as dist
+
+        if self.address is None:
+            return self._shared
+        host, port = self.address
+        return dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
 
     def _hb_key(self, r: int) -> str:
         return f"elastor/{self.tag}/hb/{r}"
@@ -86,13 +95,10 @@ class _Liveness:
         store.add(self._hb_key(self.rank), 1)
 
     def _run(self) -> None:
-        import torch.distributed as dist
-
         try:
-            store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self._timeout,
-                                  wait_for_workers=False)
+            store = self._client()
         except Exception as e:  # noqa: BLE001 - peers will notice the missing heartbeat
-            log.warning("elastor heartbeat: cannot reach the store at %s:%s (%s)", self.host, self.port, e)
+            log.warning("elastor heartbeat: cannot reach the store at %s (%s)", self.address, e)
             return
         period = max(0.05, self.liveness_s / 10)
         while not self._stop.wait(period):
@@ -140,26 +146,27 @@ class _Liveness:
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
-            raise PeerFailedError(f"{what}: the rendezvous store at {self.host}:{self.port} did not answer within "
+            raise PeerFailedError(f"{what}: the rendezvous store ({self.address or 'shared'}) did not answer within "
                                   f"{self.liveness_s:g} s (the process hosting it died or hangs): {e}",
                                   [RankFailure(-1, type(e).__name__, str(e))], what) from None
 
 
-def _store_address() -> tuple[str, int]:
-    """Host and port of the default process group's TCP store (env:// or torchrun)."""
+def _store_for_liveness() -> tuple[Optional[tuple[str, int]], Any]:
+    """(host, port) of the default process group's TCP store, or (None, the store itself) when it
+    is server-less (FileStore, HashStore: nothing can hang there)."""
     import os
 
     import torch.distributed as dist
 
-    try:
-        st = dist.distributed_c10d._get_default_store()
-        while hasattr(st, "underlying_store"):
-            st = st.underlying_store
-        if hasattr(st, "host") and hasattr(st, "port"):
-            return str(st.host), int(st.port)
-    except Exception:  # noqa: BLE001 - fall back to the launcher's environment
-        pass
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    st = dist.distributed_c10d._get_default_store()
+    base = st
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return (str(base.host), int(base.port)), None
+    if base is None and "MASTER_PORT" in os.environ:  # pragma: no cover - torchrun agent store
+        return (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])), None
+    return None, dist.PrefixStore("elastor_liveness/", st)
 
 
 class TorchComm:
@@ -201,9 +208,9 @@ class TorchComm:
         rank, world = dist.get_rank(), dist.get_world_size()
         liveness = writer_liveness = None
         if world > 1:
-            host, port = _store_address()
-            liveness = _Liveness(host, port, box[0], rank, world, live)
-            writer_liveness = _Liveness(host, port, box[0] + "w", rank, world, live)
+            address, shared = _store_for_liveness()
+            liveness = _Liveness(address, box[0], rank, world, live, shared)
+            writer_liveness = _Liveness(address, box[0] + "w", rank, world, live, shared)
         return TorchComm(group, rank, world, timeout_s=timeout_s, writer_group=writer, liveness=liveness,
                          writer_liveness=writer_liveness)
 
