@@ -14,7 +14,10 @@ boundaries into DeepSpeed partition boundaries.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import time
 from typing import Any, Sequence
 
 import torch
@@ -109,6 +112,33 @@ class EmbeddingPipe(nn.Module):
         return self.embedding(tokens, pos)  # [s, b, h]
 
 
+_SIM: dict[int, float] | None = None
+
+
+def simulated_layer_seconds() -> dict[int, float]:
+    """``ELASTOR_SIM_LAYER_S='{"1": 0.06, "2": 0.033}'`` (bench only): each transformer layer also sleeps
+    this many seconds per micro-batch at its stage's TP width, 1/3 in forward and 2/3 in backward, so
+    8 CPU processes on 2 cores behave like devices whose compute takes that long while the schedule,
+    p2p, TP collectives and the split all-reduce stay real."""
+    global _SIM
+    if _SIM is None:
+        raw = os.environ.get("ELASTOR_SIM_LAYER_S")
+        _SIM = {int(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
+    return _SIM
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
 class TransformerLayerPipe(TransformerLayer):
     """A megatron-core local-spec transformer layer whose forward takes and returns one tensor."""
 
@@ -117,6 +147,13 @@ class TransformerLayerPipe(TransformerLayer):
         super().__init__(config, spec.submodules, layer_number=layer_number)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        sim = simulated_layer_seconds()
+        if sim:
+            from megatron.core import parallel_state as ps
+            t = sim[ps.get_tensor_model_parallel_world_size()]
+            time.sleep(t / 3)
+            if hidden_states.requires_grad:
+                hidden_states = _SleepInBackward.apply(hidden_states, 2 * t / 3)
         s = hidden_states.shape[0]
         mask = getattr(self, "_causal", None)
         if mask is None or mask.shape[-1] != s or mask.device != hidden_states.device:
