@@ -136,7 +136,10 @@ PLAN_KEYS = ("plan", "predicted_iteration_s", "predicted_iter_s", "best_uniform_
 
 
 def _plan_fields(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k in PLAN_KEYS or k.startswith("predicted") or k.startswith("plan_")}
+    """The trainer's plan fields of a metrics record (chosen plan, its predicted iteration time, the
+    best uniform plan and its prediction), whatever their exact names."""
+    return {k: v for k, v in rec.items()
+            if k in PLAN_KEYS or "predicted" in k or k.startswith("plan_") or k.startswith("uniform")}
 
 
 def phases(events: list[dict], metrics: list[dict]) -> list[Phase]:

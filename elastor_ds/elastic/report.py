@@ -22,18 +22,23 @@ def _fmt(x, spec=".2f", none="-") -> str:
 
 
 def _plan_text(ph: Phase) -> str:
+    """Chosen plan, predicted ms/iteration and the best uniform plan's, from the trainer's fields."""
     p = ph.plan
     if not p:
         return ""
+    num = {k: v for k, v in p.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    pred = next((v for k, v in num.items() if "predicted" in k and "uniform" not in k), None)
+    uni = next((v for k, v in num.items() if "predicted" in k and "uniform" in k), None)
     bits = []
-    pred = next((p[k] for k in p if k.startswith("predicted") and "uniform" not in k and isinstance(p[k], (int, float))), None)
-    uni = next((p[k] for k in p if "uniform" in k and isinstance(p[k], (int, float))), None)
-    if "plan" in p and isinstance(p["plan"], str):
-        bits.append(p["plan"])
+    if isinstance(p.get("plan_source"), str):
+        bits.append(f"source {p['plan_source']}")
     if pred is not None:
         bits.append(f"predicted {pred * 1e3:.3g} ms/it")
-    if uni is not None:
-        bits.append(f"best uniform {uni * 1e3:.3g} ms/it")
+    uplan = p.get("uniform_plan")
+    if uni is not None or isinstance(uplan, str):
+        bits.append("best uniform" + (f" {uplan}" if isinstance(uplan, str) else "")
+                    + (f" {uni * 1e3:.3g} ms/it" if uni is not None else "")
+                    + (f" ({uni / pred:.3f}x)" if uni and pred else ""))
     return "; ".join(bits)
 
 
@@ -44,9 +49,12 @@ def summary_table(events: list[dict], metrics: list[dict]) -> str:
     lines.append(f"{'#':<3}{'world':>6}  {'layout':<34}{'iterations':<14}{'ms/iter':>9}{'samples/s':>11}  ended by")
     for ph in phs:
         its = f"{ph.first_iteration}-{ph.last_iteration}" if ph.first_iteration is not None else "-"
-        lines.append(f"{ph.index:<3}{ph.world_size:>6}  {ph.layout[:33]:<34}{its:<14}"
+        lay = ph.layout if len(ph.layout) <= 33 else ph.layout[:30] + "..."
+        lines.append(f"{ph.index:<3}{ph.world_size:>6}  {lay:<34}{its:<14}"
                      f"{_fmt(ph.median_iter_s and ph.median_iter_s * 1e3, '.0f'):>9}{_fmt(ph.samples_per_s, '.1f'):>11}  "
                      f"{ph.ended_by or '-'}")
+        if len(ph.layout) > 33:
+            lines.append(f"{'':<11}layout: {ph.layout}")
         pt = _plan_text(ph)
         if pt:
             lines.append(f"{'':<11}plan: {pt}")

@@ -157,7 +157,7 @@ def main() -> int:
         json.dump(summary, f, indent=1)
     print("\n" + table)
     print("lm loss by phase: " + " | ".join(
-        f"{p.layout.split('(')[0]} on {p.world_size}: "
+        f"phase {p.index} ({p.world_size} procs): "
         + (f"{p.loss_first:.3f} -> {p.loss_last:.3f}" if p.loss_first is not None else "-")
         for p in phs))
     if stalls:
