@@ -336,7 +336,7 @@ def malformed_cli_cases(work: str, ckpt: str) -> list[tuple[str, list[str], int]
                 next(iter(m["tensors"].values()))["shape"] = "big"
             else:
                 m["format_version"] = 99
-            text = json.dumps(m)
+            text = json.dumps(resign(m))
         write(mp, text)
         for sub in ("verify", "inspect"):
             cases.append((f"{sub} {name}", [sub, d], 1))
@@ -428,6 +428,14 @@ def run_trainer_flags(work: str, rng: random.Random, reps: int) -> Row:
     return row
 
 
+def resign(m: dict) -> dict:
+    """Recompute an edited manifest's checksum, as an attacker would (it is not a signature)."""
+    if "checksum" in m:
+        from elastor_ds.checkpoint.manifest import document_checksum
+        m["checksum"] = document_checksum(m)
+    return m
+
+
 def _copy(src: str, dst: str) -> str:
     shutil.copytree(src, dst, symlinks=True)
     return dst
@@ -448,6 +456,7 @@ def run_path_escape(work: str, rng: random.Random, reps: int) -> Row:
         sd = commit_mod.resolve(r)
         m = json.load(open(os.path.join(sd, "manifest.json")))
         edit(m, sd)
+        resign(m)
         write(os.path.join(sd, "manifest.json"), json.dumps(m))
         crafted.append((name, r))
 
