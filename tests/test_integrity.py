@@ -14,7 +14,7 @@ import torch
 from dist_utils import run_world
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard
 from elastor_ds.checkpoint import commit as commit_mod
-from elastor_ds.checkpoint.manifest import DTYPE_SIZES
+from elastor_ds.checkpoint.planning.manifest import DTYPE_SIZES
 from elastor_ds.checkpoint.shards import full_shard
 from elastor_ds.cli import main as cli_main
 from elastor_ds.errors import CorruptCheckpointError, ManifestError

@@ -1,16 +1,22 @@
 """The pure core stays pure: layout and plan code imports neither torch.distributed, deepspeed nor
-megatron (nor torch at all); checkpoint planning modules import no torch."""
+megatron (nor torch at all); checkpoint planning modules (checkpoint/planning/) import no torch,
+neither directly (AST check) nor indirectly (each imported in a fresh interpreter)."""
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "elastor_ds"
 FORBIDDEN_EVERYWHERE_PURE = ("torch", "deepspeed", "megatron")
 PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + sorted(PKG.glob("data/*.py")) + sorted(
     PKG.glob("runtime/*.py")) + [
-    PKG / "checkpoint" / "save_plan.py", PKG / "checkpoint" / "load_plan.py", PKG / "checkpoint" / "manifest.py",
-    PKG / "checkpoint" / "commit.py", PKG / "errors.py",
+    *sorted(PKG.glob("checkpoint/planning/*.py")), PKG / "checkpoint" / "commit.py", PKG / "errors.py",
     # the elastic controller's decision logic and records
     PKG / "elastic" / "protocol.py", PKG / "elastic" / "policy.py", PKG / "elastic" / "events.py"]
 # files allowed to use torch for measurement, but never torch.distributed / deepspeed / megatron
@@ -55,3 +61,20 @@ def test_only_comm_and_integrations_touch_distributed():
             if mod.startswith("torch.distributed") or mod.split(".")[0] in ("deepspeed", "megatron"):
                 bad.append(f"{rel} imports {mod}")
     assert not bad, bad
+
+
+PLANNING = sorted(p.stem for p in PKG.glob("checkpoint/planning/*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("mod", PLANNING + ["__init__"])
+def test_planning_modules_pull_in_no_torch_indirectly(mod):
+    """Import a planning module in a fresh interpreter: torch (and torch.distributed) must not be loaded
+    by anything it imports, directly or through a package ``__init__``."""
+    name = "elastor_ds.checkpoint.planning" + ("" if mod == "__init__" else f".{mod}")
+    code = (f"import sys, importlib; importlib.import_module({name!r}); "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'deepspeed', 'megatron')));"
+            "print(bad[:5]); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(PKG.parent), env={**__import__("os").environ, "PYTHONPATH": str(PKG.parent)})
+    assert p.returncode == 0, f"importing {name} loaded {p.stdout.strip()} {p.stderr[-500:]}"
+    assert set(PLANNING) >= {"manifest", "save_plan", "load_plan"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastor_ds.checkpoint.load_plan import Request, plan_load
-from elastor_ds.checkpoint.manifest import Chunk, TensorEntry
-from elastor_ds.checkpoint.save_plan import ShardMeta, plan_save
+from elastor_ds.checkpoint.planning.load_plan import Request, plan_load
+from elastor_ds.checkpoint.planning.manifest import Chunk, TensorEntry
+from elastor_ds.checkpoint.planning.save_plan import ShardMeta, plan_save
 from elastor_ds.errors import LayoutError, ShardingError, TensorMismatchError
 from elastor_ds.layout import (Layout, Region, Replica, ShardRule, Stage, TensorSpec, flat_partition_pieces,
                                flat_range_to_regions, holdings, local_pieces, partition_bounds)

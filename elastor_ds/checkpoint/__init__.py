@@ -1,8 +1,14 @@
 """Partition-agnostic, asynchronous, deduplicated checkpoints (public API).
 
-Pipeline: save = snapshot -> save plan (pure) -> write -> commit; load = manifest -> load plan
-(pure) -> read -> place. The names below are resolved lazily so that importing a pure planning
-module (``manifest``, ``save_plan``, ``load_plan``) does not import torch.
+Pipeline, one module per stage::
+
+    save: shards -> planning.save_plan (pure) -> staging (snapshot) -> writer -> commit
+    load: commit (resolve) -> planning.manifest (read once) -> planning.load_plan (pure) -> reader
+    engine.py: the collective orchestration of both (async save, agreement, fallback)
+
+``planning/`` is pure (no torch, no I/O). Also here: ``storage`` (file formats, CRCs), ``shards``
+(TensorShard), ``state`` (RNG, JSON), ``verify``, ``convert``, ``cli``. The names below are
+resolved lazily so that importing a planning module does not import torch.
 """
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ _EXPORTS = {
     "CheckpointEngine": "engine",
     "SaveStats": "engine",
     "LoadResult": "engine",
+    "OpenCheckpoint": "engine",
+    "VerifyMode": "engine",
     "TensorShard": "shards",
-    "Manifest": "manifest",
+    "Manifest": "planning.manifest",
 }
 
 __all__ = sorted(_EXPORTS)

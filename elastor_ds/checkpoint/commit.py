@@ -51,7 +51,7 @@ import uuid
 from typing import Optional
 
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
-from .manifest import MANIFEST_NAME, Manifest
+from .planning.manifest import MANIFEST_NAME, Manifest
 from .paths import safe_join
 from .storage import atomic_write_text, fsync_dir
 

@@ -25,9 +25,9 @@ from tqdm import tqdm
 from ..errors import CheckpointError
 from ..layout.region import Region
 from . import commit as commit_mod
-from .engine import read_shards
+from .reader import read_shards
 from .paths import check_tensor_name
-from .manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
+from .planning.manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
 from .shards import dtype_name, full_shard
 from .storage import EntrySpec, build_header, fsync_dir, write_stream
 
@@ -174,5 +174,5 @@ def _read_metadata(src: str) -> dict:
 
 
 def _st_dtype(code: str) -> torch.dtype:
-    from .manifest import CODE_DTYPES
+    from .planning.manifest import CODE_DTYPES
     return getattr(torch, CODE_DTYPES[code])

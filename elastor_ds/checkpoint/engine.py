@@ -31,26 +31,20 @@ import logging
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
-
-import torch
 
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError,
                       RankFailure, RanksFailedError, TensorMismatchError, ranks_failed)
-from ..layout.region import Region
 from . import commit as commit_mod
-from .load_plan import Check, LoadPlan, ReadOp, Request, plan_load
-from .manifest import (BLOCK_SIZE, DTYPE_SIZES, BlockTable, Chunk, FileEntry, Manifest, TensorEntry,
-                       crc_table_name)
-from .save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
-from .shards import TensorShard, dtype_name, region_view
+from .planning.manifest import Manifest
+from .planning.save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
+from .reader import read_shards
+from .shards import TensorShard, dtype_name
 from .staging import StagingBuffer
 from .state import to_jsonable
-from .storage import (EntrySpec, build_header, file_crc32, pread_into, read_crc_entries, write_crc_table,
-                      write_stream)
+from .writer import build_manifest, write_rank_files
 from .verify import verify
 
 log = logging.getLogger(__name__)
@@ -220,7 +214,9 @@ class CheckpointEngine:
         outcome: Any
         try:
             tw = time.perf_counter()
-            outcome = ("ok", self._write_local(rank, plan, items, spans, tmp_dir, rank_state))
+            buf = self.staging.buf
+            views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
+            outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, fsync=self.fsync))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
@@ -236,7 +232,7 @@ class CheckpointEngine:
                     shutil.rmtree(tmp_dir, ignore_errors=True)
                 else:
                     try:
-                        man = self._build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
+                        man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
                         final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
                         result = ("ok", final)
                     except BaseException as e:  # noqa: BLE001
@@ -260,53 +256,6 @@ class CheckpointEngine:
             job.error = err
         finally:
             job.done.set()
-
-    def _write_local(self, rank: int, plan: SavePlan, items, spans, tmp_dir: str, rank_state) -> dict:
-        os.makedirs(tmp_dir, exist_ok=True)
-        fname = f"data_{rank:05d}.safetensors"
-        entries = [EntrySpec(_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
-        header, rel = build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
-        buf = self.staging.buf
-        views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
-        crcs: list[int] = []
-        blocks: list[list[int]] = []
-        size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=self.fsync, chunk_crcs=crcs,
-                                 block_crcs=blocks, block_size=BLOCK_SIZE)
-        tname = crc_table_name(fname)
-        tsize, tcrc, starts = write_crc_table(os.path.join(tmp_dir, tname), blocks, fsync=self.fsync)
-        chunks = [(it.name, _key(it.name, it.region), it.region.to_json(), len(header) + off, it.nbytes, c,
-                   (BLOCK_SIZE, tname, first)) for it, off, c, first in zip(items, rel, crcs, starts)]
-        files = {fname: (size, crc), tname: (tsize, tcrc)}
-        state_name = None
-        if rank_state is not None:
-            import json
-            state_name = f"rank_state/rank_{rank:05d}.json"
-            sp = os.path.join(tmp_dir, state_name)
-            os.makedirs(os.path.dirname(sp), exist_ok=True)
-            with open(sp, "w", encoding="utf-8") as f:
-                json.dump(rank_state, f)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            files[state_name] = file_crc32(sp)
-        return {"rank": rank, "data": fname, "chunks": chunks, "files": files, "state": state_name}
-
-    def _build_manifest(self, step: int, plan: SavePlan, results: list[dict], extra, model, layout) -> Manifest:
-        chunks: dict[str, list[Chunk]] = {n: [] for n in plan.tensors}
-        files: dict[str, FileEntry] = {}
-        states: dict[int, str] = {}
-        for res in results:
-            for name, key, reg, off, length, crc, (bsize, table, first) in res["chunks"]:
-                chunks[name].append(Chunk(res["data"], key, Region.from_json(reg), off, length, crc,
-                                          BlockTable(bsize, table, first)))
-            for fname, (size, crc) in res["files"].items():
-                files[fname] = FileEntry(fname, size, crc, res["rank"])
-            if res["state"]:
-                states[res["rank"]] = res["state"]
-        tensors = {n: TensorEntry(n, shape, dtype, tuple(sorted(chunks[n], key=lambda c: c.region.offsets)))
-                   for n, (shape, dtype) in plan.tensors.items()}
-        return Manifest(step=step, tensors=tensors, files=files, layout=layout, model=model, extra=extra,
-                        rank_state_files=states, world_size=len(results), created_unix=time.time())
 
     # ------------------------------------------------------------------ load
     def open(self, path: Optional[str] = None, *, fallback: bool = False) -> "OpenCheckpoint":
@@ -409,194 +358,3 @@ class CheckpointEngine:
                 rank_state = json.load(f)
         return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, lplan.bytes_read + lplan.table_bytes,
                           lplan.bytes_needed, time.perf_counter() - t0)
-
-
-def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False,
-                check_crc: bool = True) -> LoadPlan:
-    """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective);
-    ``check_crc``: verify every byte read against the block CRCs (whole chunks for format 1)."""
-    requests = []
-    targets = []
-    for s in shards:
-        entry = man.tensors.get(s.name)
-        if entry is None:
-            raise TensorMismatchError(f"tensor {s.name!r} is not in checkpoint {step_dir} (it has "
-                                      f"{len(man.tensors)} tensors; see `elastor inspect`)")
-        if tuple(entry.shape) != tuple(s.shape):
-            raise TensorMismatchError(f"tensor {s.name}: checkpoint global shape {tuple(entry.shape)} != model "
-                                      f"{tuple(s.shape)}; the model config differs from the saved one")
-        want = dtype_name(s.tensor.dtype)
-        if want != entry.dtype and not allow_cast:
-            raise TensorMismatchError(f"tensor {s.name}: checkpoint dtype {entry.dtype} != destination {want}; "
-                                      f"pass allow_cast=True to convert")
-        requests.append(Request(s.name, s.region, len(targets)))
-        targets.append(s.tensor)
-    lplan = plan_load(man.tensors, requests, verify=check_crc)
-    _Reader(step_dir, lplan, targets, check_crc).run()
-    return lplan
-
-
-class _Reader:
-    """Executes a load plan: reads straight into destination memory when possible, else via a
-    staging buffer, and verifies every check of every read before the bytes are used."""
-
-    def __init__(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor], check: bool):
-        self.step_dir, self.lplan, self.targets, self.check = step_dir, lplan, targets, check
-        self.tables: dict[str, tuple[int, list[int]]] = {}
-        self.table_bytes = 0
-
-    def run(self) -> None:
-        if self.check:
-            for table, (lo, hi) in self.lplan.table_ranges().items():
-                self.tables[table] = (lo, read_crc_entries(os.path.join(self.step_dir, table), lo, hi))
-                self.table_bytes += (hi - lo + 1) * 4
-        fds: dict[str, int] = {}
-        stage = torch.empty(0, dtype=torch.uint8)
-        try:
-            for op in self.lplan.reads:
-                fd = fds.get(op.file)
-                if fd is None:
-                    fd = fds[op.file] = os.open(os.path.join(self.step_dir, op.file), os.O_RDONLY)
-                if op.repeat > 1:
-                    self._strided(fd, op)
-                    continue
-                direct = _direct_views(op, self.targets)
-                if direct is not None:
-                    pread_into(fd, direct, op.offset)
-                    self._verify(op, direct, 0)
-                    continue
-                if stage.numel() < op.length:
-                    stage = torch.empty(op.length, dtype=torch.uint8)
-                buf = stage[:op.length]
-                mv = memoryview(buf.numpy())
-                pread_into(fd, [mv], op.offset)
-                self._verify(op, [mv], 0)
-                for c in op.copies:
-                    raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
-                    src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
-                    region_view(self.targets[c.target], c.dst).copy_(src)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    def _entry(self, table: str, idx: int) -> int:
-        if idx < 0:
-            return 0
-        lo, vals = self.tables[table]
-        return vals[idx - lo]
-
-    def _verify(self, op: ReadOp, views: Sequence[memoryview], k: int) -> None:
-        """Check run ``k`` of ``op`` (its bytes are ``views`` back to back, starting at the run's offset)."""
-        if not self.check:
-            return
-        run_off = op.offset + k * op.stride
-        for chk in op.checks:
-            start = chk.offset + k * op.stride - run_off
-            if chk.table is None:
-                seed, want = 0, chk.crc
-            else:
-                si, ei = chk.entries(k, op.check_step)
-                seed, want = self._entry(chk.table, si), self._entry(chk.table, ei)
-            got = _crc_range(views, start, chk.length, seed)
-            if got != want:
-                self._fail(chk, k, op, views, start, got, want)
-
-    def _fail(self, chk: Check, k: int, op: ReadOp, views, start: int, got: int, want) -> None:
-        at = chk.offset + k * op.stride
-        where = f"bytes {at}..{at + chk.length - 1}"
-        if chk.table is not None:  # name the first bad block
-            first = chk.first + k * op.check_step
-            seed = self._entry(chk.table, chk.base + first - 1 if first > 0 else -1)
-            for b in range(chk.count):
-                n = min(chk.block_size, chk.length - b * chk.block_size)
-                c = _crc_range(views, start + b * chk.block_size, n, seed)
-                if c != self._entry(chk.table, chk.base + first + b):
-                    where = f"the {chk.block_size}-byte block at byte {at + b * chk.block_size}"
-                    break
-                seed = c
-        raise CorruptCheckpointError(
-            f"{os.path.join(self.step_dir, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check "
-            f"(read {got:08x}, checkpoint says {want:08x}); the checkpoint is corrupt")
-
-    def _strided(self, fd: int, op: ReadOp) -> None:
-        """One pread per outer row, straight into the destination rows when they are contiguous and
-        the run is exactly the needed bytes; every run verified."""
-        (c,) = op.copies
-        t = self.targets[c.target]
-        v = region_view(t, c.dst)
-        row = op.length
-        need = _numel(c.sizes[1:]) * c.itemsize
-        if (c.buf_offset == 0 and need == row and t.is_contiguous() and t.device.type == "cpu"
-                and dtype_name(t.dtype) == c.dtype and v.dim() >= 1 and v[0].is_contiguous()):
-            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            base = (v.storage_offset() - t.storage_offset()) * t.element_size()
-            rs = v.stride(0) * t.element_size()
-            for k in range(op.repeat):
-                dst = mv[base + k * rs: base + k * rs + row]
-                pread_into(fd, [dst], op.offset + k * op.stride)
-                self._verify(op, [dst], k)
-            return
-        buf = torch.empty(row, dtype=torch.uint8)
-        bmv = memoryview(buf.numpy())
-        piece = buf[c.buf_offset:c.buf_offset + need].view(_torch_dtype(c.dtype)).view(c.sizes[1:])
-        for k in range(op.repeat):
-            pread_into(fd, [bmv], op.offset + k * op.stride)
-            self._verify(op, [bmv], k)
-            v[k].copy_(piece)
-
-
-def _numel(sizes: Sequence[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _crc_range(views: Sequence[memoryview], start: int, length: int, seed: int) -> int:
-    """CRC32 (seeded) of ``length`` bytes from byte ``start`` of ``views`` taken back to back."""
-    crc = seed
-    pos = 0
-    for mv in views:
-        n = len(mv)
-        if start < pos + n and length > 0:
-            a = max(0, start - pos)
-            b = min(n, start + length - pos)
-            crc = zlib.crc32(mv[a:b], crc)
-        pos += n
-        if pos >= start + length:
-            break
-    return crc
-
-
-def _key(name: str, region: Region) -> str:
-    return f"{name}#{','.join(str(o) for o in region.offsets)}"
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _span_bytes(c) -> int:
-    if not c.sizes:
-        return c.itemsize
-    return (sum((n - 1) * s for n, s in zip(c.sizes, c.src_strides)) + 1) * c.itemsize
-
-
-def _direct_views(op: ReadOp, targets: Sequence[torch.Tensor]) -> Optional[list[memoryview]]:
-    """Destination memoryviews when the copies tile the read exactly and land contiguously."""
-    copies = sorted(op.copies, key=lambda c: c.buf_offset)
-    pos = 0
-    views = []
-    for c in copies:
-        t = targets[c.target]
-        if c.buf_offset != pos or not c.contiguous or DTYPE_SIZES.get(dtype_name(t.dtype)) != c.itemsize \
-                or dtype_name(t.dtype) != c.dtype or t.device.type != "cpu":
-            return None
-        v = region_view(t, c.dst)
-        if not v.is_contiguous():
-            return None
-        views.append(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
-        pos += c.nbytes
-    if pos != op.length:
-        return None
-    return views

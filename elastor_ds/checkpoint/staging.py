@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .save_plan import WriteItem
+from .planning.save_plan import WriteItem
 from .shards import TensorShard, region_view
 
 log = logging.getLogger(__name__)

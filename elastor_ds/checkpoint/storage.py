@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from .manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
+from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
 
 WRITE_BLOCK = 32 * 1024 * 1024
 

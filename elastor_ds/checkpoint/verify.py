@@ -15,7 +15,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError
 from ..layout.region import Region
 from .commit import read_manifest
-from .manifest import Manifest
+from .planning.manifest import Manifest
 from .storage import file_crc32, read_header
 
 

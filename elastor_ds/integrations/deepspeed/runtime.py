@@ -25,7 +25,7 @@ import time
 from typing import Any, Optional
 
 from ...checkpoint import commit as commit_mod
-from ...checkpoint import CheckpointEngine, LoadResult, Manifest, SaveStats
+from ...checkpoint import CheckpointEngine, LoadResult, Manifest, SaveStats, VerifyMode
 from ...checkpoint.state import capture_rng_state, restore_rng_state, to_jsonable
 from ...comm import TorchComm
 from ...errors import ConfigError, IncompleteCheckpointError
@@ -168,7 +168,7 @@ class ElastorCheckpointer:
                 log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", step_dir)
             return shards
         res = self.ckpt.load(step_dir, shards_for, strict=True,
-                             verify_checksums="chunks" if self.cfg.verify_on_load else "none",
+                             verify_checksums=VerifyMode.CHUNKS if self.cfg.verify_on_load else VerifyMode.NONE,
                              fallback=self.cfg.fallback_to_previous)
         self._restore_extra(res)
         self.loaded = res

@@ -38,7 +38,7 @@ import torch
 
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.convert import write_single_writer_checkpoint
-from ...checkpoint.engine import read_shards
+from ...checkpoint.reader import read_shards
 from ...checkpoint.paths import safe_join
 from ...checkpoint.shards import dtype_name, full_shard
 from ...errors import CheckpointError, ConfigError

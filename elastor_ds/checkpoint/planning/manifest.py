@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import FormatVersionError, ManifestError
-from ..layout.region import Region
+from ...errors import FormatVersionError, ManifestError
+from ...layout.region import Region
 
 FORMAT_NAME = "elastor"
 FORMAT_VERSION = 2

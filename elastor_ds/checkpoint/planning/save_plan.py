@@ -30,8 +30,8 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..errors import ShardingError
-from ..layout.region import Region
+from ...errors import ShardingError
+from ...layout.region import Region
 from .manifest import DTYPE_SIZES
 
 

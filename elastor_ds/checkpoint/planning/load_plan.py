@@ -25,8 +25,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..errors import TensorMismatchError
-from ..layout.region import Region, contiguous_strides
+from ...errors import TensorMismatchError
+from ...layout.region import Region, contiguous_strides
 from .manifest import DTYPE_SIZES, Chunk, TensorEntry
 
 

@@ -1,0 +1,208 @@
+"""The reader: executes a load plan on one rank, verifying every byte it reads.
+
+:func:`read_shards` checks the requested shards against the manifest, plans the reads
+(:func:`.planning.load_plan.plan_load`: every read widened to whole CRC blocks) and runs them:
+straight into destination memory when the copies tile a read exactly, else through a staging
+buffer; strided ops issue one pread per row. Every check of a read is verified (cumulative block
+CRCs, or the whole chunk for format 1) before its bytes are used. Rank-local, not collective.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import CorruptCheckpointError, TensorMismatchError
+from .planning.load_plan import Check, LoadPlan, ReadOp, Request, plan_load
+from .planning.manifest import DTYPE_SIZES, Manifest
+from .shards import TensorShard, dtype_name, region_view
+from .storage import pread_into, read_crc_entries
+
+
+def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False,
+                check_crc: bool = True) -> LoadPlan:
+    """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective);
+    ``check_crc``: verify every byte read against the block CRCs (whole chunks for format 1)."""
+    requests = []
+    targets = []
+    for s in shards:
+        entry = man.tensors.get(s.name)
+        if entry is None:
+            raise TensorMismatchError(f"tensor {s.name!r} is not in checkpoint {step_dir} (it has "
+                                      f"{len(man.tensors)} tensors; see `elastor inspect`)")
+        if tuple(entry.shape) != tuple(s.shape):
+            raise TensorMismatchError(f"tensor {s.name}: checkpoint global shape {tuple(entry.shape)} != model "
+                                      f"{tuple(s.shape)}; the model config differs from the saved one")
+        want = dtype_name(s.tensor.dtype)
+        if want != entry.dtype and not allow_cast:
+            raise TensorMismatchError(f"tensor {s.name}: checkpoint dtype {entry.dtype} != destination {want}; "
+                                      f"pass allow_cast=True to convert")
+        requests.append(Request(s.name, s.region, len(targets)))
+        targets.append(s.tensor)
+    lplan = plan_load(man.tensors, requests, verify=check_crc)
+    _Reader(step_dir, lplan, targets, check_crc).run()
+    return lplan
+
+
+class _Reader:
+    """Executes a load plan: reads straight into destination memory when possible, else via a
+    staging buffer, and verifies every check of every read before the bytes are used."""
+
+    def __init__(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor], check: bool):
+        self.step_dir, self.lplan, self.targets, self.check = step_dir, lplan, targets, check
+        self.tables: dict[str, tuple[int, list[int]]] = {}
+        self.table_bytes = 0
+
+    def run(self) -> None:
+        if self.check:
+            for table, (lo, hi) in self.lplan.table_ranges().items():
+                self.tables[table] = (lo, read_crc_entries(os.path.join(self.step_dir, table), lo, hi))
+                self.table_bytes += (hi - lo + 1) * 4
+        fds: dict[str, int] = {}
+        stage = torch.empty(0, dtype=torch.uint8)
+        try:
+            for op in self.lplan.reads:
+                fd = fds.get(op.file)
+                if fd is None:
+                    fd = fds[op.file] = os.open(os.path.join(self.step_dir, op.file), os.O_RDONLY)
+                if op.repeat > 1:
+                    self._strided(fd, op)
+                    continue
+                direct = _direct_views(op, self.targets)
+                if direct is not None:
+                    pread_into(fd, direct, op.offset)
+                    self._verify(op, direct, 0)
+                    continue
+                if stage.numel() < op.length:
+                    stage = torch.empty(op.length, dtype=torch.uint8)
+                buf = stage[:op.length]
+                mv = memoryview(buf.numpy())
+                pread_into(fd, [mv], op.offset)
+                self._verify(op, [mv], 0)
+                for c in op.copies:
+                    raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
+                    src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
+                    region_view(self.targets[c.target], c.dst).copy_(src)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _entry(self, table: str, idx: int) -> int:
+        if idx < 0:
+            return 0
+        lo, vals = self.tables[table]
+        return vals[idx - lo]
+
+    def _verify(self, op: ReadOp, views: Sequence[memoryview], k: int) -> None:
+        """Check run ``k`` of ``op`` (its bytes are ``views`` back to back, starting at the run's offset)."""
+        if not self.check:
+            return
+        run_off = op.offset + k * op.stride
+        for chk in op.checks:
+            start = chk.offset + k * op.stride - run_off
+            if chk.table is None:
+                seed, want = 0, chk.crc
+            else:
+                si, ei = chk.entries(k, op.check_step)
+                seed, want = self._entry(chk.table, si), self._entry(chk.table, ei)
+            got = _crc_range(views, start, chk.length, seed)
+            if got != want:
+                self._fail(chk, k, op, views, start, got, want)
+
+    def _fail(self, chk: Check, k: int, op: ReadOp, views, start: int, got: int, want) -> None:
+        at = chk.offset + k * op.stride
+        where = f"bytes {at}..{at + chk.length - 1}"
+        if chk.table is not None:  # name the first bad block
+            first = chk.first + k * op.check_step
+            seed = self._entry(chk.table, chk.base + first - 1 if first > 0 else -1)
+            for b in range(chk.count):
+                n = min(chk.block_size, chk.length - b * chk.block_size)
+                c = _crc_range(views, start + b * chk.block_size, n, seed)
+                if c != self._entry(chk.table, chk.base + first + b):
+                    where = f"the {chk.block_size}-byte block at byte {at + b * chk.block_size}"
+                    break
+                seed = c
+        raise CorruptCheckpointError(
+            f"{os.path.join(self.step_dir, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check "
+            f"(read {got:08x}, checkpoint says {want:08x}); the checkpoint is corrupt")
+
+    def _strided(self, fd: int, op: ReadOp) -> None:
+        """One pread per outer row, straight into the destination rows when they are contiguous and
+        the run is exactly the needed bytes; every run verified."""
+        (c,) = op.copies
+        t = self.targets[c.target]
+        v = region_view(t, c.dst)
+        row = op.length
+        need = _numel(c.sizes[1:]) * c.itemsize
+        if (c.buf_offset == 0 and need == row and t.is_contiguous() and t.device.type == "cpu"
+                and dtype_name(t.dtype) == c.dtype and v.dim() >= 1 and v[0].is_contiguous()):
+            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            base = (v.storage_offset() - t.storage_offset()) * t.element_size()
+            rs = v.stride(0) * t.element_size()
+            for k in range(op.repeat):
+                dst = mv[base + k * rs: base + k * rs + row]
+                pread_into(fd, [dst], op.offset + k * op.stride)
+                self._verify(op, [dst], k)
+            return
+        buf = torch.empty(row, dtype=torch.uint8)
+        bmv = memoryview(buf.numpy())
+        piece = buf[c.buf_offset:c.buf_offset + need].view(_torch_dtype(c.dtype)).view(c.sizes[1:])
+        for k in range(op.repeat):
+            pread_into(fd, [bmv], op.offset + k * op.stride)
+            self._verify(op, [bmv], k)
+            v[k].copy_(piece)
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _crc_range(views: Sequence[memoryview], start: int, length: int, seed: int) -> int:
+    """CRC32 (seeded) of ``length`` bytes from byte ``start`` of ``views`` taken back to back."""
+    crc = seed
+    pos = 0
+    for mv in views:
+        n = len(mv)
+        if start < pos + n and length > 0:
+            a = max(0, start - pos)
+            b = min(n, start + length - pos)
+            crc = zlib.crc32(mv[a:b], crc)
+        pos += n
+        if pos >= start + length:
+            break
+    return crc
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _span_bytes(c) -> int:
+    if not c.sizes:
+        return c.itemsize
+    return (sum((n - 1) * s for n, s in zip(c.sizes, c.src_strides)) + 1) * c.itemsize
+
+
+def _direct_views(op: ReadOp, targets: Sequence[torch.Tensor]) -> Optional[list[memoryview]]:
+    """Destination memoryviews when the copies tile the read exactly and land contiguously."""
+    copies = sorted(op.copies, key=lambda c: c.buf_offset)
+    pos = 0
+    views = []
+    for c in copies:
+        t = targets[c.target]
+        if c.buf_offset != pos or not c.contiguous or DTYPE_SIZES.get(dtype_name(t.dtype)) != c.itemsize \
+                or dtype_name(t.dtype) != c.dtype or t.device.type != "cpu":
+            return None
+        v = region_view(t, c.dst)
+        if not v.is_contiguous():
+            return None
+        views.append(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
+        pos += c.nbytes
+    if pos != op.length:
+        return None
+    return views
