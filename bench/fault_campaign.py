@@ -431,7 +431,7 @@ def run_trainer_flags(work: str, rng: random.Random, reps: int) -> Row:
 def resign(m: dict) -> dict:
     """Recompute an edited manifest's checksum, as an attacker would (it is not a signature)."""
     if "checksum" in m:
-        from elastor_ds.checkpoint.manifest import document_checksum
+        from elastor_ds.checkpoint.planning.manifest import document_checksum
         m["checksum"] = document_checksum(m)
     return m
 

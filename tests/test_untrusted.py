@@ -49,7 +49,7 @@ def ckpt(tmp_path):
 
 def _edit_manifest(step_dir: str, fn) -> None:
     """Edit the manifest as an attacker would: the checksum is recomputed (it is not a signature)."""
-    from elastor_ds.checkpoint.manifest import document_checksum
+    from elastor_ds.checkpoint.planning.manifest import document_checksum
     p = os.path.join(step_dir, "manifest.json")
     m = json.load(open(p))
     fn(m)
