@@ -60,34 +60,56 @@ class _Reader:
             for table, (lo, hi) in self.lplan.table_ranges().items():
                 self.tables[table] = (lo, read_crc_entries(os.path.join(self.step_dir, table), lo, hi))
                 self.table_bytes += (hi - lo + 1) * 4
+        # pipelined: while one read's bytes are checked and copied in a helper thread, the next read
+        # runs here (pread, zlib.crc32 and torch copies all release the GIL); two staging buffers
+        from concurrent.futures import ThreadPoolExecutor
+
         fds: dict[str, int] = {}
-        stage = torch.empty(0, dtype=torch.uint8)
+        stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        pending = None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="elastor-verify")
         try:
-            for op in self.lplan.reads:
+            for i, op in enumerate(self.lplan.reads):
                 fd = fds.get(op.file)
                 if fd is None:
                     fd = fds[op.file] = os.open(os.path.join(self.step_dir, op.file), os.O_RDONLY)
                 if op.repeat > 1:
+                    if pending is not None:
+                        pending.result()
+                        pending = None
                     self._strided(fd, op)
                     continue
                 direct = _direct_views(op, self.targets)
                 if direct is not None:
                     pread_into(fd, direct, op.offset)
-                    self._verify(op, direct, 0)
-                    continue
-                if stage.numel() < op.length:
-                    stage = torch.empty(op.length, dtype=torch.uint8)
-                buf = stage[:op.length]
-                mv = memoryview(buf.numpy())
-                pread_into(fd, [mv], op.offset)
-                self._verify(op, [mv], 0)
-                for c in op.copies:
-                    raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
-                    src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
-                    region_view(self.targets[c.target], c.dst).copy_(src)
+                    job = (op, direct, None)
+                else:
+                    k = i % 2
+                    if stages[k].numel() < op.length:
+                        stages[k] = torch.empty(op.length, dtype=torch.uint8)
+                    buf = stages[k][:op.length]
+                    mv = memoryview(buf.numpy())
+                    pread_into(fd, [mv], op.offset)  # buffer k's previous user (op i-2) is done
+                    job = (op, [mv], buf)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(self._finish, *job)
+            if pending is not None:
+                pending.result()
         finally:
+            pool.shutdown(wait=True)
             for fd in fds.values():
                 os.close(fd)
+
+    def _finish(self, op: ReadOp, views: Sequence[memoryview], buf: Optional[torch.Tensor]) -> None:
+        """Check a read's bytes, then (staged reads) copy them into the destinations."""
+        self._verify(op, views, 0)
+        if buf is None:
+            return
+        for c in op.copies:
+            raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
+            src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
+            region_view(self.targets[c.target], c.dst).copy_(src)
 
     def _entry(self, table: str, idx: int) -> int:
         if idx < 0:
