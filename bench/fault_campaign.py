@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard  # noqa: E402
 from elastor_ds.checkpoint import commit as commit_mod  # noqa: E402
 from elastor_ds.layout.region import Region  # noqa: E402
+from elastor_ds.testing.faults import wait_or_kill  # noqa: E402
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -107,17 +108,7 @@ def forked(fn: Callable[[], int], timeout_s: float = 60.0, uid: Optional[int] = 
                 sys.stderr.flush()
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                status = None
-                break
-            time.sleep(0.002)
+        status = wait_or_kill(pid, timeout_s)
         fo.seek(0)
         fe.seek(0)
         out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")

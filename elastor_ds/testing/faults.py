@@ -70,6 +70,20 @@ def kill_at_io(n: int, exchange_supported: Optional[bool] = None) -> IoCounter:
     return counter
 
 
+def wait_or_kill(pid: int, timeout_s: float, poll_s: float = 0.002) -> Optional[int]:
+    """Wait for child ``pid``; return its wait status, or None after SIGKILLing it at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(poll_s)
+
+
 def run_forked(fn: Callable[[], None], timeout_s: float = 60.0) -> int:
     """Run ``fn`` in a forked child: 0 when it returned, 1 when it raised, -signal when killed
     (a child still running after ``timeout_s`` is SIGKILLed and reported as ``-SIGKILL - 1000``)."""
@@ -84,16 +98,9 @@ def run_forked(fn: Callable[[], None], timeout_s: float = 60.0) -> int:
             code = 1
         finally:
             os._exit(code)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -signal.SIGKILL - 1000
-        time.sleep(0.005)
+    status = wait_or_kill(pid, timeout_s)
+    if status is None:
+        return -signal.SIGKILL - 1000
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
