@@ -41,6 +41,7 @@ from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
 from .reader import read_shards
+from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
 from .staging import StagingBuffer
 from .state import to_jsonable
@@ -77,6 +78,7 @@ class LoadResult:
     bytes_needed: int = 0
     seconds: float = 0.0
     fell_back: bool = False
+    bytes_by_source: dict[str, int] = field(default_factory=dict)  # bytes each source served (this rank)
 
 
 class VerifyMode(str, enum.Enum):
@@ -278,7 +280,7 @@ class CheckpointEngine:
 
     def load(self, path: "Optional[str] | OpenCheckpoint", shards: "Sequence[TensorShard] | ShardsFor", *,
              strict: bool = True, allow_cast: bool = False, verify_checksums: "VerifyMode | str" = "chunks",
-             fallback: bool = False) -> LoadResult:
+             fallback: bool = False, sources: "Optional[SourcesFor]" = None) -> LoadResult:
         """Collective: fill shards in place from a checkpoint.
 
         ``path``: a root or step dir (default: this root), or what :meth:`open` returned (then its
@@ -288,7 +290,11 @@ class CheckpointEngine:
         ``strict``: every shard's tensor must be in the checkpoint. ``verify_checksums``: "chunks"
         (every byte read is checked against its block CRCs), "full" (also the CRC of every file,
         split across ranks) or "none". ``fallback``: when the newest checkpoint fails on any rank
-        with a data error (corrupt, incomplete, unknown format), try older committed ones."""
+        with a data error (corrupt, incomplete, unknown format), try older committed ones.
+        ``sources``: ``(step_dir, manifest) -> [ChunkSource, ...]`` (:mod:`.sources`), called for the
+        checkpoint actually read: each file comes from the first source holding it whole and falls
+        back to the next one when its bytes fail their checks (default: the step dir's own files).
+        With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
         mode = VerifyMode(verify_checksums)
         opened = path if isinstance(path, OpenCheckpoint) else self.open(path, fallback=fallback)
         fallback = opened.fallback
@@ -297,7 +303,7 @@ class CheckpointEngine:
         last_err: Optional[BaseException] = opened.error
         for i, (step_dir, man) in enumerate(todo):
             try:
-                res = agree(self.comm, lambda: self._load_from(step_dir, man, shards, strict, allow_cast, mode),
+                res = agree(self.comm, lambda: self._load_from(step_dir, man, shards, strict, allow_cast, mode, sources),
                             what=f"load of {step_dir}")
                 res.fell_back = opened.fell_back or i > 0
                 if res.fell_back:
@@ -327,34 +333,51 @@ class CheckpointEngine:
         return cands
 
     def _load_from(self, step_dir: str, man: Optional[Manifest], shards_arg: "Sequence[TensorShard] | ShardsFor",
-                   strict: bool, allow_cast: bool, mode: "VerifyMode") -> LoadResult:
+                   strict: bool, allow_cast: bool, mode: "VerifyMode", sources: "Optional[SourcesFor]" = None
+                   ) -> LoadResult:
         t0 = time.perf_counter()
         if man is None:
             man = commit_mod.read_manifest(step_dir)
         shards = list(shards_arg(man)) if callable(shards_arg) else list(shards_arg)
-        if mode is VerifyMode.FULL:
-            mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
-            problems = verify(step_dir, files=mine, manifest=man)
-            if problems:
-                raise CorruptCheckpointError("; ".join(str(p) for p in problems))
-        for fname, fe in man.files.items():
-            p = os.path.join(step_dir, fname)
-            if not os.path.isfile(p):
-                raise IncompleteCheckpointError(f"{p}: data file is missing")
-            if os.path.getsize(p) != fe.size:
-                raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
+        if sources is None:
+            if mode is VerifyMode.FULL:
+                mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
+                problems = verify(step_dir, files=mine, manifest=man)
+                if problems:
+                    raise CorruptCheckpointError("; ".join(str(p) for p in problems))
+            for fname, fe in man.files.items():
+                p = os.path.join(step_dir, fname)
+                if not os.path.isfile(p):
+                    raise IncompleteCheckpointError(f"{p}: data file is missing")
+                if os.path.getsize(p) != fe.size:
+                    raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
         shards_found = [s for s in shards if s.name in man.tensors]
         if strict and len(shards_found) != len(shards):
             missing = next(s.name for s in shards if s.name not in man.tensors)
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
                                       f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
                                       f"to skip missing tensors")
-        lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=mode is not VerifyMode.NONE)
-        rank_state = None
-        sf = man.rank_state_files.get(self.comm.rank)
-        if sf:
-            import json
-            with open(os.path.join(step_dir, sf), encoding="utf-8") as f:
-                rank_state = json.load(f)
-        return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, lplan.bytes_read + lplan.table_bytes,
-                          lplan.bytes_needed, time.perf_counter() - t0)
+        import json
+        from .sources import STORAGE, DirSource, bytes_by_source, close_all, read_file
+        srcs = [DirSource(step_dir, STORAGE)] if sources is None else list(sources(step_dir, man))
+        if not srcs:
+            raise IncompleteCheckpointError(f"{step_dir}: no source to read the checkpoint from")
+        try:
+            lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=mode is not VerifyMode.NONE,
+                                sources=srcs)
+            rank_state = None
+            sf = man.rank_state_files.get(self.comm.rank)
+            if sf:
+                fe = man.files.get(sf)
+                if sources is None or fe is None:
+                    with open(os.path.join(step_dir, sf), encoding="utf-8") as f:
+                        rank_state = json.load(f)
+                else:
+                    data, _ = read_file(srcs, sf, fe.size, fe.crc32, what="rank state")
+                    rank_state = json.loads(data.decode("utf-8"))
+        finally:
+            close_all(srcs)
+        by_source = bytes_by_source(srcs)
+        read = sum(by_source.values()) if sources is not None else lplan.bytes_read + lplan.table_bytes
+        return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, read, lplan.bytes_needed,
+                          time.perf_counter() - t0, bytes_by_source=by_source)

@@ -8,23 +8,30 @@ CRCs, or the whole chunk for format 1) before its bytes are used. Rank-local, no
 """
 from __future__ import annotations
 
+import array
+import logging
 import os
+import sys
 import zlib
 from typing import Optional, Sequence
 
 import torch
 
-from ..errors import CorruptCheckpointError, TensorMismatchError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TensorMismatchError
 from .planning.load_plan import Check, LoadPlan, ReadOp, Request, plan_load
 from .planning.manifest import DTYPE_SIZES, Manifest
 from .shards import TensorShard, dtype_name, region_view
-from .storage import pread_into, read_crc_entries
+from .sources import STORAGE, ChunkSource, DirSource, close_all, read_file
+
+log = logging.getLogger(__name__)
 
 
 def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False,
-                check_crc: bool = True) -> LoadPlan:
+                check_crc: bool = True, sources: Optional[Sequence[ChunkSource]] = None) -> LoadPlan:
     """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective);
-    ``check_crc``: verify every byte read against the block CRCs (whole chunks for format 1)."""
+    ``check_crc``: verify every byte read against the block CRCs (whole chunks for format 1).
+    ``sources``: where each file is read from, nearest first (:mod:`.sources`; default: the files
+    of ``step_dir``); a file that fails its checks from one source is read from the next."""
     requests = []
     targets = []
     for s in shards:
@@ -42,46 +49,108 @@ def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], all
         requests.append(Request(s.name, s.region, len(targets)))
         targets.append(s.tensor)
     lplan = plan_load(man.tensors, requests, verify=check_crc)
-    _Reader(step_dir, lplan, targets, check_crc).run()
+    own = sources is None
+    srcs = [DirSource(step_dir, STORAGE)] if own else list(sources)
+    try:
+        _Reader(step_dir, lplan, targets, check_crc, srcs, man).run()
+    finally:
+        if own:
+            close_all(srcs)
     return lplan
 
 
 class _Reader:
     """Executes a load plan: reads straight into destination memory when possible, else via a
-    staging buffer, and verifies every check of every read before the bytes are used."""
+    staging buffer, and verifies every check of every read before the bytes are used. Each file
+    comes from the first source that holds it whole; a file whose bytes fail a check (or cannot be
+    read) is read again, whole plan part, from the next source that holds it."""
 
-    def __init__(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor], check: bool):
+    def __init__(self, step_dir: str, lplan: LoadPlan, targets: Sequence[torch.Tensor], check: bool,
+                 sources: Sequence[ChunkSource], man: Manifest):
         self.step_dir, self.lplan, self.targets, self.check = step_dir, lplan, targets, check
+        self.sources, self.man = list(sources), man
         self.tables: dict[str, tuple[int, list[int]]] = {}
         self.table_bytes = 0
+        self.src: ChunkSource = self.sources[-1]   # the source of the file being read
+
+    def _holders(self, fname: str) -> list[ChunkSource]:
+        fe = self.man.files.get(fname)
+        if fe is None:
+            raise CorruptCheckpointError(f"{self.step_dir}: the manifest has no entry for file {fname!r}")
+        return [s for s in self.sources if s.has(fname, fe.size)]
+
+    def _load_table(self, table: str, lo: int, hi: int) -> None:
+        """Entries ``lo..hi`` of a CRC table: from a nearer source only when its whole table matches
+        the manifest's file CRC; from the last holder as is (its data is checked against it)."""
+        holders = self._holders(table)
+        if not holders:
+            raise IncompleteCheckpointError(f"{self.step_dir}/{table}: block-CRC table is missing from every "
+                                            f"source ({', '.join(s.name for s in self.sources)})")
+        fe = self.man.files[table]
+        for src in holders[:-1]:
+            try:
+                data, _ = read_file([src], table, fe.size, fe.crc32, what="block-CRC table")
+            except (CheckpointError, OSError):
+                continue
+            self.tables[table] = (lo, _entries(data[lo * 4:(hi + 1) * 4]))
+            self.table_bytes += fe.size
+            return
+        n = hi - lo + 1
+        buf = bytearray(n * 4)
+        holders[-1].read_into(table, lo * 4, [memoryview(buf)])
+        self.tables[table] = (lo, _entries(bytes(buf)))
+        self.table_bytes += n * 4
 
     def run(self) -> None:
         if self.check:
             for table, (lo, hi) in self.lplan.table_ranges().items():
-                self.tables[table] = (lo, read_crc_entries(os.path.join(self.step_dir, table), lo, hi))
-                self.table_bytes += (hi - lo + 1) * 4
-        # pipelined: while one read's bytes are checked and copied in a helper thread, the next read
-        # runs here (pread, zlib.crc32 and torch copies all release the GIL); two staging buffers
+                self._load_table(table, lo, hi)
+        groups: list[list[ReadOp]] = []
+        for op in self.lplan.reads:
+            if groups and groups[-1][0].file == op.file:
+                groups[-1].append(op)
+            else:
+                groups.append([op])
         from concurrent.futures import ThreadPoolExecutor
 
-        fds: dict[str, int] = {}
-        stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        pending = None
         pool = ThreadPoolExecutor(1, thread_name_prefix="elastor-verify")
         try:
-            for i, op in enumerate(self.lplan.reads):
-                fd = fds.get(op.file)
-                if fd is None:
-                    fd = fds[op.file] = os.open(os.path.join(self.step_dir, op.file), os.O_RDONLY)
+            for ops in groups:
+                fname = ops[0].file
+                holders = self._holders(fname)
+                if not holders:
+                    raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
+                                                    f"({', '.join(s.name for s in self.sources)})")
+                for i, src in enumerate(holders):
+                    try:
+                        self._run_file(pool, src, ops)
+                        break
+                    except (CheckpointError, OSError) as e:
+                        if i == len(holders) - 1:
+                            raise
+                        log.warning("%s from %s failed (%s); reading it from %s instead", fname, src.name, e,
+                                    holders[i + 1].name)
+        finally:
+            pool.shutdown(wait=True)
+
+    def _run_file(self, pool, src: ChunkSource, ops: Sequence[ReadOp]) -> None:
+        """Every read of one file from ``src``. Pipelined: while one read's bytes are checked and
+        copied in a helper thread, the next read runs here (reads, zlib.crc32 and torch copies
+        release the GIL); two staging buffers."""
+        self.src = src
+        stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        pending = None
+        try:
+            for i, op in enumerate(ops):
                 if op.repeat > 1:
                     if pending is not None:
                         pending.result()
                         pending = None
-                    self._strided(fd, op)
+                    self._strided(src, op)
                     continue
                 direct = _direct_views(op, self.targets)
                 if direct is not None:
-                    pread_into(fd, direct, op.offset)
+                    src.read_into(op.file, op.offset, direct)
                     job = (op, direct, None)
                 else:
                     k = i % 2
@@ -89,17 +158,20 @@ class _Reader:
                         stages[k] = torch.empty(op.length, dtype=torch.uint8)
                     buf = stages[k][:op.length]
                     mv = memoryview(buf.numpy())
-                    pread_into(fd, [mv], op.offset)  # buffer k's previous user (op i-2) is done
+                    src.read_into(op.file, op.offset, [mv])  # buffer k's previous user (op i-2) is done
                     job = (op, [mv], buf)
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(self._finish, *job)
             if pending is not None:
-                pending.result()
+                p, pending = pending, None
+                p.result()
         finally:
-            pool.shutdown(wait=True)
-            for fd in fds.values():
-                os.close(fd)
+            if pending is not None:   # a read failed: let the helper finish before the buffers go
+                try:
+                    pending.result()
+                except Exception:  # noqa: BLE001 - the read's error is the one reported
+                    pass
 
     def _finish(self, op: ReadOp, views: Sequence[memoryview], buf: Optional[torch.Tensor]) -> None:
         """Check a read's bytes, then (staged reads) copy them into the destinations."""
@@ -148,9 +220,9 @@ class _Reader:
                 seed = c
         raise CorruptCheckpointError(
             f"{os.path.join(self.step_dir, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check "
-            f"(read {got:08x}, checkpoint says {want:08x}); the checkpoint is corrupt")
+            f"(read {got:08x} from {self.src.name}, checkpoint says {want:08x}); the checkpoint is corrupt")
 
-    def _strided(self, fd: int, op: ReadOp) -> None:
+    def _strided(self, src: ChunkSource, op: ReadOp) -> None:
         """One pread per outer row, straight into the destination rows when they are contiguous and
         the run is exactly the needed bytes; every run verified."""
         (c,) = op.copies
@@ -165,16 +237,25 @@ class _Reader:
             rs = v.stride(0) * t.element_size()
             for k in range(op.repeat):
                 dst = mv[base + k * rs: base + k * rs + row]
-                pread_into(fd, [dst], op.offset + k * op.stride)
+                src.read_into(op.file, op.offset + k * op.stride, [dst])
                 self._verify(op, [dst], k)
             return
         buf = torch.empty(row, dtype=torch.uint8)
         bmv = memoryview(buf.numpy())
         piece = buf[c.buf_offset:c.buf_offset + need].view(_torch_dtype(c.dtype)).view(c.sizes[1:])
         for k in range(op.repeat):
-            pread_into(fd, [bmv], op.offset + k * op.stride)
+            src.read_into(op.file, op.offset + k * op.stride, [bmv])
             self._verify(op, [bmv], k)
             v[k].copy_(piece)
+
+
+def _entries(data: bytes) -> list[int]:
+    """Little-endian uint32 CRC-table entries."""
+    arr = array.array("I")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
 
 
 def _numel(sizes: Sequence[int]) -> int:

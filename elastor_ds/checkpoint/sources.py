@@ -1,0 +1,192 @@
+"""Where a checkpoint's files are read from: an ordered list of :class:`ChunkSource`.
+
+A load names its files by the manifest (``data_00003.safetensors``, its block-CRC table, the rank
+state files). The reader (:mod:`.reader`) resolves every file through an ordered list of sources,
+nearest first: this node's memory snapshot, peer copies held on this node, other nodes' snapshot
+servers, storage last. The first source that ``has`` the whole file (by size) serves it; every
+byte it serves is checked against the manifest's block CRCs (the CRC tables themselves against the
+manifest's file CRC when they come from any source but the last); a mismatch, a short or missing
+file or an I/O error falls back to the next source for that file (logged). When the last source
+fails too, the load fails as a corrupt checkpoint.
+
+A source is any object with ``name``, ``bytes_read``, ``has(relpath, size)`` and
+``read_into(relpath, offset, views)``; ``relpath`` is the manifest's name, resolved inside the
+source's directory with :func:`~.paths.safe_join` (never a name out of it). This module has the
+directory sources (a step directory on tmpfs or on storage); ``elastor_ds.checkpoint`` users
+build lists with :func:`dir_source` / :func:`storage_source_for`.
+
+Rank-local, not collective; no torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .paths import safe_join
+from .storage import pread_into
+
+log = logging.getLogger(__name__)
+
+LOCAL_MEMORY = "local-memory"
+PEER_MEMORY = "peer-memory"
+STORAGE = "storage"
+
+
+@runtime_checkable
+class ChunkSource(Protocol):
+    """One place a checkpoint's files can be read from (see the module docstring)."""
+
+    name: str
+    bytes_read: int
+
+    def has(self, relpath: str, size: int) -> bool:
+        """The complete file ``relpath`` of ``size`` bytes is here."""
+
+    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` (back to back) from byte ``offset`` of ``relpath``; raise on a short read."""
+
+
+class DirSource:
+    """The files of one step directory on a local file system (tmpfs or storage).
+
+    ``files``: when given, only these names are served (e.g. the storage files that are byte for
+    byte the ones a memory snapshot's manifest describes)."""
+
+    def __init__(self, step_dir: str, name: str = STORAGE, files: Optional[Iterable[str]] = None):
+        self.step_dir = os.path.abspath(step_dir)
+        self.name = name
+        self.bytes_read = 0
+        self.files = None if files is None else frozenset(files)
+        self._fds: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"DirSource({self.name!r}, {self.step_dir!r})"
+
+    def path(self, relpath: str) -> str:
+        return safe_join(self.step_dir, relpath, what=f"file name (source {self.name})", allow_subdirs=True)
+
+    def has(self, relpath: str, size: int) -> bool:
+        if self.files is not None and relpath not in self.files:
+            return False
+        try:
+            p = self.path(relpath)
+            return os.path.isfile(p) and os.path.getsize(p) == size
+        except (CheckpointError, OSError):
+            return False
+
+    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+        fd = self._fds.get(relpath)
+        if fd is None:
+            try:
+                fd = self._fds[relpath] = os.open(self.path(relpath), os.O_RDONLY)
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{self.step_dir}/{relpath}: data file is missing "
+                                                f"(source {self.name})") from None
+        try:
+            pread_into(fd, views, offset)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{self.step_dir}/{relpath}: {e} (source {self.name})") from None
+        self.bytes_read += sum(len(v) for v in views)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def dir_source(step_dir: str, name: str = STORAGE) -> DirSource:
+    """Every file of ``step_dir``."""
+    return DirSource(step_dir, name)
+
+
+def storage_source_for(storage_step_dir: str, manifest, storage_manifest) -> Optional[DirSource]:
+    """A storage source for a snapshot described by ``manifest``: the files of ``storage_step_dir``
+    whose entries in ``storage_manifest`` (size and CRC32) equal ``manifest``'s, so a memory
+    snapshot of step N can borrow the same files from the storage checkpoint of step N. None when
+    the steps differ or no file matches."""
+    if storage_manifest is None or storage_manifest.step != manifest.step:
+        return None
+    same = [n for n, fe in manifest.files.items()
+            if (other := storage_manifest.files.get(n)) is not None and (other.size, other.crc32) == (fe.size, fe.crc32)]
+    return DirSource(storage_step_dir, STORAGE, files=same) if same else None
+
+
+def bytes_by_source(sources: Sequence[ChunkSource]) -> dict[str, int]:
+    """Bytes each source served (names that repeat are summed)."""
+    out: dict[str, int] = {}
+    for s in sources:
+        out[s.name] = out.get(s.name, 0) + int(s.bytes_read)
+    return out
+
+
+def close_all(sources: Sequence[ChunkSource]) -> None:
+    for s in sources:
+        close = getattr(s, "close", None)
+        if close is not None:
+            try:
+                close()
+            except OSError as e:  # pragma: no cover - closing a read-only fd
+                log.debug("closing source %s: %s", s.name, e)
+
+
+def read_file(sources: Sequence[ChunkSource], relpath: str, size: int, crc32: int, what: str = "file") -> tuple[bytes, str]:
+    """A whole small file (a rank state, a CRC table) from the first source whose copy matches the
+    manifest's ``crc32``; other copies are skipped with a warning. Returns (bytes, source name)."""
+    import zlib
+    problems = []
+    for src in sources:
+        if not src.has(relpath, size):
+            problems.append(f"{src.name}: absent")
+            continue
+        buf = bytearray(size)
+        try:
+            if size:
+                src.read_into(relpath, 0, [memoryview(buf)])
+        except (CheckpointError, OSError) as e:
+            problems.append(f"{src.name}: {e}")
+            log.warning("%s %s from %s is unreadable (%s); trying the next source", what, relpath, src.name, e)
+            continue
+        got = zlib.crc32(buf)
+        if got != crc32:
+            problems.append(f"{src.name}: CRC32 {got:08x} != manifest {crc32:08x}")
+            log.warning("%s %s from %s fails its CRC32 check (%08x != %08x); trying the next source", what, relpath,
+                        src.name, got, crc32)
+            continue
+        return bytes(buf), src.name
+    raise _no_source(relpath, problems)
+
+
+def _no_source(relpath: str, problems: Sequence[str]) -> CheckpointError:
+    text = "; ".join(problems) or "no sources"
+    if problems and all(p.endswith(": absent") for p in problems):
+        return IncompleteCheckpointError(f"{relpath}: no source holds this file ({text})")
+    return CorruptCheckpointError(f"{relpath}: no source holds a good copy ({text})")
+
+
+SourcesFor = Callable[[str, object], Sequence[ChunkSource]]
+"""``(step_dir, manifest) -> sources``: the sources of the checkpoint a load actually reads (the
+engine calls it after resolving ``latest`` and any fallback)."""
+
+
+_FACTORIES: list[SourcesFor] = []
+
+
+def register_source_factory(fn: SourcesFor) -> None:
+    """Add ``fn(step_dir, manifest) -> [ChunkSource, ...]`` to the sources a memory restore consults
+    between this node's memory and storage (e.g. peer copies, other nodes' servers). Idempotent."""
+    if fn not in _FACTORIES:
+        _FACTORIES.append(fn)
+
+
+def registered_sources(step_dir: str, manifest) -> list[ChunkSource]:
+    """The sources of every registered factory for this checkpoint, in registration order."""
+    out: list[ChunkSource] = []
+    for fn in list(_FACTORIES):
+        out.extend(fn(step_dir, manifest) or [])
+    return out
+
+
+__all__ = ["register_source_factory", "registered_sources", "ChunkSource", "DirSource", "dir_source", "storage_source_for", "bytes_by_source", "close_all", "read_file",
+           "SourcesFor", "LOCAL_MEMORY", "PEER_MEMORY", "STORAGE"]
