@@ -17,7 +17,7 @@ from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.planning.manifest import DTYPE_SIZES
 from elastor_ds.checkpoint.shards import full_shard
 from elastor_ds.cli import main as cli_main
-from elastor_ds.errors import CorruptCheckpointError, ManifestError
+from elastor_ds.errors import CorruptCheckpointError, IncompleteCheckpointError, ManifestError, UnsafeCheckpointError
 from elastor_ds.layout.region import Region
 
 pytestmark = pytest.mark.integration
@@ -273,3 +273,20 @@ def test_format_1_checkpoints_load_and_partial_reads_stay_verified(tmp_path, cap
     _flip(os.path.join(d, fname), off)
     with pytest.raises(CorruptCheckpointError, match="tensor 'w'.*CRC32"):
         CheckpointEngine(root).load(None, [TensorShard("w", SHAPES["w"], box, dst)])
+
+
+@pytest.mark.parametrize("pointer,error", [(b"\x00\xff garbage\n", IncompleteCheckpointError),
+                                           (b"not a step dir", UnsafeCheckpointError),
+                                           (b"../elsewhere/step_2", UnsafeCheckpointError),
+                                           (b"step_2/../../x", UnsafeCheckpointError)])
+def test_garbage_latest_is_never_followed_and_fallback_uses_the_roots_own_steps(tmp_path, pointer, error):
+    root = str(tmp_path / "ck")
+    states = _save_two_steps(root)
+    with open(os.path.join(root, "latest"), "wb") as f:
+        f.write(pointer)
+    dst = torch.zeros(64, 4096)
+    with pytest.raises(error, match="latest"):
+        CheckpointEngine(root).load(None, [full_shard("w", dst)])
+    assert not dst.any()
+    res = CheckpointEngine(root).load(None, [full_shard("w", dst)], fallback=True)
+    assert res.step == 2 and torch.equal(dst, states[2]["w"])

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError,
-                      RankFailure, RanksFailedError, TensorMismatchError, ranks_failed)
+                      RankFailure, RanksFailedError, TensorMismatchError, UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
@@ -319,9 +319,12 @@ class CheckpointEngine:
     def _load_candidates(self, path: str, fallback: bool) -> list[str]:
         try:
             first = commit_mod.resolve(path)
-        except IncompleteCheckpointError:
+        except (IncompleteCheckpointError, UnsafeCheckpointError) as e:
+            # a `latest` that is garbage or points outside the root is never followed; with fallback
+            # the committed step dirs of this root itself are still usable
             if not fallback:
                 raise
+            log.error("%s; falling back to the newest committed step dir under %s", e, path)
             first = None
         cands = [first] if first else []
         if fallback:
