@@ -18,23 +18,21 @@ def positive_int(text: str) -> int:
     return v
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+def _finite_float(text: str, *, allow_zero: bool) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0")
     return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    return _finite_float(text, allow_zero=False)
 
 
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (0 typically means "off")."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
+    return _finite_float(text, allow_zero=True)
