@@ -1,0 +1,250 @@
+"""Chunk sources that cross nodes: peer copies held on this node, and other nodes' snapshot servers.
+
+Both follow the ``ChunkSource`` protocol of :mod:`.sources` (``name``, ``bytes_read``,
+``has(relpath, size)``, ``read_into(relpath, offset, views)``); ``relpath`` is a file name as the
+manifest names it, relative to the step directory. They only move bytes: the reader checks every
+byte against the manifest's CRCs whatever the source, and falls back to the next source on a
+mismatch or on the :class:`~elastor_ds.errors.IncompleteCheckpointError` these raise for a missing,
+short or unreachable file.
+
+- :class:`PeerCopySource` (``peer-memory``): ``$ELASTOR_SNAPSHOT_DIR/peer/<origin>/<step>/``
+  directories that carry a ``COMPLETE`` marker (written last by :mod:`elastor_ds.comm.peer_copy`).
+- :class:`RemoteSource` (``remote:<host:port>``): another node's
+  :class:`~elastor_ds.elastic.snapshot_server.SnapshotServer`: its committed ``local/<step>`` and
+  its complete peer copies, read with HTTP range requests (one keep-alive connection per thread).
+- :func:`node_sources`: the list for a restore, nearest first: peer copies here, then each other
+  live node's server in ``ELASTOR_SNAPSHOT_PEERS`` order.
+
+Stdlib only (no torch).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import threading
+from typing import Optional, Sequence
+
+from ..errors import IncompleteCheckpointError
+from .paths import safe_join
+from .storage import pread_into
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerCopySource", "RemoteSource", "node_sources", "ENV_SNAPSHOT_DIR", "ENV_SNAPSHOT_PEERS", "COMPLETE",
+           "PEER_DIR", "LOCAL_DIR"]
+
+ENV_SNAPSHOT_DIR = "ELASTOR_SNAPSHOT_DIR"
+ENV_SNAPSHOT_PEERS = "ELASTOR_SNAPSHOT_PEERS"
+ENV_SNAPSHOT_SELF = "ELASTOR_SNAPSHOT_SELF"      # this node's own server address (left out of the remotes)
+COMPLETE = "COMPLETE"
+PEER_DIR = "peer"
+LOCAL_DIR = "local"
+
+
+def _views_len(views: Sequence[memoryview]) -> int:
+    return sum(v.nbytes for v in views)
+
+
+class PeerCopySource:
+    """Peer copies of other nodes' chunk files held in this node's snapshot directory."""
+
+    name = "peer-memory"
+
+    def __init__(self, snapshot_dir: str, step_name: str):
+        self.root = os.path.join(snapshot_dir, PEER_DIR)
+        self.step_name = step_name
+        self.bytes_read = 0
+        self._dirs: Optional[list[str]] = None
+        self._where: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _complete_dirs(self) -> list[str]:
+        if self._dirs is None:
+            out = []
+            try:
+                origins = sorted(os.listdir(self.root))
+            except OSError:
+                origins = []
+            for o in origins:
+                if o.startswith("."):
+                    continue
+                try:
+                    d = safe_join(safe_join(self.root, o, what="peer origin"), self.step_name, what="step dir")
+                except Exception:  # noqa: BLE001 - a crafted name is simply not a source
+                    continue
+                if os.path.isfile(os.path.join(d, COMPLETE)):
+                    out.append(d)
+            self._dirs = out
+        return self._dirs
+
+    def _path(self, relpath: str, size: int) -> Optional[str]:
+        for d in self._complete_dirs():
+            p = safe_join(d, relpath, what="chunk file", allow_subdirs=True)
+            try:
+                if os.path.getsize(p) == size and os.path.isfile(p):
+                    return p
+            except OSError:
+                continue
+        return None
+
+    def has(self, relpath: str, size: int) -> bool:
+        p = self._path(relpath, size)
+        if p is not None:
+            with self._lock:
+                self._where[relpath] = p
+        return p is not None
+
+    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+        p = self._where.get(relpath)
+        if p is None:
+            raise IncompleteCheckpointError(f"{self.name}: no complete peer copy of {relpath!r} of {self.step_name}")
+        n = _views_len(views)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < offset + n:
+                raise IncompleteCheckpointError(f"{p}: shorter than {offset + n} bytes")
+            pread_into(fd, views, offset)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.bytes_read += n
+
+
+class RemoteSource:
+    """Another node's snapshot server: its committed ``local/<step>`` or a complete peer copy it holds."""
+
+    def __init__(self, address: str, step_name: str, timeout_s: float = 30.0):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"snapshot server address {address!r}: expected HOST:PORT")
+        self.address = address
+        self.host, self.port = host.strip("[]"), int(port)
+        self.name = f"remote:{address}"
+        self.step_name = step_name
+        self.timeout_s = timeout_s
+        self.bytes_read = 0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._index: Optional[dict] = None
+        self._where: dict[str, str] = {}
+        self._down = False
+
+    # --------------------------------------------------------------- HTTP
+    def _conn(self) -> http.client.HTTPConnection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        return c
+
+    def _request(self, method: str, path: str, headers: Optional[dict] = None) -> http.client.HTTPResponse:
+        for attempt in (0, 1):   # a keep-alive connection the server closed: reconnect once
+            c = self._conn()
+            try:
+                c.request(method, path, headers=headers or {})
+                return c.getresponse()
+            except (http.client.HTTPException, OSError):
+                c.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get_index(self) -> dict:
+        if self._index is None:
+            idx: dict = {"local": False, "peer": []}
+            if not self._down:
+                try:
+                    r = self._request("GET", f"/index/{self.step_name}")
+                    body = r.read()
+                    if r.status == 200:
+                        got = json.loads(body)
+                        if isinstance(got, dict):
+                            idx["local"] = got.get("local") is True
+                            idx["peer"] = [o for o in got.get("peer", []) if isinstance(o, str)]
+                except (http.client.HTTPException, OSError, ValueError) as e:
+                    self._down = True
+                    log.warning("%s unreachable (%s); not reading from it", self.name, e)
+            self._index = idx
+        return self._index
+
+    def _candidates(self, relpath: str) -> list[str]:
+        idx = self._get_index()
+        base = []
+        if idx["local"]:
+            base.append(f"{LOCAL_DIR}/{self.step_name}")
+        base += [f"{PEER_DIR}/{o}/{self.step_name}" for o in idx["peer"]]
+        return [f"{b}/{relpath}" for b in base]
+
+    def has(self, relpath: str, size: int) -> bool:
+        safe_join("/", relpath, what="chunk file", allow_subdirs=True)   # a crafted name is refused here too
+        for cand in self._candidates(relpath):
+            try:
+                r = self._request("HEAD", "/f/" + cand)
+                r.read()
+            except (http.client.HTTPException, OSError) as e:
+                log.warning("%s: HEAD %s failed (%s)", self.name, cand, e)
+                return False
+            if r.status == 200 and r.getheader("X-File-Size") == str(size):
+                with self._lock:
+                    self._where[relpath] = cand
+                return True
+        return False
+
+    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+        cand = self._where.get(relpath)
+        if cand is None:
+            raise IncompleteCheckpointError(f"{self.name}: holds no copy of {relpath!r} of {self.step_name}")
+        n = _views_len(views)
+        if n == 0:
+            return
+        try:
+            r = self._request("GET", "/f/" + cand, {"Range": f"bytes={offset}-{offset + n - 1}"})
+            if r.status != 206 or r.getheader("Content-Length") != str(n):
+                r.read()
+                raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
+                                                f" with {r.getheader('Content-Length')} bytes")
+            got = 0
+            for v in views:
+                mv = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+                pos = 0
+                while pos < len(mv):
+                    k = r.readinto(mv[pos:])
+                    if not k:
+                        raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
+                    pos += k
+                    got += k
+        except (http.client.HTTPException, OSError) as e:
+            c = getattr(self._local, "conn", None)
+            if c is not None:
+                c.close()
+                self._local.conn = None
+            raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
+        with self._lock:
+            self.bytes_read += n
+
+    def close(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+
+def parse_peers(text: Optional[str]) -> list[str]:
+    return [a.strip() for a in (text or "").split(",") if a.strip()]
+
+
+def node_sources(step_name: str, snapshot_dir: Optional[str] = None, peers: Optional[Sequence[str]] = None,
+                 self_address: Optional[str] = None) -> list:
+    """The cross-node sources of a restore of ``step_name``, nearest first: peer copies held on this
+    node, then every other node's server (``ELASTOR_SNAPSHOT_PEERS`` minus ``ELASTOR_SNAPSHOT_SELF``).
+    Arguments default to the environment ``elastor run`` sets; empty without it."""
+    snapshot_dir = snapshot_dir if snapshot_dir is not None else os.environ.get(ENV_SNAPSHOT_DIR)
+    peers = list(peers) if peers is not None else parse_peers(os.environ.get(ENV_SNAPSHOT_PEERS))
+    me = self_address if self_address is not None else os.environ.get(ENV_SNAPSHOT_SELF)
+    out: list = []
+    if snapshot_dir:
+        out.append(PeerCopySource(snapshot_dir, step_name))
+    out += [RemoteSource(a, step_name) for a in peers if a != me]
+    return out
