@@ -1,0 +1,329 @@
+"""Peer copies of memory snapshots: each rank's chunk files go to a rank on another node.
+
+After a memory snapshot commits, :meth:`PeerCopier.submit` (called on every rank, for every
+snapshot, in the same order) opens this rank's files of that step at once (so a later retention
+that deletes them cannot pull them from under the copy) and hands them to a background thread,
+which runs one exchange of the ring plan (:func:`~elastor_ds.checkpoint.planning.peer_plan.plan_peer_copies`)
+on a dedicated gloo group:
+
+1. every sender posts a JSON header (origin node id, step, files with sizes and CRC32) to its
+   receiver; every receiver posts the receives of its senders' headers (lengths first);
+2. receivers create each file (``.<name>.part``, sized, memory-mapped) and post a receive straight
+   into it; senders post sends straight from their memory-mapped snapshot files; all operations are
+   non-blocking, so the ring (A sends to B while B sends to A) cannot deadlock;
+3. a receiver checks each file's CRC32 against the header, renames it into
+   ``$ELASTOR_SNAPSHOT_DIR/peer/<origin>/<step>/``, marks its sender done
+   (``.from_<src>.<seq>``) and, once every sender of that origin node has arrived, writes
+   ``COMPLETE`` last and drops the origin's older steps. A CRC mismatch leaves no ``COMPLETE``
+   (logged): a restore falls back to the next source.
+
+The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``).
+:meth:`create` makes the gloo group: it is collective, every rank calls it at the same point
+relative to its other ``new_group`` calls (see RUNTIME_FACTS.md: group creation order).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..checkpoint.paths import safe_join
+from ..checkpoint.planning.peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
+from ..errors import CollectiveError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE"]
+
+COMPLETE = "COMPLETE"
+PEER_DIR = "peer"
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}$")
+_STEP_RE = re.compile(r"^step_\d{9,}$")
+_MAX_HEADER = 1 << 20
+_PIECE = 256 << 20          # one send/recv op moves at most this many bytes
+_T_LEN, _T_HDR, _T_DATA = 1, 2, 16
+
+
+@dataclass(frozen=True)
+class PeerFile:
+    relpath: str        # name relative to the step dir, as the manifest names it
+    size: int
+    crc: Optional[int] = None   # the file's CRC32 (the manifest's); computed when None
+
+
+@dataclass
+class PeerCopyStats:
+    seq: int
+    step_name: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_s: float = 0.0          # submit() waiting for the previous exchange (training stalls)
+    copy_s: float = 0.0          # the exchange itself, in the background
+    completed: list = field(default_factory=list)   # origins whose copy this rank completed
+    error: Optional[str] = None
+
+
+class _Open:
+    """A file of this rank's snapshot, held open (mapped) from submit() until it is sent."""
+
+    def __init__(self, step_dir: str, f: PeerFile):
+        import torch
+        self.file = f
+        path = safe_join(step_dir, f.relpath, what="snapshot file", allow_subdirs=True)
+        size = os.path.getsize(path)
+        if size != f.size:
+            raise CollectiveError(f"peer copy: {path} has {size} bytes, the manifest says {f.size}")
+        self.tensor = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if size else None
+        crc = f.crc
+        if crc is None:
+            crc = zlib.crc32(self.tensor.numpy()) if size else 0
+        self.crc = crc
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + _PIECE)) for a in range(0, n, _PIECE)] or []
+
+
+class PeerCopier:
+    """Runs the peer copies of one rank (see the module docstring)."""
+
+    def __init__(self, group, rank: int, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
+                 peer_copies: int = 1):
+        self.group = group
+        self.rank = rank
+        self.procs_per_node = list(procs_per_node)
+        self.snapshot_dir = snapshot_dir
+        self.origin = origin
+        self.plan = plan_peer_copies(self.procs_per_node, peer_copies)
+        self.node = node_of_rank(self.procs_per_node, rank)
+        self.sends = [t for t in self.plan if t.src == rank]
+        self.recvs = [t for t in self.plan if t.dst == rank]
+        self.seq = 0
+        self.stats: list[PeerCopyStats] = []
+        self._thread: Optional[threading.Thread] = None
+        if not _ID_RE.match(origin):
+            raise ValueError(f"peer copy origin id {origin!r}: letters, digits, '_', '.', ':', '-' only")
+
+    @staticmethod
+    def create(procs_per_node: Sequence[int], snapshot_dir: str, peer_copies: int = 1,
+               timeout_s: float = 600.0) -> Optional["PeerCopier"]:
+        """Collective on the default world: the group exists on every rank (or on none: one node or
+        ``peer_copies == 0`` returns None on every rank, logged once)."""
+        import torch.distributed as dist
+
+        plan = plan_peer_copies(procs_per_node, peer_copies)
+        rank = dist.get_rank()
+        if not plan:
+            if rank == 0:
+                log.info("memory snapshots: no peer copy (%s)", "one node" if len(procs_per_node) < 2 else
+                         "peer_copies 0")
+            return None
+        if sum(procs_per_node) != dist.get_world_size():
+            raise CollectiveError(f"peer copy: processes per node {list(procs_per_node)} do not add up to the world "
+                                  f"size {dist.get_world_size()}")
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        origin = os.path.basename(os.path.normpath(snapshot_dir))
+        return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies)
+
+    # ------------------------------------------------------------------ API
+    def submit(self, step_dir: str, files: Sequence[PeerFile]) -> PeerCopyStats:
+        """Start the copy of snapshot ``step_dir`` (this rank's ``files``) in the background.
+        Every rank calls it for every snapshot, in the same order."""
+        t0 = time.perf_counter()
+        self.wait()
+        wait_s = time.perf_counter() - t0
+        step_name = os.path.basename(os.path.normpath(step_dir))
+        self.seq += 1
+        st = PeerCopyStats(self.seq, step_name, wait_s=wait_s)
+        self.stats.append(st)
+        try:
+            opened = [_Open(step_dir, f) for f in files] if self.sends else []
+        except Exception as e:  # noqa: BLE001 - sent as an empty, failed copy so the receiver does not hang
+            log.warning("peer copy of %s: cannot open this rank's files: %s", step_name, e)
+            st.error = f"{type(e).__name__}: {e}"
+            opened = None
+        self._thread = threading.Thread(target=self._run, args=(st, opened), name="elastor-peer-copy", daemon=True)
+        self._thread.start()
+        return st
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------------ the exchange
+    def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._exchange(st, opened)
+        except Exception as e:  # noqa: BLE001 - a failed copy is logged; the restore falls back
+            st.error = st.error or f"{type(e).__name__}: {e}"
+            log.warning("peer copy %d of %s failed on rank %d: %s", st.seq, st.step_name, self.rank, st.error)
+        st.copy_s = time.perf_counter() - t0
+        if st.error is None:
+            log.debug("peer copy %d of %s: sent %d B, received %d B in %.3f s", st.seq, st.step_name,
+                      st.bytes_sent, st.bytes_received, st.copy_s)
+
+    def _exchange(self, st: PeerCopyStats, opened: Optional[list[_Open]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        g = self.group
+        # 1. headers
+        header = {"origin": self.origin, "step": st.step_name, "seq": st.seq, "src": self.rank,
+                  "files": [[o.file.relpath, o.file.size, o.crc] for o in opened] if opened is not None else None}
+        hbytes = json.dumps(header).encode()
+        htensor = torch.frombuffer(bytearray(hbytes), dtype=torch.uint8)
+        lens_out = torch.tensor([len(hbytes)], dtype=torch.int64)
+        works = [dist.isend(lens_out, t.dst, group=g, tag=_T_LEN) for t in self.sends]
+        lens_in = [torch.zeros(1, dtype=torch.int64) for _ in self.recvs]
+        works += [dist.irecv(b, t.src, group=g, tag=_T_LEN) for b, t in zip(lens_in, self.recvs)]
+        for w in works:
+            w.wait()
+        for n, t in zip(lens_in, self.recvs):
+            if not 0 < int(n) <= _MAX_HEADER:
+                raise CollectiveError(f"peer copy: header of {int(n)} bytes from rank {t.src}")
+        works = [dist.isend(htensor, t.dst, group=g, tag=_T_HDR) for t in self.sends]
+        hdrs_in = [torch.empty(int(n), dtype=torch.uint8) for n in lens_in]
+        works += [dist.irecv(b, t.src, group=g, tag=_T_HDR) for b, t in zip(hdrs_in, self.recvs)]
+        for w in works:
+            w.wait()
+        incoming = [_Incoming.parse(bytes(b.numpy()), t, self) for b, t in zip(hdrs_in, self.recvs)]
+        # 2. data, straight from / into memory-mapped files
+        works = []
+        for t in self.sends:
+            for k, o in enumerate(opened or []):
+                for a, b in _pieces(o.file.size):
+                    works.append(dist.isend(o.tensor[a:b], t.dst, group=g, tag=_T_DATA + k))
+        for inc in incoming:
+            works += inc.post(g)
+        for w in works:
+            w.wait()
+        st.bytes_sent = sum(o.file.size for o in (opened or [])) * len(self.sends)
+        del opened
+        # 3. check, move into place, COMPLETE
+        for inc in incoming:
+            st.bytes_received += inc.finish()
+            if inc.ok:
+                done = self._mark_done(inc)
+                if done:
+                    st.completed.append(inc.origin)
+        if incoming and self.rank == min(t.dst for t in self.plan if t.dst_node == self.node):
+            self._drop_stale_origins({inc.origin for inc in incoming}, st.step_name)
+
+    def _drop_stale_origins(self, current: set, step: str) -> None:
+        """Copies from nodes that no longer send here (they left, or the ring changed) are dropped
+        once every current origin's copy of ``step`` is complete. Run by the node's lowest rank,
+        which receives from every origin node."""
+        root = os.path.join(self.snapshot_dir, PEER_DIR)
+        if not all(os.path.exists(os.path.join(root, o, step, COMPLETE)) for o in current):
+            return
+        for name in os.listdir(root):
+            if name not in current and not name.startswith("."):
+                log.info("dropping the peer copy of %s (no longer in the ring)", name)
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def _mark_done(self, inc: "_Incoming") -> bool:
+        """Mark ``inc``'s sender done; write COMPLETE when every sender of its origin node is done."""
+        d = inc.dir
+        with open(os.path.join(d, f".from_{inc.t.src}.{inc.seq}"), "w"):
+            pass
+        senders = [t.src for t in self.plan if t.src_node == inc.t.src_node and
+                   node_of_rank(self.procs_per_node, t.dst) == self.node]
+        if not all(os.path.exists(os.path.join(d, f".from_{s}.{inc.seq}")) for s in senders):
+            return False
+        tmp = os.path.join(d, f".{COMPLETE}.{self.rank}")
+        with open(tmp, "w") as f:
+            json.dump({"origin": inc.origin, "seq": inc.seq, "senders": senders}, f)
+        os.replace(tmp, os.path.join(d, COMPLETE))
+        log.info("peer copy of %s from %s complete in %s", inc.step, inc.origin, d)
+        # the newer copy is complete: drop this origin's older steps and the markers of older copies
+        odir = os.path.dirname(d)
+        for name in os.listdir(odir):
+            if name != inc.step and _STEP_RE.match(name):
+                shutil.rmtree(os.path.join(odir, name), ignore_errors=True)
+        for name in os.listdir(d):
+            if name.startswith(".from_") and not name.endswith(f".{inc.seq}"):
+                try:
+                    os.remove(os.path.join(d, name))
+                except OSError:
+                    pass
+        return True
+
+
+class _Incoming:
+    """One sender's files arriving at this rank."""
+
+    def __init__(self, t: PeerTransfer, origin: str, step: str, seq: int, files: Optional[list], root: str):
+        self.t, self.origin, self.step, self.seq, self.files = t, origin, step, seq, files
+        self.dir = os.path.join(root, PEER_DIR, origin, step)
+        self.bufs: list = []
+        self.ok = files is not None
+
+    @staticmethod
+    def parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
+        h = json.loads(raw)
+        origin, step, seq, files = h.get("origin"), h.get("step"), h.get("seq"), h.get("files")
+        if not isinstance(origin, str) or not _ID_RE.match(origin) or origin == cp.origin:
+            raise CollectiveError(f"peer copy: bad origin {origin!r} from rank {t.src}")
+        if not isinstance(step, str) or not _STEP_RE.match(step) or seq != cp.seq:
+            raise CollectiveError(f"peer copy: rank {t.src} sent {step!r} copy {seq!r}, expected copy {cp.seq}")
+        if files is not None:
+            for f in files:
+                if not (isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and isinstance(f[1], int)
+                        and f[1] >= 0 and isinstance(f[2], int)):
+                    raise CollectiveError(f"peer copy: bad file entry {f!r} from rank {t.src}")
+        else:
+            log.warning("peer copy of %s: rank %d could not send its files", step, t.src)
+        return _Incoming(t, origin, step, seq, files, cp.snapshot_dir)
+
+    def post(self, g) -> list:
+        import torch
+        import torch.distributed as dist
+
+        if self.files is None:
+            return []
+        os.makedirs(self.dir, exist_ok=True)
+        try:   # a re-sent step: it is not complete until this copy is
+            os.remove(os.path.join(self.dir, COMPLETE))
+        except FileNotFoundError:
+            pass
+        works = []
+        for k, (rel, size, _crc) in enumerate(self.files):
+            final = safe_join(self.dir, rel, what="peer copy file", allow_subdirs=True)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            part = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.part")
+            with open(part, "wb") as f:
+                f.truncate(size)
+            buf = torch.from_file(part, shared=True, size=size, dtype=torch.uint8) if size else None
+            self.bufs.append((part, final, buf))
+            for a, b in _pieces(size):
+                works.append(dist.irecv(buf[a:b], self.t.src, group=g, tag=_T_DATA + k))
+        return works
+
+    def finish(self) -> int:
+        """Check every file's CRC, move it into place; returns the bytes received."""
+        n = 0
+        for (rel, size, crc), (part, final, buf) in zip(self.files or [], self.bufs):
+            got = zlib.crc32(buf.numpy()) if size else 0
+            n += size
+            if got != crc:
+                log.warning("peer copy of %s from %s (rank %d): %s arrived with CRC32 %08x, sent as %08x; "
+                            "not completing this copy", self.step, self.origin, self.t.src, rel, got, crc)
+                self.ok = False
+                os.remove(part)
+                continue
+            os.replace(part, final)
+        self.bufs = []
+        return n

@@ -1,0 +1,140 @@
+"""Peer copies of memory snapshots: the ring plan (pure, hand-computed expectations) and the gloo
+transport (real processes, real files on disk, byte-for-byte against what each rank wrote)."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import pytest
+
+from dist_utils import run_world
+from elastor_ds.checkpoint.planning.peer_plan import PeerTransfer, node_of_rank, peer_bytes_by_node, plan_peer_copies
+from elastor_ds.errors import ConfigError
+
+STEP5, STEP6 = "step_000000005", "step_000000006"
+
+
+# ---------------------------------------------------------------- the plan (pure)
+@pytest.mark.unit
+def test_ring_two_nodes_uneven():
+    # node 0 = ranks 0,1; node 1 = rank 2: both of node 0's ranks send to rank 2, rank 2 sends to rank 0
+    assert plan_peer_copies([2, 1]) == (PeerTransfer(0, 2, 0, 1), PeerTransfer(1, 2, 0, 1), PeerTransfer(2, 0, 1, 0))
+
+
+@pytest.mark.unit
+def test_ring_three_nodes_two_copies():
+    got = {(t.copy, t.src, t.dst) for t in plan_peer_copies([1, 2, 1], 2)}
+    # ranks: node0 = {0}, node1 = {1, 2}, node2 = {3}
+    assert got == {(1, 0, 1), (1, 1, 3), (1, 2, 3), (1, 3, 0),
+                   (2, 0, 3), (2, 1, 0), (2, 2, 0), (2, 3, 1)}
+
+
+@pytest.mark.unit
+def test_no_transfers_on_one_node_or_zero_copies():
+    assert plan_peer_copies([4]) == ()
+    assert plan_peer_copies([2, 2], 0) == ()
+
+
+@pytest.mark.unit
+def test_too_many_copies_is_a_config_error():
+    with pytest.raises(ConfigError, match="peer_copies=2 but the job has 2 nodes"):
+        plan_peer_copies([2, 2], 2)
+
+
+@pytest.mark.unit
+def test_every_rank_sends_each_copy_once_to_another_node():
+    for ppn in ([1, 1], [3, 1, 2], [2, 2, 2, 2], [1, 4]):
+        for k in range(1, len(ppn)):
+            plan = plan_peer_copies(ppn, k)
+            assert sorted((t.copy, t.src) for t in plan) == [(c, r) for c in range(1, k + 1) for r in range(sum(ppn))]
+            for t in plan:
+                assert node_of_rank(ppn, t.src) == t.src_node != t.dst_node == node_of_rank(ppn, t.dst)
+
+
+@pytest.mark.unit
+def test_peer_bytes_by_node():
+    plan = plan_peer_copies([2, 1])
+    assert peer_bytes_by_node(plan, {0: 100, 1: 50, 2: 7}, 2) == [7, 150]
+
+
+# ---------------------------------------------------------------- the transport (gloo, real processes)
+def _files_of(rank: int, step: int) -> dict[str, bytes]:
+    body = bytes(((rank + 1) * 31 + step * 7 + i) % 251 for i in range(40_000 + 1000 * rank))
+    return {f"data_{rank:05d}.safetensors": body, f"data_{rank:05d}.crc": body[:64],
+            f"rank_state/rank_{rank:05d}.json": json.dumps({"rank": rank, "step": step}).encode()}
+
+
+def _write_step(nodedir: str, rank: int, step: int) -> str:
+    d = os.path.join(nodedir, "local", f"step_{step:09d}")
+    for rel, b in _files_of(rank, step).items():
+        p = os.path.join(d, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(b)
+    return d
+
+
+def _worker(rank, world, base, ppn, corrupt_rank):
+    from elastor_ds.comm.peer_copy import PeerCopier, PeerFile
+    from elastor_ds.checkpoint.planning.peer_plan import node_of_rank
+
+    node = node_of_rank(ppn, rank)
+    nodedir = os.path.join(base, f"elastor-node{node}")
+    os.makedirs(nodedir, exist_ok=True)
+    if rank == 2:   # a copy from a node that left the ring earlier: dropped once the new copy completes
+        stale = os.path.join(nodedir, "peer", "elastor-gone", "step_000000004")
+        os.makedirs(stale)
+        open(os.path.join(stale, "COMPLETE"), "w").close()
+    cp = PeerCopier.create(ppn, nodedir, peer_copies=1, timeout_s=60)
+    for step in (5, 6):
+        d = _write_step(nodedir, rank, step)
+        files = []
+        for rel, b in _files_of(rank, step).items():
+            crc = zlib.crc32(b)
+            if step == 6 and rank == corrupt_rank and rel.endswith(".safetensors"):
+                crc ^= 1   # what the receiver computes will not match: as if a byte flipped on the way
+            files.append(PeerFile(rel, len(b), crc))
+        st = cp.submit(d, files)
+        cp.wait()
+        assert st.error is None, st.error
+        assert st.bytes_sent == sum(len(b) for b in _files_of(rank, step).values())
+    cp.close()
+
+
+@pytest.mark.timeout(120)
+def test_ring_copy_two_nodes_bytes_equal_and_older_dropped(tmp_path):
+    ppn = [2, 1]
+    run_world(_worker, 3, str(tmp_path), ppn, -1, timeout_s=60)
+    n0, n1 = tmp_path / "elastor-node0", tmp_path / "elastor-node1"
+    # node 1 holds node 0's ranks 0 and 1; node 0 holds node 1's rank 2; only the newest step is kept
+    assert sorted(os.listdir(n1 / "peer")) == ["elastor-node0"]
+    assert sorted(os.listdir(n0 / "peer")) == ["elastor-node1"]
+    assert os.listdir(n1 / "peer" / "elastor-node0") == [STEP6]
+    assert os.listdir(n0 / "peer" / "elastor-node1") == [STEP6]
+    for holder, ranks, origin in ((n1, (0, 1), "elastor-node0"), (n0, (2,), "elastor-node1")):
+        d = holder / "peer" / origin / STEP6
+        assert (d / "COMPLETE").exists()
+        visible = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+        want = sorted(["COMPLETE"] + [rel for r in ranks for rel in _files_of(r, 6)])
+        assert visible == want
+        for r in ranks:
+            for rel, b in _files_of(r, 6).items():
+                assert (d / rel).read_bytes() == b, (holder, rel)
+
+
+@pytest.mark.timeout(120)
+def test_copy_that_arrives_with_a_bad_crc_is_not_complete(tmp_path):
+    run_world(_worker, 3, str(tmp_path), [2, 1], 1, timeout_s=60)
+    n1 = tmp_path / "elastor-node1"
+    d6 = n1 / "peer" / "elastor-node0" / STEP6
+    assert not (d6 / "COMPLETE").exists()                      # rank 1's data file failed its check
+    assert not (d6 / "data_00001.safetensors").exists()
+    assert (d6 / "data_00000.safetensors").read_bytes() == _files_of(0, 6)["data_00000.safetensors"]
+    # the previous complete copy is kept, since the newer one never completed
+    d5 = n1 / "peer" / "elastor-node0" / STEP5
+    assert (d5 / "COMPLETE").exists()
+    assert (d5 / "data_00001.safetensors").read_bytes() == _files_of(1, 5)["data_00001.safetensors"]
+    # the other direction is unaffected
+    assert (tmp_path / "elastor-node1" / "peer").exists()
+    assert (tmp_path / "elastor-node0" / "peer" / "elastor-node1" / STEP6 / "COMPLETE").exists()
