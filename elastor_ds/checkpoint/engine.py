@@ -104,6 +104,16 @@ class OpenCheckpoint:
 ShardsFor = Callable[[Manifest], Sequence[TensorShard]]
 
 
+@dataclass(frozen=True)
+class CommitInfo:
+    """What an ``after_commit`` hook gets, on every rank, in the writer thread, once a save committed."""
+
+    step: int
+    step_dir: str               # this root's committed step dir
+    tmp_dir: str                # the save's temp dir (this rank's files are there until it is renamed)
+    files: dict                 # this rank's files: name (relative to the step dir) -> (size, crc32)
+
+
 @dataclass
 class _Job:
     step: int
@@ -135,6 +145,9 @@ class CheckpointEngine:
         self._job: Optional[_Job] = None
         self._saves = 0
         self.last_stats: Optional[SaveStats] = None
+        # called with a CommitInfo on every rank after each committed save (writer thread; the next
+        # save waits for them); an exception is logged, never fails the save (e.g. peer copies)
+        self.after_commit: list[Callable[[CommitInfo], None]] = []
         if self.comm.rank == 0:
             os.makedirs(self.root, exist_ok=True)
 
@@ -251,6 +264,15 @@ class CheckpointEngine:
                         commit_mod.apply_retention(self.root, self.keep, protect=result[1])
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
+                if self.after_commit and outcome[0] == "ok":
+                    info = CommitInfo(job.step, os.path.join(self.root, os.path.basename(result[1])), tmp_dir,
+                                      dict(outcome[1]["files"]))
+                    for fn in self.after_commit:
+                        try:
+                            fn(info)
+                        except Exception as e:  # noqa: BLE001 - a hook never fails a committed save
+                            log.warning("after-commit hook %s for step %d failed: %s", getattr(fn, "__name__", fn),
+                                        job.step, e)
         except BaseException as e:  # noqa: BLE001 - a dead or stopped peer on the checkpoint group
             failures = e.failures if isinstance(e, RanksFailedError) else [RankFailure.of(rank, e)]
             err = ranks_failed(what, failures, self.comm.world_size, base=AsyncSaveError)

@@ -74,14 +74,29 @@ class PeerCopyStats:
 class _Open:
     """A file of this rank's snapshot, held open (mapped) from submit() until it is sent."""
 
-    def __init__(self, step_dir: str, f: PeerFile):
+    def __init__(self, dirs: Sequence[str], f: PeerFile):
+        """``dirs``: where the file may be, in order (a save's temp dir, then its committed dir: a
+        directory rename between the two looks is atomic, so one of them has it)."""
         import torch
         self.file = f
-        path = safe_join(step_dir, f.relpath, what="snapshot file", allow_subdirs=True)
-        size = os.path.getsize(path)
-        if size != f.size:
-            raise CollectiveError(f"peer copy: {path} has {size} bytes, the manifest says {f.size}")
-        self.tensor = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if size else None
+        self.tensor = None
+        for i, d in enumerate(dirs):
+            path = safe_join(d, f.relpath, what="snapshot file", allow_subdirs=True)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if i == len(dirs) - 1:
+                    raise
+                continue
+            try:   # the open fd pins the file: map it through /proc (no race with a rename or delete)
+                size = os.fstat(fd).st_size
+                if size != f.size:
+                    raise CollectiveError(f"peer copy: {path} has {size} bytes, the manifest says {f.size}")
+                if size:
+                    self.tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=size, dtype=torch.uint8)
+            finally:
+                os.close(fd)
+            break
         crc = f.crc
         if crc is None:
             crc = zlib.crc32(self.tensor.numpy()) if size else 0
@@ -134,18 +149,20 @@ class PeerCopier:
         return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies)
 
     # ------------------------------------------------------------------ API
-    def submit(self, step_dir: str, files: Sequence[PeerFile]) -> PeerCopyStats:
+    def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = ()) -> PeerCopyStats:
         """Start the copy of snapshot ``step_dir`` (this rank's ``files``) in the background.
-        Every rank calls it for every snapshot, in the same order."""
+        Every rank calls it for every snapshot, in the same order. ``search_dirs``: where to look
+        for the files before ``step_dir`` (the save's temp dir, not yet renamed on this node)."""
         t0 = time.perf_counter()
         self.wait()
         wait_s = time.perf_counter() - t0
         step_name = os.path.basename(os.path.normpath(step_dir))
+        dirs = [*search_dirs, step_dir]
         self.seq += 1
         st = PeerCopyStats(self.seq, step_name, wait_s=wait_s)
         self.stats.append(st)
         try:
-            opened = [_Open(step_dir, f) for f in files] if self.sends else []
+            opened = [_Open(dirs, f) for f in files] if self.sends else []
         except Exception as e:  # noqa: BLE001 - sent as an empty, failed copy so the receiver does not hang
             log.warning("peer copy of %s: cannot open this rank's files: %s", step_name, e)
             st.error = f"{type(e).__name__}: {e}"

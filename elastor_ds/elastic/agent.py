@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousPara
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from . import probe as probe_mod
+from .snapshot_server import NodeSnapshots
 from .events import EventKind, EventLog
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
@@ -113,6 +114,8 @@ class ElastorAgent(LocalElasticAgent):
         self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
         self._visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")   # before we narrow it per launch
         self._visible = [x for x in (self._visible_env or "").split(",") if x.strip()]
+        # this node's snapshot server; addresses of every node's go to the workers at each launch
+        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint)
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame) -> None:
@@ -143,6 +146,7 @@ class ElastorAgent(LocalElasticAgent):
         workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
         raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
         self.procs_per_node = [_RoleInstanceInfo.deserialize(b).local_world_size for b in raw]
+        self.snapshots.publish(store, group_rank, group_world_size)
         return workers
 
     def _start_workers(self, worker_group):
@@ -155,7 +159,7 @@ class ElastorAgent(LocalElasticAgent):
         os.makedirs(hb, exist_ok=True)
         env = {ENV_PROCS_PER_NODE: ",".join(map(str, self.procs_per_node or [n])),
                ENV_INITIAL_WORLD: str(self.initial_world), ENV_ROUND: str(self.round), ENV_HEARTBEAT_DIR: hb,
-               "ELASTOR_DEVICES": ",".join(map(str, self.devices))}
+               "ELASTOR_DEVICES": ",".join(map(str, self.devices)), **self.snapshots.env()}
         if self.cfg.events:
             env[ENV_EVENTS_FILE] = os.path.abspath(self.cfg.events)
         if self.cfg.gpu_memory_gb:
@@ -184,6 +188,7 @@ class ElastorAgent(LocalElasticAgent):
             return self._result(True)
         finally:
             self._shutdown(signal.SIGKILL, timeout=5)
+            self.snapshots.close()
 
     # ------------------------------------------------------------------ helpers
     def _handlers(self) -> dict:

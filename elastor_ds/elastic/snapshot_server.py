@@ -242,3 +242,38 @@ def advertised_host(rdzv_endpoint: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.getfqdn()
+
+
+_STORE_KEY = "elastor/snapshot_server/{}"
+
+
+class NodeSnapshots:
+    """The controller's side of cross-node restore: runs the node's :class:`SnapshotServer` (when the
+    node has a snapshot directory) and, at every rendezvous round, publishes its address in the
+    round's store and collects every node's (node-rank order) for the workers' environment."""
+
+    def __init__(self, snapshot_dir: Optional[str], rdzv_endpoint: str):
+        self.server: Optional[SnapshotServer] = None
+        self.peers: list[str] = []
+        if snapshot_dir:
+            host = os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST") or advertised_host(rdzv_endpoint)
+            self.server = SnapshotServer(snapshot_dir, host=host).start()
+
+    def publish(self, store, group_rank: int, group_world_size: int) -> list[str]:
+        """Collective over the round's agents (each calls it once per round)."""
+        mine = self.server.address if self.server is not None else ""
+        store.set(_STORE_KEY.format(group_rank), mine.encode())
+        raw = store.multi_get([_STORE_KEY.format(i) for i in range(group_world_size)])
+        self.peers = [b.decode() for b in raw]
+        return self.peers
+
+    def env(self) -> dict:
+        """``ELASTOR_SNAPSHOT_PEERS`` (every live node's server, node-rank order; nodes without one
+        left out) and ``ELASTOR_SNAPSHOT_SELF`` (this node's)."""
+        return {"ELASTOR_SNAPSHOT_PEERS": ",".join(p for p in self.peers if p),
+                "ELASTOR_SNAPSHOT_SELF": self.server.address if self.server is not None else ""}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
