@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..comm.collectives import Comm, LocalComm, agree
-from ..errors import (AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError,
-                      RankFailure, RanksFailedError, TensorMismatchError, UnsafeCheckpointError, ranks_failed)
+from ..errors import (AsyncSaveError, CheckpointError, CorruptCheckpointError, FormatVersionError,
+                      IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
+                      UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
@@ -128,7 +129,11 @@ class CheckpointEngine:
     """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
 
     def __init__(self, root: str, comm: Optional[Comm] = None, keep: int = 2, async_save: bool = True,
-                 pin_memory: Optional[bool] = None, fsync: bool = True):
+                 pin_memory: Optional[bool] = None, fsync: bool = True, node_local: bool = False):
+        """``node_local``: ``root`` is a per-node directory (a memory snapshot on tmpfs), not shared
+        storage: each node's directory gets its ranks' files, and after rank 0's commit the lowest
+        rank of every other node commits its own directory with the same manifest (so every node
+        holds the step's manifest and ``latest``). Collective when True (one all-gather)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         self.root = os.path.abspath(root)
@@ -148,7 +153,15 @@ class CheckpointEngine:
         # called with a CommitInfo on every rank after each committed save (writer thread; the next
         # save waits for them); an exception is logged, never fails the save (e.g. peer copies)
         self.after_commit: list[Callable[[CommitInfo], None]] = []
-        if self.comm.rank == 0:
+        self.node_local = node_local
+        self.node_committer = False   # node_local: this rank commits its node's copy (rank 0's node: rank 0)
+        if node_local:
+            import socket
+            os.makedirs(self.root, exist_ok=True)
+            key = (socket.gethostname(), os.path.realpath(self.root))
+            keys = self.comm.all_gather_object(key)
+            self.node_committer = self.comm.rank != 0 and keys.index(key) == self.comm.rank and key != keys[0]
+        elif self.comm.rank == 0:
             os.makedirs(self.root, exist_ok=True)
 
     # ------------------------------------------------------------------ save
@@ -249,7 +262,7 @@ class CheckpointEngine:
                     try:
                         man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
                         final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
-                        result = ("ok", final)
+                        result = ("ok", final, man.dumps() if self.node_local else None)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = self.writer_comm.broadcast_object(result, src=0)
@@ -258,8 +271,10 @@ class CheckpointEngine:
                                          base=AsyncSaveError)
             else:
                 stats.committed_dir = result[1]
+                if self.node_committer:
+                    self._commit_node_copy(job.step, tmp_dir, result[2])
                 stats.durable_s = time.perf_counter() - job.t0
-                if rank == 0:  # durable and announced: now delete what retention drops
+                if rank == 0 or self.node_committer:  # durable and announced: now delete what retention drops
                     try:
                         commit_mod.apply_retention(self.root, self.keep, protect=result[1])
                     except OSError as e:  # never fails a committed save
@@ -280,6 +295,18 @@ class CheckpointEngine:
             job.error = err
         finally:
             job.done.set()
+
+    def _commit_node_copy(self, step: int, tmp_dir: str, manifest_text: str) -> None:
+        """node_local, on another node's committer: commit this node's directory with rank 0's
+        manifest. A failure here leaves this node without the step (logged; its restore then
+        reads elsewhere), it never fails the save."""
+        try:
+            man = Manifest.loads(manifest_text, where=f"manifest of step {step} from rank 0")
+            os.makedirs(tmp_dir, exist_ok=True)   # a node whose ranks wrote no data file
+            commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
+        except (OSError, CheckpointError) as e:
+            log.error("rank %d: could not commit this node's copy of snapshot %d under %s: %s", self.comm.rank, step,
+                      self.root, e)
 
     # ------------------------------------------------------------------ load
     def open(self, path: Optional[str] = None, *, fallback: bool = False) -> "OpenCheckpoint":

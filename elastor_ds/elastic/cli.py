@@ -35,6 +35,8 @@ behaviour:
 what the workers get (besides torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...):
   ELASTOR_PROCS_PER_NODE   processes per node of this launch, e.g. "2,1" (the trainer's
                            --elastor-plan auto plans for exactly this cluster)
+  ELASTOR_SNAPSHOT_DIR     this node's memory-snapshot directory (--snapshot-dir), the same on
+                           every relaunch, removed when the job ends
   ELASTOR_INITIAL_WORLD_SIZE, ELASTOR_ROUND, ELASTOR_HEARTBEAT_DIR, ELASTOR_EVENTS_FILE,
   ELASTOR_GPU_MEMORY_GB (with --gpu-memory-gb). A trainer cooperates through
   elastor_ds.elastic.worker.ElasticWorker (heartbeat, agree_stop); examples/megatron_gpt/
@@ -108,14 +110,16 @@ def register(sub) -> None:
     a("--gpu-memory-gb", type=positive_float, default=None, help="per-device memory the trainer's planner should assume")
     a("--probe-timeout", type=positive_float, default=60.0, help="seconds per GPU probe (default 60)")
     a("--probe-interval", type=positive_float, default=60.0, help="seconds between re-probes of lost GPUs (default 60)")
+    a("--snapshot-dir", default=None,
+      help="this node's memory-snapshot directory, exported as ELASTOR_SNAPSHOT_DIR (default /dev/shm/elastor-"
+           "<rdzv id>-<host>-<pid>); kept across relaunches, removed at the end of the job")
     a("script", help="the training script (run with this Python, as torchrun does)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .agent import RunConfig, build_agent, node_name
-    from .events import EventKind, EventLog
+    from .agent import RunConfig, node_name
     from .policy import OnFailure
 
     if not os.path.isfile(args.script):
@@ -165,12 +169,25 @@ def run(args: argparse.Namespace) -> int:
                     shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name())
+    from . import snapshot_dir
+    snap = snapshot_dir.prepare(args.snapshot_dir, rdzv_id)
+    try:
+        return _run(args, cfg, events_path, plot, use_gpu, lo, hi, nproc)
+    finally:
+        snapshot_dir.cleanup(snap)
+
+
+def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: int, hi: int, nproc: int) -> int:
+    from .agent import build_agent
+    from .events import EventKind, EventLog
+    from .policy import OnFailure
+
     events = EventLog(events_path, node=cfg.node_name)
     policy = cfg.on_failure.value + (" (no GPU: as shrink)" if cfg.on_failure is OnFailure.PROBE and not use_gpu else "")
     events.emit(EventKind.START, pid=os.getpid(), nproc_per_node=nproc, nnodes=[lo, hi], on_failure=cfg.on_failure.value,
                 max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
-             "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, log_dir, os.getpid())
+             "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
     from .agent import RendezvousError
     agent = build_agent(cfg, events)
     try:

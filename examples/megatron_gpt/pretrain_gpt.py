@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--save", default=None, help="elastor checkpoint directory")
     a("--load", default=None, help="resume from this elastor checkpoint directory (newest committed step)")
     a("--save-interval", type=int, default=0, help="iterations between asynchronous saves (0: only at the end)")
+    a("--elastor-memory-snapshot-interval", type=int, default=None, metavar="N",
+      help="also snapshot every N iterations into this node's memory (tmpfs; $ELASTOR_SNAPSHOT_DIR from `elastor run`); "
+           "a restart restores from memory first, storage only for what no memory holds (needs --save)")
+    a("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
+      help="copies of each snapshot on other nodes (0 or 1; default 1)")
+    a("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
+      help="memory snapshots kept per node (default 1)")
     a("--log-interval", type=int, default=10)
     a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
     a("--zero-stage", type=int, choices=[0, 1], default=None,
@@ -274,6 +281,10 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
     elif args.load:
         ck.setdefault("dir", args.load)
     if "dir" not in ck:
+        if args.elastor_memory_snapshot_interval is not None or el.get("memory_snapshot") is not None:
+            from elastor_ds.errors import ConfigError
+            raise ConfigError("memory snapshots need a storage checkpoint directory too: add --save DIR (storage "
+                              "stays the durable tier; --save-interval can be large)")
         cfg.pop("elastor")
         return cfg
     ck.setdefault("interval_steps", args.save_interval)
@@ -282,6 +293,13 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
     ck.setdefault("load", "latest" if args.load else "none")
     if args.load and os.path.abspath(args.load) != os.path.abspath(ck["dir"]):
         ck["load"] = args.load
+    flags = {"interval_steps": args.elastor_memory_snapshot_interval,
+             "peer_copies": args.elastor_memory_snapshot_peer_copies, "keep": args.elastor_memory_snapshot_keep}
+    if any(v is not None for v in flags.values()):
+        ms = el.setdefault("memory_snapshot", {})
+        for k, v in flags.items():
+            if v is not None:
+                ms.setdefault(k, v)
     return cfg
 
 
@@ -380,6 +398,7 @@ def _main(argv: list[str] | None = None) -> int:
     elastic_mark(ctl, "t_loaded")
     if ctl is not None:
         ctl.report_started(rank, world_size=world, layout=layout.describe(), resumed_from=start,
+                           restore=engine.elastor.restore if engine.elastor is not None else None,
                            metrics_file=os.path.abspath(args.metrics_file) if args.metrics_file else None)
     gbs = args.global_batch_size
     if rank == 0:
@@ -427,6 +446,8 @@ def _main(argv: list[str] | None = None) -> int:
         for it in range(start, last):
             t0 = time.perf_counter()
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
+            mem = engine.elastor.memory if engine.elastor else None
+            n_snaps = len(mem.stats) if mem is not None else 0
             if prof is not None:
                 prof.begin(it)
             loss = float(engine.train_batch(it_data))
@@ -439,12 +460,15 @@ def _main(argv: list[str] | None = None) -> int:
                 prof = None
             saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
             stall = engine.elastor.stats[-1].stall_s if saved else None
+            snapped = mem is not None and len(mem.stats) > n_snaps
             if mfile:
                 rec = {"iteration": it + 1, "lm_loss": loss, "consumed_samples": (it + 1) * gbs,
                        "lr": float(sched.get_last_lr()[0]) if sched else args.lr, "layout": layout.describe(),
                        "world_size": world, "iter_time_s": dt, "time": time.time()}
                 if saved:
                     rec["save_stall_s"] = stall
+                if snapped:
+                    rec["snapshot_stall_s"] = mem.stats[-1].stall_s
                 rec.update(plan_info)
                 if it == start:
                     rec["plan"] = layout.to_json()

@@ -136,7 +136,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     engine.elastor = None
     _check_plan(engine, ecfg)
     if ecfg.checkpoint is not None:
-        engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint)
+        engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
         if ecfg.checkpoint.load != "none":
             engine.elastor.load()
     return engine, optimizer, loader, sched

@@ -11,6 +11,11 @@ Pure: no deepspeed, no torch. Shape (a contract; keys may be added, never remove
         "dir": "<path>", "interval_steps": N, "min_interval_s": S, "async": true, "keep": 2,
         "load": "latest" | "none" | "<step dir>", "verify_on_load": true, "fallback_to_previous": true,
         "on_save_checkpoint": true, "deepspeed_native": true, "timeout_s": 600
+      },
+      "memory_snapshot": {                       # needs "checkpoint" (storage stays the durable tier)
+        "interval_steps": 1, "keep": 1, "peer_copies": 1,
+        "dir": "<node dir>",                     # default: $ELASTOR_SNAPSHOT_DIR (set by `elastor run`)
+        "max_bytes": N                           # optional cap on this node's snapshot bytes
       }
     }
 
@@ -53,9 +58,20 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MemorySnapshotConfig:
+    """Snapshots in the node's memory (tmpfs), restored before storage (see runtime.MemoryTier)."""
+    interval_steps: int = 1
+    keep: int = 1
+    peer_copies: int = 1
+    dir: Optional[str] = None        # the node directory; default $ELASTOR_SNAPSHOT_DIR
+    max_bytes: Optional[int] = None  # cap on this node's snapshot bytes (all its ranks, all copies)
+
+
+@dataclass(frozen=True)
 class ElastorConfig:
     plan: Union[None, str, Mapping[str, Any]] = None
     checkpoint: Optional[CheckpointConfig] = None
+    memory_snapshot: Optional[MemorySnapshotConfig] = None
     model: Optional[Mapping[str, Any]] = None   # ModelSpec fields for "plan": "auto"
     profile: Optional[str] = None               # profile JSON for "plan": "auto"
 
@@ -64,7 +80,8 @@ _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s"
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
               "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
-_TOP_KEYS = ("plan", "checkpoint", "model", "profile")
+_TOP_KEYS = ("plan", "checkpoint", "memory_snapshot", "model", "profile")
+_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "dir", "max_bytes")
 
 
 def _unknown(where: str, key: str, allowed) -> ConfigError:
@@ -130,6 +147,27 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
     return CheckpointConfig(**kw)
 
 
+def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> MemorySnapshotConfig:
+    _check_object(where, d, _MEM_KEYS, '{"interval_steps": 1, "peer_copies": 1}')
+    kw: dict[str, Any] = {}
+    if "interval_steps" in d:
+        kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 1,
+                                    '"interval_steps": 1 (a snapshot after every optimizer step)')
+    if "keep" in d:
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 1')
+    if "peer_copies" in d:
+        kw["peer_copies"] = _int(f"{where}.peer_copies", d["peer_copies"], 0, '"peer_copies": 1 (0: no copy on '
+                                 'another node)')
+        if kw["peer_copies"] > 1:
+            raise ConfigError(f"{where}.peer_copies: {kw['peer_copies']} is not supported; use 0 or 1 (one copy on "
+                              f"the next node of the ring)")
+    if "dir" in d:
+        kw["dir"] = _str(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
+    if "max_bytes" in d and d["max_bytes"] is not None:
+        kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000')
+    return MemorySnapshotConfig(**kw)
+
+
 def parse_plan(v: Any, where: str = f"{SECTION}.plan") -> Union[None, str, Mapping[str, Any]]:
     if v is None or v == "auto":
         return v
@@ -151,6 +189,11 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
     _check_object(SECTION, section, _TOP_KEYS, '{"checkpoint": {"dir": "/ckpt"}}')
     plan = parse_plan(section.get("plan"))
     ckpt = parse_checkpoint(section["checkpoint"]) if section.get("checkpoint") is not None else None
+    mem = parse_memory_snapshot(section["memory_snapshot"]) if section.get("memory_snapshot") is not None else None
+    if mem is not None and ckpt is None:
+        raise ConfigError(f"{SECTION}.memory_snapshot needs {SECTION}.checkpoint (storage checkpoints stay the durable "
+                          f"tier; memory snapshots come on top), e.g. \"checkpoint\": {{\"dir\": \"/ckpt\", "
+                          f"\"interval_steps\": 100}}")
     model = section.get("model")
     if model is not None and not isinstance(model, Mapping):
         raise ConfigError(f"{SECTION}.model: expected an object of the planner's model fields (hidden_size, "
@@ -158,7 +201,8 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
     profile = section.get("profile")
     if profile is not None and (not isinstance(profile, str) or not profile.strip()):
         raise ConfigError(f"{SECTION}.profile: expected a path to a profile JSON (elastor plan --profile format)")
-    return ElastorConfig(plan=plan, checkpoint=ckpt, model=dict(model) if model is not None else None,
+    return ElastorConfig(plan=plan, checkpoint=ckpt, memory_snapshot=mem,
+                         model=dict(model) if model is not None else None,
                          profile=profile)
 
 
@@ -208,5 +252,5 @@ def save_due(cfg: CheckpointConfig, step: int, last_step: Optional[int], seconds
     return previous_done and seconds_since_last >= cfg.min_interval_s
 
 
-__all__ = ["CheckpointConfig", "save_due", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
+__all__ = ["CheckpointConfig", "MemorySnapshotConfig", "parse_memory_snapshot", "save_due", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
            "split_ds_config", "load_plan_document", "SECTION"]

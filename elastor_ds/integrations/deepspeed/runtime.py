@@ -10,7 +10,16 @@ Save (``save``), collective over every rank of the job:
 
 Policy (``maybe_save``, after every optimizer step): see :mod:`.config`.
 
+Memory snapshots (``"memory_snapshot"``, :mod:`.memory`): a second engine on the node's tmpfs saves
+every ``interval_steps`` steps from the same shards; its budget is checked at construction.
+
 Load (``load``), inside ``initialize`` for ``"load": "latest"``:
+0. with memory snapshots: the newest committed step across memory and storage wins (memory on a
+   tie); a memory restore reads each file from this node's memory, then the registered sources
+   (:func:`~elastor_ds.checkpoint.sources.register_source_factory`, ``extra_memory_sources``),
+   then storage's identical files of the same step; every byte CRC-checked. A memory snapshot
+   that fails on any rank falls back to storage (logged). A ``restore`` record (bytes per source,
+   seconds) goes to ``$ELASTOR_EVENTS_FILE``;
 1. resolve the step dir and read its manifest (which optimizer state keys exist);
 2. create missing optimizer state tensors (a fresh torch optimizer has none), then fill module
    weights, master weights and optimizer state in place through region overlap, whatever the
@@ -31,7 +40,7 @@ from ...comm import TorchComm
 from ...errors import ConfigError, IncompleteCheckpointError
 from ...layout import Layout
 from . import state as st
-from .config import CheckpointConfig, save_due
+from .config import CheckpointConfig, MemorySnapshotConfig, save_due
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +67,7 @@ def engine_layout(engine: Any) -> Layout:
 
 
 class ElastorCheckpointer:
-    def __init__(self, engine: Any, cfg: CheckpointConfig):
+    def __init__(self, engine: Any, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None):
         self.cfg = cfg
         self.engine = engine
         self.comm = TorchComm.create(cfg.timeout_s)
@@ -73,6 +82,16 @@ class ElastorCheckpointer:
         self.client_state: dict[str, Any] = {}
         self.loaded: Optional[LoadResult] = None
         self.last_collect_s = 0.0
+        self.restore: Optional[dict[str, Any]] = None   # where the resumed bytes came from
+        # sources consulted between this node's memory and storage on a memory restore (peer copies,
+        # other nodes' servers): fn(step_dir, manifest) -> [ChunkSource, ...]
+        self.extra_memory_sources: list = []
+        self.memory = None
+        if memory is not None:
+            from .memory import MemoryTier
+            self.memory = MemoryTier(memory, TorchComm.create(cfg.timeout_s))
+            est, estimated = self._snapshot_estimate()
+            self.memory.check_budget(est, self.policy_comm, estimated=estimated)
 
     # ---------------------------------------------------------------- save
     def maybe_save(self) -> Optional[SaveStats]:
@@ -82,14 +101,41 @@ class ElastorCheckpointer:
         due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, self.ckpt.local_idle())
         if cfg.min_interval_s > 0 and cfg.periodic and step != self.last_save_step:
             due = all(self.policy_comm.all_gather_object(due))  # clocks differ per rank: agree
-        if not due:
+        mem = self.memory
+        mem_due = mem is not None and mem.due(step)
+        if not due and not mem_due:
             return None
-        return self.save()
+        kw = self._collect()
+        stats = self.save(collected=kw) if due else None
+        if mem_due:
+            assert mem is not None
+            ms = mem.save(step, kw["shards"], self.policy_comm, extra=kw["extra"], rank_state=kw["rank_state"],
+                          model=kw["model"], layout=kw["layout"])
+            stats = stats or ms
+        return stats
 
-    def save(self, client_state: Optional[dict[str, Any]] = None) -> SaveStats:
+    def _snapshot_estimate(self) -> tuple[int, bool]:
+        """Bytes this rank writes per snapshot, estimated before the optimizer has state: the save
+        plan of the model's shards (deduplicated like a real save) scaled by the optimizer's fp32
+        per-element state (Adam-like: 2 moments; else 1) and the fp32 master when it is separate.
+        Collective (one all-gather of shard metadata)."""
+        from ...checkpoint.planning.save_plan import ShardMeta, plan_save
+        from ...checkpoint.shards import dtype_name
         eng = self.engine
-        if client_state is not None:
-            self.client_state = dict(client_state)
+        shards = st.model_shards(eng)
+        metas = [ShardMeta(sh.name, sh.shape, dtype_name(sh.tensor.dtype), sh.region) for sh in shards]
+        gathered = self.policy_comm.all_gather_object([m.to_tuple() for m in metas])
+        plan = plan_save([[ShardMeta.from_tuple(t) for t in g] for g in gathered])
+        mine = plan.items[self.comm.rank]
+        model_bytes = sum(it.nbytes for it in mine)
+        itemsize = max(1, shards[0].tensor.element_size()) if shards else 4
+        opt = type(st.base_optimizer(eng)).__name__.lower()
+        per_elem = (2 if ("adam" in opt or "lamb" in opt) else 1) + (0 if st.master_is_weight(eng) else 1)
+        return model_bytes + model_bytes * per_elem * 4 // itemsize, True
+
+    def _collect(self) -> dict[str, Any]:
+        """The shards and JSON of a save (storage checkpoint or memory snapshot)."""
+        eng = self.engine
         t0 = time.perf_counter()
         shards = st.model_shards(eng) + st.optimizer_shards(eng, include_master=not st.master_is_weight(eng))
         self.last_collect_s = time.perf_counter() - t0
@@ -112,9 +158,19 @@ class ElastorCheckpointer:
         if isinstance(geo_model, dict):  # e.g. a megatron-core GPT description: exporters can use it
             model = {**geo_model, **{k: v for k, v in model.items() if k != "num_layers"},
                      "pipeline_layers": self.layout.num_layers}
+        return {"shards": shards, "extra": extra, "rank_state": {"rng": capture_rng_state()}, "model": model,
+                "layout": self.layout.to_json()}
+
+    def save(self, client_state: Optional[dict[str, Any]] = None, collected: Optional[dict[str, Any]] = None
+             ) -> SaveStats:
+        eng = self.engine
+        if client_state is not None:
+            self.client_state = dict(client_state)
+            collected = None
+        kw = collected or self._collect()
         step = int(eng.global_steps)
-        stats = self.ckpt.save(step, shards, extra=extra, rank_state={"rng": capture_rng_state()}, model=model,
-                               layout=self.layout.to_json())
+        stats = self.ckpt.save(step, kw["shards"], extra=kw["extra"], rank_state=kw["rank_state"], model=kw["model"],
+                               layout=kw["layout"])
         self.last_save_step = step
         self.last_save_time = time.monotonic()
         self.stats.append(stats)
@@ -124,9 +180,13 @@ class ElastorCheckpointer:
         return stats
 
     def wait(self) -> Optional[SaveStats]:
+        if self.memory is not None:
+            self.memory.ckpt.wait()
         return self.ckpt.wait()
 
     def finalize(self) -> Optional[SaveStats]:
+        if self.memory is not None:
+            self.memory.ckpt.finalize()
         return self.ckpt.finalize()
 
     # ---------------------------------------------------------------- load
@@ -142,8 +202,11 @@ class ElastorCheckpointer:
         return root
 
     def load(self, path: Optional[str] = None) -> Optional[LoadResult]:
-        eng = self.engine
         step_dir = self.resolve(path or self.cfg.load)
+        if self.memory is not None and (path or self.cfg.load) == "latest":
+            res = self._load_memory(step_dir)
+            if res is not None:
+                return res
         agreed = self.policy_comm.all_gather_object(step_dir is not None)
         if not any(agreed):
             log.info("no elastor checkpoint under %s: starting fresh", self.cfg.dir)
@@ -153,30 +216,101 @@ class ElastorCheckpointer:
                                             f"the directory must be on storage shared by every rank")
         assert step_dir is not None
 
-        def shards_for(man: Manifest) -> list:
-            """This engine's shards for the checkpoint actually loaded (the engine reads its manifest)."""
-            names = set(man.tensors)
-            keys = st.state_keys_in(names)
-            shards = st.model_shards(eng)
-            if any(st.is_optim(n) for n in names) or not names:
-                for sh in st.optimizer_shards(eng, state_keys=keys):
-                    src = st.master_from_weight_name(sh.name)
-                    if src is not None and sh.name not in names and src in names:
-                        sh.name = src  # fp32 checkpoints keep one copy: the master comes from the weights
-                    shards.append(sh)
-            else:
-                log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", step_dir)
-            return shards
-        res = self.ckpt.load(step_dir, shards_for, strict=True,
+        res = self.ckpt.load(step_dir, self._shards_for,
                              verify_checksums=VerifyMode.CHUNKS if self.cfg.verify_on_load else VerifyMode.NONE,
                              fallback=self.cfg.fallback_to_previous)
+        return self._resumed(res, "storage")
+
+    def _shards_for(self, man: Manifest) -> list:
+        """This engine's shards for the checkpoint actually loaded (the engine reads its manifest)."""
+        eng = self.engine
+        names = set(man.tensors)
+        keys = st.state_keys_in(names)
+        shards = st.model_shards(eng)
+        if any(st.is_optim(n) for n in names) or not names:
+            for sh in st.optimizer_shards(eng, state_keys=keys):
+                src = st.master_from_weight_name(sh.name)
+                if src is not None and sh.name not in names and src in names:
+                    sh.name = src  # fp32 checkpoints keep one copy: the master comes from the weights
+                shards.append(sh)
+        else:
+            log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", man.step)
+        return shards
+
+    def _resumed(self, res: LoadResult, tier: str) -> LoadResult:
         self._restore_extra(res)
         self.loaded = res
         self.last_save_step = res.step
+        if self.memory is not None:
+            self.memory.last_step = res.step
+        rows = self.policy_comm.all_gather_object((res.bytes_by_source, res.seconds))
+        total: dict[str, int] = {}
+        for by, _ in rows:
+            for k, v in by.items():
+                total[k] = total.get(k, 0) + int(v)
+        self.restore = {"step": res.step, "tier": tier, "step_dir": res.step_dir, "bytes": total,
+                        "seconds": max(sec for _, sec in rows), "layout": self.layout.describe(),
+                        "fell_back": bool(res.fell_back)}
         if self.comm.rank == 0:
-            log.info("resumed from %s (step %d) under %s in %.2f s", res.step_dir, res.step, self.layout.describe(),
-                     res.seconds)
+            from .memory import report_restore
+            log.info("resumed from %s (step %d, %s) under %s in %.2f s; bytes per source: %s", res.step_dir, res.step,
+                     tier, self.layout.describe(), self.restore["seconds"],
+                     ", ".join(f"{k} {v}" for k, v in sorted(total.items())) or "none")
+            report_restore(0, self.restore)
         return res
+
+    def _load_memory(self, storage_root: Optional[str]) -> Optional[LoadResult]:
+        """Collective. Restore from the memory snapshots when their newest committed step is at
+        least storage's and every rank's node holds it; None (nothing loaded) otherwise or when the
+        snapshot fails its checks on any rank (logged; the caller then loads storage)."""
+        from ...checkpoint.sources import LOCAL_MEMORY, DirSource, registered_sources, storage_source_for
+        from ...errors import CheckpointError, RanksFailedError
+        from ...checkpoint.engine import DATA_ERRORS
+        mem = self.memory
+        assert mem is not None
+        mstep, mdir = mem.newest_local_step()
+        sdir = None
+        if storage_root is not None:
+            try:
+                sdir = commit_mod.resolve(storage_root)
+            except CheckpointError:
+                sdir = None
+        sstep = commit_mod.step_of(os.path.basename(sdir)) if sdir else None
+        rows = self.policy_comm.all_gather_object((mstep, sstep))
+        msteps = {r[0] for r in rows}
+        best_storage = max((r[1] for r in rows if r[1] is not None), default=-1)
+        if len(msteps) != 1 or mstep is None or mstep < best_storage:
+            if self.comm.rank == 0 and any(r[0] is not None for r in rows):
+                log.info("memory snapshots not used: steps per rank %s, storage step %s", sorted(
+                    {r[0] for r in rows}, key=lambda x: -1 if x is None else x), best_storage)
+            return None
+        assert mdir is not None
+
+        def sources(step_dir: str, man: Manifest) -> list:
+            out = [DirSource(step_dir, LOCAL_MEMORY)]
+            for fn in self.extra_memory_sources:
+                out.extend(fn(step_dir, man) or [])
+            out.extend(registered_sources(step_dir, man))
+            if sdir is not None and sstep == man.step:
+                try:
+                    smt = commit_mod.read_manifest(sdir)
+                except CheckpointError as e:
+                    log.warning("storage checkpoint %s cannot back the memory snapshot: %s", sdir, e)
+                    smt = None
+                st_src = storage_source_for(sdir, man, smt)
+                if st_src is not None:
+                    out.append(st_src)
+            return out
+        try:
+            res = mem.ckpt.load(mdir, self._shards_for, verify_checksums=VerifyMode.CHUNKS, fallback=False,
+                                sources=sources)
+        except RanksFailedError as e:
+            if not e.all_are(*DATA_ERRORS):
+                raise
+            if self.comm.rank == 0:
+                log.error("memory snapshot of step %s is unusable (%s); restoring from storage instead", mstep, e)
+            return None
+        return self._resumed(res, "memory")
 
     def _restore_extra(self, res: LoadResult) -> None:
         eng = self.engine

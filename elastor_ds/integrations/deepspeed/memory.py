@@ -1,0 +1,158 @@
+"""The memory tier: snapshots in the node's memory (tmpfs) that outlive the worker process.
+
+A memory snapshot is an ordinary elastor checkpoint (same safetensors chunk files, manifest, block
+CRCs, commit protocol) written by a second :class:`CheckpointEngine` whose root is
+``<node dir>/local`` (the node dir: ``$ELASTOR_SNAPSHOT_DIR``, created, exported and removed by
+``elastor run``; or ``memory_snapshot.dir``). Files on tmpfs survive a SIGKILLed worker, so the
+relaunched workers, under any layout, read them back. The engine is ``node_local``: each node's
+directory holds its ranks' chunk files plus the whole manifest.
+
+1. Start (:meth:`MemoryTier.check_budget`, collective): bytes per snapshot of every node, estimated
+   from the model's shards through the save plan (deduplicated) when the optimizer has no state
+   yet, times (``keep`` + 1 in flight + ``peer_copies``), against the node's tmpfs space (free +
+   what older snapshots there already use) and ``max_bytes``: too small -> :class:`MemoryBudgetError`
+   (a ConfigError: exit 2) naming the numbers and the fixes, on every rank, before training. The
+   first real snapshot checks the measured bytes again.
+2. Save (:meth:`save`): every ``interval_steps`` optimizer steps, no fsync (tmpfs).
+3. Restore: see ``runtime.ElastorCheckpointer.load`` (newest committed step across memory and
+   storage wins; memory first, then registered sources, then storage's files of the same step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from ...checkpoint import commit as commit_mod
+from ...checkpoint import CheckpointEngine, SaveStats
+from ...errors import ConfigError
+from .config import MemorySnapshotConfig
+
+log = logging.getLogger(__name__)
+
+ENV_SNAPSHOT_DIR = "ELASTOR_SNAPSHOT_DIR"
+LOCAL = "local"
+
+
+class MemoryBudgetError(ConfigError):
+    """The node's memory cannot hold the configured snapshots."""
+
+
+def node_dir(mcfg: MemorySnapshotConfig) -> str:
+    d = mcfg.dir or os.environ.get(ENV_SNAPSHOT_DIR)
+    if not d:
+        raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
+                          f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
+                          "\"/dev/shm/<job>\"}}}} (one directory per node, in memory)")
+    return os.path.abspath(d)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 27 else f"{n / 2 ** 20:.1f} MiB"
+
+
+class MemoryTier:
+    """One rank's handle on its node's memory snapshots. Collective constructor."""
+
+    def __init__(self, mcfg: MemorySnapshotConfig, comm: Any):
+        self.cfg = mcfg
+        self.dir = node_dir(mcfg)
+        self.root = os.path.join(self.dir, LOCAL)
+        self.comm = comm
+        self.ckpt = CheckpointEngine(self.root, comm, keep=mcfg.keep, async_save=True, fsync=False, node_local=True)
+        self.last_step: Optional[int] = None
+        self.stats: list[SaveStats] = []
+        self.budget: Optional[dict[str, Any]] = None
+        self._checked_measured = False
+
+    # ------------------------------------------------------------------ budget
+    @property
+    def copies(self) -> int:
+        """Snapshot copies a node holds at once: ``keep`` committed + 1 being written + peer copies."""
+        return self.cfg.keep + 1 + self.cfg.peer_copies
+
+    def check_budget(self, rank_bytes: int, policy_comm: Any, estimated: bool) -> dict[str, Any]:
+        """Collective. ``rank_bytes``: bytes this rank writes per snapshot. Raises MemoryBudgetError
+        on every rank when any node is short."""
+        import socket
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        usable = free + _tree_bytes(self.root)   # older snapshots here are replaced, not added to
+        limit = min(usable, self.cfg.max_bytes) if self.cfg.max_bytes else usable
+        me = (socket.gethostname(), os.path.realpath(self.root))
+        rows = policy_comm.all_gather_object((me, int(rank_bytes), int(limit), int(free)))
+        nodes: dict = {}
+        for key, b, lim, fr in rows:
+            n = nodes.setdefault(key, {"bytes": 0, "limit": lim, "free": fr, "ranks": 0})
+            n["bytes"] += b
+            n["ranks"] += 1
+        mine = nodes[me]
+        need = mine["bytes"] * self.copies
+        self.budget = {"node_bytes_per_snapshot": mine["bytes"], "rank_bytes_per_snapshot": int(rank_bytes),
+                       "copies": self.copies, "need_bytes": need, "limit_bytes": mine["limit"],
+                       "estimated": estimated}
+        short = [(k, n) for k, n in nodes.items() if n["bytes"] * self.copies > n["limit"]]
+        if short:
+            (host, root), n = short[0]
+            cap = f", max_bytes {self.cfg.max_bytes}" if self.cfg.max_bytes else ""
+            raise MemoryBudgetError(
+                f"memory snapshots do not fit on node {host}: its {n['ranks']} rank(s) write "
+                f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.copies} copies "
+                f"(keep {self.cfg.keep} + 1 being written + peer_copies {self.cfg.peer_copies}) = "
+                f"{_gib(n['bytes'] * self.copies)}, but {root} has {_gib(n['limit'])} available (free "
+                f"{_gib(n['free'])}{cap}). Fix: a larger /dev/shm (e.g. `mount -o remount,size=64G /dev/shm`), "
+                f"\"keep\": 1, \"peer_copies\": 0, a larger \"max_bytes\", or drop \"memory_snapshot\"")
+        if self.comm.rank == 0:
+            log.info("memory snapshots: %s per snapshot on this node%s x %d copies = %s of %s available under %s",
+                     _gib(mine["bytes"]), " (estimated)" if estimated else "", self.copies, _gib(need),
+                     _gib(mine["limit"]), self.root)
+        return self.budget
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        return step != self.last_step and step % self.cfg.interval_steps == 0
+
+    def save(self, step: int, shards, policy_comm: Any, **kw: Any) -> SaveStats:
+        stats = self.ckpt.save(step, shards, **kw)
+        self.last_step = step
+        self.stats.append(stats)
+        if not self._checked_measured:   # the first real snapshot: check the measured bytes
+            self._checked_measured = True
+            if self.budget is None or self.budget.get("estimated"):
+                self.check_budget(stats.bytes_written, policy_comm, estimated=False)
+        return stats
+
+    def newest_local_step(self) -> tuple[Optional[int], Optional[str]]:
+        """(step, step dir) of the newest committed snapshot in this node's directory."""
+        try:
+            step_dir = commit_mod.resolve(self.root)
+        except Exception as e:  # noqa: BLE001 - nothing usable here: restore elsewhere
+            log.debug("no usable memory snapshot under %s: %s", self.root, e)
+            return None, None
+        return commit_mod.step_of(os.path.basename(step_dir)), step_dir
+
+
+def report_restore(rank: int, record: dict[str, Any]) -> None:
+    """Rank 0 appends a ``restore`` record to ``$ELASTOR_EVENTS_FILE`` (when set)."""
+    path = os.environ.get("ELASTOR_EVENTS_FILE")
+    if rank != 0 or not path:
+        return
+    rec = {"event": "restore", "time": time.time(), "node": "workers", **record}
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:  # a report, never a reason to stop training
+        log.warning("could not append to the events file %s: %s", path, e)

