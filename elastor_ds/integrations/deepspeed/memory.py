@@ -77,12 +77,15 @@ class MemoryTier:
         self.stats: list[SaveStats] = []
         self.budget: Optional[dict[str, Any]] = None
         self._checked_measured = False
+        self.peer_copier: Any = None   # set by .peer.attach on multi-node jobs with peer copies
+        self.nodes = 1
 
     # ------------------------------------------------------------------ budget
     @property
     def copies(self) -> int:
-        """Snapshot copies a node holds at once: ``keep`` committed + 1 being written + peer copies."""
-        return self.cfg.keep + 1 + self.cfg.peer_copies
+        """Snapshot copies a node holds at once: ``keep`` committed + 1 being written + the peer
+        copies it receives from another node (none on a one-node job)."""
+        return self.cfg.keep + 1 + (self.cfg.peer_copies if self.nodes > 1 else 0)
 
     def check_budget(self, rank_bytes: int, policy_comm: Any, estimated: bool) -> dict[str, Any]:
         """Collective. ``rank_bytes``: bytes this rank writes per snapshot. Raises MemoryBudgetError
@@ -99,6 +102,7 @@ class MemoryTier:
             n = nodes.setdefault(key, {"bytes": 0, "limit": lim, "free": fr, "ranks": 0})
             n["bytes"] += b
             n["ranks"] += 1
+        self.nodes = len(nodes)
         mine = nodes[me]
         need = mine["bytes"] * self.copies
         self.budget = {"node_bytes_per_snapshot": mine["bytes"], "rank_bytes_per_snapshot": int(rank_bytes),
@@ -111,7 +115,7 @@ class MemoryTier:
             raise MemoryBudgetError(
                 f"memory snapshots do not fit on node {host}: its {n['ranks']} rank(s) write "
                 f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.copies} copies "
-                f"(keep {self.cfg.keep} + 1 being written + peer_copies {self.cfg.peer_copies}) = "
+                f"(keep {self.cfg.keep} + 1 being written + {self.copies - self.cfg.keep - 1} peer copy) = "
                 f"{_gib(n['bytes'] * self.copies)}, but {root} has {_gib(n['limit'])} available (free "
                 f"{_gib(n['free'])}{cap}). Fix: a larger /dev/shm (e.g. `mount -o remount,size=64G /dev/shm`), "
                 f"\"keep\": 1, \"peer_copies\": 0, a larger \"max_bytes\", or drop \"memory_snapshot\"")

@@ -92,6 +92,8 @@ class ElastorCheckpointer:
             self.memory = MemoryTier(memory, TorchComm.create(cfg.timeout_s))
             est, estimated = self._snapshot_estimate()
             self.memory.check_budget(est, self.policy_comm, estimated=estimated)
+            from .peer import attach   # cross-node half: peer copies and restore sources (collective)
+            attach(self, cfg.timeout_s)
 
     # ---------------------------------------------------------------- save
     def maybe_save(self) -> Optional[SaveStats]:
