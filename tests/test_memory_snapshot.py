@@ -109,7 +109,7 @@ class MemJob(Job):
     (no peer copy: one node) in the controller's ``--snapshot-dir``."""
 
     def __init__(self, tmp, nproc: int, iters: int, save_interval: int, snap_dir: str, ctl_args=(), name="job",
-                 interval: int = 1, keep: int = 1):
+                 interval: int = 1, keep: int = 1, trainer_args=()):
         self.dir = str(tmp)
         self.metrics = os.path.join(self.dir, f"{name}_metrics.jsonl")
         self.ckpt = os.path.join(self.dir, f"{name}_ckpt")
@@ -120,7 +120,7 @@ class MemJob(Job):
                "--monitor-interval", "0.1", "--max-restarts", "2", "--snapshot-dir", snap_dir, *ctl_args, TRAINER,
                *MODEL, "--train-iters", str(iters), "--save", self.ckpt, "--load", self.ckpt, "--save-interval",
                str(save_interval), "--metrics-file", self.metrics, "--elastor-memory-snapshot-interval", str(interval),
-               "--elastor-memory-snapshot-peer-copies", "0", "--elastor-memory-snapshot-keep", str(keep)]
+               "--elastor-memory-snapshot-peer-copies", "0", "--elastor-memory-snapshot-keep", str(keep), *trainer_args]
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
                                      start_new_session=True)
@@ -166,3 +166,98 @@ def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+ITERS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of an uninterrupted 2-process run without memory snapshots (the oracle)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job = Job(tmp, nproc=2, iters=ITERS, save_interval=0, name="reference")
+    try:
+        assert job.wait(240) == 0, job.output()[-4000:]
+    finally:
+        job.kill()
+    recs = job.records()
+    assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1))
+    return {r["iteration"]: r["lm_loss"] for r in recs}
+
+
+def _final_losses(recs: list[dict]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in recs:
+        out[r["iteration"]] = r["lm_loss"]   # a re-run iteration: its last value
+    return out
+
+
+def test_per_iteration_snapshots_lose_at_most_one_iteration_and_continue_exactly(tmp_path, snap_dir, reference):
+    """Memory snapshots every iteration, no storage checkpoint before the end: a killed worker costs at
+    most one iteration and every loss equals the uninterrupted run's, bit for bit (same layout)."""
+    job = MemJob(tmp_path, nproc=2, iters=ITERS, save_interval=0, snap_dir=snap_dir,
+                 ctl_args=["--on-failure", "restart"])
+    try:
+        last = _kill_at(job, 3, rank=0)
+        assert job.wait(240) == 0, job.output()[-4000:]
+    finally:
+        job.kill()
+    recs = job.records()
+    (r,) = job.restores()
+    assert r["tier"] == "memory" and r["bytes"].get("storage", 0) == 0 and r["bytes"]["local-memory"] > 0, r
+    assert last - 1 <= r["step"] <= last, (last, r)
+    assert _final_losses(recs) == reference
+    rerun = [x["iteration"] for x in recs].count(r["step"] + 1)
+    assert rerun <= 2
+
+
+def _flip_middle_byte(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupt_memory_chunk_falls_back_to_storage_and_losses_stay_exact(tmp_path, snap_dir, reference):
+    """A flipped byte in a tmpfs chunk of the newest snapshot: that file comes from storage's identical
+    checkpoint of the same step (logged), the rest from memory; the losses equal the uninterrupted run's."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"elastor": {"checkpoint": {"async": False}}}))   # storage N committed with N
+    job = MemJob(tmp_path, nproc=2, iters=ITERS, save_interval=2, snap_dir=snap_dir, interval=2,
+                 ctl_args=["--on-failure", "restart"], trainer_args=["--deepspeed-config", str(cfg)])
+    mem_root = os.path.join(snap_dir, "local")
+    try:
+        step = None
+        for _ in range(3):   # freeze the workers when memory and storage both hold the same newest step
+            job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 2 and (job.latest(mem_root) or 0) >= 2,
+                         what="a memory snapshot")
+            pids = list(job.workers().values())
+            for p in pids:
+                os.kill(p, signal.SIGSTOP)
+            m, s = job.latest(mem_root), job.latest(job.ckpt)
+            if m == s and m is not None and m < ITERS:
+                step = m
+                break
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+            time.sleep(0.05)
+        assert step is not None, "could not freeze the job at a step held by both memory and storage"
+        _flip_middle_byte(os.path.join(mem_root, f"step_{step:09d}", "data_00000.safetensors"))
+        job.signal_worker(1, signal.SIGKILL)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert job.wait(240) == 0, job.output()[-4000:]
+    finally:
+        job.kill()
+    (r,) = job.restores()
+    assert r["tier"] == "memory" and r["step"] == step, r
+    assert r["bytes"]["storage"] > 0 and r["bytes"]["local-memory"] > 0, r
+    logs = job.output() + "".join(open(os.path.join(d, f), errors="replace").read()
+                                  for d, _, fs in os.walk(str(tmp_path)) for f in fs if f.endswith(".log"))
+    assert "fails its CRC32 check" in logs and "reading it from storage instead" in logs
+    assert _final_losses(job.records()) == reference
