@@ -261,3 +261,23 @@ def test_corrupt_memory_chunk_falls_back_to_storage_and_losses_stay_exact(tmp_pa
                                   for d, _, fs in os.walk(str(tmp_path)) for f in fs if f.endswith(".log"))
     assert "fails its CRC32 check" in logs and "reading it from storage instead" in logs
     assert _final_losses(job.records()) == reference
+
+
+def test_budget_too_small_exits_2_before_training(tmp_path, snap_dir):
+    """The node's snapshot budget (here max_bytes) cannot hold keep + 1 snapshots: exit 2 at start
+    with the numbers and the fixes; no iteration runs, no checkpoint is written."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"elastor": {"memory_snapshot": {"interval_steps": 1, "peer_copies": 0,
+                                                               "max_bytes": 100000}}}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               ELASTOR_SNAPSHOT_DIR=snap_dir)
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, TRAINER, *MODEL, "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
+                        "--deepspeed-config", str(cfg), "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "memory snapshots do not fit" in p.stderr and "max_bytes 100000" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert not metrics.exists() or metrics.read_text() == ""
+    assert not os.path.exists(tmp_path / "ckpt" / "latest")

@@ -33,7 +33,7 @@ class SnapshotDir:
 
 def default_path(rdzv_id: str) -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    clean = re.sub(r"[^A-Za-z0-9._-]", "_", f"{rdzv_id}-{socket.gethostname()}")[:100]
+    clean = re.sub(r"[^A-Za-z0-9_-]", "_", f"{rdzv_id}-{socket.gethostname()}")[:100]
     return os.path.join(base, f"elastor-{clean}-{os.getpid()}")
 
 
