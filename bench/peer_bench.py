@@ -1,0 +1,189 @@
+"""Cross-node memory snapshots: peer-copy overhead per training step, and restore from another
+node's memory (its snapshot server) vs from storage. Ratios within one run.
+
+    python bench/peer_bench.py --mib 64 --steps 12 [--json out.json]
+
+Part 1 (2 gloo processes acting as 2 nodes, one rank each, /dev/shm node directories): a
+"training step" is a fixed matmul loop plus a gradient all-reduce on the default group (the
+training traffic); each step is followed by a memory snapshot of ``--mib`` MiB whose peer copy
+(:class:`elastor_ds.comm.peer_copy.PeerCopier`, the real transport) runs in the background while
+the next steps compute. Reported: step time (including ``submit``, which waits for the previous
+copy: back-pressure when copies are slower than steps) with copies / without; the copy's time / a
+memcpy of the same bytes.
+
+Part 2 (one process): read a ``--mib`` MiB chunk file through the real chunk sources: another
+node's server on localhost (:class:`RemoteSource`, 8 MiB ranges, as the reader issues them), a
+peer copy held on this node's tmpfs, and storage (a file under ``--storage-dir``) cold (evicted from
+the page cache with posix_fadvise DONTNEED before each read) and warm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _step(x, dist):
+    y = x
+    for _ in range(6):
+        y = (y @ x).tanh_()
+    g = y.sum(0)
+    dist.all_reduce(g)
+    return float(g[0])
+
+
+def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from elastor_ds.comm.peer_copy import PeerCopier, PeerFile
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    nodedir = os.path.join(base, f"elastor-bench-node{rank}")
+    os.makedirs(nodedir, exist_ok=True)
+    cp = PeerCopier.create([1] * world, nodedir, 1, timeout_s=300)
+    body = os.urandom(1 << 20) * mib
+    crc = zlib.crc32(body)
+    x = torch.randn(384, 384) / 20
+    for _ in range(3):
+        _step(x, dist)
+
+    def timed(with_copy: bool) -> tuple[list[float], list[float]]:
+        ts, copies = [], []
+        for s in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(x, dist)
+            if with_copy:   # the snapshot committed: its files go to the next node in the background
+                d = os.path.join(nodedir, "local", f"step_{s:09d}")
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, f"data_{rank:05d}.safetensors"), "wb") as f:
+                    f.write(body)
+                st = cp.submit(d, [PeerFile(f"data_{rank:05d}.safetensors", len(body), crc)])
+                copies.append(st)   # submit() waits for the previous copy: that wait is a stall
+            ts.append(time.perf_counter() - t0)
+        cp.wait()
+        return ts, [c.copy_s for c in copies if c.error is None]
+
+    idle1, _ = timed(False)
+    busy, copy_s = timed(True)
+    idle2, _ = timed(False)
+    buf = bytearray(len(body))
+    mc = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf[:] = body
+        mc.append(time.perf_counter() - t0)
+    res = {"rank": rank, "step_idle_s": statistics.median(idle1 + idle2), "step_with_copy_s": statistics.median(busy),
+           "copy_s": statistics.median(copy_s), "memcpy_s": statistics.median(mc), "bytes": len(body),
+           "copies_ok": len(copy_s), "steps": steps}
+    with open(os.path.join(out, f"part1_rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    cp.close()
+    dist.destroy_process_group()
+
+
+def part1(mib: int, steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_utils import free_port
+    base = tempfile.mkdtemp(prefix="peer_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    out = tempfile.mkdtemp(prefix="peer_bench_out_")
+    try:
+        mp.start_processes(_part1, args=(2, free_port(), mib, steps, base, out), nprocs=2, join=True,
+                           start_method="spawn")
+        rows = [json.load(open(os.path.join(out, f"part1_rank{r}.json"))) for r in range(2)]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    worst = max(rows, key=lambda r: r["step_with_copy_s"] / r["step_idle_s"])
+    return {"ranks": rows, "step_with_copy_over_idle": worst["step_with_copy_s"] / worst["step_idle_s"],
+            "copy_over_memcpy": max(r["copy_s"] / r["memcpy_s"] for r in rows),
+            "copy_over_step": max(r["copy_s"] / r["step_idle_s"] for r in rows)}
+
+
+def _read_all(src, rel: str, size: int, piece: int = 8 << 20) -> float:
+    buf = bytearray(size)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    assert src.has(rel, size)
+    for a in range(0, size, piece):
+        src.read_into(rel, a, [mv[a:min(size, a + piece)]])
+    return time.perf_counter() - t0
+
+
+def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
+    from elastor_ds.checkpoint.peer_sources import PeerCopySource, RemoteSource
+    from elastor_ds.checkpoint.sources import DirSource
+    from elastor_ds.elastic.snapshot_server import SnapshotServer
+
+    step = "step_000000001"
+    rel = "data_00000.safetensors"
+    body = os.urandom(1 << 20) * mib
+    shm = tempfile.mkdtemp(prefix="peer_bench_node_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    sto = tempfile.mkdtemp(prefix="peer_bench_storage_", dir=storage_dir)
+    try:
+        for d in (os.path.join(shm, "local", step), os.path.join(shm, "peer", "other", step), os.path.join(sto, step)):
+            os.makedirs(d)
+            with open(os.path.join(d, rel), "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+        open(os.path.join(shm, "local", step, "manifest.json"), "w").close()
+        open(os.path.join(shm, "peer", "other", step, "COMPLETE"), "w").close()
+        spath = os.path.join(sto, step, rel)
+        times: dict[str, list[float]] = {"remote": [], "peer_local": [], "storage_cold": [], "storage_warm": []}
+        with SnapshotServer(shm) as srv:
+            for _ in range(reps):
+                times["remote"].append(_read_all(RemoteSource(srv.address, step), rel, len(body)))
+                times["peer_local"].append(_read_all(PeerCopySource(shm, step), rel, len(body)))
+                fd = os.open(spath, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+                times["storage_cold"].append(_read_all(DirSource(os.path.join(sto, step)), rel, len(body)))
+                times["storage_warm"].append(_read_all(DirSource(os.path.join(sto, step)), rel, len(body)))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sto, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"seconds": med, "remote_over_storage_cold": med["remote"] / med["storage_cold"],
+            "remote_over_storage_warm": med["remote"] / med["storage_warm"],
+            "remote_over_peer_local": med["remote"] / med["peer_local"], "bytes": len(body)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--storage-dir", default=os.getcwd())
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--part", choices=["1", "2", "all"], default="all")
+    a = ap.parse_args()
+    res = {"uptime_load": os.getloadavg()}
+    if a.part in ("1", "all"):
+        res["peer_copy"] = part1(a.mib, a.steps)
+    if a.part in ("2", "all"):
+        res["restore"] = part2(a.mib, a.storage_dir)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
