@@ -1,0 +1,243 @@
+"""Recovery from memory across nodes: two `elastor run` controllers on this machine as two nodes
+(c10d rendezvous on a store the test hosts, so either node may die), the example trainer (tiny GPT,
+data parallel with ZeRO-1: every rank needs every weight, so a restore under a new world needs the
+files other ranks wrote), memory snapshots every iteration, real processes, real SIGKILLs.
+
+- a whole node dies (controller and workers SIGKILLed): the survivor restores the lost ranks'
+  regions from its peer copy; nothing is read from storage (a storage checkpoint of the same
+  step exists and is not touched); re-run iterations reproduce the losses logged before.
+- a worker dies and the world shrinks (DP3 -> DP2, optimizer partitions resharded) without peer
+  copies: each node reads the regions the other node's ranks wrote from that node's server.
+- a corrupt peer copy (a flipped byte): that file falls back to storage (logged), losses exact.
+
+Oracles: the losses the job logged before the failure; the events' ``restore`` record (bytes per
+source, summed over ranks by the trainer); the files on disk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_utils import free_port
+from elastic_utils import ROOT, TRAINER, assert_losses_reproduce, read_jsonl
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "6", "--lr-warmup-iters", "2",
+         "--log-interval", "1", "--zero-stage", "1", "--profile-iters", "0"]
+# each transformer layer also sleeps per micro-batch (bench hook of the example model): an iteration
+# takes ~0.5 s, so the test can act between a snapshot's peer copy and the next snapshot
+SLOW = json.dumps({"1": 0.08})
+
+
+class Node:
+    def __init__(self, tmp, name: str, nproc: int, port: int, iters: int, peer_copies: int, save_interval: int):
+        self.name = name
+        self.snapdir = str(tmp / f"shm{name}")
+        self.events = str(tmp / f"{name}_events.jsonl")
+        self.metrics = str(tmp / "metrics.jsonl")
+        self.ckpt = str(tmp / "ckpt")
+        self.out = open(str(tmp / f"{name}.out"), "w")
+        cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nnodes", "1:2", "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "peer",
+               "--rdzv-conf", "is_host=0,join_timeout=120,last_call_timeout=4,keep_alive_interval=1,"
+                              "keep_alive_max_attempt=3",
+               "--on-failure", "shrink", "--max-restarts", "3", "--monitor-interval", "0.1", "--events", self.events,
+               "--snapshot-dir", self.snapdir, TRAINER, *MODEL, "--train-iters", str(iters), "--save", self.ckpt,
+               "--load", self.ckpt, "--save-interval", str(save_interval), "--metrics-file", self.metrics,
+               "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", str(peer_copies),
+               "--elastor-memory-snapshot-keep", "1"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+                   ELASTOR_SIM_LAYER_S=SLOW)
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=str(tmp), env=env,
+                                     start_new_session=True)
+
+    def output(self) -> str:
+        self.out.flush()
+        with open(self.out.name, errors="replace") as f:
+            return f.read()
+
+    def workers(self) -> dict[int, int]:
+        import psutil
+        out = {}
+        for c in psutil.Process(self.proc.pid).children(recursive=False):
+            try:
+                env = c.environ()
+                if "ELASTOR_HEARTBEAT_DIR" in env and c.status() != psutil.STATUS_ZOMBIE:
+                    out[int(env["RANK"])] = c.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                continue
+        return out
+
+    def kill_node(self) -> None:
+        """SIGKILL the controller and every worker of this node at once."""
+        pids = list(self.workers().values())
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.kill_node()
+            except Exception:  # noqa: BLE001 - cleanup
+                pass
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"node {self.name} did not finish in {timeout} s:\n{self.output()[-6000:]}")
+
+    def latest(self, sub: str = "local") -> int | None:
+        try:
+            with open(os.path.join(self.snapdir, sub, "latest")) as f:
+                return int(f.read().strip().rsplit("_", 1)[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def _store(port: int):
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+
+
+def _storage_latest(ckpt: str) -> int | None:
+    try:
+        with open(os.path.join(ckpt, "latest")) as f:
+            return int(f.read().strip().rsplit("_", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _wait(cond, nodes, timeout: float, what: str):
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        got = cond()
+        if got:
+            return got
+        for n in nodes:
+            if n.proc.poll() is not None:
+                raise AssertionError(f"node {n.name} exited ({n.proc.returncode}) before {what}:\n{n.output()[-6000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(n.output()[-4000:] for n in nodes))
+
+
+def _restores(*nodes) -> list[dict]:
+    return [e for n in nodes for e in read_jsonl(n.events) if e.get("event") == "restore"]
+
+
+def _copy_ready(a: Node, b: Node, want_storage: bool):
+    """A step S whose memory snapshot is committed on A, whose peer copy of B's files on A is
+    COMPLETE and (want_storage) whose storage checkpoint is committed: the moment to strike."""
+    s = a.latest()
+    if s is None or s < 3:
+        return None
+    d = os.path.join(a.snapdir, "peer", os.path.basename(b.snapdir), f"step_{s:09d}")
+    if not os.path.exists(os.path.join(d, "COMPLETE")):
+        return None
+    if want_storage and _storage_latest(a.ckpt) != s:
+        return None
+    return s, d
+
+
+def _run_node_loss(tmp_path, corrupt: bool):
+    port = free_port()
+    store = _store(port)
+    iters = 9
+    a = Node(tmp_path, "A", 2, port, iters, peer_copies=1, save_interval=1)
+    b = Node(tmp_path, "B", 1, port, iters, peer_copies=1, save_interval=1)
+    try:
+        s, peer_dir = _wait(lambda: _copy_ready(a, b, want_storage=True), [a, b], 240,
+                            "a step with a complete peer copy and a storage checkpoint")
+        if corrupt:
+            data = sorted(f for f in os.listdir(peer_dir) if f.endswith(".safetensors"))
+            assert data, os.listdir(peer_dir)
+            p = os.path.join(peer_dir, data[0])
+            with open(p, "r+b") as f:      # a byte in the last tensor's data (past the header)
+                f.seek(os.path.getsize(p) - 5)
+                v = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([v[0] ^ 0x40]))
+        b.kill_node()
+        t_kill = time.time()
+        assert a.wait() == 0, a.output()[-6000:]
+    finally:
+        a.kill()
+        b.kill()
+        del store
+    recs = read_jsonl(a.metrics)
+    assert_losses_reproduce(recs, iters)
+    # before the kill 3 processes on 2 nodes, after it 2 processes on node A
+    killed_at = [r for r in recs if r["time"] <= t_kill]
+    assert killed_at and all(r["world_size"] == 3 for r in killed_at)
+    assert recs[-1]["world_size"] == 2
+    started = [e for e in read_jsonl(a.events) if e.get("event") == "worker_started"]
+    rest = _restores(a)[-1]
+    return s, rest, started, recs, a
+
+
+def test_whole_node_lost_survivor_restores_from_its_peer_copy(tmp_path):
+    s, rest, started, recs, a = _run_node_loss(tmp_path, corrupt=False)
+    by = rest["bytes"]
+    assert rest["step"] >= s and rest["tier"] == "memory", rest
+    assert by.get("storage", 0) == 0, by                       # storage had the same step: not read
+    assert by.get("peer-memory", 0) > 0 and by.get("local-memory", 0) > 0, by
+    assert not any(k.startswith("remote:") for k in by), by     # node B is gone: nobody to ask
+    # lost work <= 1 iteration: resumed from the newest snapshot, at most one behind the last logged
+    last_before = max(r["iteration"] for r in recs if r["world_size"] == 3)
+    assert started[-1]["resumed_from"] >= last_before - 1, (started[-1], last_before)
+
+
+def test_corrupt_peer_copy_falls_back_to_storage(tmp_path):
+    s, rest, _, _, a = _run_node_loss(tmp_path, corrupt=True)
+    by = rest["bytes"]
+    # per-file fallback: the corrupt copy's file came from storage, everything else from memory
+    assert rest["tier"] == "memory" and rest["step"] >= s, rest
+    assert by.get("storage", 0) > 0 and by.get("local-memory", 0) > 0, by
+    out = a.output()
+    assert "from peer-memory failed" in out and "fails its CRC32 check" in out, out[-6000:]
+
+
+def test_reshard_reads_the_other_nodes_memory_through_its_server(tmp_path):
+    port = free_port()
+    store = _store(port)
+    iters = 9
+    a = Node(tmp_path, "A", 2, port, iters, peer_copies=0, save_interval=100)
+    b = Node(tmp_path, "B", 1, port, iters, peer_copies=0, save_interval=100)
+    try:
+        _wait(lambda: a.latest() is not None and a.latest() >= 3 and b.latest() == a.latest(), [a, b], 240,
+              "memory snapshots on both nodes")
+        victim = max(a.workers())
+        os.kill(a.workers()[victim], signal.SIGKILL)
+        assert a.wait() == 0, a.output()[-6000:]
+        assert b.wait() == 0, b.output()[-6000:]
+    finally:
+        a.kill()
+        b.kill()
+        del store
+    recs = read_jsonl(a.metrics)
+    assert_losses_reproduce(recs, iters)
+    sizes = []
+    for r in recs:
+        if not sizes or sizes[-1] != r["world_size"]:
+            sizes.append(r["world_size"])
+    assert sizes == [3, 2], sizes
+    rest = _restores(a, b)[-1]
+    by = rest["bytes"]
+    remote = {k: v for k, v in by.items() if k.startswith("remote:")}
+    assert rest["tier"] == "memory" and by.get("storage", 0) == 0, rest
+    assert len(remote) == 2 and all(v > 0 for v in remote.values()), by   # each node read from the other
+    assert by.get("peer-memory", 0) == 0 and by.get("local-memory", 0) > 0, by
