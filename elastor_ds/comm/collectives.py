@@ -16,12 +16,37 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from ..errors import CollectiveError, PeerFailedError, RankFailure, ranks_failed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Every heartbeat still running, stopped and joined at interpreter exit (see _Liveness.close).
+_RUNNING: "weakref.WeakSet[_Liveness]" = weakref.WeakSet()
+_ATEXIT = threading.Lock()
+_atexit_on = False
+
+
+def _close_all_heartbeats() -> None:
+    running = list(_RUNNING)
+    for lv in running:  # stop all first, then wait: one period's sleep at most, not one per heartbeat
+        lv._stop.set()
+    for lv in running:
+        lv.close()
+
+
+def _track(lv: "_Liveness") -> None:
+    global _atexit_on
+    with _ATEXIT:
+        _RUNNING.add(lv)
+        if not _atexit_on:
+            import atexit
+
+            atexit.register(_close_all_heartbeats)
+            _atexit_on = True
 
 
 class Comm(Protocol):
@@ -78,6 +103,7 @@ class _Liveness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
         self._thread.start()
+        _track(self)
 
     def _client(self) -> Any:
         """A private TCP store client with a short timeout, or the shared server-less store."""
@@ -109,7 +135,17 @@ class _Liveness:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat and wait until its thread has left the store client (at most about
+        ``liveness_s``, the client's timeout). Also run for every heartbeat at interpreter exit:
+        a daemon thread still inside ``TCPStore.add`` (C++, GIL released) when Python finalizes is
+        killed by a forced unwind on its way back to the GIL, and the C++ runtime aborts the whole
+        process ("terminate called without an active exception", SIGABRT) after a clean run."""
         self._stop.set()
+        _RUNNING.discard(self)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.liveness_s + 5.0)
+            if self._thread.is_alive():  # pragma: no cover - a store call stuck past its own timeout
+                log.warning("elastor heartbeat %s did not stop within %.0f s", self.tag, self.liveness_s + 5.0)
 
     def arrive(self, what: str) -> None:
         """Wait until every rank reached this point of the group's collective sequence."""
@@ -227,6 +263,13 @@ class TorchComm:
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
         return TorchComm(group, self.rank, self.world_size, self.ranks, self.timeout_s,
                          liveness=self.writer_liveness)
+
+    def close(self) -> None:
+        """Stop this comm's heartbeats when done with it (peers waiting in a later collective of this comm
+        would report this rank dead after ``liveness_s``). Done for every comm at interpreter exit."""
+        for lv in (self.liveness, self.writer_liveness):
+            if lv is not None:
+                lv.close()
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         if self.liveness is not None:
