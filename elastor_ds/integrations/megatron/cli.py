@@ -25,3 +25,6 @@ def register(subparsers) -> None:
         if "megatron_format" not in known:
             conv.add_argument("--megatron-format", choices=("legacy", "torch_dist"), default="legacy",
                               help="--to megatron: legacy mp_rank_* files (default) or torch_dist")
+        if "megatron_weights_only" not in known:
+            conv.add_argument("--megatron-weights-only", action="store_true",
+                              help="--to megatron: leave the optimizer state out of a legacy export")

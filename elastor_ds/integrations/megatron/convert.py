@@ -11,15 +11,20 @@ Sources understood by :func:`import_megatron` (auto-detected):
   ``latest_checkpointed_iteration.txt``. Each rank's local tensors are put back together with the
   same sharding rules the live integration uses (the inverse of :func:`export_legacy`).
 
-Optimizer state: carried from torch_dist when it holds ``optimizer.state.exp_avg[_sq].*`` tensors;
-a legacy checkpoint's optimizer state (indexed by Megatron's internal parameter-group order) is
-not carried, and the importer says so (log + the returned summary).
+Optimizer state: carried from torch_dist when it holds ``optimizer.state.exp_avg[_sq].*`` tensors,
+and from a legacy checkpoint (below); otherwise the importer says so (log + the returned summary).
 
-Exports (:func:`export_megatron`): ``legacy`` (per TP/PP rank files, local layer indices, vocab
-padded for the target TP) or ``torch_dist`` (through megatron's own ``dist_checkpointing.save``,
-vocab padded for the target TP so that megatron's loader accepts it). Weights only: Megatron's
-optimizer checkpoint formats depend on its optimizer wrapper, so start Megatron with
-``--no-load-optim`` (and ``--no-load-rng``).
+Optimizer state from a legacy checkpoint: the non-distributed optimizers' state dicts (FP32Optimizer,
+Float16OptimizerWithFloat16Params with its fp32 main params and fp16 loss scaler) are mapped to
+parameter names through Megatron's parameter groups (:mod:`.legacy_optim`); a checkpoint of the
+distributed optimizer (``distrib_optim.pt``) or one whose groups do not map imports weights only,
+saying why.
+
+Exports: ``legacy`` (:func:`export_legacy`: per TP/PP rank files, local layer indices, vocab padded
+for the target TP; with the Adam state, fp32 main params, loss scaler and LR scheduler in the form
+Megatron-LM's non-distributed optimizers load, when the elastor checkpoint has them; start Megatron
+with ``--no-load-rng``) or ``torch_dist`` (:func:`export_torch_dist`, through megatron's own
+``dist_checkpointing.save``, vocab padded for the target TP; weights only, and the CLI says so).
 
 The model configuration (heads, query groups, gated MLP, true vocabulary) comes from the
 checkpoint's ``args`` when it has them, else from ``--model-config FILE.json`` (a
@@ -46,7 +51,10 @@ from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
 from .specs import GPTSpecConfig, gpt_tensor_specs
-from .state import MOMENTS
+from . import legacy_optim
+from .state import MOMENTS, STEP_NAME
+
+_MAIN = "optimizer.fp32_param."  # training_hooks.MAIN_PREFIX (fp32 main params of bf16/fp16 runs)
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +249,6 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
         cfg = config_from_args(first["args"])
     if cfg is None:
         raise ConfigError(f"{d}: the checkpoint carries no args; pass --model-config FILE.json")
-    if any("optimizer" in sd for sd in sds.values()):
-        _no_optimizer(d, "legacy Megatron optimizer state is indexed by Megatron's parameter-group order")
-    else:
-        _no_optimizer(d, "the checkpoint has no 'optimizer' entry")
     counts = []
     for p in range(pp):
         idx = {int(m.group(1)) for k in sds[(0, p)]["model"] for m in [_LAYER_KEY_RE.match(k)] if m}
@@ -254,30 +258,95 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
         bounds.append(bounds[-1] + c)
     layout = Layout.uniform(tp, pp, 1, cfg.num_layers, boundaries=bounds)
     specs = gpt_tensor_specs(cfg)
+    by_name = {s.name: s for s in specs}
+    opt = _legacy_optimizer(d, ranks, sds, specs, bounds, cfg, tp, pp)
+
+    def local_of(spec, stage: int, t: int, kind: str) -> torch.Tensor:
+        local_name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+        if kind == "model":
+            return sds[(t, stage)]["model"][local_name]
+        st = opt[(t, stage)]  # type: ignore[index]
+        return {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "fp32_param": st.main}[kind][local_name]
 
     def get(name: str) -> torch.Tensor:
-        spec = next(s for s in specs if s.name == name)
+        if name == STEP_NAME:
+            return torch.tensor(float(opt[(0, 0)].step or 0.0), dtype=torch.float32)  # type: ignore[index]
+        kind, base = "model", name
+        if name.startswith("optimizer."):
+            kind, base = name.split(".", 2)[1], name.split(".", 2)[2]
+        spec = by_name[base]
         stage = _stage_of(spec, bounds)
-        full = torch.empty(spec.shape, dtype=getattr(torch, cfg.dtype))
-        local_name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+        dtype = local_of(spec, stage, 0, kind).dtype
+        full = torch.empty(spec.shape, dtype=dtype)
         for t in range(tp):
-            local = sds[(t, stage)]["model"][local_name]
+            local = local_of(spec, stage, t, kind)
             _, pieces = local_pieces(spec, tp, t)
             for pc in pieces:
                 _view(full, pc.global_).copy_(_view(local, pc.local))
-        full = full.to(sds[(0, stage)]["model"][local_name].dtype)
         return full
     names = [s.name for s in specs]
-    shapes = {s.name: s.shape for s in specs}
-    dtypes = {s.name: dtype_name(sds[(0, _stage_of(s, bounds))]["model"][
-        _local_name(s.name, bounds[_stage_of(s, bounds)], cfg, _stage_of(s, bounds) == pp - 1 and pp > 1)].dtype)
-              for s in specs}
-    step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
-                                              extra={"source": "megatron-legacy", "iteration": it,
-                                                     **legacy_counters(first)},
+    shapes: dict[str, tuple] = {s.name: s.shape for s in specs}
+    dtypes = {s.name: dtype_name(local_of(s, _stage_of(s, bounds), 0, "model").dtype) for s in specs}
+    extra = {"source": "megatron-legacy", "iteration": it, **legacy_counters(first)}
+    if opt is not None:
+        st0 = opt[(0, 0)]
+        kinds = list(MOMENTS) + (["fp32_param"] if st0.main else [])
+        for k in kinds:
+            for s in specs:
+                names.append(f"optimizer.{k}.{s.name}")
+                shapes[names[-1]] = s.shape
+                dtypes[names[-1]] = dtype_name(local_of(s, _stage_of(s, bounds), 0, k).dtype)
+        names.append(STEP_NAME)
+        shapes[STEP_NAME], dtypes[STEP_NAME] = (), "float32"
+        extra.update(optimizer_state=True, adam=dict(st0.adam))
+        if st0.grad_scaler:
+            extra["grad_scaler"] = [dict(st0.grad_scaler)]
+    step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get, extra=extra,
                                               model=cfg.to_json(), layout=layout.to_json(), progress=progress,
                                               force=force)
-    return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": False, "step_dir": step_dir}
+    return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": opt is not None, "step_dir": step_dir}
+
+
+def _legacy_optimizer(d: str, ranks: dict, sds: dict, specs: list, bounds: list[int], cfg: GPTSpecConfig,
+                      tp: int, pp: int) -> Optional[dict]:
+    """Every rank's legacy optimizer state by local name (:mod:`.legacy_optim`), or None (logged:
+    weights only) when the checkpoint has none or elastor cannot map it."""
+    if not all("optimizer" in sd and sd["optimizer"] is not None for sd in sds.values()):
+        _no_optimizer(d, "the checkpoint has no 'optimizer' entry (saved with --no-save-optim?)")
+        return None
+    dist_files = [k for k, p in ranks.items() if os.path.exists(os.path.join(os.path.dirname(p), "distrib_optim.pt"))]
+    if dist_files:
+        _no_optimizer(d, "it was saved by the distributed optimizer (distrib_optim.pt, Megatron's flat DP "
+                         "layout): convert from a torch_dist checkpoint instead, or resume with --no-load-optim")
+        return None
+    out = {}
+    try:
+        for (t, p), sd in sds.items():
+            first_layer = bounds[p]
+            local_to_spec = {}
+            for s in specs:
+                stages = sorted({0, pp - 1}) if s.placement == "tied" else [_stage_of(s, bounds)]
+                if p in stages:
+                    local_to_spec[_local_name(s.name, first_layer, cfg, p == pp - 1 and p != 0)] = s.name
+            model = sd["model"]
+            params = {n: tuple(model[n].shape) for n in legacy_optim.param_order(
+                [k for k in model if k in local_to_spec and torch.is_tensor(model[k])])}
+            if len(params) != len(local_to_spec):
+                raise CheckpointError(f"{ranks[(t, p)]}: the model holds {len(params)} of the {len(local_to_spec)} "
+                                      f"parameters the config gives")
+            out[(t, p)] = legacy_optim.parse(sd["optimizer"], params, ranks[(t, p)])
+        steps = {st.step for st in out.values()}
+        if len(steps) > 1:
+            raise CheckpointError(f"ranks hold different Adam steps {sorted(steps)}")
+        mixed = {bool(st.main) for st in out.values()}
+        if len(mixed) > 1:
+            raise CheckpointError("some ranks hold fp32 main params and others do not")
+    except CheckpointError as e:
+        _no_optimizer(d, f"its optimizer state does not map to parameters: {e}")
+        return None
+    log.info("%s: carrying the legacy optimizer state (Adam moments%s, step %s)", d,
+             ", fp32 main params" if out[(0, 0)].main else "", out[(0, 0)].step)
+    return out
 
 
 def legacy_counters(sd: dict) -> dict:
@@ -365,8 +434,11 @@ def legacy_args(cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> argparse.Names
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=it)
 
 
-def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None) -> str:
-    """Write a Megatron-LM legacy checkpoint (weights) for TP ``tp`` x PP ``pp`` under ``dst``."""
+def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None,
+                  optimizer: bool = True) -> str:
+    """Write a Megatron-LM legacy checkpoint for TP ``tp`` x PP ``pp`` under ``dst``: weights, and
+    (``optimizer`` and the checkpoint has Adam state) the optimizer state in the form Megatron-LM's
+    non-distributed optimizers load (:mod:`.legacy_optim`) plus the LR scheduler and counters."""
     can = _Canonical(src, cfg)
     cfg = can.cfg
     cfg.check_tp(tp)
@@ -379,28 +451,56 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                     [b - a for a, b in zip(bounds, bounds[1:])])
     specs = gpt_tensor_specs(cfg)
     padded = cfg.padded_vocab(tp)
-    per_rank: dict[tuple[int, int], dict[str, Any]] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    kinds = ["model"]
+    has_opt = optimizer and all(f"optimizer.{m}.{s.name}" in can.man.tensors for m in MOMENTS for s in specs)
+    has_main = has_opt and all(f"{_MAIN}{s.name}" in can.man.tensors for s in specs)
+    if has_opt:
+        kinds += list(MOMENTS) + (["fp32_param"] if has_main else [])
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {
+        (t, p): {k: {} for k in kinds} for t in range(tp) for p in range(pp)}
     for spec in specs:  # one canonical tensor in memory at a time (+ its local slices)
-        full = can.get(spec.name)
-        stages = sorted({0, pp - 1}) if spec.placement == "tied" else [_stage_of(spec, bounds)]
-        for stage in stages:
-            lname = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
-            for t in range(tp):
-                shape, pieces = local_pieces(spec, tp, t)
-                local = torch.zeros(shape, dtype=full.dtype)
-                for pc in pieces:
-                    _view(local, pc.local).copy_(_view(full, pc.global_))
-                per_rank[(t, stage)][lname] = local
+        for kind in kinds:
+            full = can.get(spec.name if kind == "model" else f"optimizer.{kind}.{spec.name}")
+            stages = sorted({0, pp - 1}) if spec.placement == "tied" else [_stage_of(spec, bounds)]
+            for stage in stages:
+                lname = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+                for t in range(tp):
+                    shape, pieces = local_pieces(spec, tp, t)
+                    local = torch.zeros(shape, dtype=full.dtype)
+                    for pc in pieces:
+                        _view(local, pc.local).copy_(_view(full, pc.global_))
+                    per_rank[(t, stage)][kind][lname] = local
+    ex = dict(can.man.extra or {})
+    optim: dict[tuple[int, int], Any] = {}
+    if has_opt:
+        half = any(per_rank[(0, 0)]["model"][n].dtype in (torch.bfloat16, torch.float16)
+                   for n in per_rank[(0, 0)]["model"])
+        step = float(can.get(STEP_NAME).item()) if STEP_NAME in can.man.tensors else None
+        scaler = next((x for x in (ex.get("grad_scaler") or []) if x), None)
+        for key, kd in per_rank.items():
+            params = {n: tuple(kd["model"][n].shape) for n in legacy_optim.param_order(list(kd["model"]))}
+            main = kd.get("fp32_param") or ({n: v.float() for n, v in kd["model"].items()} if half else {})
+            st = legacy_optim.LegacyOptimizerState(exp_avg=kd["exp_avg"], exp_avg_sq=kd["exp_avg_sq"], main=main,
+                                                   step=step, grad_scaler=scaler, adam=dict(ex.get("adam") or {}))
+            optim[key] = legacy_optim.build(params, st, ex.get("opt_param_scheduler"), mixed=half)
+        if not ex.get("adam"):
+            log.warning("%s does not record Adam's betas/eps: wrote Megatron-LM's defaults %s (torch's Adam "
+                        "takes them from the loaded state)", can.step_dir, legacy_optim.DEFAULT_ADAM)
+    elif optimizer:
+        log.warning("%s has no (complete) optimizer state: exporting weights only", can.step_dir)
     with commit_mod.DirCommit.create(dst) as out:
-        _write_legacy(out.path, per_rank, cfg, tp, pp, it)
+        _write_legacy(out.path, {k: v["model"] for k, v in per_rank.items()}, cfg, tp, pp, it, optim, ex)
         out.finalize()
     it_dir = os.path.join(dst, f"iter_{it:07d}")
-    log.info("wrote Megatron legacy checkpoint (tp=%d, pp=%d, padded vocab %d, weights only: start Megatron "
-             "with --no-load-optim --no-load-rng) to %s", tp, pp, padded, it_dir)
+    log.info("wrote Megatron legacy checkpoint (tp=%d, pp=%d, padded vocab %d, %s) to %s", tp, pp, padded,
+             "with optimizer state" if optim else "weights only: start Megatron with --no-load-optim --no-load-rng",
+             it_dir)
     return it_dir
 
 
-def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> None:
+def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int, it: int,
+                  optim: Optional[dict] = None, extra: Optional[dict] = None) -> None:
+    optim, extra = optim or {}, extra or {}
     it_dir = os.path.join(dst, f"iter_{it:07d}")
     for (t, p), sd in per_rank.items():
         for k in list(sd):
@@ -411,8 +511,18 @@ def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int
             sd["output_layer._extra_state"] = None
         name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
         os.makedirs(os.path.join(it_dir, name), exist_ok=True)
-        torch.save({"model": sd, "iteration": it, "checkpoint_version": 3.0,
-                    "args": legacy_args(cfg, tp, pp, it)}, os.path.join(it_dir, name, "model_optim_rng.pt"))
+        args = legacy_args(cfg, tp, pp, it)
+        for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+            if isinstance(extra.get(k), int):
+                setattr(args, k, extra[k])
+        rank_sd: dict[str, Any] = {"model": sd, "iteration": it, "checkpoint_version": 3.0, "args": args}
+        if (t, p) in optim:
+            rank_sd["optimizer"] = optim[(t, p)]
+            if isinstance(extra.get("opt_param_scheduler"), dict):
+                rank_sd["opt_param_scheduler"] = dict(extra["opt_param_scheduler"])
+        if isinstance(extra.get("num_floating_point_operations_so_far"), (int, float)):
+            rank_sd["num_floating_point_operations_so_far"] = extra["num_floating_point_operations_so_far"]
+        torch.save(rank_sd, os.path.join(it_dir, name, "model_optim_rng.pt"))
     with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
         f.write(str(it))
 
@@ -504,11 +614,24 @@ def cli_export(src: str, dst: str, args: Any) -> str:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     fmt = getattr(args, "megatron_format", "legacy")
     cfg = _load_config(getattr(args, "model_config", None))
+    weights_only = bool(getattr(args, "megatron_weights_only", False))
+    man = commit_mod.read_manifest(commit_mod.resolve(src))
+    has_opt = any(n.startswith("optimizer.exp_avg.") for n in man.tensors)
     if fmt == "legacy":
-        out = export_legacy(src, dst, tp, pp, cfg)
+        out = export_legacy(src, dst, tp, pp, cfg, optimizer=not weights_only)
+        if has_opt and not weights_only:
+            print("note: optimizer state exported in the form Megatron-LM's non-distributed optimizers load "
+                  "(FP32Optimizer, or Float16OptimizerWithFloat16Params for --bf16/--fp16) with the LR scheduler; "
+                  "start Megatron with --ckpt-format torch --no-load-rng. A --use-distributed-optimizer run reads "
+                  "distrib_optim.pt, which elastor does not write: add --no-load-optim there (or resume with --elastor)")
+            return out
     elif fmt == "torch_dist":
         _ensure_single_process_group()
         out = export_torch_dist(src, dst, tp, cfg)
+        if has_opt and not weights_only:
+            print("note: --megatron-format torch_dist exports weights only: the optimizer state in the elastor "
+                  "checkpoint is not written (its torch_dist layout depends on Megatron's optimizer wrapper); use "
+                  "--megatron-format legacy to carry it, or resume with --elastor")
     else:
         raise ConfigError(f"--megatron-format {fmt!r}: choose legacy or torch_dist")
     print("note: weights only; start Megatron with --no-load-optim --no-load-rng")

@@ -476,6 +476,16 @@ def _shards(chunk: Any, cfg: GPTSpecConfig, layout: Layout, rank: int, view: Opt
     return shards
 
 
+def _adam_hparams(view: Optional[_AdamView]) -> Optional[dict]:
+    """Adam's betas / eps / amsgrad (a legacy export writes them: torch's Adam takes them from the state)."""
+    for o in (view.torch_opts if view is not None else []):
+        for g in o.param_groups:
+            if "betas" in g and "eps" in g:
+                return {"betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
+                        "amsgrad": bool(g.get("amsgrad", False))}
+    return None
+
+
 def _scaler_states(optimizer: Any) -> Optional[list]:
     """fp16 loss scaler state of every (chained) optimizer, JSON-safe (None when no scaler)."""
     out = []
@@ -588,6 +598,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
         "optimizer_state": view is not None,
         "grad_scaler": _scaler_states(optimizer),
+        "adam": _adam_hparams(view),
         "global_batch_size": getattr(args, "global_batch_size", None),
         "non_persistent": bool(non_persistent_ckpt),
     }
