@@ -60,6 +60,11 @@ def run_plan(rank: int, spec: dict[str, Any], outdir: str) -> None:
     mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
+    # per rank: elements of per-element optimizer state (Adam's two moments) actually allocated
+    state = sum(v.numel() for st in engine.optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
     if rank == 0:
         params: dict[str, torch.Tensor] = {}
         for part in got:
@@ -67,7 +72,9 @@ def run_plan(rank: int, spec: dict[str, Any], outdir: str) -> None:
                 params.setdefault(n, t)
         torch.save(params, os.path.join(outdir, spec["name"] + ".pt"))
         with open(os.path.join(outdir, spec["name"] + ".json"), "w") as f:
-            json.dump({"start": start, "losses": losses, "global_samples": int(engine.global_samples)}, f)
+            json.dump({"start": start, "losses": losses, "global_samples": int(engine.global_samples),
+                       "opt_state_numel": states, "param_numel": [sum(t.numel() for t in part.values()) for part in got]},
+                      f)
     dist.barrier()
 
 

@@ -1,7 +1,9 @@
 """Heterogeneous plans on DeepSpeed's PipelineEngine (toy pipeline, gloo, fp32): replicas with
 different stage counts, boundaries and micro-batches reproduce a single-process plain-torch run of the
-same global batches (losses and final parameters); hetero <-> uniform resume continues the losses;
-ZeRO-1 under a heterogeneous plan is refused with the limit named.
+same global batches (losses and final parameters), under ZeRO-0 and under our ZeRO-1 across
+heterogeneous replicas (optimizer state sharded among the holders of each block); a ZeRO-1 checkpoint
+saved under one heterogeneous plan resumes under another (mirrored) one with the losses continuing;
+ZeRO-2 under a heterogeneous plan is refused with the limit named.
 
 Negative control (measured 2026-11-30): with the cross-replica reduction switched off
 (``SplitAllReduce.reduce`` returning at once) plan "pp2+pp1" gives step 2's loss 4.3405 against the
@@ -84,10 +86,31 @@ def check(outdir, name, ref_losses, ref_params, rel=1e-5):
 
 
 def test_hetero_plans_match_single_process(tmp_path):
+    z1 = {"zero_optimization": {"stage": 1}}
+    ck = str(tmp_path / "ck")
     specs = [dict(name=n, plan=p, mb=MB, steps=STEPS) for n, p in PLANS.items()]
+    specs.append(dict(name="z1", plan=PLANS["pp2+pp1"], mb=MB, steps=STEPS, ds=z1))
+    # ZeRO-1 save at step 3 under pp2+pp1, resume under the mirrored plan pp1+pp2 (other shares, other ranks)
+    specs.append(dict(name="z1-save", plan=PLANS["pp2+pp1"], mb=MB, steps=3, ds=z1,
+                      elastor={"checkpoint": {"dir": ck, "interval_steps": 3, "async": False}}))
+    specs.append(dict(name="z1-resume", plan=plan((1, [(0, 8)]), (3, [(0, 5), (5, 8)])), mb=MB, steps=3, ds=z1,
+                      elastor={"checkpoint": {"dir": ck, "load": "latest"}}))
     run(specs, 3, tmp_path)
     ref_losses, ref_params = oracle(4)
     got = check(tmp_path, "pp2+pp1", ref_losses, ref_params)
+    z0 = got
+    z = check(tmp_path, "z1", ref_losses, ref_params)
+    total = sum(t.numel() for t in ref_params.values())
+    # ZeRO-0: every rank keeps two Adam moments of its own parameters (each replica the whole model);
+    # ZeRO-1: every element's moments live on exactly one of its holders, i.e. once in the world
+    assert z0["opt_state_numel"] == [2 * n for n in z0["param_numel"]] and sum(z0["param_numel"]) == 2 * total
+    assert sum(z["opt_state_numel"]) == 2 * total, z["opt_state_numel"]
+    assert all(s < 2 * n for s, n in zip(z["opt_state_numel"], z["param_numel"])), z
+    res = json.load(open(tmp_path / "z1-resume.json"))
+    assert res["start"] == 3 and len(res["losses"]) == 3
+    for i, (a, b) in enumerate(zip(res["losses"], ref_losses[3:])):
+        assert a == pytest.approx(b, rel=1e-5, abs=0), (i, res["losses"], ref_losses[3:])
+    assert param_error(torch.load(tmp_path / "z1-resume.pt"), ref_params) < 1e-5
     assert got["global_samples"] == STEPS * 4 * MB
     from elastor_ds.testing import toy_pipe as toy
     init = dict(torch.nn.Sequential(*toy.layers(num_blocks=6)).named_parameters())
@@ -96,7 +119,7 @@ def test_hetero_plans_match_single_process(tmp_path):
 
 def test_deepspeed_config_for_a_replica():
     """Per-replica DeepSpeed config: its own gradient accumulation, clipping taken over (global norm),
-    no activation partitioning; ZeRO >= 1 and half precision refused with the limit named."""
+    no activation partitioning; ZeRO >= 2 and half precision refused with the limit named."""
     from types import SimpleNamespace
 
     from elastor_ds.errors import ConfigError
@@ -107,8 +130,11 @@ def test_deepspeed_config_for_a_replica():
     cfg, clip = prepare_config({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}, rt)
     assert clip == 1.0 and cfg["gradient_clipping"] == 0.0 and cfg["gradient_accumulation_steps"] == 3
     assert "train_batch_size" not in cfg and cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage=1 with heterogeneous plan .*use stage 0"):
-        prepare_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}, rt)
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=2 with heterogeneous plan .*run ZeRO-1 at most.*"
+                                          r"use stage 1 or 0"):
+        prepare_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, rt)
+    cfg, _ = prepare_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}, rt)
+    assert rt.zero_stage == 1 and cfg["zero_optimization"] == {"stage": 0}  # DeepSpeed runs ZeRO-0; ZeRO-1 is ours
     with pytest.raises(ConfigError, match=r"train_batch_size 6 != .* = 8"):
         prepare_config({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 6}, rt)
     with pytest.raises(ConfigError, match="bf16 with a heterogeneous plan"):

@@ -8,8 +8,10 @@ Plans (4 transformer layers, global batch 4 micro-batches of 2):
   B: a one-stage TP2 replica beside a two-stage TP1 pipeline with uneven layers [0,1) [1,4)  4 ranks
   C: a replica whose stages are TP2 [0,2) then TP1 [2,4) (activations cross from 2 ranks to 1,
      gradients go back to both) beside a TP2 replica, micro-batches 1:3                  5 ranks
-ZeRO-1 across heterogeneous replicas is refused (DeepSpeed's ZeRO needs one data-parallel group per
-flat buffer), tested below; the planner's memory model does not shard optimizer state for such plans."""
+A and B run the trainer's default ZeRO-1 (optimizer state of every block sharded among the ranks holding
+it: under A a TP1 rank's full weights are sharded against the TP2 ranks' halves), C runs ZeRO-0. A's
+ZeRO-1 checkpoint resumes under the planner's auto plan and under a uniform TP2 plan (uniform ZeRO-1).
+ZeRO-2 (a DeepSpeed config asking for it) under a heterogeneous plan exits 2 naming the limit."""
 from __future__ import annotations
 
 import json
@@ -93,7 +95,8 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     assert rec[0]["predicted_iter_s"] > 0 and rec[0]["uniform_predicted_iter_s"] > 0 and rec[0]["uniform_plan"]
     assert rec[0]["plan"]["num_gpus"] == 3 and rec[0]["layout"] == rec[-1]["layout"]
     # C (cross-width stages) from scratch
-    torchrun(5, "--elastor-plan", write(tmp_path / "c.json", C), "--metrics-file", str(tmp_path / "c.jsonl"))
+    torchrun(5, "--elastor-plan", write(tmp_path / "c.json", C), "--zero-stage", "0",
+             "--metrics-file", str(tmp_path / "c.jsonl"))
     assert_losses(losses(str(tmp_path / "c.jsonl")), ref, range(1, 7))
     # uniform (TP1, one process) -> hetero B: resume from the reference's step 3
     torchrun(4, "--elastor-plan", write(tmp_path / "b.json", B), "--load", str(reference / "ck" / "step_000000003"),
@@ -121,13 +124,14 @@ def test_bad_plans_rejected_with_numbers(tmp_path, monkeypatch):
         (plan((3, [(4, (0, 4))]), (1, [(1, (0, 4))])), 5, [], r"TP 4 does not divide --num-query-groups 2"),
         (plan((1, [(1, (0, 1)), (1, (1, 4))]), (3, [(2, (0, 4))])), 4, [],
          r"replica 1 stage 0 \(TP 2, layers \[0, 4\)\) spans nodes \[0, 1\] \(ranks \[2, 3\], 3 processes per node"),
-        (A, 3, ["--zero-stage", "1"], r"--zero-stage 1 with heterogeneous plan .* use --zero-stage 0"),
+        (A, 3, ["--deepspeed_config", write(tmp_path / "z2.json", {"zero_optimization": {"stage": 2}})],
+         r"zero_optimization.stage=2 in .*z2.json with heterogeneous plan .* run ZeRO-1 at most .* use stage 1 or 0"),
     ]
     for doc, world, extra, msg in cases:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "3" if "spans" in msg else str(world))
         with pytest.raises((pretrain_gpt.UsageError, ElastorError), match=msg):
             derive(doc, world, *extra)
-    assert derive(A, 3)["hetero"] and derive(A, 3)["zero_stage"] == 0
+    assert derive(A, 3)["hetero"] and derive(A, 3)["zero_stage"] == 1 and derive(A, 3, "--zero-stage", "0")["zero_stage"] == 0
     # the process exits 2 with the message, before touching torch.distributed
     p = subprocess.run([sys.executable, TRAINER, *COMMON, "--elastor-plan", write(tmp_path / "bad.json", B)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE="3"))

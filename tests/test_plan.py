@@ -257,12 +257,23 @@ def test_hand_computed_cost_two_nodes_zero1():
     act = S_LEN * (10 * H + 8 * H + 4 * 4096)
     want = 4 * (P_LAYER * 12 + act) + P_EMB * 12 + S_LEN * H * 2 + S_LEN * V * 8
     assert c.replicas[0].stage_memory_bytes[0] == pytest.approx(want)
-    # micro-batches 3:2 make the plan heterogeneous: the runtime runs it with ZeRO-0, so the model
-    # prices 2 + 4 + 12 bytes per parameter and an all-reduce (2 (R-1)/R x 4 bytes)
-    h = cost.evaluate(Plan(4, (PlanReplica((stage(cl, 1, (0, 4), ["node0:0"]),), 3),
-                               PlanReplica((stage(cl, 1, (0, 4), ["node1:0"]),), 2))))
-    assert h.replicas[0].stage_memory_bytes[0] == pytest.approx(want + (4 * P_LAYER + P_EMB) * 6)
-    assert h.sync_time_s == pytest.approx((4 * P_LAYER + P_EMB) * 4 / 10e9)
+    # micro-batches 3:2 make the plan heterogeneous: the runtime's own ZeRO-1 shards each block's
+    # optimizer state among its holders (one per replica) and syncs by reduce-scatter + all-gather:
+    # the same 2 + 4 + 6 bytes per parameter and the same sync as the grid
+    hp = Plan(4, (PlanReplica((stage(cl, 1, (0, 4), ["node0:0"]),), 3),
+                  PlanReplica((stage(cl, 1, (0, 4), ["node1:0"]),), 2)))
+    h = cost.evaluate(hp)
+    assert h.replicas[0].stage_memory_bytes[0] == pytest.approx(want)
+    assert h.sync_time_s == pytest.approx(sync)
+    # ZeRO-2 asked: the grid shards gradients too (2 + 2 + 6 bytes per parameter); the heterogeneous
+    # plan runs ZeRO-1 at most (2 + 4 + 6), and ZeRO-0 asked prices it unsharded (2 + 4 + 12, all-reduce)
+    n = 4 * P_LAYER + P_EMB
+    assert cost.plan_zero_stage(hp) == 1 and tiny_cost(cl, zero=2).plan_zero_stage(hp) == 1
+    assert tiny_cost(cl, zero=2).evaluate(p).replicas[0].stage_memory_bytes[0] == pytest.approx(want - n * 2)
+    assert tiny_cost(cl, zero=2).evaluate(hp).replicas[0].stage_memory_bytes[0] == pytest.approx(want)
+    h0 = tiny_cost(cl, zero=0).evaluate(hp)
+    assert h0.replicas[0].stage_memory_bytes[0] == pytest.approx(want + n * 6)
+    assert h0.sync_time_s == pytest.approx(n * 4 / 10e9)
 
 
 def test_memory_limit_marks_plan_infeasible():

@@ -13,7 +13,7 @@ from elastor_ds.errors import LayoutError
 from elastor_ds.integrations.megatron.specs import GPTSpecConfig, gpt_tensor_specs
 from elastor_ds.layout import Layout
 from elastor_ds.runtime import (creation_order, layout_held, recv_source, reduce_groups, replica_of, send_targets,
-                                split_reduce_bytes, split_reduce_plan, stage_groups, uniform_dp_bytes)
+                                split_reduce_bytes, split_reduce_plan, stage_groups, uniform_dp_bytes, zero_partition)
 
 CFG = GPTSpecConfig(num_layers=4, hidden_size=8, num_attention_heads=4, num_query_groups=2, vocab_size=10,
                     ffn_hidden_size=12, gated_linear_unit=True, add_bias_linear=True, make_vocab_size_divisible_by=4,
@@ -91,6 +91,47 @@ def test_split_reduce_plan_matches_brute_force(seed):
     order = creation_order(layout, reduce_groups(plan))
     assert len(order) == len(set(order)) and order[:layout.world_size] == [(r,) for r in range(layout.world_size)]
     assert set(stage_groups(layout)) <= set(order) and set(reduce_groups(plan)) <= set(order)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_zero1_shares_own_every_element_once(seed):
+    """ZeRO-1 over the holders of each block, against brute force: walking every rank's share
+    element by element, every element of every tensor held by two or more replicas is owned by
+    exactly one of its holders; holders agree on each buffer's cell order; shares differ by at most
+    one chunk; param groups never share a buffer."""
+    rng = random.Random(100 + seed)
+    layout = random_layout(rng)
+    rep = replica_of(layout)
+    plan = split_reduce_plan(layout_held(SPECS, layout), rep)
+    truth = brute_holders(layout)
+    names = sorted({n for n, _ in truth})
+    group_of = {n: rng.randint(0, 1) for n in names}
+    owned: dict = {}
+    buffers: dict = {}
+    for rank, cells in plan.items():
+        for part in zero_partition(cells, rank, group_of):
+            assert all(group_of[c.name] == part.group and c.holders == part.holders for c in part.cells)
+            assert 0 <= part.end - part.start <= part.chunk and part.numel == sum(c.region.numel for c in part.cells)
+            seq = [(c.name, c.region) for c in part.cells]
+            assert buffers.setdefault((part.group, part.holders), seq) == seq, "holders disagree on a buffer"
+            pos = 0
+            for c in part.cells:
+                for i, e in enumerate(elements(c.region.sizes)):
+                    if part.start <= pos + i < part.end:
+                        key = (c.name, tuple(o + x for o, x in zip(c.region.offsets, e)))
+                        assert key not in owned, f"{key} owned by {owned.get(key)} and {rank}"
+                        owned[key] = rank
+                pos += c.region.numel
+    multi = {key: hs for key, hs in truth.items() if len({rep[r] for r in hs}) > 1}
+    assert set(owned) == set(multi)
+    assert all(owned[key] in multi[key] for key in multi)
+    sizes = {}
+    for (g, holders), seq in buffers.items():
+        n = sum(r.numel for _, r in seq)
+        sizes[(g, holders)] = n
+    for rank, cells in plan.items():  # shares are balanced: at most one chunk each
+        for part in zero_partition(cells, rank, group_of):
+            assert part.chunk == -(-sizes[(part.group, part.holders)] // len(part.holders))
 
 
 def test_uniform_layout_split_bytes_equal_dp_allreduce():

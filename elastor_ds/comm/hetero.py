@@ -13,7 +13,13 @@ The plans come from :mod:`elastor_ds.runtime.groups` (pure); this module only mo
   one process computes for the global batch;
 * :meth:`SplitAllReduce.grad_norm`: the L2 norm of the whole model's gradient, each element counted
   once (by the cell's owner), summed over the world;
-* :func:`global_mean` averages per-replica losses weighted by micro-batches.
+* :func:`global_mean` averages per-replica losses weighted by micro-batches;
+* :class:`HeteroZero1`: ZeRO-1 across heterogeneous replicas. The optimizer state of every block is
+  sharded among exactly the ranks that hold it (:func:`elastor_ds.runtime.zero_partition`): per
+  (param group, holder set) buffer, a reduce-scatter of the weighted gradients gives each holder the
+  summed gradient of its share only, the optimizer steps the share (an fp32 copy of those weights),
+  and an all-gather writes the updated weights back into every holder's parameters. Bytes per rank:
+  ``(k-1)/k`` of the buffer for each of the two collectives (the split all-reduce moves ``2 (k-1)/k``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.groups import Cell, split_reduce_bytes
+from ..runtime.groups import Cell, ShardPart, split_reduce_bytes
 
 log = logging.getLogger(__name__)
 
@@ -105,3 +111,113 @@ def global_mean(value: Optional[float], weight: float) -> float:
     t = torch.tensor([0.0 if value is None else float(value) * weight], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t)
+
+
+def _gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+class HeteroZero1:
+    """This rank's ZeRO-1 shares (see the module docstring). ``shards[i]`` is an fp32 parameter
+    holding elements ``[parts[i].start, parts[i].end)`` of its buffer: give these to the optimizer
+    instead of the module's parameters (cells held by one replica only -- a single-replica layout --
+    stay with their parameters: :attr:`local_names`)."""
+
+    def __init__(self, parts: Sequence[ShardPart], cells: Sequence[Cell], groups: Mapping[tuple[int, ...], Any],
+                 data_of: Callable[[str], torch.Tensor]):
+        self.parts = list(parts)
+        missing = [p.holders for p in self.parts if p.holders not in groups]
+        if missing:
+            raise RuntimeError(f"ZeRO-1 groups {missing[:4]} were not created on rank {dist.get_rank()}")
+        self.groups = {p.holders: groups[p.holders] for p in self.parts}
+        sharded = {c.name for p in self.parts for c in p.cells}
+        self.local_cells = [c for c in cells if not c.cross_replica]
+        mixed = sharded & {c.name for c in self.local_cells}
+        if mixed:
+            raise RuntimeError(f"tensors {sorted(mixed)[:4]} are partly held by one replica and partly by several")
+        self.local_names = sorted({c.name for c in self.local_cells})
+        self.shards: list[torch.nn.Parameter] = []
+        with torch.no_grad():
+            for p in self.parts:
+                buf = self._pack(p, data_of, None)
+                self.shards.append(torch.nn.Parameter(buf[p.start:p.end].clone()))
+        self.bytes_sent = int(sum(2 * (len(p.holders) - 1) * p.chunk * 4 for p in self.parts))
+
+    @staticmethod
+    def _pack(part: ShardPart, tensor_of: Callable[[str], Optional[torch.Tensor]],
+              weight: Optional[float]) -> torch.Tensor:
+        """The padded buffer of ``part``: every cell's values (``weight``: contributing holders'
+        values times weight, zeros elsewhere -- for gradients)."""
+        ts = [tensor_of(c.name) for c in part.cells]
+        ref = next((t for t in ts if t is not None), None)
+        buf = torch.zeros(len(part.holders) * part.chunk, dtype=torch.float32,
+                          device=ref.device if ref is not None else torch.device("cpu"))
+        pos = 0
+        for c, t in zip(part.cells, ts):
+            k = c.region.numel
+            if t is not None and (weight is None or c.contributes):
+                dst = buf[pos:pos + k].view(c.region.sizes)
+                dst.copy_(t[_slices(c.local)])
+                if weight is not None:
+                    dst.mul_(weight)
+            pos += k
+        return buf
+
+    def reduce_scatter(self, grad_of: Callable[[str], Optional[torch.Tensor]], weight: float) -> None:
+        """Each shard's ``.grad`` becomes the summed weighted gradient of its elements over the
+        replicas; gradients of local cells (held by one replica) are scaled by ``weight``."""
+        for c in self.local_cells:
+            g = grad_of(c.name)
+            if g is not None and weight != 1.0:
+                g[_slices(c.local)].mul_(weight)
+        for p, sh in zip(self.parts, self.shards):
+            buf = self._pack(p, grad_of, weight)
+            out = torch.empty(p.chunk, dtype=buf.dtype, device=buf.device)
+            _reduce_scatter_single(out, buf, self.groups[p.holders])
+            sh.grad = out[:p.end - p.start].clone()
+
+    def grad_norm(self, grad_of: Callable[[str], Optional[torch.Tensor]]) -> float:
+        """L2 norm of the whole model gradient after :meth:`reduce_scatter` (every element once:
+        the shards, plus local cells by their owner); collective over the world."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for sh in self.shards:
+            if sh.grad is not None:
+                sq += sh.grad.double().pow(2).sum().cpu()
+        for c in self.local_cells:
+            if c.owner:
+                g = grad_of(c.name)
+                if g is not None:
+                    sq += g[_slices(c.local)].double().pow(2).sum().cpu()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        return float(sq.sqrt())
+
+    def scale_grads(self, coef: float) -> None:
+        for sh in self.shards:
+            if sh.grad is not None:
+                sh.grad.mul_(coef)
+
+    def all_gather(self, data_of: Callable[[str], torch.Tensor]) -> None:
+        """Write every holder's updated shares back into the parameters of every holder."""
+        with torch.no_grad():
+            for p, sh in zip(self.parts, self.shards):
+                mine = torch.zeros(p.chunk, dtype=torch.float32, device=sh.device)
+                mine[:p.end - p.start].copy_(sh.data)
+                out = torch.empty(len(p.holders) * p.chunk, dtype=torch.float32, device=sh.device)
+                _gather_single(out, mine, self.groups[p.holders])
+                pos = 0
+                for c in p.cells:
+                    k = c.region.numel
+                    data_of(c.name)[_slices(c.local)].copy_(out[pos:pos + k].view(c.region.sizes))
+                    pos += k
+
+    def refresh_from_params(self, data_of: Callable[[str], torch.Tensor]) -> None:
+        """Copy the parameters' current values into the shards (after weights were loaded)."""
+        with torch.no_grad():
+            for p, sh in zip(self.parts, self.shards):
+                sh.data.copy_(self._pack(p, data_of, None)[p.start:p.end])

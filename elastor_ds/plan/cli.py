@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     tr = cost.training
     doc = plan_document(result, tr.num_micro_batches, tr.micro_batch_size,
                         inputs={"cluster": cost.cluster.describe(), "layouts": args.layouts,
-                                "profile": args.profile})
+                                "profile": args.profile, "zero_stage": tr.zero_stage})
+    doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)
     if args.json:
         json.dump(doc, sys.stdout, indent=1, sort_keys=False)
         sys.stdout.write("\n")
@@ -125,6 +126,15 @@ def format_table(doc: dict[str, Any], cost: CostModel) -> str:
     lines.append("")
     lines.append(f"pipeline {cb['pipeline_s']:.4g} s + gradient sync {cb['gradient_sync_s']:.4g} s; "
                  f"peak memory {cb['peak_memory_gb']:.1f} of {cb['memory_limit_gb']:.1f} GB")
+    z, asked = doc.get("zero_stage"), (doc.get("inputs") or {}).get("zero_stage")
+    if z is not None:
+        note = ""
+        if asked is not None and asked != z:
+            note = (f" (--zero-stage {asked} asked; a heterogeneous plan runs ZeRO-1 at most: optimizer state "
+                    f"sharded among the holders of each block, gradients and weights whole; priced so)")
+        elif doc["kind"] != "uniform" and z == 1:
+            note = " (optimizer state sharded among the holders of each block)"
+        lines.append(f"ZeRO-{z}{note}")
     if doc["unused_devices"]:
         lines.append(f"unused devices: {', '.join(doc['unused_devices'])}")
     if len(doc["alternatives"]) > 1:

@@ -21,7 +21,9 @@ Terms (all per iteration, seconds unless said otherwise):
   parallel; the sync time is the slowest stage's.
 * **iteration time** = ``max_i pipeline_i + sync`` (sync after the last backward, not overlapped).
 * **memory** per GPU of a stage: parameters, gradients and optimizer state of its layers
-  (ZeRO-sharded over the ``R`` replicas), activations of ``S - j`` in-flight micro-batches for the
+  (ZeRO-sharded over the ``R`` replicas; a heterogeneous plan runs ZeRO-1 at most -- the optimizer
+  state of every block sharded among its ``R`` holders, gradients and weights whole -- so it is
+  priced at ``min(zero_stage, 1)``, :meth:`CostModel.plan_zero_stage`), activations of ``S - j`` in-flight micro-batches for the
   ``j``-th stage (1F1B; an upper bound that does not depend on ``m``), embedding on the first stage,
   output layer and fp32 logits on the last, plus a constant overhead; it must fit in
   ``gpu_memory x (1 - safety_margin)``.
@@ -46,6 +48,7 @@ from .plan_doc import Plan
 log = logging.getLogger(__name__)
 
 GiB = float(1 << 30)
+HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
 GB = 1e9  # bandwidths are in GB/s
 
 
@@ -242,8 +245,15 @@ class CostModel:
     def memory_limit_bytes(self) -> float:
         return self.cluster.gpu_memory_gb * GiB * (1.0 - self.params.memory_safety_margin)
 
-    def state_bytes_per_param(self, num_replicas: int) -> float:
-        tr, z, r = self.training, self.training.zero_stage, max(1, num_replicas)
+    def plan_zero_stage(self, plan: Plan) -> int:
+        """The ZeRO stage ``plan`` runs with: the configured one on a grid; at most
+        :data:`HETERO_MAX_ZERO` (1) on the heterogeneous runtime."""
+        z = self.training.zero_stage
+        return z if self.is_grid(plan) else min(z, HETERO_MAX_ZERO)
+
+    def state_bytes_per_param(self, num_replicas: int, zero_stage: int | None = None) -> float:
+        tr, r = self.training, max(1, num_replicas)
+        z = tr.zero_stage if zero_stage is None else zero_stage
         return (self.model.dtype_bytes / (r if z >= 3 else 1) + tr.grad_bytes / (r if z >= 2 else 1)
                 + tr.optimizer_bytes / (r if z >= 1 else 1))
 
@@ -258,11 +268,12 @@ class CostModel:
         k = 3 if m.gated_mlp else 2
         return s * b * (10.0 * h + (8.0 * h + 2.0 * f * k) / tp) * m.dtype_bytes / 2.0  # type: ignore[operator]
 
-    def stage_memory_parts(self, tp: int, pos: int, num_stages: int, num_replicas: int) -> tuple[float, float]:
+    def stage_memory_parts(self, tp: int, pos: int, num_stages: int, num_replicas: int,
+                           zero_stage: int | None = None) -> tuple[float, float]:
         """(fixed bytes, bytes per layer) of stage ``pos`` of ``num_stages``: memory = fixed + n x per_layer."""
         m, tr = self.model, self.training
         in_flight = num_stages - pos
-        per_param = self.state_bytes_per_param(num_replicas)
+        per_param = self.state_bytes_per_param(num_replicas, zero_stage)
         per_layer = m.params_per_layer / tp * per_param + in_flight * self.activation_bytes_per_layer(tp)
         fixed = self.params.memory_overhead_gb * GiB
         tokens = tr.micro_batch_size * m.seq_length
@@ -274,13 +285,14 @@ class CostModel:
             fixed += tokens * m.vocab_size / tp * 4.0 * 2  # fp32 logits and their gradient
         return fixed, per_layer
 
-    def stage_memory(self, tp: int, num_layers: int, pos: int, num_stages: int, num_replicas: int) -> float:
-        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas)
+    def stage_memory(self, tp: int, num_layers: int, pos: int, num_stages: int, num_replicas: int,
+                     zero_stage: int | None = None) -> float:
+        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas, zero_stage)
         return fixed + num_layers * per_layer
 
-    def max_layers(self, tp: int, pos: int, num_stages: int, num_replicas: int) -> int:
+    def max_layers(self, tp: int, pos: int, num_stages: int, num_replicas: int, zero_stage: int | None = None) -> int:
         """Most layers stage ``pos`` can hold within the memory limit (may be <= 0)."""
-        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas)
+        fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas, zero_stage)
         room = self.memory_limit_bytes - fixed
         if room < 0:
             return -1
@@ -290,17 +302,16 @@ class CostModel:
     def evaluate(self, plan: Plan) -> CostBreakdown:
         """Price a placed plan exactly (the function every search result and test is judged by)."""
         R = len(plan.replicas)
-        # ZeRO shards optimizer state over the data-parallel group of a grid only: the heterogeneous
-        # runtime runs ZeRO-0 (DeepSpeed's ZeRO needs one DP group per flat buffer), so a heterogeneous
-        # plan's memory is priced unsharded
-        R_shard = R if self.is_grid(plan) else 1
+        # a grid runs DeepSpeed's ZeRO at the configured stage over its DP group; the heterogeneous
+        # runtime runs ZeRO-1 at most, sharding each block's optimizer state among its R holders
+        z = self.plan_zero_stage(plan)
         limit = self.memory_limit_bytes
         feasible = True
         reps: list[ReplicaCost] = []
         for rep in plan.replicas:
             S = len(rep.stages)
             times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) for j, s in enumerate(rep.stages))
-            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R_shard) for j, s in enumerate(rep.stages))
+            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R, z) for j, s in enumerate(rep.stages))
             if any(mm > limit for mm in mems):
                 feasible = False
             slow = max(times)
@@ -317,14 +328,14 @@ class CostModel:
 
     @staticmethod
     def is_grid(plan: Plan) -> bool:
-        """A TP x PP x DP grid with equal micro-batches: the only plans that run with ZeRO sharding
-        (heterogeneous plans run ZeRO-0 and an unsharded split all-reduce)."""
+        """A TP x PP x DP grid with equal micro-batches: runs as DeepSpeed's own grid (any ZeRO
+        stage); other plans run on the heterogeneous runtime (ZeRO-1 at most)."""
         return plan.uniform_dims() is not None and len({r.micro_batches for r in plan.replicas}) == 1
 
     def sync_time(self, plan: Plan) -> float:
         """Cross-replica gradient sync (see module docstring): slowest stage over all replicas."""
         R = len(plan.replicas)
-        factor = self.sync_bytes_factor(R, None if self.is_grid(plan) else 0)
+        factor = self.sync_bytes_factor(R, self.plan_zero_stage(plan))
         if factor == 0.0:
             return 0.0
         m = self.model

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import PlanningError
 from .cluster import Cluster, Device
-from .cost import GiB, CostBreakdown, CostModel
+from .cost import HETERO_MAX_ZERO, GiB, CostBreakdown, CostModel
 from .plan_doc import Plan, PlanReplica, PlanStage
 
 log = logging.getLogger(__name__)
@@ -346,8 +346,9 @@ class Planner:
         self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
 
     # -- replica sub-problem --------------------------------------------------------------------
-    def _solve_order(self, order: tuple[ClassKey, ...], R: int) -> tuple[float, tuple[int, ...]] | None:
-        key = (order, R)
+    def _solve_order(self, order: tuple[ClassKey, ...], R: int,
+                     zero: int | None = None) -> tuple[float, tuple[int, ...]] | None:
+        key = (order, R, zero)
         if key in self._split_cache:
             return self._split_cache[key]
         self.stats["splits"] += 1
@@ -355,16 +356,16 @@ class Planner:
         c = self.cost
         per = [c.layer_time(tp) / sp for tp, sp in order]
         extra = [0.0] * (S - 1) + [c.head_time(order[-1][0]) / order[-1][1]]
-        mx = [self._max_layers(tp, j, S, R) for j, (tp, _) in enumerate(order)]
+        mx = [self._max_layers(tp, j, S, R, zero) for j, (tp, _) in enumerate(order)]
         res = (split_layers if S <= 8 else split_layers_parametric)(per, extra, mx, self.L)
         self._split_cache[key] = res
         return res
 
-    def _max_layers(self, tp: int, pos: int, S: int, R: int) -> int:
-        key = (tp, pos, S, R)
+    def _max_layers(self, tp: int, pos: int, S: int, R: int, zero: int | None = None) -> int:
+        key = (tp, pos, S, R, zero)
         v = self._mx_cache.get(key)
         if v is None:
-            v = self._mx_cache[key] = self.cost.max_layers(tp, pos, S, R)
+            v = self._mx_cache[key] = self.cost.max_layers(tp, pos, S, R, zero)
         return v
 
     def _orders(self, sig: tuple[ClassKey, ...]) -> list[tuple[ClassKey, ...]]:
@@ -386,6 +387,7 @@ class Planner:
         if len(sig) > self.L:
             return None  # every stage needs at least one layer
         Rk = R if self.training.zero_stage > 0 else 1
+        zero = min(self.training.zero_stage, HETERO_MAX_ZERO)  # the heterogeneous runtime's ZeRO (see cost)
         key = (sig, Rk)
         if key in self._rep_cache:
             return self._rep_cache[key]
@@ -394,7 +396,7 @@ class Planner:
         gpus = sum(tp for tp, _ in sig)
         same = gpus <= self.cluster.max_gpus_per_node
         for order in self._orders(sig):
-            res = self._solve_order(order, Rk)
+            res = self._solve_order(order, Rk, zero)
             if res is None:
                 continue
             slow, counts = res

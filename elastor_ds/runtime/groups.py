@@ -174,3 +174,49 @@ def split_reduce_bytes(cells: Sequence[Cell], elem_bytes: int = 4) -> int:
 def uniform_dp_bytes(local_numel: int, dp: int, elem_bytes: int = 4) -> int:
     """Bytes one rank sends in a uniform grid's DP ring all-reduce of its ``local_numel`` gradients."""
     return int(round(2.0 * (dp - 1) / dp * local_numel * elem_bytes)) if dp > 1 else 0
+
+
+# ---- ZeRO-1 across heterogeneous replicas ----------------------------------------------------------
+@dataclass(frozen=True)
+class ShardPart:
+    """This rank's share of the optimizer state of one (param group, holder set) buffer.
+
+    The buffer is the concatenation of the flattened cells (in plan order) whose holders are
+    ``holders`` and whose parameters sit in optimizer param group ``group``; it is padded to
+    ``len(holders) * chunk`` elements and holder ``i`` owns ``[i * chunk, (i + 1) * chunk)`` of it,
+    clipped to the ``numel`` real elements: ``[start, end)``."""
+
+    group: int
+    holders: tuple[int, ...]
+    cells: tuple[Cell, ...]
+    numel: int
+    chunk: int
+    start: int
+    end: int
+
+
+def zero_partition(cells: Sequence[Cell], rank: int, group_of: Mapping[str, int]) -> list[ShardPart]:
+    """ZeRO-1 over the holders of each block: ``rank``'s share of the optimizer state of each
+    (param group, holder set) buffer of its cross-replica ``cells`` (plan order kept within a
+    buffer, so every holder sees the same buffer). Every element of every cross-replica cell is
+    owned by exactly one of its holders; holders' shares differ by at most ``chunk`` elements."""
+    buffers: dict[tuple[int, tuple[int, ...]], list[Cell]] = {}
+    for c in cells:
+        if c.cross_replica:
+            buffers.setdefault((group_of[c.name], c.holders), []).append(c)
+    out = []
+    for (g, holders), cs in sorted(buffers.items()):
+        n = sum(c.region.numel for c in cs)
+        k = len(holders)
+        chunk = -(-n // k)
+        i = holders.index(rank)
+        out.append(ShardPart(g, holders, tuple(cs), n, chunk, min(i * chunk, n), min((i + 1) * chunk, n)))
+    return out
+
+
+def zero_state_numel(cells: Sequence[Cell], rank: int) -> tuple[int, int]:
+    """(elements of optimizer state this rank keeps under ZeRO-1, elements it would keep without):
+    for the memory model's check (one param group)."""
+    parts = zero_partition(cells, rank, {c.name: 0 for c in cells})
+    local = sum(c.region.numel for c in cells if not c.cross_replica)
+    return sum(p.end - p.start for p in parts) + local, sum(c.region.numel for c in cells)

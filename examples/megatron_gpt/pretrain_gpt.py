@@ -85,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--log-interval", type=int, default=10)
     a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
     a("--zero-stage", type=int, choices=[0, 1], default=None,
-      help="default: 1 (uniform plans), 0 (heterogeneous plans, where ZeRO-1 is refused)")
+      help="default: 1 (under a heterogeneous plan the optimizer state of each block is sharded among the ranks "
+      "that hold it)")
     a("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
       help="DeepSpeed JSON config; its \"elastor\" section is honoured (flags above fill what it leaves out)")
     a("--deepspeed", action="store_true", help="accepted for launcher compatibility")
@@ -199,13 +200,22 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
             if len(nodes) > 1:
                 raise UsageError(f"{where} spans nodes {nodes} (ranks {list(st.ranks)}, {local} processes per node "
                                  f"from LOCAL_WORLD_SIZE): a TP group must sit inside one node")
-    if args.zero_stage:
-        raise UsageError(f"--zero-stage {args.zero_stage} with heterogeneous plan {layout.describe()}: DeepSpeed's ZeRO "
-                         f"shards over one data-parallel group and replicas with different stages/TP have none; "
-                         f"use --zero-stage 0 (the default for heterogeneous plans) or a uniform plan")
+    ds_zero = None
+    if args.deepspeed_config and os.path.isfile(args.deepspeed_config):
+        try:
+            with open(args.deepspeed_config) as f:
+                ds_zero = ((json.load(f) or {}).get("zero_optimization") or {}).get("stage")
+        except (OSError, ValueError, AttributeError):
+            ds_zero = None  # reported when DeepSpeed reads it
+    if isinstance(ds_zero, int) and ds_zero > 1:
+        raise UsageError(f"zero_optimization.stage={ds_zero} in {args.deepspeed_config} with heterogeneous plan "
+                         f"{layout.describe()}: heterogeneous plans run ZeRO-1 at most (optimizer state sharded among "
+                         f"the holders of each block; gradients and weights are not sharded); use stage 1 or 0, or a "
+                         f"uniform plan for ZeRO-{ds_zero}")
     if args.eval_interval:
         raise UsageError("--eval-interval is not supported with a heterogeneous plan yet; use 0")
-    return dict(hetero=True, layout=layout, zero_stage=0, boundaries=None, tp=None, pp=None, dp=layout.dp, gas=None)
+    return dict(hetero=True, layout=layout, zero_stage=1 if args.zero_stage is None else args.zero_stage,
+                boundaries=None, tp=None, pp=None, dp=layout.dp, gas=None)
 
 
 def auto_plan(args: argparse.Namespace, world: int):

@@ -29,9 +29,13 @@ Where stock DeepSpeed stops, and what this module does instead (see RUNTIME_FACT
   reduction, then DeepSpeed's formula ``coef = min(1, max_norm / (norm + 1e-6))`` on every rank.
 * Losses: the engine returns the global loss ``sum_p M_p loss_p / M`` on every rank.
 * ZeRO: DeepSpeed's ZeRO-1 keeps one data-parallel group for every flat buffer; replicas with
-  different partitions have no such group. Heterogeneous plans run ZeRO stage 0 (the optimizer
-  state of each rank covers its own parameters); ZeRO >= 1 is refused with :class:`ConfigError`.
-  The planner's memory model assumes no ZeRO sharding for heterogeneous plans.
+  different partitions have no such group. So DeepSpeed runs ZeRO stage 0 here and ZeRO-1 is ours
+  (:class:`elastor_ds.comm.hetero.HeteroZero1`): the optimizer state of every block is sharded among
+  exactly the ranks that hold it (one per replica for TP-split blocks), the torch optimizer's param
+  groups are re-pointed at those shares, ``ReduceGrads`` becomes a reduce-scatter and
+  ``OptimizerStep`` is followed by an all-gather of the updated weights. ZeRO >= 2 (sharded gradients
+  or weights) is refused with :class:`ConfigError`; the planner's memory model shards only the
+  optimizer state of heterogeneous plans (``elastor_ds.plan.cost``).
 """
 from __future__ import annotations
 
@@ -44,10 +48,11 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from ...comm.hetero import SplitAllReduce, create_groups, global_mean
+from ...comm.hetero import HeteroZero1, SplitAllReduce, create_groups, global_mean
 from ...errors import ConfigError
 from ...layout import Layout
-from ...runtime import creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan
+from ...runtime import (creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan,
+                         zero_partition)
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +174,10 @@ class HeteroRuntime:
         self.topology = HeteroTopology(layout, self.rank)
         self.grid: Optional[HeteroGrid] = None
         self.reducer: Optional[SplitAllReduce] = None
+        self.zero_stage = 0                      # set by prepare_config (0 or 1)
+        self.zero: Optional[HeteroZero1] = None
+        self.shapes: dict[str, tuple[int, ...]] = {}       # canonical name -> global shape
+        self.module_names: dict[str, str] = {}             # canonical name -> module parameter name
 
     @classmethod
     def create(cls, layout: Layout) -> "HeteroRuntime":
@@ -210,6 +219,8 @@ class HeteroRuntime:
             cname, gshape, pieces = _place(engine, n, tuple(p.shape))
             held.append((cname, tuple(gshape), tuple(pieces)))
             self.params[cname] = p
+            self.shapes[cname] = tuple(gshape)
+            self.module_names[cname] = n
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, held)
         rep = {r: self.layout.position(r).replica for r in range(len(everyone))}
@@ -218,6 +229,39 @@ class HeteroRuntime:
         self.groups.update(create_groups(new))
         self.reducer = SplitAllReduce(plan[self.rank], self.groups)
         return self.reducer
+
+    def build_zero(self, optimizer: Any) -> HeteroZero1:
+        """ZeRO-1 over the holders of each block (collective): the optimizer's param groups are
+        re-pointed from this rank's parameters to its shares of the optimizer state."""
+        import torch.distributed as dist
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"ZeRO-1 with a heterogeneous plan needs a torch optimizer, got {type(optimizer).__name__}")
+        if optimizer.state:
+            raise ConfigError("ZeRO-1 with a heterogeneous plan: the optimizer already has state (build it fresh)")
+        group_of_param = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [n for n, p in self.params.items() if id(p) not in group_of_param]
+        if missing:
+            raise ConfigError(f"parameters {missing[:4]} require grad but are not in the optimizer; ZeRO-1 with a "
+                              f"heterogeneous plan shards every trained parameter")
+        group_of = {n: group_of_param[id(p)] for n, p in self.params.items()}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, group_of)
+        seen: dict[str, tuple[int, int]] = {}
+        for r, gm in enumerate(everyone):
+            for n, gi in gm.items():
+                r0, g0 = seen.setdefault(n, (r, gi))
+                if g0 != gi:
+                    raise ConfigError(f"parameter {n} is in optimizer param group {g0} on rank {r0} but {gi} on rank "
+                                      f"{r}: every replica must build the same param groups for ZeRO-1")
+        parts = zero_partition(self.reducer.cells, self.rank, group_of)
+        self.zero = HeteroZero1(parts, self.reducer.cells, self.groups, self.data_of)
+        for gi, g in enumerate(optimizer.param_groups):
+            g["params"] = ([sh for pt, sh in zip(parts, self.zero.shards) if pt.group == gi]
+                           + [self.params[n] for n in self.zero.local_names if group_of[n] == gi])
+        own = sum(sh.numel() for sh in self.zero.shards)
+        log.debug("rank %d: ZeRO-1 keeps optimizer state for %d of %d parameter elements", self.rank, own,
+                  sum(p.numel() for p in self.params.values()))
+        return self.zero
 
     def grad_of(self, name: str) -> Optional[torch.Tensor]:
         p = self.params[name]
@@ -256,11 +300,12 @@ def prepare_config(ds_config: dict, rt: HeteroRuntime) -> tuple[dict, float]:
     """The DeepSpeed config for this rank's replica; returns it and the clipping norm taken over."""
     cfg = dict(ds_config)
     zero = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-    if zero > 0:
-        raise ConfigError(f"zero_optimization.stage={zero} with heterogeneous plan {rt.layout.describe()}: DeepSpeed's "
-                          f"ZeRO keeps one data-parallel group per flat buffer and replicas with different stages/TP "
-                          f"have none; use stage 0 (optimizer state then lives with each rank's own parameters) or "
-                          f"a uniform plan")
+    if zero > 1:
+        raise ConfigError(f"zero_optimization.stage={zero} with heterogeneous plan {rt.layout.describe()}: heterogeneous "
+                          f"plans run ZeRO-1 at most (optimizer state sharded among the holders of each block; "
+                          f"gradients and weights are not sharded); use stage 1 or 0, or a uniform plan for ZeRO-{zero}")
+    rt.zero_stage = zero
+    cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": 0}  # ZeRO-1 is ours (HeteroZero1)
     for key in ("fp16", "bf16"):
         if (cfg.get(key) or {}).get("enabled"):
             raise ConfigError(f"{key} with a heterogeneous plan is not supported yet: the split all-reduce runs on "
@@ -285,29 +330,60 @@ def prepare_config(ds_config: dict, rt: HeteroRuntime) -> tuple[dict, float]:
 
 def _hetero_reduce_grads(self: "HeteroPipelineEngine") -> None:
     rt: HeteroRuntime = self.elastor_runtime
-    rt.reducer.reduce(rt.grad_of, rt.weight)
+    zero = rt.zero
+    if zero is not None:
+        zero.reduce_scatter(rt.grad_of, rt.weight)  # each share's .grad: the global gradient of its elements
+    else:
+        rt.reducer.reduce(rt.grad_of, rt.weight)
     PipelineEngine._exec_reduce_grads(self)
     if self.elastor_clip > 0:
-        norm = rt.reducer.grad_norm(rt.grad_of)
+        norm = zero.grad_norm(rt.grad_of) if zero is not None else rt.reducer.grad_norm(rt.grad_of)
         coef = min(1.0, self.elastor_clip / (norm + 1e-6))
         self.elastor_grad_norm = norm
         if coef < 1.0:
-            for p in rt.params.values():
+            names = zero.local_names if zero is not None else list(rt.params)
+            for n in names:
+                p = rt.params[n]
                 if p.grad is not None:
                     p.grad.data.mul_(coef)
+            if zero is not None:
+                zero.scale_grads(coef)
+
+
+def _hetero_optimizer_step(self: "HeteroPipelineEngine", lr_kwargs: Any = None) -> None:
+    PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+    rt: HeteroRuntime = self.elastor_runtime
+    if rt.zero is not None:
+        rt.zero.all_gather(rt.data_of)  # the updated shares back into every holder's weights
 
 
 class HeteroPipelineEngine(PipelineEngine):
     """DeepSpeed's PipelineEngine for one replica of a heterogeneous plan (see the module docstring).
     Instances are created by ``deepspeed.initialize`` as ``PipelineEngine`` and re-classed."""
 
-    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _hetero_reduce_grads}
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _hetero_reduce_grads,
+                        schedule.OptimizerStep: _hetero_optimizer_step}
     elastor_runtime: HeteroRuntime
     elastor_clip: float = 0.0
     elastor_grad_norm: Optional[float] = None
 
     def _exec_reduce_grads(self) -> None:
         _hetero_reduce_grads(self)
+
+    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        _hetero_optimizer_step(self, lr_kwargs)
+
+    @property
+    def elastor_zero(self) -> Optional[HeteroZero1]:
+        """The ZeRO-1 shares of this rank (None under ZeRO-0); read by the checkpoint state mapping."""
+        rt = getattr(self, "elastor_runtime", None)
+        return None if rt is None else rt.zero
+
+    def elastor_weights_loaded(self) -> None:
+        """After a load: the ZeRO-1 shares (fp32 copies of weights) follow the loaded weights."""
+        rt = self.elastor_runtime
+        if rt.zero is not None:
+            rt.zero.refresh_from_params(rt.data_of)
 
     def _aggregate_total_loss(self):
         rt = self.elastor_runtime
@@ -329,6 +405,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self.elastor_global_batch = global_batch
         reducer = rt.build_reducer(self)
         self._sync_initial_weights(rt)
+        if rt.zero_stage >= 1:
+            rt.build_zero(self.optimizer)
         if dist.get_rank() == 0:
             log.info("heterogeneous plan %s: %d split all-reduce groups", rt.layout.describe(),
                      len(reduce_groups_of(rt)))

@@ -14,18 +14,21 @@ partition-independent names, and its scalar state to JSON:
   per-element state of the optimizer, e.g. Adam's ``exp_avg``/``exp_avg_sq``). Under ZeRO-1 a rank
   holds one contiguous run of each param group's flat buffer; each parameter's part of that run is
   mapped to boxes of the parameter (:func:`shards_from_flat`), so any DP size or ZeRO stage can
-  read it back. Under ZeRO-0 every rank holds whole tensors.
+  read it back. Under ZeRO-0 every rank holds whole tensors. Under ZeRO-1 across heterogeneous
+  replicas (``engine.elastor_zero``, :class:`elastor_ds.comm.hetero.HeteroZero1`) a rank holds a
+  run of each buffer of finest common blocks (cells, regions of the global tensors): its part of
+  that run is mapped to boxes of each cell the same way.
 * scalars (Adam's ``step``, param-group hyper-parameters), the LR scheduler and engine counters go
   into the manifest's ``extra``.
 
-Supported optimizers: a plain torch optimizer (ZeRO-0, fp32) and DeepSpeed's ZeRO stage 1/2
-optimizer (``DeepSpeedZeroOptimizer``). Others raise :class:`ConfigError` naming the class.
+Supported optimizers: a plain torch optimizer (ZeRO-0, fp32, and the heterogeneous runtime's ZeRO-1)
+and DeepSpeed's ZeRO stage 1/2 optimizer (``DeepSpeedZeroOptimizer``). Others raise :class:`ConfigError` naming the class.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -79,6 +82,17 @@ class _Group:
     # per state param: list of (param name, param shape, start, end, flat offset) -- the flat range
     # [start, end) of the param held at ``flat offset`` of the state tensor
     spans: list[list[tuple[str, tuple[int, ...], int, int, int]]] = field(default_factory=list)
+    # per state param, when not described by spans: (state key, tensor) -> its shards (ZeRO-1 shares of cells)
+    views: list[Optional[Callable[[str, torch.Tensor], list[TensorShard]]]] = field(default_factory=list)
+
+
+def _cell_views(part: Any, shapes: dict, key: str, t: torch.Tensor) -> list[TensorShard]:
+    """Shards of a ZeRO-1 share: ``t`` holds elements ``[part.start, part.end)`` of the concatenation
+    of the flattened cells of ``part`` (each a region of its global tensor)."""
+    cells = part.cells
+    return shards_from_flat([optim_name(key, c.name) for c in cells], [shapes[c.name] for c in cells],
+                            [c.region.sizes for c in cells], [[Piece(Region.full(c.region.sizes), c.region)] for c in cells],
+                            t.reshape(-1), part.start, part.end)
 
 
 def _is_zero(opt: Any) -> bool:
@@ -106,7 +120,25 @@ def _groups(engine: Any) -> list[_Group]:
     opt = engine.optimizer
     names = _param_names(engine)
     out = []
-    if _is_zero(opt):
+    zero = getattr(engine, "elastor_zero", None)
+    if zero is not None:  # ZeRO-1 across heterogeneous replicas: shares of cells, and local params whole
+        rt = engine.elastor_runtime
+        for gi, g in enumerate(base_optimizer(engine).param_groups):
+            grp = _Group(g, [], [], [])
+            for part, sh in zip(zero.parts, zero.shards):
+                if part.group == gi:
+                    grp.state_params.append(sh)
+                    grp.spans.append([])
+                    grp.views.append(lambda key, t, part=part: _cell_views(part, rt.shapes, key, t))
+            ids = {id(p) for p in g["params"]}
+            for n in zero.local_names:
+                p = rt.params[n]
+                if id(p) in ids:
+                    grp.state_params.append(p)
+                    grp.spans.append([(names[id(p)], tuple(p.shape), 0, p.numel(), 0)])
+                    grp.views.append(None)
+            out.append(grp)
+    elif _is_zero(opt):
         import deepspeed.comm as dist
         offsets_attr = getattr(opt, "round_robin_bit16_offsets", None)
         for i, flat in enumerate(opt.single_partition_of_fp32_groups):
@@ -181,9 +213,13 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
     opt = base_optimizer(engine)
     out: list[TensorShard] = []
     for g in _groups(engine):
-        for sp, spans in zip(g.state_params, g.spans):
+        for i, (sp, spans) in enumerate(zip(g.state_params, g.spans)):
+            view = g.views[i] if g.views and g.views[i] is not None else None
+
+            def mk(key: str, t: torch.Tensor, view=view, spans=spans) -> list[TensorShard]:
+                return view(key, t) if view is not None else _views(engine, key, t, spans)
             if include_master:
-                out.extend(_views(engine, MASTER, sp.data, spans))
+                out.extend(mk(MASTER, sp.data))
             st = opt.state[sp]
             if state_keys is not None:
                 for k in state_keys:
@@ -193,7 +229,7 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
                 v = st[k]
                 per_element = isinstance(v, torch.Tensor) and v.numel() == sp.numel()
                 if per_element and (v.numel() > 1 or (state_keys is not None and k in state_keys)):
-                    out.extend(_views(engine, k, v, spans))
+                    out.extend(mk(k, v))
     return out
 
 
