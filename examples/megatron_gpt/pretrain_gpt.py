@@ -14,8 +14,8 @@ RNG and the data position. ``--elastor-plan plan.json`` runs any valid plan docu
 planner's JSON, ``version: 1``): replicas with different stage counts and layer splits, TP degrees
 that differ between replicas and between the stages of one replica, and micro-batches per replica
 (heterogeneous plans run one DeepSpeed PipelineEngine per replica on the heterogeneous runtime,
-ZeRO-0). ``--elastor-plan auto`` asks the planner for the best plan that uses exactly the launched
-processes, searching heterogeneous plans too (``--elastor-layouts uniform`` restricts it), priced with
+ZeRO-1 by default: the optimizer state of every block sharded among the ranks that hold it).
+``--elastor-plan auto`` asks the planner for the best plan that uses exactly the launched processes, searching heterogeneous plans too (``--elastor-layouts uniform`` restricts it), priced with
 the per-layer profile this trainer measured in an earlier run (``<save>/profile.json``, written after
 ``--profile-iters`` timed iterations, in ``elastor plan --profile`` format) when there is one.
 Bad plans exit 2 before any work, with the numbers (devices vs world size, layer coverage,
