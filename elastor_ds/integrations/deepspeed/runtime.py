@@ -241,7 +241,7 @@ class ElastorCheckpointer:
 
     def _resumed(self, res: LoadResult, tier: str) -> LoadResult:
         self._restore_extra(res)
-        hook = getattr(eng, "elastor_weights_loaded", None)
+        hook = getattr(self.engine, "elastor_weights_loaded", None)
         if hook is not None:  # e.g. the heterogeneous runtime's ZeRO-1 shares follow the loaded weights
             hook()
         self.loaded = res
