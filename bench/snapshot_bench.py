@@ -1,0 +1,332 @@
+"""Memory snapshots (issue 13) side by side in one run: restore from memory vs from storage under a
+reshard, host memory vs bytes written, step overhead on the example trainer, lost iterations per failure.
+
+Rows (ratios are within this run):
+  restore   ``--world`` gloo ranks save a row-sharded state (``--mib-per-rank`` each) as a memory
+            snapshot (node-local engine on /dev/shm, no fsync) and a storage checkpoint (``--storage``,
+            fsync); then every rank restores a column-sharded layout (strided reads, every byte
+            CRC-checked) from memory (bytes from storage must be 0), from storage cold (its files
+            dropped from the page cache with fadvise) and from storage warm. Slowest rank's time.
+  memory    per snapshot: bytes written (all ranks), peak bytes under the memory root while
+            snapshotting ``--snapshots`` times with keep=1, and growth of the workers' peak RSS
+            (the staging buffer) -- both as multiples of the bytes written.
+  overhead  the example trainer (torchrun, ``--trainer-procs`` processes, a model sized by
+            ``--hidden``) with and without ``--elastor-memory-snapshot-interval 1``, alternated
+            A/B/A/B; median iteration time after warm-up; goal <= 5 %.
+  lost      ``elastor run`` on the example trainer, a worker SIGKILLed at iteration ``--kill-at``:
+            iterations lost (last logged before the kill - step resumed from) with memory snapshots
+            every iteration vs storage checkpoints every ``--storage-interval`` only.
+
+    python bench/snapshot_bench.py            # all rows; --rows restore,memory to pick
+Writes bench/results/snapshot_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
+COLS = 4096
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _evict(path: str) -> None:
+    """Drop ``path``'s files from the page cache (fadvise; the rest of the machine is left alone)."""
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _tree_bytes(path: str) -> int:
+    n = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                n += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- engine rows
+def _engine_worker(rank: int, world: int, port: int, args, mem_dir: str, storage: str, out: str) -> None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from elastor_ds.checkpoint import CheckpointEngine
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.checkpoint.sources import LOCAL_MEMORY, STORAGE, DirSource
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.layout.region import Region
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    rows_per_rank = max(1, args.mib_per_rank * 2 ** 20 // (4 * COLS * args.tensors))
+    rows = rows_per_rank * world
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(rows_per_rank, COLS, generator=g) for _ in range(args.tensors)]
+    saved = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_per_rank, 0), (rows_per_rank, COLS)), t)
+             for i, t in enumerate(local)]
+    comm = TorchComm.create(600)
+    mem_root = os.path.join(mem_dir, "local")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mem = CheckpointEngine(mem_root, comm, keep=1, fsync=False, node_local=True)
+    sto = CheckpointEngine(storage, TorchComm.create(600), keep=1)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _tree_bytes(mem_root))
+            time.sleep(0.002)
+    sampler = threading.Thread(target=sample, daemon=True) if rank == 0 else None
+    if sampler:
+        sampler.start()
+    written = 0
+    for step in range(1, args.snapshots + 1):
+        for t in local:
+            t.add_(1.0)          # new values each time
+        st = mem.save(step, saved)
+        written = st.bytes_written
+    mem.finalize()
+    if sampler:
+        stop.set()
+        sampler.join()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sto.save(args.snapshots, saved)
+    sto.finalize()
+    comm.barrier()
+    cols = COLS // world
+
+    def dst():
+        ts = [torch.empty(rows, cols) for _ in range(args.tensors)]
+        return ts, [TensorShard(f"t{i}", (rows, COLS), Region((0, rank * cols), (rows, cols)), t)
+                    for i, t in enumerate(ts)]
+
+    def timed(fn):
+        comm.barrier()
+        t0 = time.perf_counter()
+        res = fn()
+        dt = time.perf_counter() - t0
+        return res, max(comm.all_gather_object(dt))
+    results = {}
+    a, sh = dst()
+    res, results["memory_s"] = timed(lambda: mem.load(mem_root, sh, sources=lambda d, m: [DirSource(d, LOCAL_MEMORY)]))
+    mem_bytes = res.bytes_by_source
+    if rank == 0:
+        _evict(storage)
+    comm.barrier()
+    b, sh = dst()
+    res, results["storage_cold_s"] = timed(lambda: sto.load(storage, sh))
+    c, sh = dst()
+    _, results["storage_warm_s"] = timed(lambda: sto.load(storage, sh))
+    same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+    agg = comm.all_gather_object({"written": written, "rss_growth": rss1 - rss0, "mem_bytes": mem_bytes,
+                                  "storage_bytes": res.bytes_read, "same": same})
+    if rank == 0:
+        total_written = sum(x["written"] for x in agg)
+        doc = {
+            "world": world, "mib_per_rank": args.mib_per_rank, "snapshots": args.snapshots,
+            "bytes_written_per_snapshot": total_written,
+            "restore_memory_s": results["memory_s"], "restore_storage_cold_s": results["storage_cold_s"],
+            "restore_storage_warm_s": results["storage_warm_s"],
+            "memory_vs_storage_cold": results["memory_s"] / results["storage_cold_s"],
+            "memory_vs_storage_warm": results["memory_s"] / results["storage_warm_s"],
+            "memory_restore_storage_bytes": sum(x["mem_bytes"].get(STORAGE, 0) for x in agg),
+            "memory_restore_memory_bytes": sum(x["mem_bytes"].get(LOCAL_MEMORY, 0) for x in agg),
+            "bitwise_equal_memory_vs_storage": all(x["same"] for x in agg),
+            "peak_tmpfs_bytes_over_written": peak[0] / total_written,
+            "rss_growth_over_rank_written": statistics.median(x["rss_growth"] / max(1, x["written"]) for x in agg),
+            "committed_steps_left": len(commit_mod.list_committed(mem_root)),
+        }
+        with open(out, "w") as f:
+            json.dump(doc, f)
+    dist.destroy_process_group()
+
+
+def engine_rows(args) -> dict:
+    import torch.multiprocessing as mp
+    mem_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                           f"elastor-bench-{uuid.uuid4().hex[:8]}")
+    work = tempfile.mkdtemp(prefix="snapshot_bench_", dir=args.storage)
+    out = os.path.join(work, "engine.json")
+    try:
+        mp.start_processes(_engine_worker, args=(args.world, _free_port(), args, mem_dir, os.path.join(work, "ckpt"),
+                                                 out), nprocs=args.world, join=True, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(mem_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- trainer rows
+MODEL = ["--num-layers", "4", "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "128",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "2", "--log-interval", "100"]
+
+
+def _env(extra=None) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+                **(extra or {}))
+
+
+def _metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _train(args, work: str, name: str, snapshots: bool) -> list[float]:
+    metrics = os.path.join(work, f"{name}.jsonl")
+    snap = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.trainer_procs}",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", TRAINER, *MODEL, "--hidden-size",
+           str(args.hidden), "--train-iters", str(args.iters), "--save", os.path.join(work, f"{name}_ckpt"),
+           "--save-interval", "0", "--profile-iters", "0", "--metrics-file", metrics]
+    if snapshots:
+        cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
+    try:
+        p = subprocess.run(cmd, env=_env({"ELASTOR_SNAPSHOT_DIR": snap}), capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    finally:
+        shutil.rmtree(snap, ignore_errors=True)
+    recs = _metrics(metrics)
+    return [r["iter_time_s"] for r in recs if r["iteration"] > 3]
+
+
+def overhead_rows(args) -> dict:
+    work = tempfile.mkdtemp(prefix="snapshot_bench_train_", dir=args.storage)
+    try:
+        base, snap = [], []
+        for i in range(2):
+            base += _train(args, work, f"base{i}", False)
+            snap += _train(args, work, f"snap{i}", True)
+        b, s = statistics.median(base), statistics.median(snap)
+        return {"trainer_procs": args.trainer_procs, "hidden": args.hidden, "iters_per_run": args.iters,
+                "median_iter_s_without": b, "median_iter_s_with_snapshots": s, "step_overhead": s / b - 1}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _lost_run(args, work: str, name: str, memory: bool) -> dict:
+    metrics = os.path.join(work, f"{name}.jsonl")
+    events = os.path.join(work, f"{name}_events.jsonl")
+    cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", "2", "--on-failure", "restart",
+           "--max-restarts", "2", "--events", events, TRAINER, *MODEL, "--hidden-size", "64", "--train-iters",
+           str(args.kill_at + 3), "--save", os.path.join(work, f"{name}_ckpt"), "--load",
+           os.path.join(work, f"{name}_ckpt"), "--save-interval", str(args.storage_interval), "--metrics-file", metrics,
+           "--profile-iters", "0", "--log-interval", "1"]
+    if memory:
+        cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
+    out = open(os.path.join(work, f"{name}.out"), "w")
+    proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
+    try:
+        import psutil
+        t_end = time.time() + 600
+        while time.time() < t_end:
+            recs = _metrics(metrics)
+            if recs and recs[-1]["iteration"] >= args.kill_at:
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"elastor run exited early ({proc.returncode})")
+            time.sleep(0.02)
+        last = _metrics(metrics)[-1]["iteration"]
+        kids = [c for c in psutil.Process(proc.pid).children() if "ELASTOR_HEARTBEAT_DIR" in c.environ()]
+        kids[0].send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=600)
+        if rc != 0:
+            raise RuntimeError(f"elastor run failed ({rc})")
+        starts = [e for e in _metrics(events) if e.get("event") == "worker_started"]
+        restores = [e for e in _metrics(events) if e.get("event") == "restore"]
+        resumed = starts[-1]["resumed_from"]
+        return {"last_logged_before_kill": last, "resumed_from": resumed, "lost_iterations": last - resumed,
+                "restore": restores[-1] if restores else None}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        out.close()
+
+
+def lost_rows(args) -> dict:
+    work = tempfile.mkdtemp(prefix="snapshot_bench_lost_", dir=args.storage)
+    try:
+        return {"memory_every_iteration": _lost_run(args, work, "mem", True),
+                f"storage_every_{args.storage_interval}": _lost_run(args, work, "storage", False)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="restore,overhead,lost", help="comma-separated: restore (includes memory), "
+                   "overhead, lost")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--mib-per-rank", type=int, default=64)
+    p.add_argument("--tensors", type=int, default=4)
+    p.add_argument("--snapshots", type=int, default=5)
+    p.add_argument("--storage", default=os.path.join(HERE, "results"), help="a directory on the storage disk")
+    p.add_argument("--trainer-procs", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--kill-at", type=int, default=7)
+    p.add_argument("--storage-interval", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))
+    args = p.parse_args()
+    os.makedirs(args.storage, exist_ok=True)
+    rows = set(args.rows.split(","))
+    doc: dict = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "load_average": os.getloadavg()}
+    if "restore" in rows:
+        doc["restore"] = engine_rows(args)
+        print(json.dumps({"restore": doc["restore"]}, indent=1), flush=True)
+    if "overhead" in rows:
+        doc["overhead"] = overhead_rows(args)
+        print(json.dumps({"overhead": doc["overhead"]}, indent=1), flush=True)
+    if "lost" in rows:
+        doc["lost"] = lost_rows(args)
+        print(json.dumps({"lost": doc["lost"]}, indent=1), flush=True)
+    doc["load_average_end"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
