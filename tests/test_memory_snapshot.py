@@ -281,3 +281,36 @@ def test_budget_too_small_exits_2_before_training(tmp_path, snap_dir):
     assert "Traceback" not in p.stderr
     assert not metrics.exists() or metrics.read_text() == ""
     assert not os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_unusable_snapshot_without_a_storage_twin_falls_back_to_storages_newest(tmp_path, snap_dir, reference):
+    """Memory holds step 3 (storage only step 2) and a byte of it is flipped: no other holder has that
+    file, so the memory restore fails on a rank and every rank loads storage's step 2 (logged); the
+    losses still equal the uninterrupted run's."""
+    env = _env_plain(snap_dir)
+    metrics = str(tmp_path / "m.jsonl")
+
+    def torchrun(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", TRAINER, *MODEL, "--train-iters", str(ITERS), "--save",
+               str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--save-interval", "2", "--metrics-file",
+               metrics, "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    p = torchrun("--exit-after-iters", "3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(snap_dir, "local"))) == ["latest", "step_000000003"]
+    _flip_middle_byte(os.path.join(snap_dir, "local", "step_000000003", "data_00001.safetensors"))
+    env["ELASTOR_EVENTS_FILE"] = str(tmp_path / "events.jsonl")
+    p = torchrun()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "memory snapshot of step 3 is unusable" in p.stderr and "restoring from storage instead" in p.stderr
+    (r,) = [e for e in read_jsonl(str(tmp_path / "events.jsonl")) if e.get("event") == "restore"]
+    assert r["tier"] == "storage" and r["step"] == 2 and r["bytes"]["storage"] > 0, r
+    assert _final_losses(read_jsonl(metrics)) == reference
+
+
+def _env_plain(snap_dir: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+               ELASTOR_SNAPSHOT_DIR=snap_dir)
+    env.pop("ELASTOR_EVENTS_FILE", None)
+    return env
