@@ -19,7 +19,7 @@ MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4
 
 class Job:
     def __init__(self, tmp, nproc: int, iters: int, save_interval: int, ctl_args=(), name="job", metrics=None,
-                 ckpt=None):
+                 ckpt=None, trainer_args=()):
         self.dir = str(tmp)
         self.metrics = metrics or os.path.join(self.dir, "metrics.jsonl")
         self.ckpt = ckpt or os.path.join(self.dir, "ckpt")
@@ -28,7 +28,7 @@ class Job:
         cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", str(nproc), "--events", self.events,
                "--monitor-interval", "0.1", *ctl_args, TRAINER, *MODEL, "--train-iters", str(iters),
                "--save", self.ckpt, "--load", self.ckpt, "--save-interval", str(save_interval),
-               "--metrics-file", self.metrics]
+               "--metrics-file", self.metrics, *trainer_args]
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
                                      start_new_session=True)
@@ -56,16 +56,19 @@ class Job:
         raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-5000:]}")
 
     def workers(self) -> dict[int, int]:
-        """global rank -> pid of this controller's live workers (its direct children: a worker's own
-        helper processes, e.g. the data loader's, inherit RANK too)."""
+        """global rank -> pid of this controller's live workers, from its latest ``launch`` event
+        (a standby worker's /proc environment is the one it was spawned with, not its rank's)."""
         import psutil
+        launches = [e for e in self.event_list() if e["event"] == "launch"]
+        if not launches:
+            return {}
         out = {}
-        for c in psutil.Process(self.proc.pid).children(recursive=False):
+        for rank, pid in zip(launches[-1]["global_ranks"], launches[-1]["pids"]):
             try:
-                env = c.environ()
-                if "ELASTOR_HEARTBEAT_DIR" in env and c.status() != psutil.STATUS_ZOMBIE:
-                    out[int(env["RANK"])] = c.pid
-            except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                p = psutil.Process(pid)
+                if p.ppid() == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out[int(rank)] = pid
+            except psutil.NoSuchProcess:
                 continue
         return out
 
@@ -77,6 +80,15 @@ class Job:
                                 "signal": signal.Signals(sig).name}) + "\n")
         return pid
 
+    def standby_ready(self) -> int:
+        """How many standby workers of this controller have finished their imports."""
+        path = os.path.join(self.dir, os.path.basename(self.events).replace(".jsonl", "_logs"), "standby",
+                            "standby.log")
+        if not os.path.exists(path):
+            return 0
+        with open(path, errors="replace") as f:
+            return f.read().count("] ready:")
+
     def wait(self, timeout: float = 300) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -86,10 +98,15 @@ class Job:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            for pid in self.workers().values():
+            import psutil
+            try:   # workers and standbys are the controller's children, each in its own session
+                kids = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                kids = []
+            for c in kids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    c.kill()
+                except psutil.NoSuchProcess:
                     pass
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()

@@ -50,6 +50,47 @@ def test_shrink_without_culprit_restarts_same_devices_and_restart_policy_keeps_s
     assert d.devices == (0, 1) and d.lost == ()
 
 
+def test_one_failure_event_is_one_restart_for_the_job():
+    """Two nodes' agents report the same round's failure (node B's workers died because node A's
+    did): only the first report counts; the job count lives in the rendezvous's store, so it is
+    the same on both nodes, and only the counting node checks the budget."""
+    import torch.distributed as dist
+
+    from elastor_ds.elastic.ledger import FailureLedger
+    job = dist.HashStore()
+    a, b = FailureLedger("A", job, "run"), FailureLedger("B", job, "run")
+    r1 = dist.PrefixStore("round1", job)
+    ca, cb = a.claim(r1), b.claim(r1)
+    assert (ca.primary, ca.by, ca.failures) == (True, "A", 1)
+    assert (cb.primary, cb.by, cb.failures) == (False, "A", 1)        # collateral: not a second failure
+    assert b.claim(r1) == cb                                          # asking again changes nothing
+    r2 = dist.PrefixStore("round2", job)
+    cb2, ca2 = b.claim(r2), a.claim(r2)                               # next round, B reports first
+    assert (cb2.primary, cb2.failures) == (True, 2) and (ca2.primary, ca2.by, ca2.failures) == (False, "B", 2)
+    assert FailureLedger("C", dist.HashStore(), "other").claim(dist.PrefixStore("round1", job)).primary is False
+    # the budget: the collateral node relaunches (not counted) even when the count reached the limit;
+    # the counting node stops
+    book = DeviceBook((0, 1))
+    outs = [W(0, rc=1), W(1, rc=None)]
+    d = decide_after_failure(OnFailure.SHRINK, book, outs, restarts_used=1, max_restarts=1, collateral_of="A")
+    assert d.action is Action.RELAUNCH and not d.counts_as_restart and "collateral of the failure on A" in d.reason
+    d = decide_after_failure(OnFailure.SHRINK, book, outs, restarts_used=1, max_restarts=1)
+    assert d.action is Action.STOP and "--max-restarts 1 exhausted" in d.reason
+    d = decide_after_failure(OnFailure.SHRINK, book, outs, restarts_used=0, max_restarts=1)
+    assert d.action is Action.RELAUNCH and d.counts_as_restart
+    # without a store (another backend): each node counts its own reports
+    solo = FailureLedger("S")
+    assert [solo.claim(None).failures for _ in range(2)] == [1, 2]
+
+
+def test_procs_per_node_prefers_the_controllers_list():
+    from elastor_ds.elastic.protocol import node_of_rank, procs_per_node
+    assert procs_per_node({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "ELASTOR_PROCS_PER_NODE": "2,1"}) == [2, 1]
+    assert procs_per_node({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1"}) == [1, 1, 1]
+    assert procs_per_node({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == [4, 4]
+    assert node_of_rank([2, 1]) == [0, 0, 1] and node_of_rank([1, 3]) == [0, 1, 1, 1]
+
+
 def test_probe_uses_probe_results_and_falls_back_to_shrink_without_them():
     book = DeviceBook((0, 1, 2, 3))
     outs = [W(0, 1), W(1, -9), W(2), W(3)]
@@ -107,11 +148,12 @@ def test_recovery_breakdown_from_events(tmp_path):
     log.emit("rendezvous", time=T + 20.8)
     log.emit("launch", time=T + 21.0, round=1, world_size=3)
     s2 = {k: v + 20.0 for k, v in started.items()}
-    log.emit("worker_started", time=T + 24.5, world_size=3, layout="B", resumed_from=6, **s2)
+    log.emit("worker_started", time=T + 24.5, world_size=3, layout="B", resumed_from=6, launch_mode="standby-warm",
+             **s2)
     log.emit("finished", time=T + 40.0)
     metrics = [{"iteration": i, "time": T + 4.5 + i, "iter_time_s": 1.0, "lm_loss": 1.0, "consumed_samples": 4 * i}
                for i in range(1, 9)]   # iterations 1..8 done before the failure at T+20.5 (8 at T+12.5)
-    metrics += [{"iteration": i, "time": T + 24.5 + (i - 6), "iter_time_s": 1.0, "lm_loss": 1.0,
+    metrics += [{"iteration": i, "time": T + 24.5 + (i - 6) * 0.75, "iter_time_s": 0.75, "lm_loss": 1.0,
                  "consumed_samples": 4 * i} for i in range(7, 12)]
     ev = read_jsonl(path)
     assert len(ev) == 9 and ev[0]["node"] == "n0"
@@ -123,6 +165,7 @@ def test_recovery_breakdown_from_events(tmp_path):
     assert r.parts["start-up"] == pytest.approx(1.8 + 0.5)
     assert r.parts["planning"] == pytest.approx(0.25) and r.parts["build+load"] == pytest.approx(0.75)
     assert r.total_s == pytest.approx(4.5)
+    assert r.parts["first iter"] == pytest.approx(0.75) and r.launch_mode == "standby-warm"
     ph = phases(ev, metrics)
     assert [(p.world_size, p.layout, p.first_iteration, p.last_iteration) for p in ph] == [(4, "A", 1, 8), (3, "B", 7, 11)]
     assert ph[0].ended_by == "failure" and ph[1].ended_by == "finished"

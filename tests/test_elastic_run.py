@@ -135,7 +135,9 @@ def test_sigstopped_worker_is_a_hang_and_is_dropped(tmp_path):
 
 
 def test_max_restarts_exhausted_exits_1(tmp_path):
-    job = Job(tmp_path, nproc=2, iters=200, save_interval=5, ctl_args=["--on-failure", "shrink", "--max-restarts", "0"])
+    # --no-standby: torch's own spawn path (the other tests run the default, standby workers)
+    job = Job(tmp_path, nproc=2, iters=200, save_interval=5,
+              ctl_args=["--on-failure", "shrink", "--max-restarts", "0", "--no-standby"])
     try:
         job.wait_for(lambda r: last_iteration(r) >= 2, what="iteration 2")
         job.signal_worker(1, signal.SIGKILL)
@@ -144,7 +146,9 @@ def test_max_restarts_exhausted_exits_1(tmp_path):
         job.kill()
     out = job.output()
     assert "--max-restarts 0 exhausted" in out and "Traceback" not in out.split("[default")[0]
-    assert kinds(job.event_list())[-1] == "stopped"
+    ev = job.event_list()
+    assert kinds(ev)[-1] == "stopped" and "standby" not in kinds(ev)
+    assert [e["launch_mode"] for e in ev if e["event"] == "worker_started"] == ["spawn"]
 
 
 def test_infeasible_shrink_stops_with_the_planners_message(tmp_path):
@@ -187,7 +191,7 @@ def test_two_controllers_as_two_nodes(tmp_path):
     port = free_port()
     iters = 12
     common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t2n",
-              "--on-failure", "shrink", "--rdzv-conf", "join_timeout=120,last_call_timeout=1"]
+              "--on-failure", "shrink", "--rdzv-conf", "join_timeout=120,last_call_timeout=1", "--max-restarts", "1"]
     metrics, ckpt = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt")
     a = Job(tmp_path, nproc=2, iters=iters, save_interval=3, ctl_args=common, name="nodeA", metrics=metrics, ckpt=ckpt)
     b = Job(tmp_path, nproc=1, iters=iters, save_interval=3, ctl_args=common, name="nodeB", metrics=metrics, ckpt=ckpt)
@@ -207,6 +211,20 @@ def test_two_controllers_as_two_nodes(tmp_path):
     lb = [e for e in b.event_list() if e["event"] == "launch"]
     assert [e["world_size"] for e in la] == [3, 2] and [e["world_size"] for e in lb] == [3, 2]
     assert sorted(la[-1]["procs_per_node"]) == [1, 1] and sorted(la[0]["procs_per_node"]) == [1, 2]
+    # one fault, one restart: both nodes saw their group fail (B's workers lost their peer), but the
+    # round's failure is charged to one node only; the job's count is 1 on both, so --max-restarts 1
+    # is not exhausted and no node stopped
+    fa = [e for e in a.event_list() if e["event"] == "failure"]
+    fb = [e for e in b.event_list() if e["event"] == "failure"]
+    assert len(fa) == 1 and len(fb) == 1, (fa, fb)
+    assert [e["job_failures"] for e in fa + fb] == [1, 1]
+    primary = [e for e in fa + fb if e["collateral_of"] is None]
+    collateral = [e for e in fa + fb if e["collateral_of"] is not None]
+    assert len(primary) == 1 and len(collateral) == 1 and collateral[0]["collateral_of"] == primary[0]["node"]
+    decisions = [e for e in a.event_list() + b.event_list() if e["event"] == "decision"]
+    assert sorted(d["counted"] for d in decisions) == [False, True], decisions
+    assert all(d["action"] == "relaunch" for d in decisions)
+    assert next(d for d in decisions if not d["counted"])["lost"] == []   # the collateral node lost no device
 
 
 def test_gpu_probe_fails_cleanly_without_a_gpu():
@@ -234,3 +252,102 @@ def test_sigterm_while_waiting_for_other_nodes_exits_0_at_once(tmp_path):
     ev = job.event_list()
     assert ev[-1]["event"] == "preempted" and ev[-1]["during"] == "rendezvous"
     assert not any(e["event"] == "launch" for e in ev)
+
+
+def test_uneven_nodes_run_a_plan_whose_tp_group_fills_the_larger_node(tmp_path):
+    """Two controllers with 2 and 1 processes and a heterogeneous plan: a TP2 replica on ranks 0, 1
+    (the 2-process node) beside a TP1 replica on rank 2. Each worker checks that no TP group spans
+    nodes; on the 1-process node LOCAL_WORLD_SIZE is 1, so the node map must come from the
+    controller's ELASTOR_PROCS_PER_NODE (from LOCAL_WORLD_SIZE that node would see ranks 0 and 1
+    on two nodes and reject the plan)."""
+    from dist_utils import free_port
+    plan = {"version": 1, "replicas": [{"micro_batches": 3, "stages": [{"tp": 2, "layers": [0, 3]}]},
+                                       {"micro_batches": 1, "stages": [{"tp": 1, "layers": [0, 3]}]}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "uneven",
+              "--rdzv-conf", "join_timeout=120,last_call_timeout=1", "--no-standby"]
+    metrics, ckpt = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt")
+    trainer = ["--elastor-plan", str(path)]
+    a = Job(tmp_path, nproc=2, iters=3, save_interval=3, ctl_args=common, name="big", metrics=metrics, ckpt=ckpt,
+            trainer_args=trainer)
+    time.sleep(1.0)   # node order follows the agents' pids: the 2-process node is started first (node 0)
+    b = Job(tmp_path, nproc=1, iters=3, save_interval=3, ctl_args=common, name="small", metrics=metrics, ckpt=ckpt,
+            trainer_args=trainer)
+    try:
+        ra, rb = a.wait(), b.wait()
+    finally:
+        a.kill()
+        b.kill()
+    launch = next(e for e in a.event_list() if e["event"] == "launch")
+    if launch["procs_per_node"] != [2, 1]:
+        pytest.skip(f"the 1-process node became node 0 ({launch['procs_per_node']}): pid order wrapped")
+    assert (ra, rb) == (0, 0), a.output()[-3000:] + b.output()[-3000:]
+    recs = a.records()
+    assert [r["iteration"] for r in recs] == [1, 2, 3] and {r["world_size"] for r in recs} == {3}
+    assert recs[0]["plan_source"] == "file" and "tp2" in recs[0]["layout"], recs[0]["layout"]
+
+
+def test_relaunch_takes_warm_standby_workers(tmp_path):
+    """The default launcher: after a failure the relaunch's workers are standbys that had done their
+    imports (warm), fresh processes (none of the failed round's survives), with per-rank logs in a
+    folder of their own, and they take signals and exit codes as spawned workers do (SIGTERM:
+    checkpoint, exit 0). No standby outlives the controller."""
+    import psutil
+    job = Job(tmp_path, nproc=2, iters=400, save_interval=4, ctl_args=["--on-failure", "restart"])
+    try:
+        job.wait_for(lambda r: last_iteration(r) >= 2, what="iteration 2")
+        t_end = time.time() + 240
+        while job.standby_ready() < 4:   # 2 for the first launch, then 2 spare ones
+            assert time.time() < t_end and job.proc.poll() is None, job.output()[-3000:]
+            time.sleep(0.2)
+        job.signal_worker(1, signal.SIGKILL)
+        def trained_after_relaunch(r):
+            st = [e for e in job.event_list() if e["event"] == "worker_started"]
+            return len(st) == 2 and r[-1]["time"] > st[1]["time"] and last_iteration(r) >= st[1]["resumed_from"] + 2
+        job.wait_for(trained_after_relaunch, what="2 iterations after the relaunch")
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.kill()
+    ev = job.event_list()
+    launches = [e for e in ev if e["event"] == "launch"]
+    assert len(launches) == 2 and launches[1]["launch_modes"] == ["standby-warm", "standby-warm"], launches
+    started = [e for e in ev if e["event"] == "worker_started"]
+    assert started[1]["launch_mode"] == "standby-warm"
+    assert started[1]["t_standby_spawn"] < started[1]["t_standby_ready"] <= started[1]["t_process_start"]
+    assert not set(launches[0]["pids"]) & set(launches[1]["pids"])
+    spawned = [p for e in ev if e["event"] == "standby" for p in e["pids"]]
+    assert set(launches[1]["pids"]) <= set(spawned)
+    assert not [p for p in spawned + launches[0]["pids"] if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # one log folder per launch; the relaunched rank 0 logged its own resume there
+    logs = os.path.join(str(tmp_path), "job_events_logs")
+    run_dir = next(d for d in os.listdir(logs) if os.path.isdir(os.path.join(logs, d, "attempt_0")))
+    att = sorted(os.listdir(os.path.join(logs, run_dir)))
+    assert att == ["attempt_0", "attempt_1"], att
+    with open(os.path.join(logs, run_dir, "attempt_1", "0", "stderr.log")) as f:
+        text = f.read()
+    assert f"starting at iteration {started[1]['resumed_from']}" in text
+    assert "preempted" in kinds(ev) and "stopped" not in kinds(ev)
+
+
+def test_standby_that_loaded_cuda_is_used_only_for_the_same_devices(tmp_path):
+    """A standby whose imports loaded the CUDA driver has read CUDA_VISIBLE_DEVICES already: the pool
+    hands it only to an assignment with the same value, else retires (kills) it."""
+    from elastor_ds.elastic.standby import Standby, StandbyPool
+    from elastor_ds.elastic.standby_main import libcuda_mapped
+    assert not libcuda_mapped()   # this CPU test process
+    pool = StandbyPool(size=0, folder=str(tmp_path / "sb"))
+
+    def fake(visible):
+        p = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE, start_new_session=True)
+        return Standby(p, -1, time.time(), visible, state="cuda")
+    a, b = fake("0,1"), fake("0,1,2")
+    pool.idle = [a, b]
+    assert pool.take("0,1,2") is b
+    assert a.proc.poll() is not None and pool.idle == []   # retired: the driver saw devices 0,1 only
+    pool.idle = [b]
+    assert pool.take("0,1,2") is b
+    b.retire()
+    pool.close()

@@ -123,7 +123,8 @@ def test_bad_plans_rejected_with_numbers(tmp_path, monkeypatch):
                                                              r"2 = 6 != --global-batch-size 8"),
         (plan((3, [(4, (0, 4))]), (1, [(1, (0, 4))])), 5, [], r"TP 4 does not divide --num-query-groups 2"),
         (plan((1, [(1, (0, 1)), (1, (1, 4))]), (3, [(2, (0, 4))])), 4, [],
-         r"replica 1 stage 0 \(TP 2, layers \[0, 4\)\) spans nodes \[0, 1\] \(ranks \[2, 3\], 3 processes per node"),
+         r"replica 1 stage 0 \(TP 2, layers \[0, 4\)\) spans nodes \[0, 1\] \(ranks \[2, 3\]; processes per node "
+         r"\[3, 1\] from LOCAL_WORLD_SIZE"),
         (A, 3, ["--deepspeed_config", write(tmp_path / "z2.json", {"zero_optimization": {"stage": 2}})],
          r"zero_optimization.stage=2 in .*z2.json with heterogeneous plan .* run ZeRO-1 at most .* use stage 1 or 0"),
     ]
@@ -132,6 +133,18 @@ def test_bad_plans_rejected_with_numbers(tmp_path, monkeypatch):
         with pytest.raises((pretrain_gpt.UsageError, ElastorError), match=msg):
             derive(doc, world, *extra)
     assert derive(A, 3)["hetero"] and derive(A, 3)["zero_stage"] == 1 and derive(A, 3, "--zero-stage", "0")["zero_stage"] == 0
+    # uneven nodes under `elastor run` (2 + 1 processes): on the 1-process node LOCAL_WORLD_SIZE is 1, the
+    # node map comes from ELASTOR_PROCS_PER_NODE. A's TP2 replica (ranks 0, 1) sits on node 0: accepted on
+    # both nodes; a TP2 replica on ranks 1, 2 spans the two nodes: rejected on both
+    A_swapped = plan((1, [(1, (0, 4))]), (3, [(2, (0, 4))]))
+    monkeypatch.setenv("ELASTOR_PROCS_PER_NODE", "2,1")
+    for local in ("2", "1"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert derive(A, 3)["hetero"]
+        with pytest.raises(pretrain_gpt.UsageError, match=r"spans nodes \[0, 1\] \(ranks \[1, 2\]; processes per node "
+                                                          r"\[2, 1\] from ELASTOR_PROCS_PER_NODE"):
+            derive(A_swapped, 3)
+    monkeypatch.delenv("ELASTOR_PROCS_PER_NODE")
     # the process exits 2 with the message, before touching torch.distributed
     p = subprocess.run([sys.executable, TRAINER, *COMMON, "--elastor-plan", write(tmp_path / "bad.json", B)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE="3"))

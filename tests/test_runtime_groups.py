@@ -191,6 +191,11 @@ def test_deepspeed_auto_plan_from_launch_world(tmp_path):
                        "model": {"hidden_size": 1024, "num_attention_heads": 16, "seq_length": 1024,
                                  "vocab_size": 32000}}}
     assert launch_world({"WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "4"}) == [4, 3]
+    # uneven nodes under `elastor run`: the controller's list wins over this node's LOCAL_WORLD_SIZE
+    assert launch_world({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "ELASTOR_PROCS_PER_NODE": "2,1"}) == [2, 1]
+    assert launch_world({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "ELASTOR_PROCS_PER_NODE": "1,1"}) == [1, 1, 1]
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=0"):
+        launch_world({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "0"})
     for env in ({"WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "4"}, {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}):
         lay = resolve_plan(cfg, num_layers=12, env=env)
         assert lay.world_size == int(env["WORLD_SIZE"]) and lay.num_layers == 12

@@ -17,6 +17,9 @@ The loop (``_invoke_run``), every ``monitor_interval``:
 
 Each relaunch exports the launched world to the workers (``ELASTOR_PROCS_PER_NODE`` read from the
 round's store, where every agent published its local size). Every step is an event record.
+
+Workers come from :mod:`standby` (interpreters that did their imports while the previous round
+trained) unless ``--no-standby``; the rendezvous, ranks, environment and logs stay torch's.
 """
 from __future__ import annotations
 
@@ -37,9 +40,12 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from . import probe as probe_mod
 from .snapshot_server import NodeSnapshots
 from .events import EventKind, EventLog
+from .ledger import FailureLedger
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
                        ENV_ROUND, EXIT_RESIZE, heartbeat_path)
+from .standby import StandbyAgentMixin, StandbyPool
+from .standby_main import DEFAULT_PRELOAD
 
 log = logging.getLogger("elastor.run")
 __all__ = ["ElastorAgent", "RendezvousError", "RunConfig", "build_agent", "node_name"]
@@ -70,6 +76,8 @@ class RunConfig:
     use_gpu: bool = False
     node_name: str = ""
     tee: bool = True
+    standby: bool = True                 # workers from pre-imported standby interpreters (--no-standby: off)
+    standby_preload: tuple[str, ...] = DEFAULT_PRELOAD
 
 
 class _PreemptedInRendezvous(Exception):
@@ -92,12 +100,13 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
-class ElastorAgent(LocalElasticAgent):
+class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, cfg: RunConfig, events: EventLog, book: DeviceBook,
                  logs_specs: DefaultLogsSpecs):
         super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
                          exit_barrier_timeout=cfg.exit_barrier_timeout, shutdown_timeout=int(cfg.shutdown_timeout))
         self.cfg, self.events, self.book = cfg, events, book
+        self.ledger = FailureLedger(cfg.node_name)
         self.round = 0
         self.restarts_used = 0
         self.initial_world: int | None = None
@@ -168,11 +177,15 @@ class ElastorAgent(LocalElasticAgent):
             ids = [self._visible[d] if d < len(self._visible) else str(d) for d in self.devices]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         os.environ.update(env)
+        # torch names the per-rank log folder attempt_<TORCHELASTIC_RESTART_COUNT> (max_restarts minus
+        # its remaining restarts, which this loop never spends): one folder per launch, not one for all
+        self._remaining_restarts = worker_group.spec.max_restarts - self.round
         pids = super()._start_workers(worker_group)
         self.install_signal_handlers()   # the process context installed torch's own handlers
         self.events.emit(EventKind.LAUNCH, round=self.round, world_size=world, procs_per_node=self.procs_per_node,
                          node_rank=worker_group.group_rank, local_world_size=n, devices=list(self.devices),
-                         global_ranks=[w.global_rank for w in worker_group.workers], pids=list(pids.values()))
+                         global_ranks=[w.global_rank for w in worker_group.workers], pids=list(pids.values()),
+                         launch_modes=self.launch_modes())
         log.info("round %d: %d worker(s) on devices %s; world %d = %s per node", self.round, n, list(self.devices),
                  world, self.procs_per_node)
         self.round += 1
@@ -181,6 +194,8 @@ class ElastorAgent(LocalElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self.install_signal_handlers()
         try:
+            if self.standby is not None:   # the first launch's workers import while the rendezvous runs
+                self.standby.fill()
             return self._invoke_run(role)
         except _PreemptedInRendezvous:
             self.events.emit(EventKind.PREEMPTED, stop_s=0.0, during="rendezvous")
@@ -189,6 +204,7 @@ class ElastorAgent(LocalElasticAgent):
         finally:
             self._shutdown(signal.SIGKILL, timeout=5)
             self.snapshots.close()
+            self.close_standby()
 
     # ------------------------------------------------------------------ helpers
     def _handlers(self) -> dict:
@@ -301,6 +317,8 @@ class ElastorAgent(LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             now = time.monotonic()
+            if self.standby is not None:
+                self.standby.tick(self._workers_training())
             if self._force:
                 self._kill_all()
                 return self._stop_job("interrupted twice: workers killed without a final checkpoint", 130)
@@ -366,6 +384,17 @@ class ElastorAgent(LocalElasticAgent):
                 self._stopping = _Stopping("membership", now + self.cfg.shutdown_timeout)
                 self._signal_workers(signal.SIGUSR1)
 
+    def _close_rendezvous(self) -> None:
+        try:
+            self._worker_group.spec.rdzv_handler.shutdown()
+        except Exception as e:  # noqa: BLE001 - stopping anyway; the others time out instead
+            log.warning("could not close the rendezvous for the other nodes: %s", e)
+
+    def _workers_training(self) -> bool:
+        """Every local worker of this round has written a heartbeat (finished an iteration)."""
+        hs = self._handlers()
+        return bool(hs) and all(self._heartbeat(lr)[0] is not None for lr in hs)
+
     def _probe_due(self, now: float) -> bool:
         if not (self.cfg.use_gpu and self.cfg.on_failure is OnFailure.PROBE and self.book.lost):
             return False
@@ -376,11 +405,13 @@ class ElastorAgent(LocalElasticAgent):
 
     def _on_failure(self, wg, outs: list[WorkerOutcome]) -> RunResult | None:
         failed = [o for o in outs if o.failed]
+        claim = self.ledger.claim(wg.store)   # first: the node that reports first is the round's primary
         preempting = self._stopping is not None and self._stopping.kind == "preempt"
         last_hb = [t for t in (self._heartbeat(o.local_rank)[0] for o in failed if o.hung) if t]
         primary = sorted(failed, key=lambda o: (o.cause.value != "signal", o.cause.value != "hang", o.local_rank))[0]
         self.events.emit(EventKind.FAILURE, cause=primary.cause.value, world_size=sum(self.procs_per_node),
-                         last_heartbeat=min(last_hb) if last_hb else None,
+                         last_heartbeat=min(last_hb) if last_hb else None, job_failures=claim.failures,
+                         collateral_of=None if claim.primary else claim.by,
                          ranks=[{"local_rank": o.local_rank, "global_rank": o.global_rank, "device": o.device,
                                  "cause": o.cause.value, "exitcode": o.exitcode, "signal": o.signal_name(),
                                  "stopped": o.stopped} for o in failed])
@@ -399,17 +430,20 @@ class ElastorAgent(LocalElasticAgent):
             probe_ok, pdur = probe_mod.probe_gpus(list(self.book.usable), self.cfg.probe_timeout, self._visible_env)
             self.events.emit(EventKind.PROBE, devices=list(self.book.usable),
                              passed=[d for d, ok in probe_ok.items() if ok], duration_s=pdur, reason="failure")
-        dec = decide_after_failure(self.cfg.on_failure, self.book, outs, self.restarts_used, self.cfg.max_restarts,
-                                   probe_ok)
+        used = claim.failures - 1 if claim.primary else claim.failures   # job failures before this one
+        dec = decide_after_failure(self.cfg.on_failure, self.book, outs, used, self.cfg.max_restarts, probe_ok,
+                                   collateral_of=None if claim.primary else claim.by)
         self.events.emit(EventKind.DECISION, action=dec.action.value, devices=list(dec.devices), lost=list(dec.lost),
-                         reason=dec.reason, restarts_used=self.restarts_used)
+                         reason=dec.reason, restarts_used=used, counted=dec.counts_as_restart)
         if dec.action is Action.STOP:
             err = next((e for e in errors.values() if e), "")
+            if claim.primary and self.cfg.max_nodes > 1 and "--max-restarts" in dec.reason:
+                self._close_rendezvous()   # the job is over: the other nodes must not wait for this one
             return self._stop_job(dec.reason + (f": {err}" if err else ""))
         log.info("%s", dec.reason)
         self.book.lose(dec.lost)
         if dec.counts_as_restart:
-            self.restarts_used += 1
+            self.restarts_used = claim.failures
         self._launch()
         return None
 
@@ -425,7 +459,14 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
                       max_restarts=cfg.max_restarts, monitor_interval=cfg.monitor_interval)
     logs = DefaultLogsSpecs(log_dir=cfg.log_dir, redirects=Std.ALL, tee=Std.ALL if cfg.tee else Std.NONE)
     book = DeviceBook(tuple(range(cfg.nproc_per_node)))
-    return ElastorAgent(spec, cfg, events, book, logs)
+    agent = ElastorAgent(spec, cfg, events, book, logs)
+    # the rendezvous's own store outlives rounds: the job's failure count lives there (c10d backend)
+    agent.ledger = FailureLedger(cfg.node_name, getattr(handler, "_store", None), handler.get_run_id())
+    if cfg.standby:
+        agent.standby = StandbyPool(size=cfg.nproc_per_node, folder=os.path.join(cfg.log_dir, "standby"),
+                                    preload=tuple(cfg.standby_preload), python=spec.entrypoint,
+                                    on_spawn=lambda pids: events.emit(EventKind.STANDBY, pids=pids))
+    return agent
 
 
 def node_name() -> str:

@@ -7,6 +7,8 @@ import os
 import sys
 import uuid
 
+from .standby_main import DEFAULT_PRELOAD   # light: no torch
+
 from ..cli_types import nonnegative_float, positive_float
 from ..errors import ConfigError
 
@@ -113,6 +115,12 @@ def register(sub) -> None:
     a("--snapshot-dir", default=None,
       help="this node's memory-snapshot directory, exported as ELASTOR_SNAPSHOT_DIR (default /dev/shm/elastor-"
            "<rdzv id>-<host>-<pid>); kept across relaunches, removed at the end of the job")
+    a("--standby", action=argparse.BooleanOptionalAction, default=True,
+      help="keep one standby worker per device slot: an interpreter that has imported torch, DeepSpeed, "
+           "Megatron and the modules the last workers imported, waiting for its rank, so a relaunch skips the "
+           "imports (default on; --no-standby: spawn every worker fresh, as torchrun does)")
+    a("--standby-preload", default=",".join(DEFAULT_PRELOAD),
+      help="comma-separated modules a standby imports besides the learned list (default: %(default)s)")
     a("script", help="the training script (run with this Python, as torchrun does)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=run)
@@ -168,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                     hang_timeout=args.hang_timeout or None, events=events_path, log_dir=log_dir,
                     shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
-                    probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name())
+                    probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
+                    standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()))
     from . import snapshot_dir
     snap = snapshot_dir.prepare(args.snapshot_dir, rdzv_id)
     try:
@@ -211,7 +220,8 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
             for r in recoveries(evs, read_jsonl(metrics_file(evs))):
                 events.emit(EventKind.RECOVERY, of=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
                             resumed_from=r.resumed_from, lost_iterations=r.lost_iterations,
-                            to_training_s=r.total_s, parts_s=r.parts, t0=r.t0)
+                            to_training_s=r.total_s, parts_s=r.parts, t0=r.t0,
+                            launch_mode=r.launch_mode)
             table, png = write_report(events_path, plot)
             print(table, flush=True)
             if png:

@@ -11,8 +11,11 @@ rendezvous + spawn, start-up (imports, process group), planning, model build + l
 from the failure to resumed training, plus the iterations lost (taken from the metrics file). Part
 names: ``detect`` (fault -> noticed), ``teardown`` (rest of the group killed), ``graceful stop``
 (scale-up: workers checkpoint and exit), ``probe``, ``rdzv+spawn`` (rendezvous until the worker
-process runs), ``start-up`` (imports + process group), ``planning``, ``build+load`` (model,
-engine and checkpoint load).
+process runs; with standby workers: until the standby is assigned its rank), ``start-up`` (imports
++ process group), ``planning``, ``build+load`` (model, engine and checkpoint load), ``first iter``
+(the first resumed iteration, from the metrics file; not part of "to training", which ends when it
+starts). Each recovery also names how its workers were made (``launch_mode``: a spawned process,
+a warm standby, or a standby still importing).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class EventKind(str, enum.Enum):
     FINISHED = "finished"                # all workers exited 0
     STOPPED = "stopped"                  # gave up (infeasible, max restarts, no device)
     RECOVERY = "recovery"                # at the end: lost iterations, time to resumed training, parts
+    STANDBY = "standby"                  # standby worker interpreters spawned (pids)
 
 
 class EventLog:
@@ -123,6 +127,7 @@ class Recovery:
     resumed_from: int | None
     parts: dict[str, float] = field(default_factory=dict)   # seconds: detection, teardown, ...
     total_s: float | None = None   # t0 -> first resumed iteration starts
+    launch_mode: str | None = None  # protocol.LaunchMode value of the relaunched rank 0
 
     @property
     def lost_iterations(self) -> int | None:
@@ -232,6 +237,11 @@ def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
             p["planning"] = s["t_planned"] - s["t_imports"]
             p["build+load"] = s["t_loaded"] - s["t_dist"]
             rec.total_s = s["t_loaded"] - t0
+            first = next((m for m in metrics if m.get("iteration") == rec.resumed_from + 1
+                          and m.get("time", 0) > s["t_loaded"] and "iter_time_s" in m), None)
+            if first is not None:
+                p["first iter"] = float(first["iter_time_s"])
+        rec.launch_mode = s.get("launch_mode")
         rec.parts = {k: max(0.0, v) for k, v in p.items()}
         rec.cause = cause if origin != "injected" else f"{cause} (injected)"
         out.append(rec)

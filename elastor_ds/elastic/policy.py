@@ -9,8 +9,10 @@ on its own is not (its peers' loss makes survivors fail with a communication err
 - ``restart``: relaunch on the same devices (a transient fault).
 - ``probe``: the devices that pass a health probe (GPU); without GPUs it behaves as ``shrink``.
 
-Failure relaunches count against ``max_restarts``; resizes and membership changes do not. A world
-the trainer rejects (exit code 2: no plan fits, flags do not fit) is not retried.
+Failure relaunches count against ``max_restarts``; resizes and membership changes do not. One
+failure counts once for the job: a node whose workers failed only because another node's did (its
+*collateral*, see :mod:`ledger`) relaunches without counting it. A world the trainer rejects (exit
+code 2: no plan fits, flags do not fit) is not retried.
 """
 from __future__ import annotations
 
@@ -124,16 +126,19 @@ class Decision:
 
 
 def decide_after_failure(policy: OnFailure, book: DeviceBook, outcomes: list[WorkerOutcome], restarts_used: int,
-                         max_restarts: int, probe_ok: dict[int, bool] | None = None) -> Decision:
+                         max_restarts: int, probe_ok: dict[int, bool] | None = None,
+                         collateral_of: str | None = None) -> Decision:
     """The decision after a failed launch. ``probe_ok`` (device -> passed) is given for ``probe``
-    on GPU; ``probe`` without it behaves as ``shrink``. Updates nothing: apply ``lost`` yourself."""
+    on GPU; ``probe`` without it behaves as ``shrink``. ``collateral_of``: the node this round's
+    failure is charged to, when it is not this one (then the restart budget is that node's to
+    check, and this relaunch does not count). Updates nothing: apply ``lost`` yourself."""
     failed = [o for o in outcomes if o.failed]
     rejected = [o for o in failed if o.cause is Cause.REJECTED]
     if rejected and len(rejected) == len(failed):
         return Decision(Action.STOP, reason=f"the trainer rejected the launched world (exit code {EXIT_USAGE} on "
                                             f"local ranks {[o.local_rank for o in rejected]}): the usable devices "
                                             f"cannot run the model; see the worker's error above")
-    if restarts_used >= max_restarts:
+    if collateral_of is None and restarts_used >= max_restarts:
         return Decision(Action.STOP, reason=f"--max-restarts {max_restarts} exhausted ({restarts_used} relaunches "
                                             f"after failures); raise --max-restarts to keep going")
     current = book.usable
@@ -148,6 +153,10 @@ def decide_after_failure(policy: OnFailure, book: DeviceBook, outcomes: list[Wor
         return Decision(Action.STOP, lost=lost, reason=f"no usable device left on this node (lost {list(lost)}); "
                                                        f"the node leaves the job")
     what = "same devices" if not lost else f"without device(s) {list(lost)}"
+    if collateral_of is not None:
+        return Decision(Action.RELAUNCH, devices=devices, lost=lost, counts_as_restart=False,
+                        reason=f"{policy.value}: relaunch on {len(devices)} device(s), {what} (collateral of the "
+                               f"failure on {collateral_of}: not counted against --max-restarts)")
     return Decision(Action.RELAUNCH, devices=devices, lost=lost,
                     reason=f"{policy.value}: relaunch on {len(devices)} device(s), {what}")
 

@@ -25,10 +25,24 @@ ENV_INITIAL_WORLD = "ELASTOR_INITIAL_WORLD_SIZE"  # world size of the controller
 ENV_GPU_MEMORY_GB = "ELASTOR_GPU_MEMORY_GB"      # per-device memory for the planner (optional)
 ENV_ROUND = "ELASTOR_ROUND"                      # launches by this controller before this one
 ENV_T_START = "ELASTOR_T_PROCESS_START"          # set by worker_main: wall time the process started
+#                                                  (a standby worker: the time it was assigned its rank)
+ENV_LAUNCH_MODE = "ELASTOR_LAUNCH_MODE"          # LaunchMode of this worker process
+ENV_T_STANDBY_SPAWN = "ELASTOR_T_STANDBY_SPAWN"  # a standby worker: wall time its process started
+ENV_T_STANDBY_READY = "ELASTOR_T_STANDBY_READY"  # a standby worker: wall time its imports were done
+ENV_STANDBY_DIR = "ELASTOR_STANDBY_DIR"          # node-local folder of the standby pool (modules list)
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_RESIZE = 75   # EX_TEMPFAIL: stopped at a durable checkpoint so the job can be relaunched resized
+
+
+class LaunchMode(str, enum.Enum):
+    """How a worker process came to be: spawned by torch's launcher (``--no-standby``), a standby
+    that had done its imports when it was assigned (``warm``), or one that was still importing or
+    was spawned for the assignment (``cold``)."""
+    SPAWN = "spawn"
+    WARM = "standby-warm"
+    COLD = "standby-cold"
 
 
 class StopCode(enum.IntEnum):
@@ -55,6 +69,30 @@ class LaunchedWorld:
     @property
     def world_size(self) -> int:
         return sum(self.procs_per_node)
+
+
+def procs_per_node(env: dict[str, str] | None = None) -> list[int]:
+    """Processes per node (by node rank) of this launch: ``ELASTOR_PROCS_PER_NODE`` under
+    ``elastor run`` (nodes may differ), else ``WORLD_SIZE`` cut into ``LOCAL_WORLD_SIZE`` pieces
+    (torchrun: every node the same). ``LOCAL_WORLD_SIZE`` alone is wrong for uneven nodes: it is this
+    node's count, so ranks on a 1-process node would map 2 ranks of a 2-process node to 2 nodes."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    lw = launched_world(env)
+    if lw is not None and lw.world_size == world:
+        return list(lw.procs_per_node)
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    if world < 1 or local < 1:
+        raise ValueError(f"WORLD_SIZE={world} / LOCAL_WORLD_SIZE={local}: both must be >= 1")
+    nodes = [local] * (world // local)
+    if world % local:
+        nodes.append(world % local)
+    return nodes
+
+
+def node_of_rank(procs: list[int] | tuple[int, ...]) -> list[int]:
+    """Node index of every global rank, for processes per node ``procs`` (ranks fill node 0 first)."""
+    return [n for n, k in enumerate(procs) for _ in range(k)]
 
 
 def launched_world(env: dict[str, str] | None = None) -> LaunchedWorld | None:

@@ -20,7 +20,8 @@ import signal
 import time
 
 from .events import EventKind, append_line
-from .protocol import (ENV_EVENTS_FILE, ENV_HEARTBEAT_DIR, ENV_ROUND, ENV_T_START, StopCode, heartbeat_path,
+from .protocol import (ENV_EVENTS_FILE, ENV_HEARTBEAT_DIR, ENV_LAUNCH_MODE, ENV_ROUND, ENV_STANDBY_DIR,
+                       ENV_T_STANDBY_READY, ENV_T_STANDBY_SPAWN, ENV_T_START, LaunchMode, StopCode, heartbeat_path,
                        launched_world)
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,11 @@ class ElasticWorker:
         self.events_file = events_file
         self.local_rank = local_rank
         self.marks: dict[str, float] = {}
-        t0 = os.environ.get(ENV_T_START)
-        if t0:
-            self.marks["t_process_start"] = float(t0)
+        for mark, var in (("t_process_start", ENV_T_START), ("t_standby_spawn", ENV_T_STANDBY_SPAWN),
+                          ("t_standby_ready", ENV_T_STANDBY_READY)):
+            if os.environ.get(var):
+                self.marks[mark] = float(os.environ[var])
+        self.launch_mode = os.environ.get(ENV_LAUNCH_MODE, LaunchMode.SPAWN.value)
         self.world = launched_world()
         self.round = int(os.environ.get(ENV_ROUND, "0"))
 
@@ -108,12 +111,49 @@ class ElasticWorker:
         return _agreed
 
     def report_started(self, rank: int, **fields) -> None:
-        """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world)."""
+        """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world);
+        local rank 0 of every node tells the node's standby pool which modules a worker imports."""
+        if self.local_rank == 0:
+            write_module_list(os.environ.get(ENV_STANDBY_DIR))
         if rank != 0 or not self.events_file:
             return
         rec = {"event": EventKind.WORKER_STARTED.value, "time": time.time(), "node": "workers", "round": self.round,
-               **self.marks, **fields}
+               "launch_mode": self.launch_mode, **self.marks, **fields}
         try:
             append_line(self.events_file, rec)
         except OSError as e:  # events are a report, never a reason to stop training
             log.warning("could not append to the events file %s: %s", self.events_file, e)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+    dirs = {sysconfig.get_paths().get("purelib", ""), sysconfig.get_paths().get("platlib", "")}
+    dirs |= set(getattr(site, "getsitepackages", lambda: [])())
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # elastor_ds itself
+    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs | {pkg} if d)
+
+
+def write_module_list(folder: str | None) -> None:
+    """Write the installed-library modules this process imported (in import order) to
+    ``folder/modules.json``: the next standby workers import them before they are needed. The
+    trainer's own modules (its script folder) are left out: they run as the trainer imports them."""
+    if not folder:
+        return
+    import json
+    import sys
+    roots = _library_dirs()
+    names = []
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if name.startswith("__") or not isinstance(f, str) or not os.path.abspath(f).startswith(roots):
+            continue
+        names.append(name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".modules.{os.getpid()}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(names, fh)
+        os.replace(tmp, os.path.join(folder, "modules.json"))
+    except OSError as e:  # a report for the next launch, never a reason to stop training
+        log.warning("could not write the standby module list to %s: %s", folder, e)

@@ -4,7 +4,7 @@ Records the process start time, installs the stop-signal handlers and the parent
 before anything slow is imported, then runs SCRIPT as ``__main__`` (its exit code is the worker's).
 After a stop the ranks agreed on (the checkpoint is durable by then), the process exits at once
 instead of running the interpreter's teardown (seconds with torch, DeepSpeed and gloo loaded): the
-relaunch starts sooner.
+relaunch starts sooner. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
 """
 from __future__ import annotations
 
@@ -12,20 +12,22 @@ import os
 import sys
 import time
 
-os.environ["ELASTOR_T_PROCESS_START"] = repr(time.time())
+if __name__ == "__main__":   # a standby worker sets its own (the time it was assigned)
+    os.environ["ELASTOR_T_PROCESS_START"] = repr(time.time())
 
 
-def main() -> None:
+def run_script(argv: list[str]) -> None:
+    """Run ``argv[0]`` (a script path) with ``argv[1:]`` as this worker's ``__main__``."""
     import runpy
 
     from elastor_ds.elastic import worker
     worker.install_signal_handlers()
     worker.set_parent_death_signal()
-    if len(sys.argv) < 2:
+    if not argv:
         print("usage: python -m elastor_ds.elastic.worker_main SCRIPT [ARGS...]", file=sys.stderr)
         sys.exit(2)
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    script = argv[0]
+    sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
@@ -36,6 +38,10 @@ def main() -> None:
             sys.stderr.flush()
             os._exit(code)
         raise
+
+
+def main() -> None:
+    run_script(sys.argv[1:])
 
 
 if __name__ == "__main__":

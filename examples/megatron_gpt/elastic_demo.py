@@ -46,16 +46,15 @@ def read_jsonl(path: str) -> list[dict]:
     return rj(path)
 
 
-def direct_worker(ctl_pid: int, rank: int) -> int:
-    """The pid of the worker with global RANK ``rank`` (a direct child of ``elastor run``)."""
+def direct_worker(events_file: str, rank: int) -> int:
+    """The pid of the live worker with global rank ``rank``, from the controller's latest ``launch``
+    event (a standby worker's /proc environment is the one it was spawned with, not its rank's)."""
     import psutil
-    for child in psutil.Process(ctl_pid).children(recursive=False):
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise RuntimeError(f"no worker with RANK={rank} under elastor run (pid {ctl_pid})")
+    launches = [e for e in read_jsonl(events_file) if e.get("event") == "launch"]
+    for r, pid in zip(launches[-1]["global_ranks"], launches[-1]["pids"]) if launches else ():
+        if r == rank and psutil.pid_exists(pid):
+            return pid
+    raise RuntimeError(f"no live worker with rank {rank} in the latest launch of {events_file}")
 
 
 def main() -> int:
@@ -111,7 +110,7 @@ def main() -> int:
             ms = read_jsonl(mfile)
             if stage == "train" and ms and ms[-1]["iteration"] >= a.fail_at:
                 victim = n0 - 1
-                pid = direct_worker(ctl.pid, victim)
+                pid = direct_worker(efile, victim)
                 os.kill(pid, signal.SIGKILL)
                 append_line(efile, {"event": "injected", "time": time.time(), "node": "demo", "rank": victim,
                                     "signal": "SIGKILL"})

@@ -187,7 +187,14 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
     if total * mbs != gbs:
         raise UsageError(f"the plan's micro-batches {[r.micro_batches for r in layout.replicas]} sum to {total}; "
                          f"{total} x --micro-batch-size {mbs} = {total * mbs} != --global-batch-size {gbs}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    from elastor_ds.elastic.protocol import node_of_rank, procs_per_node
+    try:   # ELASTOR_PROCS_PER_NODE under `elastor run` (nodes may differ), else WORLD / LOCAL_WORLD_SIZE
+        per_node = procs_per_node(dict(os.environ, WORLD_SIZE=str(world)))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    src = "ELASTOR_PROCS_PER_NODE" if os.environ.get("ELASTOR_PROCS_PER_NODE") and sum(per_node) == world \
+        else "LOCAL_WORLD_SIZE"
+    node = node_of_rank(per_node)
     for ri, rep in enumerate(layout.replicas):
         for si, st in enumerate(rep.stages):
             where = f"replica {ri} stage {si} (TP {st.tp}, layers [{st.layers[0]}, {st.layers[1]}))"
@@ -196,10 +203,10 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
             for what, n in (("--num-attention-heads", H), ("--num-query-groups", groups), ("--ffn-hidden-size", ffn)):
                 if n % st.tp:
                     raise UsageError(f"{where}: TP {st.tp} does not divide {what} {n}")
-            nodes = sorted({r // local for r in st.ranks})
+            nodes = sorted({node[r] for r in st.ranks})
             if len(nodes) > 1:
-                raise UsageError(f"{where} spans nodes {nodes} (ranks {list(st.ranks)}, {local} processes per node "
-                                 f"from LOCAL_WORLD_SIZE): a TP group must sit inside one node")
+                raise UsageError(f"{where} spans nodes {nodes} (ranks {list(st.ranks)}; processes per node "
+                                 f"{per_node} from {src}): a TP group must sit inside one node")
     ds_zero = None
     if args.deepspeed_config and os.path.isfile(args.deepspeed_config):
         try:

@@ -1,7 +1,8 @@
 """``"elastor": {"plan": ...}`` -> the :class:`~elastor_ds.layout.Layout` this launch runs.
 
 A path or an inline document is read as is. ``"auto"`` really plans: the cluster is the launch's
-world (``WORLD_SIZE`` processes, ``LOCAL_WORLD_SIZE`` per node, so a TP group never spans nodes),
+world (``WORLD_SIZE`` processes; per node ``ELASTOR_PROCS_PER_NODE`` under ``elastor run``, else
+``LOCAL_WORLD_SIZE``, so a TP group never spans nodes),
 the model is the section's ``"model"`` (the planner's ``ModelSpec`` fields; ``num_layers`` is the
 module's layer-list length, because a plan's layer index is the index in that list), the training
 shape comes from the DeepSpeed config (micro-batch size, global batch), and ``"profile"`` (a measured
@@ -25,16 +26,13 @@ log = logging.getLogger(__name__)
 
 
 def launch_world(env: Optional[Mapping[str, str]] = None) -> list[int]:
-    """Processes per node of this launch, from the launcher's environment."""
-    env = os.environ if env is None else env
-    world = int(env.get("WORLD_SIZE", "1"))
-    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
-    if world < 1 or local < 1:
-        raise ConfigError(f"WORLD_SIZE={world} / LOCAL_WORLD_SIZE={local}: both must be >= 1")
-    nodes = [local] * (world // local)
-    if world % local:
-        nodes.append(world % local)
-    return nodes
+    """Processes per node of this launch, from the launcher's environment: ``ELASTOR_PROCS_PER_NODE``
+    under ``elastor run`` (nodes may differ), else ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``."""
+    from ...elastic.protocol import procs_per_node
+    try:
+        return procs_per_node(dict(os.environ if env is None else env))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_plan(config: Any, num_layers: int, env: Optional[Mapping[str, str]] = None) -> Optional[Layout]:

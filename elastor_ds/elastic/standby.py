@@ -1,0 +1,300 @@
+"""Standby workers: processes that have done the trainer's imports before a (re)launch needs them.
+
+Recovery time under ``elastor run`` was ~90% worker start-up (spawning interpreters that import
+torch, DeepSpeed and Megatron). :class:`StandbyPool` keeps one pre-spawned interpreter per device
+slot of the node (:mod:`standby_main`), each importing those modules in the background and then
+waiting for a rank. A launch still goes through torch.distributed.elastic unchanged (c10d
+rendezvous, rank assignment, the worker environment, per-rank logs, watchdog): only the step that
+would ``Popen`` each worker hands the worker's argv, environment and log files to a standby
+instead (:class:`StandbyContext`, a ``SubprocessContext`` whose handlers take a standby). The
+agent remains the parent of every worker (exit codes, signals, ``killpg`` and the parent-death
+signal behave as with a spawned worker); a standby serves one assignment and never forks, so
+every round gets fresh processes.
+
+CUDA: a standby never initialises CUDA on purpose. It is spawned with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (``torch.cuda.is_available`` then asks NVML, not the driver)
+and reports whether an import loaded the driver anyway; such a standby is used only when its
+``CUDA_VISIBLE_DEVICES`` equals the assignment's (the driver read the variable already), else it
+is retired and the worker starts cold. There is no fork after imports, so no CUDA state can be
+inherited.
+
+Replacements are spawned once the round's workers are training (their first heartbeat), or after
+``refill_delay`` seconds, so the standbys' imports do not compete with the relaunch they speed up.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
+from .standby_main import DEFAULT_PRELOAD, ENV_PRELOAD, ENV_READY_FD
+
+log = logging.getLogger("elastor.run")
+
+WORKER_MODULE = "elastor_ds.elastic.worker_main"
+
+
+@dataclass
+class Standby:
+    proc: subprocess.Popen
+    ready_fd: int
+    t_spawn: float
+    visible: str | None            # CUDA_VISIBLE_DEVICES it was spawned with
+    state: str = "importing"       # importing | ready | cuda (driver loaded by an import)
+    t_ready: float | None = None
+
+    def poll(self) -> str:
+        if self.state == "importing" and self.ready_fd >= 0:
+            try:
+                b = os.read(self.ready_fd, 1)
+            except BlockingIOError:
+                return self.state
+            except OSError:
+                b = b""
+            if b:
+                self.state = "cuda" if b == b"C" else "ready"
+                self.t_ready = time.time()
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+        return self.state
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def retire(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+
+
+@dataclass
+class StandbyPool:
+    """Pre-spawned worker interpreters of one node (``size``: its device slots)."""
+    size: int
+    folder: str
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    python: str = sys.executable
+    refill_delay: float = 60.0
+    idle: list[Standby] = field(default_factory=list)
+    assigned: dict[int, str] = field(default_factory=dict)   # local rank -> LaunchMode of the last launch
+    spawned: int = 0
+    on_spawn: object = None        # callable(pids) told about every refill (the agent's event log)
+    _refill_at: float | None = None
+
+    def __post_init__(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        os.environ[ENV_STANDBY_DIR] = self.folder   # workers write the module list there
+        self._log = open(os.path.join(self.folder, "standby.log"), "ab")
+
+    # -------------------------------------------------------------- processes
+    def _spawn(self, env: dict[str, str] | None = None) -> Standby:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        env = dict(os.environ if env is None else env)
+        env[ENV_READY_FD] = str(w)
+        env[ENV_PRELOAD] = ",".join(self.preload)
+        env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        try:
+            proc = subprocess.Popen([self.python, "-u", "-m", "elastor_ds.elastic.standby_main"], env=env,
+                                    stdin=subprocess.PIPE, stdout=self._log, stderr=self._log, pass_fds=(w,),
+                                    start_new_session=True)
+        finally:
+            os.close(w)
+        self.spawned += 1
+        return Standby(proc, r, time.time(), env.get("CUDA_VISIBLE_DEVICES"))
+
+    def fill(self) -> list[int]:
+        """Spawn standbys until ``size`` are idle; returns the new processes' pids."""
+        self._refill_at = None
+        self.idle = [s for s in self.idle if s.alive() or s.retire()]
+        new = [self._spawn() for _ in range(max(0, self.size - len(self.idle)))]
+        self.idle += new
+        if new:
+            log.info("standby: %d worker interpreter(s) spawned (importing)", len(new))
+            if self.on_spawn is not None:
+                self.on_spawn([s.proc.pid for s in new])
+        return [s.proc.pid for s in new]
+
+    def ready_count(self) -> int:
+        return sum(1 for s in self.idle if s.alive() and s.poll() in ("ready", "cuda"))
+
+    def take(self, visible: str | None) -> Standby | None:
+        """An idle standby for an assignment with ``CUDA_VISIBLE_DEVICES=visible`` (ready ones
+        first, then the oldest importing one), or None."""
+        usable = []
+        for s in list(self.idle):
+            st = s.poll() if s.alive() else "dead"
+            if st == "dead" or (st == "cuda" and s.visible != visible):
+                if st == "cuda":
+                    log.warning("standby pid %d loaded the CUDA driver while importing (CUDA_VISIBLE_DEVICES=%s, "
+                                "assignment needs %s): retired, the worker starts cold", s.proc.pid, s.visible,
+                                visible)
+                self.idle.remove(s)
+                s.retire()
+                continue
+            usable.append(s)
+        if not usable:
+            return None
+        best = min(usable, key=lambda s: (s.state == "importing", s.t_spawn))
+        self.idle.remove(best)
+        return best
+
+    def assign(self, local_rank: int, argv: tuple, env: dict[str, str], stdout: str | None,
+               stderr: str | None) -> subprocess.Popen:
+        """Make a worker: hand (argv, env, logs) to a standby, or spawn one for it (cold)."""
+        sb = self.take(env.get("CUDA_VISIBLE_DEVICES"))
+        if sb is not None:
+            mode = LaunchMode.WARM if sb.state in ("ready", "cuda") else LaunchMode.COLD
+        else:   # spawned with the worker's own environment: CUDA reads the right devices from the start
+            sb = self._spawn(env)
+            mode = LaunchMode.COLD
+        env = dict(env, **{ENV_LAUNCH_MODE: mode.value})
+        fd, path = tempfile.mkstemp(prefix=f"assign_{local_rank}_", suffix=".json", dir=self.folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"argv": list(argv), "env": env, "stdout": stdout, "stderr": stderr, "cwd": os.getcwd(),
+                       "t_assigned": time.time()}, f)
+        try:
+            sb.proc.stdin.write(path.encode())
+            sb.proc.stdin.close()
+        except (BrokenPipeError, OSError) as e:   # it died just now: the agent sees it exit, like a spawn failure
+            log.warning("standby pid %d could not take its assignment (%s)", sb.proc.pid, e)
+        if sb.ready_fd >= 0:
+            os.close(sb.ready_fd)
+            sb.ready_fd = -1
+        self.assigned[local_rank] = mode.value
+        return sb.proc
+
+    def schedule_refill(self) -> None:
+        self._refill_at = time.monotonic() + self.refill_delay
+
+    def tick(self, workers_training: bool) -> None:
+        """Refill once the new workers train (or ``refill_delay`` after the launch)."""
+        if self._refill_at is not None and (workers_training or time.monotonic() >= self._refill_at):
+            self.fill()
+
+    def close(self) -> None:
+        for s in self.idle:
+            s.retire()
+        self.idle = []
+        self._refill_at = None
+        with contextlib.suppress(OSError):
+            self._log.close()
+
+
+# ------------------------------------------------------------------ torch.distributed.elastic glue
+def _worker_argv(entrypoint: str, args: tuple) -> tuple | None:
+    """SCRIPT ARGS... of ``python -u -m elastor_ds.elastic.worker_main SCRIPT ARGS...``, else None."""
+    a = [str(x) for x in args]
+    if "-m" in a and a.index("-m") + 1 < len(a) and a[a.index("-m") + 1] == WORKER_MODULE:
+        return tuple(a[a.index("-m") + 2:])
+    return None
+
+
+class _StandbyHandler(SubprocessHandler):
+    """torch's subprocess handler, with the worker process taken from the pool instead of Popen."""
+
+    def __init__(self, pool: StandbyPool, entrypoint: str, args: tuple, env: dict[str, str], stdout: str | None,
+                 stderr: str | None, local_rank_id: int, numa_options=None):
+        self._pool = pool
+        self._entry = entrypoint
+        super().__init__(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+        argv = _worker_argv(self._entry, tuple(args[1:]))
+        if argv is None:   # not our worker entry point: spawn it the stock way
+            return super()._popen(args, env)
+        return self._pool.assign(self.local_rank_id, argv, env, self._stdout.name if self._stdout else None,
+                                 self._stderr.name if self._stderr else None)
+
+
+class StandbyContext(SubprocessContext):
+    """A ``SubprocessContext`` whose workers come from a :class:`StandbyPool`."""
+
+    def __init__(self, pool: StandbyPool, **kw):
+        super().__init__(**kw)
+        self._pool = pool
+
+    def _start(self) -> None:
+        if self.subprocess_handlers:
+            raise ValueError("the standby context was started twice")
+        self.subprocess_handlers = {
+            lr: _StandbyHandler(self._pool, entrypoint=self.entrypoint, args=self.args[lr], env=self.envs[lr],
+                                stdout=self.stdouts[lr], stderr=self.stderrs[lr], local_rank_id=lr,
+                                numa_options=self._numa_options)
+            for lr in range(self.nprocs)}
+
+
+@contextlib.contextmanager
+def _start_processes_from(pool: StandbyPool):
+    """While active, ``LocalElasticAgent._start_workers`` builds a :class:`StandbyContext` where it
+    would call ``start_processes`` (everything else it does, the worker environment included, is
+    unchanged)."""
+    original = _lea.start_processes
+
+    def start_processes(name, entrypoint, args, envs, logs_specs, log_line_prefixes=None, start_method="spawn",
+                        numa_options=None, duplicate_stdout_filters=None, duplicate_stderr_filters=None, **_):
+        if not isinstance(entrypoint, str):
+            return original(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+                            log_line_prefixes=log_line_prefixes, start_method=start_method, numa_options=numa_options,
+                            duplicate_stdout_filters=duplicate_stdout_filters,
+                            duplicate_stderr_filters=duplicate_stderr_filters)
+        ctx = StandbyContext(pool, name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+                             log_line_prefixes=log_line_prefixes, numa_options=numa_options,
+                             duplicate_stdout_filters=duplicate_stdout_filters,
+                             duplicate_stderr_filters=duplicate_stderr_filters)
+        try:
+            ctx.start()
+        except Exception:
+            ctx.close()
+            raise
+        return ctx
+
+    _lea.start_processes = start_processes
+    try:
+        yield
+    finally:
+        _lea.start_processes = original
+
+
+class StandbyAgentMixin:
+    """For a ``LocalElasticAgent`` subclass: launches take standby workers when ``self.standby`` is
+    a pool (None: torch's own spawn, ``elastor run --no-standby``)."""
+    standby: StandbyPool | None = None
+
+    def _start_workers(self, worker_group):
+        pool = self.standby
+        if pool is None:
+            return super()._start_workers(worker_group)
+        pool.assigned = {}
+        with _start_processes_from(pool):
+            pids = super()._start_workers(worker_group)
+        pool.schedule_refill()
+        return pids
+
+    def launch_modes(self) -> list[str]:
+        pool = self.standby
+        if pool is None:
+            return []
+        return [pool.assigned.get(lr, LaunchMode.SPAWN.value) for lr in sorted(pool.assigned)]
+
+    def close_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.close()

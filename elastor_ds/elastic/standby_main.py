@@ -1,0 +1,161 @@
+"""A standby worker of ``elastor run``: a fresh interpreter that does the trainer's slow imports
+(torch, DeepSpeed, Megatron, ...) *before* it is needed, then waits for its rank assignment and
+becomes an ordinary worker (:func:`worker_main.run_script`).
+
+``python -u -m elastor_ds.elastic.standby_main`` with, in its environment, ``ELASTOR_STANDBY_READY_FD``
+(a pipe to the agent) and ``ELASTOR_STANDBY_PRELOAD`` (comma-separated modules). Steps:
+
+1. Parent-death signal first (it dies with the agent), then, unless the assignment is already
+   there (a cold start: nothing to gain), import the modules: the node's learned list
+   (``<ELASTOR_STANDBY_DIR>/modules.json``, written by a previous worker) and the preload list,
+   each in its own ``try`` (a module that fails here is imported again, and fails visibly, in the
+   trainer).
+2. Tell the agent "ready" through the pipe: ``R``, or ``C`` when the CUDA driver got loaded by an
+   import (``libcuda`` mapped): then ``CUDA_VISIBLE_DEVICES`` is fixed already and the agent uses
+   this process only for an assignment with the same value.
+3. Block on stdin until the agent writes the path of the assignment file (JSON: argv, the full
+   environment, the per-rank stdout/stderr log files, cwd) and closes the pipe; EOF without one
+   means retire (exit 0).
+4. Become the worker: stdout/stderr onto the rank's log files, stdin from /dev/null, the
+   environment replaced by the assignment's, the launch marks set, then the script runs as
+   ``__main__`` exactly as under :mod:`worker_main` (signals, exit codes, the agreed-stop fast exit).
+
+The process never forks and never serves a second assignment: every round gets fresh processes
+(no process group, CUDA context or trainer state carried over), one per rank.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+T_SPAWN = time.time()
+ENV_READY_FD = "ELASTOR_STANDBY_READY_FD"
+ENV_PRELOAD = "ELASTOR_STANDBY_PRELOAD"
+# what a trainer on DeepSpeed + Megatron-core imports anyway; the learned list adds the rest
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "megatron.core.parallel_state",
+                   "megatron.core.tensor_parallel", "elastor_ds.deepspeed", "elastor_ds.checkpoint")
+
+
+def _log(msg: str) -> None:
+    print(f"[elastor standby {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def libcuda_mapped() -> bool:
+    """Whether the CUDA driver library is loaded in this process (then it may have read
+    CUDA_VISIBLE_DEVICES already)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def _assignment_waiting(fd: int) -> bool:
+    import select
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def preload_names() -> list[str]:
+    names = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
+    learned = os.path.join(os.environ.get("ELASTOR_STANDBY_DIR", ""), "modules.json")
+    if os.environ.get("ELASTOR_STANDBY_DIR") and os.path.isfile(learned):
+        import json
+        try:
+            with open(learned) as f:
+                doc = json.load(f)
+            if isinstance(doc, list):
+                names = [m for m in doc if isinstance(m, str)] + names
+        except (OSError, ValueError) as e:
+            _log(f"ignoring {learned}: {e}")
+    return list(dict.fromkeys(names))
+
+
+def preload(names: list[str]) -> tuple[int, int]:
+    import importlib
+    ok = failed = 0
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+            ok += 1
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - any import may fail here; the trainer's own import reports it
+            failed += 1
+            if failed <= 5:
+                _log(f"preload of {name} failed ({type(e).__name__}: {e}); the trainer imports it itself")
+    return ok, failed
+
+
+def _redirect(path: str | None, fd: int) -> None:
+    if not path:
+        return
+    target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def become_worker(job: dict, t_ready: float | None) -> None:
+    from elastor_ds.elastic.protocol import ENV_T_STANDBY_READY, ENV_T_STANDBY_SPAWN, ENV_T_START
+    # the worker "process start": when it both existed and was asked to be a worker (a standby still
+    # importing then counts the rest of its imports as start-up, like a freshly spawned worker)
+    t_start = max(T_SPAWN, float(job.get("t_assigned") or time.time()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(job.get("stdout"), 1)
+    _redirect(job.get("stderr"), 2)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    env = {str(k): str(v) for k, v in job["env"].items()}
+    env[ENV_T_START] = repr(t_start)
+    env[ENV_T_STANDBY_SPAWN] = repr(T_SPAWN)
+    if t_ready is not None:
+        env[ENV_T_STANDBY_READY] = repr(t_ready)
+    os.environ.clear()
+    os.environ.update(env)
+    if job.get("cwd"):
+        os.chdir(job["cwd"])
+    argv = list(job["argv"])
+    from elastor_ds.elastic import worker_main
+    worker_main.run_script(argv)
+
+
+def main() -> None:
+    import json
+
+    from elastor_ds.elastic import worker
+    worker.set_parent_death_signal()
+    fd = int(os.environ.pop(ENV_READY_FD, "-1"))
+    t_ready = None
+    if not _assignment_waiting(0):
+        names = preload_names()
+        t0 = time.time()
+        ok, failed = preload(names)
+        t_ready = time.time()
+        cuda = libcuda_mapped()
+        _log(f"ready: {ok} module(s) imported in {t_ready - t0:.2f} s ({failed} failed); "
+             f"CUDA driver {'loaded' if cuda else 'not loaded'}")
+        if fd >= 0:
+            try:
+                os.write(fd, b"C" if cuda else b"R")
+            except OSError:
+                pass
+    if fd >= 0:
+        os.close(fd)
+    path = sys.stdin.buffer.read().decode().strip()
+    if not path:   # the agent retired this standby (or died)
+        os._exit(0)
+    with open(path) as f:
+        job = json.load(f)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    become_worker(job, t_ready)
+
+
+if __name__ == "__main__":
+    main()
