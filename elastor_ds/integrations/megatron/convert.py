@@ -50,7 +50,7 @@ from ...errors import CheckpointError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
-from .specs import GPTSpecConfig, gpt_tensor_specs
+from .specs import TE_FUSED_NORMS, GPTSpecConfig, canonical_name, gpt_tensor_specs
 from . import legacy_optim
 from .state import MOMENTS, STEP_NAME
 
@@ -61,8 +61,7 @@ log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 _MP_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_LN_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_LN_KEYS = {local: te for te, local in TE_FUSED_NORMS.items()}  # torch_dist keys use TE's names
 _LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                              "mlp.linear_fc2")
 
@@ -260,6 +259,8 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
     specs = gpt_tensor_specs(cfg)
     by_name = {s.name: s for s in specs}
     opt = _legacy_optimizer(d, ranks, sds, specs, bounds, cfg, tp, pp)
+    for sd in sds.values():  # Transformer Engine's fused layer-norm names -> the canonical ones
+        sd["model"] = {canonical_name(k): v for k, v in sd["model"].items()}
 
     def local_of(spec, stage: int, t: int, kind: str) -> torch.Tensor:
         local_name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
@@ -328,13 +329,17 @@ def _legacy_optimizer(d: str, ranks: dict, sds: dict, specs: list, bounds: list[
                 stages = sorted({0, pp - 1}) if s.placement == "tied" else [_stage_of(s, bounds)]
                 if p in stages:
                     local_to_spec[_local_name(s.name, first_layer, cfg, p == pp - 1 and p != 0)] = s.name
-            model = sd["model"]
+            model = sd["model"]  # names as saved (local or Transformer Engine spec): their order is Megatron's
             params = {n: tuple(model[n].shape) for n in legacy_optim.param_order(
-                [k for k in model if k in local_to_spec and torch.is_tensor(model[k])])}
+                [k for k in model if canonical_name(k) in local_to_spec and torch.is_tensor(model[k])])}
             if len(params) != len(local_to_spec):
                 raise CheckpointError(f"{ranks[(t, p)]}: the model holds {len(params)} of the {len(local_to_spec)} "
                                       f"parameters the config gives")
-            out[(t, p)] = legacy_optim.parse(sd["optimizer"], params, ranks[(t, p)])
+            st = legacy_optim.parse(sd["optimizer"], params, ranks[(t, p)])
+            for d_ in (st.exp_avg, st.exp_avg_sq, st.main):
+                for k in list(d_):
+                    d_[canonical_name(k)] = d_.pop(k)
+            out[(t, p)] = st
         steps = {st.step for st in out.values()}
         if len(steps) > 1:
             raise CheckpointError(f"ranks hold different Adam steps {sorted(steps)}")

@@ -17,6 +17,13 @@ first layer. The canonical form of each tensor is what megatron-core holds at TP
 ``output_layer.weight``                         vocab-parallel rows, unpadded (post)
 ==============================================  ============================================
 
+**Transformer Engine** (``--transformer-impl transformer_engine``): TE fuses the two layer norms of
+a layer into the following linear, so a TE model holds ``self_attention.linear_qkv.layer_norm_weight``
+/ ``layer_norm_bias`` instead of ``input_layernorm.weight`` / ``bias`` and ``mlp.linear_fc1.layer_norm_*``
+instead of ``pre_mlp_layernorm.*`` (replicated like them); every other TE parameter has the local
+spec's name and sharding. :func:`canonical_name` maps TE names to the canonical (local-spec) ones,
+so a TE checkpoint and a local one hold the same tensors and load into each other.
+
 The vocabulary is padded the way Megatron-LM pads it: at TP ``t`` to a multiple of
 ``make_vocab_size_divisible_by * t`` (:func:`padded_vocab_size`); padding rows are never saved.
 
@@ -133,6 +140,26 @@ def gpt_tensor_specs(cfg: GPTSpecConfig) -> list[TensorSpec]:
     if not tied:
         out.append(TensorSpec("output_layer.weight", (cfg.vocab_size, h), dt, vocab_rule, "post"))
     return out
+
+
+# Transformer Engine's fused layer-norm parameters -> the canonical (local spec) names
+TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                  "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name of the local or the Transformer Engine spec -> its canonical (local) name:
+    ``decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight`` ->
+    ``decoder.layers.{i}.input_layernorm.weight`` (likewise ``mlp.linear_fc1.layer_norm_*`` ->
+    ``pre_mlp_layernorm.*``); any other name is returned unchanged."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    rest = m.group(2)
+    for te, local in TE_FUSED_NORMS.items():
+        if rest.startswith(te):
+            return f"decoder.layers.{m.group(1)}.{local}{rest[len(te):]}"
+    return name
 
 
 def local_to_global(name: str, first_layer: int) -> str:

@@ -19,7 +19,7 @@ from ...checkpoint.engine import CheckpointEngine, LoadResult
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_pieces
 from ...errors import ShardingError
 from ...layout import Layout, RuleKind, TensorSpec, rank_tensors
-from .specs import GPTSpecConfig, gpt_tensor_specs, local_to_global
+from .specs import GPTSpecConfig, canonical_name, gpt_tensor_specs, local_to_global
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,14 @@ STEP_NAME = "optimizer.step"
 
 
 def named_local_params(model: Any, cfg: GPTSpecConfig, first_layer: int) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters under their global spec names."""
+    """The model's parameters under their global spec names (Transformer Engine's fused layer-norm
+    names mapped to the canonical ones: :func:`.specs.canonical_name`)."""
     out: dict[str, torch.nn.Parameter] = {}
     for name, p in model.named_parameters():
-        g = local_to_global(name, first_layer)
+        g = canonical_name(local_to_global(name, first_layer))
+        if g in out:
+            raise ShardingError(f"parameter {name} maps to {g}, which the model already has (a model with both "
+                                f"the local and the Transformer Engine layer norms?)")
         if g == "output_layer.weight" and cfg.share_embeddings_and_output_weights:
             g = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
         out[g] = p
