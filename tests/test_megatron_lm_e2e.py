@@ -5,9 +5,12 @@ test is skipped there; patches/README.md records the runs made by hand). The scr
 patches, installs Megatron-LM's extra imports into a side folder and runs the sequence: uninterrupted
 vs resume at the same layout (losses and the iteration-20 checkpoint bit-identical), TP2, uneven PP2
 and TP2 x PP2 from plans (first loss after the resume; load -> save round trips bit-identical,
-optimizer state included), --no-load-optim, --finetune, a stock-checkpoint --load directory, bf16
-with fp32 main params and the distributed optimizer. Set MEGATRON_LM_E2E_ONLY=fp32,stock,... to run a
-part. Takes 30-60 minutes on 2 busy cores (about 30 launches of 4 ranks).
+optimizer state included), --no-load-optim, --finetune, a stock-checkpoint --load directory (imported
+with its Adam state: iterations 11-12 equal stock Megatron's own resume), an export to stock
+Megatron-LM (`--to megatron`: stock resumes from it; stock loads and saves it at TP2 x PP2 and it
+imports back bit-identical), bf16 with fp32 main params, fp16 and the distributed optimizer. Set
+MEGATRON_LM_E2E_ONLY=fp32,stock,... to run a part. Takes 30-60 minutes on 2 busy cores (about 35
+launches of 4 ranks).
 """
 from __future__ import annotations
 
