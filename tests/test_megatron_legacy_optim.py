@@ -191,3 +191,48 @@ def test_distributed_optimizer_checkpoint_imports_weights_only_and_says_why(tmp_
         res = import_megatron(str(tmp_path / "meg"), str(tmp_path / "el"))
     assert res["optimizer"] is False
     assert "distrib_optim.pt" in caplog.text and "weights only" in caplog.text
+
+
+def test_parse_refuses_state_that_does_not_fit_and_names_it():
+    """Hand-made Megatron optimizer entries: a fitting one maps by Megatron's grouping; a wrong group
+    size, a wrong shape or a non-tensor moment is a CheckpointError naming it (the importer then
+    imports weights only)."""
+    import torch
+
+    from elastor_ds.errors import CheckpointError
+    from elastor_ds.integrations.megatron import legacy_optim as lo
+
+    params = {"embedding.word_embeddings.weight": (8, 4), "decoder.layers.0.input_layernorm.weight": (4,),
+              "decoder.layers.0.input_layernorm.bias": (4,), "decoder.layers.0.self_attention.linear_proj.weight": (4, 4),
+              "decoder.layers.0.self_attention.linear_proj.bias": (4,)}
+    # megatron-core: group 0 = weights with decay [emb, proj.weight], group 1 = [ln.weight, ln.bias, proj.bias]
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_proj.weight",
+             "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.bias",
+             "decoder.layers.0.self_attention.linear_proj.bias"]
+
+    def entry():
+        state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.full(params[n], float(i)),
+                     "exp_avg_sq": torch.full(params[n], 10.0 + i)} for i, n in enumerate(names)}
+        return {"state": state, "param_groups": [{"params": [0, 1], "wd_mult": 1.0, "lr_mult": 1.0},
+                                                 {"params": [2, 3, 4], "wd_mult": 0.0, "lr_mult": 1.0}]}
+    st = lo.parse(entry(), params, "f")
+    assert {n: float(st.exp_avg[n].flatten()[0]) for n in names} == {n: float(i) for i, n in enumerate(names)}
+    assert st.step == 3.0
+    bad = entry()
+    bad["param_groups"][0]["params"] = [0]
+    with pytest.raises(CheckpointError, match="param_groups\\[0\\].*holds 1 parameters"):
+        lo.parse(bad, params, "f")
+    bad = entry()
+    bad["state"][1]["exp_avg"] = torch.zeros(3, 4)
+    with pytest.raises(CheckpointError, match="state\\[1\\].exp_avg of decoder.layers.0.self_attention.linear_proj.weight"):
+        lo.parse(bad, params, "f")
+    bad = entry()
+    bad["state"][2]["exp_avg_sq"] = "x"
+    with pytest.raises(CheckpointError, match="exp_avg_sq"):
+        lo.parse(bad, params, "f")
+    bad = entry()
+    bad["state"][4]["step"] = torch.tensor(2.0)
+    with pytest.raises(CheckpointError, match="different Adam steps"):
+        lo.parse(bad, params, "f")
+    with pytest.raises(CheckpointError, match="distrib_optim.pt"):
+        lo.parse({"param_state_sharding_type": "dp_reshardable"}, params, "f")
