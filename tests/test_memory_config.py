@@ -49,7 +49,10 @@ def test_snapshot_dir_created_exported_and_removed(tmp_path, monkeypatch):
     # a directory the user already had is kept; only the job's subdirectories go
     d.mkdir()
     (d / "mine.txt").write_text("keep me")
+    (d / "local").mkdir()                      # stale: a controller killed before its cleanup
+    (d / "local" / "latest").write_text("step_000000009\n")
     sd = snapshot_dir.prepare(str(d), "job-1")
+    assert sorted(os.listdir(d)) == ["mine.txt"]   # never restored by the new job
     assert not sd.created
     (d / "local").mkdir()
     (d / "peer").mkdir()

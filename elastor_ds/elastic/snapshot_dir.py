@@ -4,7 +4,8 @@ The controller creates it once per job (default ``/dev/shm/elastor-<rdzv id>-<ho
 0700), exports it to every (re)launch of its workers as ``ELASTOR_SNAPSHOT_DIR`` (trainers with
 ``"memory_snapshot"`` write their snapshots under ``local/`` there; files on tmpfs outlive a killed
 worker) and removes it when the job ends: never on restarts. A directory the user named and that
-already existed is kept; only what the job put there (``local/``, ``peer/``) is removed.
+already existed is kept; only what a job puts there (``local/``, ``peer/``) is removed, at the end
+and, as stale leftovers of an earlier job, at the start.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def prepare(path: Optional[str], rdzv_id: str) -> SnapshotDir:
     if not created and (not os.path.isdir(p) or os.path.islink(p)):
         raise ConfigError(f"--snapshot-dir {p}: exists and is not a directory; name a new directory (on /dev/shm for "
                           f"memory speed)")
+    if not created:   # a new job never restores another job's snapshots (a controller killed before cleanup)
+        for sub in JOB_SUBDIRS:
+            if os.path.lexists(os.path.join(p, sub)):
+                log.warning("removing stale memory snapshots of an earlier job under %s", os.path.join(p, sub))
+                shutil.rmtree(os.path.join(p, sub), ignore_errors=True)
     try:
         os.makedirs(p, mode=0o700, exist_ok=True)
     except OSError as e:
