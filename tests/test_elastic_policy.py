@@ -146,7 +146,7 @@ def test_recovery_breakdown_from_events(tmp_path):
     log.emit("failure", time=T + 20.5, cause="signal")
     log.emit("teardown", time=T + 20.7, duration_s=0.2)
     log.emit("rendezvous", time=T + 20.8)
-    log.emit("launch", time=T + 21.0, round=1, world_size=3)
+    log.emit("launch", time=T + 21.0, round=1, world_size=3, launch_modes=["standby-warm"] * 3)
     s2 = {k: v + 20.0 for k, v in started.items()}
     log.emit("worker_started", time=T + 24.5, world_size=3, layout="B", resumed_from=6, launch_mode="standby-warm",
              **s2)
@@ -166,6 +166,9 @@ def test_recovery_breakdown_from_events(tmp_path):
     assert r.parts["planning"] == pytest.approx(0.25) and r.parts["build+load"] == pytest.approx(0.75)
     assert r.total_s == pytest.approx(4.5)
     assert r.parts["first iter"] == pytest.approx(0.75) and r.launch_mode == "standby-warm"
+    from elastor_ds.elastic.events import launch_mode_summary
+    assert launch_mode_summary(["standby-warm", "standby-cold", "standby-cold"]) == "standby 1 warm/2 cold"
+    assert launch_mode_summary(["spawn", "spawn"]) == "spawn" and launch_mode_summary([]) is None
     ph = phases(ev, metrics)
     assert [(p.world_size, p.layout, p.first_iteration, p.last_iteration) for p in ph] == [(4, "A", 1, 8), (3, "B", 7, 11)]
     assert ph[0].ended_by == "failure" and ph[1].ended_by == "finished"

@@ -30,6 +30,15 @@ behaviour:
   preemption  SIGTERM or SIGINT (Slurm, Kubernetes, Ctrl-C): the workers finish the current
               iteration, checkpoint it, wait until it is durable and exit; elastor run exits 0.
               A second SIGINT kills at once (exit 130).
+  standby     (default) one spare interpreter per device slot has already imported torch,
+              DeepSpeed, Megatron-core and the modules the last workers imported; a (re)launch
+              hands each worker's rank, environment and log files to one of them instead of
+              spawning a fresh process (still torch's agent, c10d rendezvous and per-rank logs;
+              every round gets fresh processes; CUDA is never initialised before the rank is
+              known). --no-standby: spawn each worker as torchrun does.
+  multi-node  one fault is one restart for the job: the nodes whose workers failed only because
+              another node's did are recorded as collateral (failure event "collateral_of") and
+              do not count; the node that exhausts --max-restarts closes the rendezvous.
   events      --events FILE gets one JSON line per event (start, launch, failure with ranks,
               devices and causes, probe, decision, scale-up, preemption, worker start-up marks);
               at the end a summary table is printed and a timeline PNG written (--plot).

@@ -14,8 +14,8 @@ names: ``detect`` (fault -> noticed), ``teardown`` (rest of the group killed), `
 process runs; with standby workers: until the standby is assigned its rank), ``start-up`` (imports
 + process group), ``planning``, ``build+load`` (model, engine and checkpoint load), ``first iter``
 (the first resumed iteration, from the metrics file; not part of "to training", which ends when it
-starts). Each recovery also names how its workers were made (``launch_mode``: a spawned process,
-a warm standby, or a standby still importing).
+starts). Each recovery also names how its workers were made (``launch_mode``: spawned processes,
+standbys that had done their imports, standbys still importing, or a mix of those).
 """
 from __future__ import annotations
 
@@ -185,6 +185,17 @@ def _last_iteration_before(metrics: list[dict], t: float) -> int | None:
     return max(done) if done else None
 
 
+def launch_mode_summary(modes: list[str] | None) -> str | None:
+    """One word for a node's launch: the common mode of its workers, or e.g. ``"standby 1 warm/3 cold"``
+    (a launch is as slow as its slowest worker: every rank waits for the others)."""
+    if not modes:
+        return None
+    if len(set(modes)) == 1:
+        return modes[0]
+    counts = {m: modes.count(m) for m in dict.fromkeys(modes)}
+    return "standby " + "/".join(f"{n} {m.replace('standby-', '')}" for m, n in counts.items())
+
+
 def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
     """One :class:`Recovery` per failure relaunch and per scale-up relaunch (events of one node)."""
     ev = sorted(events, key=lambda e: e["time"])
@@ -241,7 +252,7 @@ def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
                           and m.get("time", 0) > s["t_loaded"] and "iter_time_s" in m), None)
             if first is not None:
                 p["first iter"] = float(first["iter_time_s"])
-        rec.launch_mode = s.get("launch_mode")
+        rec.launch_mode = launch_mode_summary(launch.get("launch_modes")) or s.get("launch_mode")
         rec.parts = {k: max(0.0, v) for k, v in p.items()}
         rec.cause = cause if origin != "injected" else f"{cause} (injected)"
         out.append(rec)

@@ -66,13 +66,13 @@ def summary_table(events: list[dict], metrics: list[dict]) -> str:
                     keys.append(k)
         lines.append("-" * 100)
         lines.append("recoveries (seconds)")
-        head = f"{'kind':<10}{'cause':<22}{'world':<8}{'lost its':>9}  {'workers':<14}" + \
-               "".join(f"{k[:12]:>13}" for k in keys) + f"{'to training':>13}"
+        head = f"{'kind':<10}{'cause':<22}{'world':<8}{'lost its':>9}  {'workers':<22}" + \
+               "".join(f"{k[:13]:>14}" for k in keys) + f"{'to training':>13}"
         lines.append(head)
         for r in recs:
             world = f"{r.world_before}->{r.world_after}"
             row = f"{r.kind:<10}{r.cause[:21]:<22}{world:<8}{_fmt(r.lost_iterations, 'd'):>9}  " + \
-                  f"{(r.launch_mode or '-')[:13]:<14}" + "".join(f"{_fmt(r.parts.get(k)):>13}" for k in keys) + \
+                  f"{(r.launch_mode or '-')[:21]:<22}" + "".join(f"{_fmt(r.parts.get(k)):>14}" for k in keys) + \
                   f"{_fmt(r.total_s):>13}"
             lines.append(row)
         lines.append("  detect: fault -> noticed; rdzv+spawn: rendezvous until the worker runs (standby: is assigned); "
