@@ -116,6 +116,10 @@ def one_run(variant: str, d: str, a: argparse.Namespace) -> dict:
         it_kill = read_jsonl(mfile)[-1]["iteration"]
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
+        if variant != "torchrun":   # what the controller's breakdown measures detection from
+            from elastor_ds.elastic.events import append_line
+            append_line(efile, {"event": "injected", "time": t_kill, "node": "bench", "rank": victim,
+                                "signal": "SIGKILL"})
         if variant == "torchrun":   # the old demo: wait for torchrun to give up, then relaunch by hand
             job.wait(timeout=300)
             t_down = time.time()
