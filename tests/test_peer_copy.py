@@ -138,3 +138,48 @@ def test_copy_that_arrives_with_a_bad_crc_is_not_complete(tmp_path):
     # the other direction is unaffected
     assert (tmp_path / "elastor-node1" / "peer").exists()
     assert (tmp_path / "elastor-node0" / "peer" / "elastor-node1" / STEP6 / "COMPLETE").exists()
+
+
+@pytest.mark.unit
+def test_node_memory_need_counts_the_predecessors_bytes():
+    from elastor_ds.checkpoint.planning.peer_plan import node_memory_need
+    # node 0 = ranks 0,1 (100 + 50 bytes), node 1 = rank 2 (7 bytes); keep 1
+    got = node_memory_need([2, 1], {0: 100, 1: 50, 2: 7}, keep=1, peer_copies=1)
+    assert got == [{"own": 150, "peer": 7, "need": 150 * 2 + 2 * 7},
+                   {"own": 7, "peer": 150, "need": 7 * 2 + 2 * 150}]
+    assert node_memory_need([2, 1], {0: 100, 1: 50, 2: 7}, keep=2, peer_copies=0)[1]["need"] == 7 * 3
+
+
+MIB = 2 ** 20
+
+
+def _budget_worker(rank, world, base, out):
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.integrations.deepspeed.config import MemorySnapshotConfig
+    from elastor_ds.integrations.deepspeed.memory import MemoryBudgetError, MemoryTier
+
+    node = 0 if rank < 2 else 1   # two "nodes" = two node directories: ranks 0,1 and rank 2
+    mcfg = MemorySnapshotConfig(keep=2, peer_copies=1, dir=os.path.join(base, f"n{node}"),
+                                max_bytes=(10 ** 6 if node == 0 else 4000) * MIB)
+    comm = TorchComm.create(60)
+    tier = MemoryTier(mcfg, comm)
+    try:
+        tier.check_budget({0: 1000, 1: 1000, 2: 100}[rank] * MIB, comm, estimated=False)
+        msg = "fits"
+    except MemoryBudgetError as e:
+        msg = str(e)
+    with open(os.path.join(out, f"r{rank}.txt"), "w") as f:
+        f.write(msg)
+
+
+@pytest.mark.timeout(120)
+def test_budget_counts_the_peer_copy_a_node_holds(tmp_path):
+    """Node 1 writes 100 MiB per snapshot but holds node 0's 2000 MiB as its peer copy: 100 x 3 +
+    2000 x 2 = 4300 MiB > its 4000 MiB cap (counting its own bytes only would say 400 MiB: fits)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_world(_budget_worker, 3, str(tmp_path), str(out), timeout_s=60)
+    for r in range(3):                                     # every rank raises, naming node 1's numbers
+        msg = (out / f"r{r}.txt").read_text()
+        assert "write 100.0 MiB per snapshot x 3 (keep 2 + 1 being written)" in msg, msg
+        assert "1.95 GiB x 2 (held + arriving) = 4.20 GiB" in msg and "/n1/local has 3.91 GiB available" in msg, msg

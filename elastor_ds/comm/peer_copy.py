@@ -124,6 +124,7 @@ class PeerCopier:
         self.seq = 0
         self.stats: list[PeerCopyStats] = []
         self._thread: Optional[threading.Thread] = None
+        self._announced = False
         if not _ID_RE.match(origin):
             raise ValueError(f"peer copy origin id {origin!r}: letters, digits, '_', '.', ':', '-' only")
 
@@ -264,7 +265,13 @@ class PeerCopier:
         with open(tmp, "w") as f:
             json.dump({"origin": inc.origin, "seq": inc.seq, "senders": senders}, f)
         os.replace(tmp, os.path.join(d, COMPLETE))
-        log.info("peer copy of %s from %s complete in %s", inc.step, inc.origin, d)
+        if not self._announced:   # once; then every copy at debug level
+            self._announced = True
+            log.info("peer copies: %s of %s arrived complete in %s (%d B from rank %d on this rank; the previous "
+                     "copy is dropped when the next one is complete)", inc.step, inc.origin, d,
+                     sum(f[1] for f in inc.files or []), inc.t.src)
+        else:
+            log.debug("peer copy of %s from %s complete in %s", inc.step, inc.origin, d)
         # the newer copy is complete: drop this origin's older steps and the markers of older copies
         odir = os.path.dirname(d)
         for name in os.listdir(odir):

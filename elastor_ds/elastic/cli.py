@@ -48,6 +48,11 @@ what the workers get (besides torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_AD
                            --elastor-plan auto plans for exactly this cluster)
   ELASTOR_SNAPSHOT_DIR     this node's memory-snapshot directory (--snapshot-dir), the same on
                            every relaunch, removed when the job ends
+  ELASTOR_SNAPSHOT_PEERS   HOST:PORT of every live node's snapshot server (node-rank order): the
+                           controller serves its snapshot directory read-only (range reads, no
+                           name outside it, no authentication: bind it to the cluster network
+                           with ELASTOR_SNAPSHOT_SERVER_HOST, default the address that reaches
+                           the rendezvous endpoint); ELASTOR_SNAPSHOT_SELF is this node's
   ELASTOR_INITIAL_WORLD_SIZE, ELASTOR_ROUND, ELASTOR_HEARTBEAT_DIR, ELASTOR_EVENTS_FILE,
   ELASTOR_GPU_MEMORY_GB (with --gpu-memory-gb). A trainer cooperates through
   elastor_ds.elastic.worker.ElasticWorker (heartbeat, agree_stop); examples/megatron_gpt/

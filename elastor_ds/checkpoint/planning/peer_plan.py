@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from ...errors import ConfigError
 
-__all__ = ["PeerTransfer", "node_of_rank", "plan_peer_copies", "peer_bytes_by_node", "node_starts"]
+__all__ = ["PeerTransfer", "node_of_rank", "plan_peer_copies", "peer_bytes_by_node", "node_starts", "node_memory_need"]
 
 
 @dataclass(frozen=True)
@@ -74,4 +74,18 @@ def peer_bytes_by_node(plan: Sequence[PeerTransfer], bytes_by_rank: Mapping[int,
     out = [0] * nodes
     for t in plan:
         out[t.dst_node] += int(bytes_by_rank.get(t.src, 0))
+    return out
+
+
+def node_memory_need(procs_per_node: Sequence[int], bytes_by_rank: Mapping[int, int], keep: int,
+                     peer_copies: int) -> list[dict]:
+    """Bytes each node's snapshot directory must hold at once: its own ranks' snapshots x (``keep``
+    committed + 1 being written), plus the peer copies it receives x 2 (the held copy stays until
+    the next one is complete, so a node lost during a copy still leaves a complete one)."""
+    plan = plan_peer_copies(procs_per_node, peer_copies)
+    peer = peer_bytes_by_node(plan, bytes_by_rank, len(procs_per_node))
+    out = []
+    for n, start in enumerate(node_starts(procs_per_node)):
+        own = sum(int(bytes_by_rank.get(r, 0)) for r in range(start, start + procs_per_node[n]))
+        out.append({"own": own, "peer": peer[n], "need": own * (keep + 1) + 2 * peer[n]})
     return out

@@ -9,7 +9,8 @@ directory holds its ranks' chunk files plus the whole manifest.
 
 1. Start (:meth:`MemoryTier.check_budget`, collective): bytes per snapshot of every node, estimated
    from the model's shards through the save plan (deduplicated) when the optimizer has no state
-   yet, times (``keep`` + 1 in flight + ``peer_copies``), against the node's tmpfs space (free +
+   yet, times (``keep`` + 1 in flight), plus the peer copy the node holds of its ring predecessor's
+   ranks (x 2: held + arriving; ``peer_plan.node_memory_need``), against the node's tmpfs space (free +
    what older snapshots there already use) and ``max_bytes``: too small -> :class:`MemoryBudgetError`
    (a ConfigError: exit 2) naming the numbers and the fixes, on every rank, before training. The
    first real snapshot checks the measured bytes again.
@@ -103,26 +104,43 @@ class MemoryTier:
             n["bytes"] += b
             n["ranks"] += 1
         self.nodes = len(nodes)
+        # peer copies: a node holds its ring predecessor's ranks' bytes (not its own), twice while
+        # the next copy arrives (checkpoint.planning.peer_plan.node_memory_need)
+        from ...checkpoint.planning.peer_plan import node_memory_need
+        order = list(dict.fromkeys(r[0] for r in rows))
+        ppn = [sum(1 for r in rows if r[0] == k) for k in order]
+        contiguous = [r[0] for r in rows] == [k for k, n in zip(order, ppn) for _ in range(n)]
+        peers = min(self.cfg.peer_copies, self.nodes - 1)
+        if contiguous:
+            need_by = node_memory_need(ppn, {i: r[1] for i, r in enumerate(rows)}, self.cfg.keep, peers)
+            for k, nb in zip(order, need_by):
+                nodes[k]["peer"], nodes[k]["need"] = nb["peer"], nb["need"]
+        else:   # ranks of a node are not numbered consecutively: assume a peer copy as large as its own
+            for n in nodes.values():
+                n["peer"] = n["bytes"] * peers
+                n["need"] = n["bytes"] * (self.cfg.keep + 1) + 2 * n["peer"]
         mine = nodes[me]
-        need = mine["bytes"] * self.copies
+        need = mine["need"]
         self.budget = {"node_bytes_per_snapshot": mine["bytes"], "rank_bytes_per_snapshot": int(rank_bytes),
-                       "copies": self.copies, "need_bytes": need, "limit_bytes": mine["limit"],
-                       "estimated": estimated}
-        short = [(k, n) for k, n in nodes.items() if n["bytes"] * self.copies > n["limit"]]
+                       "peer_bytes_per_snapshot": mine["peer"], "copies": self.copies, "need_bytes": need,
+                       "limit_bytes": mine["limit"], "estimated": estimated}
+        short = [(k, n) for k, n in nodes.items() if n["need"] > n["limit"]]
         if short:
             (host, root), n = short[0]
             cap = f", max_bytes {self.cfg.max_bytes}" if self.cfg.max_bytes else ""
+            held = (f" + the peer copy it holds of another node's ranks, {_gib(n['peer'])} x 2 (held + arriving)"
+                    if n["peer"] else "")
             raise MemoryBudgetError(
                 f"memory snapshots do not fit on node {host}: its {n['ranks']} rank(s) write "
-                f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.copies} copies "
-                f"(keep {self.cfg.keep} + 1 being written + {self.copies - self.cfg.keep - 1} peer copy) = "
-                f"{_gib(n['bytes'] * self.copies)}, but {root} has {_gib(n['limit'])} available (free "
-                f"{_gib(n['free'])}{cap}). Fix: a larger /dev/shm (e.g. `mount -o remount,size=64G /dev/shm`), "
-                f"\"keep\": 1, \"peer_copies\": 0, a larger \"max_bytes\", or drop \"memory_snapshot\"")
+                f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.cfg.keep + 1} "
+                f"(keep {self.cfg.keep} + 1 being written){held} = {_gib(n['need'])}, but {root} has "
+                f"{_gib(n['limit'])} available (free {_gib(n['free'])}{cap}). Fix: a larger /dev/shm (e.g. `mount -o "
+                f"remount,size=64G /dev/shm`), \"keep\": 1, \"peer_copies\": 0, a larger \"max_bytes\", or drop "
+                f"\"memory_snapshot\"")
         if self.comm.rank == 0:
-            log.info("memory snapshots: %s per snapshot on this node%s x %d copies = %s of %s available under %s",
-                     _gib(mine["bytes"]), " (estimated)" if estimated else "", self.copies, _gib(need),
-                     _gib(mine["limit"]), self.root)
+            log.info("memory snapshots: %s per snapshot on this node%s x %d + peer copies held %s x 2 = %s of %s "
+                     "available under %s", _gib(mine["bytes"]), " (estimated)" if estimated else "", self.cfg.keep + 1,
+                     _gib(mine["peer"]), _gib(need), _gib(mine["limit"]), self.root)
         return self.budget
 
     # ------------------------------------------------------------------ save
