@@ -65,27 +65,35 @@ class Node:
             return f.read()
 
     def workers(self) -> dict[int, int]:
+        """global rank -> pid of this controller's live workers, from its latest ``launch`` event (a
+        standby worker's /proc environment is the one it was spawned with, not its rank's)."""
         import psutil
+        launches = [e for e in read_jsonl(self.events) if e.get("event") == "launch"]
         out = {}
-        for c in psutil.Process(self.proc.pid).children(recursive=False):
+        for rank, pid in zip(launches[-1]["global_ranks"], launches[-1]["pids"]) if launches else ():
             try:
-                env = c.environ()
-                if "ELASTOR_HEARTBEAT_DIR" in env and c.status() != psutil.STATUS_ZOMBIE:
-                    out[int(env["RANK"])] = c.pid
-            except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                p = psutil.Process(pid)
+                if p.ppid() == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out[int(rank)] = pid
+            except psutil.NoSuchProcess:
                 continue
         return out
 
     def kill_node(self) -> None:
-        """SIGKILL the controller and every worker of this node at once."""
-        pids = list(self.workers().values())
+        """SIGKILL the controller and every process under it (workers, standbys) at once."""
+        import psutil
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
         os.killpg(self.proc.pid, signal.SIGKILL)
-        for p in pids:
+        for p in procs:
             try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
+                p.kill()
+            except psutil.NoSuchProcess:
                 pass
         self.proc.wait()
+        psutil.wait_procs(procs, timeout=10)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
