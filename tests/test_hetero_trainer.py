@@ -66,6 +66,36 @@ def reference(tmp_path_factory):
     return d
 
 
+def check_state_memory(jsonl: str, doc: dict, *flags: str, tol: float = 0.05) -> list[tuple]:
+    """Per rank, the planner's training-state bytes (CostModel.stage_state_bytes: weights + grads +
+    optimizer at the plan's ZeRO stage, heterogeneous plans at most ZeRO-1) against what the rank
+    actually held at its peak (elastor_ds.testing.state_memory: every param, grad, optimizer state and
+    optimizer-owned copy, measured at the end of backward and after the step). The model leaves out
+    position embeddings, vocabulary padding and the TP-replicated norms' extra copies: +3% here."""
+    import pretrain_gpt
+    from elastor_ds.layout import Layout
+    from elastor_ds.plan import Cluster, CostModel
+    args = pretrain_gpt.parse_args(COMMON + list(flags))
+    model, training = pretrain_gpt.plan_specs(args)
+    lay = Layout.from_json(doc, 4)
+    cost = CostModel(model, training, Cluster.from_gpus_per_node(str(lay.world_size)))
+    zero = min(training.zero_stage, 1)
+    rec = next(json.loads(line) for line in open(jsonl) if "state_bytes" in json.loads(line))
+    rows = []
+    for rank, got in enumerate(rec["state_bytes"]):
+        pos = lay.position(rank)
+        stages = lay.replicas[pos.replica].stages
+        st = stages[pos.stage]
+        want = cost.stage_state_bytes(st.tp, st.layers[1] - st.layers[0], pos.stage, len(stages), len(lay.replicas),
+                                      zero)
+        meas = got["peak"]["total"]
+        rows.append((rank, f"r{pos.replica}s{pos.stage} tp{st.tp}", zero, int(want), meas, meas / want))
+        assert abs(meas / want - 1) <= tol, (rank, want, got)
+    print("\n".join(f"state memory rank {r} {w} ZeRO-{z}: predicted {p} B, measured {m} B, ratio {q:.3f}"
+                    for r, w, z, p, m, q in rows))
+    return rows
+
+
 def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     ref = losses(str(reference / "ref.jsonl"))
     assert len(ref) == 6 and ref[6] < ref[1]
@@ -75,6 +105,7 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     assert_losses(losses(str(tmp_path / "a.jsonl")), ref, range(1, 7))
     rec = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
     assert rec[-1]["consumed_samples"] == 48 and rec[0]["world_size"] == 3 and rec[0]["layout"].startswith("R0(mb3)")
+    check_state_memory(str(tmp_path / "a.jsonl"), A)  # ZeRO-1: optimizer state / 2 per rank
     want = model_tensors(str(reference / "ck" / "step_000000006"), str(tmp_path / "cref"))
     got = model_tensors(str(tmp_path / "ckA" / "step_000000006"), str(tmp_path / "cA"))
     assert sorted(got) == sorted(want) and len(want) >= 20
@@ -98,13 +129,16 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     torchrun(5, "--elastor-plan", write(tmp_path / "c.json", C), "--zero-stage", "0",
              "--metrics-file", str(tmp_path / "c.jsonl"))
     assert_losses(losses(str(tmp_path / "c.jsonl")), ref, range(1, 7))
+    check_state_memory(str(tmp_path / "c.jsonl"), C, "--zero-stage", "0")  # ZeRO-0: unsharded
     # uniform (TP1, one process) -> hetero B: resume from the reference's step 3
     torchrun(4, "--elastor-plan", write(tmp_path / "b.json", B), "--load", str(reference / "ck" / "step_000000003"),
              "--save", str(tmp_path / "ckB"), "--metrics-file", str(tmp_path / "b.jsonl"))
     assert_losses(losses(str(tmp_path / "b.jsonl")), ref, range(4, 7))
-    # hetero A -> uniform TP2 x DP1: resume from A's step 3
+    check_state_memory(str(tmp_path / "b.jsonl"), B)
+    # hetero A -> uniform TP2 x DP1: resume from A's step 3 given as a step directory, --load without --save
+    # (it used to start from scratch: iterations 1-6 instead of 4-6)
     torchrun(2, "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "ckA" / "step_000000003"),
-             "--save", str(tmp_path / "ckU"), "--metrics-file", str(tmp_path / "u.jsonl"))
+             "--metrics-file", str(tmp_path / "u.jsonl"))
     assert_losses(losses(str(tmp_path / "u.jsonl")), ref, range(4, 7))
 
 
@@ -145,6 +179,23 @@ def test_bad_plans_rejected_with_numbers(tmp_path, monkeypatch):
                                                           r"\[2, 1\] from ELASTOR_PROCS_PER_NODE"):
             derive(A_swapped, 3)
     monkeypatch.delenv("ELASTOR_PROCS_PER_NODE")
+    # --elastor-plan auto when the planner's best plan leaves a process idle (4 x TP1 on 5 processes with this
+    # profile): idle processes are not supported, the best plan using all 5 runs and the idle one is reported
+    (tmp_path / "prof").mkdir()
+    write(tmp_path / "prof" / "profile.json", {"version": 1, "layer_time_s": {"1": 0.01, "2": 0.009}})
+    args = pretrain_gpt.parse_args(COMMON + ["--elastor-plan", "auto", "--save", str(tmp_path / "prof")])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    d = pretrain_gpt.derive(args, 5)
+    info = args.plan_info
+    assert d["layout"].world_size == 5 and info["idle_best_processes"] == 4 and info["idle_best_plan"]
+    assert info["idle_best_predicted_iter_s"] <= info["predicted_iter_s"]
+    # --load naming nothing loadable (and not the --save directory) is an error, not a fresh start
+    (tmp_path / "empty").mkdir()
+    for extra in (["--load", str(tmp_path / "empty")], ["--load", str(tmp_path / "nope"), "--save", str(tmp_path / "s")]):
+        with pytest.raises(pretrain_gpt.UsageError, match=r"--load .*(holds no elastor checkpoint|does not exist).*drop "
+                                                          r"--load to start from scratch"):
+            derive(A, 3, *extra)
+    assert derive(A, 3, "--load", str(tmp_path / "empty"), "--save", str(tmp_path / "empty"))["hetero"]  # restartable
     # the process exits 2 with the message, before touching torch.distributed
     p = subprocess.run([sys.executable, TRAINER, *COMMON, "--elastor-plan", write(tmp_path / "bad.json", B)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE="3"))

@@ -142,6 +142,7 @@ class HeteroZero1:
         if mixed:
             raise RuntimeError(f"tensors {sorted(mixed)[:4]} are partly held by one replica and partly by several")
         self.local_names = sorted({c.name for c in self.local_cells})
+        self.sharded_names = sorted(sharded)
         self.shards: list[torch.nn.Parameter] = []
         with torch.no_grad():
             for p in self.parts:
@@ -215,6 +216,7 @@ class HeteroZero1:
                     k = c.region.numel
                     data_of(c.name)[_slices(c.local)].copy_(out[pos:pos + k].view(c.region.sizes))
                     pos += k
+                sh.grad = None  # the share's gradient lives from the reduce-scatter to the step only
 
     def refresh_from_params(self, data_of: Callable[[str], torch.Tensor]) -> None:
         """Copy the parameters' current values into the shards (after weights were loaded)."""

@@ -285,6 +285,23 @@ class CostModel:
             fixed += tokens * m.vocab_size / tp * 4.0 * 2  # fp32 logits and their gradient
         return fixed, per_layer
 
+    def stage_params(self, tp: int, num_layers: int, pos: int, num_stages: int) -> float:
+        """Parameters one GPU of stage ``pos`` holds: its layers, the embedding on the first stage,
+        the output layer on the last (unless tied on a single stage), each split ``tp`` ways."""
+        m = self.model
+        n = num_layers * m.params_per_layer
+        if pos == 0:
+            n += m.embedding_params
+        if pos == num_stages - 1 and not (m.tied_embeddings and num_stages == 1):
+            n += m.embedding_params
+        return n / tp
+
+    def stage_state_bytes(self, tp: int, num_layers: int, pos: int, num_stages: int, num_replicas: int,
+                          zero_stage: int | None = None) -> float:
+        """The training-state part of :meth:`stage_memory` (weights, gradients, optimizer state;
+        no activations or overhead): what ``elastor_ds.testing.state_memory`` measures on a rank."""
+        return self.stage_params(tp, num_layers, pos, num_stages) * self.state_bytes_per_param(num_replicas, zero_stage)
+
     def stage_memory(self, tp: int, num_layers: int, pos: int, num_stages: int, num_replicas: int,
                      zero_stage: int | None = None) -> float:
         fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas, zero_stage)

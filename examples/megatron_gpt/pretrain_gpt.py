@@ -27,11 +27,17 @@ contract for readers such as the demo table (keys may be added, never removed):
     iteration, lm_loss (global batch mean), consumed_samples, lr, layout (short description),
     world_size, iter_time_s (measured), time (unix), save_stall_s (iterations that saved),
     plan_source ("flags" | "file" | "auto"),
-    with --elastor-plan auto also: predicted_iter_s (the chosen plan's prediction),
+    with --elastor-plan auto also: predicted_iter_s (the chosen plan's prediction), and when the
+      planner's best plan overall would leave processes idle (not supported: the plan using every
+      process runs) idle_best_plan, idle_best_processes, idle_best_predicted_iter_s;
       uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
       processes), profile (path of the profile used, or null for the analytical model);
     profile_written (path, from the iteration the profile was written on);
-    plan (the full plan document; in the first record of each launch only).
+    plan (the full plan document) and zero_stage: in the first record of each launch only;
+    state_bytes (second record of each launch, or the first if it runs one iteration): per rank, the
+      training-state bytes (params, grads, optimizer) measured at the end of backward and after the
+      optimizer step, and the larger as "peak" (elastor_ds.testing.state_memory; compare with
+      plan_specs() and elastor_ds.plan.CostModel.stage_state_bytes).
 """
 from __future__ import annotations
 
@@ -141,14 +147,14 @@ def derive(args: argparse.Namespace, world: int) -> dict:
         raise UsageError(f"--num-attention-heads {H} is not divisible by --num-query-groups {groups}")
     if args.hidden_size % H:
         raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {H}")
-    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+    ffn = ffn_size(args)
     max_pos = args.max_position_embeddings or args.seq_length
     if args.seq_length > max_pos:
         raise UsageError(f"--seq-length {args.seq_length} > --max-position-embeddings {max_pos}")
     if args.train_iters < 1:
         raise UsageError(f"--train-iters {args.train_iters} must be >= 1")
-    if args.load and not os.path.isdir(args.load):
-        log.warning("--load %s does not exist yet: starting from scratch", args.load)
+    if args.load:
+        check_load(args)
     common = dict(ffn=ffn, groups=groups, max_pos=max_pos)
     from elastor_ds.runtime import needs_hetero
     if plan_layout is not None and needs_hetero(plan_layout):
@@ -178,6 +184,27 @@ def derive(args: argparse.Namespace, world: int) -> dict:
     layout = Layout.uniform(tp, pp, dp, L, boundaries=boundaries, micro_batches=gbs // (mbs * dp))
     return dict(common, tp=tp, pp=pp, dp=dp, gas=gbs // (mbs * dp), boundaries=boundaries, layout=layout,
                 hetero=False, zero_stage=1 if args.zero_stage is None else args.zero_stage)
+
+
+def check_load(args: argparse.Namespace) -> None:
+    """``--load DIR`` with ``--save DIR`` (the same directory) is the restartable idiom: an empty or
+    missing DIR starts from scratch. Otherwise the user asked to load something: it must hold a
+    committed elastor checkpoint (a root with steps, or a step directory), else exit 2."""
+    same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    if same:
+        if not os.path.isdir(args.load):
+            log.warning("--load %s does not exist yet: starting from scratch", args.load)
+        return
+    from elastor_ds.checkpoint import commit
+    from elastor_ds.errors import CheckpointError, CheckpointNotFoundError
+    try:
+        commit.resolve(args.load)
+    except CheckpointNotFoundError as e:
+        raise UsageError(f"--load {args.load}: {e}; give a checkpoint directory (a root or a step_* directory), or "
+                         f"drop --load to start from scratch (--save DIR --load DIR starts fresh while DIR is "
+                         f"empty)") from None
+    except CheckpointError:
+        pass  # damaged or uncommitted: the loader reports it (exit 1) or falls back to an older step
 
 
 def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups: int) -> dict:
@@ -225,25 +252,40 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
                 boundaries=None, tp=None, pp=None, dp=layout.dp, gas=None)
 
 
+def ffn_size(args: argparse.Namespace) -> int:
+    """--ffn-hidden-size, or megatron's default: 4 h, or 2/3 of that rounded down to 8 with --swiglu."""
+    return args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+
+
+def plan_specs(args: argparse.Namespace):
+    """The planner's description of this trainer's model and training (fp32 weights, fp32 grads,
+    Adam): under ZeRO-0 the fp32 weights are the master copy, so the optimizer holds only the two
+    moments (8 bytes per parameter); under ZeRO-1 it also keeps an fp32 copy of its share (12)."""
+    from elastor_ds.plan import ModelSpec, TrainingSpec
+    zero = 1 if args.zero_stage is None else args.zero_stage
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length, vocab_size=104,
+                      ffn_hidden_size=ffn_size(args), num_query_groups=args.num_query_groups,
+                      dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False)
+    training = TrainingSpec(micro_batch_size=args.micro_batch_size,
+                            num_micro_batches=args.global_batch_size // args.micro_batch_size,
+                            nominal_tp=args.tensor_model_parallel_size, zero_stage=zero,
+                            grad_bytes=4, optimizer_bytes=12 if zero else 8)
+    return model, training
+
+
 def auto_plan(args: argparse.Namespace, world: int):
     """The planner's best plan for the ``world`` launched processes, heterogeneous plans included
     (the default search space), priced with the per-layer profile this trainer measured before
     (``<load or save dir>/profile.json``) when there is one. Sets ``args.plan_info`` (metrics keys)."""
     import layer_profile
-    from elastor_ds.plan import CostModel, ModelSpec, Profile, TrainingSpec, plan
-    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length, vocab_size=104,
-                      ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-                      dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False)
-    training = TrainingSpec(micro_batch_size=args.micro_batch_size,
-                            num_micro_batches=args.global_batch_size // args.micro_batch_size,
-                            nominal_tp=args.tensor_model_parallel_size,
-                            zero_stage=1 if args.zero_stage is None else args.zero_stage)
+    from elastor_ds.plan import CostModel, Profile, plan
+    model, training = plan_specs(args)
     prof_path = layer_profile.find(args.load, args.save)
     profile = Profile.load(prof_path) if prof_path else None
     res = plan(CostModel(model, training, elastic_cluster(world), profile=profile), layouts=args.elastor_layouts,
                top_k=50)
-    ffn = args.ffn_hidden_size or (int(8 * args.hidden_size / 3 / 8) * 8 if args.swiglu else 4 * args.hidden_size)
+    ffn = ffn_size(args)
     groups = args.num_query_groups or args.num_attention_heads
     for cand in list(res.alternatives) or [res.best]:
         layout = cand.plan.to_layout()
@@ -254,13 +296,26 @@ def auto_plan(args: argparse.Namespace, world: int):
                           "uniform_plan": uni.plan.describe() if uni else None,
                           "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
                           "profile": prof_path}
+        best = res.best
+        if best.plan.num_gpus < world:
+            # every launched process must have a place: each joins the runtime's collectives (group
+            # creation, split all-reduce planning, loss and norm all-reduces, checkpoint collectives),
+            # so a plan that leaves processes idle is not run; say what it would have given
+            args.plan_info.update(idle_best_plan=best.plan.describe(), idle_best_processes=best.plan.num_gpus,
+                                  idle_best_predicted_iter_s=best.cost.iteration_time_s)
+            log.warning("the planner's best plan %s uses %d of the %d launched processes (predicted %.4g s/iter vs "
+                        "%.4g for the plan chosen, which uses all); idle processes are not supported: relaunch with "
+                        "%d processes to run it", best.plan.describe(), best.plan.num_gpus, world,
+                        best.cost.iteration_time_s, cand.cost.iteration_time_s, best.plan.num_gpus)
         log.info("planner (%s search, profile %s): %s, predicted %.4g s/iter; best uniform %s, predicted %s s/iter",
                  args.elastor_layouts, prof_path or "none: analytical model", layout.describe(),
                  cand.cost.iteration_time_s, uni.plan.describe() if uni else "none",
                  f"{uni.cost.iteration_time_s:.4g}" if uni else "-")
         return layout
     raise UsageError(f"none of the planner's best plans for this model uses exactly the {world} launched processes "
-                     f"(best: {res.best.plan.describe()}); run `elastor plan ... --json > plan.json` and relaunch "
+                     f"(best: {res.best.plan.describe()} on {res.best.plan.num_gpus}); plans that leave processes "
+                     f"idle are not run (every process joins the runtime's collectives): relaunch with "
+                     f"{res.best.plan.num_gpus} processes, or run `elastor plan ... --json > plan.json` and relaunch "
                      f"with its process count and --elastor-plan plan.json")
 
 
@@ -295,8 +350,10 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
     ck = el.setdefault("checkpoint", {})
     if args.save:
         ck.setdefault("dir", args.save)
-    elif args.load:
-        ck.setdefault("dir", args.load)
+    elif args.load:  # load only (nothing is saved): the checkpoint root
+        from elastor_ds.checkpoint import commit
+        ck.setdefault("dir", os.path.dirname(os.path.abspath(args.load)) if commit.is_committed(args.load)
+                      else args.load)
     if "dir" not in ck:
         if args.elastor_memory_snapshot_interval is not None or el.get("memory_snapshot") is not None:
             from elastor_ds.errors import ConfigError
@@ -308,8 +365,8 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
     ck.setdefault("async", True)
     ck.setdefault("keep", 2)
     ck.setdefault("load", "latest" if args.load else "none")
-    if args.load and os.path.abspath(args.load) != os.path.abspath(ck["dir"]):
-        ck["load"] = args.load
+    if args.load and (not args.save or os.path.abspath(args.load) != os.path.abspath(args.save)):
+        ck["load"] = args.load  # an explicit root or step dir ("latest" would look for steps *under* a step dir)
     flags = {"interval_steps": args.elastor_memory_snapshot_interval,
              "peer_copies": args.elastor_memory_snapshot_peer_copies, "keep": args.elastor_memory_snapshot_keep}
     if any(v is not None for v in flags.values()):
@@ -412,6 +469,8 @@ def _main(argv: list[str] | None = None) -> int:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
     layout = d["layout"]
     start = int(engine.global_steps)
+    from elastor_ds.testing import state_memory
+    state_mem = state_memory.track(engine)  # training-state bytes (metrics "state_bytes", vs the planner's model)
     elastic_mark(ctl, "t_loaded")
     if ctl is not None:
         ctl.report_started(rank, world_size=world, layout=layout.describe(), resumed_from=start,
@@ -469,6 +528,10 @@ def _main(argv: list[str] | None = None) -> int:
                 prof.begin(it)
             loss = float(engine.train_batch(it_data))
             dt = time.perf_counter() - t0
+            state_all = None
+            if it == min(start + 1, last - 1):  # the second iteration: the optimizer's state exists
+                state_all = [None] * world
+                dist.all_gather_object(state_all, state_memory.peak(state_mem))
             if prof is not None and prof.end(it):
                 doc = prof.gather(args.micro_batch_size, args.seq_length)
                 if rank == 0:
@@ -489,6 +552,9 @@ def _main(argv: list[str] | None = None) -> int:
                 rec.update(plan_info)
                 if it == start:
                     rec["plan"] = layout.to_json()
+                    rec["zero_stage"] = d["zero_stage"]
+                if state_all is not None:
+                    rec["state_bytes"] = state_all  # per rank: params/grads/optimizer bytes at their peak
                 mfile.write(json.dumps(rec) + "\n")
                 mfile.flush()
             if rank == 0 and ((it + 1) % args.log_interval == 0 or it == start):

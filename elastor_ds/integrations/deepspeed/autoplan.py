@@ -7,8 +7,11 @@ the model is the section's ``"model"`` (the planner's ``ModelSpec`` fields; ``nu
 module's layer-list length, because a plan's layer index is the index in that list), the training
 shape comes from the DeepSpeed config (micro-batch size, global batch), and ``"profile"`` (a measured
 per-layer profile in ``elastor plan --profile`` format) prices the layers when given. The search
-covers heterogeneous plans (grids only when ZeRO >= 1 is configured: heterogeneous plans run ZeRO-0);
-the best plan that uses exactly the launched processes is returned.
+covers heterogeneous plans (grids only when ZeRO >= 2 is configured: heterogeneous plans run ZeRO-1
+at most); the best plan that uses exactly the launched processes is returned. Every launched process
+must have a place in the plan (each joins the runtime's collectives): when the planner's best plan
+overall leaves processes idle, that is logged with its prediction and the process count to relaunch
+with, and the best plan using every process runs.
 
 Pure planning plus environment reads: no torch.distributed.
 """
@@ -73,14 +76,20 @@ def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
     training = TrainingSpec(micro_batch_size=mbs, num_micro_batches=int(gbs) // mbs, nominal_tp=cap, zero_stage=zero)
     profile = Profile.load(ecfg.profile) if ecfg.profile else None
     try:
-        # heterogeneous plans run ZeRO-0 (see .hetero): with ZeRO >= 1 configured, search grids only
+        # heterogeneous plans run ZeRO-1 at most (see .hetero): with ZeRO >= 2 configured, search grids only
         res = plan(CostModel(model, training, Cluster.from_gpus_per_node(nodes), profile=profile),
-                   layouts="uniform" if zero >= 1 else "heterogeneous", top_k=50)
+                   layouts="uniform" if zero >= 2 else "heterogeneous", top_k=50)
     except ElastorError as e:
         raise ConfigError(f'elastor.plan="auto": {e}') from None
     for cand in list(res.alternatives) or [res.best]:
         layout = cand.plan.to_layout()
         if layout.world_size == world:
+            if res.best.plan.num_gpus < world:
+                log.warning("elastor.plan=auto: the planner's best plan %s uses %d of the %d launched processes "
+                            "(predicted %.4g s/iter vs %.4g for the plan that uses all); processes cannot stay idle "
+                            "(every rank joins the runtime's collectives): relaunch with %d processes to run it",
+                            res.best.plan.describe(), res.best.plan.num_gpus, world, res.best.cost.iteration_time_s,
+                            cand.cost.iteration_time_s, res.best.plan.num_gpus)
             uni = res.uniform
             log.info("elastor.plan=auto on %s processes per node: %s, predicted %.4g s/iter (best uniform %s: %s)",
                      nodes, layout.describe(), cand.cost.iteration_time_s, uni.plan.describe() if uni else "none",

@@ -330,12 +330,17 @@ def prepare_config(ds_config: dict, rt: HeteroRuntime) -> tuple[dict, float]:
 
 def _hetero_reduce_grads(self: "HeteroPipelineEngine") -> None:
     rt: HeteroRuntime = self.elastor_runtime
+    for probe in self.elastor_probes:  # e.g. elastor_ds.testing.state_memory: state at the end of backward
+        probe()
     zero = rt.zero
     if zero is not None:
         zero.reduce_scatter(rt.grad_of, rt.weight)  # each share's .grad: the global gradient of its elements
     else:
         rt.reducer.reduce(rt.grad_of, rt.weight)
     PipelineEngine._exec_reduce_grads(self)
+    if zero is not None:  # ZeRO-1: the full gradients are not needed any more (the shares carry theirs)
+        for n in zero.sharded_names:
+            rt.params[n].grad = None
     if self.elastor_clip > 0:
         norm = zero.grad_norm(rt.grad_of) if zero is not None else rt.reducer.grad_norm(rt.grad_of)
         coef = min(1.0, self.elastor_clip / (norm + 1e-6))
@@ -366,6 +371,7 @@ class HeteroPipelineEngine(PipelineEngine):
     elastor_runtime: HeteroRuntime
     elastor_clip: float = 0.0
     elastor_grad_norm: Optional[float] = None
+    elastor_probes: tuple = ()  # callables run when the last backward of an iteration is done
 
     def _exec_reduce_grads(self) -> None:
         _hetero_reduce_grads(self)
