@@ -32,16 +32,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _step(x, dist):
+def _step(x, dist, matmuls: int = 6):
     y = x
-    for _ in range(6):
+    for _ in range(matmuls):
         y = (y @ x).tanh_()
     g = y.sum(0)
     dist.all_reduce(g)
     return float(g[0])
 
 
-def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, out: str) -> None:
+def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, out: str, matmuls: int) -> None:
     import datetime
 
     import torch
@@ -66,7 +66,7 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
         for s in range(steps):
             dist.barrier()
             t0 = time.perf_counter()
-            _step(x, dist)
+            _step(x, dist, matmuls)
             if with_copy:   # the snapshot committed: its files go to the next node in the background
                 d = os.path.join(nodedir, "local", f"step_{s:09d}")
                 os.makedirs(d, exist_ok=True)
@@ -96,7 +96,7 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
     dist.destroy_process_group()
 
 
-def part1(mib: int, steps: int) -> dict:
+def part1(mib: int, steps: int, matmuls: int = 6) -> dict:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -104,7 +104,7 @@ def part1(mib: int, steps: int) -> dict:
     base = tempfile.mkdtemp(prefix="peer_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     out = tempfile.mkdtemp(prefix="peer_bench_out_")
     try:
-        mp.start_processes(_part1, args=(2, free_port(), mib, steps, base, out), nprocs=2, join=True,
+        mp.start_processes(_part1, args=(2, free_port(), mib, steps, base, out, matmuls), nprocs=2, join=True,
                            start_method="spawn")
         rows = [json.load(open(os.path.join(out, f"part1_rank{r}.json"))) for r in range(2)]
     finally:
@@ -169,13 +169,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--matmuls", type=int, default=6, help="384x384 matmuls per step (the step's compute)")
     ap.add_argument("--storage-dir", default=os.getcwd())
     ap.add_argument("--json", default=None)
     ap.add_argument("--part", choices=["1", "2", "all"], default="all")
     a = ap.parse_args()
     res = {"uptime_load": os.getloadavg()}
     if a.part in ("1", "all"):
-        res["peer_copy"] = part1(a.mib, a.steps)
+        res["peer_copy"] = part1(a.mib, a.steps, a.matmuls)
     if a.part in ("2", "all"):
         res["restore"] = part2(a.mib, a.storage_dir)
     print(json.dumps(res, indent=1))
