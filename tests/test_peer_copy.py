@@ -99,7 +99,7 @@ def _worker(rank, world, base, ppn, corrupt_rank):
         cp.wait()
         assert st.error is None, st.error
         assert st.bytes_sent == sum(len(b) for b in _files_of(rank, step).values())
-    cp.close()
+    assert cp.close(timeout_s=30)
 
 
 @pytest.mark.timeout(120)

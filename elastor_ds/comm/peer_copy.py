@@ -177,8 +177,18 @@ class PeerCopier:
             self._thread.join()
             self._thread = None
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """At the end of training: let the last copy finish (bounded: a partner that died leaves it
+        to the gloo timeout). True when no copy is left running."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("peer copy %d still running after %.0f s at shutdown; leaving it", self.seq, timeout_s)
+            return False
+        self._thread = None
+        return True
 
     # ------------------------------------------------------------------ the exchange
     def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]]) -> None:

@@ -189,6 +189,8 @@ class ElastorCheckpointer:
     def finalize(self) -> Optional[SaveStats]:
         if self.memory is not None:
             self.memory.ckpt.finalize()
+            if self.memory.peer_copier is not None:   # the last snapshot's copy (peer.attach)
+                self.memory.peer_copier.close()
         return self.ckpt.finalize()
 
     # ---------------------------------------------------------------- load
