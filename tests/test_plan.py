@@ -379,6 +379,15 @@ def test_cli_json_loads_as_layout(capsys):
     assert doc["uniform_baseline"]["predicted_iteration_time_s"] >= doc["predicted_iteration_time_s"]
 
 
+def test_cli_states_the_zero_stage_a_plan_runs_with(capsys):
+    """--zero-stage 2 asked: a heterogeneous best plan runs (and is priced at) ZeRO-1, and says so."""
+    assert cli_main(BASE + ["--gpus-per-node", "8,7", "--zero-stage", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "heterogeneous" and doc["zero_stage"] == 1 and doc["inputs"]["zero_stage"] == 2
+    assert cli_main(BASE + ["--gpus-per-node", "8,7", "--zero-stage", "2"]) == 0
+    assert "ZeRO-1 (--zero-stage 2 asked; a heterogeneous plan runs ZeRO-1 at most" in capsys.readouterr().out
+
+
 def test_cli_table_and_cluster_file(tmp_path, capsys):
     f = tmp_path / "c.yaml"
     f.write_text("gpu_memory_gb: 80\nnodes:\n  - {name: a, gpus: [0, 1, 2, 3, 5, 6, 7]}\n")
