@@ -204,6 +204,9 @@ def test_whole_node_lost_survivor_restores_from_its_peer_copy(tmp_path):
     assert by.get("storage", 0) == 0, by                       # storage had the same step: not read
     assert by.get("peer-memory", 0) > 0 and by.get("local-memory", 0) > 0, by
     assert not any(k.startswith("remote:") for k in by), by     # node B is gone: nobody to ask
+    # before the kill every snapshot's peer copy ran in the background (the trainer reports rank 0's)
+    copies = [r for r in recs if r["world_size"] == 3 and "peer_copy_s" in r]
+    assert copies and all(r["peer_copy_ok"] and r["peer_copy_bytes"] > 0 for r in copies), copies
     # lost work <= 1 iteration: resumed from the newest snapshot, at most one behind the last logged
     last_before = max(r["iteration"] for r in recs if r["world_size"] == 3)
     assert started[-1]["resumed_from"] >= last_before - 1, (started[-1], last_before)

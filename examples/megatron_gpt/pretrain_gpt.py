@@ -549,6 +549,11 @@ def _main(argv: list[str] | None = None) -> int:
                     rec["save_stall_s"] = stall
                 if snapped:
                     rec["snapshot_stall_s"] = mem.stats[-1].stall_s
+                    pc = getattr(mem, "peer_copier", None)
+                    done = [c for c in pc.stats if c.copy_s > 0] if pc is not None else []
+                    if done:   # rank 0's newest finished peer copy (background) and the wait before it
+                        rec.update(peer_copy_s=done[-1].copy_s, peer_copy_wait_s=done[-1].wait_s,
+                                   peer_copy_bytes=done[-1].bytes_sent, peer_copy_ok=done[-1].error is None)
                 rec.update(plan_info)
                 if it == start:
                     rec["plan"] = layout.to_json()
