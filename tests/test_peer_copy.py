@@ -15,6 +15,12 @@ from elastor_ds.errors import ConfigError
 STEP5, STEP6 = "step_000000005", "step_000000006"
 
 
+def _oid(name: str) -> str:
+    """The origin id a node directory named ``name`` on this host gets (host + directory name)."""
+    from elastor_ds.comm.peer_copy import origin_id
+    return origin_id(os.path.join("/x", name))
+
+
 # ---------------------------------------------------------------- the plan (pure)
 @pytest.mark.unit
 def test_ring_two_nodes_uneven():
@@ -108,11 +114,13 @@ def test_ring_copy_two_nodes_bytes_equal_and_older_dropped(tmp_path):
     run_world(_worker, 3, str(tmp_path), ppn, -1, timeout_s=60)
     n0, n1 = tmp_path / "elastor-node0", tmp_path / "elastor-node1"
     # node 1 holds node 0's ranks 0 and 1; node 0 holds node 1's rank 2; only the newest step is kept
-    assert sorted(os.listdir(n1 / "peer")) == ["elastor-node0"]
-    assert sorted(os.listdir(n0 / "peer")) == ["elastor-node1"]
-    assert os.listdir(n1 / "peer" / "elastor-node0") == [STEP6]
-    assert os.listdir(n0 / "peer" / "elastor-node1") == [STEP6]
-    for holder, ranks, origin in ((n1, (0, 1), "elastor-node0"), (n0, (2,), "elastor-node1")):
+    o0, o1 = _oid("elastor-node0"), _oid("elastor-node1")
+    assert o0.endswith("-elastor-node0") and o0 != o1
+    assert sorted(os.listdir(n1 / "peer")) == [o0]
+    assert sorted(os.listdir(n0 / "peer")) == [o1]
+    assert os.listdir(n1 / "peer" / o0) == [STEP6]
+    assert os.listdir(n0 / "peer" / o1) == [STEP6]
+    for holder, ranks, origin in ((n1, (0, 1), o0), (n0, (2,), o1)):
         d = holder / "peer" / origin / STEP6
         assert (d / "COMPLETE").exists()
         visible = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -127,17 +135,17 @@ def test_ring_copy_two_nodes_bytes_equal_and_older_dropped(tmp_path):
 def test_copy_that_arrives_with_a_bad_crc_is_not_complete(tmp_path):
     run_world(_worker, 3, str(tmp_path), [2, 1], 1, timeout_s=60)
     n1 = tmp_path / "elastor-node1"
-    d6 = n1 / "peer" / "elastor-node0" / STEP6
+    d6 = n1 / "peer" / _oid("elastor-node0") / STEP6
     assert not (d6 / "COMPLETE").exists()                      # rank 1's data file failed its check
     assert not (d6 / "data_00001.safetensors").exists()
     assert (d6 / "data_00000.safetensors").read_bytes() == _files_of(0, 6)["data_00000.safetensors"]
     # the previous complete copy is kept, since the newer one never completed
-    d5 = n1 / "peer" / "elastor-node0" / STEP5
+    d5 = n1 / "peer" / _oid("elastor-node0") / STEP5
     assert (d5 / "COMPLETE").exists()
     assert (d5 / "data_00001.safetensors").read_bytes() == _files_of(1, 5)["data_00001.safetensors"]
     # the other direction is unaffected
     assert (tmp_path / "elastor-node1" / "peer").exists()
-    assert (tmp_path / "elastor-node0" / "peer" / "elastor-node1" / STEP6 / "COMPLETE").exists()
+    assert (tmp_path / "elastor-node0" / "peer" / _oid("elastor-node1") / STEP6 / "COMPLETE").exists()
 
 
 @pytest.mark.unit
@@ -183,3 +191,14 @@ def test_budget_counts_the_peer_copy_a_node_holds(tmp_path):
         msg = (out / f"r{r}.txt").read_text()
         assert "write 100.0 MiB per snapshot x 3 (keep 2 + 1 being written)" in msg, msg
         assert "1.95 GiB x 2 (held + arriving) = 4.20 GiB" in msg and "/n1/local has 3.91 GiB available" in msg, msg
+
+
+@pytest.mark.unit
+def test_origin_id_names_host_and_directory(monkeypatch):
+    import socket
+    from elastor_ds.comm.peer_copy import origin_id
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-1.cluster")
+    a = origin_id("/dev/shm/my job")
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-2.cluster")
+    b = origin_id("/dev/shm/my job")            # the same --snapshot-dir on another node
+    assert a == "gpu-node-1.cluster-my_job" and b == "gpu-node-2.cluster-my_job"

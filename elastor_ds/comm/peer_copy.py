@@ -41,7 +41,7 @@ from ..errors import CollectiveError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE"]
+__all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE", "origin_id"]
 
 COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
@@ -103,6 +103,14 @@ class _Open:
         self.crc = crc
 
 
+def origin_id(snapshot_dir: str) -> str:
+    """This node's name in other nodes' ``peer/``: host and snapshot directory name (users often
+    give every node the same ``--snapshot-dir``)."""
+    import socket
+    raw = f"{socket.gethostname()}-{os.path.basename(os.path.normpath(snapshot_dir))}"
+    return re.sub(r"[^A-Za-z0-9_.:\-]", "_", raw).lstrip(".-:")[:200] or "node"
+
+
 def _pieces(n: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + _PIECE)) for a in range(0, n, _PIECE)] or []
 
@@ -146,7 +154,7 @@ class PeerCopier:
             raise CollectiveError(f"peer copy: processes per node {list(procs_per_node)} do not add up to the world "
                                   f"size {dist.get_world_size()}")
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        origin = os.path.basename(os.path.normpath(snapshot_dir))
+        origin = origin_id(snapshot_dir)
         return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies)
 
     # ------------------------------------------------------------------ API
