@@ -226,8 +226,8 @@ def _train(args, work: str, name: str, snapshots: bool) -> list[float]:
             raise RuntimeError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
     finally:
         shutil.rmtree(snap, ignore_errors=True)
-    recs = _metrics(metrics)
-    return [r["iter_time_s"] for r in recs if r["iteration"] > 3]
+    recs = [r for r in _metrics(metrics) if r["iteration"] > 3]
+    return [(r["iter_time_s"], r.get("snapshot_stall_s")) for r in recs]
 
 
 def overhead_rows(args) -> dict:
@@ -237,9 +237,12 @@ def overhead_rows(args) -> dict:
         for i in range(2):
             base += _train(args, work, f"base{i}", False)
             snap += _train(args, work, f"snap{i}", True)
-        b, s = statistics.median(base), statistics.median(snap)
+        b, s = statistics.median(t for t, _ in base), statistics.median(t for t, _ in snap)
+        stalls = [x for _, x in snap if x is not None]
         return {"trainer_procs": args.trainer_procs, "hidden": args.hidden, "iters_per_run": args.iters,
-                "median_iter_s_without": b, "median_iter_s_with_snapshots": s, "step_overhead": s / b - 1}
+                "median_iter_s_without": b, "median_iter_s_with_snapshots": s, "step_overhead": s / b - 1,
+                "snapshots_taken": len(stalls),
+                "median_snapshot_stall_over_iter": statistics.median(stalls) / s if stalls else None}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -267,8 +270,10 @@ def _lost_run(args, work: str, name: str, memory: bool) -> dict:
                 raise RuntimeError(f"elastor run exited early ({proc.returncode})")
             time.sleep(0.02)
         last = _metrics(metrics)[-1]["iteration"]
-        kids = [c for c in psutil.Process(proc.pid).children() if "ELASTOR_HEARTBEAT_DIR" in c.environ()]
-        kids[0].send_signal(signal.SIGKILL)
+        launch = [e for e in _metrics(events) if e.get("event") == "launch"][-1]   # standby workers: pids from here
+        victim = psutil.Process(launch["pids"][0])
+        assert victim.ppid() == proc.pid
+        victim.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=600)
         if rc != 0:
             raise RuntimeError(f"elastor run failed ({rc})")
