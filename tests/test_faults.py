@@ -128,6 +128,28 @@ def test_dead_or_stopped_peer_gives_a_typed_error_within_the_liveness_bound(tmp_
                 p.wait(timeout=30)
 
 
+def _rank_0_writes_first(rank: int, root: str) -> None:
+    """Order the two ranks' writes of the next save on the full tmpfs: rank 1 starts writing only
+    after rank 0's files are written, so only rank 1 can meet ENOSPC (otherwise rank 0's small file
+    races rank 1's 2 MiB for the last free pages and either rank may fail)."""
+    from elastor_ds.checkpoint import engine as engine_mod
+
+    marker = os.path.join(os.path.dirname(os.path.dirname(root)), "rank0_wrote")  # outside the tmpfs
+    original = engine_mod.write_rank_files
+
+    def ordered(*args, **kwargs):
+        if rank == 1:
+            t_end = time.time() + 30
+            while not os.path.exists(marker):
+                assert time.time() < t_end, "rank 0 never finished writing"
+                time.sleep(0.01)
+        out = original(*args, **kwargs)
+        if rank == 0:
+            open(marker, "w").close()
+        return out
+    engine_mod.write_rank_files = ordered
+
+
 def _failing_writer(rank: int, world: int, root: str, how: str) -> None:
     """Rank 1's write of step 2 fails for real: RLIMIT_FSIZE (EFBIG from write(2)) or a full tmpfs
     (ENOSPC); every rank raises AsyncSaveError naming rank 1 and the OS error; nothing half-written."""
@@ -147,6 +169,8 @@ def _failing_writer(rank: int, world: int, root: str, how: str) -> None:
     if rank == 1 and how == "efbig":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write(2) then fails with EFBIG instead of a signal
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    if how == "enospc":
+        _rank_0_writes_first(rank, root)
     t0 = time.time()
     eng.save(2, shards(8192))  # rank 1 writes 2 MiB: over the limit / more than the tmpfs holds
     want = "File too large" if how == "efbig" else "No space left"
