@@ -32,16 +32,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from elastor_ds.elastic.events import read_jsonl  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 MODEL = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
          "--min-lr", "3e-4", "--lr-warmup-iters", "10", "--log-interval", "25", "--seed", "1234"]
 VARIANTS = ("torchrun", "no-standby", "standby")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    from elastor_ds.elastic.events import read_jsonl as rj
-    return rj(path)
 
 
 def pids_by_rank(events: str) -> dict[int, int]:

@@ -39,6 +39,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from elastor_ds.elastic.events import read_jsonl  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
 
@@ -203,19 +204,6 @@ def _env(extra=None) -> dict:
                 **(extra or {}))
 
 
-def _metrics(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def _train(args, work: str, name: str, snapshots: bool) -> list[float]:
     metrics = os.path.join(work, f"{name}.jsonl")
     snap = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
@@ -231,7 +219,7 @@ def _train(args, work: str, name: str, snapshots: bool) -> list[float]:
             raise RuntimeError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
     finally:
         shutil.rmtree(snap, ignore_errors=True)
-    recs = [r for r in _metrics(metrics) if r["iteration"] > 3]
+    recs = [r for r in read_jsonl(metrics) if r["iteration"] > 3]
     return [(r["iter_time_s"], r.get("snapshot_stall_s")) for r in recs]
 
 
@@ -268,22 +256,22 @@ def _lost_run(args, work: str, name: str, memory: bool) -> dict:
         import psutil
         t_end = time.time() + 600
         while time.time() < t_end:
-            recs = _metrics(metrics)
+            recs = read_jsonl(metrics)
             if recs and recs[-1]["iteration"] >= args.kill_at:
                 break
             if proc.poll() is not None:
                 raise RuntimeError(f"elastor run exited early ({proc.returncode})")
             time.sleep(0.02)
-        last = _metrics(metrics)[-1]["iteration"]
-        launch = [e for e in _metrics(events) if e.get("event") == "launch"][-1]   # standby workers: pids from here
+        last = read_jsonl(metrics)[-1]["iteration"]
+        launch = [e for e in read_jsonl(events) if e.get("event") == "launch"][-1]   # standby workers: pids from here
         victim = psutil.Process(launch["pids"][0])
         assert victim.ppid() == proc.pid
         victim.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=600)
         if rc != 0:
             raise RuntimeError(f"elastor run failed ({rc})")
-        starts = [e for e in _metrics(events) if e.get("event") == "worker_started"]
-        restores = [e for e in _metrics(events) if e.get("event") == "restore"]
+        starts = [e for e in read_jsonl(events) if e.get("event") == "worker_started"]
+        restores = [e for e in read_jsonl(events) if e.get("event") == "restore"]
         resumed = starts[-1]["resumed_from"]
         return {"last_logged_before_kill": last, "resumed_from": resumed, "lost_iterations": last - resumed,
                 "restore": restores[-1] if restores else None}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from elastor_ds.elastic.events import read_jsonl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 # tiny GPT: TP1 x PP3 on 3 processes, TP1 x PP2 x DP2 on 4, PP2 on 2 under --elastor-plan auto
@@ -110,19 +112,6 @@ class Job:
                     pass
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def last_iteration(recs: list[dict]) -> int:

@@ -50,6 +50,23 @@ def _slices(region) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))
 
 
+def _owned_cells_sq(cells, grad_of: Callable[[str], Optional[torch.Tensor]]) -> torch.Tensor:
+    """Sum of squares (fp64) of the gradient cells this rank owns (each element counted once)."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for c in cells:
+        if c.owner:
+            g = grad_of(c.name)
+            if g is not None:
+                sq += g[_slices(c.local)].double().pow(2).sum().cpu()
+    return sq
+
+
+def _global_norm(sq: torch.Tensor) -> float:
+    """L2 norm from every rank's partial sum of squares; collective over the world."""
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    return float(sq.sqrt())
+
+
 class SplitAllReduce:
     """This rank's part of the split gradient all-reduce (see the module docstring)."""
 
@@ -96,14 +113,7 @@ class SplitAllReduce:
 
     def grad_norm(self, grad_of: Callable[[str], Optional[torch.Tensor]]) -> float:
         """L2 norm of the full model gradient (call after :meth:`reduce`); collective over the world."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        for c in self.cells:
-            if c.owner:
-                g = grad_of(c.name)
-                if g is not None:
-                    sq += g[_slices(c.local)].double().pow(2).sum().cpu()
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-        return float(sq.sqrt())
+        return _global_norm(_owned_cells_sq(self.cells, grad_of))
 
 
 def global_mean(value: Optional[float], weight: float) -> float:
@@ -186,17 +196,11 @@ class HeteroZero1:
     def grad_norm(self, grad_of: Callable[[str], Optional[torch.Tensor]]) -> float:
         """L2 norm of the whole model gradient after :meth:`reduce_scatter` (every element once:
         the shards, plus local cells by their owner); collective over the world."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = _owned_cells_sq(self.local_cells, grad_of)
         for sh in self.shards:
             if sh.grad is not None:
                 sq += sh.grad.double().pow(2).sum().cpu()
-        for c in self.local_cells:
-            if c.owner:
-                g = grad_of(c.name)
-                if g is not None:
-                    sq += g[_slices(c.local)].double().pow(2).sum().cpu()
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-        return float(sq.sqrt())
+        return _global_norm(sq)
 
     def scale_grads(self, coef: float) -> None:
         for sh in self.shards:
