@@ -59,21 +59,32 @@ def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     return out
 
 
-def track(engine: Any) -> dict[str, dict[str, int]]:
+def track(engine: Any, steps: int = 2) -> dict[str, dict[str, int]]:
     """Measure :func:`state_bytes` at the two points where the training state peaks, keeping the
     largest total seen at each: ``"after_step"`` right after the base optimizer's ``step()`` (the
     engine frees gradients only after it) and, on the heterogeneous runtime, ``"backward_end"`` when
     an iteration's last backward is done (before the gradient reduction, which under ZeRO-1 frees
     the full gradients). The optimizer creates its state in the first step, so the backward end of
-    the *second* iteration is the first with everything allocated. Read it with :func:`peak`."""
+    the *second* iteration is the first with everything allocated. Only the first ``steps``
+    optimizer steps are measured (the walk over every tensor stays off the later training steps);
+    read the result with :func:`peak` after them."""
     got: dict[str, dict[str, int]] = {}
+    done = [0]
 
     def keep(point: str) -> None:
+        if done[0] >= steps:
+            return
         now = state_bytes(engine.module, engine.optimizer)
         if point not in got or now["total"] > got[point]["total"]:
             got[point] = now
 
-    _base(engine.optimizer).register_step_post_hook(lambda *_a, **_k: keep("after_step"))
+    def after_step(*_a: Any, **_k: Any) -> None:
+        keep("after_step")
+        done[0] += 1
+        if done[0] >= steps:
+            handle.remove()
+
+    handle = _base(engine.optimizer).register_step_post_hook(after_step)
     if hasattr(engine, "elastor_probes"):
         engine.elastor_probes = tuple(engine.elastor_probes) + (lambda: keep("backward_end"),)
     return got
