@@ -28,6 +28,17 @@ Terms (all per iteration, seconds unless said otherwise):
   output layer and fp32 logits on the last, plus a constant overhead; it must fit in
   ``gpu_memory x (1 - safety_margin)``.
 
+**Measured communication** (a profile's ``collectives``, :mod:`elastor_ds.plan.comm_cost`): when a
+kind is measured it replaces the bandwidth model above for that kind, counted per call as the
+runtime issues them: ``tp_all_reduce`` -- 4 per layer per micro-batch, plus the embedding's (first
+stage) and the output layer's and cross-entropy's (last stage) -- added to the layer and stage times
+when the profile's layer times exclude them (``layer_time_includes_tp_comm: false``; the trainer's own
+profile times whole layers and includes them); ``p2p`` -- every micro-batch's blocking sends and
+receives of a stage, added to its time per micro-batch (the fill/drain transfer term is then 0);
+``dp_all_reduce`` / ``reduce_scatter`` + ``all_gather`` -- one call per holder set a rank belongs to
+(ZeRO 0 / ZeRO-1), the sync time being the slowest rank's sum. A uniform grid's DeepSpeed DP sync is
+one call over the DP group.
+
 Pure: no torch, torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
@@ -42,6 +53,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from .cluster import Cluster
+from .comm_cost import CollectiveKind, CommProfile, sync_buffers
 from .model import ModelSpec, TrainingSpec
 from .plan_doc import Plan
 
@@ -69,11 +81,15 @@ class CostParams:
 @dataclass(frozen=True)
 class Profile:
     """Measured per-layer forward+backward time (seconds per micro-batch) at each TP width, and
-    optionally the output layer's time and per-layer activation bytes per micro-batch.
+    optionally the output layer's time, per-layer activation bytes per micro-batch and measured
+    collective costs (:class:`~elastor_ds.plan.comm_cost.CommProfile`).
 
     JSON: ``{"version": 1, "micro_batch_size": 1, "seq_length": 4096, "device": "...",
     "layer_time_s": {"1": 0.0377, "2": 0.0191, "4": 0.01}, "head_time_s": {...},
-    "activation_bytes_per_layer": {"1": ..., ...}}``.
+    "activation_bytes_per_layer": {"1": ..., ...}, "layer_time_includes_tp_comm": true,
+    "collectives": {"tp_all_reduce": {"2": {"latency_s": ..., "s_per_byte": ...}}, ...}}``.
+    ``layer_time_includes_tp_comm`` (default true: the trainer times whole layers, TP all-reduces
+    included) says whether the TP collectives must be added to ``layer_time_s``/``head_time_s``.
     """
 
     layer_time_s: Mapping[int, float]
@@ -82,6 +98,8 @@ class Profile:
     micro_batch_size: int | None = None
     seq_length: int | None = None
     device: str = ""
+    collectives: CommProfile | None = None
+    layer_time_includes_tp_comm: bool = True
 
     def __post_init__(self) -> None:
         if not self.layer_time_s:
@@ -89,17 +107,34 @@ class Profile:
         for t, v in self.layer_time_s.items():
             if t < 1 or not (v > 0) or not math.isfinite(v):
                 raise ConfigError(f"profile layer_time_s[{t}]={v}: TP width >= 1 and time > 0 required")
+        if not isinstance(self.layer_time_includes_tp_comm, bool):
+            raise ConfigError(f"profile layer_time_includes_tp_comm={self.layer_time_includes_tp_comm!r}: must be "
+                              f"true or false")
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Profile":
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"profile: expected a JSON object, got {type(d).__name__}")
         if d.get("version", 1) != 1:
             raise ConfigError(f"profile version {d.get('version')} is not supported (this build reads 1)")
 
         def tbl(key: str) -> dict[int, float]:
-            return {int(k): float(v) for k, v in (d.get(key) or {}).items()}
+            raw = d.get(key) or {}
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"profile {key}: expected a mapping of TP width -> number, got {type(raw).__name__}")
+            out = {}
+            for k, v in raw.items():
+                try:
+                    out[int(k)] = float(v)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"profile {key}.{k}={v!r}: expected an integer TP width and a number") from None
+            return out
 
+        coll = d.get("collectives")
         return Profile(tbl("layer_time_s"), tbl("head_time_s"), tbl("activation_bytes_per_layer"),
-                       d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")))
+                       d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")),
+                       CommProfile.from_dict(coll) if coll is not None else None,
+                       d.get("layer_time_includes_tp_comm", True))
 
     @staticmethod
     def load(path: str | Path) -> "Profile":
@@ -111,11 +146,15 @@ class Profile:
             raise ConfigError(f"cannot read profile {path}: {type(e).__name__}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": 1, "micro_batch_size": self.micro_batch_size, "seq_length": self.seq_length,
-                "device": self.device,
-                "layer_time_s": {str(k): v for k, v in sorted(self.layer_time_s.items())},
-                "head_time_s": {str(k): v for k, v in sorted(self.head_time_s.items())},
-                "activation_bytes_per_layer": {str(k): v for k, v in sorted(self.activation_bytes_per_layer.items())}}
+        out = {"version": 1, "micro_batch_size": self.micro_batch_size, "seq_length": self.seq_length,
+               "device": self.device,
+               "layer_time_s": {str(k): v for k, v in sorted(self.layer_time_s.items())},
+               "head_time_s": {str(k): v for k, v in sorted(self.head_time_s.items())},
+               "activation_bytes_per_layer": {str(k): v for k, v in sorted(self.activation_bytes_per_layer.items())},
+               "layer_time_includes_tp_comm": self.layer_time_includes_tp_comm}
+        if self.collectives is not None:
+            out["collectives"] = self.collectives.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -175,34 +214,79 @@ class CostModel:
                             model.seq_length)
 
     # ---- time ---------------------------------------------------------------------------------
-    def _analytic_layer_time(self, tp: int) -> float:
+    def _analytic_compute(self, tp: int) -> float:
         m, b = self.model, self.training.micro_batch_size
-        flops = 3.0 * m.layer_fwd_flops(b)
-        t = flops / tp / (self.params.gpu_tflops * 1e12)
-        if tp > 1:
-            nbytes = b * m.seq_length * m.hidden_size * m.dtype_bytes
-            ar = 2.0 * (tp - 1) / tp * nbytes / (self.cluster.intra_node_bandwidth_gbs * GB)
-            t += 4 * (ar + self.params.tp_collective_latency_s)
-        return t
+        return 3.0 * m.layer_fwd_flops(b) / tp / (self.params.gpu_tflops * 1e12)
+
+    def _analytic_tp_comm(self, tp: int) -> float:
+        """Four TP all-reduces of one layer's activation over the intra-node link (NVLink defaults)."""
+        if tp <= 1:
+            return 0.0
+        ar = 2.0 * (tp - 1) / tp * self.activation_bytes / (self.cluster.intra_node_bandwidth_gbs * GB)
+        return 4 * (ar + self.params.tp_collective_latency_s)
+
+    def _analytic_layer_time(self, tp: int) -> float:
+        return self._analytic_compute(tp) + self._analytic_tp_comm(tp)
 
     def _analytic_head_time(self, tp: int) -> float:
         return 3.0 * self.model.head_fwd_flops(self.training.micro_batch_size) / tp / (self.params.gpu_tflops * 1e12)
 
+    @property
+    def activation_bytes(self) -> float:
+        """One micro-batch's hidden state ``b x s x h`` (what TP all-reduces and p2p move)."""
+        m = self.model
+        return float(self.training.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes)
+
+    def measured(self, kind: CollectiveKind) -> CommProfile | None:
+        """The profile's measured costs when ``kind`` was measured, else None (analytical model)."""
+        prof = self.profile
+        c = prof.collectives if prof is not None else None
+        return c if c is not None and c.has(kind) else None
+
+    def _tp_comm_added(self) -> bool:
+        """TP collectives are priced on top of the profile's layer times (or analytically)."""
+        return self.profile is None or not self.profile.layer_time_includes_tp_comm
+
+    def tp_comm_per_layer(self, tp: int) -> float:
+        """Seconds of one layer's TP all-reduces per micro-batch (4 calls): measured or analytical."""
+        if tp <= 1:
+            return 0.0
+        c = self.measured(CollectiveKind.TP_ALL_REDUCE)
+        if c is None:
+            return self._analytic_tp_comm(tp)
+        return 4 * c.time(CollectiveKind.TP_ALL_REDUCE, tp, self.activation_bytes)
+
     def layer_time(self, tp: int) -> float:
-        """Forward+backward seconds of one layer for one micro-batch at TP ``tp`` (nominal speed)."""
+        """Forward+backward seconds of one layer for one micro-batch at TP ``tp`` (nominal speed),
+        TP all-reduces included."""
         v = self._lt.get(tp)
         if v is None:
-            if self.profile is not None:
-                prof = self.profile.layer_time_s
-                if tp in prof:
-                    v = prof[tp]
+            prof = self.profile
+            if prof is None:
+                v = self._compute_layer_time(tp)
+            elif prof.layer_time_includes_tp_comm:
+                lt = prof.layer_time_s
+                if tp in lt:
+                    v = lt[tp]
                 else:  # scale the analytical value by the nearest measured width
-                    near = min(prof, key=lambda k: (abs(k - tp), k))
-                    v = prof[near] * self._analytic_layer_time(tp) / self._analytic_layer_time(near)
+                    near = min(lt, key=lambda k: (abs(k - tp), k))
+                    v = lt[near] * self._analytic_layer_time(tp) / self._analytic_layer_time(near)
             else:
-                v = self._analytic_layer_time(tp)
+                v = self._compute_layer_time(tp) + self.tp_comm_per_layer(tp)
             self._lt[tp] = v
         return v
+
+    def _compute_layer_time(self, tp: int) -> float:
+        """Without a profile: the analytical layer (compute + TP collectives, measured ones if given).
+        With a profile whose times exclude TP collectives: its compute, scaled from the nearest width."""
+        prof = self.profile
+        if prof is None:
+            return self._analytic_compute(tp) + self.tp_comm_per_layer(tp)
+        lt = prof.layer_time_s
+        if tp in lt:
+            return lt[tp]
+        near = min(lt, key=lambda k: (abs(k - tp), k))
+        return lt[near] * self._analytic_compute(tp) / self._analytic_compute(near)
 
     def head_time(self, tp: int) -> float:
         v = self._ht.get(tp)
@@ -214,17 +298,45 @@ class CostModel:
                 v = self._analytic_head_time(tp) * self.layer_time(tp) / self._analytic_layer_time(tp)
             else:
                 v = self._analytic_head_time(tp)
+            c = self.measured(CollectiveKind.TP_ALL_REDUCE)
+            if c is not None and tp > 1 and self._tp_comm_added():
+                # output layer's input gradient + vocab-parallel cross-entropy's three fp32 [s, b] reductions
+                small = 4.0 * self.training.micro_batch_size * self.model.seq_length
+                v += (c.time(CollectiveKind.TP_ALL_REDUCE, tp, self.activation_bytes)
+                      + 3 * c.time(CollectiveKind.TP_ALL_REDUCE, tp, small))
             self._ht[tp] = v
         return v
 
     def stage_time(self, tp: int, num_layers: int, is_last: bool, speed: float = 1.0) -> float:
         return (num_layers * self.layer_time(tp) + (self.head_time(tp) if is_last else 0.0)) / speed
 
+    def stage_extra_time(self, tps: tuple[int, ...], j: int) -> float:
+        """Per micro-batch seconds of stage ``j`` of a replica whose stages have TP ``tps`` that do
+        not scale with its layers or speed: the embedding's TP all-reduce (first stage) and the
+        blocking p2p transfers (every micro-batch), when those are measured; 0 otherwise."""
+        t = 0.0
+        tp = tps[j]
+        c = self.measured(CollectiveKind.TP_ALL_REDUCE)
+        if c is not None and j == 0 and tp > 1 and self._tp_comm_added():
+            t += c.time(CollectiveKind.TP_ALL_REDUCE, tp, self.activation_bytes)
+        p = self.measured(CollectiveKind.P2P)
+        if p is not None:
+            msgs = 0
+            if j > 0:  # receive the activation, send the input gradient to every rank that needs it
+                msgs += 1 + -(-tps[j - 1] // tp)
+            if j < len(tps) - 1:  # send the activation to every rank of the next stage that needs it, receive its gradient
+                msgs += -(-tps[j + 1] // tp) + 1
+            t += msgs * p.time(CollectiveKind.P2P, 2, self.activation_bytes)
+        return t
+
     def p2p_time(self, same_node: bool) -> float:
-        """One activation (or its gradient) between neighbouring stages, seconds."""
-        m = self.model
-        nbytes = self.training.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes
-        return nbytes / (self.bandwidth(same_node) * GB)
+        """One activation (or its gradient) between neighbouring stages, seconds (bandwidth model)."""
+        return self.activation_bytes / (self.bandwidth(same_node) * GB)
+
+    def fill_drain_p2p(self, same_node: bool) -> float:
+        """Transfer time of one stage boundary on the pipeline's fill/drain path (forward and
+        backward); 0 when p2p is measured (then every micro-batch's transfers are in the stage times)."""
+        return 0.0 if self.measured(CollectiveKind.P2P) is not None else 2.0 * self.p2p_time(same_node)
 
     def bandwidth(self, same_node: bool) -> float:
         c = self.cluster
@@ -327,7 +439,9 @@ class CostModel:
         reps: list[ReplicaCost] = []
         for rep in plan.replicas:
             S = len(rep.stages)
-            times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) for j, s in enumerate(rep.stages))
+            tps = tuple(s.tp for s in rep.stages)
+            times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) + self.stage_extra_time(tps, j)
+                          for j, s in enumerate(rep.stages))
             mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R, z) for j, s in enumerate(rep.stages))
             if any(mm > limit for mm in mems):
                 feasible = False
@@ -335,7 +449,7 @@ class CostModel:
             p2p = 0.0
             for a, b in zip(rep.stages, rep.stages[1:]):
                 same = {d.node for d in a.devices} | {d.node for d in b.devices}
-                p2p += 2.0 * self.p2p_time(len(same) == 1)
+                p2p += self.fill_drain_p2p(len(same) == 1)
             compute, bubble = rep.micro_batches * slow, (S - 1) * slow
             reps.append(ReplicaCost(rep.micro_batches, times, mems, slow, compute, bubble, p2p,
                                     compute + bubble + p2p))
@@ -355,6 +469,9 @@ class CostModel:
         factor = self.sync_bytes_factor(R, self.plan_zero_stage(plan))
         if factor == 0.0:
             return 0.0
+        measured = self.measured_sync_time(plan)
+        if measured is not None:
+            return measured
         m = self.model
         # Nodes holding each layer (over all replicas), by segments between all stage boundaries.
         cuts = sorted({b for r in plan.replicas for s in r.stages for b in s.layers})
@@ -387,3 +504,37 @@ class CostModel:
                     t += emb / (self.bandwidth(len(last_nodes) == 1) * GB)
                 worst = max(worst, t)
         return worst
+
+    def _sync_kinds(self, zero_stage: int) -> tuple[CollectiveKind, ...]:
+        return (CollectiveKind.DP_ALL_REDUCE,) if zero_stage == 0 else (CollectiveKind.REDUCE_SCATTER,
+                                                                         CollectiveKind.ALL_GATHER)
+
+    def sync_call_time(self, group_size: int, nbytes: float, zero_stage: int) -> float:
+        """One holder set's sync over ``group_size`` ranks with a buffer of ``nbytes``: an all-reduce
+        (ZeRO 0) or a reduce-scatter + all-gather (ZeRO >= 1), from the measured costs."""
+        c = self.profile.collectives  # type: ignore[union-attr]
+        return sum(c.time(k, group_size, nbytes) for k in self._sync_kinds(zero_stage))  # type: ignore[union-attr]
+
+    def measured_sync_time(self, plan: Plan) -> float | None:
+        """The gradient sync from measured collective costs, one call per holder set a rank belongs
+        to (:func:`~elastor_ds.plan.comm_cost.sync_buffers`; a grid: one call over its DP group); the
+        slowest rank's sum. None when the needed kinds were not measured."""
+        z = self.plan_zero_stage(plan)
+        if any(self.measured(k) is None for k in self._sync_kinds(z)):
+            return None
+        m, R = self.model, len(plan.replicas)
+        gb = self.training.grad_bytes
+        if self.is_grid(plan):
+            S = len(plan.replicas[0].stages)
+            return max(self.sync_call_time(R, self.stage_params(s.tp, s.num_layers, j, S) * gb, z)
+                       for j, s in enumerate(plan.replicas[0].stages))
+        return max(sum(self.sync_call_time(len(hs), n * gb, z) for hs, n in sets.items())
+                   for sets in self.sync_buffers(plan).values())
+
+    def sync_buffers(self, plan: Plan) -> dict:
+        """Per rank (replica, stage, TP rank): holder set -> buffer elements (see ``comm_cost``)."""
+        m = self.model
+        h = m.hidden_size
+        return sync_buffers([[(s.tp, s.layers) for s in r.stages] for r in plan.replicas], m.params_per_layer,
+                            2 * h, m.embedding_params, 0 if m.tied_embeddings else m.embedding_params,
+                            0, h)

@@ -355,7 +355,9 @@ class Planner:
         S = len(order)
         c = self.cost
         per = [c.layer_time(tp) / sp for tp, sp in order]
-        extra = [0.0] * (S - 1) + [c.head_time(order[-1][0]) / order[-1][1]]
+        tps = tuple(tp for tp, _ in order)
+        extra = [c.stage_extra_time(tps, j) for j in range(S)]
+        extra[-1] += c.head_time(order[-1][0]) / order[-1][1]
         mx = [self._max_layers(tp, j, S, R, zero) for j, (tp, _) in enumerate(order)]
         res = (split_layers if S <= 8 else split_layers_parametric)(per, extra, mx, self.L)
         self._split_cache[key] = res
@@ -401,7 +403,7 @@ class Planner:
                 continue
             slow, counts = res
             if best is None or slow < best.slowest:
-                p2p = 2.0 * (len(order) - 1) * self.cost.p2p_time(same)
+                p2p = (len(order) - 1) * self.cost.fill_drain_p2p(same)
                 best = ReplicaSolution(order, counts, slow, p2p)
         self._rep_cache[key] = best
         return best
@@ -440,6 +442,21 @@ class Planner:
         if f == 0.0:
             return 0.0
         m = self.model
+        zero = min(self.training.zero_stage, HETERO_MAX_ZERO)
+        if all(self.cost.measured(k) is not None for k in self.cost._sync_kinds(zero)):
+            # measured per-call costs: one call per holder set; a stage of width t meets about
+            # max_tp / t block sets plus one set for its replicated tensors (norms) when t > 1
+            max_tp = max(tp for s in sols for tp, _ in s.order)
+            worst = 0.0
+            for s in sols:
+                S = s.num_stages
+                for j, ((tp, _), n) in enumerate(zip(s.order, s.counts)):
+                    p = n * m.params_per_layer + (m.embedding_params if j == 0 else 0) + \
+                        (m.embedding_params if j == S - 1 and not m.tied_embeddings else 0)
+                    calls = max(1, max_tp // tp) + (1 if tp > 1 else 0)
+                    nbytes = p / tp * self.training.grad_bytes / calls
+                    worst = max(worst, calls * self.cost.sync_call_time(R, nbytes, zero))
+            return worst
         same = used_gpus <= self.cluster.max_gpus_per_node
         bw = self.cost.bandwidth(same) * 1e9
         worst = 0.0
@@ -623,9 +640,10 @@ class Planner:
                     speeds = [min(grid[r][j].speed for r in range(d)) for j in range(p)]
                     Rk = d if self.training.zero_stage > 0 else 1
                     per = [c.layer_time(tp) / sp for sp in speeds]
-                    extra = [0.0] * (p - 1) + [c.head_time(tp) / speeds[-1]]
+                    extra = [c.stage_extra_time((tp,) * p, j) for j in range(p)]
+                    extra[-1] += c.head_time(tp) / speeds[-1]
                     mx = [self._max_layers(tp, j, p, Rk) for j in range(p)]
-                    key = ("u", tp, tuple(speeds), Rk)
+                    key = ("u", tp, tuple(speeds), Rk, p)
                     if key not in self._split_cache:
                         fn = split_layers if p <= 8 else split_layers_parametric
                         self._split_cache[key] = fn(per, extra, mx, self.L)
@@ -635,7 +653,7 @@ class Planner:
                     slow, counts = res
                     mb = self.M // d
                     same = tp * p <= self.cluster.max_gpus_per_node
-                    t = (mb + p - 1) * slow + 2 * (p - 1) * c.p2p_time(same)
+                    t = (mb + p - 1) * slow + (p - 1) * c.fill_drain_p2p(same)
                     sol = ReplicaSolution(tuple((tp, sp) for sp in speeds), counts, slow, 0.0)
                     t += self._sync_estimate([sol], d, d * tp)
                     est.append((t, (-tp, p, d), (tp, d, counts, mb, grid, chosen)))
