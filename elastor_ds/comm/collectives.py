@@ -80,6 +80,28 @@ class LocalComm:
         return True
 
 
+_CLIENTS: dict[tuple, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _store_client(address: tuple[str, int], timeout: datetime.timedelta, role: str) -> Any:
+    """This process's TCP store client for ``role`` ("wait": arrival barriers, "beat": heartbeat
+    threads) with ``timeout``, made on first use and shared by every liveness group after that.
+    Each group used to open four connections per rank (a client and a heartbeat client for each
+    of its two groups): with a few groups per rank, connections opened by all ranks at once made
+    the store's accept queue overflow and a connect wait ~5 s (measured: the third TorchComm of a
+    process took 5.0 s on every rank). A client serialises its own operations, so sharing is safe."""
+    import torch.distributed as dist
+
+    key = (address[0], int(address[1]), timeout.total_seconds(), role)
+    with _CLIENTS_LOCK:
+        c = _CLIENTS.get(key)
+        if c is None:
+            c = _CLIENTS[key] = dist.TCPStore(address[0], int(address[1]), is_master=False, timeout=timeout,
+                                              wait_for_workers=False)
+        return c
+
+
 class _Liveness:
     """Store-based liveness for one checkpoint group: a heartbeat thread per process and arrival
     barriers that notice a dead or stopped peer within ``liveness_s`` (not the gloo timeout).
@@ -88,8 +110,9 @@ class _Liveness:
     seconds from a daemon thread (a SIGKILLed or SIGSTOPped process stops bumping). Before each
     collective a rank marks its arrival and waits until every rank has arrived; while waiting it
     watches the other ranks' counters, and raises :class:`PeerFailedError` naming the ranks whose
-    counter has not moved for ``liveness_s``. Store clients are private (own connection, timeout
-    ``liveness_s``), so an unreachable store is a PeerFailedError too, never a long hang."""
+    counter has not moved for ``liveness_s``. Store clients have their own connection (one per
+    process and role, timeout ``liveness_s``), so an unreachable store is a PeerFailedError too,
+    never a long hang."""
 
     def __init__(self, address: Optional[tuple[str, int]], tag: str, rank: int, world_size: int,
                  liveness_s: float, shared_store: Any = None):
@@ -105,14 +128,12 @@ class _Liveness:
         self._thread.start()
         _track(self)
 
-    def _client(self) -> Any:
-        """A private TCP store client with a short timeout, or the shared server-less store."""
-        import torch.distributed as dist
-
+    def _client(self, role: str = "wait") -> Any:
+        """A TCP store client with a short timeout (one per process, role and timeout: see
+        :func:`_store_client`), or the shared server-less store."""
         if self.address is None:
             return self._shared
-        host, port = self.address
-        return dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
+        return _store_client(self.address, self._timeout, role)
 
     def _hb_key(self, r: int) -> str:
         return f"elastor/{self.tag}/hb/{r}"
@@ -122,7 +143,7 @@ class _Liveness:
 
     def _run(self) -> None:
         try:
-            store = self._client()
+            store = self._client("beat")
         except Exception as e:  # noqa: BLE001 - peers will notice the missing heartbeat
             log.warning("elastor heartbeat: cannot reach the store at %s (%s)", self.address, e)
             return
