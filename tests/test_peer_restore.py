@@ -220,7 +220,8 @@ def test_corrupt_peer_copy_falls_back_to_storage(tmp_path):
     assert rest["tier"] == "memory" and rest["step"] >= s, rest
     assert by.get("storage", 0) > 0 and by.get("local-memory", 0) > 0, by
     out = a.output()
-    assert "from peer-memory failed" in out and "fails its CRC32 check" in out, out[-6000:]
+    assert "the copy in peer copy held in this node's memory " in out and "fails its CRC32 check" in out, out[-6000:]
+    assert "; reading it from storage " in out, out[-6000:]
 
 
 def test_reshard_reads_the_other_nodes_memory_through_its_server(tmp_path):

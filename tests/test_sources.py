@@ -104,7 +104,11 @@ def test_flipped_byte_in_memory_falls_back_to_storage_for_that_file(shm_dir, tmp
     with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.reader"):
         res = CheckpointEngine(shm_dir).load(mem_step, shards, sources=make)
     _check(dw, db, w, b)
-    assert "fails its CRC32 check" in caplog.text and "reading it from storage instead" in caplog.text
+    st_step = commit_mod.resolve(str(tmp_path))
+    assert (f"data_00000.safetensors: the copy in local memory {data} failed ({'local memory ' + data}: tensor 'w': "
+            in caplog.text), caplog.text
+    assert "fails its CRC32 check" in caplog.text
+    assert f"reading it from storage {os.path.join(st_step, 'data_00000.safetensors')} instead" in caplog.text
     assert res.bytes_by_source[STORAGE] > 0
     # without the storage source the same load is a corrupt checkpoint, not wrong tensors
     shards, dw, db = _resharded()
@@ -160,3 +164,46 @@ def test_storage_source_only_for_the_same_bytes(shm_dir, tmp_path):
     # a name out of the directory is never served
     assert not src.has("../manifest.json", 10) and not DirSource(st3).has("/etc/passwd", 10)
     assert not DirSource(st3).has("../latest", os.path.getsize(os.path.join(str(tmp_path), "latest")))
+
+
+def test_fallback_messages_name_the_peer_the_bytes_came_from(shm_dir, tmp_path, caplog):
+    """A corrupt copy served by another node's snapshot server: the warning and the error name that
+    peer (host:port and its file), never a path on this node that the bytes did not come from."""
+    from elastor_ds.checkpoint.peer_sources import RemoteSource
+    from elastor_ds.elastic.snapshot_server import SnapshotServer
+    w, b = _save_both(shm_dir, str(tmp_path / "storage"))
+    mem_step = commit_mod.resolve(shm_dir)
+    st_step = commit_mod.resolve(str(tmp_path / "storage"))
+    step_name = os.path.basename(mem_step)
+    node = tmp_path / "peer_node"                     # the other node's directory: its own copy of the step
+    shutil.copytree(mem_step, node / "local" / step_name)
+    data = node / "local" / step_name / "data_00000.safetensors"
+    with open(data, "r+b") as f:                      # flip one byte of w's second chunk in the peer's copy
+        f.seek(os.path.getsize(data) - 1000 * 4 - 20000)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with SnapshotServer(str(node)) as srv:
+        peer_file = f"local/{step_name}/data_00000.safetensors"
+
+        def make(step_dir, man):
+            st = storage_source_for(st_step, man, commit_mod.read_manifest(st_step))
+            return [RemoteSource(srv.address, step_name), st]
+        shards, dw, db = _resharded()
+        with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.reader"):
+            res = CheckpointEngine(shm_dir).load(mem_step, shards, sources=make)
+        _check(dw, db, w, b)
+        assert res.bytes_by_source[STORAGE] > 0 and res.bytes_by_source[f"remote:{srv.address}"] > 0
+        warn = [r.getMessage() for r in caplog.records if "reading it from" in r.getMessage()]
+        assert len(warn) == 1, caplog.text
+        assert warn[0].startswith(f"data_00000.safetensors: the copy in peer {srv.address} ({peer_file}) failed "
+                                  f"(peer {srv.address} ({peer_file}): tensor 'w': "), warn[0]
+        assert warn[0].endswith(f"reading it from storage {os.path.join(st_step, 'data_00000.safetensors')} instead")
+        assert shm_dir not in warn[0]                 # this node's memory served none of these bytes
+        # the peer alone: the load fails as corrupt, naming the peer
+        shards, _, _ = _resharded()
+        with pytest.raises(CorruptCheckpointError, match=rf"rank 0: CorruptCheckpointError: peer {srv.address} \({peer_file}\): "
+                                                         r"tensor 'w': .* "
+                                                         r"fails its CRC32 check"):
+            CheckpointEngine(shm_dir).load(mem_step, shards, sources=lambda d, m: [RemoteSource(srv.address,
+                                                                                                step_name)])

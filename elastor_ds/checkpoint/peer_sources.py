@@ -89,6 +89,10 @@ class PeerCopySource:
                 continue
         return None
 
+    def where(self, relpath: str) -> str:
+        p = self._where.get(relpath)
+        return f"peer copy held in this node's memory {p}" if p else f"peer copies under {self.root} ({relpath})"
+
     def has(self, relpath: str, size: int) -> bool:
         p = self._path(relpath, size)
         if p is not None:
@@ -191,6 +195,9 @@ class RemoteSource:
                     self._where[relpath] = cand
                 return True
         return False
+
+    def where(self, relpath: str) -> str:
+        return f"peer {self.address} ({self._where.get(relpath, relpath)})"
 
     def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
         cand = self._where.get(relpath)

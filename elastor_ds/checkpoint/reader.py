@@ -21,7 +21,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
 from .planning.load_plan import Check, LoadPlan, ReadOp, Request, plan_load
 from .planning.manifest import DTYPE_SIZES, Manifest
 from .shards import TensorShard, dtype_name, region_view
-from .sources import STORAGE, ChunkSource, DirSource, close_all, read_file
+from .sources import STORAGE, ChunkSource, DirSource, close_all, describe_source, read_file
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ class _Reader:
                     except (CheckpointError, OSError) as e:
                         if i == len(holders) - 1:
                             raise
-                        log.warning("%s from %s failed (%s); reading it from %s instead", fname, src.name, e,
-                                    holders[i + 1].name)
+                        log.warning("%s: the copy in %s failed (%s); reading it from %s instead", fname,
+                                    describe_source(src, fname), e, describe_source(holders[i + 1], fname))
         finally:
             pool.shutdown(wait=True)
 
@@ -219,8 +219,8 @@ class _Reader:
                     break
                 seed = c
         raise CorruptCheckpointError(
-            f"{os.path.join(self.step_dir, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check "
-            f"(read {got:08x} from {self.src.name}, checkpoint says {want:08x}); the checkpoint is corrupt")
+            f"{describe_source(self.src, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check (read "
+            f"{got:08x}, the manifest says {want:08x}); this copy is corrupt")
 
     def _strided(self, src: ChunkSource, op: ReadOp) -> None:
         """One pread per outer row, straight into the destination rows when they are contiguous and

@@ -10,7 +10,9 @@ file or an I/O error falls back to the next source for that file (logged). When 
 fails too, the load fails as a corrupt checkpoint.
 
 A source is any object with ``name``, ``bytes_read``, ``has(relpath, size)`` and
-``read_into(relpath, offset, views)``; ``relpath`` is the manifest's name, resolved inside the
+``read_into(relpath, offset, views)``, optionally ``where(relpath)`` (where the file is, for
+messages: ``local memory /dev/shm/...``, ``peer 10.0.0.2:4567 (local/step_.../data_00000...)``,
+``storage /ckpt/...``; :func:`describe_source`); ``relpath`` is the manifest's name, resolved inside the
 source's directory with :func:`~.paths.safe_join` (never a name out of it). This module has the
 directory sources (a step directory on tmpfs or on storage); ``elastor_ds.checkpoint`` users
 build lists with :func:`dir_source` / :func:`storage_source_for`.
@@ -67,6 +69,10 @@ class DirSource:
     def path(self, relpath: str) -> str:
         return safe_join(self.step_dir, relpath, what=f"file name (source {self.name})", allow_subdirs=True)
 
+    def where(self, relpath: str) -> str:
+        label = {LOCAL_MEMORY: "local memory", STORAGE: "storage"}.get(self.name, self.name)
+        return f"{label} {os.path.join(self.step_dir, relpath)}"
+
     def has(self, relpath: str, size: int) -> bool:
         if self.files is not None and relpath not in self.files:
             return False
@@ -94,6 +100,18 @@ class DirSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def describe_source(src: ChunkSource, relpath: str) -> str:
+    """Where ``src`` holds ``relpath``, for messages: the source's own ``where`` when it has one
+    (a local path, a peer's address), else its name and the file name."""
+    where = getattr(src, "where", None)
+    if where is not None:
+        try:
+            return str(where(relpath))
+        except Exception:  # noqa: BLE001 - a message must not fail the load
+            pass
+    return f"{src.name} {relpath}"
 
 
 def dir_source(step_dir: str, name: str = STORAGE) -> DirSource:
@@ -146,13 +164,13 @@ def read_file(sources: Sequence[ChunkSource], relpath: str, size: int, crc32: in
                 src.read_into(relpath, 0, [memoryview(buf)])
         except (CheckpointError, OSError) as e:
             problems.append(f"{src.name}: {e}")
-            log.warning("%s %s from %s is unreadable (%s); trying the next source", what, relpath, src.name, e)
+            log.warning("%s from %s is unreadable (%s); trying the next source", what, describe_source(src, relpath), e)
             continue
         got = zlib.crc32(buf)
         if got != crc32:
             problems.append(f"{src.name}: CRC32 {got:08x} != manifest {crc32:08x}")
-            log.warning("%s %s from %s fails its CRC32 check (%08x != %08x); trying the next source", what, relpath,
-                        src.name, got, crc32)
+            log.warning("%s from %s fails its CRC32 check (%08x != %08x); trying the next source", what,
+                        describe_source(src, relpath), got, crc32)
             continue
         return bytes(buf), src.name
     raise _no_source(relpath, problems)
@@ -188,5 +206,5 @@ def registered_sources(step_dir: str, manifest) -> list[ChunkSource]:
     return out
 
 
-__all__ = ["register_source_factory", "registered_sources", "ChunkSource", "DirSource", "dir_source", "storage_source_for", "bytes_by_source", "close_all", "read_file",
+__all__ = ["register_source_factory", "registered_sources", "ChunkSource", "DirSource", "describe_source", "dir_source", "storage_source_for", "bytes_by_source", "close_all", "read_file",
            "SourcesFor", "LOCAL_MEMORY", "PEER_MEMORY", "STORAGE"]
