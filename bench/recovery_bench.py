@@ -32,7 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from elastor_ds.elastic.events import read_jsonl  # noqa: E402
+from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 MODEL = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
@@ -41,7 +41,7 @@ VARIANTS = ("torchrun", "no-standby", "standby")
 
 
 def pids_by_rank(events: str) -> dict[int, int]:
-    launches = [e for e in read_jsonl(events) if e.get("event") == "launch"]
+    launches = [e for e in read_jsonl(events) if e.get("event") == EventKind.LAUNCH.value]
     return dict(zip(launches[-1]["global_ranks"], launches[-1]["pids"])) if launches else {}
 
 
@@ -114,7 +114,7 @@ def one_run(variant: str, d: str, a: argparse.Namespace) -> dict:
         os.kill(pid, signal.SIGKILL)
         if variant != "torchrun":   # what the controller's breakdown measures detection from
             from elastor_ds.elastic.events import append_line
-            append_line(efile, {"event": "injected", "time": t_kill, "node": "bench", "rank": victim,
+            append_line(efile, {"event": EventKind.INJECTED.value, "time": t_kill, "node": "bench", "rank": victim,
                                 "signal": "SIGKILL"})
         if variant == "torchrun":   # the old demo: wait for torchrun to give up, then relaunch by hand
             job.wait(timeout=300)

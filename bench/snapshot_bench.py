@@ -39,7 +39,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from elastor_ds.elastic.events import read_jsonl  # noqa: E402
+from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
 
@@ -263,15 +263,15 @@ def _lost_run(args, work: str, name: str, memory: bool) -> dict:
                 raise RuntimeError(f"elastor run exited early ({proc.returncode})")
             time.sleep(0.02)
         last = read_jsonl(metrics)[-1]["iteration"]
-        launch = [e for e in read_jsonl(events) if e.get("event") == "launch"][-1]   # standby workers: pids from here
+        launch = [e for e in read_jsonl(events) if e.get("event") == EventKind.LAUNCH.value][-1]   # standby workers: pids from here
         victim = psutil.Process(launch["pids"][0])
         assert victim.ppid() == proc.pid
         victim.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=600)
         if rc != 0:
             raise RuntimeError(f"elastor run failed ({rc})")
-        starts = [e for e in read_jsonl(events) if e.get("event") == "worker_started"]
-        restores = [e for e in read_jsonl(events) if e.get("event") == "restore"]
+        starts = [e for e in read_jsonl(events) if e.get("event") == EventKind.WORKER_STARTED.value]
+        restores = [e for e in read_jsonl(events) if e.get("event") == EventKind.RESTORE.value]
         resumed = starts[-1]["resumed_from"]
         return {"last_logged_before_kill": last, "resumed_from": resumed, "lost_iterations": last - resumed,
                 "restore": restores[-1] if restores else None}

@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
                 events.emit(EventKind.RECOVERY, of=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
                             resumed_from=r.resumed_from, lost_iterations=r.lost_iterations,
                             to_training_s=r.total_s, parts_s=r.parts, t0=r.t0,
-                            launch_mode=r.launch_mode)
+                            launch_mode=r.launch_mode, restore=r.restore)
             table, png = write_report(events_path, plot)
             print(table, flush=True)
             if png:

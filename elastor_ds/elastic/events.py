@@ -2,7 +2,7 @@
 
 One JSON object per line: ``{"event": KIND, "time": unix seconds, "node": node id, ...}``. The
 controller writes most kinds; rank 0 of the workers appends ``worker_started`` (its start-up marks)
-and an external fault injector may append ``injected`` (when it broke something). Lines are
+and ``restore`` (where its resumed bytes came from) and an external fault injector may append ``injected`` (when it broke something). Lines are
 written with one ``write`` on an ``O_APPEND`` descriptor, so writers on one machine do not
 interleave.
 
@@ -14,7 +14,8 @@ names: ``detect`` (fault -> noticed), ``teardown`` (rest of the group killed), `
 process runs; with standby workers: until the standby is assigned its rank), ``start-up`` (imports
 + process group), ``planning``, ``build+load`` (model, engine and checkpoint load), ``first iter``
 (the first resumed iteration, from the metrics file; not part of "to training", which ends when it
-starts). Each recovery also names how its workers were made (``launch_mode``: spawned processes,
+starts). Each recovery also carries the relaunched trainer's restore record (``restore``: tier
+memory/storage, step, bytes per source, seconds) and names how its workers were made (``launch_mode``: spawned processes,
 standbys that had done their imports, standbys still importing, or a mix of those).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ class EventKind(str, enum.Enum):
     RENDEZVOUS = "rendezvous"            # about to rendezvous for a launch
     LAUNCH = "launch"                    # workers spawned (round, world, devices)
     WORKER_STARTED = "worker_started"    # trainer rank 0: start-up marks, resumed step, layout
+    RESTORE = "restore"                  # trainer rank 0: restore tier, step, bytes per source, seconds
     INJECTED = "injected"                # a fault injector broke something (demo/tests)
     FAILURE = "failure"                  # detected: ranks, devices, causes
     TEARDOWN = "teardown"                # remaining workers stopped
@@ -128,12 +130,29 @@ class Recovery:
     parts: dict[str, float] = field(default_factory=dict)   # seconds: detection, teardown, ...
     total_s: float | None = None   # t0 -> first resumed iteration starts
     launch_mode: str | None = None  # protocol.LaunchMode value of the relaunched rank 0
+    restore: dict | None = None     # the relaunched trainer's restore record (tier, step, bytes per source, seconds)
 
     @property
     def lost_iterations(self) -> int | None:
         if self.last_iteration_before is None or self.resumed_from is None:
             return None
         return max(0, self.last_iteration_before - self.resumed_from)
+
+
+def restore_bytes(restore: dict | None) -> dict[str, int] | None:
+    """A restore record's bytes per source grouped by tier: ``local`` (this node's memory,
+    ``local-memory``), ``peer`` (copies held here for other nodes, ``peer-memory``, and other
+    nodes' servers, ``remote:<host:port>``) and ``storage``; None without a record."""
+    if not isinstance(restore, dict) or not isinstance(restore.get("bytes"), dict):
+        return None
+    out = {"local": 0, "peer": 0, "storage": 0}
+    for name, n in restore["bytes"].items():
+        key = ("local" if name == "local-memory" else "storage" if name == "storage"
+               else "peer" if name == "peer-memory" or name.startswith("remote:") else None)
+        if key is None:
+            raise ValueError(f"restore record names an unknown source {name!r}")
+        out[key] += int(n)
+    return out
 
 
 PLAN_KEYS = ("plan", "predicted_iteration_s", "predicted_iter_s", "best_uniform_predicted_s",
@@ -253,6 +272,7 @@ def recoveries(events: list[dict], metrics: list[dict]) -> list[Recovery]:
             if first is not None:
                 p["first iter"] = float(first["iter_time_s"])
         rec.launch_mode = launch_mode_summary(launch.get("launch_modes")) or s.get("launch_mode")
+        rec.restore = s.get("restore") if isinstance(s.get("restore"), dict) else None
         rec.parts = {k: max(0.0, v) for k, v in p.items()}
         rec.cause = cause if origin != "injected" else f"{cause} (injected)"
         out.append(rec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .events import EventKind, Phase, Recovery, phases, read_jsonl, recoveries
+from .events import EventKind, Phase, Recovery, phases, read_jsonl, recoveries, restore_bytes
 
 log = logging.getLogger("elastor.run")
 
@@ -42,6 +42,21 @@ def _plan_text(ph: Phase) -> str:
     return "; ".join(bits)
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n else "0"
+
+
+def restore_text(r: Recovery) -> str:
+    """Where the relaunched trainer restored from: tier, step, bytes per tier, load seconds."""
+    rs = r.restore
+    by = restore_bytes(rs)
+    if rs is None or by is None:
+        return ""
+    return (f"restored step {rs.get('step')} from {rs.get('tier')} in {_fmt(rs.get('seconds'))} s"
+            f"{' (fell back)' if rs.get('fell_back') else ''}; bytes from local memory {_mb(by['local'])}, "
+            f"peers {_mb(by['peer'])}, storage {_mb(by['storage'])}")
+
+
 def summary_table(events: list[dict], metrics: list[dict]) -> str:
     phs = phases(events, metrics)
     recs = recoveries(events, metrics)
@@ -75,6 +90,10 @@ def summary_table(events: list[dict], metrics: list[dict]) -> str:
                   f"{(r.launch_mode or '-')[:21]:<22}" + "".join(f"{_fmt(r.parts.get(k)):>14}" for k in keys) + \
                   f"{_fmt(r.total_s):>13}"
             lines.append(row)
+        for r in recs:
+            text = restore_text(r)
+            if text:
+                lines.append(f"  {r.kind} {r.world_before}->{r.world_after}: {text}")
         lines.append("  detect: fault -> noticed; rdzv+spawn: rendezvous until the worker runs (standby: is assigned); "
                      "start-up: imports + process group;\n  build+load: model, engine, checkpoint load; to training: "
                      "fault (or request) -> first resumed iteration starts; first iter: that iteration's time;\n"

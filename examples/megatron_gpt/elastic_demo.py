@@ -1,17 +1,26 @@
 """The README's main job: ``elastor run`` keeps a GPT training through a lost worker and its return.
 
-1. ``elastor run`` launches the trainer on N processes (default 4: TP2 x PP2, megatron-core TP
-   layers inside DeepSpeed's pipeline engine) with asynchronous elastor checkpoints.
+1. ``elastor run --snapshot-dir /dev/shm/elastor-demo-<pid>`` launches the trainer on N processes
+   (default 4: TP2 x PP2, megatron-core TP layers inside DeepSpeed's pipeline engine) with
+   asynchronous elastor checkpoints to storage every ``--save-interval`` iterations and a **memory
+   snapshot** every ``--snapshot-interval`` iterations (default 1) into the node's tmpfs directory,
+   which outlives a killed worker.
 2. After iteration K the demo SIGKILLs one worker, as a lost GPU would. The controller detects it,
    tears the group down and relaunches on the N - 1 processes left (``--on-failure shrink``); the
-   trainer asks the planner for the best layout for them (``--elastor-plan on-change``) and resumes
-   from the last committed checkpoint under it (no conversion step).
+   trainer asks the planner for the best layout for them (``--elastor-plan on-change``) and restores
+   under it from the newest committed step: the memory snapshot (every byte from this node's
+   memory, none from storage), so at most ``--snapshot-interval`` iterations are lost.
+   ``--snapshot-interval 0``: storage checkpoints only (the loss is then up to ``--save-interval``).
 3. Later the device "returns": the demo sends the operator's scale-up signal (``kill -USR1`` to
    ``elastor run``). The workers finish their iteration, checkpoint it durably and exit; the job
    relaunches on N processes (TP2 x PP2 again) and loses nothing.
 4. At the end: the controller's summary (phases, lost iterations, recovery times broken down into
-   detection, teardown, probe, rendezvous + spawn, start-up, planning, model build + load), a loss
-   table, ``timeline.png`` (loss and throughput over wall time, events marked) and ``summary.json``.
+   detection, teardown, probe, rendezvous + spawn, start-up, planning, model build + load; per
+   recovery the restore tier, step, bytes from local memory / peers / storage and load seconds), a
+   loss table, the snapshots' main-thread stall, ``timeline.png`` and ``summary.json``.
+   ``--measure-overhead``: before the elastic run, the same model and layout under ``torchrun``
+   with and without snapshots (alternated A/B/A/B, ``--overhead-iters`` each): the step overhead of
+   the snapshots, measured (adds about a minute).
 
 ``--gpus``: the same on a GPU node (NCCL, one process per GPU).
 """
@@ -23,9 +32,11 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,10 +45,10 @@ sys.path.insert(0, ROOT)
 log = logging.getLogger("elastic_demo")
 
 
-def model_flags(a: argparse.Namespace) -> list[str]:
+def model_flags(a: argparse.Namespace, train_iters: int | None = None) -> list[str]:
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads", "4",
             "--num-query-groups", "2", "--seq-length", str(a.seq_length), "--micro-batch-size", "2",
-            "--global-batch-size", str(a.global_batch_size), "--train-iters", str(a.train_iters), "--lr", "3e-3",
+            "--global-batch-size", str(a.global_batch_size), "--train-iters", str(train_iters or a.train_iters), "--lr", "3e-3",
             "--min-lr", "3e-4", "--lr-warmup-iters", "10", "--log-interval", "25", "--seed", "1234"]
 
 
@@ -50,11 +61,54 @@ def direct_worker(events_file: str, rank: int) -> int:
     """The pid of the live worker with global rank ``rank``, from the controller's latest ``launch``
     event (a standby worker's /proc environment is the one it was spawned with, not its rank's)."""
     import psutil
-    launches = [e for e in read_jsonl(events_file) if e.get("event") == "launch"]
+    from elastor_ds.elastic.events import EventKind
+    launches = [e for e in read_jsonl(events_file) if e.get("event") == EventKind.LAUNCH.value]
     for r, pid in zip(launches[-1]["global_ranks"], launches[-1]["pids"]) if launches else ():
         if r == rank and psutil.pid_exists(pid):
             return pid
     raise RuntimeError(f"no live worker with rank {rank} in the latest launch of {events_file}")
+
+
+def measure_overhead(a: argparse.Namespace, env: dict, nproc: int) -> dict:
+    """The snapshots' step overhead on the demo's own model and layout: ``torchrun`` runs of
+    ``--overhead-iters`` iterations without and with a memory snapshot every ``--snapshot-interval``
+    iterations, alternated A/B/A/B; median iteration time of each (the first 3 iterations of a run
+    are warm-up and left out). Storage checkpoints off in both."""
+    work = tempfile.mkdtemp(prefix="overhead_", dir=a.out)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    stalls: list[float] = []
+    for k, snap in enumerate((False, True, False, True)):
+        mfile = os.path.join(work, f"m{k}.jsonl")
+        sdir = tempfile.mkdtemp(prefix="elastor-demo-overhead-",
+                                dir="/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={port}", os.path.join(HERE, "pretrain_gpt.py"),
+               *model_flags(a, train_iters=a.overhead_iters), "--tensor-model-parallel-size", str(a.tp),
+               "--pipeline-model-parallel-size", str(a.pp), "--save", os.path.join(work, f"ckpt{k}"),
+               "--save-interval", "0", "--profile-iters", "0", "--metrics-file", mfile]
+        if snap:
+            cmd += ["--elastor-memory-snapshot-interval", str(a.snapshot_interval),
+                    "--elastor-memory-snapshot-peer-copies", "0"]
+        log.info("overhead run %d/4: %s snapshots, %d iterations", k + 1, "with" if snap else "without",
+                 a.overhead_iters)
+        try:
+            p = subprocess.run(cmd, env=dict(env, ELASTOR_SNAPSHOT_DIR=sdir), cwd=ROOT, capture_output=True, text=True,
+                               timeout=900)
+        finally:
+            shutil.rmtree(sdir, ignore_errors=True)
+        if p.returncode != 0:
+            raise SystemExit(f"overhead run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        recs = [m for m in read_jsonl(mfile) if m["iteration"] > 3]
+        times[snap] += [m["iter_time_s"] for m in recs]
+        stalls += [m["snapshot_stall_s"] for m in recs if snap and "snapshot_stall_s" in m]
+    shutil.rmtree(work, ignore_errors=True)
+    without, with_ = statistics.median(times[False]), statistics.median(times[True])
+    return {"iterations_per_run": a.overhead_iters, "runs": "A/B/A/B", "median_iter_s_without": without,
+            "median_iter_s_with": with_, "step_overhead": with_ / without - 1, "snapshots": len(stalls),
+            "median_stall_over_iter": statistics.median(stalls) / with_ if stalls else None}
 
 
 def main() -> int:
@@ -73,7 +127,17 @@ def main() -> int:
     ap.add_argument("--return-after", type=int, default=50,
                     help="iterations on the smaller world before the device returns (scale-up)")
     ap.add_argument("--save-interval", type=int, default=20)
+    ap.add_argument("--snapshot-interval", type=int, default=1,
+                    help="memory snapshot every N iterations (0: storage checkpoints only)")
+    ap.add_argument("--snapshot-dir", default=None,
+                    help="the node's snapshot directory given to `elastor run --snapshot-dir` (default "
+                         "/dev/shm/elastor-demo-<pid>; removed when the job ends)")
+    ap.add_argument("--measure-overhead", action="store_true",
+                    help="first measure the snapshots' step overhead (torchrun, same model and layout, A/B/A/B)")
+    ap.add_argument("--overhead-iters", type=int, default=30)
     a = ap.parse_args()
+    if a.snapshot_interval < 0:
+        ap.error(f"--snapshot-interval {a.snapshot_interval}: give 0 (no memory snapshots) or a positive number")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     if a.gpus:
@@ -90,19 +154,27 @@ def main() -> int:
     os.makedirs(a.out)
     ck, mfile, efile = (os.path.join(a.out, x) for x in ("ckpt", "metrics.jsonl", "events.jsonl"))
     png = os.path.join(a.out, "timeline.png")
+    overhead = measure_overhead(a, env, n0) if a.measure_overhead and a.snapshot_interval else None
+    snap_dir = a.snapshot_dir or os.path.join(
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir(),
+        f"elastor-demo-{os.getpid()}")
+    snap_flags = ["--snapshot-dir", snap_dir] if a.snapshot_interval else []
+    snap_args = (["--elastor-memory-snapshot-interval", str(a.snapshot_interval),
+                  "--elastor-memory-snapshot-peer-copies", "0"] if a.snapshot_interval else [])
     # shrink on GPUs too: killing a process does not break its GPU, so a probe would keep it
     cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", str(n0), "--on-failure", "shrink",
            "--events", efile, "--plot", png, "--log-dir", os.path.join(a.out, "logs"), "--hang-timeout", "120",
-           os.path.join(HERE, "pretrain_gpt.py"), *model_flags(a),
+           *snap_flags, os.path.join(HERE, "pretrain_gpt.py"), *model_flags(a),
            "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
            "--elastor-plan", "on-change", "--save", ck, "--load", ck, "--save-interval", str(a.save_interval),
-           "--metrics-file", mfile]
-    log.info("launch: elastor run --nproc-per-node %d --on-failure shrink ... pretrain_gpt.py (TP%d x PP%d)", n0,
-             a.tp, a.pp)
+           "--metrics-file", mfile, *snap_args]
+    log.info("launch: elastor run --nproc-per-node %d --on-failure shrink%s ... pretrain_gpt.py (TP%d x PP%d)%s",
+             n0, f" --snapshot-dir {snap_dir}" if snap_flags else "", a.tp, a.pp,
+             f", memory snapshot every {a.snapshot_interval} iteration(s)" if snap_args else "")
     t_start = time.time()
     ctl_log = open(os.path.join(a.out, "elastor_run.log"), "w")
     ctl = subprocess.Popen(cmd, stdout=ctl_log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-    from elastor_ds.elastic.events import append_line
+    from elastor_ds.elastic.events import EventKind, append_line
     stage = "train"
     n_small = 0
     try:
@@ -112,7 +184,7 @@ def main() -> int:
                 victim = n0 - 1
                 pid = direct_worker(efile, victim)
                 os.kill(pid, signal.SIGKILL)
-                append_line(efile, {"event": "injected", "time": time.time(), "node": "demo", "rank": victim,
+                append_line(efile, {"event": EventKind.INJECTED.value, "time": time.time(), "node": "demo", "rank": victim,
                                     "signal": "SIGKILL"})
                 log.info("killed worker rank %d (pid %d) after iteration %d: a lost GPU", victim, pid,
                          ms[-1]["iteration"])
@@ -136,20 +208,26 @@ def main() -> int:
         raise SystemExit(f"the job finished before the demo could {'kill a worker' if stage == 'train' else 'scale up'}"
                          f" (stage {stage}); lower --fail-at / --return-after")
 
-    from elastor_ds.elastic.events import phases, recoveries
-    from elastor_ds.elastic.report import summary_table
+    from elastor_ds.elastic.events import phases, recoveries, restore_bytes
+    from elastor_ds.elastic.report import restore_text, summary_table
     events, ms = read_jsonl(efile), read_jsonl(mfile)
     table = summary_table(events, ms)
     phs, recs = phases(events, ms), recoveries(events, ms)
     stalls = [m["save_stall_s"] for m in ms if "save_stall_s" in m]
+    snaps = [m["snapshot_stall_s"] / m["iter_time_s"] for m in ms if "snapshot_stall_s" in m and m.get("iter_time_s")]
     summary = {
         "phases": [{"world_size": p.world_size, "layout": p.layout, "iterations": [p.first_iteration, p.last_iteration],
                     "resumed_from": p.resumed_from, "median_iteration_s": p.median_iter_s,
                     "samples_per_s": p.samples_per_s, "ended_by": p.ended_by, "plan": p.plan} for p in phs],
         "recoveries": [{"kind": r.kind, "cause": r.cause, "world": [r.world_before, r.world_after],
-                        "lost_iterations": r.lost_iterations, "parts_s": r.parts, "to_training_s": r.total_s}
+                        "lost_iterations": r.lost_iterations, "parts_s": r.parts, "to_training_s": r.total_s,
+                        "restore": r.restore, "restore_bytes": restore_bytes(r.restore)}
                        for r in recs],
         "saves": len(stalls), "median_save_stall_ms": statistics.median(stalls) * 1e3 if stalls else None,
+        "snapshot_interval": a.snapshot_interval, "snapshot_dir": snap_dir if snap_flags else None,
+        "snapshot_dir_removed": not os.path.lexists(snap_dir) if snap_flags else None,
+        "snapshots": len(snaps), "median_snapshot_stall_over_iter": statistics.median(snaps) if snaps else None,
+        "snapshot_overhead": overhead,
         "loss_start": ms[0]["lm_loss"], "loss_end": ms[-1]["lm_loss"], "total_s": time.time() - t_start,
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:
@@ -160,13 +238,29 @@ def main() -> int:
         + (f"{p.loss_first:.3f} -> {p.loss_last:.3f}" if p.loss_first is not None else "-")
         for p in phs))
     if stalls:
-        print(f"saves: {len(stalls)} asynchronous, median training stall {summary['median_save_stall_ms']:.1f} ms")
-    fail = next((r for r in recs if r.kind == "failure"), None)
-    if fail and fail.total_s is not None:
-        print(f"failure -> resumed training: {fail.total_s:.1f} s; lost {fail.lost_iterations} iterations "
-              f"(since the last committed checkpoint)")
+        print(f"saves to storage: {len(stalls)} asynchronous, median training stall "
+              f"{summary['median_save_stall_ms']:.1f} ms")
+    if snaps:
+        print(f"memory snapshots: {len(snaps)} (every {a.snapshot_interval} iteration(s)) under {snap_dir}; median "
+              f"main-thread stall {summary['median_snapshot_stall_over_iter'] * 100:.1f} % of an iteration; the "
+              f"directory was {'removed' if summary['snapshot_dir_removed'] else 'NOT removed'} at the end")
+    if overhead:
+        print(f"snapshot step overhead (torchrun A/B/A/B, {overhead['iterations_per_run']} iterations each): "
+              f"{overhead['median_iter_s_without'] * 1e3:.0f} -> {overhead['median_iter_s_with'] * 1e3:.0f} ms/iteration,"
+              f" {overhead['step_overhead'] * 100:+.1f} %")
+    for r in recs:
+        if r.kind != "failure":
+            continue
+        bound = (f"at most {a.snapshot_interval} with a memory snapshot every {a.snapshot_interval}" if
+                 a.snapshot_interval else f"since the last storage checkpoint, every {a.save_interval}")
+        print(f"failure -> resumed training: {_s(r.total_s)} s; lost {r.lost_iterations} iteration(s) ({bound}); "
+              f"{restore_text(r) or 'no restore record'}")
     print(f"outputs: {a.out}/ (events.jsonl, metrics.jsonl, summary.json, timeline.png, elastor_run.log, logs/, ckpt/)")
     return 0 if ms[-1]["lm_loss"] < ms[0]["lm_loss"] else 1
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 if __name__ == "__main__":

@@ -172,7 +172,8 @@ def report_restore(rank: int, record: dict[str, Any]) -> None:
     path = os.environ.get("ELASTOR_EVENTS_FILE")
     if rank != 0 or not path:
         return
-    rec = {"event": "restore", "time": time.time(), "node": "workers", **record}
+    from ...elastic.events import EventKind
+    rec = {"event": EventKind.RESTORE.value, "time": time.time(), "node": "workers", **record}
     try:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
