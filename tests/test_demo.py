@@ -1,0 +1,97 @@
+"""The README's main job (``scripts/demo.sh`` -> ``examples/megatron_gpt/elastic_demo.py``), shortened:
+4 processes TP2 x PP2 under ``elastor run --snapshot-dir``, a worker SIGKILLed, resume on 3 under the
+planner's layout, scale back to 4, finish.
+
+Every fact is taken from the demo's own raw files (the trainer's metrics lines, the event lines, the
+storage checkpoint's safetensors headers parsed here), never from numbers the code under test
+computed; the demo's summary must then agree with them."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "examples", "megatron_gpt", "elastic_demo.py")
+EVENT_KINDS = {"start", "rendezvous", "launch", "worker_started", "restore", "injected", "failure", "teardown",
+               "probe", "decision", "scale_up_requested", "scale_up", "membership", "preempt_requested",
+               "preempted", "finished", "stopped", "recovery", "standby"}
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _lines(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _tensor_bytes(step_dir: str) -> int:
+    """Bytes of every tensor stored in a checkpoint step, from the safetensors headers (8-byte
+    little-endian header length, then JSON with each tensor's data_offsets)."""
+    total = 0
+    for name in os.listdir(step_dir):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(step_dir, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def test_demo_restores_from_memory_after_the_kill(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, DEMO, "--out", str(out), "--train-iters", "40", "--fail-at", "16",
+                        "--return-after", "8", "--save-interval", "20"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=560)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    events = _lines(str(out / "events.jsonl"))
+    metrics = _lines(str(out / "metrics.jsonl"))
+    summary = json.loads((out / "summary.json").read_text())
+
+    # a closed vocabulary: every line of the events file is one of the documented kinds
+    assert {e["event"] for e in events} <= EVENT_KINDS, {e["event"] for e in events} - EVENT_KINDS
+    (kill,) = [e for e in events if e["event"] == "injected"]
+
+    # lost iterations, from the trainer's metrics lines: last iteration the 4-process world logged
+    # before the 3-process world started, vs the iteration the 3-process world started from
+    small = [m for m in metrics if m["world_size"] == 3]
+    assert small, "the job never ran on 3 processes"
+    t_small = min(m["time"] - m["iter_time_s"] for m in small)
+    last_before = max(m["iteration"] for m in metrics if m["world_size"] == 4 and m["time"] <= t_small)
+    assert last_before >= 16
+    resumed = min(m["iteration"] for m in small) - 1
+    lost = last_before - resumed
+    assert 0 <= lost <= 1, (last_before, resumed)         # a memory snapshot every iteration
+    assert last_before < 20                               # killed before the first storage checkpoint (20)
+
+    # where the bytes came from: the trainer's restore lines (one per relaunch)
+    restores = [e for e in events if e["event"] == "restore"]
+    assert len(restores) == 2, restores
+    after_kill = [r for r in restores if r["time"] > kill["time"]][0]
+    assert after_kill["tier"] == "memory" and after_kill["step"] == resumed, after_kill
+    by = after_kill["bytes"]
+    assert by.get("storage", 0) == 0, by                                  # nothing read from storage
+    assert set(by) <= {"local-memory", "peer-memory", "storage"}, by      # one node: no remote server
+    assert by.get("peer-memory", 0) == 0
+    storage = out / "ckpt"
+    steps = sorted(d for d in os.listdir(storage) if d.startswith("step_"))
+    assert by["local-memory"] >= _tensor_bytes(str(storage / steps[-1])) > 0   # every element read at least once
+    assert after_kill["step_dir"].startswith(summary["snapshot_dir"] + os.sep)
+    assert not os.path.lexists(summary["snapshot_dir"])                   # the job's directory is gone
+
+    # the demo's summary agrees with the raw files
+    (fail,) = [r for r in summary["recoveries"] if r["kind"] == "failure"]
+    assert fail["lost_iterations"] == lost
+    assert fail["restore"]["tier"] == "memory" and fail["restore"]["step"] == resumed
+    assert fail["restore_bytes"] == {"local": by["local-memory"], "peer": 0, "storage": 0}
+    assert summary["snapshot_interval"] == 1 and summary["snapshot_dir_removed"] is True
+    assert summary["snapshots"] == sum(1 for m in metrics if "snapshot_stall_s" in m) > 0
+    assert f"restored step {resumed} from memory" in p.stdout
+    assert f"lost {lost} iteration(s) (at most 1 with a memory snapshot every 1)" in p.stdout
+    assert max(m["iteration"] for m in metrics) == 40
