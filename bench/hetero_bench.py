@@ -23,7 +23,10 @@ micro-batch counts).
 
 For 8 and 7 processes: the planner's best plan using every process (heterogeneous search) and its
 best uniform grid (launched on the processes it uses) run ``examples/megatron_gpt/pretrain_gpt.py``;
-the median iteration time from the third iteration on is compared with the prediction.
+the median iteration time from the third iteration on is compared with the prediction. At 7
+processes the best plan with a TP > 1 stage runs too (TP all-reduces and cross-width p2p priced from
+the measured costs; on gloo/CPU they make it slower than the TP1 plans, which is why the planner
+does not choose it).
 
     python bench/hetero_bench.py [--iters 5] [--sizes 8,7] [--out bench/results/hetero.json]
 """
@@ -80,7 +83,9 @@ def planner(n: int, profile, mem_gb: float):
     cost = CostModel(model, training, Cluster.from_gpus_per_node([n], gpu_memory_gb=mem_gb), params, profile=profile)
     res = plan(cost, top_k=50)
     best = next(s for s in res.alternatives if s.plan.to_layout().world_size == n)
-    return best, res.uniform
+    with_tp = next((s for s in res.alternatives if s.plan.to_layout().world_size == n
+                    and any(st.tp > 1 for r in s.plan.replicas for st in r.stages)), None)
+    return best, res.uniform, with_tp
 
 
 def split_bytes(layout) -> tuple[int, int, int]:
@@ -141,10 +146,13 @@ def comm_worker(out: str) -> None:
 def measure_layer_overhead(tmp: str) -> float:
     """The trainer's own per-layer time (TP1, 8 processes, 4-stage pipelines) minus the TP1 sleep."""
     save = os.path.join(tmp, "calib")
+    metrics = os.path.join(tmp, "calib.jsonl")
     torchrun(8, TRAINER, [*FLAGS, "--pipeline-model-parallel-size", "4", "--train-iters", "4", "--profile-iters", "2",
-                          "--save", save], "layer calibration")
+                          "--save", save, "--metrics-file", metrics], "layer calibration")
     with open(os.path.join(save, "profile.json")) as f:
         measured = json.load(f)["layer_time_s"]["1"]
+    comm_s = [json.loads(line).get("profile_comm_s") for line in open(metrics)]
+    print(f"the trainer's own collective measurement (8 processes) took {max(c or 0 for c in comm_s):.2f} s", flush=True)
     return max(0.0, measured - SIM[1])
 
 
@@ -163,6 +171,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--sizes", default="8,7", help="process counts to run, comma-separated (default 8,7)")
+    ap.add_argument("--tp-row-sizes", default="7", help="process counts at which the best plan with a TP > 1 stage "
+                    "also runs (checks the TP collectives' and cross-width p2p pricing; '' for none)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "hetero.json"))
     ap.add_argument("--worker-comm", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -170,6 +180,7 @@ def main() -> int:
         comm_worker(a.worker_comm)
         return 0
     from elastor_ds.plan import Profile
+    tp_sizes = {int(x) for x in a.tp_row_sizes.split(",") if x.strip()}
     t_start = time.time()
     mem_gb = device_memory_gb()
     out: dict = {"sim_layer_s": SIM, "device_memory_gb": mem_gb}
@@ -184,10 +195,13 @@ def main() -> int:
                                       "layer_time_s": {str(t): s + ovh for t, s in SIM.items()},
                                       "head_time_s": {str(t): HEAD_S for t in SIM},
                                       "layer_time_includes_tp_comm": False, "collectives": comm})
-            best, uni = planner(n, prof, mem_gb)
+            best, uni, with_tp = planner(n, prof, mem_gb)
             rows: dict = {"profile": prof.to_dict()}
             done: dict = {}
-            for kind, sp in (("best", best), ("uniform", uni)):
+            runs = [("best", best), ("uniform", uni)]
+            if with_tp is not None and n in tp_sizes:
+                runs.append(("best_with_tp", with_tp))
+            for kind, sp in runs:
                 lay = sp.plan.to_layout()
                 key = lay.describe()
                 meas = done[key] if key in done else run(lay, a.iters, tmp, f"{kind}{n}")

@@ -118,7 +118,13 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     prof = json.load(open(tmp_path / "ckA" / "profile.json"))
     assert prof["version"] == 1 and sorted(prof["layer_time_s"]) == ["1", "2"] and prof["seq_length"] == 32
     from elastor_ds.plan import Profile
-    assert all(v > 0 for v in Profile.load(tmp_path / "ckA" / "profile.json").layer_time_s.values())
+    loaded = Profile.load(tmp_path / "ckA" / "profile.json")
+    assert all(v > 0 for v in loaded.layer_time_s.values())
+    # ... with the job's collective costs (groups of 2 and 3 on 3 ranks), measured in well under a second
+    assert sorted(prof["collectives"]) == ["all_gather", "dp_all_reduce", "p2p", "reduce_scatter", "tp_all_reduce"]
+    assert sorted(prof["collectives"]["dp_all_reduce"]) == ["2", "3"] and loaded.layer_time_includes_tp_comm
+    took = [r["profile_comm_s"] for r in rec if "profile_comm_s" in r]
+    assert took and 0 < took[0] < 2.0, took  # ~0.1-0.5 s here; 2x the 1 s budget for a loaded machine
     # --elastor-plan auto: a heterogeneous search priced with that profile, resumed from A's step 3
     torchrun(3, "--elastor-plan", "auto", "--load", str(tmp_path / "ckA" / "step_000000003"),
              "--save", str(tmp_path / "ckAuto"), "--metrics-file", str(tmp_path / "auto.jsonl"))

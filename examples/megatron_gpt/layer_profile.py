@@ -7,6 +7,11 @@ gather their (TP width, seconds per layer per micro-batch); rank 0 writes the me
 ``{"version": 1, "micro_batch_size": b, "seq_length": s, "device": ..., "layer_time_s": {"<tp>": t}}``
 next to the checkpoints (``<save>/profile.json``), where ``--elastor-plan auto`` finds it after a
 restart. Widths the layout did not run are scaled by the planner from the nearest measured one.
+The layer times include the TP all-reduces inside the layers (``layer_time_includes_tp_comm`` is
+left at its default, true). The trainer adds ``collectives``: the job's per-call costs of all-reduce,
+reduce-scatter, all-gather (groups of 2-4) and p2p, measured right after the timed iterations by
+``elastor_ds.comm.calibrate.measure_collectives`` (well under a second on CPU), so the planner prices
+the split all-reduce, ZeRO-1 and pipeline transfers of the plans it compares from this job's numbers.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ contract for readers such as the demo table (keys may be added, never removed):
       process runs) idle_best_plan, idle_best_processes, idle_best_predicted_iter_s;
       uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
       processes), profile (path of the profile used, or null for the analytical model);
-    profile_written (path, from the iteration the profile was written on);
+    profile_written (path, from the iteration the profile was written on), profile_comm_s (seconds
+    spent measuring the collectives for it);
     plan (the full plan document) and zero_stage: in the first record of each launch only;
     state_bytes (second record of each launch, or the first if it runs one iteration): per rank, the
       training-state bytes (params, grads, optimizer) measured at the end of backward and after the
@@ -534,6 +535,11 @@ def _main(argv: list[str] | None = None) -> int:
                 dist.all_gather_object(state_all, state_memory.peak(state_mem))
             if prof is not None and prof.end(it):
                 doc = prof.gather(args.micro_batch_size, args.seq_length)
+                # the job's own collective costs (per call, per group size) for the planner; collective
+                t_comm = time.perf_counter()
+                from elastor_ds.comm.calibrate import measure_collectives
+                doc["collectives"] = measure_collectives((2, 3, 4), reps=3)
+                plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                 if rank == 0:
                     import layer_profile
                     plan_info["profile_written"] = layer_profile.write(doc, args.save)
