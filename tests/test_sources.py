@@ -16,7 +16,8 @@ import torch
 from elastor_ds.checkpoint import CheckpointEngine
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.shards import TensorShard
-from elastor_ds.checkpoint.sources import (LOCAL_MEMORY, STORAGE, ChunkSource, DirSource, storage_source_for)
+from elastor_ds.checkpoint.sources import (LOCAL_MEMORY, PEER_MEMORY, STORAGE, ChunkSource, DirSource,
+                                          storage_source_for)
 from elastor_ds.errors import CorruptCheckpointError, IncompleteCheckpointError
 from elastor_ds.layout.region import Region
 
@@ -207,3 +208,54 @@ def test_fallback_messages_name_the_peer_the_bytes_came_from(shm_dir, tmp_path, 
                                                          r"fails its CRC32 check"):
             CheckpointEngine(shm_dir).load(mem_step, shards, sources=lambda d, m: [RemoteSource(srv.address,
                                                                                                 step_name)])
+
+
+def test_node_lost_in_its_peer_copy_window_falls_back_to_storage_for_its_files(shm_dir, tmp_path, caplog):
+    """Node B died while its newest snapshot was being copied to this node: its files arrived but
+    ``COMPLETE`` did not. The restore reads B's files from storage's same step (logged, naming the
+    file and the storage path); once the copy is complete the same load reads nothing from storage;
+    without a storage twin of that step the load is incomplete (the runtime then falls back to
+    storage's newest checkpoint)."""
+    from elastor_ds.checkpoint.peer_sources import PeerCopySource
+    local_root = os.path.join(shm_dir, "local")
+    w, b = _save_both(local_root, str(tmp_path / "storage"))
+    mem_step = commit_mod.resolve(local_root)
+    st_step = commit_mod.resolve(str(tmp_path / "storage"))
+    step_name = os.path.basename(mem_step)
+    # node-local snapshot: this node holds the manifest, node B's ranks wrote data_00000 (+ CRC table)
+    peer = os.path.join(shm_dir, "peer", "nodeB", step_name)
+    os.makedirs(peer)
+    moved = [f for f in os.listdir(mem_step) if f.startswith("data_00000")]
+    assert len(moved) == 2, os.listdir(mem_step)
+    for f in moved:
+        shutil.move(os.path.join(mem_step, f), os.path.join(peer, f))
+
+    def make(step_dir, man):
+        return [DirSource(step_dir, LOCAL_MEMORY), PeerCopySource(shm_dir, step_name),
+                storage_source_for(st_step, man, commit_mod.read_manifest(st_step))]
+    shards, dw, db = _resharded()
+    with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.reader"):
+        res = CheckpointEngine(local_root).load(mem_step, shards, sources=make)
+    _check(dw, db, w, b)
+    rank_state = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(mem_step, "rank_state"))
+                     for f in fs)
+    assert res.bytes_by_source.get(PEER_MEMORY, 0) == 0
+    assert res.bytes_by_source[LOCAL_MEMORY] == rank_state > 0        # only the rank state file came from here
+    assert res.bytes_by_source[STORAGE] >= res.bytes_needed
+    assert (f"data_00000.safetensors: no memory copy holds it (local-memory, peer-memory); reading it from storage "
+            f"{os.path.join(st_step, 'data_00000.safetensors')}") in caplog.text
+    # the copy completes: everything from the peer copy held here, nothing from storage, no warning
+    open(os.path.join(peer, "COMPLETE"), "w").close()
+    caplog.clear()
+    shards, dw, db = _resharded()
+    with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.reader"):
+        res = CheckpointEngine(local_root).load(mem_step, shards, sources=make)
+    _check(dw, db, w, b)
+    assert res.bytes_by_source[PEER_MEMORY] >= res.bytes_needed and res.bytes_by_source.get(STORAGE, 0) == 0
+    assert "no memory copy holds it" not in caplog.text
+    # in flight again and no storage checkpoint of this step: incomplete, naming the file
+    os.remove(os.path.join(peer, "COMPLETE"))
+    shards, _, _ = _resharded()
+    with pytest.raises(IncompleteCheckpointError, match="data_00000"):
+        CheckpointEngine(local_root).load(mem_step, shards, sources=lambda d, m: [DirSource(d, LOCAL_MEMORY),
+                                                                                  PeerCopySource(shm_dir, step_name)])

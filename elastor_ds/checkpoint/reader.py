@@ -121,6 +121,11 @@ class _Reader:
                 if not holders:
                     raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
                                                     f"({', '.join(s.name for s in self.sources)})")
+                if len(self.sources) > 1 and holders[0] is self.sources[-1] and holders[0].name == STORAGE:
+                    # a memory restore with storage as the last resort: no memory copy of this file
+                    # (e.g. the node that held it was lost before its peer copy completed)
+                    log.warning("%s: no memory copy holds it (%s); reading it from %s", fname,
+                                ", ".join(s.name for s in self.sources[:-1]), describe_source(holders[0], fname))
                 for i, src in enumerate(holders):
                     try:
                         self._run_file(pool, src, ops)
