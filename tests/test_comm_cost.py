@@ -215,6 +215,19 @@ def test_cli_plans_with_a_measured_profile(tmp_path, capsys):
     assert {s["tp"] for r in doc["replicas"] for s in r["stages"]} == {1}
 
 
+def test_standalone_layer_profile_says_tp_collectives_are_not_in_it():
+    from elastor_ds.plan.profile import measure
+    doc = measure(64, 4, 16, tps=(1, 2), device="cpu", warmup=1, iters=1)
+    prof = Profile.from_dict(doc)
+    assert sorted(prof.layer_time_s) == [1, 2] and prof.layer_time_includes_tp_comm is False
+    model = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=100)
+    cost = CostModel(model, TrainingSpec(1, 2, nominal_tp=2), Cluster.from_gpus_per_node("2"), profile=prof)
+    # TP2: the measured compute plus 4 all-reduces of 1 x 16 x 64 x 2 B at the NVLink defaults
+    # (2 (2-1)/2 x 2048 B / 150 GB/s + 20 us each)
+    assert cost.layer_time(2) == pytest.approx(prof.layer_time_s[2] + 4 * (2048 / 150e9 + 20e-6))
+    assert cost.layer_time(1) == prof.layer_time_s[1]
+
+
 # ---- the measurement on real ranks --------------------------------------------------------------
 def _measure(rank, world, out):
     import torch.distributed as dist

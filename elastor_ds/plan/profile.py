@@ -3,8 +3,10 @@ real transformer layer per micro-batch at each TP width, written as the planner'
 
 A TP-``t`` stage runs a ``1/t`` slice of every matmul (heads and FFN columns split, as in Megatron)
 on one device, so the layer is timed with ``heads/t`` heads and ``ffn/t`` FFN width; the TP
-all-reduces are not timed here (the cost model adds none for profiled widths, so measure on the
-target GPUs if they matter). Imports torch (never torch.distributed); CPU or CUDA.
+all-reduces are not timed here, so the profile says ``"layer_time_includes_tp_comm": false`` and the
+cost model adds them: at their measured costs when the profile also carries ``collectives`` (e.g.
+from ``elastor_ds.comm.calibrate.measure_collectives`` on the target job), else at the NVLink
+defaults. Imports torch (never torch.distributed); CPU or CUDA.
 
 Usage::
 
@@ -91,7 +93,7 @@ def measure(hidden_size: int, num_attention_heads: int, seq_length: int, micro_b
         log.info("tp=%d: %.4g s per layer fwd+bwd", tp, times[str(tp)])
     return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length,
             "device": f"{dev.type}:{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}",
-            "layer_time_s": times}
+            "layer_time_s": times, "layer_time_includes_tp_comm": False}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
