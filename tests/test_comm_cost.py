@@ -253,3 +253,18 @@ def test_measure_collectives_on_gloo_ranks():
         for g in ((2,) if kind is CollectiveKind.P2P else (2, 3)):
             t = prof.time(kind, g, 65536)
             assert 0 < t < 1.0, (kind, g, t)  # a real call on local gloo: more than nothing, less than a second
+
+
+def _measure_alone(rank, world, out):
+    from elastor_ds.comm.calibrate import measure_collectives
+    out.put(measure_collectives([2, 3, 4]))
+
+
+def test_measure_collectives_on_one_process_is_empty_and_loads():
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").SimpleQueue()
+    run_world(_measure_alone, 1, q, timeout_s=30)
+    doc = q.get()
+    assert doc == {}
+    prof = Profile.from_dict({"layer_time_s": {"1": 0.1}, "collectives": doc})
+    assert not any(prof.collectives.has(k) for k in CollectiveKind)

@@ -65,6 +65,8 @@ def measure_collectives(group_sizes: Sequence[int], sizes_bytes: Sequence[int] =
     if reps < 1:
         raise ValueError(f"reps={reps}: must be >= 1")
     world, me = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        return {}  # nothing to measure on one process (the planner then uses its defaults)
     dev = _device()
     gs = sorted({int(g) for g in group_sizes if 2 <= int(g) <= world})
     # local medians, in one fixed order on every rank (absent: 0, so the world max is the measurement)
