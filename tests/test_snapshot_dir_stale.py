@@ -29,7 +29,11 @@ def _controller(snap: str, script: str, *script_args: str, out, cwd) -> subproce
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=cwd, start_new_session=True)
 
 
+PIDNS = os.readlink("/proc/self/ns/pid")
+
+
 def _marker(path: str, **rec) -> None:
+    rec.setdefault("pidns", PIDNS)
     os.makedirs(path)
     with open(os.path.join(path, ".elastor-owner"), "w") as f:
         json.dump(rec, f)
@@ -64,7 +68,7 @@ def test_next_elastor_run_removes_a_killed_controllers_snapshot_dir_and_nothing_
     assert os.path.isdir(os.path.join(dead_dir, "local")), "SIGKILL must leave the directory behind (the bug)"
     with open(os.path.join(dead_dir, ".elastor-owner")) as f:
         owner = json.load(f)
-    assert owner["pid"] == dead_pid and owner["host"] == socket.gethostname()
+    assert owner["pid"] == dead_pid and owner["host"] == socket.gethostname() and owner["pidns"] == PIDNS
 
     host = socket.gethostname()
     live = subprocess.Popen(["sleep", "300"])
@@ -75,11 +79,13 @@ def test_next_elastor_run_removes_a_killed_controllers_snapshot_dir_and_nothing_
             "not our naming": str(base / "other-job-444"),
             "other host": str(base / "elastor-otherhost-555"),
             "corrupt marker": str(base / "elastor-corrupt-666"),
+            "other pid namespace": str(base / "elastor-otherns-321"),
         }
         _marker(keep["live job"], host=host, pid=live.pid, start=None)
         os.makedirs(keep["no marker"])
         _marker(keep["not our naming"], host=host, pid=dead_pid, start=None)
         _marker(keep["other host"], host=host + "-elsewhere", pid=dead_pid, start=None)
+        _marker(keep["other pid namespace"], host=host, pid=dead_pid, start=None, pidns="pid:[1]")
         os.makedirs(keep["corrupt marker"])
         (base / "elastor-corrupt-666" / ".elastor-owner").write_text('{"host": "%s", "pid": "%d"}' % (host, dead_pid))
         target = tmp_path / "target"

@@ -7,13 +7,14 @@ worker) and removes it when the job ends: never on restarts. A directory the use
 already existed is kept; only what a job puts there (``local/``, ``peer/``) is removed, at the end
 and, as stale leftovers of an earlier job, at the start.
 
-A directory the controller creates gets an owner marker (``.elastor-owner``: host, pid and the
-pid's start time). A controller that was SIGKILLed cannot remove its directory, so every
+A directory the controller creates gets an owner marker (``.elastor-owner``: host, pid, the
+pid's start time and pid namespace). A controller that was SIGKILLed cannot remove its directory, so every
 ``elastor run`` first sweeps the default base (``/dev/shm``) and the parent of its own directory
 for stale ones (:func:`sweep_stale`) and removes, logged, only a directory that is named
 ``elastor-*``, is a real directory (not a link) owned by this user, holds a valid marker written
-on this host, and whose pid is not alive (or is alive but started at another time: a reused pid).
-A live job's directory, one without a marker, another user's or another host's is never touched.
+on this host in this pid namespace, and whose pid is not alive (or is alive but started at
+another time: a reused pid). A live job's directory, one without a marker, another user's,
+another host's or another pid namespace's (a container sharing /dev/shm) is never touched.
 """
 from __future__ import annotations
 
@@ -103,9 +104,19 @@ def _alive(pid: int, start: Optional[str]) -> bool:
     return start is None or now is None or now == start
 
 
+def _pid_namespace() -> Optional[str]:
+    """This process's pid namespace (``pid:[4026531836]``): a pid means something only inside it
+    (containers of one pod share a host name and may share /dev/shm, not their pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def write_owner(path: str) -> None:
     """The owner marker of a directory this controller created (written whole: temp file + rename)."""
-    rec = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    rec = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
+           "pidns": _pid_namespace()}
     tmp = os.path.join(path, OWNER_MARKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(rec, f)
@@ -133,7 +144,8 @@ def _owner(path: str) -> Optional[dict]:
             os.close(fd)
     if (not isinstance(rec, dict) or not isinstance(rec.get("host"), str) or not isinstance(rec.get("pid"), int)
             or isinstance(rec.get("pid"), bool) or rec["pid"] <= 0
-            or not (rec.get("start") is None or isinstance(rec.get("start"), str))):
+            or not (rec.get("start") is None or isinstance(rec.get("start"), str))
+            or not (rec.get("pidns") is None or isinstance(rec.get("pidns"), str))):
         return None
     return rec
 
@@ -156,7 +168,9 @@ def sweep_stale(base: str, keep: Optional[str] = None) -> list[str]:
         except OSError:
             continue
         rec = _owner(e.path)
-        if rec is None or rec["host"] != host or rec["pid"] == os.getpid() or _alive(rec["pid"], rec.get("start")):
+        if rec is None or rec["host"] != host or rec["pid"] == os.getpid() or rec.get("pidns") != _pid_namespace():
+            continue   # not ours to judge: no marker, another host, or a pid of another pid namespace
+        if _alive(rec["pid"], rec.get("start")):
             continue
         log.warning("removing the stale memory-snapshot directory %s: its elastor run (pid %d on %s) is gone",
                     e.path, rec["pid"], host)
