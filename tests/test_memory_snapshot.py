@@ -314,3 +314,20 @@ def _env_plain(snap_dir: str) -> dict:
                ELASTOR_SNAPSHOT_DIR=snap_dir)
     env.pop("ELASTOR_EVENTS_FILE", None)
     return env
+
+
+def test_more_than_one_peer_copy_is_refused_with_exit_2(tmp_path, snap_dir):
+    """--elastor-memory-snapshot-peer-copies 2 (not supported): exit 2 naming the value and the fix,
+    before any iteration; no traceback, no checkpoint."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               ELASTOR_SNAPSHOT_DIR=snap_dir)
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, TRAINER, *MODEL, "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
+                        "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "2",
+                        "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "memory_snapshot.peer_copies: 2 is not supported; use 0 or 1" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert not metrics.exists() and not os.path.exists(tmp_path / "ckpt" / "latest")
