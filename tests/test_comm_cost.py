@@ -53,31 +53,40 @@ def test_tp1_beside_tp2_replica_hand_computed():
     # TP2 replica: 2 x (0.6 + 4 ar) + head 0.3 + output-layer ar + 3 small + embedding ar
     assert c.replicas[1].stage_times_s[0] == pytest.approx(1.5 + 10 * ar + 3 * ar_small)
     assert c.replicas[1].stage_times_s[0] == pytest.approx(1.533983808)
-    # sync: the TP1 rank is in 3 holder sets: two blocks {it, one TP2 rank} of
-    # (P_LAYER - 2H) + V H = 13,606,912 fp32 gradients (54,427,648 B) and the norms {all three ranks}:
-    # 2 layers x 2H + final norm H = 5120 values (20,480 B). The TP2 ranks are in 2 sets each.
-    block = 3e-3 + 3e-10 * 54_427_648
+    # sync: the TP1 rank is in 3 holder sets: two blocks {it, one TP2 rank} -- half of each layer's
+    # split parameters, (P_LAYER - 2H) / 2 x 2 layers = 12,582,912 / 2... together P_LAYER - 2H, plus the
+    # embedding and output rows each TP2 rank holds (1000 rows padded to 1024 for TP2: 512 + 488) --
+    # 2 x 13,606,912 fp32 gradients in all (108,855,296 B), and the norms {all three ranks}: 2 layers x
+    # 2H + final norm H = 5120 values (20,480 B). The TP2 ranks are in 2 sets each.
+    block = 2 * 3e-3 + 3e-10 * 108_855_296
     norms = 5e-3 + 4e-10 * 20_480
-    assert c.sync_time_s == pytest.approx(2 * block + norms)
+    assert c.sync_time_s == pytest.approx(block + norms)
     assert c.sync_time_s == pytest.approx(0.0436647808)
     assert c.iteration_time_s == pytest.approx(2.5436647808)
 
 
 def test_sync_buffers_counts_one_call_per_holder_set():
+    # layers of 10 parameters (2 replicated); a 3-row vocabulary of 2 elements per row (divisible by 1:
+    # TP2 pads to 4 rows, rank 0 holds rows 0-1, rank 1 row 2); final norm 1
     sets = sync_buffers([[(1, (0, 2))], [(2, (0, 2))]], params_per_layer=10, replicated_per_layer=2,
-                        first_params=6, last_params=4, last_replicated=1)
+                        vocab=3, row_elems=2, divisible_by=1, last_replicated=1)
     tp1, a, b = (0, 0, 0), (1, 0, 0), (1, 0, 1)
-    assert sets[tp1] == {frozenset({tp1, a}): 2 * 4 + 3 + 2, frozenset({tp1, b}): 13,
+    assert sets[tp1] == {frozenset({tp1, a}): 2 * 4 + 2 * 2 + 2 * 2, frozenset({tp1, b}): 2 * 4 + 2 + 2,
                          frozenset({tp1, a, b}): 2 * 2 + 1}
-    assert sets[a] == {frozenset({tp1, a}): 13, frozenset({tp1, a, b}): 5}
+    assert sets[a] == {frozenset({tp1, a}): 16, frozenset({tp1, a, b}): 5}
     # uniform TP1 grid: one set per rank holding everything (= DeepSpeed's one DP all-reduce)
-    grid = sync_buffers([[(1, (0, 2))], [(1, (0, 2))]], 10, 2, 6, 4)
-    assert grid == {(0, 0, 0): {frozenset({(0, 0, 0), (1, 0, 0)}): 30},
-                    (1, 0, 0): {frozenset({(0, 0, 0), (1, 0, 0)}): 30}}
-    # heterogeneous pipelines (TP1 x 2 stages beside one TP1 stage): a set per stage boundary side
-    pp = sync_buffers([[(1, (0, 1)), (1, (1, 2))], [(1, (0, 2))]], 10, 2, 6, 4)
-    assert pp[(1, 0, 0)] == {frozenset({(0, 0, 0), (1, 0, 0)}): 16, frozenset({(0, 1, 0), (1, 0, 0)}): 14}
-    assert sync_buffers([[(2, (0, 2))]], 10, 2, 6, 4) == {}  # one replica: nothing to sync
+    grid = sync_buffers([[(1, (0, 2))], [(1, (0, 2))]], 10, 2, vocab=3, row_elems=2)
+    assert grid == {(0, 0, 0): {frozenset({(0, 0, 0), (1, 0, 0)}): 32},
+                    (1, 0, 0): {frozenset({(0, 0, 0), (1, 0, 0)}): 32}}
+    # heterogeneous pipelines (TP1 x 2 stages beside one TP1 stage): a set per stage
+    pp = sync_buffers([[(1, (0, 1)), (1, (1, 2))], [(1, (0, 2))]], 10, 2, vocab=3, row_elems=2)
+    assert pp[(1, 0, 0)] == {frozenset({(0, 0, 0), (1, 0, 0)}): 16, frozenset({(0, 1, 0), (1, 0, 0)}): 16}
+    assert sync_buffers([[(2, (0, 2))]], 10, 2, vocab=3, row_elems=2) == {}  # one replica: nothing to sync
+    # vocabulary splits need not nest: 97 rows, divisible by 8: TP2 pads to 112 (56 rows each), TP4 to
+    # 128 (32 each), so TP4 rank 1 (rows 32-63) shares rows with both TP2 ranks: 2 calls for the table
+    v = sync_buffers([[(4, (0, 1))], [(2, (0, 1))]], 10, 2, vocab=97, row_elems=1, divisible_by=8, output_layer=False)
+    r1 = v[(0, 0, 1)]
+    assert r1[frozenset({(0, 0, 1), (1, 0, 0)})] == 4 // 4 * 2 + 24 and r1[frozenset({(0, 0, 1), (1, 0, 1)})] == 8
 
 
 def test_cross_width_pipeline_p2p_per_micro_batch():
@@ -121,7 +130,7 @@ def test_zero1_sync_is_reduce_scatter_plus_all_gather_per_holder_set():
     p = Plan(2, (PlanReplica((st(cost, 1, (0, 2), [0]),), 1), PlanReplica((st(cost, 2, (0, 2), [1, 2]),), 1)))
     # all_gather over 3 ranks is scaled from 2: latency x 2, per-byte x (2/3)/(1/2)
     ag3 = 8e-3 + 2e-10 * 4 / 3 * 20_480
-    blocks = 2 * (1e-3 + 1e-10 * 54_427_648 + 4e-3 + 2e-10 * 54_427_648)
+    blocks = 2 * (1e-3 + 4e-3) + (1e-10 + 2e-10) * 108_855_296
     assert cost.evaluate(p).sync_time_s == pytest.approx(blocks + 2e-3 + ag3)
 
 
@@ -268,3 +277,57 @@ def test_measure_collectives_on_one_process_is_empty_and_loads():
     assert doc == {}
     prof = Profile.from_dict({"layer_time_s": {"1": 0.1}, "collectives": doc})
     assert not any(prof.collectives.has(k) for k in CollectiveKind)
+
+
+# ---- the call count against the runtime's own split all-reduce plan ---------------------------------
+@pytest.mark.parametrize("replicas", [
+    [[(1, (0, 4))], [(2, (0, 4))]],                                  # TP1 beside TP2
+    [[(2, (0, 4))], [(1, (0, 1)), (1, (1, 4))]],                     # one-stage TP2 beside an uneven TP1 pipeline
+    [[(2, (0, 2)), (1, (2, 4))], [(2, (0, 4))]],                     # TP2 -> TP1 stages beside TP2
+    [[(1, (0, 1)), (1, (1, 2)), (1, (2, 3)), (1, (3, 4))], [(1, (0, 2)), (1, (2, 3)), (1, (3, 4))]],  # PP4 vs PP3
+    [[(4, (0, 4))], [(2, (0, 2)), (2, (2, 4))], [(1, (0, 4))]],      # TP4, TP2 pipeline, TP1: nested blocks
+    [[(1, (0, 4))], [(1, (0, 4))]],                                  # a grid: one call per rank
+])
+def test_sync_calls_are_the_runtime_holder_sets(replicas):
+    """Independent oracle: the runtime's split all-reduce plan (elastor_ds.runtime, computed from the
+    real megatron-core GPT tensor specs and their TP pieces) gives each rank one all-reduce per
+    distinct holder set; the cost model's enumeration must list exactly those sets per rank, with
+    exactly the same elements of the transformer layers and final norm (the embedding and output
+    layer are counted without vocabulary padding and position embedding, so not compared)."""
+    from elastor_ds.integrations.megatron.specs import GPTSpecConfig, gpt_tensor_specs
+    from elastor_ds.runtime import layout_held, replica_of, split_reduce_plan
+    cfg = GPTSpecConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, vocab_size=97,
+                        ffn_hidden_size=256, gated_linear_unit=False, add_bias_linear=False, normalization="RMSNorm",
+                        make_vocab_size_divisible_by=8, max_sequence_length=32)
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=97,
+                      ffn_hidden_size=256, num_query_groups=4, dtype_bytes=4, tied_embeddings=False,
+                      vocab_divisible_by=8)
+    n = sum(tp for rep in replicas for tp, _ in rep)
+    cost = CostModel(model, TrainingSpec(1, 4, nominal_tp=4, zero_stage=0), Cluster.from_gpus_per_node([n]))
+    devs, k, reps = cost.cluster.devices(), 0, []
+    for rep in replicas:
+        stages = []
+        for tp, layers in rep:
+            stages.append(PlanStage(tp, layers, tuple(devs[k:k + tp])))
+            k += tp
+        reps.append(PlanReplica(tuple(stages), 1))
+    p = Plan(4, tuple(reps))
+    modelled = cost.sync_buffers(p)
+    lay = p.to_layout()
+    runtime = split_reduce_plan(layout_held(gpt_tensor_specs(cfg), lay), replica_of(lay))
+    key = {r: (lay.position(r).replica, lay.position(r).stage, lay.position(r).tp_rank) for r in runtime}
+    # elements of the transformer layers and the final norm, exactly (no vocabulary padding there)
+    layers_only = sync_buffers([[(s.tp, s.layers) for s in r.stages] for r in p.replicas], model.params_per_layer,
+                               2 * 64, last_replicated=64)
+    for r, cells in runtime.items():
+        sets: dict = {}
+        body: dict = {}
+        for c in cells:
+            if c.cross_replica:
+                hs = frozenset(key[h] for h in c.holders)
+                sets[hs] = sets.get(hs, 0) + c.region.numel
+                if not c.name.startswith(("embedding.", "output_layer.")):
+                    body[hs] = body.get(hs, 0) + c.region.numel
+        got = modelled.get(key[r], {})
+        assert set(got) == set(sets), (r, key[r], sorted(map(sorted, sets)), sorted(map(sorted, got)))
+        assert layers_only.get(key[r], {}) == body, r

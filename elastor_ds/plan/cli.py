@@ -33,6 +33,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--swiglu", action="store_true", help="gated MLP (three FFN matrices)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--dtype-bytes", type=positive_int, default=2)
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
+                   help="Megatron's vocabulary padding (decides which ranks of different TP widths share embedding "
+                        "rows in the split all-reduce)")
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=positive_int, required=True)
     t.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per iteration (fixed)")
@@ -60,7 +63,8 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
                       num_query_groups=args.num_query_groups, dtype_bytes=args.dtype_bytes,
-                      gated_mlp=args.swiglu, tied_embeddings=not args.untie_embeddings_and_output_weights)
+                      gated_mlp=args.swiglu, tied_embeddings=not args.untie_embeddings_and_output_weights,
+                      vocab_divisible_by=args.make_vocab_size_divisible_by)
     training = TrainingSpec.from_global_batch(args.micro_batch_size, args.global_batch_size,
                                               nominal_tp=args.tensor_model_parallel_size,
                                               zero_stage=args.zero_stage)

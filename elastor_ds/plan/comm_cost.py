@@ -22,8 +22,9 @@ Which calls a plan makes (what :mod:`elastor_ds.comm.hetero` does, counted exact
 
 * gradient sync: every tensor is cut into the finest TP blocks among the replicas holding it; a
   block's holder set is one rank per replica (TP rank ``q x t / T`` of a width-``t`` stage when the
-  finest width is ``T``); TP-replicated tensors (norms, position embedding) are held by every rank of
-  the holding stages. A rank runs **one call per distinct holder set it belongs to** (all its cells with
+  finest width is ``T``); the vocabulary-parallel embedding and output layer are cut by rows, and a
+  width's row split depends on Megatron's padding (:func:`vocab_rows`), so those blocks need not nest;
+  TP-replicated tensors (norms, position embedding) are held by every rank of the holding stages. A rank runs **one call per distinct holder set it belongs to** (all its cells with
   that holder set share one buffer): the split all-reduce is one ``dp_all_reduce`` per set, ZeRO-1
   one ``reduce_scatter`` plus one ``all_gather`` per set. :func:`sync_buffers` lists, per rank, the
   sets with their group size and buffer elements;
@@ -136,16 +137,28 @@ class CommProfile:
 RankKey = tuple[int, int, int]  # (replica, stage, TP rank within the stage)
 
 
+def vocab_rows(vocab: int, divisible_by: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rows ``[first, last)`` of a ``vocab``-row table that TP rank ``rank`` of ``tp`` holds: Megatron
+    pads the table to a multiple of ``divisible_by x tp`` and gives each rank an equal slice (the
+    padding rows, beyond ``vocab``, are not part of the canonical tensor)."""
+    m = divisible_by * tp
+    per = -(-vocab // m) * m // tp
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
 def sync_buffers(stages: Sequence[Sequence[tuple[int, tuple[int, int]]]], params_per_layer: int,
-                 replicated_per_layer: int, first_params: int, last_params: int,
-                 first_replicated: int = 0, last_replicated: int = 0) -> dict[RankKey, dict[frozenset, int]]:
+                 replicated_per_layer: int, vocab: int = 0, row_elems: int = 0, divisible_by: int = 1,
+                 output_layer: bool = True, first_replicated: int = 0,
+                 last_replicated: int = 0) -> dict[RankKey, dict[frozenset, int]]:
     """Per rank, its holder sets (as frozensets of rank keys) -> elements of its buffer for that set.
 
     ``stages[i]`` lists replica ``i``'s stages as ``(tp, (first_layer, last_layer))``. Each layer has
     ``params_per_layer`` parameters of which ``replicated_per_layer`` are TP-replicated (norms) and the
-    rest split ``tp`` ways; the first stage of a replica also holds ``first_params`` (word embedding,
-    split; plus ``first_replicated``, e.g. position embedding) and the last ``last_params`` (output
-    layer, split; plus ``last_replicated``, the final norm). Only sets spanning >= 2 replicas are listed.
+    rest split ``tp`` ways in nested blocks; the first stage of a replica also holds the word embedding
+    (``vocab`` rows of ``row_elems``, split by rows as :func:`vocab_rows`: widths need not nest there)
+    and ``first_replicated`` (e.g. position embedding), the last stage the output layer (same rows,
+    when ``output_layer``) and ``last_replicated`` (the final norm). Only sets spanning >= 2 replicas
+    are listed.
     """
     R = len(stages)
     out: dict[RankKey, dict[frozenset, int]] = {}
@@ -153,28 +166,41 @@ def sync_buffers(stages: Sequence[Sequence[tuple[int, tuple[int, int]]]], params
         return out
     num_layers = max(st[-1][1][1] for st in stages)
 
+    def put(hs: frozenset, n: int) -> None:
+        if n <= 0:
+            return
+        for key in hs:
+            d = out.setdefault(key, {})
+            d[hs] = d.get(hs, 0) + n
+
     def add(holding: list[tuple[int, int, int]], split: int, replicated: int) -> None:
         # holding: (replica, stage index, tp) of the stages holding this tensor group
         if len({i for i, _, _ in holding}) < 2:
             return
         T = max(t for _, _, t in holding)
         if split:
-            for q in range(T):
-                hs = frozenset((i, j, q * t // T) for i, j, t in holding)
-                for key in hs:
-                    # the rank's share of block q: a width-t rank holds T/t blocks of split/T elements
-                    out.setdefault(key, {})
-                    out[key][hs] = out[key].get(hs, 0) + split // T
+            for q in range(T):  # block q of T: a width-t rank holds blocks [r T/t, (r+1) T/t)
+                put(frozenset((i, j, q * t // T) for i, j, t in holding), split // T)
         if replicated:
-            hs = frozenset((i, j, r) for i, j, t in holding for r in range(t))
-            for key in hs:
-                out.setdefault(key, {})
-                out[key][hs] = out[key].get(hs, 0) + replicated
+            put(frozenset((i, j, r) for i, j, t in holding for r in range(t)), replicated)
+
+    def add_table(holding: list[tuple[int, int, int]]) -> None:
+        if not vocab or len({i for i, _, _ in holding}) < 2:
+            return
+        ranges = [((i, j, r), vocab_rows(vocab, divisible_by, t, r)) for i, j, t in holding for r in range(t)]
+        cuts = sorted({e for _, rg in ranges for e in rg} | {0, vocab})
+        for a, b in zip(cuts, cuts[1:]):
+            put(frozenset(k for k, (lo, hi) in ranges if lo <= a and b <= hi), (b - a) * row_elems)
 
     split_layer = params_per_layer - replicated_per_layer
     for layer in range(num_layers):
         holding = [(i, j, t) for i, st in enumerate(stages) for j, (t, (a, b)) in enumerate(st) if a <= layer < b]
         add(holding, split_layer, replicated_per_layer)
-    add([(i, 0, st[0][0]) for i, st in enumerate(stages)], first_params, first_replicated)
-    add([(i, len(st) - 1, st[-1][0]) for i, st in enumerate(stages)], last_params, last_replicated)
+    first = [(i, 0, st[0][0]) for i, st in enumerate(stages)]
+    last = [(i, len(st) - 1, st[-1][0]) for i, st in enumerate(stages)]
+    add_table(first)
+    add(first, 0, first_replicated)
+    if output_layer:
+        add_table(last)
+    add(last, 0, last_replicated)
     return out

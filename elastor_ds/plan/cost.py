@@ -536,5 +536,5 @@ class CostModel:
         m = self.model
         h = m.hidden_size
         return sync_buffers([[(s.tp, s.layers) for s in r.stages] for r in plan.replicas], m.params_per_layer,
-                            2 * h, m.embedding_params, 0 if m.tied_embeddings else m.embedding_params,
-                            0, h)
+                            2 * h, vocab=m.vocab_size, row_elems=h, divisible_by=m.vocab_divisible_by,
+                            output_layer=not m.tied_embeddings, last_replicated=h)

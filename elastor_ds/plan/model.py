@@ -17,7 +17,9 @@ class ModelSpec:
     ``num_query_groups`` is Megatron's name for the number of KV heads (GQA); ``None`` means
     multi-head attention (as many KV heads as query heads). ``gated_mlp`` is SwiGLU (three FFN
     matrices instead of two). ``dtype_bytes`` is the bytes of a parameter/activation element in the
-    training precision (2 for bf16/fp16).
+    training precision (2 for bf16/fp16). ``vocab_divisible_by`` (Megatron's
+    ``make_vocab_size_divisible_by``) decides how a TP-``t`` stage splits the vocabulary rows (padded
+    to a multiple of it x ``t``), hence which ranks of different widths share embedding rows.
     """
 
     num_layers: int
@@ -30,9 +32,11 @@ class ModelSpec:
     dtype_bytes: int = 2
     gated_mlp: bool = False
     tied_embeddings: bool = True
+    vocab_divisible_by: int = 128   # Megatron's make_vocab_size_divisible_by: TP-t padding to a multiple of it x t
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "dtype_bytes"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "dtype_bytes",
+                     "vocab_divisible_by"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a positive integer")

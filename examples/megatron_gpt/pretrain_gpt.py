@@ -267,7 +267,7 @@ def plan_specs(args: argparse.Namespace):
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length, vocab_size=104,
                       ffn_hidden_size=ffn_size(args), num_query_groups=args.num_query_groups,
-                      dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False)
+                      dtype_bytes=4, gated_mlp=args.swiglu, tied_embeddings=False, vocab_divisible_by=8)
     training = TrainingSpec(micro_batch_size=args.micro_batch_size,
                             num_micro_batches=args.global_batch_size // args.micro_batch_size,
                             nominal_tp=args.tensor_model_parallel_size, zero_stage=zero,
