@@ -84,22 +84,25 @@ _CLIENTS: dict[tuple, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _store_client(address: tuple[str, int], timeout: datetime.timedelta, role: str) -> Any:
+def _store_client(address: tuple[str, int], timeout: datetime.timedelta, role: str, owner: Any = None) -> Any:
     """This process's TCP store client for ``role`` ("wait": arrival barriers, "beat": heartbeat
     threads) with ``timeout``, made on first use and shared by every liveness group after that.
     Each group used to open four connections per rank (a client and a heartbeat client for each
     of its two groups): with a few groups per rank, connections opened by all ranks at once made
     the store's accept queue overflow and a connect wait ~5 s (measured: the third TorchComm of a
-    process took 5.0 s on every rank). A client serialises its own operations, so sharing is safe."""
+    process took 5.0 s on every rank). A client serialises its own operations, so sharing is safe.
+    ``owner``: the default process group's store the address came from; a process group destroyed
+    and created again (a new store, perhaps on the same port) gets new clients (the cache keeps the
+    owner alive, so its id is not reused)."""
     import torch.distributed as dist
 
-    key = (address[0], int(address[1]), timeout.total_seconds(), role)
+    key = (address[0], int(address[1]), timeout.total_seconds(), role, id(owner))
     with _CLIENTS_LOCK:
-        c = _CLIENTS.get(key)
-        if c is None:
-            c = _CLIENTS[key] = dist.TCPStore(address[0], int(address[1]), is_master=False, timeout=timeout,
-                                              wait_for_workers=False)
-        return c
+        got = _CLIENTS.get(key)
+        if got is None:
+            got = _CLIENTS[key] = (owner, dist.TCPStore(address[0], int(address[1]), is_master=False,
+                                                        timeout=timeout, wait_for_workers=False))
+        return got[1]
 
 
 class _Liveness:
@@ -120,6 +123,7 @@ class _Liveness:
         self.liveness_s = liveness_s
         self._timeout = datetime.timedelta(seconds=max(1.0, liveness_s))
         self._shared = shared_store  # a server-less store (FileStore, HashStore): used directly
+        self._owner = _default_store() if address is not None else None
         self._store = self._client()
         self._seq = 0
         self._beat(self._store)  # visible before any collective of this group
@@ -133,7 +137,7 @@ class _Liveness:
         :func:`_store_client`), or the shared server-less store."""
         if self.address is None:
             return self._shared
-        return _store_client(self.address, self._timeout, role)
+        return _store_client(self.address, self._timeout, role, self._owner)
 
     def _hb_key(self, r: int) -> str:
         return f"elastor/{self.tag}/hb/{r}"
@@ -206,6 +210,17 @@ class _Liveness:
             raise PeerFailedError(f"{what}: the rendezvous store ({self.address or 'shared'}) did not answer within "
                                   f"{self.liveness_s:g} s (the process hosting it died or hangs): {e}",
                                   [RankFailure(-1, type(e).__name__, str(e))], what) from None
+
+
+def _default_store() -> Any:
+    """The default process group's store, or None without one (a liveness group over a store
+    given by address only)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (ValueError, RuntimeError):
+        return None
 
 
 def _store_for_liveness() -> tuple[Optional[tuple[str, int]], Any]:
