@@ -22,6 +22,7 @@ setup(
         "megatron": ["megatron-core>=0.16", "psutil>=5.9"],
         "planner": ["scipy>=1.10"],
         "elastic": ["matplotlib>=3.7"],   # `elastor run`'s timeline plot (the table needs nothing)
+        "fast": ["zlib-ng>=1.0"],         # SIMD CRC32 (checkpoint.crc); falls back to the standard zlib
     },
     entry_points={"console_scripts": ["elastor=elastor_ds.cli:main"]},
 )

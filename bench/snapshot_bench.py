@@ -11,8 +11,13 @@ Rows (ratios are within this run):
             snapshotting ``--snapshots`` times with keep=1, and growth of the workers' peak RSS
             (the staging buffer) -- both as multiples of the bytes written.
   overhead  the example trainer (torchrun, ``--trainer-procs`` processes, a model sized by
-            ``--hidden``) with and without ``--elastor-memory-snapshot-interval 1``, alternated
-            A/B/A/B; median iteration time after warm-up; goal <= 5 %.
+            ``--hidden``) with and without ``--elastor-memory-snapshot-interval 1``, ``--pairs``
+            runs each, alternated A/B/A/B; median iteration time after warm-up; goal <= 5 %. Also
+            the snapshot's training-thread and background-writer CPU shares of an iteration, the
+            snapshots that waited for the previous one and those dropped. Separate runs of the same
+            command differ by up to ~15 % here (placement, drift), so the row also times one run of
+            ``--paired-iters`` iterations whose snapshots pause in every other ``--block``: with vs
+            without on the same processes (``paired_in_one_run``, the figure for the goal).
   lost      ``elastor run`` on the example trainer, a worker SIGKILLed at iteration ``--kill-at``:
             iterations lost (last logged before the kill - step resumed from) with memory snapshots
             every iteration vs storage checkpoints every ``--storage-interval`` only.
@@ -204,38 +209,92 @@ def _env(extra=None) -> dict:
                 **(extra or {}))
 
 
-def _train(args, work: str, name: str, snapshots: bool) -> list[float]:
+def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_blocks: int = 0) -> list[dict]:
     metrics = os.path.join(work, f"{name}.jsonl")
     snap = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.trainer_procs}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", TRAINER, *MODEL, "--hidden-size",
-           str(args.hidden), "--train-iters", str(args.iters), "--save", os.path.join(work, f"{name}_ckpt"),
+           str(args.hidden), "--train-iters", str(iters or args.iters), "--save", os.path.join(work, f"{name}_ckpt"),
            "--save-interval", "0", "--profile-iters", "0", "--metrics-file", metrics]
     if snapshots:
         cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
+    if ab_blocks:
+        cmd += ["--elastor-memory-snapshot-ab-blocks", str(ab_blocks)]
     try:
         p = subprocess.run(cmd, env=_env({"ELASTOR_SNAPSHOT_DIR": snap}), capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
     finally:
         shutil.rmtree(snap, ignore_errors=True)
-    recs = [r for r in read_jsonl(metrics) if r["iteration"] > 3]
-    return [(r["iter_time_s"], r.get("snapshot_stall_s")) for r in recs]
+    return [r for r in read_jsonl(metrics) if r["iteration"] > 3]
+
+
+def _paired(args, work: str) -> dict:
+    """One trainer run whose snapshots pause in every other block of ``--block`` iterations: a
+    "with" iteration took a snapshot and overlapped the previous one's background writer (steady
+    state); a "without" iteration neither (the one right after a "with" block carries that block's
+    last writer and counts as neither). Same processes, same placement, minutes apart at most."""
+    recs = _train(args, work, "paired", True, iters=args.paired_iters, ab_blocks=args.block)
+    snapped = {r["iteration"] for r in recs if r.get("snapshot_stall_s") is not None}
+    with_, without, blocks = [], [], {}
+    for r in recs:
+        i = r["iteration"]
+        kind = ("with" if i in snapped and i - 1 in snapped else
+                "without" if i not in snapped and i - 1 not in snapped else None)
+        if kind:
+            (with_ if kind == "with" else without).append(r["iter_time_s"])
+            blocks.setdefault(i // args.block, (kind, []))[1].append(r["iter_time_s"])
+    # each "with" block against the "without" block right after it
+    order = sorted(blocks)
+    ratios = [statistics.median(blocks[b][1]) / statistics.median(blocks[n][1]) - 1
+              for b, n in zip(order, order[1:]) if blocks[b][0] == "with" and blocks[n][0] == "without"]
+    tw, to = statistics.median(with_), statistics.median(without)
+    mw, mo = statistics.fmean(with_), statistics.fmean(without)
+    return {"iters": args.paired_iters, "block": args.block, "median_iter_s_with": tw, "median_iter_s_without": to,
+            "mean_iter_s_with": mw, "mean_iter_s_without": mo,
+            "iterations_with": len(with_), "iterations_without": len(without),
+            "step_overhead": tw / to - 1, "step_overhead_of_means": mw / mo - 1,
+            "step_overhead_median_of_block_pairs": statistics.median(ratios) if ratios else None,
+            "block_pair_overheads": ratios}
 
 
 def overhead_rows(args) -> dict:
+    """``--pairs`` runs without and with snapshots, alternated; the overhead is the ratio of the
+    medians over all their iterations (after warm-up), with each pair's ratio listed beside it
+    (the spread between pairs is the machine's drift). The snapshot's own costs come from the
+    trainer's metrics: the training thread's share (``snapshot_hook_s``: shard list, plan, copy,
+    any wait for the previous snapshot) and the background writer's CPU (``snapshot_writer_cpu_s``:
+    write to tmpfs, block CRCs, manifest, commit), each over the iteration time."""
     work = tempfile.mkdtemp(prefix="snapshot_bench_train_", dir=args.storage)
     try:
-        base, snap = [], []
-        for i in range(2):
-            base += _train(args, work, f"base{i}", False)
-            snap += _train(args, work, f"snap{i}", True)
-        b, s = statistics.median(t for t, _ in base), statistics.median(t for t, _ in snap)
-        stalls = [x for _, x in snap if x is not None]
+        base, snap, pairs, dropped = [], [], [], []
+        for i in range(args.pairs):
+            b = _train(args, work, f"base{i}", False)
+            s = _train(args, work, f"snap{i}", True)
+            base += b
+            snap += s
+            dropped.append(int(s[-1].get("snapshots_dropped") or 0) if s else 0)
+            pairs.append(statistics.median(r["iter_time_s"] for r in s) /
+                         statistics.median(r["iter_time_s"] for r in b) - 1)
+        tb = statistics.median(r["iter_time_s"] for r in base)
+        ts = statistics.median(r["iter_time_s"] for r in snap)
+        mb = statistics.fmean(r["iter_time_s"] for r in base)
+        ms = statistics.fmean(r["iter_time_s"] for r in snap)
+
+        def share(key: str):
+            xs = [r[key] for r in snap if r.get(key) is not None]
+            return statistics.median(xs) / ts if xs else None
+        paired = _paired(args, work) if args.paired_iters > 0 else None
         return {"trainer_procs": args.trainer_procs, "hidden": args.hidden, "iters_per_run": args.iters,
-                "median_iter_s_without": b, "median_iter_s_with_snapshots": s, "step_overhead": s / b - 1,
-                "snapshots_taken": len(stalls),
-                "median_snapshot_stall_over_iter": statistics.median(stalls) / s if stalls else None}
+                "paired_in_one_run": paired, "pairs": args.pairs, "median_iter_s_without": tb, "median_iter_s_with_snapshots": ts,
+                "step_overhead": ts / tb - 1, "step_overhead_per_pair": pairs,
+                "mean_iter_s_without": mb, "mean_iter_s_with_snapshots": ms, "step_overhead_of_means": ms / mb - 1,
+                "snapshots_taken": sum(1 for r in snap if r.get("snapshot_stall_s") is not None),
+                "snapshots_dropped": sum(dropped),   # per run: the trainer's running count at its end
+                "snapshots_waited_for_previous": sum(1 for r in snap if (r.get("snapshot_wait_s") or 0) > 1e-3),
+                "median_snapshot_stall_over_iter": share("snapshot_stall_s"),
+                "median_snapshot_training_thread_over_iter": share("snapshot_hook_s"),
+                "median_snapshot_writer_cpu_over_iter": share("snapshot_writer_cpu_s")}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -302,6 +361,10 @@ def main() -> int:
     p.add_argument("--trainer-procs", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--pairs", type=int, default=3, help="overhead row: runs without/with snapshots, alternated")
+    p.add_argument("--paired-iters", type=int, default=48, help="overhead row: iterations of the one run that "
+                   "alternates blocks with and without snapshots (0: skip it)")
+    p.add_argument("--block", type=int, default=4, help="overhead row: iterations per block in that run")
     p.add_argument("--kill-at", type=int, default=7)
     p.add_argument("--storage-interval", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))

@@ -79,9 +79,106 @@ def test_retention_and_safetensors_interop(tmp_path):
 def test_crc32_combine_matches_zlib():
     import zlib
 
+    from elastor_ds.checkpoint.crc import crc32, crc32_combine_py
     from elastor_ds.checkpoint.storage import crc32_combine
     rng = torch.Generator().manual_seed(0)
-    for n1, n2 in [(0, 5), (7, 0), (100, 1000), (1 << 20, 12345), (3, 1)]:
+    for n1, n2 in [(0, 5), (7, 0), (100, 1000), (1 << 20, 12345), (3, 1), (4096, 4096 * 3 + 17)]:
         a = torch.randint(0, 256, (n1,), generator=rng, dtype=torch.uint8).numpy().tobytes()
         b = torch.randint(0, 256, (n2,), generator=rng, dtype=torch.uint8).numpy().tobytes()
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        want = zlib.crc32(a + b)   # the standard library's zlib is the oracle for every implementation
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+        assert crc32_combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == want   # the fallback without zlib-ng
+        assert crc32(b, crc32(a)) == want
+
+
+def test_staging_copy_program_merges_adjacent_runs_and_follows_new_tensors():
+    """The cached copy program: pieces adjacent in memory and in the buffer become one copy, column
+    tiles and other strides keep their own; the bytes equal each region's contiguous bytes (torch's
+    own .contiguous() is the oracle); a shard whose tensor is replaced gets a new program."""
+    from elastor_ds.checkpoint.planning.save_plan import WriteItem
+    from elastor_ds.checkpoint.shards import region_view
+    from elastor_ds.checkpoint.staging import StagingBuffer
+
+    flat = torch.randn(1000)
+    a, b = flat[:600].view(20, 30), flat[600:].view(20, 20)      # one flat buffer, back to back
+    c = torch.randn(8, 10)[:, 2:7]                                # a column tile
+    d = torch.randn(6, 6).to(torch.bfloat16).t()                  # transposed bfloat16
+    shards = [TensorShard("a", (20, 30), Region((0, 0), (20, 30)), a), TensorShard("b", (20, 20), Region((0, 0), (20, 20)), b),
+              TensorShard("c", (8, 5), Region((0, 0), (8, 5)), c), TensorShard("d", (6, 6), Region((0, 0), (6, 6)), d)]
+    items = [WriteItem("a", Region((0, 0), (10, 30)), 0, "float32"), WriteItem("a", Region((10, 0), (10, 30)), 0, "float32"),
+             WriteItem("b", Region((0, 0), (20, 20)), 1, "float32"), WriteItem("c", Region((0, 0), (8, 5)), 2, "float32"),
+             WriteItem("d", Region((0, 0), (6, 6)), 3, "bfloat16")]
+    sb = StagingBuffer(pin_memory=False)
+
+    def check(spans):
+        pos = 0
+        for it, (off, n) in zip(items, spans):
+            sh = shards[it.shard]
+            want = region_view(sh.tensor, it.region.relative_to(sh.region)).contiguous().reshape(-1).view(torch.uint8)
+            assert (off, n) == (pos, want.numel())
+            assert torch.equal(sb.buf[off:off + n], want), it
+            pos += n
+    for _ in range(2):
+        flat.add_(1.0)
+        c.add_(1.0)
+        d.add_(1.0)
+        check(sb.snapshot(items, shards))
+    prog = sb._program
+    assert len(prog.copies) == 2 and len(prog.strided) == 1   # a, a, b merged; the tile; the transposed view
+    shards[1].tensor = torch.randn(20, 20)                      # b now lives elsewhere
+    check(sb.snapshot(items, shards))
+    assert sb._program is not prog and len(sb._program.copies) == 3
+
+
+def test_node_local_snapshots_reuse_retired_data_files_and_stay_exact(tmp_path):
+    """keep=1 on a node-local root: the data file of a retired step is written over by a later save
+    (same inode), is cut to the new size (a smaller save after a larger one), and every committed
+    step reads back exactly and passes full verification; finalize removes the spare files."""
+    from elastor_ds.checkpoint.verify import verify
+
+    root = str(tmp_path / "mem")
+    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True)
+    spare = os.path.join(root, ".recycle", "data_00000.safetensors")
+    big = torch.randn(300, 1000)
+    inodes = []
+    for step in (1, 2, 3):
+        big.add_(1.0)
+        eng.save(step, [full_shard("w", big)])
+        eng.wait()
+        inodes.append(os.stat(os.path.join(root, commit_mod.step_dirname(step), "data_00000.safetensors")).st_ino)
+    assert os.path.isfile(spare)                                 # step 1's file, retired by step 2's commit
+    assert inodes[2] == inodes[0]                                # step 3 wrote over step 1's file
+    small = torch.randn(7, 9)
+    eng.save(4, [full_shard("s", small)])                       # a new plan, a much smaller file
+    eng.wait()
+    d4 = os.path.join(root, commit_mod.step_dirname(4))
+    assert os.stat(os.path.join(d4, "data_00000.safetensors")).st_ino == inodes[1]
+    assert verify(d4) == []                                      # sizes and CRCs of every file
+    loaded = load_file(os.path.join(d4, "data_00000.safetensors"))   # the safetensors library: exact size
+    assert list(loaded) == ["s#0,0"] and torch.equal(loaded["s#0,0"], small)
+    out = torch.zeros(7, 9)
+    eng.load(None, [full_shard("s", out)])
+    assert torch.equal(out, small)
+    eng.finalize()
+    assert not os.path.exists(os.path.join(root, ".recycle"))
+    assert [s for s, _ in commit_mod.list_committed(root)] == [4]
+
+
+def test_optimistic_plan_drops_a_save_whose_shards_changed_and_replans(tmp_path):
+    """optimistic_plan: no agreement per save; a save whose shard metadata no longer matches the
+    cached plan commits nothing (counted, no temp dir left) and the next save plans again."""
+    eng = CheckpointEngine(str(tmp_path), keep=2, optimistic_plan=True)
+    w = torch.randn(4, 5)
+    eng.save(1, [full_shard("w", w)])
+    eng.wait()
+    st = eng.save(2, [full_shard("w", w), full_shard("v", torch.ones(3))])   # a new tensor appeared
+    eng.wait()
+    assert st.dropped and eng.saves_dropped == 1
+    assert [s for s, _ in commit_mod.list_committed(str(tmp_path))] == [1]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(commit_mod.TMP_PREFIX)]
+    st = eng.save(3, [full_shard("w", w * 2), full_shard("v", torch.ones(3))])
+    eng.wait()
+    assert not st.dropped and not st.plan_cached
+    out_w, out_v = torch.zeros(4, 5), torch.zeros(3)
+    res = eng.load(None, [full_shard("w", out_w), full_shard("v", out_v)])
+    assert res.step == 3 and torch.equal(out_w, w * 2) and torch.equal(out_v, torch.ones(3))

@@ -251,14 +251,16 @@ class StepCommit(AtomicCommit):
         """Take over a temp dir created by someone else (every rank writes into it)."""
         return cls(root, step, tmp_dir, latest)
 
-    def finalize(self, manifest: Optional[Manifest] = None, keep: int = 0, retention: bool = False) -> str:
-        """Commit; ``manifest`` None means the temp dir already holds its manifest. Returns the step dir."""
+    def finalize(self, manifest: Optional[Manifest] = None, keep: int = 0, retention: bool = False,
+                 text: Optional[str] = None) -> str:
+        """Commit; ``manifest`` None means the temp dir already holds its manifest; ``text``: the
+        manifest already serialised (``manifest.dumps(...)``). Returns the step dir."""
         if self.finalized or self.aborted:
             raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
         if manifest is not None:
             if manifest.step != self.step:
                 raise CheckpointError(f"manifest step {manifest.step} != commit step {self.step}")
-            atomic_write_text(os.path.join(self.path, MANIFEST_NAME), manifest.dumps())
+            atomic_write_text(os.path.join(self.path, MANIFEST_NAME), text if text is not None else manifest.dumps())
         elif not is_committed(self.path):
             raise IncompleteCheckpointError(f"{self.path} has no {MANIFEST_NAME} to commit")
         final = self.final_dir
@@ -342,15 +344,18 @@ def check_empty_destination(dst: str) -> None:
 
 # ---------------------------------------------------------------------------------- API kept for callers
 def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bool = True,
-           latest: LatestPolicy = LatestPolicy.ALWAYS) -> str:
+           latest: LatestPolicy = LatestPolicy.ALWAYS, text: Optional[str] = None) -> str:
     """Commit ``tmp_dir`` (already holding every data file) as ``manifest.step``; see
     :meth:`StepCommit.finalize`. Returns the committed step directory."""
-    return StepCommit.adopt(root, tmp_dir, manifest.step, latest).finalize(manifest, keep=keep, retention=retention)
+    return StepCommit.adopt(root, tmp_dir, manifest.step, latest).finalize(manifest, keep=keep, retention=retention,
+                                                                            text=text)
 
 
-def apply_retention(root: str, keep: int, protect: str | None = None) -> list[str]:
+def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs; never
-    ``protect``, never the step ``latest`` names, never one newer than ``protect``."""
+    ``protect``, never the step ``latest`` names, never one newer than ``protect``.
+    ``recycle_dir`` (memory snapshots): the data files (``*.safetensors``) of a deleted committed
+    step are moved there first, for the next save to write over (no longer part of any checkpoint)."""
     keep = max(1, keep)
     removed = []
     committed = list_committed(root)
@@ -365,6 +370,8 @@ def apply_retention(root: str, keep: int, protect: str | None = None) -> list[st
     for step, path in committed[:-keep]:
         if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
             continue
+        if recycle_dir is not None:
+            _recycle_data_files(path, recycle_dir)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
@@ -379,6 +386,23 @@ def apply_retention(root: str, keep: int, protect: str | None = None) -> list[st
     if removed:
         log.info("retention removed %s", ", ".join(os.path.basename(p) for p in removed))
     return removed
+
+
+def _recycle_data_files(step_dir: str, recycle_dir: str) -> None:
+    """Move a doomed step dir's data files into ``recycle_dir`` (replacing older ones there). The
+    manifest goes first, so the step dir stops being a checkpoint before any data file leaves it."""
+    try:
+        names = [n for n in os.listdir(step_dir) if n.endswith(".safetensors") and "/" not in n]
+        os.makedirs(recycle_dir, exist_ok=True)
+        os.unlink(os.path.join(step_dir, MANIFEST_NAME))
+    except OSError as e:
+        log.debug("not recycling %s: %s", step_dir, e)
+        return
+    for n in names:
+        try:
+            os.replace(os.path.join(step_dir, n), os.path.join(recycle_dir, n))
+        except OSError as e:
+            log.debug("not recycling %s/%s: %s", step_dir, n, e)
 
 
 def check_import_destination(root: str, step: Optional[int] = None, force: bool = False) -> None:

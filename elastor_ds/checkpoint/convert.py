@@ -16,12 +16,12 @@ import json
 import logging
 import os
 import time
-import zlib
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
+from .crc import crc32
 from ..errors import CheckpointError
 from ..layout.region import Region
 from . import commit as commit_mod
@@ -59,7 +59,7 @@ def _stream_tensors(path: str, names: Sequence[str], shapes: Mapping[str, tuple]
         for e, off in zip(entries, rel):
             t = get(e.key).contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")
-            info[e.key] = (len(header) + off, e.nbytes, zlib.crc32(raw))
+            info[e.key] = (len(header) + off, e.nbytes, crc32(raw))
             bar.update(e.nbytes)
             yield raw
     size, crc = write_stream(path, header, gen())

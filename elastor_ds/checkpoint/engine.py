@@ -5,9 +5,13 @@ Save (``save``), one in flight at a time:
    every rank.
 2. Agree on the save plan: one tiny all-reduce says whether every rank's shard metadata still
    matches the cached plan; if so reuse it, else all-gather the metadata and compute the plan
-   (:func:`plan_save`: deduplicated, balanced, identical on every rank).
+   (:func:`plan_save`: deduplicated, balanced, identical on every rank). With ``optimistic_plan``
+   (memory snapshots every step) there is no per-save collective: each rank checks its own
+   metadata against the cached plan; a rank whose metadata changed writes nothing, the save is
+   dropped on every rank at commit time (never half-committed; logged, counted in
+   ``saves_dropped``) and the next save plans again.
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
-4. Background writer thread: stream the buffer to ``data_<rank>.safetensors`` in the temp step
+4. Background writer thread (one per engine, fed one save at a time): stream the buffer to ``data_<rank>.safetensors`` in the temp step
    dir, fsync, write the rank's state file; all-gather every rank's outcome on the checkpoint
    group; rank 0 commits (manifest last, rename, ``latest``, retention) and broadcasts the result.
    Any rank's failure (disk full, permission denied, a dead peer) becomes every rank's error.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +56,8 @@ from .verify import verify
 
 log = logging.getLogger(__name__)
 
+RECYCLE_DIR = ".recycle"
+
 # a checkpoint that fails with one of these on every failing rank is unusable: fall back to an older one
 DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionError)
 
@@ -66,6 +73,9 @@ class SaveStats:
     durable_s: float = 0.0    # from save() to committed (rank-local view)
     plan_cached: bool = False
     committed_dir: Optional[str] = None
+    wait_s: float = 0.0       # save() blocked on the previous save before starting this one
+    writer_cpu_s: float = 0.0  # CPU time of the background writer (write, CRCs, commit) for this save
+    dropped: bool = False     # optimistic_plan: a rank's shard metadata changed; nothing was committed
 
 
 @dataclass
@@ -118,22 +128,24 @@ class CommitInfo:
 @dataclass
 class _Job:
     step: int
-    thread: Optional[threading.Thread] = None
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     stats: Optional[SaveStats] = None
     t0: float = 0.0
+    stale: bool = False   # optimistic_plan: this rank's metadata no longer matches the cached plan
 
 
 class CheckpointEngine:
     """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
 
     def __init__(self, root: str, comm: Optional[Comm] = None, keep: int = 2, async_save: bool = True,
-                 pin_memory: Optional[bool] = None, fsync: bool = True, node_local: bool = False):
+                 pin_memory: Optional[bool] = None, fsync: bool = True, node_local: bool = False,
+                 optimistic_plan: bool = False):
         """``node_local``: ``root`` is a per-node directory (a memory snapshot on tmpfs), not shared
         storage: each node's directory gets its ranks' files, and after rank 0's commit the lowest
         rank of every other node commits its own directory with the same manifest (so every node
-        holds the step's manifest and ``latest``). Collective when True (one all-gather)."""
+        holds the step's manifest and ``latest``). Collective when True (one all-gather).
+        ``optimistic_plan``: no plan-agreement collective per save (see the module docstring)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         self.root = os.path.abspath(root)
@@ -149,11 +161,18 @@ class CheckpointEngine:
         self._session = ""
         self._job: Optional[_Job] = None
         self._saves = 0
+        self.optimistic_plan = optimistic_plan
+        self.saves_dropped = 0
+        self._queue: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
         self.last_stats: Optional[SaveStats] = None
         # called with a CommitInfo on every rank after each committed save (writer thread; the next
         # save waits for them); an exception is logged, never fails the save (e.g. peer copies)
         self.after_commit: list[Callable[[CommitInfo], None]] = []
         self.node_local = node_local
+        # node_local (tmpfs): retention moves retired data files here and the next save writes over
+        # them, so a snapshot every step does not allocate, zero and free its bytes' pages each time
+        self.recycle_dir: Optional[str] = os.path.join(self.root, RECYCLE_DIR) if node_local else None
         self.node_committer = False   # node_local: this rank commits its node's copy (rank 0's node: rank 0)
         if node_local:
             import socket
@@ -169,6 +188,7 @@ class CheckpointEngine:
              rank_state: Optional[Mapping[str, Any]] = None, model: Optional[Mapping[str, Any]] = None,
              layout: Optional[Mapping[str, Any]] = None) -> SaveStats:
         """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit."""
+        tw = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
         rank = self.comm.rank
@@ -177,7 +197,12 @@ class CheckpointEngine:
         # fast path: every rank's shard metadata is what the cached plan was made from: one tiny
         # all-reduce (all ranks reach the same answer); otherwise gather everything and plan again
         local_same = self._plan is not None and digest == self._local_digest
-        cached = self.comm.all_equal(int(local_same)) and local_same
+        stale = False
+        if self.optimistic_plan and self._plan is not None:
+            # every rank holds a plan (plans are made and dropped on all ranks together): no collective
+            cached, stale = True, not local_same
+        else:
+            cached = self.comm.all_equal(int(local_same)) and local_same
         if not cached:
             nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
             gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce))
@@ -188,20 +213,19 @@ class CheckpointEngine:
         assert plan is not None
         tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, f"{self._session}_{self._saves}"))
         t1 = time.perf_counter()
-        items = plan.items[rank]
-        spans = self.staging.snapshot(items, shards)
+        items = plan.items[rank] if not stale else []
+        spans = self.staging.snapshot(items, shards) if not stale else []
         t2 = time.perf_counter()
-        stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1, plan_cached=cached)
-        job = _Job(step, stats=stats, t0=t0)
+        stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1, plan_cached=cached,
+                          wait_s=t0 - tw)
+        job = _Job(step, stats=stats, t0=t0, stale=stale)
         extra_j = to_jsonable(dict(extra or {}), "extra")
         rank_j = to_jsonable(dict(rank_state or {}), "rank_state") if rank_state is not None else None
         args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
         self._saves += 1
         self._job = job
         if self.async_save:
-            job.thread = threading.Thread(target=self._write_and_commit, args=args, name=f"elastor-writer-{step}",
-                                          daemon=True)
-            job.thread.start()
+            self._submit(args)
         else:
             self._write_and_commit(*args)
             self.wait()
@@ -214,8 +238,6 @@ class CheckpointEngine:
             return None
         job.done.wait()
         self._job = None
-        if job.thread is not None:
-            job.thread.join()
         self.last_stats = job.stats
         if job.error is not None:
             raise job.error
@@ -230,8 +252,41 @@ class CheckpointEngine:
         return all(self.comm.all_gather_object(self.local_idle()))
 
     def finalize(self) -> Optional[SaveStats]:
-        """Wait for the in-flight save (raises if it failed). Call before exiting."""
-        return self.wait()
+        """Wait for the in-flight save (raises if it failed) and stop the writer thread. Call before
+        exiting (a later save starts a new writer thread)."""
+        try:
+            return self.wait()
+        finally:
+            self._stop_writer()
+            if self.recycle_dir is not None and (self.comm.rank == 0 or self.node_committer):
+                import shutil   # every rank's last save took its file before rank 0 could finish it
+                shutil.rmtree(self.recycle_dir, ignore_errors=True)
+
+    def _submit(self, args: tuple) -> None:
+        """Hand a save to the writer thread (started on first use): no thread start per save, which
+        costs the training thread a GIL hand-over each time."""
+        if self._thread is None or not self._thread.is_alive():
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._writer_loop, args=(self._queue,), name="elastor-writer",
+                                            daemon=True)
+            self._thread.start()
+        assert self._queue is not None
+        self._queue.put(args)
+
+    def _writer_loop(self, q: "queue.SimpleQueue") -> None:
+        while True:
+            args = q.get()
+            if args is None:
+                return
+            self._write_and_commit(*args)
+
+    def _stop_writer(self) -> None:
+        t, q = self._thread, self._queue
+        self._thread = self._queue = None
+        if t is not None and q is not None and t.is_alive():
+            q.put(None)
+            if t is not threading.current_thread():
+                t.join()
 
     def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
                           model, layout) -> None:
@@ -239,34 +294,49 @@ class CheckpointEngine:
         stats = job.stats
         assert stats is not None
         what = f"checkpoint save of step {job.step}"
+        cpu0 = time.thread_time()
         outcome: Any
         try:
             tw = time.perf_counter()
-            buf = self.staging.buf
-            views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
-            outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, fsync=self.fsync))
+            if job.stale:
+                outcome = ("stale", rank)
+            else:
+                buf = self.staging.buf
+                views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
+                outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, fsync=self.fsync,
+                                                  recycle_dir=self.recycle_dir))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
             outcomes = self.writer_comm.all_gather_object(outcome)
-            failures = [o[1] for o in outcomes if o[0] != "ok"]
+            failures = [o[1] for o in outcomes if o[0] == "error"]
+            stale = [o[1] for o in outcomes if o[0] == "stale"]
             result: Any = None
             if rank == 0:
-                if failures:
-                    result = ("error", failures)
+                if failures or stale:
+                    result = ("error", failures) if failures else ("stale", stale)
                     import shutil
                     shutil.rmtree(tmp_dir, ignore_errors=True)
                 else:
                     try:
                         man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
-                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
-                        result = ("ok", final, man.dumps() if self.node_local else None)
+                        text = man.dumps(compact=self.node_local)   # serialised once
+                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=text)
+                        result = ("ok", final, text if self.node_local else None)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = self.writer_comm.broadcast_object(result, src=0)
-            if result[0] != "ok":
+            if result[0] == "stale":
+                # every rank gets here for this save: all drop the plan, the next save plans again
+                self._plan = None
+                self.saves_dropped += 1
+                stats.dropped = True
+                if rank == 0:
+                    log.warning("save of step %d dropped: the shard metadata of rank(s) %s changed since the cached "
+                                "save plan (nothing committed; the next save plans again)", job.step, result[1])
+            elif result[0] != "ok":
                 job.error = ranks_failed(what, [RankFailure.from_wire(f) for f in result[1]], self.comm.world_size,
                                          base=AsyncSaveError)
             else:
@@ -276,7 +346,8 @@ class CheckpointEngine:
                 stats.durable_s = time.perf_counter() - job.t0
                 if rank == 0 or self.node_committer:  # durable and announced: now delete what retention drops
                     try:
-                        commit_mod.apply_retention(self.root, self.keep, protect=result[1])
+                        commit_mod.apply_retention(self.root, self.keep, protect=result[1],
+                                                   recycle_dir=self.recycle_dir)
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
                 if self.after_commit and outcome[0] == "ok":
@@ -294,6 +365,7 @@ class CheckpointEngine:
             err.__cause__ = e
             job.error = err
         finally:
+            stats.writer_cpu_s = time.thread_time() - cpu0
             job.done.set()
 
     def _commit_node_copy(self, step: int, tmp_dir: str, manifest_text: str) -> None:
@@ -303,7 +375,7 @@ class CheckpointEngine:
         try:
             man = Manifest.loads(manifest_text, where=f"manifest of step {step} from rank 0")
             os.makedirs(tmp_dir, exist_ok=True)   # a node whose ranks wrote no data file
-            commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False)
+            commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=manifest_text)
         except (OSError, CheckpointError) as e:
             log.error("rank %d: could not commit this node's copy of snapshot %d under %s: %s", self.comm.rank, step,
                       self.root, e)

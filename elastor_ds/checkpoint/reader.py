@@ -12,11 +12,11 @@ import array
 import logging
 import os
 import sys
-import zlib
 from typing import Optional, Sequence
 
 import torch
 
+from .crc import crc32
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TensorMismatchError
 from .planning.load_plan import Check, LoadPlan, ReadOp, Request, plan_load
 from .planning.manifest import DTYPE_SIZES, Manifest
@@ -279,7 +279,7 @@ def _crc_range(views: Sequence[memoryview], start: int, length: int, seed: int) 
         if start < pos + n and length > 0:
             a = max(0, start - pos)
             b = min(n, start + length - pos)
-            crc = zlib.crc32(mv[a:b], crc)
+            crc = crc32(mv[a:b], crc)
         pos += n
         if pos >= start + length:
             break

@@ -152,7 +152,7 @@ def close_all(sources: Sequence[ChunkSource]) -> None:
 def read_file(sources: Sequence[ChunkSource], relpath: str, size: int, crc32: int, what: str = "file") -> tuple[bytes, str]:
     """A whole small file (a rank state, a CRC table) from the first source whose copy matches the
     manifest's ``crc32``; other copies are skipped with a warning. Returns (bytes, source name)."""
-    import zlib
+    from .crc import crc32 as crc_of
     problems = []
     for src in sources:
         if not src.has(relpath, size):
@@ -166,7 +166,7 @@ def read_file(sources: Sequence[ChunkSource], relpath: str, size: int, crc32: in
             problems.append(f"{src.name}: {e}")
             log.warning("%s from %s is unreadable (%s); trying the next source", what, describe_source(src, relpath), e)
             continue
-        got = zlib.crc32(buf)
+        got = crc_of(buf)
         if got != crc32:
             problems.append(f"{src.name}: CRC32 {got:08x} != manifest {crc32:08x}")
             log.warning("%s from %s fails its CRC32 check (%08x != %08x); trying the next source", what,

@@ -52,6 +52,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(states[0])
 
 
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+
+
 def to_jsonable(obj: Any, where: str = "state") -> Any:
     """Recursively convert tensors/numpy/tuples to JSON types; raise TypeError naming the key otherwise."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -65,6 +68,8 @@ def to_jsonable(obj: Any, where: str = "state") -> Any:
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
+        if all(type(v) in _SCALARS for v in obj):   # e.g. an RNG state: 600+ ints, no per-item call
+            return list(obj)
         return [to_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
                     f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")

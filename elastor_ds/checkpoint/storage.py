@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
 from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
 
 WRITE_BLOCK = 32 * 1024 * 1024
@@ -50,8 +50,12 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
 
 def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True,
                  chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
-                 block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+                 block_size: int = BLOCK_SIZE, overwrite: bool = False) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
+
+    ``overwrite``: ``path`` may be an existing file whose pages are reused (written over from
+    offset 0, then cut to the new size) instead of truncated first: on tmpfs this saves allocating,
+    zeroing and later freeing every page.
 
     1. Write everything (into the page cache).
     2. ``fsync`` in a helper thread while this thread computes the CRC32 of every buffer from
@@ -63,14 +67,16 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
     import threading
 
     mvs = [memoryview(b).cast("B") for b in buffers]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC), 0o644)
     try:
-        _write_all(fd, memoryview(header))
+        write_all(fd, memoryview(header))
         size = len(header)
         for mv in mvs:
             for i in range(0, len(mv), WRITE_BLOCK):
-                _write_all(fd, mv[i:i + WRITE_BLOCK])
+                write_all(fd, mv[i:i + WRITE_BLOCK])
             size += len(mv)
+        if overwrite:
+            os.ftruncate(fd, size)
         err: list[BaseException] = []
 
         def flush() -> None:
@@ -81,7 +87,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
         t = threading.Thread(target=flush, name="elastor-fsync", daemon=True) if fsync else None
         if t is not None:
             t.start()
-        crc = zlib.crc32(header)
+        crc = crc32(header)
         for mv in mvs:
             if block_crcs is not None:
                 cum = cumulative_crcs(mv, block_size)
@@ -90,7 +96,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
             else:
                 c = 0
                 for i in range(0, len(mv), WRITE_BLOCK):
-                    c = zlib.crc32(mv[i:i + WRITE_BLOCK], c)
+                    c = crc32(mv[i:i + WRITE_BLOCK], c)
             if chunk_crcs is not None:
                 chunk_crcs.append(c)
             crc = crc32_combine(crc, c, len(mv))
@@ -107,7 +113,7 @@ def cumulative_crcs(mv: memoryview, block_size: int) -> list[int]:
     """CRC32 of ``mv[:end]`` for every block end (``block_size`` apart, the last at ``len(mv)``);
     at least one entry (0 for an empty buffer)."""
     c = 0
-    out = [c := zlib.crc32(mv[i:i + block_size], c) for i in range(0, len(mv), block_size)]
+    out = [c := crc32(mv[i:i + block_size], c) for i in range(0, len(mv), block_size)]
     return out or [0]
 
 
@@ -127,12 +133,12 @@ def write_crc_table(path: str, tables: Sequence[Sequence[int]], fsync: bool = Tr
     data = arr.tobytes()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, memoryview(data))
+        write_all(fd, memoryview(data))
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return len(data), zlib.crc32(data), starts
+    return len(data), crc32(data), starts
 
 
 def read_crc_entries(path: str, lo: int, hi: int) -> list[int]:
@@ -154,48 +160,7 @@ def read_crc_entries(path: str, lo: int, hi: int) -> list[int]:
     return arr.tolist()
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-_ZERO_BYTE_OPS: list[list[int]] = []  # _ZERO_BYTE_OPS[k]: CRC operator for 2**k zero bytes
-
-
-def _zero_ops(k: int) -> list[int]:
-    if not _ZERO_BYTE_OPS:
-        op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-        for _ in range(3):                                 # -> one zero byte
-            op = _gf2_square(op)
-        _ZERO_BYTE_OPS.append(op)
-    while len(_ZERO_BYTE_OPS) <= k:
-        _ZERO_BYTE_OPS.append(_gf2_square(_ZERO_BYTE_OPS[-1]))
-    return _ZERO_BYTE_OPS[k]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's method: shift
-    ``crc1`` over ``len2`` zero bytes with cached power-of-two operators, then xor ``crc2``)."""
-    k = 0
-    while len2 > 0:
-        if len2 & 1:
-            crc1 = _gf2_times(_zero_ops(k), crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-def _write_all(fd: int, mv: memoryview) -> None:
+def write_all(fd: int, mv: memoryview) -> None:
     while len(mv):
         n = os.write(fd, mv)
         mv = mv[n:]
@@ -230,6 +195,10 @@ def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
     """(size, crc32) of a whole file."""
     crc = 0
     size = 0
+    try:   # a small file gets a small buffer (allocating and zeroing 16 MiB costs milliseconds)
+        block = max(1, min(block, os.path.getsize(path)))
+    except OSError:
+        pass
     buf = bytearray(block)
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -237,7 +206,7 @@ def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
             n = f.readinto(mv)
             if not n:
                 break
-            crc = zlib.crc32(mv[:n], crc)
+            crc = crc32(mv[:n], crc)
             size += n
     return size, crc
 

@@ -15,7 +15,8 @@ from typing import Any, Mapping, Optional, Sequence
 from ..layout.region import Region
 from .planning.manifest import BLOCK_SIZE, BlockTable, Chunk, FileEntry, Manifest, TensorEntry, crc_table_name
 from .planning.save_plan import SavePlan, WriteItem
-from .storage import EntrySpec, build_header, file_crc32, write_crc_table, write_stream
+from .crc import crc32
+from .storage import EntrySpec, build_header, write_all, write_crc_table, write_stream
 
 
 def chunk_key(name: str, region: Region) -> str:
@@ -24,18 +25,27 @@ def chunk_key(name: str, region: Region) -> str:
 
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
-                     rank_state: Optional[Mapping[str, Any]], fsync: bool = True) -> dict:
+                     rank_state: Optional[Mapping[str, Any]], fsync: bool = True,
+                     recycle_dir: Optional[str] = None) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
     table and its state file into ``tmp_dir``, all fsynced; return what the manifest needs (plain
-    data, sent to rank 0)."""
+    data, sent to rank 0). ``recycle_dir``: a data file of this name left there by retention
+    (:func:`~.commit.apply_retention`) is moved in and written over (its pages are reused)."""
     os.makedirs(tmp_dir, exist_ok=True)
     fname = f"data_{rank:05d}.safetensors"
+    reused = False
+    if recycle_dir is not None:
+        try:
+            os.rename(os.path.join(recycle_dir, fname), os.path.join(tmp_dir, fname))
+            reused = True
+        except OSError:   # none there (the first saves) or gone: a new file
+            pass
     entries = [EntrySpec(chunk_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
     header, rel = build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
     crcs: list[int] = []
     blocks: list[list[int]] = []
     size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=fsync, chunk_crcs=crcs,
-                             block_crcs=blocks, block_size=BLOCK_SIZE)
+                             block_crcs=blocks, block_size=BLOCK_SIZE, overwrite=reused)
     tname = crc_table_name(fname)
     tsize, tcrc, starts = write_crc_table(os.path.join(tmp_dir, tname), blocks, fsync=fsync)
     chunks = [(it.name, chunk_key(it.name, it.region), it.region.to_json(), len(header) + off, it.nbytes, c,
@@ -46,12 +56,15 @@ def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any]
         state_name = f"rank_state/rank_{rank:05d}.json"
         sp = os.path.join(tmp_dir, state_name)
         os.makedirs(os.path.dirname(sp), exist_ok=True)
-        with open(sp, "w", encoding="utf-8") as f:
-            json.dump(rank_state, f)
-            f.flush()
+        data = json.dumps(rank_state, separators=(",", ":")).encode()
+        fd = os.open(sp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, memoryview(data))
             if fsync:
-                os.fsync(f.fileno())
-        files[state_name] = file_crc32(sp)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        files[state_name] = (len(data), crc32(data))   # of the bytes written, not read back
     return {"rank": rank, "data": fname, "chunks": chunks, "files": files, "state": state_name}
 
 

@@ -26,6 +26,10 @@ contract for readers such as the demo table (keys may be added, never removed):
 
     iteration, lm_loss (global batch mean), consumed_samples, lr, layout (short description),
     world_size, iter_time_s (measured), time (unix), save_stall_s (iterations that saved),
+    with memory snapshots (iterations that took one): snapshot_stall_s (the copy), snapshot_hook_s
+      (the training thread's whole snapshot time), snapshot_wait_s (waiting for the previous one),
+      snapshot_writer_cpu_s (the background writer's CPU for the previous one), snapshots_dropped
+      (so far, by a changed shard layout), and peer_copy_* with peer copies,
     plan_source ("flags" | "file" | "auto"),
     with --elastor-plan auto also: predicted_iter_s (the chosen plan's prediction), and when the
       planner's best plan overall would leave processes idle (not supported: the plan using every
@@ -89,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="copies of each snapshot on other nodes (0 or 1; default 1)")
     a("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
       help="memory snapshots kept per node (default 1)")
+    a("--elastor-memory-snapshot-ab-blocks", type=int, default=0, metavar="B",
+      help="benchmarking: pause memory snapshots in every other block of B iterations, so one run times "
+           "iterations with and without them on the same processes (bench/snapshot_bench.py; 0: off)")
     a("--log-interval", type=int, default=10)
     a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
     a("--zero-stage", type=int, choices=[0, 1], default=None,
@@ -525,6 +532,8 @@ def _main(argv: list[str] | None = None) -> int:
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
             mem = engine.elastor.memory if engine.elastor else None
             n_snaps = len(mem.stats) if mem is not None else 0
+            if mem is not None and args.elastor_memory_snapshot_ab_blocks > 0:   # step it + 1 is saved after it
+                mem.paused = ((it + 1) // args.elastor_memory_snapshot_ab_blocks) % 2 == 1
             if prof is not None:
                 prof.begin(it)
             loss = float(engine.train_batch(it_data))
@@ -555,6 +564,13 @@ def _main(argv: list[str] | None = None) -> int:
                     rec["save_stall_s"] = stall
                 if snapped:
                     rec["snapshot_stall_s"] = mem.stats[-1].stall_s
+                    # the training thread's whole share (shard list, plan, waiting for the previous
+                    # snapshot, the copy), and the background writer's CPU for the previous snapshot
+                    rec["snapshot_hook_s"] = engine.elastor.last_hook_s
+                    rec["snapshot_wait_s"] = mem.stats[-1].wait_s
+                    if len(mem.stats) > 1:
+                        rec["snapshot_writer_cpu_s"] = mem.stats[-2].writer_cpu_s
+                    rec["snapshots_dropped"] = mem.ckpt.saves_dropped
                     pc = getattr(mem, "peer_copier", None)
                     done = [c for c in pc.stats if c.copy_s > 0] if pc is not None else []
                     if done:   # rank 0's newest finished peer copy (background) and the wait before it

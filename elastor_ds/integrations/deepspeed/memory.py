@@ -14,7 +14,8 @@ directory holds its ranks' chunk files plus the whole manifest.
    what older snapshots there already use) and ``max_bytes``: too small -> :class:`MemoryBudgetError`
    (a ConfigError: exit 2) naming the numbers and the fixes, on every rank, before training. The
    first real snapshot checks the measured bytes again.
-2. Save (:meth:`save`): every ``interval_steps`` optimizer steps, no fsync (tmpfs).
+2. Save (:meth:`save`): every ``interval_steps`` optimizer steps, no fsync (tmpfs), no
+   plan-agreement collective on the training thread (``optimistic_plan``).
 3. Restore: see ``runtime.ElastorCheckpointer.load`` (newest committed step across memory and
    storage wins; memory first, then registered sources, then storage's files of the same step).
 """
@@ -73,12 +74,16 @@ class MemoryTier:
         self.dir = node_dir(mcfg)
         self.root = os.path.join(self.dir, LOCAL)
         self.comm = comm
-        self.ckpt = CheckpointEngine(self.root, comm, keep=mcfg.keep, async_save=True, fsync=False, node_local=True)
+        # optimistic_plan: no plan-agreement collective on the training thread per snapshot (a rank
+        # whose shards changed makes that one snapshot be dropped everywhere; the next one re-plans)
+        self.ckpt = CheckpointEngine(self.root, comm, keep=mcfg.keep, async_save=True, fsync=False, node_local=True,
+                                     optimistic_plan=True)
         self.last_step: Optional[int] = None
         self.stats: list[SaveStats] = []
         self.budget: Optional[dict[str, Any]] = None
         self._checked_measured = False
         self.peer_copier: Any = None   # set by .peer.attach on multi-node jobs with peer copies
+        self.paused = False            # True: no snapshots until cleared (set identically on every rank)
         self.nodes = 1
 
     # ------------------------------------------------------------------ budget
@@ -145,6 +150,8 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
+        if self.paused:
+            return False
         return step != self.last_step and step % self.cfg.interval_steps == 0
 
     def save(self, step: int, shards, policy_comm: Any, **kw: Any) -> SaveStats:

@@ -181,6 +181,31 @@ def model_shards(engine: Any) -> list[TensorShard]:
     return out
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def state_fingerprint(engine: Any) -> tuple:
+    """Everything :func:`model_shards` and :func:`optimizer_shards` depend on that can change while
+    training: each module parameter and floating buffer (identity, memory address, shape, stride,
+    dtype), each optimizer param's and per-parameter state tensor's (by state key), the ZeRO
+    partition objects. Equal fingerprints mean the previously built shards still view the right
+    memory (a shard's view keeps its storage alive, so a replaced tensor cannot reuse its address)."""
+    key: list = [id(engine.module), id(engine.optimizer), id(getattr(engine, "elastor_zero", None))]
+    for p in engine.module.parameters():
+        key.append((id(p), _tensor_key(p.data)))
+    for b in engine.module.buffers():
+        if b is not None and b.is_floating_point():
+            key.append((id(b), _tensor_key(b)))
+    opt = base_optimizer(engine)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            key.append((id(p), _tensor_key(p.data)))
+            for k, v in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                key.append((k, _tensor_key(v) if isinstance(v, torch.Tensor) and v.numel() > 1 else None))
+    return tuple(key)
+
+
 def _views(engine: Any, name_key: str, t: torch.Tensor, spans) -> list[TensorShard]:
     flat = t.view(-1)
     out = []
