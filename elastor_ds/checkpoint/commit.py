@@ -279,6 +279,13 @@ class StepCommit(AtomicCommit):
             apply_retention(self.root, keep, protect=final)
         return final
 
+    def finalize_text(self, text: str) -> str:
+        """:meth:`finalize` with the manifest given as its serialised text (no retention)."""
+        if self.finalized or self.aborted:
+            raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
+        atomic_write_text(os.path.join(self.path, MANIFEST_NAME), text)
+        return self.finalize(None)
+
     def _replace_without_exchange(self, final: str) -> None:
         atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(self.path) + "\n")
         aside = os.path.join(self.root, tmp_dirname(self.step, f"replaced{int(time.time() * 1e6)}"))
@@ -351,6 +358,12 @@ def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bo
                                                                             text=text)
 
 
+def commit_text(root: str, tmp_dir: str, step: int, text: str) -> str:
+    """Commit ``tmp_dir`` with an already serialised manifest ``text`` of ``step`` (memory snapshots:
+    rank 0 renders it from a template, other nodes commit the same text). Returns the step dir."""
+    return StepCommit.adopt(root, tmp_dir, step).finalize_text(text)
+
+
 def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs; never
     ``protect``, never the step ``latest`` names, never one newer than ``protect``.
@@ -383,8 +396,9 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
-    if removed:
-        log.info("retention removed %s", ", ".join(os.path.basename(p) for p in removed))
+    if removed:   # memory snapshots (recycle_dir) retire a step every iteration: not worth an INFO line each
+        log.log(logging.DEBUG if recycle_dir is not None else logging.INFO, "retention removed %s",
+                ", ".join(os.path.basename(p) for p in removed))
     return removed
 
 

@@ -45,13 +45,16 @@ from ..errors import (AsyncSaveError, CheckpointError, CorruptCheckpointError, F
                       UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
 from .planning.manifest import Manifest
-from .planning.save_plan import SavePlan, ShardMeta, metadata_digest, plan_save
+from .planning.save_plan import SavePlan, ShardMeta, plan_save
 from .reader import read_shards
 from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
+from .crc import crc32
+from .file_staging import FileStaging, StagedFile
+from .planning.manifest import BLOCK_SIZE
 from .staging import StagingBuffer
 from .state import to_jsonable
-from .writer import build_manifest, write_rank_files
+from .writer import ManifestTemplate, build_manifest, data_file_name, rank_header, write_rank_files, write_staged_rank_files
 from .verify import verify
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,9 @@ class _Job:
     stats: Optional[SaveStats] = None
     t0: float = 0.0
     stale: bool = False   # optimistic_plan: this rank's metadata no longer matches the cached plan
+    staged: Optional[StagedFile] = None      # file staging: the data file the snapshot went into
+    header_crc: int = 0
+    local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
 
 
 class CheckpointEngine:
@@ -140,12 +146,16 @@ class CheckpointEngine:
 
     def __init__(self, root: str, comm: Optional[Comm] = None, keep: int = 2, async_save: bool = True,
                  pin_memory: Optional[bool] = None, fsync: bool = True, node_local: bool = False,
-                 optimistic_plan: bool = False):
+                 optimistic_plan: bool = False, block_size: int = BLOCK_SIZE, file_staging: Optional[bool] = None):
         """``node_local``: ``root`` is a per-node directory (a memory snapshot on tmpfs), not shared
         storage: each node's directory gets its ranks' files, and after rank 0's commit the lowest
         rank of every other node commits its own directory with the same manifest (so every node
         holds the step's manifest and ``latest``). Collective when True (one all-gather).
-        ``optimistic_plan``: no plan-agreement collective per save (see the module docstring)."""
+        ``optimistic_plan``: no plan-agreement collective per save (see the module docstring).
+        ``block_size``: bytes per block CRC of the data files (readers take it from the manifest).
+        ``file_staging`` (default: ``node_local``): snapshot straight into this rank's mapped data
+        file instead of a staging buffer (:mod:`.file_staging`; for tmpfs roots, where the file's
+        pages are memory: the write of the whole file disappears)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         self.root = os.path.abspath(root)
@@ -156,8 +166,19 @@ class CheckpointEngine:
         self.async_save = async_save
         self.fsync = fsync
         self.staging = StagingBuffer(pin_memory)
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1 byte")
+        self.block_size = int(block_size)
+        self.files: Optional[FileStaging] = (FileStaging(max_maps=keep + 3, pin=self.staging.pin)
+                                             if (node_local if file_staging is None else file_staging) else None)
+        self._header: Optional[tuple[Any, bytes, int]] = None   # (plan items, header, header CRC) of file staging
+        self._template: Optional[ManifestTemplate] = None   # rank 0, file staging: the cached plan's manifest
+        self._committed: list[str] = []   # names of the step dirs this engine committed, oldest first
+        # CUDA: True once the caller calls fence() before every optimizer step; then the snapshot
+        # does not wait for its device-to-host copies (they overlap the next forward/backward)
+        self.defer_device_copies = False
         self._plan: Optional[SavePlan] = None
-        self._local_digest = ""
+        self._local_key: tuple = ()
         self._session = ""
         self._job: Optional[_Job] = None
         self._saves = 0
@@ -174,12 +195,14 @@ class CheckpointEngine:
         # them, so a snapshot every step does not allocate, zero and free its bytes' pages each time
         self.recycle_dir: Optional[str] = os.path.join(self.root, RECYCLE_DIR) if node_local else None
         self.node_committer = False   # node_local: this rank commits its node's copy (rank 0's node: rank 0)
+        self._multi_node = False      # node_local: the manifest text goes to other nodes' committers
         if node_local:
             import socket
             os.makedirs(self.root, exist_ok=True)
             key = (socket.gethostname(), os.path.realpath(self.root))
             keys = self.comm.all_gather_object(key)
             self.node_committer = self.comm.rank != 0 and keys.index(key) == self.comm.rank and key != keys[0]
+            self._multi_node = len(set(keys)) > 1
         elif self.comm.rank == 0:
             os.makedirs(self.root, exist_ok=True)
 
@@ -192,11 +215,12 @@ class CheckpointEngine:
         self.wait()
         t0 = time.perf_counter()
         rank = self.comm.rank
-        metas = [ShardMeta(s.name, s.shape, dtype_name(s.tensor.dtype), s.region) for s in shards]
-        digest = metadata_digest(metas)
+        # this rank's shard metadata, compared exactly (tuples of strings and ints) with what the
+        # cached plan was made from
+        key = tuple((s.name, s.shape, dtype_name(s.tensor.dtype), s.region) for s in shards)
         # fast path: every rank's shard metadata is what the cached plan was made from: one tiny
         # all-reduce (all ranks reach the same answer); otherwise gather everything and plan again
-        local_same = self._plan is not None and digest == self._local_digest
+        local_same = self._plan is not None and key == self._local_key
         stale = False
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
@@ -205,20 +229,30 @@ class CheckpointEngine:
             cached = self.comm.all_equal(int(local_same)) and local_same
         if not cached:
             nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
+            metas = [ShardMeta(*k) for k in key]
             gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce))
             self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g[0]] for g in gathered])
             self._session = gathered[0][1]
-            self._local_digest = digest
+            self._local_key = key
         plan = self._plan
         assert plan is not None
         tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, f"{self._session}_{self._saves}"))
         t1 = time.perf_counter()
         items = plan.items[rank] if not stale else []
-        spans = self.staging.snapshot(items, shards) if not stale else []
+        job = _Job(step, t0=t0, stale=stale)
+        spans: list[tuple[int, int]] = []
+        if not stale and self.files is not None:
+            try:
+                job.staged, job.header_crc = self._take_file(items, tmp_dir)
+            except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
+                job.local_error = e
+            if job.staged is not None:
+                spans = self.staging.snapshot(items, shards, buf=job.staged.data, defer=self.defer_device_copies)
+        elif not stale:
+            spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies)
         t2 = time.perf_counter()
-        stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1, plan_cached=cached,
-                          wait_s=t0 - tw)
-        job = _Job(step, stats=stats, t0=t0, stale=stale)
+        stats = job.stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1,
+                                      plan_cached=cached, wait_s=t0 - tw)
         extra_j = to_jsonable(dict(extra or {}), "extra")
         rank_j = to_jsonable(dict(rank_state or {}), "rank_state") if rank_state is not None else None
         args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
@@ -230,6 +264,26 @@ class CheckpointEngine:
             self._write_and_commit(*args)
             self.wait()
         return stats
+
+    def _take_file(self, items, tmp_dir: str) -> tuple[StagedFile, int]:
+        """File staging: this save's data file, mapped, header written (training thread)."""
+        assert self.files is not None
+        if self._header is None or self._header[0] is not items:
+            header, _ = rank_header(self.comm.rank, items)
+            self._header = (items, header, crc32(header))
+        _, header, hcrc = self._header
+        fname = data_file_name(self.comm.rank)
+        # this rank's retired files: where retention put them, or still in a step dir that a newer
+        # commit retired (newest first); never a step among the newest ``keep``
+        cands = [os.path.join(self.recycle_dir, fname)] if self.recycle_dir else []
+        cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
+        staged = self.files.take(tmp_dir, fname, cands, header, len(header) + sum(it.nbytes for it in items))
+        return staged, hcrc
+
+    def fence(self) -> None:
+        """CUDA with ``defer_device_copies``: make the current stream wait for the last snapshot's
+        device-to-host copies. Call before the optimizer step (anything that changes saved tensors)."""
+        self.staging.fence()
 
     def wait(self) -> Optional[SaveStats]:
         """Block until the in-flight save is committed; raise AsyncSaveError (on every rank) if it failed."""
@@ -258,6 +312,8 @@ class CheckpointEngine:
             return self.wait()
         finally:
             self._stop_writer()
+            if self.files is not None:
+                self.files.close()
             if self.recycle_dir is not None and (self.comm.rank == 0 or self.node_committer):
                 import shutil   # every rank's last save took its file before rank 0 could finish it
                 shutil.rmtree(self.recycle_dir, ignore_errors=True)
@@ -298,13 +354,21 @@ class CheckpointEngine:
         outcome: Any
         try:
             tw = time.perf_counter()
+            if job.local_error is not None:
+                raise job.local_error
             if job.stale:
                 outcome = ("stale", rank)
+            elif job.staged is not None:
+                self.staging.wait_device()
+                outcome = ("ok", write_staged_rank_files(rank, items, job.staged.data.numpy(), spans, job.staged.path,
+                                                         job.staged.header_len, job.header_crc, rank_state,
+                                                         fsync=self.fsync, block_size=self.block_size, lean=True))
             else:
+                self.staging.wait_device()
                 buf = self.staging.buf
                 views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
                 outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, fsync=self.fsync,
-                                                  recycle_dir=self.recycle_dir))
+                                                  block_size=self.block_size))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
@@ -321,10 +385,16 @@ class CheckpointEngine:
                     shutil.rmtree(tmp_dir, ignore_errors=True)
                 else:
                     try:
-                        man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
-                        text = man.dumps(compact=self.node_local)   # serialised once
-                        final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=text)
-                        result = ("ok", final, text if self.node_local else None)
+                        if self.files is not None:   # lean results: the plan's template, CRCs filled in
+                            if self._template is None or self._template.plan is not plan:
+                                self._template = ManifestTemplate(plan, self.block_size)
+                            text = self._template.render(job.step, [o[1] for o in outcomes], extra, model, layout)
+                            final = commit_mod.commit_text(self.root, tmp_dir, job.step, text)
+                        else:
+                            man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
+                            text = man.dumps(compact=self.node_local)   # serialised once
+                            final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=text)
+                        result = ("ok", final, text if self._multi_node else None)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = self.writer_comm.broadcast_object(result, src=0)
@@ -341,6 +411,7 @@ class CheckpointEngine:
                                          base=AsyncSaveError)
             else:
                 stats.committed_dir = result[1]
+                self._committed = [*self._committed[-(self.keep + 2):], os.path.basename(result[1])]
                 if self.node_committer:
                     self._commit_node_copy(job.step, tmp_dir, result[2])
                 stats.durable_s = time.perf_counter() - job.t0
@@ -365,6 +436,9 @@ class CheckpointEngine:
             err.__cause__ = e
             job.error = err
         finally:
+            if job.staged is not None and self.files is not None and (job.error is not None or stats.dropped):
+                self.staging.forget(job.staged.data)
+                self.files.release(job.staged)   # its temp dir is gone: do not keep its pages mapped
             stats.writer_cpu_s = time.thread_time() - cpu0
             job.done.set()
 
@@ -373,9 +447,8 @@ class CheckpointEngine:
         manifest. A failure here leaves this node without the step (logged; its restore then
         reads elsewhere), it never fails the save."""
         try:
-            man = Manifest.loads(manifest_text, where=f"manifest of step {step} from rank 0")
             os.makedirs(tmp_dir, exist_ok=True)   # a node whose ranks wrote no data file
-            commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=manifest_text)
+            commit_mod.commit_text(self.root, tmp_dir, step, manifest_text)
         except (OSError, CheckpointError) as e:
             log.error("rank %d: could not commit this node's copy of snapshot %d under %s: %s", self.comm.rank, step,
                       self.root, e)

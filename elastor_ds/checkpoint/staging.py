@@ -75,11 +75,28 @@ class _CopyProgram:
 
 
 class StagingBuffer:
+    """The rank's staging memory and the snapshot copy into it.
+
+    ``snapshot(items, shards)`` copies into this object's own reused buffer; ``snapshot(..., buf=t)``
+    into caller-provided memory (a mapped data file, :mod:`.file_staging`). Copy programs are
+    cached per destination buffer (a node-local engine alternates between its ``keep`` + 1 files).
+
+    CUDA shards are copied on a side stream that first waits for the work queued on the current
+    stream. By default the snapshot waits for those copies. With ``defer=True`` it returns at once
+    and leaves a CUDA event in :attr:`pending`: whoever reads the bytes waits for it
+    (:meth:`wait_device`), and the training loop must call :meth:`fence` before it next changes a
+    saved tensor (the optimizer step), so the copy overlaps the next forward and backward.
+    """
+
+    MAX_PROGRAMS = 6
+
     def __init__(self, pin_memory: bool | None = None):
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.buf: torch.Tensor | None = None
         self._stream = None
-        self._program: _CopyProgram | None = None
+        self._program: _CopyProgram | None = None   # the last one used
+        self._programs: list[_CopyProgram] = []
+        self.pending = None   # CUDA event of copies not yet known to be complete (defer=True)
 
     @property
     def capacity(self) -> int:
@@ -88,20 +105,34 @@ class StagingBuffer:
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
             log.debug("allocating %d-byte staging buffer (pinned=%s)", nbytes, self.pin)
+            self._programs = [p for p in self._programs if p.buf is not self.buf]
             self.buf = None
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
             buf.zero_()  # pre-fault every page now, not during the first save's stall
             self.buf = buf
         return self.buf
 
-    def snapshot(self, items: Sequence[WriteItem], shards: Sequence[TensorShard]) -> list[tuple[int, int]]:
+    def forget(self, buf: torch.Tensor) -> None:
+        """Drop the copy programs into ``buf`` (their views would keep its memory alive)."""
+        self._programs = [p for p in self._programs if p.buf is not buf]
+        if self._program is not None and self._program.buf is buf:
+            self._program = None
+
+    def snapshot(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor | None = None,
+                 defer: bool = False) -> list[tuple[int, int]]:
         """Copy every item's bytes into the buffer in file order; return (offset, nbytes) per item."""
         total = sum(i.nbytes for i in items)
-        buf = self.ensure(total)
+        if buf is None:
+            buf = self.ensure(total)
+        elif buf.numel() < total:
+            raise ValueError(f"staging destination holds {buf.numel()} bytes, the save needs {total}")
+        self.wait_device()
         if not any(sh.tensor.is_cuda for sh in shards):
-            prog = self._program
-            if prog is None or not prog.valid_for(items, shards, buf):
-                prog = self._program = _CopyProgram(items, shards, buf)
+            prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None)
+            if prog is None:
+                prog = _CopyProgram(items, shards, buf)
+                self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
+            self._program = prog
             for dst, src in prog.copies:
                 np.copyto(dst, src)
             for dst_t, src_t in prog.strided:
@@ -134,6 +165,26 @@ class StagingBuffer:
             spans.append((pos, n))
             pos += n
         if use_stream:
-            self._stream.synchronize()
-            self._stream = None
+            stream, self._stream = self._stream, None
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            if defer:
+                self.pending = ev
+            else:
+                ev.synchronize()
         return spans
+
+    def wait_device(self) -> None:
+        """Block until the deferred device-to-host copies have landed (before reading the bytes)."""
+        ev = self.pending
+        if ev is not None:
+            ev.synchronize()   # cleared only after it completed: a concurrent fence() still waits
+            if self.pending is ev:
+                self.pending = None
+
+    def fence(self) -> None:
+        """Make the current CUDA stream wait (on the device, the CPU does not block) for the deferred
+        copies: call before anything changes a tensor that a snapshot is still reading."""
+        ev = self.pending
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)

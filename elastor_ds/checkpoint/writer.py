@@ -15,8 +15,8 @@ from typing import Any, Mapping, Optional, Sequence
 from ..layout.region import Region
 from .planning.manifest import BLOCK_SIZE, BlockTable, Chunk, FileEntry, Manifest, TensorEntry, crc_table_name
 from .planning.save_plan import SavePlan, WriteItem
-from .crc import crc32
-from .storage import EntrySpec, build_header, write_all, write_crc_table, write_stream
+from .crc import crc32, crc32_combine
+from .storage import EntrySpec, build_header, cumulative_crcs, write_all, write_crc_table, write_stream
 
 
 def chunk_key(name: str, region: Region) -> str:
@@ -24,32 +24,70 @@ def chunk_key(name: str, region: Region) -> str:
     return f"{name}#{','.join(str(o) for o in region.offsets)}"
 
 
+def data_file_name(rank: int) -> str:
+    return f"data_{rank:05d}.safetensors"
+
+
+def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]]:
+    """The safetensors header of ``rank``'s data file for ``items`` and each item's offset in its
+    data section (a pure function of the plan: rank 0 can compute every rank's)."""
+    entries = [EntrySpec(chunk_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
+    return build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
+
+
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
                      rank_state: Optional[Mapping[str, Any]], fsync: bool = True,
-                     recycle_dir: Optional[str] = None) -> dict:
+                     block_size: int = BLOCK_SIZE) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
     table and its state file into ``tmp_dir``, all fsynced; return what the manifest needs (plain
-    data, sent to rank 0). ``recycle_dir``: a data file of this name left there by retention
-    (:func:`~.commit.apply_retention`) is moved in and written over (its pages are reused)."""
+    data, sent to rank 0)."""
     os.makedirs(tmp_dir, exist_ok=True)
-    fname = f"data_{rank:05d}.safetensors"
-    reused = False
-    if recycle_dir is not None:
-        try:
-            os.rename(os.path.join(recycle_dir, fname), os.path.join(tmp_dir, fname))
-            reused = True
-        except OSError:   # none there (the first saves) or gone: a new file
-            pass
-    entries = [EntrySpec(chunk_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
-    header, rel = build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
+    fname = data_file_name(rank)
+    header, rel = rank_header(rank, items)
     crcs: list[int] = []
     blocks: list[list[int]] = []
     size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=fsync, chunk_crcs=crcs,
-                             block_crcs=blocks, block_size=BLOCK_SIZE, overwrite=reused)
+                             block_crcs=blocks, block_size=block_size)
+    return _finish_rank_files(rank, items, tmp_dir, fname, len(header), rel, crcs, blocks, size, crc, rank_state,
+                              fsync, block_size)
+
+
+def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, spans: Sequence[tuple[int, int]],
+                            path: str, header_len: int, header_crc: int, rank_state: Optional[Mapping[str, Any]],
+                            fsync: bool = False, block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
+    """The same for a data file that is already in place (:mod:`.file_staging`: ``data`` is its
+    mapped data section, filled by the snapshot): only the checksums, the table and the state
+    file are left to do. Returns what :func:`write_rank_files` returns; ``lean``: the chunk CRCs
+    instead of the chunk list (for rank 0's :class:`ManifestTemplate`)."""
+    mv = memoryview(data).cast("B")
+    crcs: list[int] = []
+    blocks: list[list[int]] = []
+    crc = header_crc
+    for pos, n in spans:
+        cum = cumulative_crcs(mv[pos:pos + n], block_size)
+        blocks.append(cum)
+        crcs.append(cum[-1])
+        crc = crc32_combine(crc, cum[-1], n)
+    if fsync:   # pages written through the mapping are flushed by an fsync of the file
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    tmp_dir, fname = os.path.split(path)
+    rel = [pos for pos, _ in spans]
+    size = header_len + sum(n for _, n in spans)
+    return _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, blocks, size, crc, rank_state,
+                              fsync, block_size, lean)
+
+
+def _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, blocks, size, crc, rank_state, fsync,
+                       block_size, lean=False) -> dict:
     tname = crc_table_name(fname)
     tsize, tcrc, starts = write_crc_table(os.path.join(tmp_dir, tname), blocks, fsync=fsync)
-    chunks = [(it.name, chunk_key(it.name, it.region), it.region.to_json(), len(header) + off, it.nbytes, c,
-               (BLOCK_SIZE, tname, first)) for it, off, c, first in zip(items, rel, crcs, starts)]
+    chunks = None if lean else [
+        (it.name, chunk_key(it.name, it.region), it.region.to_json(), header_len + off, it.nbytes, c,
+         (block_size, tname, first)) for it, off, c, first in zip(items, rel, crcs, starts)]
     files = {fname: (size, crc), tname: (tsize, tcrc)}
     state_name = None
     if rank_state is not None:
@@ -65,6 +103,8 @@ def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any]
         finally:
             os.close(fd)
         files[state_name] = (len(data), crc32(data))   # of the bytes written, not read back
+    if lean:
+        return {"rank": rank, "crcs": crcs, "files": files, "state": state_name}
     return {"rank": rank, "data": fname, "chunks": chunks, "files": files, "state": state_name}
 
 
@@ -85,3 +125,66 @@ def build_manifest(step: int, plan: SavePlan, results: Sequence[dict], extra: An
                for n, (shape, dtype) in plan.tensors.items()}
     return Manifest(step=step, tensors=tensors, files=files, layout=layout, model=model, extra=extra,
                     rank_state_files=states, world_size=len(results), created_unix=time.time())
+
+
+class ManifestTemplate:
+    """Rank 0's manifest of one save plan, rendered again for every save that reuses the plan.
+
+    Memory snapshots save the same plan every step: everything in the manifest but the CRCs, the
+    step and the JSON state is the same each time, and it is a pure function of the plan and the
+    block size (:func:`rank_header` gives every rank's offsets). So ranks send only their CRCs
+    (``write_staged_rank_files(..., lean=True)``) and rank 0 fills them into this document and serialises it once. The
+    text equals what :func:`build_manifest` then ``Manifest.dumps(compact=True)`` give for the
+    same results (``tests/test_snapshot_fast_path.py`` checks it).
+    """
+
+    def __init__(self, plan: SavePlan, block_size: int):
+        self.plan = plan
+        self.block_size = block_size
+        self.ranks: list[tuple[str, list[dict], int]] = []   # per rank: data file, chunk dicts, data file size
+        per_tensor: dict[str, list[tuple[tuple[int, ...], dict]]] = {n: [] for n in plan.tensors}
+        for r, items in enumerate(plan.items):
+            header, rel = rank_header(r, items)
+            fname = data_file_name(r)
+            tname = crc_table_name(fname)
+            first = 0
+            cds = []
+            for it, off in zip(items, rel):
+                cd = {"file": fname, "key": chunk_key(it.name, it.region), "region": it.region.to_json(),
+                      "offset": len(header) + off, "length": it.nbytes, "crc32": None,
+                      "blocks": {"size": block_size, "table": tname, "index": first}}
+                first += max(1, -(-it.nbytes // block_size))
+                per_tensor[it.name].append((it.region.offsets, cd))
+                cds.append(cd)
+            self.ranks.append((fname, cds, len(header) + sum(it.nbytes for it in items)))
+        self.tensors = {n: {"shape": list(shape), "dtype": dtype,
+                            "chunks": [cd for _, cd in sorted(per_tensor[n], key=lambda t: t[0])]}
+                        for n, (shape, dtype) in sorted(plan.tensors.items())}
+
+    def render(self, step: int, results: Sequence[dict], extra: Any, model: Any, layout: Any) -> str:
+        """The manifest text for ``results`` (every rank's lean result, in rank order)."""
+        from ..errors import CheckpointError
+        from .planning.manifest import FORMAT_NAME, FORMAT_VERSION, dumps_compact_with_checksum
+        if len(results) != len(self.ranks):
+            raise CheckpointError(f"{len(results)} results for a plan of {len(self.ranks)} ranks")
+        files: dict[str, dict] = {}
+        states: dict[int, str] = {}
+        for r, res in enumerate(results):
+            fname, cds, size = self.ranks[r]
+            crcs = res["crcs"]
+            if res["rank"] != r or len(crcs) != len(cds) or res["files"].get(fname, (None,))[0] != size:
+                raise CheckpointError(f"rank {r}'s snapshot result does not match the save plan (rank "
+                                      f"{res['rank']}, {len(crcs)} chunks for {len(cds)}, data file size "
+                                      f"{res['files'].get(fname, (None,))[0]} for {size})")
+            for cd, c in zip(cds, crcs):
+                cd["crc32"] = f"{c:08x}"
+            for name, (fsize, fcrc) in res["files"].items():
+                files[name] = {"size": fsize, "crc32": f"{fcrc:08x}", "writer_rank": r}
+            if res["state"]:
+                states[r] = res["state"]
+        d = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(step),
+             "world_size": len(results), "created_unix": time.time(), "layout": layout, "model": model,
+             "extra": extra, "rank_state_files": {str(k): v for k, v in sorted(states.items())},
+             "files": dict(sorted(files.items())), "tensors": self.tensors}
+        return dumps_compact_with_checksum(d)
+

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-import json
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -80,10 +79,6 @@ class SavePlan:
             for i in its:
                 h.update(repr((r, i.name, i.region.offsets, i.region.sizes, i.shard)).encode())
         return h.hexdigest()[:16]
-
-
-def metadata_digest(metas: Sequence[ShardMeta]) -> str:
-    return hashlib.sha1(json.dumps([m.to_tuple() for m in metas]).encode()).hexdigest()
 
 
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from ...checkpoint import commit as commit_mod
 from ...checkpoint import CheckpointEngine, SaveStats
+from ...checkpoint.planning.manifest import SNAPSHOT_BLOCK_SIZE
 from ...errors import ConfigError
 from .config import MemorySnapshotConfig
 
@@ -76,8 +77,9 @@ class MemoryTier:
         self.comm = comm
         # optimistic_plan: no plan-agreement collective on the training thread per snapshot (a rank
         # whose shards changed makes that one snapshot be dropped everywhere; the next one re-plans)
+        # node_local: snapshots are staged straight into each rank's mapped data file (file staging)
         self.ckpt = CheckpointEngine(self.root, comm, keep=mcfg.keep, async_save=True, fsync=False, node_local=True,
-                                     optimistic_plan=True)
+                                     optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE)
         self.last_step: Optional[int] = None
         self.stats: list[SaveStats] = []
         self.budget: Optional[dict[str, Any]] = None

@@ -96,6 +96,28 @@ class ElastorCheckpointer:
             self.memory.check_budget(est, self.policy_comm, estimated=estimated)
             from .peer import attach   # cross-node half: peer copies and restore sources (collective)
             attach(self, cfg.timeout_s)
+        self.device_fence = self._install_device_fence()
+
+    def _install_device_fence(self) -> bool:
+        """CUDA: let every snapshot's device-to-host copies run on their side stream while the next
+        forward and backward run, and order them before the next optimizer step (the first thing
+        that changes a saved tensor) with a device-side wait in an optimizer pre-step hook. Without
+        CUDA parameters, or an optimizer without step hooks, snapshots wait for their copies."""
+        import torch
+        if not torch.cuda.is_available() or not any(p.is_cuda for p in self.engine.module.parameters()):
+            return False
+        opt = st.base_optimizer(self.engine)
+        if not hasattr(opt, "register_step_pre_hook"):
+            return False
+        engines = [self.ckpt] + ([self.memory.ckpt] if self.memory is not None else [])
+
+        def fence(*_args: Any) -> None:
+            for e in engines:
+                e.fence()
+        opt.register_step_pre_hook(fence)
+        for e in engines:
+            e.defer_device_copies = True
+        return True
 
     # ---------------------------------------------------------------- save
     def maybe_save(self) -> Optional[SaveStats]:

@@ -1,0 +1,208 @@
+"""The memory-snapshot fast path: staging into the mapped data file, lean results, rank 0's template.
+
+Oracles: the storage path's own writer and manifest builder (``write_rank_files`` +
+``build_manifest``, a separate code path) for the template's manifest; the ``safetensors`` library
+for the data files; the tensors saved for the loads; the kernel's inode numbers for file reuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elastor_ds.checkpoint import commit as commit_mod
+from elastor_ds.checkpoint.engine import CheckpointEngine
+from elastor_ds.checkpoint.planning.manifest import Manifest
+from elastor_ds.checkpoint.planning.save_plan import ShardMeta, plan_save
+from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.checkpoint.verify import verify
+from elastor_ds.checkpoint.writer import ManifestTemplate, build_manifest, write_rank_files
+from elastor_ds.layout.region import Region
+
+
+def _metas_three_ranks():
+    """Rank 0/1 split w's rows (TP2 rows), rank 2 holds all of w (another replica), every rank holds
+    the bias (replicated), rank 1 alone an int64 counter, rank 2 alone a bf16 tensor; an empty
+    region nowhere (the plan must place every byte once)."""
+    w = (96, 40)
+    return [
+        [ShardMeta("w", w, "float32", Region((0, 0), (48, 40))), ShardMeta("b", (40,), "float32", Region.full((40,)))],
+        [ShardMeta("w", w, "float32", Region((48, 0), (48, 40))), ShardMeta("b", (40,), "float32", Region.full((40,))),
+         ShardMeta("n", (3,), "int64", Region.full((3,)))],
+        [ShardMeta("w", w, "float32", Region.full(w)), ShardMeta("b", (40,), "float32", Region.full((40,))),
+         ShardMeta("h", (8, 9), "bfloat16", Region.full((8, 9)))],
+    ]
+
+
+@pytest.mark.parametrize("block_size", [4096, 64 * 1024, 100])
+def test_template_manifest_equals_the_storage_paths_manifest(tmp_path, block_size):
+    plan = plan_save(_metas_three_ranks())
+    g = torch.Generator().manual_seed(block_size)
+    tmpl = ManifestTemplate(plan, block_size)
+    for step in (5, 6):   # the template is rendered twice: values of the first must not leak into the second
+        full, lean = [], []
+        for r, items in enumerate(plan.items):
+            views = [torch.randint(0, 256, (it.nbytes,), dtype=torch.uint8, generator=g).numpy() for it in items]
+            state = {"rng": [r, step]}
+            res = write_rank_files(r, items, views, str(tmp_path / f"s{step}"), state, fsync=False,
+                                   block_size=block_size)
+            full.append(res)
+            lean.append({"rank": r, "crcs": [c[5] for c in res["chunks"]], "files": res["files"],
+                         "state": res["state"]})
+        extra = {"global_steps": step, "lr": 0.1 * step}
+        want = build_manifest(step, plan, full, extra, {"m": 1}, {"l": [1, 2]}).to_json()
+        text = tmpl.render(step, lean, extra, {"m": 1}, {"l": [1, 2]})
+        got = json.loads(text)
+        assert got.pop("checksum").startswith("sha256:")
+        got.pop("created_unix")
+        want.pop("created_unix")
+        assert got == want
+        man = Manifest.loads(text, where="rendered")   # schema and checksum validation
+        assert man.step == step and man.files == Manifest.from_json(json.loads(text)).files
+
+
+def test_template_rejects_a_result_that_does_not_match_the_plan(tmp_path):
+    from elastor_ds.errors import CheckpointError
+    plan = plan_save(_metas_three_ranks())
+    tmpl = ManifestTemplate(plan, 4096)
+    lean = []
+    for r, items in enumerate(plan.items):
+        views = [bytes(it.nbytes) for it in items]
+        res = write_rank_files(r, items, views, str(tmp_path), None, fsync=False)
+        lean.append({"rank": r, "crcs": [c[5] for c in res["chunks"]], "files": res["files"], "state": None})
+    lean[1]["crcs"] = lean[1]["crcs"][:-1]
+    with pytest.raises(CheckpointError, match="rank 1's snapshot result does not match the save plan"):
+        tmpl.render(1, lean, {}, None, None)
+
+
+def _data_inode(root: str, step: int) -> int:
+    return os.stat(os.path.join(root, commit_mod.step_dirname(step), "data_00000.safetensors")).st_ino
+
+
+def test_file_staging_reuses_two_files_and_never_writes_a_committed_one(tmp_path):
+    """keep=1: after warm-up every snapshot goes into one of two files, through one of two
+    mappings made once; while save N+1 runs, step N (the newest committed) is intact and loads
+    the values of step N exactly; every committed step reads back through the safetensors library."""
+    root = str(tmp_path / "mem")
+    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True, block_size=64 * 1024)
+    assert eng.files is not None
+    w = torch.randn(512, 300)          # 600 KiB: 10 blocks of 64 KiB, the last one short
+    flat = torch.randn(1000)
+    shards = [full_shard("w", w), TensorShard("f", (1000,), Region((0,), (1000,)), flat)]
+    inodes, values = [], {}
+    for step in range(1, 8):
+        w.add_(1.0)
+        flat.mul_(-1.0)
+        values[step] = (w.clone(), flat.clone())
+        eng.save(step, shards, rank_state={"step": step})
+        if step > 1:   # save `step` is in flight: the newest committed step is untouched
+            prev = os.path.join(root, commit_mod.step_dirname(step - 1))
+            assert verify(prev) == []
+            loaded = load_file(os.path.join(prev, "data_00000.safetensors"))
+            assert torch.equal(loaded["w#0,0"], values[step - 1][0]) and torch.equal(loaded["f#0"], values[step - 1][1])
+        eng.wait()
+        inodes.append(_data_inode(root, step))
+    assert len(set(inodes)) == 2 and inodes[2:] == inodes[:2] * 2 + inodes[:1]   # A B A B A B A
+    assert eng.files.new_files == 2 and eng.files.new_mappings == 2
+    last = os.path.join(root, commit_mod.step_dirname(7))
+    man = commit_mod.read_manifest(last)
+    assert {c.blocks.size for t in man.tensors.values() for c in t.chunks} == {64 * 1024}
+    out_w, out_f = torch.zeros_like(w), torch.zeros_like(flat)
+    # a reshard: column halves of w, read against the 64 KiB block CRCs
+    left = torch.zeros(512, 150)
+    eng.load(None, [TensorShard("w", (512, 300), Region((0, 0), (512, 150)), left),
+                    TensorShard("w", (512, 300), Region((0, 150), (512, 150)), out_w[:, 150:]),
+                    full_shard("f", out_f)])
+    assert torch.equal(left, values[7][0][:, :150]) and torch.equal(out_w[:, 150:], values[7][0][:, 150:])
+    assert torch.equal(out_f, values[7][1])
+    eng.finalize()
+    assert eng.files.mapped_bytes == 0
+
+
+def test_file_staging_follows_a_plan_change_and_a_flipped_byte_is_caught(tmp_path):
+    root = str(tmp_path / "mem")
+    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    a = torch.randn(200, 64)
+    eng.save(1, [full_shard("a", a)])
+    eng.wait()
+    b = torch.randn(3000)               # a new plan: another size, the retired file is cut and re-mapped
+    eng.save(2, [full_shard("b", b)])   # dropped (optimistic plan: the shard list changed)
+    eng.wait()
+    assert eng.saves_dropped == 1
+    eng.save(3, [full_shard("b", b)])
+    eng.wait()
+    eng.save(4, [full_shard("b", b * 2)])
+    eng.wait()
+    d4 = os.path.join(root, commit_mod.step_dirname(4))
+    assert torch.equal(load_file(os.path.join(d4, "data_00000.safetensors"))["b#0"], b * 2)
+    assert verify(d4) == []
+    path = os.path.join(d4, "data_00000.safetensors")
+    with open(path, "r+b") as f:        # flip one byte of the data section on "disk" (tmpfs)
+        f.seek(os.path.getsize(path) - 7)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert verify(d4) != []
+    from elastor_ds.errors import RanksFailedError
+    with pytest.raises(RanksFailedError, match="(?i)crc"):
+        eng.load(None, [full_shard("b", torch.zeros(3000))])
+    eng.finalize()
+
+
+FULL_TMPFS_CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.checkpoint.shards import full_shard
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.errors import AsyncSaveError
+    root = sys.argv[1]
+    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng.save(1, [full_shard("t", torch.ones(1000))])
+    eng.wait()
+    big = [full_shard("t", torch.ones(1000)), full_shard("big", torch.ones(512, 1024))]  # 2 MiB > the tmpfs
+    eng._plan = None                     # plan again (not a dropped save): this save must fail cleanly
+    eng.save(2, big)
+    try:
+        eng.wait()
+        print("NO ERROR")
+    except AsyncSaveError as e:
+        print("ERROR:", e)
+    print("COMMITTED:", [s for s, _ in commit_mod.list_committed(root)])
+    eng._plan = None
+    eng.save(3, [full_shard("t", torch.full((1000,), 3.0))])
+    eng.wait()
+    print("COMMITTED:", [s for s, _ in commit_mod.list_committed(root)])
+""")
+
+
+def test_a_snapshot_into_a_full_tmpfs_is_an_error_on_the_save_not_a_sigbus(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root)")
+    try:
+        p = subprocess.run([sys.executable, "-c", FULL_TMPFS_CHILD, str(mnt / "mem")], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+    assert p.returncode == 0, p.stderr[-2000:]        # a SIGBUS would be -7
+    lines = p.stdout.splitlines()
+    err = next(ln for ln in lines if ln.startswith(("ERROR:", "NO ERROR")))
+    assert err.startswith("ERROR:") and "No space left on device" in err, p.stdout
+    assert lines[-2] == "COMMITTED: [1]" and lines[-1] == "COMMITTED: [3]", p.stdout
+
+
+def test_which_engines_stage_into_files(tmp_path):
+    """Storage roots keep the staging buffer (their files are written and fsynced); node-local roots
+    stage into the mapped file unless told not to; a block size must be positive."""
+    assert CheckpointEngine(str(tmp_path / "a")).files is None
+    assert CheckpointEngine(str(tmp_path / "b"), node_local=True).files is not None
+    assert CheckpointEngine(str(tmp_path / "c"), node_local=True, file_staging=False).files is None
+    with pytest.raises(ValueError, match="block_size=0"):
+        CheckpointEngine(str(tmp_path / "d"), block_size=0)
