@@ -206,3 +206,48 @@ def test_which_engines_stage_into_files(tmp_path):
     assert CheckpointEngine(str(tmp_path / "c"), node_local=True, file_staging=False).files is None
     with pytest.raises(ValueError, match="block_size=0"):
         CheckpointEngine(str(tmp_path / "d"), block_size=0)
+
+
+def _two_rank_failure(rank: int, world: int, root: str) -> None:
+    import errno
+
+    from elastor_ds.checkpoint import file_staging
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.errors import AsyncSaveError
+
+    eng = CheckpointEngine(root, TorchComm.create(60, liveness_s=20), keep=1, fsync=False, node_local=True,
+                           optimistic_plan=True)
+    t = torch.full((64, 64), float(rank))
+    shards = [TensorShard("t", (128, 64), Region((64 * rank, 0), (64, 64)), t)]
+    eng.save(1, shards)
+    eng.wait()
+    real_take = file_staging.FileStaging.take
+    if rank == 1:   # rank 1's tmpfs is "full" for step 2 only
+        def full(self, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        file_staging.FileStaging.take = full
+    eng.save(2, shards)
+    try:
+        eng.wait()
+        raise AssertionError("step 2 committed although rank 1 could not stage it")
+    except AsyncSaveError as e:
+        assert "rank 1" in str(e) and "No space left on device" in str(e), str(e)
+    file_staging.FileStaging.take = real_take
+    assert [s for s, _ in commit_mod.list_committed(root)] == [1]
+    t.add_(10.0)
+    eng.save(3, shards)
+    eng.wait()
+    if rank == 0:   # rank 0 applied retention before its wait() returned; rank 1 may still see step 1
+        assert [s for s, _ in commit_mod.list_committed(root)] == [3]
+    back = torch.zeros(128, 64)
+    eng.load(None, [full_shard("t", back)])
+    assert torch.equal(back[:64], torch.full((64, 64), 10.0)) and torch.equal(back[64:], torch.full((64, 64), 11.0))
+    eng.finalize()
+
+
+def test_two_ranks_a_staging_failure_on_one_rank_fails_the_snapshot_on_both(tmp_path):
+    """The int-row outcome exchange: rank 1's ENOSPC while staging reaches rank 0 as well (through
+    the object route errors take), nothing is committed for that step, the next one commits and
+    reads back exactly on both ranks."""
+    from dist_utils import run_world
+    run_world(_two_rank_failure, 2, str(tmp_path / "mem"), timeout_s=90)

@@ -11,9 +11,14 @@ Save (``save``), one in flight at a time:
    dropped on every rank at commit time (never half-committed; logged, counted in
    ``saves_dropped``) and the next save plans again.
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
+   With file staging (node-local roots: memory snapshots on tmpfs) the staging buffer is the
+   rank's data file itself, mapped (:mod:`.file_staging`): a retired file is renamed into the
+   temp dir, its header written, the regions copied into its pages.
 4. Background writer thread (one per engine, fed one save at a time): stream the buffer to ``data_<rank>.safetensors`` in the temp step
-   dir, fsync, write the rank's state file; all-gather every rank's outcome on the checkpoint
-   group; rank 0 commits (manifest last, rename, ``latest``, retention) and broadcasts the result.
+   dir, fsync, write the rank's state file (file staging: only the CRCs, the block-CRC table and
+   the state file are left); all-gather every rank's outcome on the checkpoint group (file
+   staging: CRCs only, rank 0 renders the manifest from the plan's :class:`~.writer.ManifestTemplate`);
+   rank 0 commits (manifest last, rename, ``latest``, retention) and broadcasts the result.
    Any rank's failure (disk full, permission denied, a dead peer) becomes every rank's error.
 
 Why a thread and not a process: the writer's time goes to ``os.write``/``zlib.crc32`` calls that
@@ -51,7 +56,7 @@ from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
 from .crc import crc32
 from .file_staging import FileStaging, StagedFile
-from .planning.manifest import BLOCK_SIZE
+from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
 from .state import to_jsonable
 from .writer import ManifestTemplate, build_manifest, data_file_name, rank_header, write_rank_files, write_staged_rank_files
@@ -374,7 +379,8 @@ class CheckpointEngine:
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
-            outcomes = self.writer_comm.all_gather_object(outcome)
+            lean = self.files is not None
+            outcomes = self._gather_lean(outcome, plan) if lean else self.writer_comm.all_gather_object(outcome)
             failures = [o[1] for o in outcomes if o[0] == "error"]
             stale = [o[1] for o in outcomes if o[0] == "stale"]
             result: Any = None
@@ -397,7 +403,8 @@ class CheckpointEngine:
                         result = ("ok", final, text if self._multi_node else None)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", [RankFailure.of(0, e).to_wire()])
-            result = self.writer_comm.broadcast_object(result, src=0)
+            result = (self._broadcast_lean(result, job.step) if lean else
+                      self.writer_comm.broadcast_object(result, src=0))
             if result[0] == "stale":
                 # every rank gets here for this save: all drop the plan, the next save plans again
                 self._plan = None
@@ -441,6 +448,56 @@ class CheckpointEngine:
                 self.files.release(job.staged)   # its temp dir is gone: do not keep its pages mapped
             stats.writer_cpu_s = time.thread_time() - cpu0
             job.done.set()
+
+    # file staging: outcomes and the commit result as fixed-size int rows (one all-gather, one
+    # broadcast, no pickling); errors, rare, then go through the object collectives
+    _OK, _STALE, _ERROR = 1, 2, 3
+
+    def _gather_lean(self, outcome: tuple, plan: SavePlan) -> list:
+        """Every rank's outcome (``("ok", lean result) | ("stale", rank) | ("error", wire)``) from
+        int rows: status, then for "ok" the chunk count and CRCs, the data file's, the table's and
+        the state file's sizes and CRCs (file names follow from the rank)."""
+        width = 9 + max((len(its) for its in plan.items), default=0)
+        if outcome[0] == "ok":
+            res = outcome[1]
+            fname = data_file_name(res["rank"])
+            files = res["files"]
+            st = files.get(res["state"], (0, 0)) if res["state"] else (0, 0)
+            row = [self._OK, len(res["crcs"]), *res["crcs"], *files[fname], *files[crc_table_name(fname)],
+                   int(bool(res["state"])), *st]
+        else:
+            row = [self._STALE if outcome[0] == "stale" else self._ERROR]
+        rows = self.writer_comm.all_gather_ints(row, width)
+        if any(r[0] == self._ERROR for r in rows):   # every rank sees it: all take the object route
+            return self.writer_comm.all_gather_object(outcome)
+        out: list = []
+        for r, row in enumerate(rows):
+            if row[0] == self._STALE:
+                out.append(("stale", r))
+                continue
+            n = row[1]
+            crcs, rest = row[2:2 + n], row[2 + n:]
+            fname = data_file_name(r)
+            files = {fname: (rest[0], rest[1]), crc_table_name(fname): (rest[2], rest[3])}
+            state = None
+            if rest[4]:
+                state = f"rank_state/rank_{r:05d}.json"
+                files[state] = (rest[5], rest[6])
+            out.append(("ok", {"rank": r, "crcs": crcs, "files": files, "state": state}))
+        return out
+
+    def _broadcast_lean(self, result: Any, step: int) -> Any:
+        """Rank 0's commit result (``("ok", step dir, manifest text or None) | ("stale", ranks) |
+        ("error", wires)``) on every rank: one int, plus the text when other nodes commit copies."""
+        code = {"ok": self._OK, "stale": self._STALE}.get(result[0], self._ERROR) if self.comm.rank == 0 else 0
+        code = self.writer_comm.broadcast_ints([code], src=0)[0]
+        if code == self._ERROR:
+            return self.writer_comm.broadcast_object(result, src=0)
+        if code == self._STALE:
+            return ("stale", result[1] if self.comm.rank == 0 else [])
+        text = self.writer_comm.broadcast_object(result[2] if self.comm.rank == 0 else None, src=0) \
+            if self._multi_node else None
+        return ("ok", os.path.join(self.root, commit_mod.step_dirname(step)), text)
 
     def _commit_node_copy(self, step: int, tmp_dir: str, manifest_text: str) -> None:
         """node_local, on another node's committer: commit this node's directory with rank 0's

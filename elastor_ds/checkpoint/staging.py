@@ -10,7 +10,9 @@ it merges items whose source bytes are adjacent in memory and adjacent in the bu
 partition's per-parameter pieces, parameters of one flat buffer) into single memcpys, so a save of
 hundreds of small regions costs a handful of ``numpy.copyto`` calls (each releases the GIL) instead
 of a Python loop of views per item. The program is rebuilt whenever the items, the shard list, any
-shard's tensor or the buffer is not the one it was built for.
+shard's tensor or the buffer is not the one it was built for. The destination may also be the
+caller's (a memory snapshot's mapped data file, :mod:`.file_staging`); programs are cached per
+destination.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def to_jsonable(obj: Any, where: str = "state") -> Any:
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        if all(type(v) in _SCALARS for v in obj):   # e.g. an RNG state: 600+ ints, no per-item call
+        if _SCALARS.issuperset(map(type, obj)):   # e.g. an RNG state: 600+ ints, no per-item call
             return list(obj)
         return [to_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "

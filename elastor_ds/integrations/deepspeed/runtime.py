@@ -83,7 +83,7 @@ class ElastorCheckpointer:
         self.loaded: Optional[LoadResult] = None
         self.last_collect_s = 0.0
         self.last_hook_s = 0.0   # wall time of the last save/snapshot on the training thread (collect .. stall)
-        self._shards_cache: Optional[tuple[Any, list]] = None   # (state_fingerprint, shards)
+        self._shards_cache: Optional[tuple[Any, list, list]] = None   # (state_fingerprint, shards, optimizer groups)
         self.restore: Optional[dict[str, Any]] = None   # where the resumed bytes came from
         # sources consulted between this node's memory and storage on a memory restore (peer copies,
         # other nodes' servers): fn(step_dir, manifest) -> [ChunkSource, ...]
@@ -169,10 +169,11 @@ class ElastorCheckpointer:
         t0 = time.perf_counter()
         key = st.state_fingerprint(eng)
         if self._shards_cache is not None and self._shards_cache[0] == key:
-            shards = self._shards_cache[1]
+            shards, groups = self._shards_cache[1], self._shards_cache[2]
         else:
             shards = st.model_shards(eng) + st.optimizer_shards(eng, include_master=not st.master_is_weight(eng))
-            self._shards_cache = (key, shards)
+            groups = st.optimizer_groups(eng)
+            self._shards_cache = (key, shards, groups)
         self.last_collect_s = time.perf_counter() - t0
         sched = eng.lr_scheduler
         extra = {
@@ -182,7 +183,7 @@ class ElastorCheckpointer:
             "skipped_steps": int(getattr(eng, "skipped_steps", 0)),
             "train_batch_size": int(eng.train_batch_size()),
             "zero_stage": int(eng.zero_optimization_stage()),
-            "optimizer": st.optimizer_scalars(eng),
+            "optimizer": st.optimizer_scalars(eng, groups),
             "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler") if sched is not None else None,
             "client_state": _jsonable(self.client_state, "client_state"),
         }

@@ -258,11 +258,18 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
     return out
 
 
-def optimizer_scalars(engine: Any) -> list[dict[str, Any]]:
-    """Per param group: hyper-parameters and scalar states (e.g. Adam's ``step``)."""
+def optimizer_groups(engine: Any) -> list:
+    """The optimizer's param groups as :func:`optimizer_scalars` reads them (reusable while
+    :func:`state_fingerprint` is unchanged: the values are read live from them each time)."""
+    return _groups(engine)
+
+
+def optimizer_scalars(engine: Any, groups: Optional[list] = None) -> list[dict[str, Any]]:
+    """Per param group: hyper-parameters and scalar states (e.g. Adam's ``step``). ``groups``:
+    :func:`optimizer_groups` of an unchanged state (it walks the module's parameters)."""
     opt = base_optimizer(engine)
     out = []
-    for g in _groups(engine):
+    for g in (_groups(engine) if groups is None else groups):
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.base_group.items()
                  if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
         scalars: dict[str, Any] = {}
