@@ -7,9 +7,11 @@ the manifest from every rank's result (:func:`build_manifest`) and commits it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
+import uuid
 from typing import Any, Mapping, Optional, Sequence
 
 from ..layout.region import Region
@@ -157,34 +159,63 @@ class ManifestTemplate:
                 per_tensor[it.name].append((it.region.offsets, cd))
                 cds.append(cd)
             self.ranks.append((fname, cds, len(header) + sum(it.nbytes for it in items)))
-        self.tensors = {n: {"shape": list(shape), "dtype": dtype,
-                            "chunks": [cd for _, cd in sorted(per_tensor[n], key=lambda t: t[0])]}
-                        for n, (shape, dtype) in sorted(plan.tensors.items())}
+        tensors = {n: {"shape": list(shape), "dtype": dtype,
+                       "chunks": [cd for _, cd in sorted(per_tensor[n], key=lambda t: t[0])]}
+                   for n, (shape, dtype) in sorted(plan.tensors.items())}
+        # the tensors section, serialised once: canonical text cut at every chunk's CRC (a unique
+        # token per chunk), so a render only joins the pieces with the new CRCs
+        self._token = f"elastor-{uuid.uuid4().hex}"
+        order: dict[int, int] = {}   # chunk dict id -> its index in rank-major order
+        for cds in (r[1] for r in self.ranks):
+            for cd in cds:
+                cd["crc32"] = f"{self._token}-{len(order)}"
+                order[id(cd)] = len(order)
+        text = json.dumps(tensors, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        parts = text.split(f'"{self._token}-')
+        self._pieces = [parts[0]]
+        self._slots: list[int] = []   # for each CRC hole in text order: its rank-major chunk index
+        for part in parts[1:]:
+            idx, rest = part.split('"', 1)
+            self._slots.append(int(idx))
+            self._pieces.append(rest)
+        if len(self._slots) != len(order):
+            raise AssertionError("manifest template: a chunk CRC token was not found exactly once")
 
     def render(self, step: int, results: Sequence[dict], extra: Any, model: Any, layout: Any) -> str:
         """The manifest text for ``results`` (every rank's lean result, in rank order)."""
         from ..errors import CheckpointError
-        from .planning.manifest import FORMAT_NAME, FORMAT_VERSION, dumps_compact_with_checksum
+        from .planning.manifest import FORMAT_NAME, FORMAT_VERSION
         if len(results) != len(self.ranks):
             raise CheckpointError(f"{len(results)} results for a plan of {len(self.ranks)} ranks")
         files: dict[str, dict] = {}
         states: dict[int, str] = {}
+        crcs: list[str] = []
         for r, res in enumerate(results):
             fname, cds, size = self.ranks[r]
-            crcs = res["crcs"]
-            if res["rank"] != r or len(crcs) != len(cds) or res["files"].get(fname, (None,))[0] != size:
+            got = res["crcs"]
+            if res["rank"] != r or len(got) != len(cds) or res["files"].get(fname, (None,))[0] != size:
                 raise CheckpointError(f"rank {r}'s snapshot result does not match the save plan (rank "
-                                      f"{res['rank']}, {len(crcs)} chunks for {len(cds)}, data file size "
+                                      f"{res['rank']}, {len(got)} chunks for {len(cds)}, data file size "
                                       f"{res['files'].get(fname, (None,))[0]} for {size})")
-            for cd, c in zip(cds, crcs):
-                cd["crc32"] = f"{c:08x}"
+            crcs.extend(f'"{c:08x}"' for c in got)
             for name, (fsize, fcrc) in res["files"].items():
                 files[name] = {"size": fsize, "crc32": f"{fcrc:08x}", "writer_rank": r}
             if res["state"]:
                 states[r] = res["state"]
+        body = [self._pieces[0]]
+        for slot, piece in zip(self._slots, self._pieces[1:]):
+            body.append(crcs[slot])
+            body.append(piece)
+        tensors_text = "".join(body)
         d = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(step),
              "world_size": len(results), "created_unix": time.time(), "layout": layout, "model": model,
              "extra": extra, "rank_state_files": {str(k): v for k, v in sorted(states.items())},
-             "files": dict(sorted(files.items())), "tensors": self.tensors}
-        return dumps_compact_with_checksum(d)
-
+             "files": dict(sorted(files.items())), "tensors": self._token}
+        # the canonical text of d (sorted keys, compact) with the tensors section spliced in: the
+        # token is a string only this template made, so it occurs exactly once
+        head = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        mark = f'"tensors":"{self._token}"'
+        if head.count(mark) != 1:
+            raise CheckpointError("manifest template: the tensors marker is not unique in the document")
+        text = head.replace(mark, '"tensors":' + tensors_text)
+        return text[:-1] + ',"checksum":"sha256:' + hashlib.sha256(text.encode()).hexdigest() + '"}'

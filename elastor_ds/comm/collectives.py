@@ -197,8 +197,17 @@ class _Liveness:
                 self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/{self.rank}")
             seen: dict[int, tuple[int, float]] = {}
             pause = 0.001
+            # peers' heartbeats are read every hb_every s, not every poll: a poll is one store round
+            # trip, reading all heartbeats world - 1 more (each also costs the store's host CPU)
+            hb_every = min(0.25, self.liveness_s / 20)
+            next_hb = time.monotonic() + hb_every
             while not self._store.check(keys):
                 now = time.monotonic()
+                if now < next_hb:
+                    time.sleep(pause)
+                    pause = min(0.05, pause * 2)
+                    continue
+                next_hb = now + hb_every
                 dead = []
                 for r in range(self.world):
                     if r == self.rank:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -185,6 +186,19 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+_SUBMODULES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _submodules(module: torch.nn.Module) -> tuple:
+    """``module.modules()``, listed once per module (a snapshot every step walked the tree twice
+    per step; the tree of a model being trained does not change, its parameters may and are read
+    live from each submodule)."""
+    got = _SUBMODULES.get(module)
+    if got is None:
+        got = _SUBMODULES[module] = tuple(module.modules())
+    return got
+
+
 def state_fingerprint(engine: Any) -> tuple:
     """Everything :func:`model_shards` and :func:`optimizer_shards` depend on that can change while
     training: each module parameter and floating buffer (identity, memory address, shape, stride,
@@ -192,11 +206,17 @@ def state_fingerprint(engine: Any) -> tuple:
     partition objects. Equal fingerprints mean the previously built shards still view the right
     memory (a shard's view keeps its storage alive, so a replaced tensor cannot reuse its address)."""
     key: list = [id(engine.module), id(engine.optimizer), id(getattr(engine, "elastor_zero", None))]
-    for p in engine.module.parameters():
-        key.append((id(p), _tensor_key(p.data)))
-    for b in engine.module.buffers():
-        if b is not None and b.is_floating_point():
-            key.append((id(b), _tensor_key(b)))
+    seen: set[int] = set()
+    for m in _submodules(engine.module):   # what module.parameters()/buffers() visit, without their recursion
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                key.append((id(p), _tensor_key(p.data)))
+    for m in _submodules(engine.module):
+        for b in m._buffers.values():
+            if b is not None and b.is_floating_point() and id(b) not in seen:
+                seen.add(id(b))
+                key.append((id(b), _tensor_key(b)))
     opt = base_optimizer(engine)
     for g in opt.param_groups:
         for p in g["params"]:
