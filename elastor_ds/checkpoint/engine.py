@@ -176,7 +176,7 @@ class CheckpointEngine:
         self.block_size = int(block_size)
         self.files: Optional[FileStaging] = (FileStaging(max_maps=keep + 3, pin=self.staging.pin)
                                              if (node_local if file_staging is None else file_staging) else None)
-        self._header: Optional[tuple[Any, bytes, int]] = None   # (plan items, header, header CRC) of file staging
+        self._header: Optional[tuple] = None   # file staging: (plan items, header, header CRC, file size)
         self._template: Optional[ManifestTemplate] = None   # rank 0, file staging: the cached plan's manifest
         self._committed: list[str] = []   # names of the step dirs this engine committed, oldest first
         # CUDA: True once the caller calls fence() before every optimizer step; then the snapshot
@@ -275,14 +275,14 @@ class CheckpointEngine:
         assert self.files is not None
         if self._header is None or self._header[0] is not items:
             header, _ = rank_header(self.comm.rank, items)
-            self._header = (items, header, crc32(header))
-        _, header, hcrc = self._header
+            self._header = (items, header, crc32(header), len(header) + sum(it.nbytes for it in items))
+        _, header, hcrc, size = self._header
         fname = data_file_name(self.comm.rank)
         # this rank's retired files: where retention put them, or still in a step dir that a newer
         # commit retired (newest first); never a step among the newest ``keep``
         cands = [os.path.join(self.recycle_dir, fname)] if self.recycle_dir else []
         cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
-        staged = self.files.take(tmp_dir, fname, cands, header, len(header) + sum(it.nbytes for it in items))
+        staged = self.files.take(tmp_dir, fname, cands, header, size)
         return staged, hcrc
 
     def fence(self) -> None:

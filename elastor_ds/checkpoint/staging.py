@@ -43,6 +43,7 @@ class _CopyProgram:
         self.copies: list[tuple[np.ndarray, np.ndarray]] = []
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.spans: list[tuple[int, int]] = []
+        self.total = sum(i.nbytes for i in items)
         run: list = []   # [src tensor, src storage id, src start ptr, dst start, nbytes] of the open run
 
         def close() -> None:
@@ -123,14 +124,16 @@ class StagingBuffer:
     def snapshot(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor | None = None,
                  defer: bool = False) -> list[tuple[int, int]]:
         """Copy every item's bytes into the buffer in file order; return (offset, nbytes) per item."""
-        total = sum(i.nbytes for i in items)
+        prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None) if buf is not None else None
+        total = prog.total if prog is not None else sum(i.nbytes for i in items)
         if buf is None:
             buf = self.ensure(total)
         elif buf.numel() < total:
             raise ValueError(f"staging destination holds {buf.numel()} bytes, the save needs {total}")
         self.wait_device()
         if not any(sh.tensor.is_cuda for sh in shards):
-            prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None)
+            if prog is None:
+                prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None)
             if prog is None:
                 prog = _CopyProgram(items, shards, buf)
                 self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]

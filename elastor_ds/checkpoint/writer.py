@@ -66,7 +66,8 @@ def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, sp
     blocks: list[list[int]] = []
     crc = header_crc
     for pos, n in spans:
-        cum = cumulative_crcs(mv[pos:pos + n], block_size)
+        # a chunk of one block (most of a small model's) is one CRC call, no per-block loop
+        cum = [crc32(mv[pos:pos + n])] if n <= block_size else cumulative_crcs(mv[pos:pos + n], block_size)
         blocks.append(cum)
         crcs.append(cum[-1])
         crc = crc32_combine(crc, cum[-1], n)
