@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
+from elastor_ds.elastic.overhead import paired_overhead  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
 
@@ -230,32 +231,11 @@ def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_block
 
 
 def _paired(args, work: str) -> dict:
-    """One trainer run whose snapshots pause in every other block of ``--block`` iterations: a
-    "with" iteration took a snapshot and overlapped the previous one's background writer (steady
-    state); a "without" iteration neither (the one right after a "with" block carries that block's
-    last writer and counts as neither). Same processes, same placement, minutes apart at most."""
+    """One trainer run whose snapshots pause in every other block of ``--block`` iterations
+    (:func:`elastor_ds.elastic.overhead.paired_overhead`: with vs without on the same processes,
+    minutes apart at most)."""
     recs = _train(args, work, "paired", True, iters=args.paired_iters, ab_blocks=args.block)
-    snapped = {r["iteration"] for r in recs if r.get("snapshot_stall_s") is not None}
-    with_, without, blocks = [], [], {}
-    for r in recs:
-        i = r["iteration"]
-        kind = ("with" if i in snapped and i - 1 in snapped else
-                "without" if i not in snapped and i - 1 not in snapped else None)
-        if kind:
-            (with_ if kind == "with" else without).append(r["iter_time_s"])
-            blocks.setdefault(i // args.block, (kind, []))[1].append(r["iter_time_s"])
-    # each "with" block against the "without" block right after it
-    order = sorted(blocks)
-    ratios = [statistics.median(blocks[b][1]) / statistics.median(blocks[n][1]) - 1
-              for b, n in zip(order, order[1:]) if blocks[b][0] == "with" and blocks[n][0] == "without"]
-    tw, to = statistics.median(with_), statistics.median(without)
-    mw, mo = statistics.fmean(with_), statistics.fmean(without)
-    return {"iters": args.paired_iters, "block": args.block, "median_iter_s_with": tw, "median_iter_s_without": to,
-            "mean_iter_s_with": mw, "mean_iter_s_without": mo,
-            "iterations_with": len(with_), "iterations_without": len(without),
-            "step_overhead": tw / to - 1, "step_overhead_of_means": mw / mo - 1,
-            "step_overhead_median_of_block_pairs": statistics.median(ratios) if ratios else None,
-            "block_pair_overheads": ratios}
+    return {"iters": args.paired_iters, **paired_overhead(recs, args.block, skip=0)}
 
 
 def overhead_rows(args) -> dict:

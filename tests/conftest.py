@@ -27,3 +27,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration if cache[path] else pytest.mark.unit)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA (gpu tier)"))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs mounted at ``tmp_path / "tiny"`` (a real full disk for ENOSPC paths); skipped
+    where mounting is not allowed (needs root). Unmounted after the test."""
+    import subprocess
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -192,15 +192,8 @@ def test_writer_failure_raises_on_every_rank_efbig(tmp_path):
     run_world(_failing_writer, 2, str(tmp_path / "ck"), "efbig", timeout_s=60)
 
 
-def test_writer_failure_raises_on_every_rank_enospc(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root); the RLIMIT_FSIZE variant covers the path")
-    try:
-        run_world(_failing_writer, 2, str(mnt / "ck"), "enospc", timeout_s=60)
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+def test_writer_failure_raises_on_every_rank_enospc(tiny_tmpfs):
+    run_world(_failing_writer, 2, str(tiny_tmpfs / "ck"), "enospc", timeout_s=60)
 
 
 def _make_two_steps(root: str):

@@ -75,53 +75,51 @@ def test_side_stream_copy_does_not_block_the_default_stream(tmp_path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_node_local_snapshot_stages_into_a_page_locked_mapping(tmp_path):
+@pytest.fixture
+def shm_root(tmp_path):
+    import shutil
+    root = _shm_dir(tmp_path)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_node_local_snapshot_stages_into_a_page_locked_mapping(shm_root):
     """A memory-snapshot engine (node_local) copies CUDA shards straight into its mapped tmpfs data
     file, page-locked with cudaHostRegister; two steps later the same mapping is reused (no new
     mapping, no new registration), and the snapshot restores bit for bit."""
-    import shutil
-    root = _shm_dir(tmp_path)
-    try:
-        eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
-        x = torch.randn(2048, 1024, device="cuda")
-        shards = [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), x)]
-        for step in range(1, 5):
-            x.add_(1.0)
-            eng.save(step, shards)
-            eng.wait()
-        assert eng.files is not None and eng.files.new_mappings == 2
-        assert all(m.pinned for m in eng.files._maps.values())
-        back = torch.zeros_like(x)
-        eng.load(None, [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), back)])
-        assert torch.equal(back, x)
-        eng.finalize()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    eng = CheckpointEngine(shm_root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    x = torch.randn(2048, 1024, device="cuda")
+    shards = [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), x)]
+    for step in range(1, 5):
+        x.add_(1.0)
+        eng.save(step, shards)
+        eng.wait()
+    assert eng.files is not None and eng.files.new_mappings == 2
+    assert all(m.pinned for m in eng.files._maps.values())
+    back = torch.zeros_like(x)
+    eng.load(None, [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), back)])
+    assert torch.equal(back, x)
+    eng.finalize()
 
 
-def test_deferred_device_copy_is_ordered_before_the_next_update_by_the_fence(tmp_path):
+def test_deferred_device_copy_is_ordered_before_the_next_update_by_the_fence(shm_root):
     """defer_device_copies: save() returns while the D2H copy is still queued on the side stream;
     fence() makes the next in-place update (the optimizer step's role) wait for it on the device,
     so the snapshot holds the value before the update, and the update's result is intact."""
-    import shutil
-    root = _shm_dir(tmp_path)
-    try:
-        eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
-        eng.defer_device_copies = True
-        x = torch.ones(8192, 8192, device="cuda")        # 256 MiB: the copy takes milliseconds
-        shards = [TensorShard("x", (8192, 8192), Region((0, 0), (8192, 8192)), x)]
-        eng.save(1, shards)
-        eng.wait()
-        want = x.clone()
-        eng.save(2, shards)
-        assert eng.staging.pending is not None
-        eng.fence()
-        x.mul_(3.0)                                       # the "optimizer step", queued after the fence
-        eng.wait()
-        back = torch.zeros_like(x)
-        eng.load(None, [TensorShard("x", (8192, 8192), Region((0, 0), (8192, 8192)), back)])
-        assert torch.equal(back, want)
-        assert torch.equal(x, want * 3.0)
-        eng.finalize()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    eng = CheckpointEngine(shm_root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng.defer_device_copies = True
+    x = torch.ones(8192, 8192, device="cuda")        # 256 MiB: the copy takes milliseconds
+    shards = [TensorShard("x", (8192, 8192), Region((0, 0), (8192, 8192)), x)]
+    eng.save(1, shards)
+    eng.wait()
+    want = x.clone()
+    eng.save(2, shards)
+    assert eng.staging.pending is not None
+    eng.fence()
+    x.mul_(3.0)                                       # the "optimizer step", queued after the fence
+    eng.wait()
+    back = torch.zeros_like(x)
+    eng.load(None, [TensorShard("x", (8192, 8192), Region((0, 0), (8192, 8192)), back)])
+    assert torch.equal(back, want)
+    assert torch.equal(x, want * 3.0)
+    eng.finalize()

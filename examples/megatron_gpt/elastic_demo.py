@@ -19,8 +19,9 @@
    recovery the restore tier, step, bytes from local memory / peers / storage and load seconds), a
    loss table, the snapshots' main-thread stall, ``timeline.png`` and ``summary.json``.
    ``--measure-overhead``: before the elastic run, the same model and layout under ``torchrun``
-   with and without snapshots (alternated A/B/A/B, ``--overhead-iters`` each): the step overhead of
-   the snapshots (mean iteration time, the median beside it), measured (adds about two minutes).
+   for ``--overhead-iters`` iterations with a snapshot every iteration, paused in every other
+   block of 4: the snapshots' step overhead within one run (median iteration time with vs
+   without, the means beside it; adds about 45 seconds).
 
 ``--gpus``: the same on a GPU node (NCCL, one process per GPU).
 """
@@ -70,49 +71,42 @@ def direct_worker(events_file: str, rank: int) -> int:
 
 
 def measure_overhead(a: argparse.Namespace, env: dict, nproc: int) -> dict:
-    """The snapshots' step overhead on the demo's own model and layout: ``torchrun`` runs of
-    ``--overhead-iters`` iterations without and with a memory snapshot every ``--snapshot-interval``
-    iterations, alternated A/B/A/B; mean and median iteration time of each (the first 3 iterations of a run
-    are warm-up and left out). Storage checkpoints off in both."""
+    """The snapshots' step overhead on the demo's own model and layout, within one ``torchrun``
+    run of ``--overhead-iters`` iterations whose snapshots (every iteration) pause in every other
+    block of 4 (:func:`elastor_ds.elastic.overhead.paired_overhead`: the same processes with and
+    without, so the machine's drift between separate runs does not enter). Storage checkpoints off."""
+    from elastor_ds.elastic.overhead import paired_overhead
     work = tempfile.mkdtemp(prefix="overhead_", dir=a.out)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    stalls: list[float] = []
-    for k, snap in enumerate((False, True, False, True)):
-        mfile = os.path.join(work, f"m{k}.jsonl")
-        sdir = tempfile.mkdtemp(prefix="elastor-demo-overhead-",
-                                dir="/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            port = so.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={port}", os.path.join(HERE, "pretrain_gpt.py"),
-               *model_flags(a, train_iters=a.overhead_iters), "--tensor-model-parallel-size", str(a.tp),
-               "--pipeline-model-parallel-size", str(a.pp), "--save", os.path.join(work, f"ckpt{k}"),
-               "--save-interval", "0", "--profile-iters", "0", "--metrics-file", mfile]
-        if snap:
-            cmd += ["--elastor-memory-snapshot-interval", str(a.snapshot_interval),
-                    "--elastor-memory-snapshot-peer-copies", "0"]
-        log.info("overhead run %d/4: %s snapshots, %d iterations", k + 1, "with" if snap else "without",
-                 a.overhead_iters)
-        try:
-            p = subprocess.run(cmd, env=dict(env, ELASTOR_SNAPSHOT_DIR=sdir), cwd=ROOT, capture_output=True, text=True,
-                               timeout=900)
-        finally:
-            shutil.rmtree(sdir, ignore_errors=True)
+    mfile = os.path.join(work, "paired.jsonl")
+    sdir = tempfile.mkdtemp(prefix="elastor-demo-overhead-",
+                            dir="/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    block = 4
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", os.path.join(HERE, "pretrain_gpt.py"),
+           *model_flags(a, train_iters=a.overhead_iters), "--tensor-model-parallel-size", str(a.tp),
+           "--pipeline-model-parallel-size", str(a.pp), "--save", os.path.join(work, "ckpt"),
+           "--save-interval", "0", "--profile-iters", "0", "--metrics-file", mfile,
+           "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0",
+           "--elastor-memory-snapshot-ab-blocks", str(block)]
+    log.info("overhead run: %d iterations, a snapshot every iteration, paused in every other block of %d",
+             a.overhead_iters, block)
+    try:
+        p = subprocess.run(cmd, env=dict(env, ELASTOR_SNAPSHOT_DIR=sdir), cwd=ROOT, capture_output=True, text=True,
+                           timeout=1800)
         if p.returncode != 0:
             raise SystemExit(f"overhead run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-        recs = [m for m in read_jsonl(mfile) if m["iteration"] > 3]
-        times[snap] += [m["iter_time_s"] for m in recs]
-        stalls += [m["snapshot_stall_s"] for m in recs if snap and "snapshot_stall_s" in m]
-    shutil.rmtree(work, ignore_errors=True)
-    # the mean is the throughput cost (with a snapshot every N > 1 iterations the times alternate and
-    # a median would miss the snapshot iterations); the median is given beside it
-    without, with_ = statistics.fmean(times[False]), statistics.fmean(times[True])
-    med_without, med_with = statistics.median(times[False]), statistics.median(times[True])
-    return {"iterations_per_run": a.overhead_iters, "runs": "A/B/A/B", "mean_iter_s_without": without,
-            "mean_iter_s_with": with_, "step_overhead": with_ / without - 1, "median_iter_s_without": med_without,
-            "median_iter_s_with": med_with, "median_step_overhead": med_with / med_without - 1,
-            "snapshots": len(stalls), "median_stall_over_iter": statistics.median(stalls) / med_with if stalls else None}
+        recs = read_jsonl(mfile)
+    finally:
+        shutil.rmtree(sdir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    res = paired_overhead(recs, block)
+    stalls = [m["snapshot_stall_s"] for m in recs if m["iteration"] > 3 and m.get("snapshot_stall_s") is not None]
+    return {"iterations": a.overhead_iters, "method": f"one run, snapshots paused in every other block of {block}",
+            **res, "snapshots": len(stalls),
+            "median_stall_over_iter": statistics.median(stalls) / res["median_iter_s_with"] if stalls else None}
 
 
 def main() -> int:
@@ -137,8 +131,9 @@ def main() -> int:
                     help="the node's snapshot directory given to `elastor run --snapshot-dir` (default "
                          "/dev/shm/elastor-demo-<pid>; removed when the job ends)")
     ap.add_argument("--measure-overhead", action="store_true",
-                    help="first measure the snapshots' step overhead (torchrun, same model and layout, A/B/A/B)")
-    ap.add_argument("--overhead-iters", type=int, default=30)
+                    help="first measure the snapshots' step overhead (torchrun, same model and layout, one run with "
+                         "snapshots paused in every other block of 4 iterations)")
+    ap.add_argument("--overhead-iters", type=int, default=200)
     a = ap.parse_args()
     if a.snapshot_interval < 0:
         ap.error(f"--snapshot-interval {a.snapshot_interval}: give 0 (no memory snapshots) or a positive number")
@@ -252,9 +247,9 @@ def main() -> int:
               f"directory was {'removed' if summary['snapshot_dir_removed'] else 'NOT removed'} at the end"
               f"{' (yours: only its local/ and peer/)' if snap_existed else ''}")
     if overhead:
-        print(f"snapshot step overhead (torchrun A/B/A/B, {overhead['iterations_per_run']} iterations each): "
-              f"mean {overhead['mean_iter_s_without'] * 1e3:.0f} -> {overhead['mean_iter_s_with'] * 1e3:.0f} ms/iteration,"
-              f" {overhead['step_overhead'] * 100:+.1f} % (median {overhead['median_step_overhead'] * 100:+.1f} %)")
+        print(f"snapshot step overhead ({overhead['iterations']} iterations, {overhead['method']}): median "
+              f"{overhead['median_iter_s_without'] * 1e3:.0f} -> {overhead['median_iter_s_with'] * 1e3:.0f} ms/iteration, "
+              f"{overhead['step_overhead'] * 100:+.1f} % (means {overhead['step_overhead_of_means'] * 100:+.1f} %)")
     for r in recs:
         if r.kind != "failure":
             continue
