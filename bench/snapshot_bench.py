@@ -342,7 +342,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--pairs", type=int, default=3, help="overhead row: runs without/with snapshots, alternated")
-    p.add_argument("--paired-iters", type=int, default=48, help="overhead row: iterations of the one run that "
+    p.add_argument("--paired-iters", type=int, default=200, help="overhead row: iterations of the one run that "
                    "alternates blocks with and without snapshots (0: skip it)")
     p.add_argument("--block", type=int, default=4, help="overhead row: iterations per block in that run")
     p.add_argument("--kill-at", type=int, default=7)
