@@ -318,6 +318,7 @@ class CheckpointEngine:
         finally:
             self._stop_writer()
             if self.files is not None:
+                self.staging.forget_all()   # their views would keep the mappings alive
                 self.files.close()
             if self.recycle_dir is not None and (self.comm.rank == 0 or self.node_committer):
                 import shutil   # every rank's last save took its file before rank 0 could finish it

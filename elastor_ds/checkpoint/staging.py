@@ -115,6 +115,11 @@ class StagingBuffer:
             self.buf = buf
         return self.buf
 
+    def forget_all(self) -> None:
+        """Drop every cached copy program (before the memory they copy into is unmapped)."""
+        self._programs = []
+        self._program = None
+
     def forget(self, buf: torch.Tensor) -> None:
         """Drop the copy programs into ``buf`` (their views would keep its memory alive)."""
         self._programs = [p for p in self._programs if p.buf is not buf]
