@@ -257,3 +257,20 @@ def test_two_ranks_a_staging_failure_on_one_rank_fails_the_snapshot_on_both(tmp_
     reads back exactly on both ranks."""
     from dist_utils import run_world
     run_world(_two_rank_failure, 2, str(tmp_path / "mem"), timeout_s=90)
+
+
+def test_retention_keeps_only_this_jobs_ranks_files_for_reuse(tmp_path):
+    """After a shrink (here: a 1-rank job on a root a 4-rank job used), the spare data files of the
+    ranks that are gone are deleted by retention, not kept in ``.recycle`` holding memory."""
+    root = tmp_path / "mem"
+    spare = root / ".recycle"
+    spare.mkdir(parents=True)
+    for r in (0, 3):
+        (spare / f"data_{r:05d}.safetensors").write_bytes(b"x" * 4096)
+    eng = CheckpointEngine(str(root), keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    t = torch.randn(100, 10)
+    for step in (1, 2, 3):
+        eng.save(step, [full_shard("t", t)])
+        eng.wait()
+    assert sorted(os.listdir(spare)) == ["data_00000.safetensors"]   # step 2's file, retired by step 3
+    eng.finalize()

@@ -364,11 +364,14 @@ def commit_text(root: str, tmp_dir: str, step: int, text: str) -> str:
     return StepCommit.adopt(root, tmp_dir, step).finalize_text(text)
 
 
-def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None) -> list[str]:
+def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None,
+                    recycle_names: Optional[set] = None) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs; never
     ``protect``, never the step ``latest`` names, never one newer than ``protect``.
     ``recycle_dir`` (memory snapshots): the data files (``*.safetensors``) of a deleted committed
-    step are moved there first, for the next save to write over (no longer part of any checkpoint)."""
+    step are moved there first, for the next save to write over (no longer part of any checkpoint).
+    ``recycle_names``: the data files a rank of the current job will take (the others, e.g. of
+    ranks gone after a shrink, are deleted instead, also from ``recycle_dir``: their memory)."""
     keep = max(1, keep)
     removed = []
     committed = list_committed(root)
@@ -384,7 +387,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
             continue
         if recycle_dir is not None:
-            _recycle_data_files(path, recycle_dir)
+            _recycle_data_files(path, recycle_dir, recycle_names)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
@@ -396,17 +399,28 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
+    if recycle_dir is not None and recycle_names is not None:
+        try:
+            spare = [n for n in os.listdir(recycle_dir) if n not in recycle_names]
+        except OSError:
+            spare = []
+        for n in spare:
+            try:
+                os.unlink(os.path.join(recycle_dir, n))
+            except OSError as e:
+                log.debug("could not remove %s/%s: %s", recycle_dir, n, e)
     if removed:   # memory snapshots (recycle_dir) retire a step every iteration: not worth an INFO line each
         log.log(logging.DEBUG if recycle_dir is not None else logging.INFO, "retention removed %s",
                 ", ".join(os.path.basename(p) for p in removed))
     return removed
 
 
-def _recycle_data_files(step_dir: str, recycle_dir: str) -> None:
+def _recycle_data_files(step_dir: str, recycle_dir: str, names_wanted: Optional[set] = None) -> None:
     """Move a doomed step dir's data files into ``recycle_dir`` (replacing older ones there). The
     manifest goes first, so the step dir stops being a checkpoint before any data file leaves it."""
     try:
-        names = [n for n in os.listdir(step_dir) if n.endswith(".safetensors") and "/" not in n]
+        names = [n for n in os.listdir(step_dir) if n.endswith(".safetensors") and "/" not in n
+                 and (names_wanted is None or n in names_wanted)]
         os.makedirs(recycle_dir, exist_ok=True)
         os.unlink(os.path.join(step_dir, MANIFEST_NAME))
     except OSError as e:

@@ -201,6 +201,8 @@ class CheckpointEngine:
         self.recycle_dir: Optional[str] = os.path.join(self.root, RECYCLE_DIR) if node_local else None
         self.node_committer = False   # node_local: this rank commits its node's copy (rank 0's node: rank 0)
         self._multi_node = False      # node_local: the manifest text goes to other nodes' committers
+        # node_local: data files worth keeping for reuse (this job's ranks'); others are deleted
+        self._recycle_names = {data_file_name(r) for r in range(self.comm.world_size)} if node_local else None
         if node_local:
             import socket
             os.makedirs(self.root, exist_ok=True)
@@ -426,7 +428,7 @@ class CheckpointEngine:
                 if rank == 0 or self.node_committer:  # durable and announced: now delete what retention drops
                     try:
                         commit_mod.apply_retention(self.root, self.keep, protect=result[1],
-                                                   recycle_dir=self.recycle_dir)
+                                                   recycle_dir=self.recycle_dir, recycle_names=self._recycle_names)
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
                 if self.after_commit and outcome[0] == "ok":
