@@ -118,8 +118,14 @@ def test_ring_copy_two_nodes_bytes_equal_and_older_dropped(tmp_path):
     assert o0.endswith("-elastor-node0") and o0 != o1
     assert sorted(os.listdir(n1 / "peer")) == [o0]
     assert sorted(os.listdir(n0 / "peer")) == [o1]
-    assert os.listdir(n1 / "peer" / o0) == [STEP6]
-    assert os.listdir(n0 / "peer" / o1) == [STEP6]
+    # step 5's copy is dropped; its data files stay as spares the next copy is received into
+    assert sorted(os.listdir(n1 / "peer" / o0)) == [".spare", STEP6]
+    assert sorted(os.listdir(n0 / "peer" / o1)) == [".spare", STEP6]
+    for holder, ranks, origin in ((n1, (0, 1), o0), (n0, (2,), o1)):
+        spares = holder / "peer" / origin / ".spare"
+        want5 = {rel: b for r in ranks for rel, b in _files_of(r, 5).items() if rel.endswith(".safetensors")}
+        assert sorted(os.listdir(spares)) == sorted(want5)
+        assert all((spares / rel).read_bytes() == b for rel, b in want5.items())
     for holder, ranks, origin in ((n1, (0, 1), o0), (n0, (2,), o1)):
         d = holder / "peer" / origin / STEP6
         assert (d / "COMPLETE").exists()
