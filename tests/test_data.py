@@ -48,3 +48,42 @@ def test_epochs_reshuffle_and_bad_input(corpus, tmp_path):
     bad.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
         RecordDataset(str(bad), 8).text(1)
+
+
+ORPHAN_PARENT = """
+import os, signal, sys, time
+from elastor_ds.data import PrefetchLoader
+loader = PrefetchLoader(sys.argv[1], 32, 7, (3, 1), 2, replica=0, prefetch=2)
+loader.next()                       # the worker runs and fills its queue
+print(loader._proc.pid, flush=True)
+time.sleep(0.5)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)                         # an agreed stop's exit: no close(), no daemon clean-up
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_the_data_worker_does_not_outlive_its_trainer(corpus, how):
+    """A trainer that dies (SIGKILL) or leaves through os._exit without closing its loader: its
+    data worker, blocked on a full queue, exits within seconds instead of running forever."""
+    import os
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", ORPHAN_PARENT, corpus, how], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == (-9 if how == "kill" else 0), p.stderr[-2000:]
+    child = int(p.stdout.split()[0])
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+    t_end = time.time() + 10
+    while alive() and time.time() < t_end:
+        time.sleep(0.1)
+    assert not alive(), f"data worker {child} still running 10 s after its trainer died"

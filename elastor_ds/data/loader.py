@@ -4,11 +4,14 @@
 walks the iterations from ``start_iteration``, builds each iteration's samples for this replica
 (``indices_fn(iteration)``) and puts them in a queue of at most ``prefetch`` iterations. Training
 blocks in :meth:`next` only when it catches up with the worker. A worker failure is re-raised in the
-trainer with the worker's message; :meth:`close` stops the worker.
+trainer with the worker's message; :meth:`close` stops the worker. A worker whose trainer is gone
+without closing it (SIGKILLed, or ``os._exit`` after an agreed stop, which skips the daemon cleanup)
+notices that it was re-parented within ``_PARENT_CHECK_S`` and exits: it never outlives its trainer.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import traceback
 from typing import Optional
@@ -18,21 +21,29 @@ import numpy as np
 from ..errors import ElastorError
 
 
-def _worker(q, stop, path: str, seq_length: int, seed: int, schedule: tuple, start_iteration: int) -> None:
+_PARENT_CHECK_S = 0.2
+
+
+def _worker(q, stop, path: str, seq_length: int, seed: int, schedule: tuple, start_iteration: int,
+            parent_pid: int = 0) -> None:
     from .dataset import RecordDataset, replica_sample_indices
+
+    def orphaned() -> bool:   # the trainer died: this process was handed to another parent
+        return bool(parent_pid) and os.getppid() != parent_pid
     try:
         ds = RecordDataset(path, seq_length, seed)
         it = start_iteration
         micro_batches, mbs, replica = schedule
-        while not stop.is_set():
+        while not stop.is_set() and not orphaned():
             idx = replica_sample_indices(it, micro_batches, mbs, replica)
             batch = np.stack([ds.sample(i) for i in idx]) if idx else np.zeros((0, seq_length + 1), np.int64)
             while not stop.is_set():
                 try:
-                    q.put((it, idx[0] if idx else -1, batch, ds.tokenised), timeout=0.2)
+                    q.put((it, idx[0] if idx else -1, batch, ds.tokenised), timeout=_PARENT_CHECK_S)
                     break
                 except queue.Full:
-                    continue
+                    if orphaned():
+                        return
             it += 1
     except BaseException:  # noqa: BLE001 - forwarded to the trainer
         q.put(("error", traceback.format_exc()))
@@ -46,7 +57,8 @@ class PrefetchLoader:
         self._stop = ctx.Event()
         self._proc = ctx.Process(target=_worker, daemon=True, name="elastor-data",
                                  args=(self._q, self._stop, path, seq_length, seed,
-                                       (tuple(micro_batches), micro_batch_size, replica), start_iteration))
+                                       (tuple(micro_batches), micro_batch_size, replica), start_iteration,
+                                       os.getpid()))
         self._proc.start()
         self.next_iteration = start_iteration
         self.tokenised = 0
