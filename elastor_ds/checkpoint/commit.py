@@ -387,7 +387,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
             continue
         if recycle_dir is not None:
-            _recycle_data_files(path, recycle_dir, recycle_names)
+            recycle_data_files(path, recycle_dir, recycle_names)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
@@ -415,20 +415,27 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
     return removed
 
 
-def _recycle_data_files(step_dir: str, recycle_dir: str, names_wanted: Optional[set] = None) -> None:
-    """Move a doomed step dir's data files into ``recycle_dir`` (replacing older ones there). The
-    manifest goes first, so the step dir stops being a checkpoint before any data file leaves it."""
+def recycle_data_files(step_dir: str, dest: str, names_wanted: Optional[set] = None,
+                       markers: tuple[str, ...] = (MANIFEST_NAME,)) -> None:
+    """Move a doomed step dir's data files (``*.safetensors`` at its top level; only
+    ``names_wanted`` when given) into ``dest`` (replacing older ones there), for a later write to
+    reuse their pages. ``markers`` (the manifest; a peer copy's ``COMPLETE`` too) go first, so the
+    step dir stops being a checkpoint before any data file leaves it. Never raises."""
     try:
         names = [n for n in os.listdir(step_dir) if n.endswith(".safetensors") and "/" not in n
                  and (names_wanted is None or n in names_wanted)]
-        os.makedirs(recycle_dir, exist_ok=True)
-        os.unlink(os.path.join(step_dir, MANIFEST_NAME))
+        os.makedirs(dest, exist_ok=True)
+        for marker in markers:
+            try:
+                os.unlink(os.path.join(step_dir, marker))
+            except FileNotFoundError:
+                pass
     except OSError as e:
         log.debug("not recycling %s: %s", step_dir, e)
         return
     for n in names:
         try:
-            os.replace(os.path.join(step_dir, n), os.path.join(recycle_dir, n))
+            os.replace(os.path.join(step_dir, n), os.path.join(dest, n))
         except OSError as e:
             log.debug("not recycling %s/%s: %s", step_dir, n, e)
 

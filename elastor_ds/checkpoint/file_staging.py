@@ -56,12 +56,9 @@ class StagedFile:
     """A data file of a save in progress, mapped: ``data`` is its data section (after the header)."""
 
     path: str
-    size: int
     header_len: int
-    data: torch.Tensor         # uint8, ``size - header_len`` bytes, in the file's pages
-    reused: bool               # taken from a retired file (else created)
-    remapped: bool             # a new mapping was made for it (page-table set-up paid in this save)
-    key: tuple[int, int] = (0, 0)   # (st_dev, st_ino)
+    data: torch.Tensor         # uint8, the data section's bytes, in the file's pages
+    key: tuple[int, int]       # (st_dev, st_ino)
 
 
 class FileStaging:
@@ -74,10 +71,6 @@ class FileStaging:
         self._uses = 0
         self.new_files = 0        # files created (first saves, or a retired file that was not found)
         self.new_mappings = 0
-
-    @property
-    def mapped_bytes(self) -> int:
-        return sum(m.size for m in self._maps.values())
 
     def take(self, tmp_dir: str, fname: str, candidates: Sequence[str], header: bytes, size: int) -> StagedFile:
         """Steps 1-3 for ``tmp_dir/fname`` of ``size`` bytes (header included)."""
@@ -103,8 +96,7 @@ class FileStaging:
                 m = None
             if st.st_size != size:
                 os.ftruncate(fd, size)
-            remapped = m is None
-            if remapped:
+            if m is None:
                 # every page allocated before it is mapped: a write through a mapping into a full
                 # tmpfs is SIGBUS, an allocation here is ENOSPC (reported like any write error)
                 if size:
@@ -120,7 +112,7 @@ class FileStaging:
         if m.data is None or m.data_off != len(header):
             m.data, m.data_off = m.tensor[len(header):size], len(header)
         self._evict(keep=key)
-        return StagedFile(path, size, len(header), m.data, reused, remapped, key)
+        return StagedFile(path, len(header), m.data, key)
 
     def release(self, staged: StagedFile) -> None:
         """Drop the mapping of a file that is gone (its save failed or was dropped and its temp dir

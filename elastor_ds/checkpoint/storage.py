@@ -50,12 +50,8 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
 
 def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True,
                  chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
-                 block_size: int = BLOCK_SIZE, overwrite: bool = False) -> tuple[int, int]:
+                 block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
-
-    ``overwrite``: ``path`` may be an existing file whose pages are reused (written over from
-    offset 0, then cut to the new size) instead of truncated first: on tmpfs this saves allocating,
-    zeroing and later freeing every page.
 
     1. Write everything (into the page cache).
     2. ``fsync`` in a helper thread while this thread computes the CRC32 of every buffer from
@@ -67,7 +63,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
     import threading
 
     mvs = [memoryview(b).cast("B") for b in buffers]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, memoryview(header))
         size = len(header)
@@ -75,8 +71,6 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
             for i in range(0, len(mv), WRITE_BLOCK):
                 write_all(fd, mv[i:i + WRITE_BLOCK])
             size += len(mv)
-        if overwrite:
-            os.ftruncate(fd, size)
         err: list[BaseException] = []
 
         def flush() -> None:

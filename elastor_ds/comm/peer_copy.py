@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..checkpoint.commit import recycle_data_files
 from ..checkpoint.crc import crc32
 from ..checkpoint.paths import safe_join
 from ..checkpoint.planning.peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
@@ -295,7 +296,8 @@ class PeerCopier:
         odir = os.path.dirname(d)
         for name in os.listdir(odir):
             if name != inc.step and _STEP_RE.match(name):
-                _keep_spares(os.path.join(odir, name), os.path.join(odir, SPARE_DIR))
+                recycle_data_files(os.path.join(odir, name), os.path.join(odir, SPARE_DIR),
+                                   markers=(COMPLETE, "manifest.json"))
                 shutil.rmtree(os.path.join(odir, name), ignore_errors=True)
         for name in os.listdir(d):
             if name.startswith(".from_") and not name.endswith(f".{inc.seq}"):
@@ -306,30 +308,8 @@ class PeerCopier:
         return True
 
 
-SPARE_DIR = ".spare"
-
-
-def _keep_spares(step_dir: str, spare_dir: str) -> None:
-    """Move a dropped copy's data files (``*.safetensors`` at its top level) into ``spare_dir``,
-    replacing older spares: the next copy of the same files is received into their pages instead
-    of fresh ones (first-touch allocation of tmpfs pages runs at ~0.3 GiB/s here). The manifest
-    goes first, so the dropped step is not a checkpoint any more when a data file leaves it."""
-    try:
-        names = [n for n in os.listdir(step_dir) if n.endswith(".safetensors")]
-        os.makedirs(spare_dir, exist_ok=True)
-        for marker in (COMPLETE, "manifest.json"):
-            try:
-                os.remove(os.path.join(step_dir, marker))
-            except FileNotFoundError:
-                pass
-    except OSError as e:
-        log.debug("no spares from %s: %s", step_dir, e)
-        return
-    for n in names:
-        try:
-            os.replace(os.path.join(step_dir, n), os.path.join(spare_dir, n))
-        except OSError as e:
-            log.debug("no spare %s: %s", n, e)
+SPARE_DIR = ".spare"   # a dropped copy's data files: the next copy is received into their pages (first-touch
+# allocation of tmpfs pages runs at ~0.3 GiB/s here)
 
 
 def _take_spare(origin_dir: str, rel: str, part: str) -> bool:
