@@ -635,6 +635,6 @@ class CheckpointEngine:
         finally:
             close_all(srcs)
         by_source = bytes_by_source(srcs)
-        read = sum(by_source.values()) if sources is not None else lplan.bytes_read + lplan.table_bytes
+        read = sum(by_source.values())   # measured: the reads plus the whole CRC tables they were checked with
         return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, read, lplan.bytes_needed,
                           time.perf_counter() - t0, bytes_by_source=by_source)

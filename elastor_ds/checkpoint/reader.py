@@ -80,28 +80,25 @@ class _Reader:
         return [s for s in self.sources if s.has(fname, fe.size)]
 
     def _load_table(self, table: str, lo: int, hi: int) -> None:
-        """Entries ``lo..hi`` of a CRC table: from a nearer source only when its whole table matches
-        the manifest's file CRC; from the last holder as is (its data is checked against it)."""
-        holders = self._holders(table)
-        if not holders:
+        """Entries ``lo..hi`` of a CRC table, from the first source whose *whole* table matches the
+        manifest's CRC32 of that file (the last or only source too: a table is the link between
+        the manifest and the data, so an entry recomputed over edited bytes is refused here)."""
+        if not self._holders(table):
             raise IncompleteCheckpointError(f"{self.step_dir}/{table}: block-CRC table is missing from every "
                                             f"source ({', '.join(s.name for s in self.sources)})")
         fe = self.man.files[table]
-        for src in holders[:-1]:
-            try:
-                data, _ = read_file([src], table, fe.size, fe.crc32, what="block-CRC table")
-            except (CheckpointError, OSError):
-                continue
-            self.tables[table] = (lo, _entries(data[lo * 4:(hi + 1) * 4]))
-            self.table_bytes += fe.size
-            return
-        n = hi - lo + 1
-        buf = bytearray(n * 4)
-        holders[-1].read_into(table, lo * 4, [memoryview(buf)])
-        self.tables[table] = (lo, _entries(bytes(buf)))
-        self.table_bytes += n * 4
+        data, _ = read_file(self.sources, table, fe.size, fe.crc32, what="block-CRC table")
+        if (hi + 1) * 4 > len(data):
+            raise CorruptCheckpointError(f"{self.step_dir}/{table}: {len(data)} bytes, the manifest's chunks use "
+                                         f"entries up to {hi} ({(hi + 1) * 4} bytes)")
+        self.tables[table] = (lo, _entries(data[lo * 4:(hi + 1) * 4]))
+        self.table_bytes += fe.size
 
     def run(self) -> None:
+        for fname in dict.fromkeys(op.file for op in self.lplan.reads):   # a missing file first: it is
+            if not self._holders(fname):                                   # what needs fixing, not its table
+                raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
+                                                f"({', '.join(s.name for s in self.sources)})")
         if self.check:
             for table, (lo, hi) in self.lplan.table_ranges().items():
                 self._load_table(table, lo, hi)

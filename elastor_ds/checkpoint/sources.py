@@ -4,8 +4,8 @@ A load names its files by the manifest (``data_00003.safetensors``, its block-CR
 state files). The reader (:mod:`.reader`) resolves every file through an ordered list of sources,
 nearest first: this node's memory snapshot, peer copies held on this node, other nodes' snapshot
 servers, storage last. The first source that ``has`` the whole file (by size) serves it; every
-byte it serves is checked against the manifest's block CRCs (the CRC tables themselves against the
-manifest's file CRC when they come from any source but the last); a mismatch, a short or missing
+byte it serves is checked against the manifest's block CRCs (the CRC tables themselves, read whole,
+against the manifest's file CRC, from every source including the last); a mismatch, a short or missing
 file or an I/O error falls back to the next source for that file (logged). When the last source
 fails too, the load fails as a corrupt checkpoint.
 
