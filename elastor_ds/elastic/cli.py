@@ -104,6 +104,10 @@ def register(sub) -> None:
     a("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
       help="HOST:PORT of the rendezvous store (default localhost:<free port> for one node)")
     a("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", help="job id shared by all nodes")
+    a("--local-addr", "--local_addr", dest="local_addr", default=None,
+      help="this node's address as the other nodes reach it (torchrun's --local-addr): names the node in the "
+           "rendezvous, is the master address when this node has rank 0, picks gloo's interface "
+           "(GLOO_SOCKET_IFNAME, unless set) and the snapshot server's address. Default: the host name's address")
     a("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="",
       help="backend options, e.g. join_timeout=600,last_call_timeout=2,close_timeout=10")
     a("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
@@ -147,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist; give the path of the training script")
     lo, hi = _nnodes(args.nnodes)
+    if args.local_addr:
+        from .agent import check_local_addr
+        check_local_addr(args.local_addr)
     import torch
     n_gpu = torch.cuda.device_count()
     npn = args.nproc_per_node
@@ -191,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
                     shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
-                    standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()))
+                    standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()),
+                    local_addr=args.local_addr)
     from . import snapshot_dir
     snap = snapshot_dir.prepare(args.snapshot_dir, rdzv_id)
     try:
