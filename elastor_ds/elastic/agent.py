@@ -14,6 +14,11 @@ The loop (``_invoke_run``), every ``monitor_interval``:
 4. All exited ``EXIT_RESIZE``: relaunch (scale-up, or another node changed the membership).
    All exited 0: done (after the exit barrier with the other nodes).
 5. Another node waiting in the rendezvous while ours are healthy: ask ours to stop gracefully.
+6. Multi-node: every ``keep_alive_interval`` read the other nodes' liveness counters
+   (:mod:`liveness`). A node silent for ``keep_alive_interval`` x ``keep_alive_max_attempt`` is lost
+   (a power cut or a cut cable sends no reset: the workers would block in gloo): as 3, cause
+   ``node_lost``. A controller that cannot reach the round's store for that bound minus one
+   interval kills its own workers at once (fenced) and leaves the job with exit code 1.
 
 Each relaunch exports the launched world to the workers (``ELASTOR_PROCS_PER_NODE`` read from the
 round's store, where every agent published its local size). Every step is an event record.
@@ -23,6 +28,7 @@ trained) unless ``--no-standby``; the rendezvous, ranks, environment and logs st
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -41,6 +47,7 @@ from . import probe as probe_mod
 from .snapshot_server import NodeSnapshots
 from .events import EventKind, EventLog
 from .ledger import FailureLedger
+from .liveness import Beacon, LivenessConfig, PeerBook, read_peers
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
                        ENV_ROUND, EXIT_RESIZE, heartbeat_path)
@@ -78,6 +85,7 @@ class RunConfig:
     tee: bool = True
     standby: bool = True                 # workers from pre-imported standby interpreters (--no-standby: off)
     standby_preload: tuple[str, ...] = DEFAULT_PRELOAD
+    local_addr: str | None = None        # this node's address (torchrun's --local-addr)
 
 
 class _PreemptedInRendezvous(Exception):
@@ -123,6 +131,15 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
         self._visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")   # before we narrow it per launch
         self._visible = [x for x in (self._visible_env or "").split(",") if x.strip()]
+        # liveness of the other nodes of a round (multi-node only) and this node's self-fencing
+        self.liveness = LivenessConfig.from_rdzv_conf(cfg.rdzv_conf) if cfg.max_nodes > 1 else None
+        self.beacon = Beacon(self.liveness, self._fence) if self.liveness else None
+        self._peer_book: PeerBook | None = None
+        self._peer_ranks: list[int] = []
+        self._next_peer_read = 0.0
+        self._fence_reason = ""
+        if cfg.local_addr and not os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST"):
+            os.environ["ELASTOR_SNAPSHOT_SERVER_HOST"] = cfg.local_addr
         # this node's snapshot server; addresses of every node's go to the workers at each launch
         self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint)
 
@@ -156,6 +173,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
         self.procs_per_node = [_RoleInstanceInfo.deserialize(b).local_world_size for b in raw]
         self.snapshots.publish(store, group_rank, group_world_size)
+        if self.beacon is not None:
+            self.beacon.retarget(store, group_rank)
+            self._peer_book = PeerBook(self.liveness.timeout)
+            self._peer_ranks = [r for r in range(group_world_size) if r != group_rank]
+            self._next_peer_read = 0.0
         return workers
 
     def _start_workers(self, worker_group):
@@ -202,6 +224,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             log.warning("preempted while waiting in the rendezvous: no worker was running, nothing to checkpoint")
             return self._result(True)
         finally:
+            if self.beacon is not None:
+                self.beacon.silence()
             self._shutdown(signal.SIGKILL, timeout=5)
             self.snapshots.close()
             self.close_standby()
@@ -252,6 +276,39 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             return st.st_mtime, it
         except (OSError, ValueError, IndexError):
             return None, None
+
+    def _fence(self, silent_s: float) -> None:
+        """Watchdog thread: this node has not reached the round's store for ``silent_s`` s. Kill the
+        workers now (before the other nodes can declare this one lost and start a round without it)."""
+        self._fence_reason = (f"this node lost contact with the rendezvous store at {self.cfg.rdzv_endpoint} for "
+                              f"{silent_s:.1f} s (> {self.liveness.fence_after:g} s = keep_alive_interval x "
+                              f"keep_alive_max_attempt - keep_alive_interval): it was fenced out of the job (its "
+                              f"workers were killed, it commits nothing); the other nodes go on without it. Check "
+                              f"its network, then start it again to rejoin")
+        log.error("%s", self._fence_reason)
+        for h in self._handlers().values():
+            for kill in (lambda: os.killpg(h.proc.pid, signal.SIGKILL), lambda: os.kill(h.proc.pid, signal.SIGKILL)):
+                try:
+                    kill()
+                    break
+                except (ProcessLookupError, PermissionError):
+                    continue
+        self.events.emit(EventKind.FENCED, silent_s=silent_s, fence_after_s=self.liveness.fence_after)
+
+    def _lost_peers(self, now: float) -> list[int]:
+        """Node ranks of this round that have been silent past the liveness timeout (read every interval)."""
+        if self._peer_book is None or not self._peer_ranks or now < self._next_peer_read:
+            return []
+        self._next_peer_read = now + self.liveness.interval
+        return read_peers(self._worker_group.store, self._peer_book, self._peer_ranks, now)
+
+    def _store_lost(self, err: Exception) -> RunResult:
+        """A store call of the monitor loop failed (after the store's read timeout): stop, exit 1."""
+        self._kill_all()
+        reason = self._fence_reason or (f"lost contact with the rendezvous store at {self.cfg.rdzv_endpoint} "
+                                        f"({type(err).__name__}: {err}); this node leaves the job, its workers "
+                                        f"were killed")
+        return self._stop_job(reason)
 
     def _observe(self, wg) -> list[WorkerOutcome]:
         outs = []
@@ -322,6 +379,19 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             if self._force:
                 self._kill_all()
                 return self._stop_job("interrupted twice: workers killed without a final checkpoint", 130)
+            if self.beacon is not None and self.beacon.fenced:
+                self._kill_all()
+                return self._stop_job(self._fence_reason)
+            try:
+                lost_nodes = self._lost_peers(now)
+            except Exception as e:  # noqa: BLE001 - a store that does not answer within its read timeout
+                return self._store_lost(e)
+            if lost_nodes:
+                outs = [dataclasses.replace(o, peer_lost=o.exitcode is None) for o in self._observe(wg)]
+                res = self._on_failure(wg, outs, lost_nodes=lost_nodes)
+                if res is not None:
+                    return res
+                continue
             if self._preempt and (self._stopping is None or self._stopping.kind != "preempt"):
                 self.events.emit(EventKind.PREEMPT_REQUESTED)
                 log.warning("preemption: asking the workers to checkpoint the current iteration and exit")
@@ -378,7 +448,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                     self.book.restore(self._stopping.devices)
                 self._launch()
                 continue
-            if self._stopping is None and spec.rdzv_handler.num_nodes_waiting() > 0:
+            try:
+                waiting = self._stopping is None and spec.rdzv_handler.num_nodes_waiting() > 0
+            except Exception as e:  # noqa: BLE001 - RendezvousConnectionError, DistStoreError after the read timeout
+                return self._store_lost(e)
+            if waiting:
                 self.events.emit(EventKind.MEMBERSHIP, waiting=True)
                 log.info("another node is waiting in the rendezvous: stopping the workers at a checkpoint")
                 self._stopping = _Stopping("membership", now + self.cfg.shutdown_timeout)
@@ -403,13 +477,19 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self._last_probe = now
         return True
 
-    def _on_failure(self, wg, outs: list[WorkerOutcome]) -> RunResult | None:
+    def _on_failure(self, wg, outs: list[WorkerOutcome], lost_nodes: list[int] | None = None) -> RunResult | None:
         failed = [o for o in outs if o.failed]
         claim = self.ledger.claim(wg.store)   # first: the node that reports first is the round's primary
         preempting = self._stopping is not None and self._stopping.kind == "preempt"
         last_hb = [t for t in (self._heartbeat(o.local_rank)[0] for o in failed if o.hung) if t]
         primary = sorted(failed, key=lambda o: (o.cause.value != "signal", o.cause.value != "hang", o.local_rank))[0]
+        if lost_nodes:
+            book = self._peer_book
+            log.warning("node(s) %s of this round silent for more than %.1f s: lost", lost_nodes, self.liveness.timeout)
         self.events.emit(EventKind.FAILURE, cause=primary.cause.value, world_size=sum(self.procs_per_node),
+                         lost_nodes=[{"node_rank": r, "snapshot_server": (self.snapshots.peers + [""] * (r + 1))[r],
+                                      "silent_s": book.silent_for(r, time.monotonic())} for r in lost_nodes]
+                         if lost_nodes else None,
                          last_heartbeat=min(last_hb) if last_hb else None, job_failures=claim.failures,
                          collateral_of=None if claim.primary else claim.by,
                          ranks=[{"local_rank": o.local_rank, "global_rank": o.global_rank, "device": o.device,
@@ -450,8 +530,13 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 
 def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"   # restarts read stale gloo addresses otherwise
+    if cfg.local_addr and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        ifname = interface_of(cfg.local_addr)
+        if ifname:   # gloo binds the interface of the host name's address otherwise (not this one)
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
-                                  min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, **cfg.rdzv_conf)
+                                  min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr,
+                                  **cfg.rdzv_conf)
     handler = rdzv_registry.get_rendezvous_handler(params)
     spec = WorkerSpec(role="default", local_world_size=cfg.nproc_per_node, rdzv_handler=handler,
                       entrypoint=os.environ.get("ELASTOR_PYTHON") or __import__("sys").executable,
@@ -467,6 +552,28 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
                                     preload=tuple(cfg.standby_preload), python=spec.entrypoint,
                                     on_spawn=lambda pids: events.emit(EventKind.STANDBY, pids=pids))
     return agent
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the local network interface that holds ``addr`` (None: no interface does)."""
+    import psutil
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
+def check_local_addr(addr: str) -> None:
+    """``--local-addr``: an IP address must be one of this node's (a host name is taken as given)."""
+    import ipaddress
+    from ..errors import ConfigError
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return
+    if interface_of(addr) is None:
+        raise ConfigError(f"--local-addr {addr}: no network interface of this node has that address; give one of "
+                          f"this node's addresses (see `ip addr`) or its host name")
 
 
 def node_name() -> str:

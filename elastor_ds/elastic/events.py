@@ -49,6 +49,7 @@ class EventKind(str, enum.Enum):
     STOPPED = "stopped"                  # gave up (infeasible, max restarts, no device)
     RECOVERY = "recovery"                # at the end: lost iterations, time to resumed training, parts
     STANDBY = "standby"                  # standby worker interpreters spawned (pids)
+    FENCED = "fenced"                    # this node lost the round's store: its workers were killed
 
 
 class EventLog:

@@ -35,6 +35,7 @@ class Cause(enum.Enum):
     EXIT = "exit"          # exited non-zero
     HANG = "hang"          # no heartbeat for --hang-timeout seconds
     REJECTED = "rejected"  # exit code 2: the trainer cannot run the launched world
+    NODE_LOST = "node_lost"  # another node of the round went silent (liveness): the worker is healthy
 
 
 class Action(enum.Enum):
@@ -52,6 +53,7 @@ class WorkerOutcome:
     hung: bool = False               # heartbeat older than the hang timeout
     stopped: bool = False            # process state T (SIGSTOP) at detection
     stop_signalled: bool = False     # the controller had sent it a stop signal (SIGTERM/SIGUSR1)
+    peer_lost: bool = False          # running, but a node of its round was lost (see liveness)
 
     @property
     def signal(self) -> int | None:
@@ -68,12 +70,14 @@ class WorkerOutcome:
 
     @property
     def failed(self) -> bool:
-        return self.hung or (self.exitcode is not None and self.exitcode not in (0, EXIT_RESIZE))
+        return self.hung or self.peer_lost or (self.exitcode is not None and self.exitcode not in (0, EXIT_RESIZE))
 
     @property
     def cause(self) -> Cause | None:
         if self.hung:
             return Cause.HANG
+        if self.peer_lost:
+            return Cause.NODE_LOST
         if self.exitcode is None or self.exitcode in (0, EXIT_RESIZE):
             return None
         if self.exitcode < 0:

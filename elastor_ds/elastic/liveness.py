@@ -1,0 +1,140 @@
+"""Node liveness within a rendezvous round: bounded detection of a silent node loss, and self-fencing.
+
+A node lost to a power cut, a kernel panic or a cut cable sends nothing: no reset reaches the
+survivors, whose workers then block in a collective until its timeout (gloo: 30 minutes). The
+controllers watch each other through the round's store instead:
+
+1. Every controller adds 1 to ``elastor/alive/<node rank>`` in the round's store every
+   ``interval`` seconds (a thread: :class:`Beacon`), for as long as the controller runs.
+2. Each controller reads its peers' counters every ``interval`` (``add(key, 0)``: no blocking read)
+   and notes, on its own monotonic clock, when each last changed (:class:`PeerBook`, pure). A peer
+   whose counter has not changed for ``timeout`` seconds is lost. Detection bound: ``timeout`` +
+   ``interval`` (the read period) + one monitor interval after the peer's last beat.
+3. A controller that cannot complete a beat for ``fence_after`` (< ``timeout``) seconds is the one
+   cut off: its watchdog kills its own workers at once (the :class:`Beacon`'s ``on_fence``), before
+   any survivor can declare it lost, so a partitioned node never trains on beside the survivors'
+   next round and never commits a checkpoint step there. It then leaves the job (exit 1).
+
+``timeout`` = the rendezvous's own dead-node bound (``keep_alive_interval`` x
+``keep_alive_max_attempt``: after it torch's rendezvous drops the node too, so the survivors'
+next round can complete); ``fence_after`` = ``timeout`` - ``interval``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+log = logging.getLogger("elastor.run")
+
+KEY = "elastor/alive/{}"
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    interval: float      # seconds between beats (and between reads of the peers' counters)
+    timeout: float       # a peer silent this long is lost
+
+    def __post_init__(self) -> None:
+        if not (0 < self.interval < self.timeout):
+            raise ValueError(f"liveness: need 0 < interval ({self.interval}) < timeout ({self.timeout}); "
+                             f"raise keep_alive_max_attempt in --rdzv-conf")
+
+    @property
+    def fence_after(self) -> float:
+        return self.timeout - self.interval
+
+    @classmethod
+    def from_rdzv_conf(cls, conf: dict) -> "LivenessConfig":
+        """torch's keep-alive settings (defaults 5 s x 3) give the bound."""
+        interval = float(conf.get("keep_alive_interval", 5))
+        attempts = int(conf.get("keep_alive_max_attempt", 3))
+        return cls(interval=interval, timeout=interval * max(2, attempts))
+
+
+@dataclass
+class PeerBook:
+    """Last counter value and the local (monotonic) time it last changed, per peer node rank."""
+    timeout: float
+    seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def observe(self, rank: int, value: int, now: float) -> None:
+        old = self.seen.get(rank)
+        if old is None or old[0] != value:
+            self.seen[rank] = (value, now)
+
+    def lost(self, now: float) -> list[int]:
+        return sorted(r for r, (_, t) in self.seen.items() if now - t > self.timeout)
+
+    def silent_for(self, rank: int, now: float) -> float:
+        return now - self.seen[rank][1]
+
+
+class Beacon:
+    """The controller's beat (a thread) and its self-fencing watchdog (another thread: a beat may
+    block in the store for the store's read timeout, the watchdog never touches the network)."""
+
+    def __init__(self, cfg: LivenessConfig, on_fence: Callable[[float], None]):
+        self.cfg = cfg
+        self.on_fence = on_fence
+        self._lock = threading.Lock()
+        self._store = None
+        self._key = ""
+        self._last_ok = time.monotonic()
+        self.fenced_at: Optional[float] = None   # monotonic time of the fence
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def retarget(self, store, node_rank: int) -> None:
+        """Beat into this round's store under this node's rank from now on (a beat now, synchronously)."""
+        with self._lock:
+            self._store, self._key = store, KEY.format(node_rank)
+        self._beat()
+        if not self._threads:
+            for fn, name in ((self._beat_loop, "elastor-beacon"), (self._watch_loop, "elastor-fence")):
+                t = threading.Thread(target=fn, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def silence(self) -> None:
+        """Stop beating (the node leaves); the watchdog stops too."""
+        self._stop.set()
+
+    def _beat(self) -> None:
+        with self._lock:
+            store, key = self._store, self._key
+        if store is None:
+            return
+        try:
+            store.add(key, 1)
+        except Exception as e:  # noqa: BLE001 - the watchdog decides what a missed beat means
+            log.debug("liveness beat failed: %s", e)
+            return
+        self._last_ok = time.monotonic()
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self.cfg.interval):
+            self._beat()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(min(0.1, self.cfg.interval / 4)):
+            silent = time.monotonic() - self._last_ok
+            if self.fenced_at is None and silent > self.cfg.fence_after:
+                self.fenced_at = time.monotonic()
+                try:
+                    self.on_fence(silent)
+                except Exception:  # noqa: BLE001 - the fence must not die with the callback
+                    log.exception("liveness: fencing failed")
+
+    @property
+    def fenced(self) -> bool:
+        return self.fenced_at is not None
+
+
+def read_peers(store, book: PeerBook, ranks, now: float) -> list[int]:
+    """One read of every peer's counter into ``book``; returns the peers lost by now."""
+    for r in ranks:
+        book.observe(r, int(store.add(KEY.format(r), 0)), now)
+    return book.lost(now)
