@@ -48,6 +48,7 @@ from .snapshot_server import NodeSnapshots
 from .events import EventKind, EventLog
 from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, read_peers
+from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
                        ENV_ROUND, EXIT_RESIZE, heartbeat_path)
@@ -187,7 +188,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         if self.initial_world is None:
             self.initial_world = world
         hb = os.path.join(self._hb_dir, f"round{self.round}")
-        os.makedirs(hb, exist_ok=True)
+        private_dir(self._hb_dir, "heartbeat folder")   # 0700, ours, checked: workers write files there
+        private_dir(hb, "heartbeat folder")
         env = {ENV_PROCS_PER_NODE: ",".join(map(str, self.procs_per_node or [n])),
                ENV_INITIAL_WORLD: str(self.initial_world), ENV_ROUND: str(self.round), ENV_HEARTBEAT_DIR: hb,
                "ELASTOR_DEVICES": ",".join(map(str, self.devices)), **self.snapshots.env()}

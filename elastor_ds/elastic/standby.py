@@ -30,7 +30,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +38,7 @@ from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from .private import open_private, private_dir
 from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
 from .standby_main import DEFAULT_PRELOAD, ENV_PRELOAD, ENV_READY_FD
 
@@ -100,9 +101,10 @@ class StandbyPool:
     _refill_at: float | None = None
 
     def __post_init__(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)
+        # private (0700, ours, checked): the learned module list there is imported by every standby
+        private_dir(self.folder, "standby folder")
         os.environ[ENV_STANDBY_DIR] = self.folder   # workers write the module list there
-        self._log = open(os.path.join(self.folder, "standby.log"), "ab")
+        self._log = os.fdopen(open_private(os.path.join(self.folder, "standby.log")), "ab")
 
     # -------------------------------------------------------------- processes
     def _spawn(self, env: dict[str, str] | None = None) -> Standby:
@@ -167,15 +169,15 @@ class StandbyPool:
             sb = self._spawn(env)
             mode = LaunchMode.COLD
         env = dict(env, **{ENV_LAUNCH_MODE: mode.value})
-        fd, path = tempfile.mkstemp(prefix=f"assign_{local_rank}_", suffix=".json", dir=self.folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"argv": list(argv), "env": env, "stdout": stdout, "stderr": stderr, "cwd": os.getcwd(),
-                       "t_assigned": time.time()}, f)
-        try:
-            sb.proc.stdin.write(path.encode())
-            sb.proc.stdin.close()
-        except (BrokenPipeError, OSError) as e:   # it died just now: the agent sees it exit, like a spawn failure
-            log.warning("standby pid %d could not take its assignment (%s)", sb.proc.pid, e)
+        # the assignment itself goes down the standby's stdin (a pipe only we hold), never a file
+        # another user could swap: the standby reads it to EOF
+        payload = json.dumps({"argv": list(argv), "env": env, "stdout": stdout, "stderr": stderr, "cwd": os.getcwd(),
+                              "t_assigned": time.time()}).encode()
+        if len(payload) <= _PIPE_ATOMIC:
+            _hand_over(sb.proc, payload)
+        else:   # more than a pipe buffer: a standby still importing would block the agent until it reads
+            threading.Thread(target=_hand_over, args=(sb.proc, payload), name="elastor-standby-assign",
+                             daemon=True).start()
         if sb.ready_fd >= 0:
             os.close(sb.ready_fd)
             sb.ready_fd = -1
@@ -197,6 +199,17 @@ class StandbyPool:
         self._refill_at = None
         with contextlib.suppress(OSError):
             self._log.close()
+
+
+_PIPE_ATOMIC = 60_000   # below the 64 KiB Linux pipe buffer: written at once, never blocks
+
+
+def _hand_over(proc: subprocess.Popen, payload: bytes) -> None:
+    try:
+        proc.stdin.write(payload)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError, ValueError) as e:   # it died just now: the agent sees it exit, like a spawn failure
+        log.warning("standby pid %d could not take its assignment (%s)", proc.pid, e)
 
 
 # ------------------------------------------------------------------ torch.distributed.elastic glue

@@ -13,9 +13,10 @@ becomes an ordinary worker (:func:`worker_main.run_script`).
 2. Tell the agent "ready" through the pipe: ``R``, or ``C`` when the CUDA driver got loaded by an
    import (``libcuda`` mapped): then ``CUDA_VISIBLE_DEVICES`` is fixed already and the agent uses
    this process only for an assignment with the same value.
-3. Block on stdin until the agent writes the path of the assignment file (JSON: argv, the full
-   environment, the per-rank stdout/stderr log files, cwd) and closes the pipe; EOF without one
-   means retire (exit 0).
+3. Block on stdin until the agent has written the assignment itself (JSON: argv, the full
+   environment, the per-rank stdout/stderr log files, cwd) and closed the pipe: the pipe is the
+   only channel (never a file path another user could swap). EOF without a byte means retire
+   (exit 0); a torn or malformed assignment exits 1 (the agent sees a failed worker).
 4. Become the worker: stdout/stderr onto the rank's log files, stdin from /dev/null, the
    environment replaced by the assignment's, the launch marks set, then the script runs as
    ``__main__`` exactly as under :mod:`worker_main` (signals, exit codes, the agreed-stop fast exit).
@@ -35,6 +36,9 @@ ENV_PRELOAD = "ELASTOR_STANDBY_PRELOAD"
 # what a trainer on DeepSpeed + Megatron-core imports anyway; the learned list adds the rest
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "megatron.core.parallel_state",
                    "megatron.core.tensor_parallel", "elastor_ds.deepspeed", "elastor_ds.checkpoint")
+
+
+_MAX_ASSIGNMENT = 16 << 20   # argv + environment; far above any real one
 
 
 def _log(msg: str) -> None:
@@ -61,9 +65,9 @@ def preload_names() -> list[str]:
     learned = os.path.join(os.environ.get("ELASTOR_STANDBY_DIR", ""), "modules.json")
     if os.environ.get("ELASTOR_STANDBY_DIR") and os.path.isfile(learned):
         import json
-        try:
-            with open(learned) as f:
-                doc = json.load(f)
+        try:   # the pool's folder is private (0700, ours); a symlink is still never followed
+            with os.fdopen(os.open(learned, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))) as f:
+                doc = json.loads(f.read(1 << 20))
             if isinstance(doc, list):
                 names = [m for m in doc if isinstance(m, str)] + names
         except (OSError, ValueError) as e:
@@ -92,7 +96,8 @@ def preload(names: list[str]) -> tuple[int, int]:
 def _redirect(path: str | None, fd: int) -> None:
     if not path:
         return
-    target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # torch's agent created it in its private log folder; never through a symlink
+    target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     os.dup2(target, fd)
     os.close(target)
 
@@ -145,15 +150,16 @@ def main() -> None:
                 pass
     if fd >= 0:
         os.close(fd)
-    path = sys.stdin.buffer.read().decode().strip()
-    if not path:   # the agent retired this standby (or died)
+    raw = sys.stdin.buffer.read(_MAX_ASSIGNMENT + 1)
+    if not raw.strip():   # the agent retired this standby (or died)
         os._exit(0)
-    with open(path) as f:
-        job = json.load(f)
     try:
-        os.unlink(path)
-    except OSError:
-        pass
+        job = json.loads(raw) if len(raw) <= _MAX_ASSIGNMENT else None
+        if not (isinstance(job, dict) and isinstance(job.get("argv"), list) and isinstance(job.get("env"), dict)):
+            raise ValueError("not an assignment")
+    except ValueError as e:
+        _log(f"malformed assignment on stdin ({len(raw)} bytes: {e}); exiting")
+        os._exit(1)
     become_worker(job, t_ready)
 
 
