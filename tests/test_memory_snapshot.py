@@ -109,7 +109,7 @@ class MemJob(Job):
     (no peer copy: one node) in the controller's ``--snapshot-dir``."""
 
     def __init__(self, tmp, nproc: int, iters: int, save_interval: int, snap_dir: str, ctl_args=(), name="job",
-                 interval: int = 1, keep: int = 1, trainer_args=()):
+                 interval: int = 1, keep: int = 1, trainer_args=(), env=None):
         self.dir = str(tmp)
         self.metrics = os.path.join(self.dir, f"{name}_metrics.jsonl")
         self.ckpt = os.path.join(self.dir, f"{name}_ckpt")
@@ -121,7 +121,8 @@ class MemJob(Job):
                *MODEL, "--train-iters", str(iters), "--save", self.ckpt, "--load", self.ckpt, "--save-interval",
                str(save_interval), "--metrics-file", self.metrics, "--elastor-memory-snapshot-interval", str(interval),
                "--elastor-memory-snapshot-peer-copies", "0", "--elastor-memory-snapshot-keep", str(keep), *trainer_args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+        env = dict(env or os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT,
+                   CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
                                      start_new_session=True)
 
@@ -331,3 +332,40 @@ def test_more_than_one_peer_copy_is_refused_with_exit_2(tmp_path, snap_dir):
     assert "memory_snapshot.peer_copies: 2 is not supported; use 0 or 1" in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert not metrics.exists() and not os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_final_step_restored_from_memory_is_saved_to_storage_before_exit_0(tmp_path, snap_dir, reference):
+    """Issue 19: a worker SIGKILLed after the final memory snapshot and before the final storage save.
+    The relaunch restores the final step from memory; that step is not saved until storage holds it,
+    so the run writes it to storage before it exits 0 (it used to exit 0 with storage empty and the
+    snapshot directory deleted). Oracle: storage's own ``latest`` and ``elastor verify``, read
+    after the controller removed the memory copy."""
+    env_fault = dict(os.environ, ELASTOR_EXAMPLE_FAULT="before-final-save:1")
+    job = MemJob(tmp_path, nproc=2, iters=ITERS, save_interval=0, snap_dir=snap_dir,
+                 ctl_args=["--on-failure", "restart"], name="armed", env=env_fault)
+    try:
+        assert job.wait(240) == 0, job.output()[-4000:]
+    finally:
+        job.kill()
+    assert "injected fault: SIGKILL of rank 1 at before-final-save" in _worker_logs(job), job.output()[-3000:]
+    assert not os.path.exists(snap_dir)                         # the memory copy is gone...
+    assert job.latest(job.ckpt) == ITERS                        # ...and storage holds the final step
+    (r,) = job.restores()
+    assert r["tier"] == "memory" and r["step"] == ITERS and r["durable_step"] is None, r
+    v = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "verify", job.ckpt], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert v.returncode == 0, v.stdout + v.stderr
+    recs = job.records()
+    assert [x["iteration"] for x in recs] == list(range(1, ITERS + 1))   # nothing re-run: the kill came after it
+    assert _final_losses(recs) == reference
+
+
+def _worker_logs(job: Job) -> str:
+    out = []
+    logs = os.path.join(job.dir, os.path.basename(job.events).replace(".jsonl", "_logs"))
+    for dirpath, _, files in os.walk(logs):
+        for f in files:
+            if f.endswith((".log", ".err", ".out")) or "stderr" in f or "stdout" in f:
+                with open(os.path.join(dirpath, f), errors="replace") as fh:
+                    out.append(fh.read())
+    return "\n".join(out)

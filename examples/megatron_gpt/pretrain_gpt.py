@@ -51,6 +51,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
@@ -591,6 +592,7 @@ def _main(argv: list[str] | None = None) -> int:
             if code is not None:
                 return code
         if args.exit_after_iters is None and engine.elastor is not None and args.save:
+            injected_fault("before-final-save", rank, settle=engine.elastor.wait)
             if engine.elastor.last_save_step != int(engine.global_steps):
                 engine.elastor.save()
         if engine.elastor is not None:
@@ -603,6 +605,24 @@ def _main(argv: list[str] | None = None) -> int:
     if rank == 0:
         log.info("done: %d iterations in %.1f s", last - start, time.time() - t_start)
     return 0
+
+
+def injected_fault(point: str, rank: int, settle=None) -> None:
+    """Fault injection for tests: ``ELASTOR_EXAMPLE_FAULT=<point>:<rank>`` SIGKILLs that rank when it
+    reaches ``point`` in the first launch of an ``elastor run`` job (``ELASTOR_ROUND`` 0), a real
+    kill at a moment a signal from outside cannot hit reliably; ``settle`` runs first on that rank
+    (e.g. wait until the in-flight saves committed). Unset: nothing happens."""
+    spec = os.environ.get("ELASTOR_EXAMPLE_FAULT", "")
+    if not spec or os.environ.get("ELASTOR_ROUND", "0") != "0":
+        return
+    want, _, who = spec.partition(":")
+    if want == point and who.isdigit() and int(who) == rank:
+        if settle is not None:
+            settle()
+        log.warning("injected fault: SIGKILL of rank %d at %s", rank, point)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- elastic controller hooks (`elastor run`)

@@ -257,7 +257,7 @@ class ElastorCheckpointer:
         res = self.ckpt.load(step_dir, self._shards_for,
                              verify_checksums=VerifyMode.CHUNKS if self.cfg.verify_on_load else VerifyMode.NONE,
                              fallback=self.cfg.fallback_to_previous)
-        return self._resumed(res, "storage")
+        return self._resumed(res, "storage", durable_step=res.step)
 
     def _shards_for(self, man: Manifest) -> list:
         """This engine's shards for the checkpoint actually loaded (the engine reads its manifest)."""
@@ -275,13 +275,18 @@ class ElastorCheckpointer:
             log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", man.step)
         return shards
 
-    def _resumed(self, res: LoadResult, tier: str) -> LoadResult:
+    def _resumed(self, res: LoadResult, tier: str, durable_step: Optional[int]) -> LoadResult:
+        """Bookkeeping after a load. ``durable_step`` is the newest step storage holds (the loaded
+        step for a storage load; for a memory restore storage's newest, which may be older): a step
+        restored from memory is not saved until storage holds it, so the end-of-run and stop-point
+        saves write it again (a relaunch that restored the final step from memory must not exit
+        with storage one interval behind)."""
         self._restore_extra(res)
         hook = getattr(self.engine, "elastor_weights_loaded", None)
         if hook is not None:  # e.g. the heterogeneous runtime's ZeRO-1 shares follow the loaded weights
             hook()
         self.loaded = res
-        self.last_save_step = res.step
+        self.last_save_step = durable_step
         if self.memory is not None:
             self.memory.last_step = res.step
         rows = self.policy_comm.all_gather_object((res.bytes_by_source, res.seconds))
@@ -290,6 +295,7 @@ class ElastorCheckpointer:
             for k, v in by.items():
                 total[k] = total.get(k, 0) + int(v)
         self.restore = {"step": res.step, "tier": tier, "step_dir": res.step_dir, "bytes": total,
+                        "durable_step": durable_step,
                         "seconds": max(sec for _, sec in rows), "layout": self.layout.describe(),
                         "fell_back": bool(res.fell_back)}
         if self.comm.rank == 0:
@@ -351,7 +357,10 @@ class ElastorCheckpointer:
             if self.comm.rank == 0:
                 log.error("memory snapshot of step %s is unusable (%s); restoring from storage instead", mstep, e)
             return None
-        return self._resumed(res, "memory")
+        # storage's newest step on every rank (shared storage: the same); the restored step counts
+        # as saved only when storage holds it too
+        durable = best_storage if best_storage >= 0 else None
+        return self._resumed(res, "memory", durable_step=durable)
 
     def _restore_extra(self, res: LoadResult) -> None:
         eng = self.engine
