@@ -36,9 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="source format: elastor (default), consolidated, or an integration's format")
     p.add_argument("--to", dest="dst_format", default="elastor",
                    help="target format: elastor (default), consolidated, or an integration's format")
-    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="--to megatron: TP of the export")
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="--to megatron: PP of the export")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true",
                    help="import into a non-empty elastor checkpoint root: adds the imported step next to the "
                         "others; never replaces a step, never moves 'latest' to an older step, runs no retention "
