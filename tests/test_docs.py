@@ -362,6 +362,7 @@ def test_paths_and_modules_named_in_code_exist():
     for path, text in doc_texts().items():
         rel = path.relative_to(ROOT)
         for piece in code_text(text):
+            piece = re.sub(r"(^|[\s(`'\"=])\./", r"\1", piece, flags=re.M)   # ./scripts/x.sh -> scripts/x.sh
             for m in re.finditer(r"(?<![\w./<-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOP_DIRS + PKG_DIRS), piece):
                 p = m.group(1)
                 if "*" in p or "<" in p:
@@ -370,6 +371,8 @@ def test_paths_and_modules_named_in_code_exist():
                 base = ROOT if top in TOP_DIRS else ROOT / "elastor_ds"
                 if not (base / p).exists():
                     bad.append(f"{rel}: {p} does not exist")
+                elif p.startswith("scripts/") and p.endswith(".sh") and not os.access(base / p, os.X_OK):
+                    bad.append(f"{rel}: {p} is not executable")
             for m in re.finditer(r"(?<![\w.])elastor_ds(?:\.\w+)+", piece):
                 parts = m.group(0).split(".")
                 i = 1
