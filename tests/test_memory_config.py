@@ -48,18 +48,14 @@ def test_snapshot_dir_created_exported_and_removed(tmp_path, monkeypatch):
     (d / "local" / "x").write_text("1")
     snapshot_dir.cleanup(sd)
     assert not d.exists()
-    # a directory the user already had is kept; only the job's subdirectories go
-    d.mkdir()
-    (d / "mine.txt").write_text("keep me")
-    (d / "local").mkdir()                      # stale: a controller killed before its cleanup
-    (d / "local" / "latest").write_text("step_000000009\n")
+    # an empty directory the user already had is kept; only what the job put there goes
+    d.mkdir(mode=0o700)
     sd = snapshot_dir.prepare(str(d), "job-1")
-    assert sorted(os.listdir(d)) == ["mine.txt"]   # never restored by the new job
-    assert not sd.created
+    assert not sd.created and sorted(os.listdir(d)) == [".elastor-owner"]
     (d / "local").mkdir()
     (d / "peer").mkdir()
     snapshot_dir.cleanup(sd)
-    assert sorted(os.listdir(d)) == ["mine.txt"]
+    assert d.is_dir() and os.listdir(d) == []
 
 
 def test_snapshot_dir_refuses_a_file_and_defaults_to_a_unique_memory_path(tmp_path):
@@ -71,4 +67,26 @@ def test_snapshot_dir_refuses_a_file_and_defaults_to_a_unique_memory_path(tmp_pa
     assert os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)   # this machine (ENV.md): tmpfs
     assert os.path.dirname(p) == "/dev/shm"
     host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())
-    assert os.path.basename(p) == f"elastor-job____x_y-{host}-{os.getpid()}"
+    assert re.fullmatch(rf"elastor-job____x_y-{re.escape(host)}-{os.getpid()}-[0-9a-f]{{12}}", os.path.basename(p)), p
+    assert snapshot_dir.default_path("job") != snapshot_dir.default_path("job")   # unpredictable: nobody can squat it
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"dir": "/"}, r"memory_snapshot.dir: '/' is the root directory"),
+    ({"dir": "/tmp/.."}, r"memory_snapshot.dir: '/tmp/..' is the root directory"),
+    ({"interval_steps": 10 ** 30}, r"memory_snapshot.interval_steps: 1000000000000000000000000000000 is too large "
+                                   r"\(at most 1000000000\)"),
+    ({"interval_steps": 1e30}, r"memory_snapshot.interval_steps: expected an integer >= 1, got 1e\+30"),
+    ({"keep": 10 ** 6}, r"memory_snapshot.keep: 1000000 is too large \(at most 1000\)"),
+    ({"max_bytes": 10 ** 40}, r"memory_snapshot.max_bytes: 10+ is too large"),
+])
+def test_memory_snapshot_sizes_and_directories_are_bounded(section, message):
+    """Issue 19: ``"dir": "/"`` and an interval of 1e30 used to be accepted."""
+    with pytest.raises(ConfigError, match=message):
+        parse_elastor_section({"checkpoint": {"dir": "/ckpt"}, "memory_snapshot": section})
+
+
+def test_memory_snapshot_dir_expands_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_elastor_section({"checkpoint": {"dir": "~/ckpt"}, "memory_snapshot": {"dir": "~/snap"}})
+    assert cfg.memory_snapshot.dir == str(tmp_path / "snap") and cfg.checkpoint.dir == str(tmp_path / "ckpt")

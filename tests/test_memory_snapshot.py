@@ -369,3 +369,28 @@ def _worker_logs(job: Job) -> str:
                 with open(os.path.join(dirpath, f), errors="replace") as fh:
                     out.append(fh.read())
     return "\n".join(out)
+
+
+@pytest.mark.parametrize("inside", ["storage-in-snapshots", "snapshots-in-storage"])
+def test_overlapping_storage_and_snapshot_roots_are_refused_at_start(tmp_path, snap_dir, inside):
+    """Issue 19: ``--save`` inside the snapshot directory (or the reverse) broke storage: each root's
+    retention deleted the other's steps. Refused with exit 2 before any iteration, nothing written."""
+    os.makedirs(snap_dir, mode=0o700)
+    if inside == "storage-in-snapshots":
+        save, snap = os.path.join(snap_dir, "ckpt"), snap_dir
+    else:
+        save, snap = str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "snap")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               ELASTOR_SNAPSHOT_DIR=snap)
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, TRAINER, *MODEL, "--train-iters", "3", "--save", save,
+                        "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0",
+                        "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert (f"the checkpoint directory {save} and the memory-snapshot directory {snap} overlap" in p.stderr
+            and "give them separate directories" in p.stderr), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert not metrics.exists()
+    assert not os.path.exists(os.path.join(save, "latest")) and not os.path.exists(os.path.join(snap, "local"))

@@ -59,3 +59,14 @@ def check_tensor_name(name: object, where: str = "") -> str:
         raise UnsafeCheckpointError(f"{where}tensor name {name!r} is not a plain parameter name (letters, digits, "
                                     f"'_', '.', '-', ':', '[', ']'; no '..', no '/'); refusing it")
     return name
+
+
+def inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or lies under it, after resolving symlinks (of the parts that exist)."""
+    p, r = os.path.realpath(os.path.abspath(path)), os.path.realpath(os.path.abspath(root))
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def overlap(a: str, b: str) -> bool:
+    """One of two directories holds the other (or they are the same)."""
+    return inside(a, b) or inside(b, a)

@@ -1,20 +1,34 @@
 """The node's memory-snapshot directory of ``elastor run`` (``--snapshot-dir``).
 
-The controller creates it once per job (default ``/dev/shm/elastor-<rdzv id>-<host>-<pid>``, mode
-0700), exports it to every (re)launch of its workers as ``ELASTOR_SNAPSHOT_DIR`` (trainers with
-``"memory_snapshot"`` write their snapshots under ``local/`` there; files on tmpfs outlive a killed
-worker) and removes it when the job ends: never on restarts. A directory the user named and that
-already existed is kept; only what a job puts there (``local/``, ``peer/``) is removed, at the end
-and, as stale leftovers of an earlier job, at the start.
+The controller prepares it once per job, exports it to every (re)launch of its workers as
+``ELASTOR_SNAPSHOT_DIR`` (trainers with ``"memory_snapshot"`` write their snapshots under ``local/``
+there; files on tmpfs outlive a killed worker) and cleans it when the job ends: never on restarts.
 
-A directory the controller creates gets an owner marker (``.elastor-owner``: host, pid, the
-pid's start time and pid namespace). A controller that was SIGKILLed cannot remove its directory, so every
-``elastor run`` first sweeps the default base (``/dev/shm``) and the parent of its own directory
-for stale ones (:func:`sweep_stale`) and removes, logged, only a directory that is named
-``elastor-*``, is a real directory (not a link) owned by this user, holds a valid marker written
-on this host in this pid namespace, and whose pid is not alive (or is alive but started at
-another time: a reused pid). A live job's directory, one without a marker, another user's,
-another host's or another pid namespace's (a container sharing /dev/shm) is never touched.
+Whose directory it is (never delete what we did not create; assume a hostile local user):
+1. the default is a new directory ``/dev/shm/elastor-<rdzv id>-<host>-<pid>-<random>``, made with
+   ``mkdir(0700)`` (fails if the name exists: an unpredictable name nobody can squat) and removed
+   whole at the end;
+2. a directory the user names is made the same way when it does not exist (removed whole at the
+   end); when it exists it must be a real directory (not a symlink) of this user, private (mode
+   0700), and either empty or marked by an earlier ``elastor run`` whose controller is gone. Anything
+   else is refused with exit 2 naming it: a non-empty directory that is not ours (``$HOME``), a
+   live job's directory, another user's, a group/world-accessible one. Only what the job put there
+   (``local/``, ``peer/``, the marker) is removed from it at the end;
+3. every existing component of the path is checked first: owned by root or this user, a symlink
+   only when root or this user owns it, and no directory writable by others without the sticky bit
+   (another user could swap what we create there);
+4. checked again after creation (``lstat``: a private real directory of ours), and at cleanup the
+   directory must still be the same inode before anything in it is removed.
+
+A directory the controller prepares gets an owner marker (``.elastor-owner``: host, pid, the pid's
+start time and pid namespace, and whether this job created the directory). A controller that was
+SIGKILLed cannot clean up, so every ``elastor run`` first sweeps the default base (``/dev/shm``) and
+the parent of its own directory for stale ones (:func:`sweep_stale`) and cleans, logged, only a
+directory that is named ``elastor-*``, is a real directory (not a link) owned by this user, holds a
+valid marker written on this host in this pid namespace, and whose pid is not alive (or is alive
+but started at another time: a reused pid): removed whole when the marker says the job created it,
+else only the job's entries. A live job's directory, one without a marker, another user's, another
+host's or another pid namespace's (a container sharing /dev/shm) is never touched.
 """
 from __future__ import annotations
 
@@ -22,8 +36,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
+import stat as stat_mod
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -42,6 +58,7 @@ NAME_RE = re.compile(r"^elastor-[A-Za-z0-9_.-]+$")
 class SnapshotDir:
     path: str
     created: bool   # made by this controller: removed whole at the end
+    ident: tuple[int, int] = (0, 0)   # (st_dev, st_ino) when prepared: cleanup touches only this directory
 
 
 def default_base() -> str:
@@ -49,35 +66,140 @@ def default_base() -> str:
 
 
 def default_path(rdzv_id: str) -> str:
+    """A fresh, unpredictable default path (``elastor-<id>-<host>-<pid>-<random>``)."""
     base = default_base()
     clean = re.sub(r"[^A-Za-z0-9_-]", "_", f"{rdzv_id}-{socket.gethostname()}")[:100]
-    return os.path.join(base, f"elastor-{clean}-{os.getpid()}")
+    return os.path.join(base, f"elastor-{clean}-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def _refuse(p: str, why: str, fix: str = "name a new directory (on /dev/shm for memory speed)") -> ConfigError:
+    return ConfigError(f"--snapshot-dir {p}: {why}; {fix}")
+
+
+def check_components(p: str) -> None:
+    """Every existing component of ``p`` (not ``p`` itself) is owned by root or this user; a symlink
+    only when one of them owns it; no directory may be written by others without the sticky bit."""
+    me = os.getuid()
+    parts = os.path.abspath(p).split(os.sep)[1:-1]
+    cur = os.sep
+    for i, name in enumerate([""] + parts):
+        cur = os.path.join(cur, name) if name else cur
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return   # the rest is created by us (0700)
+        except OSError as e:
+            raise _refuse(p, f"cannot inspect {cur} ({e.strerror})") from None
+        if st.st_uid not in (0, me):
+            raise _refuse(p, f"{cur} belongs to uid {st.st_uid}, another user who could replace what we create there",
+                          "name a directory under folders owned by you or root")
+        if stat_mod.S_ISLNK(st.st_mode):
+            continue   # a link of root's or ours: its target's folders are checked through realpath below
+        if not stat_mod.S_ISDIR(st.st_mode):
+            raise _refuse(p, f"{cur} is not a directory")
+        if st.st_mode & (stat_mod.S_IWOTH | stat_mod.S_IWGRP) and not st.st_mode & stat_mod.S_ISVTX:
+            raise _refuse(p, f"{cur} may be written by other users (mode {stat_mod.S_IMODE(st.st_mode):04o}, no sticky "
+                          f"bit)", "name a directory under folders only you (or root) can write")
+    real = os.path.realpath(os.path.dirname(os.path.abspath(p)))
+    if real != os.path.dirname(os.path.abspath(p)):
+        check_components(os.path.join(real, os.path.basename(p)))
+
+
+def _check_private(p: str) -> os.stat_result:
+    st = os.lstat(p)
+    if stat_mod.S_ISLNK(st.st_mode):
+        raise _refuse(p, "is a symlink (never followed)")
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise _refuse(p, "exists and is not a directory")
+    if st.st_uid != os.getuid():
+        raise _refuse(p, f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): another user may have planted it")
+    if st.st_mode & 0o077:
+        raise _refuse(p, f"other users may enter it (mode {stat_mod.S_IMODE(st.st_mode):04o}) and read the snapshots "
+                         f"(model weights)", f"run chmod 700 {p}, or name a new directory")
+    return st
+
+
+def _mkdir_private(p: str) -> bool:
+    """``mkdir(p, 0700)``; False when ``p`` already exists."""
+    try:
+        os.mkdir(p, 0o700)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise _refuse(p, f"cannot create it ({e.strerror})", "name a writable directory, e.g. under /dev/shm") from None
 
 
 def prepare(path: Optional[str], rdzv_id: str) -> SnapshotDir:
-    """Create the directory (or accept an existing empty-or-ours one) and export it."""
-    p = os.path.abspath(path) if path else default_path(rdzv_id)
-    for base in dict.fromkeys((default_base(), os.path.dirname(p))):
+    """Create the directory (or accept an existing empty-or-stale-ours one) and export it; see the
+    module docstring for what is refused (:class:`ConfigError`, exit 2)."""
+    p = os.path.abspath(os.path.expanduser(path)) if path else None
+    for base in dict.fromkeys((default_base(),) + ((os.path.dirname(p),) if p else ())):
         sweep_stale(base, keep=p)
-    created = not os.path.lexists(p)
-    if not created and (not os.path.isdir(p) or os.path.islink(p)):
-        raise ConfigError(f"--snapshot-dir {p}: exists and is not a directory; name a new directory (on /dev/shm for "
-                          f"memory speed)")
-    if not created:   # a new job never restores another job's snapshots (a controller killed before cleanup)
-        for sub in JOB_SUBDIRS:
-            if os.path.lexists(os.path.join(p, sub)):
-                log.warning("removing stale memory snapshots of an earlier job under %s", os.path.join(p, sub))
-                shutil.rmtree(os.path.join(p, sub), ignore_errors=True)
-    try:
-        os.makedirs(p, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--snapshot-dir {p}: cannot create it ({e.strerror}); name a writable directory, e.g. "
-                          f"under /dev/shm") from None
-    if created:
-        write_owner(p)
+    if p is None:
+        check_components(os.path.join(default_base(), "x"))
+        for _ in range(100):
+            p = default_path(rdzv_id)
+            if _mkdir_private(p):
+                break
+        else:
+            raise _refuse(default_base(), "cannot create a fresh snapshot directory in it")
+        created = True
+    else:
+        if p == os.sep:
+            raise _refuse(p, "is the root directory")
+        check_components(p)
+        try:
+            os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)   # missing folders: ours, private
+        except OSError as e:
+            raise _refuse(p, f"cannot create its folder ({e.strerror})", "name a writable directory") from None
+        created = _mkdir_private(p)
+        if not created:
+            _accept_existing(p)
+    st = _check_private(p)   # after creation: a private real directory of ours
+    write_owner(p, created)
     os.environ[ENV_SNAPSHOT_DIR] = p
-    log.info("memory snapshots of this node: %s (%s)", p, "created" if created else "existing")
-    return SnapshotDir(p, created)
+    log.info("memory snapshots of this node: %s (%s)", p, "created" if created else "existing, empty or ours")
+    return SnapshotDir(p, created, (st.st_dev, st.st_ino))
+
+
+def _accept_existing(p: str) -> None:
+    """An existing ``--snapshot-dir``: private and ours, and empty or left by a dead ``elastor run``
+    (then only that job's entries are removed)."""
+    _check_private(p)
+    try:
+        entries = sorted(os.listdir(p))
+    except OSError as e:
+        raise _refuse(p, f"cannot list it ({e.strerror})") from None
+    if not entries:
+        return
+    rec = _owner(p)
+    if rec is None:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise _refuse(p, f"is not empty ({shown}) and was not prepared by elastor run; nothing in it is touched",
+                      "name an empty or new directory")
+    if rec["host"] != socket.gethostname() or rec.get("pidns") != _pid_namespace() or _alive(rec["pid"], rec.get("start")):
+        raise _refuse(p, f"belongs to a live elastor run (pid {rec['pid']} on {rec['host']}); sharing it would delete "
+                         f"that job's snapshots", "give each job its own directory")
+    extra = [e for e in entries if e not in JOB_SUBDIRS + (OWNER_MARKER,)]
+    if extra:
+        raise _refuse(p, f"holds files elastor run did not put there ({', '.join(extra[:3])})",
+                      "name an empty or new directory")
+    log.warning("removing stale memory snapshots of an earlier job (pid %d, gone) under %s", rec["pid"], p)
+    _remove_job_entries(p)
+
+
+def _remove_job_entries(p: str) -> None:
+    for sub in JOB_SUBDIRS:
+        q = os.path.join(p, sub)
+        if os.path.islink(q):
+            os.unlink(q)
+        else:
+            shutil.rmtree(q, ignore_errors=True)
+    try:
+        os.unlink(os.path.join(p, OWNER_MARKER))
+    except FileNotFoundError:
+        pass
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -113,12 +235,14 @@ def _pid_namespace() -> Optional[str]:
         return None
 
 
-def write_owner(path: str) -> None:
-    """The owner marker of a directory this controller created (written whole: temp file + rename)."""
+def write_owner(path: str, created: bool = True) -> None:
+    """The owner marker of a directory this controller prepared (written whole: a new temp file,
+    never through a link, then renamed); ``created``: the job made the directory itself."""
     rec = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
-           "pidns": _pid_namespace()}
-    tmp = os.path.join(path, OWNER_MARKER + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+           "pidns": _pid_namespace(), "created": bool(created)}
+    tmp = os.path.join(path, f"{OWNER_MARKER}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(rec, f)
     os.replace(tmp, os.path.join(path, OWNER_MARKER))
 
@@ -145,7 +269,8 @@ def _owner(path: str) -> Optional[dict]:
     if (not isinstance(rec, dict) or not isinstance(rec.get("host"), str) or not isinstance(rec.get("pid"), int)
             or isinstance(rec.get("pid"), bool) or rec["pid"] <= 0
             or not (rec.get("start") is None or isinstance(rec.get("start"), str))
-            or not (rec.get("pidns") is None or isinstance(rec.get("pidns"), str))):
+            or not (rec.get("pidns") is None or isinstance(rec.get("pidns"), str))
+            or not isinstance(rec.get("created", True), bool)):
         return None
     return rec
 
@@ -172,19 +297,31 @@ def sweep_stale(base: str, keep: Optional[str] = None) -> list[str]:
             continue   # not ours to judge: no marker, another host, or a pid of another pid namespace
         if _alive(rec["pid"], rec.get("start")):
             continue
-        log.warning("removing the stale memory-snapshot directory %s: its elastor run (pid %d on %s) is gone",
-                    e.path, rec["pid"], host)
-        shutil.rmtree(e.path, ignore_errors=True)
-        if not os.path.lexists(e.path):
-            removed.append(e.path)
+        if rec.get("created", True):
+            log.warning("removing the stale memory-snapshot directory %s: its elastor run (pid %d on %s) is gone",
+                        e.path, rec["pid"], host)
+            shutil.rmtree(e.path, ignore_errors=True)
+            if not os.path.lexists(e.path):
+                removed.append(e.path)
+        else:   # the user's own directory: only what that job put there
+            log.warning("removing the stale memory snapshots under %s: its elastor run (pid %d on %s) is gone",
+                        e.path, rec["pid"], host)
+            _remove_job_entries(e.path)
     return removed
 
 
 def cleanup(sd: SnapshotDir) -> None:
-    """The job ended: remove what it put there."""
+    """The job ended: remove what it put there (the whole directory when it made it), and only
+    when the path is still the directory it prepared (not a link or a swapped directory)."""
+    try:
+        st = os.lstat(sd.path)
+    except OSError:
+        return
+    if stat_mod.S_ISLNK(st.st_mode) or (sd.ident != (0, 0) and (st.st_dev, st.st_ino) != sd.ident):
+        log.warning("memory-snapshot directory %s was replaced during the job: left as it is", sd.path)
+        return
     if sd.created:
         shutil.rmtree(sd.path, ignore_errors=True)
     else:
-        for sub in JOB_SUBDIRS:
-            shutil.rmtree(os.path.join(sd.path, sub), ignore_errors=True)
+        _remove_job_entries(sd.path)
     log.info("removed the memory snapshots under %s", sd.path)

@@ -90,10 +90,25 @@ def _unknown(where: str, key: str, allowed) -> ConfigError:
     return ConfigError(f"{where}: unknown key {key!r}{hint}; allowed keys: {', '.join(sorted(allowed))}")
 
 
-def _int(where: str, v: Any, lo: int, example: str) -> int:
+MAX_STEPS = 10 ** 9          # intervals in optimizer steps: a billion steps is beyond any run
+MAX_KEEP = 1000
+MAX_BYTES = 2 ** 60          # an exbibyte
+
+
+def _int(where: str, v: Any, lo: int, example: str, hi: int = MAX_STEPS) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ConfigError(f"{where}: expected an integer >= {lo}, got {v!r}; e.g. {example}")
+    if v > hi:
+        raise ConfigError(f"{where}: {v} is too large (at most {hi}); e.g. {example}")
     return v
+
+
+def _dir(where: str, v: Any, example: str) -> str:
+    """A directory setting: ``~`` expanded; the file-system root (or a path that resolves to it) refused."""
+    p = os.path.expanduser(_str(where, v, example))
+    if os.path.normpath(os.path.abspath(p)) == os.sep:
+        raise ConfigError(f"{where}: {v!r} is the root directory; name a directory of its own, e.g. {example}")
+    return p
 
 
 def _float(where: str, v: Any, lo: float, example: str) -> float:
@@ -127,13 +142,14 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
     _check_object(where, d, _CKPT_KEYS, '{"dir": "/ckpt", "interval_steps": 100}')
     if "dir" not in d:
         raise ConfigError(f"{where}: missing required key 'dir' (where checkpoints go), e.g. \"dir\": \"/ckpt/run1\"")
-    kw: dict[str, Any] = {"dir": _str(f"{where}.dir", d["dir"], '"dir": "/ckpt/run1"')}
+    kw: dict[str, Any] = {"dir": _dir(f"{where}.dir", d["dir"], '"dir": "/ckpt/run1"')}
     if "interval_steps" in d:
         kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 0, '"interval_steps": 100')
     if "min_interval_s" in d:
         kw["min_interval_s"] = _float(f"{where}.min_interval_s", d["min_interval_s"], 0.0, '"min_interval_s": 60')
     if "keep" in d:
-        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 2 (the last good checkpoint is never deleted)')
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 2 (the last good checkpoint is never deleted)',
+                          MAX_KEEP)
     if "timeout_s" in d:
         kw["timeout_s"] = _float(f"{where}.timeout_s", d["timeout_s"], 1.0, '"timeout_s": 600')
         if kw["timeout_s"] <= 0:
@@ -154,7 +170,7 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
         kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 1,
                                     '"interval_steps": 1 (a snapshot after every optimizer step)')
     if "keep" in d:
-        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 1')
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 1', MAX_KEEP)
     if "peer_copies" in d:
         kw["peer_copies"] = _int(f"{where}.peer_copies", d["peer_copies"], 0, '"peer_copies": 1 (0: no copy on '
                                  'another node)')
@@ -162,9 +178,9 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
             raise ConfigError(f"{where}.peer_copies: {kw['peer_copies']} is not supported; use 0 or 1 (one copy on "
                               f"the next node of the ring)")
     if "dir" in d:
-        kw["dir"] = _str(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
+        kw["dir"] = _dir(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
     if "max_bytes" in d and d["max_bytes"] is not None:
-        kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000')
+        kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000', MAX_BYTES)
     return MemorySnapshotConfig(**kw)
 
 

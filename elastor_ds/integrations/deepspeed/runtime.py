@@ -66,6 +66,16 @@ def engine_layout(engine: Any) -> Layout:
     return Layout.uniform(tp, pp, dp, num_layers, boundaries=list(parts), micro_batches=gas)
 
 
+def check_roots_apart(storage: str, snapshots: str) -> None:
+    """Storage and the memory snapshots each own their root: retention and the commit protocol of
+    one would delete or rename the other's steps when one root lies inside the other."""
+    from ...checkpoint.paths import overlap
+    if overlap(storage, snapshots):
+        raise ConfigError(f"the checkpoint directory {os.path.abspath(storage)} and the memory-snapshot directory "
+                          f"{os.path.abspath(snapshots)} overlap (one holds the other); give them separate "
+                          f"directories, e.g. --save on shared storage and --snapshot-dir on /dev/shm")
+
+
 class ElastorCheckpointer:
     def __init__(self, engine: Any, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None):
         self.cfg = cfg
@@ -90,7 +100,8 @@ class ElastorCheckpointer:
         self.extra_memory_sources: list = []
         self.memory = None
         if memory is not None:
-            from .memory import MemoryTier
+            from .memory import MemoryTier, node_dir
+            check_roots_apart(cfg.dir, node_dir(memory))
             self.memory = MemoryTier(memory, TorchComm.create(cfg.timeout_s))
             est, estimated = self._snapshot_estimate()
             self.memory.check_budget(est, self.policy_comm, estimated=estimated)
