@@ -47,7 +47,7 @@ from . import probe as probe_mod
 from .snapshot_server import NodeSnapshots
 from .events import EventKind, EventLog
 from .ledger import FailureLedger
-from .liveness import Beacon, LivenessConfig, PeerBook, read_peers
+from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
@@ -302,7 +302,15 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         if self._peer_book is None or not self._peer_ranks or now < self._next_peer_read:
             return []
         self._next_peer_read = now + self.liveness.interval
-        return read_peers(self._worker_group.store, self._peer_book, self._peer_ranks, now)
+        store = self._worker_group.store
+        return self._bounded(lambda: read_peers(store, self._peer_book, self._peer_ranks, now), "liveness read")
+
+    def _bounded(self, fn, what: str):
+        """A store call of the monitor loop: at most the store's read timeout, less once fenced."""
+        if self.liveness is None:
+            return fn()
+        return bounded(fn, float(self.cfg.rdzv_conf.get("read_timeout", 60)), what,
+                       give_up=lambda: self.beacon.fenced)
 
     def _store_lost(self, err: Exception) -> RunResult:
         """A store call of the monitor loop failed (after the store's read timeout): stop, exit 1."""
@@ -451,7 +459,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                 self._launch()
                 continue
             try:
-                waiting = self._stopping is None and spec.rdzv_handler.num_nodes_waiting() > 0
+                waiting = self._stopping is None and \
+                    self._bounded(spec.rdzv_handler.num_nodes_waiting, "num_nodes_waiting") > 0
             except Exception as e:  # noqa: BLE001 - RendezvousConnectionError, DistStoreError after the read timeout
                 return self._store_lost(e)
             if waiting:

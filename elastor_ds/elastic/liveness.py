@@ -15,6 +15,12 @@ controllers watch each other through the round's store instead:
    any survivor can declare it lost, so a partitioned node never trains on beside the survivors'
    next round and never commits a checkpoint step there. It then leaves the job (exit 1).
 
+Store calls never block the controller past a bound: torch's TCPStore client waits for a reply
+without a deadline (its ``timeout`` covers key waits, not a request whose packets vanish: measured
+between two namespaces, an ``add`` after the link was cut had not returned after 25 s with a 5 s
+timeout). :func:`bounded` runs a call in a daemon thread and gives up after the deadline, or as
+soon as this node is fenced.
+
 ``timeout`` = the rendezvous's own dead-node bound (``keep_alive_interval`` x
 ``keep_alive_max_attempt``: after it torch's rendezvous drops the node too, so the survivors'
 next round can complete); ``fence_after`` = ``timeout`` - ``interval``.
@@ -131,6 +137,33 @@ class Beacon:
     @property
     def fenced(self) -> bool:
         return self.fenced_at is not None
+
+
+class StoreTimeout(TimeoutError):
+    pass
+
+
+def bounded(fn: Callable[[], object], timeout: float, what: str, give_up: Callable[[], bool] = lambda: False):
+    """``fn()`` with a deadline: raises :class:`StoreTimeout` after ``timeout`` s, or at once when
+    ``give_up()`` turns true; the call itself is abandoned in its daemon thread."""
+    box: dict = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=call, name=f"elastor-store-{what}", daemon=True).start()
+    t_end = time.monotonic() + timeout
+    while not done.wait(min(0.05, max(0.0, t_end - time.monotonic()))):
+        if time.monotonic() >= t_end or give_up():
+            raise StoreTimeout(f"{what}: no answer from the store in {time.monotonic() - t_end + timeout:.1f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def read_peers(store, book: PeerBook, ranks, now: float) -> list[int]:

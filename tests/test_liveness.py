@@ -1,0 +1,87 @@
+"""elastic.liveness: the peer book (pure, hand-computed times), the bound from torch's keep-alive
+settings, the bounded store call (a call that never returns, one that raises, fencing), and the
+beacon's self-fence when its store stops answering."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastor_ds.elastic.liveness import Beacon, LivenessConfig, PeerBook, StoreTimeout, bounded, read_peers
+
+pytestmark = pytest.mark.unit
+
+
+def test_peer_book_counts_silence_from_the_last_change():
+    book = PeerBook(timeout=4.0)
+    book.observe(1, 0, now=10.0)
+    book.observe(2, 0, now=10.0)
+    book.observe(1, 1, now=11.0)     # node 1 beats, node 2 does not
+    book.observe(2, 0, now=13.0)
+    assert book.lost(14.0) == [] and book.lost(14.01) == [2]
+    book.observe(1, 1, now=15.0)     # unchanged since 11.0
+    assert book.lost(15.0) == [2] and book.lost(15.01) == [1, 2]
+    assert book.silent_for(1, 15.5) == pytest.approx(4.5)
+
+
+def test_config_from_torch_keep_alive():
+    c = LivenessConfig.from_rdzv_conf({"keep_alive_interval": 1, "keep_alive_max_attempt": 4})
+    assert (c.interval, c.timeout, c.fence_after) == (1.0, 4.0, 3.0)
+    d = LivenessConfig.from_rdzv_conf({})        # torch's defaults: 5 s x 3
+    assert (d.interval, d.timeout, d.fence_after) == (5.0, 15.0, 10.0)
+    with pytest.raises(ValueError, match="keep_alive_max_attempt"):
+        LivenessConfig(interval=2, timeout=2)
+
+
+def test_bounded_gives_up_on_a_call_that_never_returns():
+    never = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        bounded(never.wait, 0.3, "stuck")
+    assert 0.3 <= time.monotonic() - t0 < 1.0
+    fenced = threading.Event()
+    threading.Timer(0.1, fenced.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        bounded(never.wait, 30, "stuck", give_up=fenced.is_set)
+    assert time.monotonic() - t0 < 1.0
+    assert bounded(lambda: 7, 1, "ok") == 7
+    with pytest.raises(KeyError):
+        bounded(lambda: {}["x"], 1, "raises")
+
+
+class _Store:
+    def __init__(self):
+        self.values: dict[str, int] = {}
+        self.dead = threading.Event()
+        self.lock = threading.Lock()
+
+    def add(self, key, n):
+        if self.dead.is_set():
+            threading.Event().wait()     # a store whose packets vanish: never answers
+        with self.lock:
+            self.values[key] = self.values.get(key, 0) + n
+            return self.values[key]
+
+
+def test_beacon_beats_and_fences_itself_when_the_store_goes_silent():
+    store = _Store()
+    fences: list[float] = []
+    cfg = LivenessConfig(interval=0.1, timeout=0.4)
+    beacon = Beacon(cfg, fences.append)
+    beacon.retarget(store, 1)
+    time.sleep(0.35)
+    assert store.values["elastor/alive/1"] >= 3 and not beacon.fenced
+    book = PeerBook(cfg.timeout)
+    assert read_peers(store, book, [1], now=0.0) == [] and book.seen[1][0] >= 3
+    t_cut = time.monotonic()
+    store.dead.set()
+    t_end = time.monotonic() + 5
+    while not beacon.fenced and time.monotonic() < t_end:
+        time.sleep(0.01)
+    assert beacon.fenced and len(fences) == 1
+    # fenced after fence_after (0.3 s) without a beat; the last beat was at most one interval before the cut
+    assert cfg.fence_after - cfg.interval <= beacon.fenced_at - t_cut <= cfg.fence_after + 0.2
+    assert fences[0] > cfg.fence_after
+    beacon.silence()
