@@ -71,14 +71,41 @@ def _files_of(rank: int, step: int) -> dict[str, bytes]:
             f"rank_state/rank_{rank:05d}.json": json.dumps({"rank": rank, "step": step}).encode()}
 
 
-def _write_step(nodedir: str, rank: int, step: int) -> str:
+def _crc_as_sent(rank: int, step: int, rel: str, b: bytes, corrupt_rank: int) -> int:
+    crc = zlib.crc32(b)
+    if step == 6 and rank == corrupt_rank and rel.endswith(".safetensors"):
+        crc ^= 1   # what the receiver computes will not match: as if a byte flipped on the way
+    return crc
+
+
+def _write_step(nodedir: str, rank: int, step: int, world: int = 3, corrupt_rank: int = -1) -> str:
+    """This rank's files of ``step`` and (as a node-local memory snapshot has) the whole step's
+    manifest, listing every rank's files: what a receiver checks a sender's announced files against."""
+    from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
     d = os.path.join(nodedir, "local", f"step_{step:09d}")
     for rel, b in _files_of(rank, step).items():
         p = os.path.join(d, rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "wb") as f:
             f.write(b)
+    files = {rel: FileEntry(rel, len(b), _crc_as_sent(r, step, rel, b, corrupt_rank), r)
+             for r in range(world) for rel, b in _files_of(r, step).items()}
+    tmp = os.path.join(d, f".manifest.{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(Manifest(step=step, tensors={}, files=files, world_size=world).dumps())
+    os.replace(tmp, os.path.join(d, "manifest.json"))
     return d
+
+
+def _job_key(base: str) -> None:
+    """The job's secret file (0600, 32 random bytes; the same for every rank) in the environment."""
+    path = os.path.join(base, "job.secret")
+    if not os.path.exists(path):
+        fd = os.open(path + f".{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(path + f".{os.getpid()}", path)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = path   # elastor_ds.checkpoint.auth.ENV_JOB_SECRET_FILE
 
 
 def _worker(rank, world, base, ppn, corrupt_rank):
@@ -88,19 +115,16 @@ def _worker(rank, world, base, ppn, corrupt_rank):
     node = node_of_rank(ppn, rank)
     nodedir = os.path.join(base, f"elastor-node{node}")
     os.makedirs(nodedir, exist_ok=True)
+    _job_key(base)
     if rank == 2:   # a copy from a node that left the ring earlier: dropped once the new copy completes
         stale = os.path.join(nodedir, "peer", "elastor-gone", "step_000000004")
         os.makedirs(stale)
         open(os.path.join(stale, "COMPLETE"), "w").close()
     cp = PeerCopier.create(ppn, nodedir, peer_copies=1, timeout_s=60)
     for step in (5, 6):
-        d = _write_step(nodedir, rank, step)
-        files = []
-        for rel, b in _files_of(rank, step).items():
-            crc = zlib.crc32(b)
-            if step == 6 and rank == corrupt_rank and rel.endswith(".safetensors"):
-                crc ^= 1   # what the receiver computes will not match: as if a byte flipped on the way
-            files.append(PeerFile(rel, len(b), crc))
+        d = _write_step(nodedir, rank, step, world, corrupt_rank)
+        files = [PeerFile(rel, len(b), _crc_as_sent(rank, step, rel, b, corrupt_rank))
+                 for rel, b in _files_of(rank, step).items()]
         st = cp.submit(d, files)
         cp.wait()
         assert st.error is None, st.error
@@ -208,3 +232,60 @@ def test_origin_id_names_host_and_directory(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-2.cluster")
     b = origin_id("/dev/shm/my job")            # the same --snapshot-dir on another node
     assert a == "gpu-node-1.cluster-my_job" and b == "gpu-node-2.cluster-my_job"
+
+
+# ---------------------------------------------------------------- a lying sender (issue 19)
+LIES = {
+    "huge": lambda rel, b: [rel, 1 << 34, zlib.crc32(b)],                  # 16 GiB announced for a 41 KB file
+    "unlisted": lambda rel, b: ["data_09999.safetensors", len(b), zlib.crc32(b)],   # no such file in the manifest
+    "other-rank": lambda rel, b: [f"data_{0:05d}.safetensors", len(_files_of(0, 5)["data_00000.safetensors"]),
+                                  zlib.crc32(_files_of(0, 5)["data_00000.safetensors"])],  # rank 0's file
+}
+
+
+def _liar_worker(rank, world, base, lie):
+    """Ranks 0 and 2 run the real copier; rank 1 (node 0, which only sends to rank 2) speaks the
+    protocol by hand and announces a file the manifest does not back. It posts its header and its
+    data sends, and leaves without waiting for them (an attacker does not)."""
+    import torch
+    import torch.distributed as dist
+
+    from elastor_ds.comm import peer_copy as pc
+    ppn = [2, 1]
+    node = 0 if rank < 2 else 1
+    nodedir = os.path.join(base, f"elastor-node{node}")
+    os.makedirs(nodedir, exist_ok=True)
+    _job_key(base)
+    cp = pc.PeerCopier.create(ppn, nodedir, peer_copies=1, timeout_s=30)
+    d = _write_step(nodedir, rank, 5, world)
+    if rank != 1:
+        st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank, 5).items()])
+        cp.wait()
+        assert st.error is None, st.error
+        assert cp.close(timeout_s=30)
+        return
+    rel, body = next((r, b) for r, b in _files_of(1, 5).items() if r.endswith(".safetensors"))
+    entry = LIES[lie](rel, body)
+    if hasattr(pc, "file_mac"):   # the attacker adapts to the receiver's protocol version
+        entry.append(pc.file_mac(cp.key, cp.origin, "step_000000005", entry[0], body))
+    header = json.dumps({"origin": cp.origin, "step": "step_000000005", "seq": 1, "src": 1, "files": [entry]}).encode()
+    g = cp.group
+    dist.isend(torch.tensor([len(header)], dtype=torch.int64), 2, group=g, tag=1).wait()
+    dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), 2, group=g, tag=2).wait()
+    dist.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), 2, group=g, tag=16)   # not waited for
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_lying_sender_writes_nothing_and_completes_nothing(tmp_path, lie):
+    run_world(_liar_worker, 3, str(tmp_path), lie, timeout_s=60)
+    origin = _oid("elastor-node0")
+    got = tmp_path / "elastor-node1" / "peer" / origin / STEP5
+    # rank 0's files arrived (an honest sender of the same node); nothing of rank 1's announcement was
+    # written or allocated, not even a part file; the copy of node 0 is not complete
+    on_disk = {str(p.relative_to(got)): p.stat().st_size for p in got.rglob("*") if p.is_file()} if got.exists() else {}
+    honest = {rel: len(b) for rel, b in _files_of(0, 5).items()}
+    assert not (got / "COMPLETE").exists(), on_disk
+    assert {k: v for k, v in on_disk.items() if not k.startswith(".from_")} == honest, on_disk
+    # the other direction (rank 2 -> rank 0) is complete: one liar does not stop the ring
+    assert (tmp_path / "elastor-node0" / "peer" / _oid("elastor-node1") / STEP5 / "COMPLETE").exists()

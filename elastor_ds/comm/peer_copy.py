@@ -6,16 +6,26 @@ that deletes them cannot pull them from under the copy) and hands them to a back
 which runs one exchange of the ring plan (:func:`~elastor_ds.checkpoint.planning.peer_plan.plan_peer_copies`)
 on a dedicated gloo group:
 
-1. every sender posts a JSON header (origin node id, step, files with sizes and CRC32) to its
-   receiver; every receiver posts the receives of its senders' headers (lengths first);
-2. receivers create each file (``.<name>.part``, sized, memory-mapped) and post a receive straight
+1. every sender posts a JSON header (origin node id, step, files with sizes, CRC32 and a keyed
+   digest under the job key, :func:`~elastor_ds.checkpoint.auth.file_mac`) to its receiver; every
+   receiver posts the receives of its senders' headers (lengths first);
+2. a receiver trusts no size it is sent: every file must be listed in its own node's committed
+   manifest of that step (read from a descriptor opened at :meth:`submit`: retention cannot pull
+   it), with the manifest's size and CRC32 and written by that sender; the bytes it has to allocate
+   must fit the node's free tmpfs. A lying sender's files are not received (its copy fails); a copy
+   that does not fit is received into a scratch buffer and dropped (the sender is not left hanging);
+3. receivers create each file (``.<name>.part``, sized, memory-mapped) and post a receive straight
    into it; senders post sends straight from their memory-mapped snapshot files; all operations are
    non-blocking, so the ring (A sends to B while B sends to A) cannot deadlock;
-3. a receiver checks each file's CRC32 against the header, renames it into
+4. a receiver checks each file's CRC32 and keyed digest, renames it into
    ``$ELASTOR_SNAPSHOT_DIR/peer/<origin>/<step>/``, marks its sender done
-   (``.from_<src>.<seq>``) and, once every sender of that origin node has arrived, writes
-   ``COMPLETE`` last and drops the origin's older steps. A CRC mismatch leaves no ``COMPLETE``
-   (logged): a restore falls back to the next source.
+   (``.from_<src>.<seq>``, holding the sender's file list) and, once every sender of that origin
+   node has arrived, writes ``COMPLETE`` last (with the file list the snapshot server may serve)
+   and drops the origin's older steps. A mismatch leaves no ``COMPLETE`` (logged): a restore falls
+   back to the next source.
+
+Peer copies need the job key (``elastor run --job-secret-file``): without it on any rank there are
+none (decided collectively, logged).
 
 The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``).
 :meth:`create` makes the gloo group: it is collective, every rank calls it at the same point
@@ -34,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..checkpoint.auth import file_mac, job_key
 from ..checkpoint.commit import recycle_data_files
 from ..checkpoint.crc import crc32
 from ..checkpoint.paths import safe_join
@@ -49,6 +60,7 @@ PEER_DIR = "peer"
 _ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}$")
 _STEP_RE = re.compile(r"^step_\d{9,}$")
 _MAX_HEADER = 1 << 20
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _PIECE = 256 << 20          # one send/recv op moves at most this many bytes
 _T_LEN, _T_HDR, _T_DATA = 1, 2, 16
 
@@ -104,6 +116,49 @@ class _Open:
         self.crc = crc
 
 
+def _allowed_files(fd: int, step_name: str) -> dict:
+    """name -> (size, crc32, writer_rank) of this node's committed manifest of the step (from the
+    descriptor :meth:`PeerCopier.submit` opened); empty when there is none (nothing is accepted)."""
+    if fd < 0:
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(256 << 20)
+        from ..checkpoint.planning.manifest import Manifest
+        man = Manifest.loads(raw.decode("utf-8"), where=f"manifest of {step_name}")
+    except Exception as e:  # noqa: BLE001 - no trustworthy list: nothing is received
+        log.warning("peer copy of %s: this node's manifest is unreadable (%s); not receiving copies", step_name, e)
+        return {}
+    return {n: (fe.size, fe.crc32, fe.writer_rank) for n, fe in man.files.items()}
+
+
+def _check_budget(incoming: list, snapshot_dir: str) -> None:
+    """Copies whose new bytes do not fit the node's free tmpfs are drained, not written (logged)."""
+    try:
+        st = os.statvfs(snapshot_dir)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return
+    for inc in incoming:
+        if inc.files is None:
+            continue
+        spare_dir = os.path.join(snapshot_dir, PEER_DIR, inc.origin, SPARE_DIR)
+        need = 0
+        for rel, size, *_ in inc.files:
+            try:
+                have = os.lstat(os.path.join(spare_dir, rel)).st_size if "/" not in rel else 0
+            except OSError:
+                have = 0
+            need += max(0, size - have)
+        if need > free:
+            log.warning("peer copy of %s from %s (rank %d): %d new bytes do not fit this node's free memory (%d "
+                        "bytes under %s); this copy is dropped", inc.step, inc.origin, inc.t.src, need, free,
+                        snapshot_dir)
+            inc.drain = True
+        else:
+            free -= need
+
+
 def origin_id(snapshot_dir: str) -> str:
     """This node's name in other nodes' ``peer/``: host and snapshot directory name (users often
     give every node the same ``--snapshot-dir``)."""
@@ -120,7 +175,10 @@ class PeerCopier:
     """Runs the peer copies of one rank (see the module docstring)."""
 
     def __init__(self, group, rank: int, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
-                 peer_copies: int = 1):
+                 peer_copies: int = 1, key: Optional[bytes] = None):
+        if not key:
+            raise ValueError("peer copies need the job key (elastor run --job-secret-file)")
+        self.key = key
         self.group = group
         self.rank = rank
         self.procs_per_node = list(procs_per_node)
@@ -155,8 +213,23 @@ class PeerCopier:
             raise CollectiveError(f"peer copy: processes per node {list(procs_per_node)} do not add up to the world "
                                   f"size {dist.get_world_size()}")
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            key = job_key()
+        except Exception as e:  # noqa: BLE001 - a bad secret file: this rank has no key (agreed below)
+            log.warning("peer copy: the job secret file is unusable here: %s", e)
+            key = None
+        import torch
+        have = torch.tensor([1 if key else 0], dtype=torch.int32)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=group)
+        if not int(have.item()):
+            if rank == 0:
+                log.warning("memory snapshots: no peer copies: they need the job key on every node (elastor run "
+                            "--job-secret-file FILE, the same file on every node); restores of a lost node read "
+                            "storage")
+            dist.destroy_process_group(group)
+            return None
         origin = origin_id(snapshot_dir)
-        return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies)
+        return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies, key)
 
     # ------------------------------------------------------------------ API
     def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = ()) -> PeerCopyStats:
@@ -177,7 +250,17 @@ class PeerCopier:
             log.warning("peer copy of %s: cannot open this rank's files: %s", step_name, e)
             st.error = f"{type(e).__name__}: {e}"
             opened = None
-        self._thread = threading.Thread(target=self._run, args=(st, opened), name="elastor-peer-copy", daemon=True)
+        manifest_fd = -1
+        if self.recvs:   # what the senders may send: this node's committed manifest of the step (pinned now)
+            for d in (step_dir, *search_dirs):
+                try:
+                    manifest_fd = os.open(os.path.join(d, "manifest.json"),
+                                          os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                    break
+                except OSError:
+                    continue
+        self._thread = threading.Thread(target=self._run, args=(st, opened, manifest_fd), name="elastor-peer-copy",
+                                        daemon=True)
         self._thread.start()
         return st
 
@@ -200,10 +283,10 @@ class PeerCopier:
         return True
 
     # ------------------------------------------------------------------ the exchange
-    def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]]) -> None:
+    def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]], manifest_fd: int = -1) -> None:
         t0 = time.perf_counter()
         try:
-            self._exchange(st, opened)
+            self._exchange(st, opened, _allowed_files(manifest_fd, st.step_name))
         except Exception as e:  # noqa: BLE001 - a failed copy is logged; the restore falls back
             st.error = st.error or f"{type(e).__name__}: {e}"
             log.warning("peer copy %d of %s failed on rank %d: %s", st.seq, st.step_name, self.rank, st.error)
@@ -212,14 +295,15 @@ class PeerCopier:
             log.debug("peer copy %d of %s: sent %d B, received %d B in %.3f s", st.seq, st.step_name,
                       st.bytes_sent, st.bytes_received, st.copy_s)
 
-    def _exchange(self, st: PeerCopyStats, opened: Optional[list[_Open]]) -> None:
+    def _exchange(self, st: PeerCopyStats, opened: Optional[list[_Open]], allowed: Optional[dict] = None) -> None:
         import torch
         import torch.distributed as dist
 
         g = self.group
         # 1. headers
         header = {"origin": self.origin, "step": st.step_name, "seq": st.seq, "src": self.rank,
-                  "files": [[o.file.relpath, o.file.size, o.crc] for o in opened] if opened is not None else None}
+                  "files": [[o.file.relpath, o.file.size, o.crc, self._mac(st.step_name, o)] for o in opened]
+                  if opened is not None else None}
         hbytes = json.dumps(header).encode()
         htensor = torch.frombuffer(bytearray(hbytes), dtype=torch.uint8)
         lens_out = torch.tensor([len(hbytes)], dtype=torch.int64)
@@ -237,6 +321,9 @@ class PeerCopier:
         for w in works:
             w.wait()
         incoming = [_Incoming.parse(bytes(b.numpy()), t, self) for b, t in zip(hdrs_in, self.recvs)]
+        for inc in incoming:
+            inc.check_against(allowed or {}, self.snapshot_dir)
+        _check_budget(incoming, self.snapshot_dir)
         # 2. data, straight from / into memory-mapped files
         works = []
         for t in self.sends:
@@ -251,13 +338,17 @@ class PeerCopier:
         del opened
         # 3. check, move into place, COMPLETE
         for inc in incoming:
-            st.bytes_received += inc.finish()
+            st.bytes_received += inc.finish(self.key)
             if inc.ok:
                 done = self._mark_done(inc)
                 if done:
                     st.completed.append(inc.origin)
         if incoming and self.rank == min(t.dst for t in self.plan if t.dst_node == self.node):
             self._drop_stale_origins({inc.origin for inc in incoming}, st.step_name)
+
+    def _mac(self, step_name: str, o: "_Open") -> str:
+        data = o.tensor.numpy() if o.tensor is not None else b""
+        return file_mac(self.key, self.origin, step_name, o.file.relpath, data)
 
     def _drop_stale_origins(self, current: set, step: str) -> None:
         """Copies from nodes that no longer send here (they left, or the ring changed) are dropped
@@ -274,15 +365,21 @@ class PeerCopier:
     def _mark_done(self, inc: "_Incoming") -> bool:
         """Mark ``inc``'s sender done; write COMPLETE when every sender of its origin node is done."""
         d = inc.dir
-        with open(os.path.join(d, f".from_{inc.t.src}.{inc.seq}"), "w"):
-            pass
+        mtmp = os.path.join(d, f".from_{inc.t.src}.{inc.seq}.tmp")
+        with open(mtmp, "w") as f:
+            json.dump({rel: size for rel, size, *_ in inc.files or []}, f)
+        os.replace(mtmp, os.path.join(d, f".from_{inc.t.src}.{inc.seq}"))
         senders = [t.src for t in self.plan if t.src_node == inc.t.src_node and
                    node_of_rank(self.procs_per_node, t.dst) == self.node]
         if not all(os.path.exists(os.path.join(d, f".from_{s}.{inc.seq}")) for s in senders):
             return False
+        files: dict = {}
+        for s in senders:
+            with open(os.path.join(d, f".from_{s}.{inc.seq}")) as f:
+                files.update(json.load(f))
         tmp = os.path.join(d, f".{COMPLETE}.{self.rank}")
-        with open(tmp, "w") as f:
-            json.dump({"origin": inc.origin, "seq": inc.seq, "senders": senders}, f)
+        with open(tmp, "w") as f:   # the file list: what the snapshot server may serve of this copy
+            json.dump({"origin": inc.origin, "seq": inc.seq, "senders": senders, "files": files}, f)
         os.replace(tmp, os.path.join(d, COMPLETE))
         if not self._announced:   # once; then every copy at debug level
             self._announced = True
@@ -331,6 +428,8 @@ class _Incoming:
         self.dir = os.path.join(root, PEER_DIR, origin, step)
         self.bufs: list = []
         self.ok = files is not None
+        self.drain = False   # received into a scratch buffer and dropped (does not fit this node)
+        self.key = b""
 
     @staticmethod
     def parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
@@ -342,12 +441,27 @@ class _Incoming:
             raise CollectiveError(f"peer copy: rank {t.src} sent {step!r} copy {seq!r}, expected copy {cp.seq}")
         if files is not None:
             for f in files:
-                if not (isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and isinstance(f[1], int)
-                        and f[1] >= 0 and isinstance(f[2], int)):
+                if not (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and isinstance(f[1], int)
+                        and f[1] >= 0 and isinstance(f[2], int) and isinstance(f[3], str) and _HEX64.match(f[3])):
                     raise CollectiveError(f"peer copy: bad file entry {f!r} from rank {t.src}")
         else:
             log.warning("peer copy of %s: rank %d could not send its files", step, t.src)
         return _Incoming(t, origin, step, seq, files, cp.snapshot_dir)
+
+    def check_against(self, allowed: dict, snapshot_dir: str) -> None:
+        """Every file this sender announces must be one of its files in this node's committed
+        manifest of the step, with the manifest's size and CRC32; otherwise nothing is received."""
+        if self.files is None:
+            return
+        for rel, size, crc, _mac in self.files:
+            want = allowed.get(rel)
+            if want is None or (size, crc) != want[:2] or want[2] not in (-1, self.t.src):
+                log.warning("peer copy of %s from %s (rank %d): %s (%s bytes, CRC32 %08x) is not this sender's file "
+                            "of size %s in this node's manifest of %s; not receiving this copy", self.step, self.origin,
+                            self.t.src, ascii(rel[:80]), size, crc & 0xFFFFFFFF,
+                            want[0] if want else "(absent)", self.step)
+                self.files, self.ok = None, False
+                return
 
     def post(self, g) -> list:
         import torch
@@ -355,13 +469,21 @@ class _Incoming:
 
         if self.files is None:
             return []
+        if self.drain:   # sizes checked against the manifest: the scratch buffer is bounded by them
+            works = []
+            for k, (rel, size, *_x) in enumerate(self.files):
+                scratch = torch.empty(min(size, _PIECE), dtype=torch.uint8)
+                for a, b in _pieces(size):
+                    works.append(dist.irecv(scratch[:b - a], self.t.src, group=g, tag=_T_DATA + k))
+            self.bufs = []
+            return works
         os.makedirs(self.dir, exist_ok=True)
         try:   # a re-sent step: it is not complete until this copy is
             os.remove(os.path.join(self.dir, COMPLETE))
         except FileNotFoundError:
             pass
         works = []
-        for k, (rel, size, _crc) in enumerate(self.files):
+        for k, (rel, size, _crc, _mac) in enumerate(self.files):
             final = safe_join(self.dir, rel, what="peer copy file", allow_subdirs=True)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             part = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.part")
@@ -379,15 +501,23 @@ class _Incoming:
                 works.append(dist.irecv(buf[a:b], self.t.src, group=g, tag=_T_DATA + k))
         return works
 
-    def finish(self) -> int:
-        """Check every file's CRC, move it into place; returns the bytes received."""
+    def finish(self, key: bytes) -> int:
+        """Check every file's CRC and keyed digest, move it into place; returns the bytes received."""
+        import hmac as hmac_mod
         n = 0
-        for (rel, size, crc), (part, final, buf) in zip(self.files or [], self.bufs):
-            got = crc32(buf.numpy()) if size else 0
+        if self.drain:
+            self.ok = False
+            return 0
+        for (rel, size, crc, mac), (part, final, buf) in zip(self.files or [], self.bufs):
+            data = buf.numpy() if size else b""
+            got = crc32(data) if size else 0
             n += size
-            if got != crc:
-                log.warning("peer copy of %s from %s (rank %d): %s arrived with CRC32 %08x, sent as %08x; "
-                            "not completing this copy", self.step, self.origin, self.t.src, rel, got, crc)
+            why = (f"arrived with CRC32 {got:08x}, sent as {crc:08x}" if got != crc else
+                   "failed its keyed digest (not sent by this job, or changed on the way)"
+                   if not hmac_mod.compare_digest(file_mac(key, self.origin, self.step, rel, data), mac) else "")
+            if why:
+                log.warning("peer copy of %s from %s (rank %d): %s %s; not completing this copy", self.step,
+                            self.origin, self.t.src, rel, why)
                 self.ok = False
                 os.remove(part)
                 continue
