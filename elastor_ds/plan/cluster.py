@@ -15,19 +15,24 @@ Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from ..errors import ConfigError
 
+# Sizes the planner accepts (its time and memory grow with them; beyond these a typo, not a cluster).
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 1 << 18        # 262,144
+MAX_GPUS = 1 << 18         # 262,144 usable GPUs in all
 
-@dataclass(frozen=True)
-class Device:
-    """One usable GPU: ``node`` is the node's index in the cluster, ``local_id`` its GPU id there."""
+
+class Device(NamedTuple):
+    """One usable GPU: ``node`` is the node's index in the cluster, ``local_id`` its GPU id there.
+    A named tuple (immutable, hashable): a 131,072-GPU cluster makes one per GPU, cheaply."""
 
     node: int
     node_name: str
@@ -46,12 +51,17 @@ class Node:
     speeds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
-            raise ConfigError(f"node {self.name}: GPU ids {list(self.gpus)} must be distinct and >= 0")
+        gpus = self.gpus
+        if len(gpus) > MAX_GPUS_PER_NODE:
+            raise ConfigError(f"node {self.name}: {len(gpus)} GPUs; at most {MAX_GPUS_PER_NODE} per node are supported")
+        if gpus != _IDS.get(len(gpus)):  # the common case 0..k-1 needs no checks
+            if len(set(gpus)) != len(gpus) or any(g < 0 or g >= 1 << 20 for g in gpus):
+                raise ConfigError(f"node {self.name}: GPU ids {list(gpus)} must be distinct, >= 0 and < {1 << 20}")
         if not self.speeds:
-            object.__setattr__(self, "speeds", tuple(1.0 for _ in self.gpus))
-        if len(self.speeds) != len(self.gpus):
-            raise ConfigError(f"node {self.name}: {len(self.speeds)} speeds for {len(self.gpus)} GPUs")
+            object.__setattr__(self, "speeds", _ONES[len(gpus)])
+            return
+        if len(self.speeds) != len(gpus):
+            raise ConfigError(f"node {self.name}: {len(self.speeds)} speeds for {len(gpus)} GPUs")
         if any(not (s > 0) or not math.isfinite(s) for s in self.speeds):
             raise ConfigError(f"node {self.name}: relative speeds {list(self.speeds)} must be > 0")
 
@@ -68,9 +78,15 @@ class Cluster:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{k}={v!r}: must be a finite number > 0")
+        if len(self.nodes) > MAX_NODES:
+            raise ConfigError(f"{len(self.nodes):,} nodes; at most {MAX_NODES:,} are supported")
         names = [n.name for n in self.nodes]
         if len(set(names)) != len(names):
-            raise ConfigError(f"node names {names} must be distinct")
+            dup = sorted({n for n in names if names.count(n) > 1})[:5] if len(names) < 4096 else "some"
+            raise ConfigError(f"node names must be distinct (repeated: {dup})")
+        n = sum(len(nd.gpus) for nd in self.nodes)
+        if n > MAX_GPUS:
+            raise ConfigError(f"{n:,} usable GPUs; at most {MAX_GPUS:,} are supported")
 
     # ---- constructors -------------------------------------------------------------------------
     @staticmethod
@@ -86,8 +102,12 @@ class Cluster:
         else:
             counts = [int(x) for x in spec]
         if any(c < 0 for c in counts):
-            raise ConfigError(f"gpus per node {counts}: counts must be >= 0")
-        nodes = tuple(Node(f"node{i}", tuple(range(c))) for i, c in enumerate(counts))
+            raise ConfigError(f"gpus per node: counts must be >= 0 (got {min(counts)})")
+        if len(counts) > MAX_NODES:
+            raise ConfigError(f"gpus per node: {len(counts):,} nodes; at most {MAX_NODES:,} are supported")
+        if max(counts, default=0) > MAX_GPUS_PER_NODE:
+            raise ConfigError(f"gpus per node: {max(counts)} GPUs on a node; at most {MAX_GPUS_PER_NODE} are supported")
+        nodes = tuple(Node(f"node{i}", _IDS[c]) for i, c in enumerate(counts))
         return Cluster(nodes, **kw)
 
     @staticmethod
@@ -150,22 +170,58 @@ class Cluster:
     # ---- queries ------------------------------------------------------------------------------
     def devices(self) -> list[Device]:
         """Every usable GPU, node by node, GPU ids ascending (the canonical order)."""
-        out = []
-        for ni, n in enumerate(self.nodes):
-            for g, s in sorted(zip(n.gpus, n.speeds)):
-                out.append(Device(ni, n.name, g, s))
-        return out
+        return list(self.device_tuple())
 
-    @property
+    def device_tuple(self) -> tuple[Device, ...]:
+        """:meth:`devices` as a tuple, made once per cluster (the cluster is immutable)."""
+        cached = self.__dict__.get("_devices")
+        if cached is None:
+            out = []
+            for ni, n in enumerate(self.nodes):
+                pairs = zip(n.gpus, n.speeds) if n.gpus == _IDS.get(len(n.gpus)) else sorted(zip(n.gpus, n.speeds))
+                name = n.name
+                out.extend(_new_device(Device, (ni, name, g, s)) for g, s in pairs)
+            cached = tuple(out)
+            object.__setattr__(self, "_devices", cached)
+        return cached
+
+    def node_index(self) -> dict[str, int]:
+        """Node name -> index (made once per cluster)."""
+        cached = self.__dict__.get("_node_index")
+        if cached is None:
+            cached = {n.name: i for i, n in enumerate(self.nodes)}
+            object.__setattr__(self, "_node_index", cached)
+        return cached
+
+    @cached_property
     def num_gpus(self) -> int:
         return sum(len(n.gpus) for n in self.nodes)
 
-    @property
+    @cached_property
     def max_gpus_per_node(self) -> int:
         return max((len(n.gpus) for n in self.nodes), default=0)
 
     def describe(self) -> str:
+        """``"131,071 GPUs on 16,384 nodes (16,383 x 8, 1 x 7), 80 GB each"``: per-node counts summarised."""
         counts = [len(n.gpus) for n in self.nodes]
         slow = sum(1 for n in self.nodes for s in n.speeds if s != 1.0)
-        return (f"{self.num_gpus} GPUs on {len(self.nodes)} nodes ({','.join(map(str, counts))}), "
-                f"{self.gpu_memory_gb:g} GB each" + (f", {slow} with non-nominal speed" if slow else ""))
+        return (f"{self.num_gpus:,} GPUs on {len(self.nodes):,} nodes ({run_length(counts)}), "
+                f"{self.gpu_memory_gb:g} GB each" + (f", {slow:,} with non-nominal speed" if slow else ""))
+
+
+_new_device = tuple.__new__  # Device's fields without NamedTuple.__new__'s keyword handling
+_IDS = {k: tuple(range(k)) for k in range(MAX_GPUS_PER_NODE + 1)}
+_ONES = {k: (1.0,) * k for k in range(MAX_GPUS_PER_NODE + 1)}
+
+
+def run_length(values: list[int], limit: int = 6) -> str:
+    """Consecutive repeats folded: ``[8, 8, 8, 7]`` -> ``"8,8,8,7"``; long lists by count, most common
+    first: ``"16,383 x 8, 1 x 7"``."""
+    if len(values) <= 8:
+        return ",".join(map(str, values))
+    tally: dict[int, int] = {}
+    for v in values:
+        tally[v] = tally.get(v, 0) + 1
+    items = sorted(tally.items(), key=lambda kv: (-kv[1], -kv[0]))
+    text = ", ".join(f"{n:,} x {v}" for v, n in items[:limit])
+    return text + (f", {len(items) - limit} other counts" if len(items) > limit else "")

@@ -419,6 +419,37 @@ class CostModel:
         fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas, zero_stage)
         return fixed + num_layers * per_layer
 
+    def max_layers_all(self, tp: int, num_stages: int, num_replicas: int,
+                       zero_stage: int | None = None) -> tuple[int, ...]:
+        """:meth:`max_layers` of every position of a ``num_stages``-stage pipeline of TP ``tp``
+        (the same arithmetic as :meth:`stage_memory_parts`, once per position; cached)."""
+        key = (tp, num_stages, num_replicas, zero_stage)
+        cache = self.__dict__.setdefault("_mx_all", {})
+        v = cache.get(key)
+        if v is not None:
+            return v
+        m, tr, S = self.model, self.training, num_stages
+        per_param = self.state_bytes_per_param(num_replicas, zero_stage)
+        w = m.params_per_layer / tp * per_param
+        act = self.activation_bytes_per_layer(tp)
+        base = self.params.memory_overhead_gb * GiB
+        tokens = tr.micro_batch_size * m.seq_length
+        emb = m.embedding_params / tp * per_param
+        head = (0.0 if (m.tied_embeddings and S == 1) else emb) + tokens * m.vocab_size / tp * 4.0 * 2
+        limit = self.memory_limit_bytes
+        out = []
+        for j in range(S):
+            fixed = base
+            if j == 0:
+                fixed += emb + (S - j) * tokens * m.hidden_size * m.dtype_bytes
+            if j == S - 1:
+                fixed += head
+            room = limit - fixed
+            per_layer = w + (S - j) * act
+            out.append(-1 if room < 0 else (int(room // per_layer) if per_layer > 0 else m.num_layers))
+        v = cache[key] = tuple(out)
+        return v
+
     def max_layers(self, tp: int, pos: int, num_stages: int, num_replicas: int, zero_stage: int | None = None) -> int:
         """Most layers stage ``pos`` can hold within the memory limit (may be <= 0)."""
         fixed, per_layer = self.stage_memory_parts(tp, pos, num_stages, num_replicas, zero_stage)
@@ -429,7 +460,8 @@ class CostModel:
 
     # ---- whole plans --------------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> CostBreakdown:
-        """Price a placed plan exactly (the function every search result and test is judged by)."""
+        """Price a placed plan exactly (the function every search result and test is judged by).
+        Replicas of the same shape on the same kind of placement are priced once."""
         R = len(plan.replicas)
         # a grid runs DeepSpeed's ZeRO at the configured stage over its DP group; the heterogeneous
         # runtime runs ZeRO-1 at most, sharding each block's optimizer state among its R holders
@@ -437,25 +469,33 @@ class CostModel:
         limit = self.memory_limit_bytes
         feasible = True
         reps: list[ReplicaCost] = []
+        memo: dict[tuple, ReplicaCost] = {}
         for rep in plan.replicas:
-            S = len(rep.stages)
-            tps = tuple(s.tp for s in rep.stages)
-            times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) + self.stage_extra_time(tps, j)
-                          for j, s in enumerate(rep.stages))
-            mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R, z) for j, s in enumerate(rep.stages))
-            if any(mm > limit for mm in mems):
+            st = rep.stages
+            # what the price depends on: TP, layer count, speed of every stage, and which
+            # neighbouring stages share a node
+            key = (rep.micro_batches, tuple((s.tp, s.layers[1] - s.layers[0], s.speed) for s in st),
+                   tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            rc = memo.get(key)
+            if rc is None:
+                rc = memo[key] = self._replica_cost(rep, key[2], R, z)
+            if any(mm > limit for mm in rc.stage_memory_bytes):
                 feasible = False
-            slow = max(times)
-            p2p = 0.0
-            for a, b in zip(rep.stages, rep.stages[1:]):
-                same = {d.node for d in a.devices} | {d.node for d in b.devices}
-                p2p += self.fill_drain_p2p(len(same) == 1)
-            compute, bubble = rep.micro_batches * slow, (S - 1) * slow
-            reps.append(ReplicaCost(rep.micro_batches, times, mems, slow, compute, bubble, p2p,
-                                    compute + bubble + p2p))
+            reps.append(rc)
         sync = self.sync_time(plan)
         pipe = max(r.time_s for r in reps)
         return CostBreakdown(pipe + sync, pipe, sync, tuple(reps), limit, feasible)
+
+    def _replica_cost(self, rep, same_node: tuple[bool, ...], R: int, z: int) -> ReplicaCost:  # noqa: ANN001
+        S = len(rep.stages)
+        tps = tuple(s.tp for s in rep.stages)
+        times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) + self.stage_extra_time(tps, j)
+                      for j, s in enumerate(rep.stages))
+        mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R, z) for j, s in enumerate(rep.stages))
+        slow = max(times)
+        p2p = sum(self.fill_drain_p2p(same) for same in same_node)
+        compute, bubble = rep.micro_batches * slow, (S - 1) * slow
+        return ReplicaCost(rep.micro_batches, times, mems, slow, compute, bubble, p2p, compute + bubble + p2p)
 
     @staticmethod
     def is_grid(plan: Plan) -> bool:
@@ -473,36 +513,45 @@ class CostModel:
         if measured is not None:
             return measured
         m = self.model
-        # Nodes holding each layer (over all replicas), by segments between all stage boundaries.
-        cuts = sorted({b for r in plan.replicas for s in r.stages for b in s.layers})
-        seg_nodes: list[set[int]] = [set() for _ in range(len(cuts) - 1)]
-        seg_index = {c: i for i, c in enumerate(cuts)}
-        first_nodes: set[int] = set()
-        last_nodes: set[int] = set()
+        # The node holding each layer over all replicas (-1: more than one), by segments between
+        # all stage boundaries; stages of the same layer range are taken together.
+        by_range: dict[tuple[int, int], int] = {}
+        first_node: int | None = None
+        last_node: int | None = None
         for r in plan.replicas:
-            for j, s in enumerate(r.stages):
-                nodes = {d.node for d in s.devices}
-                for i in range(seg_index[s.layers[0]], seg_index[s.layers[1]]):
-                    seg_nodes[i] |= nodes
-                if j == 0:
-                    first_nodes |= nodes
-                if j == len(r.stages) - 1:
-                    last_nodes |= nodes
-        seg_bw = [self.bandwidth(len(n) == 1) * GB for n in seg_nodes]
+            st = r.stages
+            for s in st:
+                n = s.node
+                prev = by_range.get(s.layers, n)
+                by_range[s.layers] = n if prev == n else -1
+            n0, n1 = st[0].node, st[-1].node
+            first_node = n0 if first_node in (None, n0) else -1
+            last_node = n1 if last_node in (None, n1) else -1
+        cuts = sorted({b for lay in by_range for b in lay})
+        seg_index = {c: i for i, c in enumerate(cuts)}
+        seg_node: list[int | None] = [None] * (len(cuts) - 1)
+        for (a, b), n in by_range.items():
+            for i in range(seg_index[a], seg_index[b]):
+                seg_node[i] = n if seg_node[i] in (None, n) else -1
+        seg_time = [(cuts[i + 1] - cuts[i]) * m.params_per_layer * factor / (self.bandwidth(seg_node[i] != -1) * GB)
+                    for i in range(len(cuts) - 1)]
+        emb_first = m.embedding_params * factor / (self.bandwidth(first_node != -1) * GB)
+        emb_last = m.embedding_params * factor / (self.bandwidth(last_node != -1) * GB)
         worst = 0.0
+        seen: set = set()
         for r in plan.replicas:
             S = len(r.stages)
             for j, s in enumerate(r.stages):
-                per_layer = m.params_per_layer / s.tp * factor
-                t = 0.0
-                for i in range(seg_index[s.layers[0]], seg_index[s.layers[1]]):
-                    t += (cuts[i + 1] - cuts[i]) * per_layer / seg_bw[i]
-                emb = m.embedding_params / s.tp * factor
-                if j == 0:
-                    t += emb / (self.bandwidth(len(first_nodes) == 1) * GB)
-                if j == S - 1 and not (m.tied_embeddings and S == 1):
-                    t += emb / (self.bandwidth(len(last_nodes) == 1) * GB)
-                worst = max(worst, t)
+                key = (s.tp, s.layers, j == 0, j == S - 1 and not (m.tied_embeddings and S == 1))
+                if key in seen:
+                    continue
+                seen.add(key)
+                t = sum(seg_time[seg_index[s.layers[0]]:seg_index[s.layers[1]]])
+                if key[2]:
+                    t += emb_first
+                if key[3]:
+                    t += emb_last
+                worst = max(worst, t / s.tp)
         return worst
 
     def _sync_kinds(self, zero_stage: int) -> tuple[CollectiveKind, ...]:

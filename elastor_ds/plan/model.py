@@ -6,6 +6,7 @@ Pure: no torch, no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import ConfigError
 
@@ -57,7 +58,7 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
+    @cached_property
     def params_per_layer(self) -> int:
         """Weights of one transformer layer (QKV, output projection, MLP, two norms)."""
         h, f = self.hidden_size, self.ffn_hidden_size

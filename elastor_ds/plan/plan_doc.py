@@ -16,11 +16,12 @@ Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+from ..errors import ConfigError
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout
-from .cluster import Device
+from .cluster import Cluster, Device
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,25 @@ class PlanStage:
     tp: int
     layers: tuple[int, int]  # [first, last)
     devices: tuple[Device, ...]
+    # derived once at construction (a 131,072-GPU plan reads them for every stage, many times)
+    speed: float = field(init=False, compare=False, repr=False)  # the TP group's pace: its slowest GPU
+    node: int = field(init=False, compare=False, repr=False)     # the devices' node index, -1 if several
+
+    def __post_init__(self) -> None:
+        devs = self.devices
+        n = devs[0].node if devs else -1
+        sp = devs[0].speed if devs else 1.0
+        for d in devs:
+            if d.speed < sp:
+                sp = d.speed
+            if d.node != n:
+                n = -1
+        object.__setattr__(self, "speed", sp)
+        object.__setattr__(self, "node", n)
 
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
-
-    @property
-    def speed(self) -> float:
-        """A TP group runs at the pace of its slowest GPU."""
-        return min(d.speed for d in self.devices)
 
 
 @dataclass(frozen=True)
@@ -70,13 +81,25 @@ class Plan:
         return {d: i for i, d in enumerate(self.used_devices())}
 
     def describe(self) -> str:
-        """Short text, e.g. ``R0(mb16)[tp1:0-6|tp4:6-32] R1(mb16)[tp2:0-32]``; identical replicas are
-        folded (``12x R0(...)``)."""
+        """Short text, e.g. ``(mb16)[tp1:0-6|tp4:6-32] (mb16)[tp2:0-32]``; consecutive identical
+        replicas are folded (``12x(mb16)[...]``), repeated stages too (``tp8:0-10|7x tp8:10+10``:
+        seven stages of ten layers from layer 10). Made once per plan."""
+        cached = self.__dict__.get("_describe")
+        if cached is None:
+            cached = self._describe()
+            object.__setattr__(self, "_describe", cached)
+        return cached
+
+    def _describe(self) -> str:
         parts: list[str] = []
         prev, n = None, 0
+        texts: dict[tuple, str] = {}
         for r in self.replicas:
-            txt = f"(mb{r.micro_batches})[" + "|".join(
-                f"tp{s.tp}:{s.layers[0]}-{s.layers[1]}" for s in r.stages) + "]"
+            shape = tuple((s.tp, s.layers) for s in r.stages)
+            body = texts.get(shape)
+            if body is None:
+                body = texts[shape] = _stages_text(r.stages)
+            txt = f"(mb{r.micro_batches})[" + body + "]"
             if txt == prev:
                 n += 1
                 continue
@@ -85,6 +108,18 @@ class Plan:
             prev, n = txt, 1
         parts.append((f"{n}x" if n > 1 else "") + str(prev))
         return " ".join(parts)
+
+    def replica_kinds(self) -> list[tuple[int, int, "PlanReplica"]]:
+        """Replicas of the same shape (micro-batches, TP degrees, layer ranges) folded, in order of
+        first appearance: (index of the first, how many, the first)."""
+        kinds: dict[tuple, list] = {}
+        for i, r in enumerate(self.replicas):
+            k = (r.micro_batches, tuple((s.tp, s.layers) for s in r.stages))
+            if k in kinds:
+                kinds[k][1] += 1
+            else:
+                kinds[k] = [i, 1, r]
+        return [(i, n, r) for i, n, r in kinds.values()]
 
     def replicas_json(self, stage_extra: list[list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
         ranks = self.rank_of()
@@ -113,6 +148,122 @@ class Plan:
         if any([(s.tp, s.layers) for s in r.stages] != shape0 for r in self.replicas):
             return None
         return shape0[0][0], len(shape0), len(self.replicas)
+
+
+def _stages_text(stages: tuple[PlanStage, ...]) -> str:
+    """``tp8:0-10|tp8:10-20|tp8:20-30`` with runs of three or more stages of the same TP degree and
+    layer count folded: ``3x tp8:0+10``."""
+    out: list[str] = []
+    i = 0
+    while i < len(stages):
+        s = stages[i]
+        j = i + 1
+        while j < len(stages) and stages[j].tp == s.tp and stages[j].num_layers == s.num_layers:
+            j += 1
+        if j - i >= 3:
+            out.append(f"{j - i}x tp{s.tp}:{s.layers[0]}+{s.num_layers}")
+        else:
+            out.extend(f"tp{t.tp}:{t.layers[0]}-{t.layers[1]}" for t in stages[i:j])
+        i = j
+    return "|".join(out)
+
+
+def device_ranges(names: list[str], limit: int = 4) -> str:
+    """Device names summarised: ``node0:0-7`` for a node's consecutive GPUs, ``node0:0-7 .. node9:0-7
+    (10 nodes x 8)`` when there are many."""
+    per: dict[str, list[int]] = {}
+    for n in names:
+        node, _, gpu = n.rpartition(":")
+        per.setdefault(node, []).append(int(gpu) if gpu.isdigit() else -1)
+    parts = []
+    for node, gpus in per.items():
+        gpus.sort()
+        runs, start = [], 0
+        for k in range(1, len(gpus) + 1):
+            if k == len(gpus) or gpus[k] != gpus[k - 1] + 1:
+                runs.append(f"{gpus[start]}" if k - 1 == start else f"{gpus[start]}-{gpus[k - 1]}")
+                start = k
+        parts.append(f"{node}:{','.join(runs)}")
+    if len(parts) <= limit:
+        return " ".join(parts)
+    sizes = {len(g) for g in per.values()}
+    each = f" x {sizes.pop()}" if len(sizes) == 1 else ""
+    return f"{parts[0]} .. {parts[-1]} ({len(parts):,} nodes{each})"
+
+
+def plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
+    """The :class:`Plan` a plan document (``elastor plan --json``) describes and the cluster it was
+    made for (its used and unused devices), both numbered like ``cluster`` (the cluster now): node
+    ``i`` of both is ``cluster.nodes[i]`` by name; nodes the document names that ``cluster`` no
+    longer has follow. Speeds come from ``cluster`` (1.0 on nodes it no longer has). Raises
+    :class:`ConfigError` on a malformed document."""
+    try:
+        return _plan_from_document(doc, cluster)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"previous plan: malformed plan document ({type(e).__name__}: {e}); write one with "
+                          f"`elastor plan ... --json`") from None
+
+
+def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
+    from .cluster import Node
+    if not isinstance(doc, Mapping) or doc.get("version", PLAN_FORMAT_VERSION) != PLAN_FORMAT_VERSION:
+        raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} plan document (a JSON object)")
+    L = int(doc["num_layers"])
+    index = cluster.node_index()
+    node_speeds: dict[int, dict[int, float]] = {}
+    known: dict[str, Device] = {}
+    gone: dict[str, int] = {}
+
+    def device(name: str) -> Device:
+        d = known.get(name)
+        if d is not None:
+            return d
+        node, sep, gpu = str(name).rpartition(":")
+        if not sep or not gpu.isdigit() or len(gpu) > 7:
+            raise ConfigError(f"previous plan: device name {name!r} is not NODE:GPU")
+        g = int(gpu)
+        ni = index.get(node)
+        if ni is None:
+            ni = gone.setdefault(node, len(cluster.nodes) + len(gone))
+            sp = 1.0
+        else:
+            table = node_speeds.get(ni)
+            if table is None:
+                nd = cluster.nodes[ni]
+                table = node_speeds[ni] = dict(zip(nd.gpus, nd.speeds))
+            sp = table.get(g, 1.0)
+        d = known[name] = Device(ni, node, g, sp)
+        return d
+
+    reps = []
+    for rj in doc["replicas"]:
+        stages = []
+        for sj in rj["stages"]:
+            devs = tuple(device(n) for n in sj["devices"])
+            lay = sj["layers"]
+            if int(sj["tp"]) != len(devs) or len(lay) != 2:
+                raise ConfigError(f"previous plan: a stage lists {len(devs)} devices for tp={sj['tp']}")
+            stages.append(PlanStage(int(sj["tp"]), (int(lay[0]), int(lay[1])), devs))
+        reps.append(PlanReplica(tuple(stages), int(rj["micro_batches"])))
+    unused = tuple(device(n) for n in doc.get("unused_devices", ()))
+    if len(known) != sum(len(s.devices) for r in reps for s in r.stages) + len(unused):
+        raise ConfigError("previous plan: a device is listed twice")
+    kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
+    plan = Plan(L, tuple(reps), unused, kind)
+    plan.to_layout()  # validates layer coverage and stage shapes (LayoutError is a ConfigError)
+    per: dict[int, list[Device]] = {}
+    for d in known.values():
+        per.setdefault(d.node, []).append(d)
+    nodes = []
+    for i in range(len(cluster.nodes) + len(gone)):
+        devs = sorted(per.get(i, ()), key=lambda d: d.local_id)
+        name = cluster.nodes[i].name if i < len(cluster.nodes) else next(k for k, v in gone.items() if v == i)
+        nodes.append(Node(name, tuple(d.local_id for d in devs), tuple(d.speed for d in devs)))
+    old = Cluster(tuple(nodes), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
+                  cluster.inter_node_bandwidth_gbs)
+    return plan, old
 
 
 def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size: int) -> dict[str, Any]:

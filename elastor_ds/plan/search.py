@@ -39,7 +39,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -53,31 +53,24 @@ log = logging.getLogger(__name__)
 ClassKey = tuple[int, float]  # (tp, speed)
 
 
-@dataclass(frozen=True)
-class Group:
-    """A TP group: ``tp`` GPUs of one node; runs at its slowest GPU's speed."""
+class Group(NamedTuple):
+    """A TP group: ``tp`` GPUs of one node; runs at its slowest GPU's speed. Make one with
+    :meth:`of`, which works out its class ``key`` and node-order ``sort_key`` once (a named tuple:
+    a 131,072-GPU cluster has tens of thousands of groups)."""
 
     devices: tuple[Device, ...]
+    tp: int
+    speed: float
+    node: int
+    key: ClassKey
+    sort_key: tuple[int, int]
 
-    @property
-    def tp(self) -> int:
-        return len(self.devices)
-
-    @property
-    def speed(self) -> float:
-        return min(d.speed for d in self.devices)
-
-    @property
-    def node(self) -> int:
-        return self.devices[0].node
-
-    @property
-    def key(self) -> ClassKey:
-        return (self.tp, self.speed)
-
-    @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.node, self.devices[0].local_id)
+    @staticmethod
+    def of(devices: tuple[Device, ...]) -> "Group":
+        sp = min(d.speed for d in devices)
+        first = devices[0]
+        return tuple.__new__(Group, (devices, len(devices), sp, first.node, (len(devices), sp),
+                                     (first.node, first.local_id)))
 
 
 @dataclass(frozen=True)
@@ -94,18 +87,49 @@ class ReplicaSolution:
         return len(self.order)
 
 
+class GroupPool:
+    """The TP groups of one way of cutting every node (a *grouping*), made on first use: the search
+    prices class counts; only the candidates it places need the groups themselves."""
+
+    def __init__(self, make: "Callable[[], list[Group]]", classes: Sequence[ClassKey], counts: Sequence[int],
+                 key: tuple) -> None:
+        self._make = make
+        self._groups: tuple[Group, ...] | None = None
+        self.classes, self.counts, self.key = tuple(classes), tuple(counts), key
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        if self._groups is None:
+            gs = self._make()
+            gs.sort(key=lambda g: g.sort_key)
+            self._groups = tuple(gs)
+        return self._groups
+
+    @property
+    def num_groups(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(c[0] * n for c, n in zip(self.classes, self.counts))
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A plan before placement: replica kinds with multiplicities and micro-batches."""
 
     estimate: float
     kinds: tuple[tuple[ReplicaSolution, int, int], ...]  # (solution, micro_batches, how many replicas)
-    groups: tuple[Group, ...]                            # the pool the replicas are placed on
+    pool: GroupPool                                      # the groups the replicas are placed on
     tie: tuple = ()
 
     @property
     def num_replicas(self) -> int:
         return sum(n for _, _, n in self.kinds)
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        return self.pool.groups
 
 
 @dataclass(frozen=True)
@@ -160,10 +184,15 @@ def all_parts(n: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
 def carve(devices: Sequence[Device], parts: Sequence[int], large_fast: bool = True) -> list[Group]:
     """Cut one node's devices into groups of the given sizes, GPUs of similar speed together: the
     fastest GPUs go into the largest groups (``large_fast``) or into the smallest ones."""
-    devs = sorted(devices, key=lambda d: (-d.speed, d.local_id))
+    devs = list(devices)
+    if any(d.speed != devs[0].speed for d in devs) or any(a.local_id > b.local_id for a, b in zip(devs, devs[1:])):
+        devs.sort(key=lambda d: (-d.speed, d.local_id))
     out, i = [], 0
     for p in sorted(parts, reverse=large_fast):
-        out.append(Group(tuple(sorted(devs[i:i + p], key=lambda d: d.local_id))))
+        part = devs[i:i + p]
+        if any(a.local_id > b.local_id for a, b in zip(part, part[1:])):
+            part.sort(key=lambda d: d.local_id)
+        out.append(Group.of(tuple(part)))
         i += p
     return out
 
@@ -329,6 +358,7 @@ class Planner:
 
     SMALL_GROUPS = 8        # exhaustive replica partitions up to this many groups
     MAX_ORDERS = 120        # exhaustive stage orders up to this many distinct orders
+    LARGE_GPUS = 4096       # from here on: fewer candidates priced exactly (each costs O(GPUs))
 
     def __init__(self, cost: CostModel, top_k: int = 3) -> None:
         self.cost = cost
@@ -340,26 +370,41 @@ class Planner:
         self._rep_cache: dict = {}
         self._split_cache: dict = {}
         self._mx_cache: dict = {}
-        self._devices = tuple(self.cluster.devices())
+        self._devices = self.cluster.device_tuple()
+        self._per_node: list[list[Device]] | None = None
         self.max_orders = self.MAX_ORDERS if self.cluster.num_gpus <= 64 else 6
-        self.stats = {"candidates": 0, "replica_subproblems": 0, "splits": 0}
+        self.node_gpus = self.cluster.max_gpus_per_node
+        self.large = self.cluster.num_gpus > self.LARGE_GPUS
+        self.stats = {"candidates": 0, "replica_subproblems": 0, "splits": 0, "groupings": 0}
         self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
+        # nodes by type: the multiset of their GPU speeds (fastest first); the cost model sees a
+        # node only through it, so groupings and class counts are worked out once per type
+        types: dict[tuple[float, ...], list[int]] = {}
+        for i, n in enumerate(self.cluster.nodes):
+            types.setdefault(tuple(sorted(n.speeds, reverse=True)), []).append(i)
+        self._types = types
+
+    def per_node(self) -> list[list[Device]]:
+        if self._per_node is None:
+            self._per_node = node_devices(self.cluster)
+        return self._per_node
 
     # -- replica sub-problem --------------------------------------------------------------------
     def _solve_order(self, order: tuple[ClassKey, ...], R: int,
                      zero: int | None = None) -> tuple[float, tuple[int, ...]] | None:
-        key = (order, R, zero)
+        S = len(order)
+        L, c = self.L, self.cost
+        mx = tuple(min(c.max_layers_all(tp, S, R, zero)[j], L) for j, (tp, _) in enumerate(order))
+        key = (order, mx)  # R and ZeRO matter only through the memory caps
         if key in self._split_cache:
             return self._split_cache[key]
         self.stats["splits"] += 1
-        S = len(order)
         c = self.cost
         per = [c.layer_time(tp) / sp for tp, sp in order]
         tps = tuple(tp for tp, _ in order)
         extra = [c.stage_extra_time(tps, j) for j in range(S)]
         extra[-1] += c.head_time(order[-1][0]) / order[-1][1]
-        mx = [self._max_layers(tp, j, S, R, zero) for j, (tp, _) in enumerate(order)]
-        res = (split_layers if S <= 8 else split_layers_parametric)(per, extra, mx, self.L)
+        res = _split(per, extra, mx, self.L)
         self._split_cache[key] = res
         return res
 
@@ -374,6 +419,8 @@ class Planner:
         counts: dict[ClassKey, int] = {}
         for k in sig:
             counts[k] = counts.get(k, 0) + 1
+        if len(counts) == 1:
+            return [sig]
         n_orders = math.factorial(len(sig))
         for v in counts.values():
             n_orders //= math.factorial(v)
@@ -409,7 +456,7 @@ class Planner:
         return best
 
     # -- candidates -----------------------------------------------------------------------------
-    def _candidate(self, reps: Sequence[tuple[tuple[ClassKey, ...], int]], groups: tuple[Group, ...],
+    def _candidate(self, reps: Sequence[tuple[tuple[ClassKey, ...], int]], pool: GroupPool,
                    tie: tuple) -> Candidate | None:
         """Price replica signatures (with multiplicities) quickly: exact compute/bubble/micro-batches,
         estimated transfer and sync (placement is not known yet)."""
@@ -435,7 +482,7 @@ class Planner:
             for m, n in lst:
                 out.append((s, m, n))
         out.sort(key=lambda x: (-sum(t for t, _ in x[0].order), _order_key(x[0].order), x[0].counts, -x[1]))
-        return Candidate(pipe + sync, tuple(out), groups, tie)
+        return Candidate(pipe + sync, tuple(out), pool, tie)
 
     def _sync_estimate(self, sols: Sequence[ReplicaSolution], R: int, used_gpus: int) -> float:
         f = self.cost.sync_bytes_factor(R)
@@ -472,33 +519,95 @@ class Planner:
         return worst
 
     # -- heterogeneous --------------------------------------------------------------------------
-    def heterogeneous_candidates(self) -> list[Candidate]:
-        per_node = node_devices(self.cluster)
+    def groupings(self) -> list[GroupPool]:
+        """Ways to cut every node into TP groups, each once (see step 1). Small clusters: every
+        partition of every node; larger ones: capped-greedy parts per node type."""
         n_gpus = self.cluster.num_gpus
-        exhaustive = n_gpus <= self.SMALL_GROUPS
-        cands: list[Candidate] = []
-        mixed = len({d.speed for d in self._devices}) > 1
+        mixed = len({sp for t in self._types for sp in t}) > 1
+        flags = (True, False) if mixed else (True,)
+        out: list[GroupPool] = []
         seen: set = set()
-        for gi, (combo, large_fast) in enumerate(itertools.product(
-                grouping_candidates(self.cluster, self.tps, exhaustive), (True, False) if mixed else (True,))):
-            groups: list[Group] = []
-            for devs, parts in zip(per_node, combo):
-                groups.extend(carve(devs, parts, large_fast))
-            groups.sort(key=lambda g: g.sort_key)
-            gt = tuple(groups)
-            sig = tuple(sorted((g.node, g.key) for g in gt))
-            if sig in seen:
-                continue
-            seen.add(sig)
-            if len(groups) <= self.SMALL_GROUPS:
-                cands.extend(self._exhaustive_replicas(gt, gi))
-            else:
-                cands.extend(self._lpt_replicas(gt, gi))
+        if n_gpus <= self.SMALL_GROUPS:
+            per_node = self.per_node()
+            for combo in grouping_candidates(self.cluster, self.tps, True):
+                for large_fast in flags:
+                    groups: list[Group] = []
+                    for devs, parts in zip(per_node, combo):
+                        groups.extend(carve(devs, parts, large_fast))
+                    sig = tuple(sorted((g.node, g.key) for g in groups))
+                    if sig in seen:
+                        continue
+                    seen.add(sig)
+                    classes, counts = _class_counts([g.key for g in groups])
+                    out.append(GroupPool(lambda gs=tuple(groups): list(gs), classes, counts, sig))
+            return out
+        full = self.cluster.max_gpus_per_node
+        tps = sorted(self.tps, reverse=True)
+        for cf in tps:
+            for cd in tps:
+                for large_fast in flags:
+                    parts = {t: greedy_parts(len(t), cf if len(t) == full else cd) for t in self._types}
+                    keys: list[ClassKey] = []
+                    mult: list[int] = []
+                    for t, nodes in self._types.items():
+                        for k in _type_classes(t, parts[t], large_fast):
+                            keys.append(k)
+                            mult.append(len(nodes))
+                    sig = tuple(sorted((t, tuple(_type_classes(t, parts[t], large_fast))) for t in self._types))
+                    if sig in seen:
+                        continue
+                    seen.add(sig)
+                    tally: dict[ClassKey, int] = {}
+                    for k, n in zip(keys, mult):
+                        tally[k] = tally.get(k, 0) + n
+                    classes = sorted(tally, key=lambda k: (-k[0], -k[1]))
+                    out.append(GroupPool(lambda p=parts, lf=large_fast: self._carve_all(p, lf), classes,
+                                         [tally[k] for k in classes], sig))
+        return out
+
+    def _carve_all(self, parts: dict, large_fast: bool) -> list[Group]:
+        """Every node cut by its type's parts; a node's cut is made once per (parts, large_fast)
+        whichever groupings share it."""
+        cache = self.__dict__.setdefault("_cuts", {})
+        groups: list[Group] = []
+        for t, nodes in self._types.items():
+            pt = parts[t]
+            key = (t, pt, large_fast)
+            cut = cache.get(key)
+            if cut is None:
+                per_node = self.per_node()
+                cut = cache[key] = [g for i in nodes if per_node[i] for g in carve(per_node[i], pt, large_fast)]
+            groups.extend(cut)
+        return groups
+
+    def heterogeneous_candidates(self) -> list[Candidate]:
+        cands: list[Candidate] = []
+        pools = self.groupings()
+        self.stats["groupings"] = len(pools)
+        small = [(gi, p) for gi, p in enumerate(pools) if p.num_groups <= self.SMALL_GROUPS]
+        for gi, pool in small:
+            cands.extend(self._exhaustive_replicas(pool, gi))
+        big = [(gi, p) for gi, p in enumerate(pools) if p.num_groups > self.SMALL_GROUPS]
+        if not big:
+            return cands
+        # clusters of up to 64 GPUs: every grouping on every replica count of the ladder; larger
+        # ones: every grouping on a coarse ladder, then the best few groupings on the full one;
+        # both refined around their best replica counts
+        coarse = self.cluster.num_gpus > 64
+        first = {gi: self._lpt_replicas(pool, gi, self._replica_counts(pool, coarse=coarse)) for gi, pool in big}
+        ranked = sorted((min((cd.estimate for cd in lst.values() if cd is not None), default=math.inf), gi)
+                        for gi, lst in first.items())
+        pools_by = dict(big)
+        for _, gi in (ranked[:3] if coarse else ranked):
+            pool, done = pools_by[gi], first[gi]
+            done.update(self._lpt_replicas(pool, gi, [R for R in self._replica_counts(pool, coarse=False)
+                                                      if R not in done]))
+            self._refine(pool, gi, done)
+        cands.extend(cd for lst in first.values() for cd in lst.values() if cd is not None)
         return cands
 
-    def _exhaustive_replicas(self, groups: tuple[Group, ...], gi: int) -> Iterator[Candidate]:
-        classes = sorted({g.key for g in groups}, key=lambda k: (-k[0], -k[1]))
-        counts = tuple(sum(1 for g in groups if g.key == c) for c in classes)
+    def _exhaustive_replicas(self, pool: GroupPool, gi: int) -> Iterator[Candidate]:
+        classes, counts = pool.classes, pool.counts
         for used in _sub_vectors(counts):
             if not any(used):
                 continue
@@ -509,41 +618,52 @@ class Planner:
                 for blk in part:
                     sig = tuple(c for c, n in zip(classes, blk) for _ in range(n))
                     reps[sig] = reps.get(sig, 0) + 1
-                cand = self._candidate(sorted(reps.items()), groups, (gi, used, part))
+                cand = self._candidate(sorted(reps.items()), pool, (gi, used, part))
                 if cand is not None:
                     yield cand
 
-    def _lpt_replicas(self, groups: tuple[Group, ...], gi: int) -> list[Candidate]:
+    def _lpt_order(self, pool: GroupPool) -> tuple[list[ClassKey], list[int], dict]:
         c = self.cost
-        classes = sorted({g.key for g in groups}, key=lambda k: (-k[1] / c.layer_time(k[0]), -k[0], -k[1]))
-        counts = [sum(1 for g in groups if g.key == k) for k in classes]
+        classes = sorted(pool.classes, key=lambda k: (-k[1] / c.layer_time(k[0]), -k[0], -k[1]))
+        counts = [pool.counts[pool.classes.index(k)] for k in classes]
         cap = {k: k[1] / c.layer_time(k[0]) for k in classes}
-        n_groups = len(groups)
-        used_gpus = sum(g.tp for g in groups)
-        hi = min(self.M, n_groups)
-        lo = max(1, -(-n_groups // self.L))  # fewer replicas would need more stages than layers
+        return classes, counts, cap
 
-        def run(R: int) -> Candidate | None:
-            reps = _bulk_lpt(classes, counts, cap, R)
-            return self._candidate(reps, groups, (gi, R))
+    def _replica_bounds(self, pool: GroupPool) -> tuple[int, int]:
+        n_groups = pool.num_groups
+        return max(1, -(-n_groups // self.L)), min(self.M, n_groups)  # fewer replicas: more stages than layers
 
+    def _replica_counts(self, pool: GroupPool, coarse: bool) -> list[int]:
+        """Replica counts to try: GPUs / (TP x stages) for every TP and a geometric ladder of stage
+        counts (coarse: the stage counts that divide the layers evenly or nearly, and powers of two)."""
+        lo, hi = self._replica_bounds(pool)
+        used_gpus = pool.num_gpus
         Rs: set[int] = set()
+        ladder = _geometric(self.L)
+        if coarse:
+            ladder = sorted({p for p in ladder if p & (p - 1) == 0 or self.L % p == 0 or p == self.L})
         for tp in self.tps:
-            for p in _geometric(self.L):
+            for p in ladder:
                 g = tp * p
                 for R in (used_gpus // g, -(-used_gpus // g)):
                     if lo <= R <= hi:
                         Rs.add(R)
-        results: dict[int, Candidate | None] = {R: run(R) for R in sorted(Rs)}
-        # local refinement around the best few replica counts
+        return sorted(Rs)
+
+    def _lpt_replicas(self, pool: GroupPool, gi: int, Rs: Sequence[int]) -> dict[int, Candidate | None]:
+        classes, counts, cap = self._lpt_order(pool)
+        return {R: self._candidate(_bulk_lpt(classes, counts, cap, R), pool, (gi, R)) for R in Rs}
+
+    def _refine(self, pool: GroupPool, gi: int, results: dict[int, Candidate | None]) -> None:
+        """Local refinement around the best few replica counts."""
+        lo, hi = self._replica_bounds(pool)
         for _ in range(3):
             ranked = sorted((cd.estimate, R) for R, cd in results.items() if cd is not None)[:3]
-            new = [R + d for _, R in ranked for d in (-2, -1, 1, 2) if lo <= R + d <= hi and R + d not in results]
+            new = sorted({R + d for _, R in ranked for d in (-2, -1, 1, 2)
+                          if lo <= R + d <= hi and R + d not in results})
             if not new:
                 break
-            for R in sorted(set(new)):
-                results[R] = run(R)
-        return [cd for cd in results.values() if cd is not None]
+            results.update(self._lpt_replicas(pool, gi, new))
 
     # -- placement ------------------------------------------------------------------------------
     def place_best(self, cand: Candidate, limit: int = 256) -> tuple[Plan, CostBreakdown]:
@@ -556,9 +676,9 @@ class Planner:
         slots: dict[ClassKey, list[tuple[int, int]]] = {}
         for ri, r in enumerate(base.replicas):
             for j, st in enumerate(r.stages):
-                slots.setdefault(Group(st.devices).key, []).append((ri, j))
+                slots.setdefault(Group.of(st.devices).key, []).append((ri, j))
         pools: dict[ClassKey, list[Group]] = {}
-        for g in sorted(cand.groups, key=lambda g: g.sort_key):
+        for g in cand.groups:
             pools.setdefault(g.key, []).append(g)
         keys = sorted(slots)
         # count before materialising: permutations of 15 groups would never fit in memory
@@ -584,7 +704,7 @@ class Planner:
         """Assign physical groups: slots in (first layer, replica) order take groups of their class
         in node order, so a layer's replicas share nodes where possible."""
         pools: dict[ClassKey, list[Group]] = {}
-        for g in sorted(cand.groups, key=lambda g: g.sort_key):
+        for g in cand.groups:  # in node order
             pools.setdefault(g.key, []).append(g)
         reps: list[tuple[ReplicaSolution, int]] = []
         for sol, m, n in cand.kinds:
@@ -609,44 +729,86 @@ class Planner:
                 stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))
                 first += cnt
             out.append(PlanReplica(tuple(stages), m))
-        used = {d for r in out for s in r.stages for d in s.devices}
-        unused = tuple(d for d in self._devices if d not in used)
-        plan = Plan(self.L, tuple(out), unused, "heterogeneous")
+        plan = Plan(self.L, tuple(out), self._unused(out), "heterogeneous")
         if plan.uniform_dims() is not None and len({mm for _, mm in reps}) == 1:
-            plan = Plan(self.L, tuple(out), unused, "uniform")
+            plan = Plan(self.L, plan.replicas, plan.unused, "uniform")
         return plan
 
+    def _unused(self, replicas: Sequence[PlanReplica]) -> tuple[Device, ...]:
+        used = {d for r in replicas for s in r.stages for d in s.devices}
+        if len(used) == len(self._devices):
+            return ()
+        return tuple(d for d in self._devices if d not in used)
+
     # -- uniform --------------------------------------------------------------------------------
+    def _uniform_pool(self, tp: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The TP-``tp`` groups a grid can use (every node cut into ``tp``-GPU groups, fastest GPUs
+        first, the rest left out), in node order: their speeds and (node, group index on the node)."""
+        cache = self.__dict__.setdefault("_upools", {})
+        if tp not in cache:
+            cache[tp] = self._make_uniform_pool(tp)
+        return cache[tp]
+
+    def _make_uniform_pool(self, tp: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        speeds: list[float] = []
+        nodes: list[int] = []
+        index: list[int] = []
+        for i, nd in enumerate(self.cluster.nodes):
+            k = len(nd.gpus) // tp
+            if not k:
+                continue
+            sp = nd.speeds
+            if min(sp) == max(sp):  # every group at the node's one speed, in GPU id order
+                speeds.extend([sp[0]] * k)
+                nodes.extend([i] * k)
+                index.extend(range(k))
+                continue
+            gs = sorted(enumerate(carve(self.per_node()[i], [tp] * k + [1] * (len(sp) - k * tp))[:k]),
+                        key=lambda x: x[1].sort_key)
+            speeds.extend(g.speed for _, g in gs)
+            nodes.extend([i] * k)
+            index.extend(j for j, _ in gs)
+        return np.asarray(speeds, dtype=float), list(zip(nodes, index))
+
+    def _uniform_devices(self, tp: int, node: int, j: int) -> tuple[Device, ...]:
+        """The devices of group ``j`` of ``node`` cut for a TP-``tp`` grid (see :meth:`_uniform_pool`)."""
+        devs = self.per_node()[node]
+        nd = self.cluster.nodes[node]
+        if min(nd.speeds) == max(nd.speeds):  # carve's order: GPU ids ascending
+            return tuple(devs[j * tp:(j + 1) * tp])
+        k = len(devs) // tp
+        return carve(devs, [tp] * k + [1] * (len(devs) - k * tp))[j].devices
+
     def uniform_plans(self) -> list[ScoredPlan]:
         """Every TP x PP x DP grid (DP | M, the d*p fastest groups), best few priced exactly."""
-        per_node = node_devices(self.cluster)
         c = self.cost
-        est: list[tuple[float, tuple, Plan]] = []
-        divisors = [d for d in range(1, self.M + 1) if self.M % d == 0]
+        est: list[tuple[float, tuple, tuple]] = []
+        divisors = _divisors(self.M)
         for tp in sorted(self.tps, reverse=True):
-            pool: list[Group] = []
-            for devs in per_node:
-                k = len(devs) // tp
-                if k:
-                    pool.extend(carve(devs, [tp] * k + [1] * (len(devs) - k * tp))[:k])
-            pool.sort(key=lambda g: (-g.speed, g.sort_key))
-            n = len(pool)
+            speeds_arr, where = self._uniform_pool(tp)
+            n = len(where)
+            if not n:
+                continue
+            one_speed = float(speeds_arr.min()) == float(speeds_arr.max())
+            fastest = np.argsort(-speeds_arr, kind="stable")  # ties in node order
             for p in range(1, min(self.L, n) + 1):
                 ds = [d for d in divisors if d * p <= n][-2:]
                 for d in ds:
-                    chosen = sorted(pool[:d * p], key=lambda g: g.sort_key)
-                    # stage-major: stage j of every replica on neighbouring GPUs
-                    grid = [[chosen[j * d + r] for j in range(p)] for r in range(d)]
-                    speeds = [min(grid[r][j].speed for r in range(d)) for j in range(p)]
+                    # stage-major: stage j of every replica on neighbouring groups (in node order)
+                    if one_speed:
+                        speeds = (float(speeds_arr[0]),) * p
+                    else:
+                        mask = np.zeros(n, dtype=bool)
+                        mask[fastest[:d * p]] = True
+                        speeds = tuple(float(v) for v in speeds_arr[mask].reshape(p, d).min(axis=1))
                     Rk = d if self.training.zero_stage > 0 else 1
-                    per = [c.layer_time(tp) / sp for sp in speeds]
-                    extra = [c.stage_extra_time((tp,) * p, j) for j in range(p)]
-                    extra[-1] += c.head_time(tp) / speeds[-1]
-                    mx = [self._max_layers(tp, j, p, Rk) for j in range(p)]
-                    key = ("u", tp, tuple(speeds), Rk, p)
+                    key = ("u", tp, speeds, Rk, p)
                     if key not in self._split_cache:
-                        fn = split_layers if p <= 8 else split_layers_parametric
-                        self._split_cache[key] = fn(per, extra, mx, self.L)
+                        per = [c.layer_time(tp) / sp for sp in speeds]
+                        extra = [c.stage_extra_time((tp,) * p, j) for j in range(p)]
+                        extra[-1] += c.head_time(tp) / speeds[-1]
+                        mx = c.max_layers_all(tp, p, Rk)
+                        self._split_cache[key] = _split(per, extra, mx, self.L)
                     res = self._split_cache[key]
                     if res is None:
                         continue
@@ -656,20 +818,26 @@ class Planner:
                     t = (mb + p - 1) * slow + (p - 1) * c.fill_drain_p2p(same)
                     sol = ReplicaSolution(tuple((tp, sp) for sp in speeds), counts, slow, 0.0)
                     t += self._sync_estimate([sol], d, d * tp)
-                    est.append((t, (-tp, p, d), (tp, d, counts, mb, grid, chosen)))
+                    est.append((t, (-tp, p, d), (tp, d, counts, mb, one_speed)))
         est.sort(key=lambda x: (x[0], x[1]))
+        n_exact = 2 if self.large else max(4, self.top_k)
         plans = []
-        for _, _, (tp, d, counts, mb, grid, chosen) in est[:max(4, self.top_k)]:
+        for _, _, (tp, d, counts, mb, one_speed) in est[:n_exact]:
+            speeds_arr, where = self._uniform_pool(tp)
+            p = len(counts)
+            if one_speed:
+                picked = range(d * p)
+            else:
+                picked = sorted(np.argsort(-speeds_arr, kind="stable")[:d * p].tolist())
+            chosen = [self._uniform_devices(tp, *where[i]) for i in picked]
             reps = []
             for r in range(d):
                 stages, first = [], 0
                 for j, cnt in enumerate(counts):
-                    stages.append(PlanStage(tp, (first, first + cnt), grid[r][j].devices))
+                    stages.append(PlanStage(tp, (first, first + cnt), chosen[j * d + r]))
                     first += cnt
                 reps.append(PlanReplica(tuple(stages), mb))
-            used = {dv for g in chosen for dv in g.devices}
-            unused = tuple(dv for dv in self._devices if dv not in used)
-            plans.append(Plan(self.L, tuple(reps), unused, "uniform"))
+            plans.append(Plan(self.L, tuple(reps), self._unused(reps), "uniform"))
         scored = [ScoredPlan(pl, c.evaluate(pl)) for pl in plans]
         scored = [s for s in scored if s.cost.feasible]
         scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
@@ -678,7 +846,10 @@ class Planner:
     def heterogeneous_plans(self) -> list[ScoredPlan]:
         cands = self.heterogeneous_candidates()
         cands.sort(key=lambda cd: (cd.estimate, cd.num_replicas, _cand_tie(cd)))
-        n_exact = max(32, 2 * self.top_k) if self.cluster.num_gpus <= 64 else max(6, self.top_k)
+        if self.cluster.num_gpus <= 64:
+            n_exact = max(32, 2 * self.top_k)
+        else:
+            n_exact = max(3, self.top_k) if self.large else max(6, self.top_k)
         scored, seen = [], set()
         for cd in cands:
             if len(scored) >= n_exact:
@@ -692,6 +863,40 @@ class Planner:
                 scored.append(ScoredPlan(pl, cost))
         scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
         return scored
+
+
+def _split(per: Sequence[float], extra: Sequence[float], mx: Sequence[int], L: int):  # noqa: ANN202
+    """The exact layer split: the dynamic program for short pipelines of few layers (its tables
+    are stages x layers x layers), the parametric search otherwise."""
+    if len(per) <= 8 and L <= 256:
+        return split_layers(per, extra, mx, L)
+    return split_layers_parametric(per, extra, mx, L)
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def _class_counts(keys: Sequence[ClassKey]) -> tuple[list[ClassKey], list[int]]:
+    classes = sorted(set(keys), key=lambda k: (-k[0], -k[1]))
+    return classes, [sum(1 for g in keys if g == c) for c in classes]
+
+
+def _type_classes(speeds_desc: tuple[float, ...], parts: Sequence[int], large_fast: bool) -> list[ClassKey]:
+    """The (tp, speed) classes :func:`carve` makes of a node whose GPU speeds are ``speeds_desc``."""
+    out, i = [], 0
+    for p in sorted(parts, reverse=large_fast):
+        out.append((p, speeds_desc[i + p - 1]))
+        i += p
+    return out
 
 
 def cluster_nodes(cluster: Cluster) -> list[int]:
@@ -816,7 +1021,7 @@ def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> Pla
     stats = dict(pl.stats)
     log.debug("planner stats: %s", stats)
     return PlanResult(best, uniform[0] if uniform else None, hetero[0] if hetero else None,
-                      alts[:top_k], tuple(cluster.devices()), stats)
+                      alts[:top_k], cluster.device_tuple(), stats)
 
 
 def infeasible_message(cost: CostModel) -> str:
