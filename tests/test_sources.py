@@ -184,12 +184,13 @@ def test_fallback_messages_name_the_peer_the_bytes_came_from(shm_dir, tmp_path, 
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    with SnapshotServer(str(node)) as srv:
+    key = bytes(range(32))                            # the job key both nodes share
+    with SnapshotServer(str(node), key) as srv:
         peer_file = f"local/{step_name}/data_00000.safetensors"
 
         def make(step_dir, man):
             st = storage_source_for(st_step, man, commit_mod.read_manifest(st_step))
-            return [RemoteSource(srv.address, step_name), st]
+            return [RemoteSource(srv.address, step_name, key), st]
         shards, dw, db = _resharded()
         with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.reader"):
             res = CheckpointEngine(shm_dir).load(mem_step, shards, sources=make)
@@ -207,7 +208,7 @@ def test_fallback_messages_name_the_peer_the_bytes_came_from(shm_dir, tmp_path, 
                                                          r"tensor 'w': .* "
                                                          r"fails its CRC32 check"):
             CheckpointEngine(shm_dir).load(mem_step, shards, sources=lambda d, m: [RemoteSource(srv.address,
-                                                                                                step_name)])
+                                                                                                step_name, key)])
 
 
 def test_node_lost_in_its_peer_copy_window_falls_back_to_storage_for_its_files(shm_dir, tmp_path, caplog):

@@ -11,7 +11,8 @@ short or unreachable file.
   directories that carry a ``COMPLETE`` marker (written last by :mod:`elastor_ds.comm.peer_copy`).
 - :class:`RemoteSource` (``remote:<host:port>``): another node's
   :class:`~elastor_ds.elastic.snapshot_server.SnapshotServer`: its committed ``local/<step>`` and
-  its complete peer copies, read with HTTP range requests (one keep-alive connection per thread).
+  its complete peer copies, read with signed HTTP range requests whose answers carry a MAC under the
+  job key (:mod:`.auth`; one keep-alive connection per thread).
 - :func:`node_sources`: the list for a restore, nearest first: peer copies here, then each other
   live node's server in ``ELASTOR_SNAPSHOT_PEERS`` order.
 
@@ -19,14 +20,19 @@ Stdlib only (no torch).
 """
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import logging
 import os
+import secrets
 import threading
+import time
+import urllib.parse
 from typing import Optional, Sequence
 
-from ..errors import IncompleteCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .auth import job_key, request_mac, response_mac
 from .paths import safe_join
 from .storage import pread_into
 
@@ -41,6 +47,7 @@ ENV_SNAPSHOT_SELF = "ELASTOR_SNAPSHOT_SELF"      # this node's own server addres
 COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
 LOCAL_DIR = "local"
+MAX_RANGE = 16 << 20       # bytes per request to a snapshot server (the server refuses more: 416)
 
 
 def _views_len(views: Sequence[memoryview]) -> int:
@@ -117,17 +124,25 @@ class PeerCopySource:
 
 
 class RemoteSource:
-    """Another node's snapshot server: its committed ``local/<step>`` or a complete peer copy it holds."""
+    """Another node's snapshot server: its committed ``local/<step>`` or a complete peer copy it holds.
 
-    def __init__(self, address: str, step_name: str, timeout_s: float = 30.0):
+    Every request is signed with the job key and every answer's MAC is checked before its bytes are
+    used (:mod:`.auth`); reads go in pieces of at most :data:`MAX_RANGE` bytes. A busy server
+    (``503``) or a dropped connection is retried for up to ``busy_wait_s``."""
+
+    def __init__(self, address: str, step_name: str, key: bytes, timeout_s: float = 30.0, busy_wait_s: float = 30.0):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"snapshot server address {address!r}: expected HOST:PORT")
+        if not isinstance(key, bytes) or not key:
+            raise ValueError("a remote source needs the job key")
         self.address = address
         self.host, self.port = host.strip("[]"), int(port)
         self.name = f"remote:{address}"
         self.step_name = step_name
+        self.key = key
         self.timeout_s = timeout_s
+        self.busy_wait_s = busy_wait_s
         self.bytes_read = 0
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -142,32 +157,70 @@ class RemoteSource:
             c = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         return c
 
-    def _request(self, method: str, path: str, headers: Optional[dict] = None) -> http.client.HTTPResponse:
-        for attempt in (0, 1):   # a keep-alive connection the server closed: reconnect once
+    def _drop(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+    def _request(self, method: str, path: str, rng: str = "") -> tuple[http.client.HTTPResponse, str]:
+        """(response, nonce) of a signed request; retried on a dropped connection or a busy server."""
+        deadline = time.monotonic() + self.busy_wait_s
+        delay = 0.05
+        reused = getattr(self._local, "conn", None) is not None
+        while True:
+            nonce = secrets.token_hex(16)
+            when = str(int(time.time()))
+            headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when,
+                       "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when)}
+            if rng:
+                headers["Range"] = rng
             c = self._conn()
             try:
-                c.request(method, path, headers=headers or {})
-                return c.getresponse()
+                c.request(method, path, headers=headers)
+                r = c.getresponse()
+                if r.status != 503:
+                    return r, nonce
+                r.read()
+                self._drop()
+            except (ConnectionRefusedError, TimeoutError):   # the node is down: no waiting
+                self._drop()
+                raise
             except (http.client.HTTPException, OSError):
-                c.close()
-                self._local.conn = None
-                if attempt:
+                self._drop()
+                if reused:       # a keep-alive connection the server closed: once more at once
+                    reused = False
+                    continue
+                if time.monotonic() + delay > deadline:   # reset at once: a busy server's 503 lost on the way
                     raise
-        raise AssertionError("unreachable")
+            if time.monotonic() + delay > deadline:
+                raise IncompleteCheckpointError(f"{self.name}: busy for {self.busy_wait_s:.0f} s")
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def _verified(self, r: http.client.HTTPResponse, nonce: str, body_pieces) -> None:
+        got = r.getheader("X-Elastor-Auth") or ""
+        want = response_mac(self.key, nonce, r.status, r.getheader("Content-Range") or "",
+                            r.getheader("X-File-Size") or "", body_pieces)
+        if not hmac.compare_digest(got, want):
+            self._drop()
+            raise CorruptCheckpointError(f"{self.name}: the answer failed its authentication (not from this job's "
+                                         f"server, or changed on the way)")
 
     def _get_index(self) -> dict:
         if self._index is None:
             idx: dict = {"local": False, "peer": []}
             if not self._down:
                 try:
-                    r = self._request("GET", f"/index/{self.step_name}")
-                    body = r.read()
+                    r, nonce = self._request("GET", f"/index/{self.step_name}")
+                    body = r.read(1 << 20)
+                    self._verified(r, nonce, [body])
                     if r.status == 200:
                         got = json.loads(body)
                         if isinstance(got, dict):
                             idx["local"] = got.get("local") is True
                             idx["peer"] = [o for o in got.get("peer", []) if isinstance(o, str)]
-                except (http.client.HTTPException, OSError, ValueError) as e:
+                except (http.client.HTTPException, OSError, ValueError, CheckpointError) as e:
                     self._down = True
                     log.warning("%s unreachable (%s); not reading from it", self.name, e)
             self._index = idx
@@ -185,9 +238,10 @@ class RemoteSource:
         safe_join("/", relpath, what="chunk file", allow_subdirs=True)   # a crafted name is refused here too
         for cand in self._candidates(relpath):
             try:
-                r = self._request("HEAD", "/f/" + cand)
+                r, nonce = self._request("HEAD", "/f/" + urllib.parse.quote(cand))
                 r.read()
-            except (http.client.HTTPException, OSError) as e:
+                self._verified(r, nonce, [])
+            except (http.client.HTTPException, OSError, CheckpointError) as e:
                 log.warning("%s: HEAD %s failed (%s)", self.name, cand, e)
                 return False
             if r.status == 200 and r.getheader("X-File-Size") == str(size):
@@ -203,39 +257,54 @@ class RemoteSource:
         cand = self._where.get(relpath)
         if cand is None:
             raise IncompleteCheckpointError(f"{self.name}: holds no copy of {relpath!r} of {self.step_name}")
-        n = _views_len(views)
-        if n == 0:
-            return
-        try:
-            r = self._request("GET", "/f/" + cand, {"Range": f"bytes={offset}-{offset + n - 1}"})
-            if r.status != 206 or r.getheader("Content-Length") != str(n):
-                r.read()
-                raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
-                                                f" with {r.getheader('Content-Length')} bytes")
-            got = 0
-            for v in views:
-                mv = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-                pos = 0
-                while pos < len(mv):
-                    k = r.readinto(mv[pos:])
-                    if not k:
-                        raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
-                    pos += k
-                    got += k
-        except (http.client.HTTPException, OSError) as e:
-            c = getattr(self._local, "conn", None)
-            if c is not None:
-                c.close()
-                self._local.conn = None
-            raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
+        flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        n = sum(len(v) for v in flat)
+        pos = 0
+        while pos < n:
+            k = min(MAX_RANGE, n - pos)
+            self._read_piece(cand, offset + pos, _window(flat, pos, k))
+            pos += k
         with self._lock:
             self.bytes_read += n
 
+    def _read_piece(self, cand: str, offset: int, views: list[memoryview]) -> None:
+        n = sum(len(v) for v in views)
+        try:
+            r, nonce = self._request("GET", "/f/" + urllib.parse.quote(cand), f"bytes={offset}-{offset + n - 1}")
+            if r.status != 206 or r.getheader("Content-Length") != str(n):
+                r.read(1 << 16)
+                self._drop()
+                raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
+                                                f" with {r.getheader('Content-Length')} bytes")
+            got = 0
+            for mv in views:
+                at = 0
+                while at < len(mv):
+                    k = r.readinto(mv[at:])
+                    if not k:
+                        raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
+                    at += k
+                    got += k
+            self._verified(r, nonce, views)
+        except (http.client.HTTPException, OSError) as e:
+            self._drop()
+            raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
+
     def close(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-            self._local.conn = None
+        self._drop()
+
+
+def _window(views: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
+    """Bytes ``start .. start+length`` of ``views`` taken back to back, as slices of them."""
+    out, pos = [], 0
+    for v in views:
+        a, b = max(start, pos), min(start + length, pos + len(v))
+        if a < b:
+            out.append(v[a - pos:b - pos])
+        pos += len(v)
+        if pos >= start + length:
+            break
+    return out
 
 
 def parse_peers(text: Optional[str]) -> list[str]:
@@ -243,15 +312,22 @@ def parse_peers(text: Optional[str]) -> list[str]:
 
 
 def node_sources(step_name: str, snapshot_dir: Optional[str] = None, peers: Optional[Sequence[str]] = None,
-                 self_address: Optional[str] = None) -> list:
+                 self_address: Optional[str] = None, key: Optional[bytes] = None) -> list:
     """The cross-node sources of a restore of ``step_name``, nearest first: peer copies held on this
-    node, then every other node's server (``ELASTOR_SNAPSHOT_PEERS`` minus ``ELASTOR_SNAPSHOT_SELF``).
-    Arguments default to the environment ``elastor run`` sets; empty without it."""
+    node, then every other node's server (``ELASTOR_SNAPSHOT_PEERS`` minus ``ELASTOR_SNAPSHOT_SELF``;
+    only with the job key, ``key`` or from ``ELASTOR_JOB_SECRET_FILE``). Arguments default to the
+    environment ``elastor run`` sets; empty without it."""
     snapshot_dir = snapshot_dir if snapshot_dir is not None else os.environ.get(ENV_SNAPSHOT_DIR)
     peers = list(peers) if peers is not None else parse_peers(os.environ.get(ENV_SNAPSHOT_PEERS))
     me = self_address if self_address is not None else os.environ.get(ENV_SNAPSHOT_SELF)
     out: list = []
     if snapshot_dir:
         out.append(PeerCopySource(snapshot_dir, step_name))
-    out += [RemoteSource(a, step_name) for a in peers if a != me]
+    remotes = [a for a in peers if a != me]
+    key = key if key is not None else (job_key() if remotes else None)
+    if remotes and key is None:
+        log.warning("other nodes' snapshot servers %s are not read: no job key (elastor run --job-secret-file)",
+                    remotes)
+        return out
+    out += [RemoteSource(a, step_name, key) for a in remotes]
     return out

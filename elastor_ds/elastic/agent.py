@@ -86,6 +86,7 @@ class RunConfig:
     tee: bool = True
     standby: bool = True                 # workers from pre-imported standby interpreters (--no-standby: off)
     standby_preload: tuple[str, ...] = DEFAULT_PRELOAD
+    job_secret_file: str | None = None   # --job-secret-file: the key of the snapshot server and peer copies
     local_addr: str | None = None        # this node's address (torchrun's --local-addr)
 
 
@@ -142,7 +143,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         if cfg.local_addr and not os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST"):
             os.environ["ELASTOR_SNAPSHOT_SERVER_HOST"] = cfg.local_addr
         # this node's snapshot server; addresses of every node's go to the workers at each launch
-        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint)
+        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint,
+                                       multi_node=cfg.max_nodes > 1, secret_file=cfg.job_secret_file)
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame) -> None:

@@ -48,11 +48,13 @@ what the workers get (besides torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_AD
                            --elastor-plan auto plans for exactly this cluster)
   ELASTOR_SNAPSHOT_DIR     this node's memory-snapshot directory (--snapshot-dir), the same on
                            every relaunch, removed when the job ends
-  ELASTOR_SNAPSHOT_PEERS   HOST:PORT of every live node's snapshot server (node-rank order): the
-                           controller serves its snapshot directory read-only (range reads, no
-                           name outside it, no authentication: bind it to the cluster network
-                           with ELASTOR_SNAPSHOT_SERVER_HOST, default the address that reaches
-                           the rendezvous endpoint); ELASTOR_SNAPSHOT_SELF is this node's
+  ELASTOR_SNAPSHOT_PEERS   HOST:PORT of every live node's snapshot server (node-rank order): on a
+                           multi-node job with memory snapshots and --job-secret-file, the
+                           controller serves its committed snapshot files read-only to requests
+                           signed with the job key (bounded; see docs/security.md); bind it with
+                           ELASTOR_SNAPSHOT_SERVER_HOST, default the address that reaches the
+                           rendezvous endpoint; ELASTOR_SNAPSHOT_SELF is this node's
+  ELASTOR_JOB_SECRET_FILE  the path of --job-secret-file (never the secret itself)
   ELASTOR_INITIAL_WORLD_SIZE, ELASTOR_ROUND, ELASTOR_HEARTBEAT_DIR, ELASTOR_EVENTS_FILE,
   ELASTOR_GPU_MEMORY_GB (with --gpu-memory-gb). A trainer cooperates through
   elastor_ds.elastic.worker.ElasticWorker (heartbeat, agree_stop); examples/megatron_gpt/
@@ -133,6 +135,11 @@ def register(sub) -> None:
     a("--snapshot-dir", default=None,
       help="this node's memory-snapshot directory, exported as ELASTOR_SNAPSHOT_DIR (default /dev/shm/elastor-"
            "<rdzv id>-<host>-<pid>); kept across relaunches, removed at the end of the job")
+    a("--job-secret-file", default=None, metavar="FILE",
+      help="the job's secret (>= 32 random bytes, mode 0600, yours; the same file on every node): the key of the "
+           "snapshot server's authentication and of peer copies' digests. Multi-node jobs with memory snapshots "
+           "need it for cross-node restores and peer copies; create it with (umask 077; head -c 32 /dev/urandom "
+           "> FILE)")
     a("--standby", action=argparse.BooleanOptionalAction, default=True,
       help="keep one standby worker per device slot: an interpreter that has imported torch, DeepSpeed, "
            "Megatron and the modules the last workers imported, waiting for its rank, so a relaunch skips the "
@@ -199,7 +206,11 @@ def run(args: argparse.Namespace) -> int:
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
                     standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()),
-                    local_addr=args.local_addr)
+                    local_addr=args.local_addr,
+                    job_secret_file=os.path.abspath(args.job_secret_file) if args.job_secret_file else None)
+    if cfg.job_secret_file:   # a bad secret file is a usage error before anything is created
+        from ..checkpoint.auth import load_key
+        load_key(cfg.job_secret_file)
     from . import snapshot_dir
     snap = snapshot_dir.prepare(args.snapshot_dir, rdzv_id)
     try:
