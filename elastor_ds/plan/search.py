@@ -370,7 +370,6 @@ class Planner:
         self._rep_cache: dict = {}
         self._split_cache: dict = {}
         self._mx_cache: dict = {}
-        self._devices = self.cluster.device_tuple()
         self._per_node: list[list[Device]] | None = None
         self.max_orders = self.MAX_ORDERS if self.cluster.num_gpus <= 64 else 6
         self.node_gpus = self.cluster.max_gpus_per_node
@@ -379,10 +378,22 @@ class Planner:
         self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
         # nodes by type: the multiset of their GPU speeds (fastest first); the cost model sees a
         # node only through it, so groupings and class counts are worked out once per type
-        types: dict[tuple[float, ...], list[int]] = {}
-        for i, n in enumerate(self.cluster.nodes):
-            types.setdefault(tuple(sorted(n.speeds, reverse=True)), []).append(i)
-        self._types = types
+        self._types_cache: dict[tuple[float, ...], list[int]] | None = None
+
+    @property
+    def _devices(self) -> tuple[Device, ...]:
+        return self.cluster.device_tuple()
+
+    @property
+    def _types(self) -> dict[tuple[float, ...], list[int]]:
+        if self._types_cache is None:
+            types: dict[tuple[float, ...], list[int]] = {}
+            for i, n in enumerate(self.cluster.nodes):
+                sp = n.speeds
+                key = sp if (not sp or max(sp) == min(sp)) else tuple(sorted(sp, reverse=True))
+                types.setdefault(key, []).append(i)
+            self._types_cache = types
+        return self._types_cache
 
     def per_node(self) -> list[list[Device]]:
         if self._per_node is None:
@@ -576,7 +587,21 @@ class Planner:
             cut = cache.get(key)
             if cut is None:
                 per_node = self.per_node()
-                cut = cache[key] = [g for i in nodes if per_node[i] for g in carve(per_node[i], pt, large_fast)]
+                if t and t[0] == t[-1]:  # one speed: the same GPU positions on every node of the type
+                    sp, bounds, a = t[0], [], 0
+                    for q in sorted(pt, reverse=large_fast):
+                        bounds.append((a, a + q))
+                        a += q
+                    new, key_of = tuple.__new__, {q: (q, sp) for q in pt}
+                    cut = []
+                    for i in nodes:
+                        devs = per_node[i]  # GPU ids ascending (Cluster.device_tuple)
+                        for a, b in bounds:
+                            ds = tuple(devs[a:b])
+                            cut.append(new(Group, (ds, b - a, sp, i, key_of[b - a], (i, ds[0].local_id))))
+                else:
+                    cut = [g for i in nodes if per_node[i] for g in carve(per_node[i], pt, large_fast)]
+                cache[key] = cut
             groups.extend(cut)
         return groups
 
