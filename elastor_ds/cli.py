@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from .errors import ConfigError, ElastorError
+from .errors import CheckpointNotFoundError, ConfigError, ElastorError
 
 _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ElastorError as e:
         log.error("%s", _one_line(e))
-        return 2 if isinstance(e, ConfigError) else 1
+        return 2 if isinstance(e, (ConfigError, CheckpointNotFoundError)) else 1   # usage: a wrong path or value
     except OSError as e:  # a full disk, a permission, a vanished file: a runtime failure, not a bug
         log.error("%s: %s", type(e).__name__, _one_line(e))
         return 1

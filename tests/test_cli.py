@@ -45,7 +45,7 @@ def test_inspect_and_verify(ckpt, capsys):
     out = capsys.readouterr().out
     assert "tp2.pp1.dp1" in out and "step        42" in out
     assert main(["verify", ckpt]) == 0
-    assert main(["verify", str(os.path.dirname(ckpt))]) == 1  # not a checkpoint
+    assert main(["verify", str(os.path.dirname(ckpt))]) == 2  # not a checkpoint: a usage error (issue 19), not "corrupt"
     with pytest.raises(SystemExit) as e:
         main(["verify"])
     assert e.value.code == 2

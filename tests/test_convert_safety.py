@@ -119,3 +119,60 @@ def test_failed_conversions_leave_no_temp_dirs(tmp_path):
     p = elastor("convert", str(cons), target, "--from", "consolidated", "--force")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert tree_hash(target) == before and sorted(os.listdir(target)) == ["latest", commit_mod.step_dirname(3)]
+
+
+def test_export_into_a_committed_step_or_its_root_is_refused(tmp_path):
+    """Issue 19: ``elastor convert ROOT ROOT/step_.../export`` wrote into a committed step, which
+    retention later deleted. Any destination inside a checkpoint (root, step, temp dir) or
+    overlapping the source is refused with exit 2 before anything is written."""
+    src = str(tmp_path / "ckpt")
+    save(src, 4)
+    other = str(tmp_path / "other")
+    save(other, 7)
+    before = tree_hash(src), tree_hash(other)
+    step_dir = commit_mod.resolve(src)
+    for dst, says in [(os.path.join(step_dir, "export"), f"and source {src} overlap"),
+                      (os.path.join(src, "export"), f"and source {src} overlap"),
+                      (os.path.join(commit_mod.resolve(other), "x", "y"), "lies inside the checkpoint"),
+                      (os.path.join(other, "export"), f"lies inside the checkpoint {other}")]:
+        p = elastor("convert", src, dst, "--to", "consolidated")
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (dst, p.stderr)
+        assert not os.path.lexists(dst)
+    assert (tree_hash(src), tree_hash(other)) == before
+    ok = elastor("convert", src, str(tmp_path / "export"), "--to", "consolidated")   # beside it: fine
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_fifo_as_latest_does_not_hang_verify_or_inspect(tmp_path):
+    """Issue 19: a FIFO planted as ``latest`` made ``elastor verify`` and ``inspect`` block forever
+    in open(). Only regular files are opened, non-blocking: a clear error, at once."""
+    root = str(tmp_path / "ckpt")
+    save(root, 2)
+    os.unlink(os.path.join(root, "latest"))
+    os.mkfifo(os.path.join(root, "latest"))
+    for cmd in ("verify", "inspect"):
+        argv = [sys.executable, "-m", "elastor_ds.cli", cmd, root]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+        assert p.returncode == 1 and "latest is a FIFO" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+    # a FIFO in place of a data file: verify names it instead of blocking
+    step = commit_mod.list_committed(root)[-1][1]
+    os.unlink(os.path.join(root, "latest"))
+    data = next(f for f in os.listdir(step) if f.endswith(".safetensors"))
+    os.unlink(os.path.join(step, data))
+    os.mkfifo(os.path.join(step, data))
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "verify", step], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert p.returncode == 1 and "is a FIFO" in p.stderr, p.stderr
+
+
+def test_verify_of_a_file_that_is_not_a_checkpoint_is_a_usage_error(tmp_path):
+    """Issue 19: ``elastor verify /etc/passwd`` exited 1 ("corrupt") instead of 2 (not a checkpoint)."""
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    for target in (str(f), str(tmp_path)):
+        for cmd in ("verify", "inspect"):
+            p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", cmd, target], capture_output=True, text=True,
+                               timeout=60, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+            assert p.returncode == 2, (cmd, target, p.returncode, p.stderr)
+            assert "not an elastor checkpoint" in p.stderr or "holds no elastor checkpoint" in p.stderr, p.stderr

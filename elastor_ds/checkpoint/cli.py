@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..cli_types import positive_int
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from . import commit as commit_mod
 
 log = logging.getLogger("elastor")
@@ -55,8 +55,8 @@ def cmd_inspect(args) -> int:
         step_dir = commit_mod.resolve(args.ckpt)
         man = commit_mod.read_manifest(step_dir)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if not os.path.exists(args.ckpt) else 1  # a typo is a usage error
+        print(f"error: {e}", file=sys.stderr)   # a typo or not a checkpoint: a usage error
+        return 2 if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError) else 1
     if args.json:
         d = man.to_json()
         d["step_dir"] = step_dir
@@ -90,7 +90,7 @@ def cmd_verify(args) -> int:
         step_dir = commit_mod.resolve(args.ckpt)
         man = commit_mod.read_manifest(step_dir)  # a malformed manifest: one line, exit 1
     except CheckpointError as e:
-        if not os.path.exists(args.ckpt):  # a typo is a usage error
+        if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError):   # a typo, or not a checkpoint
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
@@ -122,6 +122,7 @@ def cmd_convert(args) -> int:
                           f"(to elastor) or --to {known_to} (from elastor)")
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ConfigError(f"source and destination are both {args.src}; choose a new destination")
+    commit_mod.check_outside_checkpoints(args.dst, args.src)
     # refuse a non-empty destination before any work (the writers check again when they commit)
     if importing:
         commit_mod.check_import_destination(args.dst, None, args.force)

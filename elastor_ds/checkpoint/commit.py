@@ -52,7 +52,7 @@ from typing import Optional
 
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 from .planning.manifest import MANIFEST_NAME, Manifest
-from .paths import safe_join
+from .paths import not_a_checkpoint, read_regular_text, safe_join
 from .storage import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class LatestPolicy(enum.Enum):
     ALWAYS = "always"     # to the new step (a training run resumes from its newest save)
     FORWARD = "forward"   # only when the new step is not older than the one ``latest`` names
     NEVER = "never"
+
+
+MAX_MANIFEST_BYTES = 2 ** 30   # bounded read of an untrusted manifest (a 16,384-rank 70B manifest is ~64 MB)
 
 
 def step_dirname(step: int) -> str:
@@ -104,8 +107,7 @@ def list_committed(root: str) -> list[tuple[int, str]]:
 
 def _latest_name(root: str) -> Optional[str]:
     try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            name = f.read(4096).strip()
+        name = read_regular_text(os.path.join(root, LATEST), 4096).strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, UnicodeDecodeError) as e:
@@ -134,6 +136,8 @@ def resolve(path: str) -> str:
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise not_a_checkpoint(path)
     if is_committed(path):
         return path
     latest = read_latest(path)
@@ -167,8 +171,7 @@ def check_manifest_paths(step_dir: str, man: Manifest) -> None:
 def read_manifest(step_dir: str) -> Manifest:
     p = os.path.join(step_dir, MANIFEST_NAME)
     try:
-        with open(p, encoding="utf-8") as f:
-            text = f.read()
+        text = read_regular_text(p, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{step_dir} has no {MANIFEST_NAME}: it was never committed") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -335,6 +338,40 @@ class DirCommit(AtomicCommit):
         self.finalized = True
         fsync_dir(os.path.dirname(self.final))
         return self.final
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    """``path`` is a step directory, a root (``latest`` or committed steps) or an uncommitted save."""
+    name = os.path.basename(path)
+    if is_committed(path) or list_committed(path) or _STEP_RE.match(name) or name.startswith(TMP_PREFIX):
+        return True
+    try:
+        latest = _latest_name(path)
+    except CheckpointError:
+        return False
+    return latest is not None and bool(_STEP_RE.match(latest) or _TMP_RE.match(latest))
+
+
+def check_outside_checkpoints(dst: str, src: Optional[str] = None) -> None:
+    """A conversion's destination must not lie inside a checkpoint (its steps are renamed and
+    deleted by commit and retention) nor inside the source, nor hold the source; else
+    :class:`~elastor_ds.errors.ConfigError` naming the checkpoint."""
+    from ..errors import ConfigError
+    d = os.path.realpath(os.path.abspath(dst))
+    if src is not None:
+        s = os.path.realpath(os.path.abspath(src))
+        if d == s or d.startswith(s.rstrip(os.sep) + os.sep) or s.startswith(d.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"destination {dst} and source {src} overlap (one holds the other); write the "
+                              f"conversion to a directory outside the source")
+    a = os.path.dirname(d)
+    while True:
+        if os.path.isdir(a) and _is_checkpoint_dir(a):
+            raise ConfigError(f"destination {dst} lies inside the checkpoint {a}, whose steps are renamed and deleted "
+                              f"by commits and retention; write the conversion to a directory outside any checkpoint")
+        parent = os.path.dirname(a)
+        if parent == a:
+            return
+        a = parent
 
 
 def check_empty_destination(dst: str) -> None:

@@ -10,10 +10,12 @@ Pure path logic plus ``os.path.realpath``; no torch.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import stat
 
-from ..errors import UnsafeCheckpointError
+from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
 
 _BAD_CHARS = ("\x00", "\\")
 
@@ -70,3 +72,35 @@ def inside(path: str, root: str) -> bool:
 def overlap(a: str, b: str) -> bool:
     """One of two directories holds the other (or they are the same)."""
     return inside(a, b) or inside(b, a)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` when it is a regular file. Opened non-blocking, so a FIFO,
+    a device or a socket planted in a checkpoint never blocks the reader; refused with
+    :class:`~elastor_ds.errors.UnsafeCheckpointError` (FileNotFoundError passes through)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise UnsafeCheckpointError(f"{path} is {kind}; a checkpoint holds regular files only (refusing it)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_text(path: str, limit: int) -> str:
+    """The text of regular file ``path`` (see :func:`open_regular`), at most ``limit`` bytes."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeCheckpointError(f"{path} is larger than {limit} bytes; refusing it (corrupt or crafted)")
+    return data.decode("utf-8")
+
+
+def not_a_checkpoint(path: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{path} is not an elastor checkpoint (a checkpoint is a directory with "
+                                   f"manifest.json, or a root with 'latest' and step_* directories)")

@@ -26,7 +26,7 @@ import os
 from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from .paths import safe_join
+from .paths import open_regular, safe_join
 from .storage import pread_into
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class DirSource:
         fd = self._fds.get(relpath)
         if fd is None:
             try:
-                fd = self._fds[relpath] = os.open(self.path(relpath), os.O_RDONLY)
+                fd = self._fds[relpath] = open_regular(self.path(relpath))   # a planted FIFO never blocks
             except FileNotFoundError:
                 raise IncompleteCheckpointError(f"{self.step_dir}/{relpath}: data file is missing "
                                                 f"(source {self.name})") from None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .paths import open_regular
 from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
 from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
 
@@ -141,7 +142,7 @@ def read_crc_entries(path: str, lo: int, hi: int) -> list[int]:
     import sys
 
     n = hi - lo + 1
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         f.seek(lo * 4)
         data = f.read(n * 4)
     if len(data) != n * 4:
@@ -163,7 +164,7 @@ def write_all(fd: int, mv: memoryview) -> None:
 def read_header(path: str) -> tuple[dict, int]:
     """The safetensors header dict and the absolute offset of the data section."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:   # a planted FIFO never blocks
             raw = f.read(8)
             if len(raw) != 8:
                 raise IncompleteCheckpointError(f"{path}: truncated (no safetensors header)")
@@ -195,7 +196,7 @@ def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
         pass
     buf = bytearray(block)
     mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         while True:
             n = f.readinto(mv)
             if not n:

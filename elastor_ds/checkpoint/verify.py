@@ -7,6 +7,7 @@ check to a subset, so ranks can split the work.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -40,7 +41,8 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
         fe = man.files[name]
         path = os.path.join(step_dir, name)
         if not os.path.isfile(path):
-            problems.append(Problem(path, "file is missing"))
+            problems.append(Problem(path, "file is missing" if not os.path.lexists(path) else
+                                    "is a FIFO" if stat.S_ISFIFO(os.lstat(path).st_mode) else "is not a regular file"))
             continue
         size = os.path.getsize(path)
         if size != fe.size:
