@@ -164,3 +164,26 @@ def test_partitioned_node_is_fenced_and_commits_nothing(bed_factory, tmp_path):
     late = {d: w for d, (w, t) in seen.items() if t > t_fault + 1}
     assert late and set(late.values()) == {1}, seen
     _no_process_left(bed, "n0", "n1")
+
+
+def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
+    """Node 1's link throttled to 4 Mbit/s in both directions (a token bucket whose short queue
+    drops bursts; netem delay/loss where the kernel has it) from iteration 3 on: iterations slow
+    down, but no node is declared lost or fenced, nothing restarts, every iteration runs once."""
+    bed, store, big, small = _start(bed_factory, tmp_path)
+    wait_until(lambda: big.latest() is not None and big.latest() >= 3, [big, small], 240, "iteration 3")
+    t_fault = time.time()
+    qdisc = bed.slow("n1", rate_kbit=4000)
+    big.note_injected(f"slow link ({qdisc} 4 Mbit/s)", t_fault)
+    assert big.wait() == 0, big.output()[-6000:]
+    assert small.wait() == 0, small.output()[-6000:]
+    recs = read_jsonl(big.metrics)
+    assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1))
+    assert {r["world_size"] for r in recs} == {3}
+    for node in (big, small):
+        kinds = [e["event"] for e in node.event_list()]
+        assert "failure" not in kinds and "fenced" not in kinds and kinds.count("launch") == 1, kinds
+    before = sorted(r["iter_time_s"] for r in recs if r["time"] < t_fault and r["iteration"] > 1)
+    after = sorted(r["iter_time_s"] for r in recs if r["time"] > t_fault + 2)
+    assert before and after and after[len(after) // 2] > before[len(before) // 2], (before, after)
+    _no_process_left(bed, "n0", "n1")
