@@ -287,6 +287,16 @@ def test_documented_flags_exist_and_every_flag_is_documented():
     assert not bad, "\n".join(bad)
 
 
+def test_every_environment_variable_is_documented():
+    """Every ``ELASTOR_*`` name the package reads or sets appears in docs/elastic.md."""
+    names = set()
+    for f in (ROOT / "elastor_ds").rglob("*.py"):
+        names |= set(re.findall(r"[\"'](ELASTOR_[A-Z0-9_]+)[\"']", f.read_text(encoding="utf-8")))
+    text = (ROOT / "docs" / "elastic.md").read_text(encoding="utf-8")
+    missing = sorted(n for n in names if not re.search(rf"\b{n}\b", text))
+    assert len(names) >= 10 and not missing, f"not in docs/elastic.md: {missing}"
+
+
 # ------------------------------------------------------------------ config keys, JSON documents
 def schema_keys() -> dict[str, set[str]]:
     from elastor_ds.integrations.deepspeed import config as c
