@@ -79,16 +79,18 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def _rdzv_conf(text: str) -> dict:
-    out: dict = {}
-    for kv in filter(None, (x.strip() for x in text.split(","))):
-        if "=" not in kv:
-            raise ConfigError(f"--rdzv-conf {text!r}: expected key=value pairs separated by commas")
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = float(v) if "." in v else int(v)
-        except ValueError:
-            out[k] = v
-    return out
+    from .rdzv_args import parse_rdzv_conf
+    return parse_rdzv_conf(text)
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """``--log-dir`` must be a directory we can create and write (``/proc/x`` is not)."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--log-dir {log_dir}: cannot create it ({e.strerror}); give a writable directory") from None
+    if not os.path.isdir(log_dir) or not os.access(log_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {log_dir}: not a writable directory; give a writable directory")
 
 
 def register(sub) -> None:
@@ -179,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    from .rdzv_args import check_backend, check_endpoint
+    check_backend(args.rdzv_backend)
+    rdzv_conf = _rdzv_conf(args.rdzv_conf)
     endpoint = args.rdzv_endpoint
+    if endpoint and not args.standalone:
+        check_endpoint(endpoint)
     if args.standalone or not endpoint:
         if hi > 1 and not args.standalone:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -192,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     base = os.path.splitext(events_path)[0] if events_path else None
     log_dir = os.path.abspath(args.log_dir) if args.log_dir else (f"{base}_logs" if base else os.path.abspath("elastor_logs"))
     plot = args.plot or (f"{base}_timeline.png" if base else None)
+    _check_log_dir(log_dir)
     # workers import this package through worker_main: make sure they find this copy of it
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join([pkg_root] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
@@ -199,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["OMP_NUM_THREADS"] = "1"
     cfg = RunConfig(script=os.path.abspath(args.script), script_args=list(args.script_args), nproc_per_node=nproc,
                     min_nodes=lo, max_nodes=hi, rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint,
-                    rdzv_id=rdzv_id, rdzv_conf=_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
+                    rdzv_id=rdzv_id, rdzv_conf=rdzv_conf, max_restarts=args.max_restarts,
                     monitor_interval=args.monitor_interval, on_failure=OnFailure(args.on_failure),
                     hang_timeout=args.hang_timeout or None, events=events_path, log_dir=log_dir,
                     shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,

@@ -1,0 +1,105 @@
+"""Validation of ``elastor run``'s rendezvous flags (torchrun's meaning), before anything starts.
+
+Pure parsing plus a name lookup: each bad value is a :class:`~elastor_ds.errors.ConfigError` that
+names the flag, the value and the fix (exit 2), never an error from deep inside torch elastic
+after the job started, and never a retry loop without end.
+"""
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any, Callable
+
+from ..errors import ConfigError
+
+BACKENDS = ("c10d", "etcd", "etcd-v2", "static")   # torch.distributed.elastic's registered handlers
+
+
+def _seconds(lo_exclusive: bool) -> Callable[[str, str], float]:
+    def parse(key: str, v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise ConfigError(f"--rdzv-conf {key}={v}: expected a number of seconds, e.g. {key}=60") from None
+        if not math.isfinite(x) or x < 0 or (lo_exclusive and x == 0):
+            raise ConfigError(f"--rdzv-conf {key}={v}: expected a number of seconds "
+                              f"{'> 0' if lo_exclusive else '>= 0'}, e.g. {key}=60")
+        return x
+    return parse
+
+
+def _count(key: str, v: str) -> int:
+    try:
+        x = int(v)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}={v}: expected a whole number >= 1, e.g. {key}=3") from None
+    if x < 1:
+        raise ConfigError(f"--rdzv-conf {key}={v}: expected a whole number >= 1, e.g. {key}=3")
+    return x
+
+
+def _flag(key: str, v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"--rdzv-conf {key}={v}: expected true or false")
+
+
+def _text(key: str, v: str) -> str:
+    if not v:
+        raise ConfigError(f"--rdzv-conf {key}=: empty value; give {key}=<value> or leave the key out")
+    return v
+
+
+# key -> parser; the c10d and etcd backends' options, and elastor run's liveness options
+KEYS: dict[str, Callable[[str, str], Any]] = {
+    "join_timeout": _seconds(True), "last_call_timeout": _seconds(False), "close_timeout": _seconds(True),
+    "timeout": _seconds(True), "read_timeout": _seconds(True), "heartbeat": _seconds(True),
+    "keep_alive_interval": _seconds(True), "keep_alive_max_attempt": _count,
+    "is_host": _flag, "use_libuv": _flag, "use_agent_store": _flag,
+    "protocol": _text, "cacert": _text, "cert": _text, "key": _text, "etcd_prefix": _text,
+}
+
+
+def parse_rdzv_conf(text: str) -> dict:
+    """``key=value,key=value`` -> typed options; unknown keys and bad values are refused."""
+    out: dict = {}
+    for kv in filter(None, (x.strip() for x in text.split(","))):
+        if "=" not in kv:
+            raise ConfigError(f"--rdzv-conf {text!r}: expected key=value pairs separated by commas, "
+                              f"e.g. join_timeout=600,read_timeout=60")
+        k, v = (x.strip() for x in kv.split("=", 1))
+        if k not in KEYS:
+            raise ConfigError(f"--rdzv-conf {k}={v}: unknown option {k!r}; known: {', '.join(sorted(KEYS))}")
+        out[k] = KEYS[k](k, v)
+    return out
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ConfigError(f"--rdzv-backend {name!r}: unknown backend; use one of {', '.join(BACKENDS)} "
+                          f"(c10d needs no extra service)")
+    return name
+
+
+def check_endpoint(endpoint: str, resolve: Callable[[str], Any] = socket.getaddrinfo) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a port in 1..65535 and a host that resolves: a
+    typo fails here at once instead of a rendezvous that retries until its timeout."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29400")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        p = int(port)
+    except ValueError:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a number; e.g. node0:29400") from None
+    if not 1 <= p <= 65535:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {p} is outside 1..65535; e.g. node0:29400")
+    try:
+        resolve(host, p)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve ({e}); give the rendezvous "
+                          f"host's name or address as every node sees it") from None
+    return host, p

@@ -1,0 +1,49 @@
+"""``elastor run``'s torchrun flags with bad values: exit 2 naming the flag and the fix, no
+traceback, nothing started (issue 19: these exited 1 with "unexpected ...", and a bad
+``--rdzv-endpoint`` retried forever). The controller in a subprocess, as a user runs it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastor_ds.elastic.rdzv_args import parse_rdzv_conf
+from elastor_ds.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rdzv-conf", "join_timeout=abc"], "--rdzv-conf join_timeout=abc: expected a number of seconds"),
+    (["--rdzv-backend", "bogus"], "--rdzv-backend 'bogus': unknown backend; use one of c10d, etcd"),
+    (["--rdzv-conf", "read_timeout=-5"], "--rdzv-conf read_timeout=-5: expected a number of seconds > 0"),
+    (["--rdzv-conf", "jion_timeout=5"], "--rdzv-conf jion_timeout=5: unknown option 'jion_timeout'"),
+    (["--log-dir", "/proc/x"], "--log-dir /proc/x: cannot create it"),
+    (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400"],
+     "--rdzv-endpoint 'no-such-host.invalid:29400': host 'no-such-host.invalid' does not resolve"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0:99999"], "port 99999 is outside 1..65535"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
+])
+def test_bad_launcher_values_exit_2_naming_the_flag(tmp_path, flags, message):
+    script = tmp_path / "train.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", *flags, str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert message in p.stderr and "Traceback" not in p.stderr and "unexpected" not in p.stderr, p.stderr[-2000:]
+    assert not marker.exists()                              # nothing was launched
+    assert time.monotonic() - t0 < 60
+
+
+def test_rdzv_conf_values_are_typed():
+    assert parse_rdzv_conf("join_timeout=600, last_call_timeout=0,is_host=false,keep_alive_max_attempt=3") == {
+        "join_timeout": 600.0, "last_call_timeout": 0.0, "is_host": False, "keep_alive_max_attempt": 3}
+    for bad in ("keep_alive_max_attempt=0", "timeout=inf", "is_host=maybe", "join_timeout", "close_timeout=0"):
+        with pytest.raises(ConfigError, match="--rdzv-conf"):
+            parse_rdzv_conf(bad)
