@@ -23,7 +23,9 @@ name paths outside the checkpoint, symlinks out, tensor names that escape on exp
 flips, truncations, deleted files under each read pattern through load, verify and convert),
 ``sigkill-save`` (the whole job killed before each file-system call of a save, a re-save, and an
 import), ``enospc`` (saves into a small tmpfs that fills up), ``eacces`` (saves and loads by an
-unprivileged user into directories it may not write or read).
+unprivileged user into directories it may not write or read); and, as another local user or a
+forger (:mod:`security_faults`): ``standby-handoff``, ``snapshot-server``, ``forged-table``,
+``peer-sender``.
 """
 from __future__ import annotations
 
@@ -1165,7 +1167,14 @@ def run_eacces(work: str, rng: random.Random, reps: int) -> Row:
 
 # ---------------------------------------------------------------------------------- main
 CLASSES = ("cli-malformed", "ds-config", "trainer-flags", "path-escape", "malicious-pickle", "non-empty-destination",
-           "corruption", "sigkill-save", "sigkill-job", "peers", "enospc", "eacces")
+           "corruption", "sigkill-save", "sigkill-job", "peers", "enospc", "eacces",
+           # another local user or a forger (bench/security_faults.py)
+           "standby-handoff", "snapshot-server", "forged-table", "peer-sender")
+
+
+def _security():
+    import security_faults   # imports this module: loaded on first use
+    return security_faults
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1197,7 +1206,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                "sigkill-job": lambda w: run_sigkill_world(w, rng, args.job_kills),
                "peers": lambda w: run_peers(w, rng, args.reps),
                "enospc": lambda w: run_enospc(w, rng, args.reps),
-               "eacces": lambda w: run_eacces(w, rng, args.reps)}
+               "eacces": lambda w: run_eacces(w, rng, args.reps),
+               "standby-handoff": lambda w: _security().run_standby_handoff(w, rng, args.reps),
+               "snapshot-server": lambda w: _security().run_snapshot_server(w, rng, args.reps),
+               "forged-table": lambda w: _security().run_forged_table(w, rng, args.reps),
+               "peer-sender": lambda w: _security().run_peer_sender(w, rng, args.reps)}
     rows: dict[str, Row] = {}
     t0 = time.time()
     for name in [c for c in args.classes.split(",") if c]:

@@ -54,9 +54,21 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     nodedir = os.path.join(base, f"elastor-bench-node{rank}")
     os.makedirs(nodedir, exist_ok=True)
+    secret = os.path.join(base, "job.secret")   # peer copies need the job key (same file for every rank)
+    if rank == 0:
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
+    dist.barrier()
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
     cp = PeerCopier.create([1] * world, nodedir, 1, timeout_s=300)
     body = os.urandom(1 << 20) * mib
     crc = zlib.crc32(body)
+    from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
+    every = [None] * world
+    dist.all_gather_object(every, crc)   # the receiver checks what it is sent against the step's manifest
+    files = {f"data_{r:05d}.safetensors": FileEntry(f"data_{r:05d}.safetensors", len(body), c, r)
+             for r, c in enumerate(every)}
     x = torch.randn(384, 384) / 20
     for _ in range(3):
         _step(x, dist)
@@ -72,6 +84,8 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
                 os.makedirs(d, exist_ok=True)
                 with open(os.path.join(d, f"data_{rank:05d}.safetensors"), "wb") as f:
                     f.write(body)
+                with open(os.path.join(d, "manifest.json"), "w") as f:
+                    f.write(Manifest(step=s, tensors={}, files=files, world_size=world).dumps(compact=True))
                 st = cp.submit(d, [PeerFile(f"data_{rank:05d}.safetensors", len(body), crc)])
                 copies.append(st)   # submit() waits for the previous copy: that wait is a stall
             ts.append(time.perf_counter() - t0)
@@ -143,13 +157,17 @@ def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
                 f.write(body)
                 f.flush()
                 os.fsync(f.fileno())
-        open(os.path.join(shm, "local", step, "manifest.json"), "w").close()
-        open(os.path.join(shm, "peer", "other", step, "COMPLETE"), "w").close()
+        from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
+        with open(os.path.join(shm, "local", step, "manifest.json"), "w") as f:   # a committed snapshot
+            f.write(Manifest(step=1, tensors={}, files={rel: FileEntry(rel, len(body), zlib.crc32(body), 0)}).dumps())
+        with open(os.path.join(shm, "peer", "other", step, "COMPLETE"), "w") as f:
+            json.dump({"files": {rel: len(body)}}, f)
         spath = os.path.join(sto, step, rel)
         times: dict[str, list[float]] = {"remote": [], "peer_local": [], "storage_cold": [], "storage_warm": []}
-        with SnapshotServer(shm) as srv:
+        key = os.urandom(32)   # the job key (authenticated requests and answers)
+        with SnapshotServer(shm, key) as srv:
             for _ in range(reps):
-                times["remote"].append(_read_all(RemoteSource(srv.address, step), rel, len(body)))
+                times["remote"].append(_read_all(RemoteSource(srv.address, step, key), rel, len(body)))
                 times["peer_local"].append(_read_all(PeerCopySource(shm, step), rel, len(body)))
                 fd = os.open(spath, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
