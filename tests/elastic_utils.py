@@ -118,17 +118,51 @@ def last_iteration(recs: list[dict]) -> int:
     return recs[-1]["iteration"] if recs else 0
 
 
-def assert_losses_reproduce(recs: list[dict], iters: int, rel: float = 2e-5) -> int:
-    """Every iteration 1..iters was logged; each re-run iteration's loss equals the loss logged
-    for it before the failure. Returns how many iterations were re-run."""
+def resumed_steps(events: list[dict]) -> list[int]:
+    """The step each relaunch resumed from, as the trainer reported it (``worker_started`` events
+    after the first launch)."""
+    started = sorted((e for e in events if e.get("event") == "worker_started"), key=lambda e: e["time"])
+    return [int(e["resumed_from"] or 0) for e in started[1:]]
+
+
+def expected_reruns(recs: list[dict], resumed: list[int]) -> int:
+    """Iterations a run must have re-run: for each relaunch (its first record carries the plan), the
+    iterations logged before it after the step it resumed from (``resumed``: from the events, what
+    the trainer reported, not from the records)."""
+    total, high, k = 0, 0, 0
+    for i, r in enumerate(recs):
+        it = r["iteration"]
+        if i > 0 and "plan" in r:            # the first record of a relaunch
+            assert k < len(resumed), f"more launches in the records than relaunches in the events ({resumed})"
+            assert it == resumed[k] + 1, f"relaunch {k} logged iteration {it} first but reported step {resumed[k]}"
+            total += high - resumed[k]
+            k += 1
+        high = max(high, it)
+    assert k == len(resumed), f"{k} relaunches in the records, {len(resumed)} in the events"
+    return total
+
+
+def assert_losses_reproduce(recs: list[dict], iters: int, *, reruns: int, rel: float = 2e-5) -> int:
+    """Every iteration 1..iters was logged, exactly ``reruns`` of them twice (a test states the count
+    it claims: 0 is never assumed), and each re-run iteration's loss equals the loss logged for it
+    before the failure. Returns ``reruns``."""
     first: dict[int, float] = {}
-    reruns = 0
+    seen = 0
     for r in recs:
         it, loss = r["iteration"], r["lm_loss"]
         if it in first:
-            reruns += 1
+            seen += 1
             assert abs(loss - first[it]) <= rel * abs(first[it]), (it, loss, first[it])
         else:
             first[it] = loss
     assert sorted(first) == list(range(1, iters + 1)), sorted(first)
-    return reruns
+    assert seen == reruns, f"{seen} iterations were re-run, the test expected {reruns}"
+    return seen
+
+
+def check_reruns(recs: list[dict], events: list[dict], iters: int, at_least: int, rel: float = 2e-5) -> int:
+    """The exact re-run count the relaunches' reported resume steps imply (at least ``at_least``,
+    what the test's fault guarantees), and the losses of those re-runs (see assert_losses_reproduce)."""
+    n = expected_reruns(recs, resumed_steps(events))
+    assert n >= at_least, f"only {n} iterations were re-run; the fault should have cost at least {at_least}"
+    return assert_losses_reproduce(recs, iters, reruns=n, rel=rel)

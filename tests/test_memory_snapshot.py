@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dist_utils import free_port, run_world
-from elastic_utils import MODEL, TRAINER, Job, assert_losses_reproduce, read_jsonl
+from elastic_utils import MODEL, TRAINER, Job, check_reruns, read_jsonl
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 pytestmark = pytest.mark.skipif(SHM is None, reason="needs /dev/shm (tmpfs)")
@@ -154,7 +154,7 @@ def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_
         assert job.wait(240) == 0, job.output()[-4000:]
     finally:
         job.kill()
-    assert_losses_reproduce(job.records(), 6)
+    check_reruns(job.records(), job.event_list(), 6, at_least=0)   # memory: <= 1 iteration (asserted below)
     mem = [r for r in job.restores() if r["tier"] == "memory"]
     assert len(mem) == 1, job.restores()
     r = mem[0]
