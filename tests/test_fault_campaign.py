@@ -18,3 +18,17 @@ def test_campaign_subset(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| sigkill-job | 10 | 10 | 0 | 0 | 0 |" in out, out
     assert rc == 0, out
+
+
+@pytest.mark.timeout(600)
+def test_campaign_attacker_classes(tmp_path, capsys):
+    """Another local user or a forger (issue 19): every trial refused, nothing lost, no hang, no
+    traceback. The standby-handoff class runs its attacker as ``nobody`` (root needed: CI is root)."""
+    classes = ["snapshot-server", "forged-table", "peer-sender"] + (["standby-handoff"] if os.getuid() == 0 else [])
+    rc = fault_campaign.main(["--seed", "1", "--classes", ",".join(classes), "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    want = {"snapshot-server": 14, "forged-table": 10, "peer-sender": 3, "standby-handoff": 2}
+    for c in classes:
+        n = want[c]
+        assert f"| {c} | {n} | {n} | 0 | 0 | 0 |" in out, out
+    assert rc == 0, out
