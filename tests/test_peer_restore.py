@@ -65,6 +65,9 @@ class Node:
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=str(tmp), env=env,
                                      start_new_session=True)
 
+    def event_list(self) -> list[dict]:
+        return read_jsonl(self.events)
+
     def output(self) -> str:
         self.out.flush()
         with open(self.out.name, errors="replace") as f:
