@@ -1,13 +1,20 @@
-"""Planner benchmark: wall time of `plan()` at 64 / 1,024 / 16,384 GPUs with a few failed GPUs, and
-the predicted throughput retained after losing 1 of 8, 1 of 64 and 8 of 512 GPUs, heterogeneous
-plan vs the best uniform (TP x PP x DP) layout. Pure CPU; prints a Markdown table.
+"""Planner benchmark: wall and CPU time and peak memory of `plan()` at 64 / 1,024 / 16,384 / 131,072
+GPUs with a few failed GPUs; re-planning from the previous plan (`plan.replan`) after losing 1-8 GPUs
+or one node, against a full search on the same cluster; and the predicted throughput retained after
+losing 1 of 8, 1 of 64 and 8 of 512 GPUs, heterogeneous plan vs the best uniform (TP x PP x DP)
+layout. Pure CPU; prints Markdown tables. Each timed case runs in its own subprocess, so its peak
+memory (ru_maxrss) is its own; CPU seconds are reported next to wall seconds because the machine
+may be shared (wall time then includes waiting for a core).
 
-    .venv/bin/python bench/plan_bench.py [--quick]
+    .venv/bin/python bench/plan_bench.py [--quick] [--skip-retained]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,13 +46,52 @@ def failed_cluster(nodes: int, per_node: int, failed: int, seed: int = 0) -> Clu
 def timing(model_name: str, nodes: int, failed: int, gbs: int) -> dict:
     model, tp = MODELS[model_name]
     cl = failed_cluster(nodes, 8, failed)
+    cl.device_tuple()  # the cluster is an input: made before the clock starts
     cost = CostModel(model, TrainingSpec(1, gbs, nominal_tp=tp), cl)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = plan(cost)
-    dt = time.perf_counter() - t0
-    return {"gpus": nodes * 8, "failed": failed, "model": model_name, "M": gbs, "seconds": dt,
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return {"gpus": nodes * 8, "failed": failed, "model": model_name, "M": gbs, "seconds": dt, "cpu_s": dc,
             "speedup": res.uniform.cost.iteration_time_s / res.best.cost.iteration_time_s,
-            "plan": res.best.plan.kind}
+            "plan": res.best.plan.kind, "decision": res.search_stats.get("decision", ""),
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0) -> dict:
+    """Full search on the healthy cluster, then a loss (``"node"`` or a GPU count); times the
+    re-plan from the previous plan (no full search beside it) and the full search on the new cluster."""
+    from elastor_ds.plan.replan import replan
+    model, tp = MODELS[model_name]
+    tr = TrainingSpec(1, gbs, nominal_tp=tp)
+    old = failed_cluster(nodes, 8, 0)
+    prev = plan(CostModel(model, tr, old)).best.plan
+    rng = random.Random(seed)
+    counts = [8] * nodes
+    if loss == "node":
+        counts[rng.randrange(nodes)] = 0  # the node stays listed with no GPUs: names keep their index
+    else:
+        for i in rng.sample(range(nodes * 8), int(loss)):
+            counts[i // 8] -= 1
+    new = Cluster.from_gpus_per_node(counts)
+    new.device_tuple()
+    cost = CostModel(model, tr, new)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = replan(cost, prev, old, full_search_below=0)
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    t1, c1 = time.perf_counter(), time.process_time()
+    full = plan(cost)
+    ft, fc = time.perf_counter() - t1, time.process_time() - c1
+    return {"gpus": nodes * 8, "loss": loss, "model": model_name, "M": gbs, "seconds": dt, "cpu_s": dc,
+            "full_seconds": ft, "full_cpu_s": fc, "how": res.search_stats.get("replan", ""),
+            "ratio": res.best.cost.iteration_time_s / full.best.cost.iteration_time_s}
+
+
+def in_subprocess(fn: str, *args) -> dict:  # noqa: ANN002
+    """Run ``fn(*args)`` of this module in a fresh interpreter; its JSON result."""
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import plan_bench; "
+            f"print(json.dumps(plan_bench.{fn}(*{list(args)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def retained(model_name: str, nodes: int, failed: int, gbs: int) -> dict:
@@ -65,16 +111,36 @@ def retained(model_name: str, nodes: int, failed: int, gbs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="skip the 16,384-GPU timing")
+    ap.add_argument("--quick", action="store_true", help="skip the 16,384- and 131,072-GPU cases")
+    ap.add_argument("--skip-retained", action="store_true", help="skip the throughput-retained table")
     a = ap.parse_args()
-    print("## Planner wall time\n")
-    print("| GPUs | failed | model | micro-batches | plan() wall s | chosen | predicted speedup vs uniform |")
-    print("|---:|---:|---|---:|---:|---|---:|")
-    cases = [("7B", 8, 3, 256), ("70B", 128, 5, 1024)] + ([] if a.quick else [("70B", 2048, 7, 4096)])
+    print("## Planner time (full search, one subprocess per case)\n")
+    print("| GPUs | failed | model | micro-batches | plan() wall s | CPU s | peak RSS MB | chosen | "
+          "predicted speedup vs uniform |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|---:|")
+    cases = [("7B", 8, 3, 256), ("7B", 128, 5, 1024), ("70B", 128, 5, 1024)]
+    if not a.quick:
+        cases += [("70B", 2048, 7, 4096), ("7B", 16384, 1, 16384), ("70B", 16384, 1, 16384)]
     for name, nodes, failed, gbs in cases:
-        r = timing(name, nodes, failed, gbs)
-        print(f"| {r['gpus']:,} | {r['failed']} | {r['model']} | {r['M']} | {r['seconds']:.2f} | {r['plan']} | "
-              f"{r['speedup']:.3f} |", flush=True)
+        r = in_subprocess("timing", name, nodes, failed, gbs)
+        print(f"| {r['gpus']:,} | {r['failed']} | {r['model']} | {r['M']} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | "
+              f"{r['peak_mb']:.0f} | {r['plan']} | {r['speedup']:.3f} |", flush=True)
+        print(f"<!-- {r['decision']} -->", flush=True)
+    print("\n## Re-plan from the previous plan vs a full search (same cluster, one subprocess per case)\n")
+    print("| GPUs before | lost | model | micro-batches | re-plan wall s | re-plan CPU s | full search wall s | "
+          "full search CPU s | re-plan / full search (iteration time) | re-plan path |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+    rcases = [("70B", 128, "1", 1024), ("70B", 128, "8", 1024), ("70B", 128, "node", 1024), ("7B", 128, "4", 1024)]
+    if not a.quick:
+        rcases += [("70B", 16384, "1", 16384), ("70B", 16384, "8", 16384), ("70B", 16384, "node", 16384),
+                   ("7B", 16384, "1", 16384), ("7B", 16384, "node", 16384)]
+    for name, nodes, loss, gbs in rcases:
+        r = in_subprocess("replan_case", name, nodes, loss, gbs)
+        lost = "1 node" if loss == "node" else f"{loss} GPU" + ("s" if loss != "1" else "")
+        print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | "
+              f"{r['full_seconds']:.2f} | {r['full_cpu_s']:.2f} | {r['ratio']:.4f} | {r['how']} |", flush=True)
+    if a.skip_retained:
+        return
     print("\n## Throughput retained after failures (predicted; 1.0 = healthy cluster's best plan)\n")
     print("| lost | model | micro-batches | GPUs kept | heterogeneous retained | uniform retained | "
           "hetero / uniform |")

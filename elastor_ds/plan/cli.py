@@ -1,45 +1,89 @@
 """``elastor plan``: Megatron-style model flags + a cluster -> the best plan (table or JSON).
 
+``--from-plan PREV.json`` re-plans from a previous plan document (``--json`` output) after a small
+change of the cluster (:mod:`elastor_ds.plan.replan`): fast enough for the recovery path.
+
+Every size is bounded (:data:`LIMITS`): the planner's time and memory grow with them, and a value
+past the bound is a typo (``--num-layers 100000``), refused with exit 2 before any work.
+
 Exit codes: 0 a plan was found, 1 no layout fits (the message says why and what would), 2 usage
-errors (bad flags, unreadable cluster or profile file).
+errors (bad flags, a size past its bound, unreadable cluster, profile or previous plan file).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from ..cli_types import positive_float, positive_int
+from ..cli_types import positive_float
 from ..errors import ConfigError, PlanningError
 from .cluster import Cluster
 from .cost import CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
-from .plan_doc import plan_document
+from .plan_doc import device_ranges, plan_document, plan_from_document
 from .search import plan
+
+# Upper bounds of the sizes the planner accepts (flag -> bound). The largest public models have
+# ~130 layers, 16k-wide hidden states, 128k-token contexts and vocabularies of ~256k.
+LIMITS = {
+    "--num-layers": 512,
+    "--hidden-size": 1 << 18,
+    "--ffn-hidden-size": 1 << 20,
+    "--num-attention-heads": 1 << 12,
+    "--num-query-groups": 1 << 12,
+    "--seq-length": 1 << 24,
+    "--vocab-size": 1 << 24,
+    "--dtype-bytes": 8,
+    "--make-vocab-size-divisible-by": 1 << 16,
+    "--micro-batch-size": 1 << 16,
+    "--global-batch-size": 1 << 26,
+    "--tensor-model-parallel-size": 64,
+    "--top-k": 100,
+}
+MAX_MICRO_BATCHES = 1 << 22          # global batch / micro-batch size
+MAX_PLAN_FILE_BYTES = 512 << 20      # --from-plan: a 131,072-GPU plan document is ~20 MB
+
+
+def bounded_int(flag: str) -> Callable[[str], int]:
+    """An integer in 1..LIMITS[flag] (argparse then names the flag and exits 2)."""
+    hi = LIMITS[flag]
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not 1 <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range: give 1 to {hi:,}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="choose the best layout for the usable GPUs",
                               description=__doc__.splitlines()[0])
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=positive_int, required=True, help="transformer layers")
-    g.add_argument("--hidden-size", type=positive_int, required=True, help="hidden size")
-    g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden")
-    g.add_argument("--num-attention-heads", type=positive_int, required=True, help="attention heads")
-    g.add_argument("--num-query-groups", type=positive_int, default=None, help="KV heads (GQA); default = heads")
-    g.add_argument("--seq-length", type=positive_int, required=True, help="sequence length")
-    g.add_argument("--vocab-size", type=positive_int, required=True, help="vocabulary size")
+    g.add_argument("--num-layers", type=bounded_int("--num-layers"), required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=bounded_int("--hidden-size"), required=True, help="hidden size")
+    g.add_argument("--ffn-hidden-size", type=bounded_int("--ffn-hidden-size"), default=None, help="default 4 x hidden")
+    g.add_argument("--num-attention-heads", type=bounded_int("--num-attention-heads"), required=True, help="attention heads")
+    g.add_argument("--num-query-groups", type=bounded_int("--num-query-groups"), default=None, help="KV heads (GQA); default = heads")
+    g.add_argument("--seq-length", type=bounded_int("--seq-length"), required=True, help="sequence length")
+    g.add_argument("--vocab-size", type=bounded_int("--vocab-size"), required=True, help="vocabulary size")
     g.add_argument("--swiglu", action="store_true", help="gated MLP (three FFN matrices)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", help="separate output layer")
-    g.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per parameter (default 2)")
-    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
+    g.add_argument("--dtype-bytes", type=bounded_int("--dtype-bytes"), default=2, help="bytes per parameter (default 2)")
+    g.add_argument("--make-vocab-size-divisible-by", type=bounded_int("--make-vocab-size-divisible-by"), default=128,
                    help="Megatron's vocabulary padding (decides which ranks of different TP widths share embedding "
                         "rows in the split all-reduce)")
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=positive_int, required=True, help="samples per micro-batch")
-    t.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per iteration (fixed)")
-    t.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="nominal (maximum) TP")
+    t.add_argument("--micro-batch-size", type=bounded_int("--micro-batch-size"), required=True, help="samples per micro-batch")
+    t.add_argument("--global-batch-size", type=bounded_int("--global-batch-size"), required=True, help="samples per iteration (fixed)")
+    t.add_argument("--tensor-model-parallel-size", type=bounded_int("--tensor-model-parallel-size"), default=1, help="nominal (maximum) TP")
     t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="default 1; heterogeneous plans run ZeRO-1 at most and are priced so")
     c = p.add_argument_group("cluster")
@@ -52,10 +96,14 @@ def register(subparsers: Any) -> None:
     c.add_argument("--gpu-tflops", type=positive_float, default=CostParams.gpu_tflops, help="achieved TFLOP/s per GPU")
     s = p.add_argument_group("search")
     s.add_argument("--profile", help="per-layer time profile JSON (elastor_ds.plan.profile)")
-    s.add_argument("--top-k", type=positive_int, default=3, help="alternatives to list")
+    s.add_argument("--top-k", type=bounded_int("--top-k"), default=3, help="alternatives to list")
     s.add_argument("--layouts", choices=("uniform", "heterogeneous"), default="heterogeneous",
                    help="uniform: TP x PP x DP grids only (what stock DeepSpeed/Megatron run)")
     s.add_argument("--json", action="store_true", help="print the plan JSON document to stdout")
+    s.add_argument("--from-plan", metavar="PREV.json",
+                   help="re-plan from this previous plan document (--json output) after a small change of the "
+                        "cluster: undamaged replicas are kept (fast at any scale); no uniform baseline is computed")
+    s.add_argument("--full", action="store_true", help="print every replica and stage (the table folds repeats)")
     p.set_defaults(func=run)
 
 
@@ -69,6 +117,9 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
     training = TrainingSpec.from_global_batch(args.micro_batch_size, args.global_batch_size,
                                               nominal_tp=args.tensor_model_parallel_size,
                                               zero_stage=args.zero_stage)
+    if training.num_micro_batches > MAX_MICRO_BATCHES:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} / --micro-batch-size {args.micro_batch_size} = "
+                          f"{training.num_micro_batches:,} micro-batches; at most {MAX_MICRO_BATCHES:,} are supported")
     training.check_against(model)
     kw = {"gpu_memory_gb": args.gpu_memory_gb, "intra_node_bandwidth_gbs": args.intra_node_bandwidth_gbs,
           "inter_node_bandwidth_gbs": args.inter_node_bandwidth_gbs}
@@ -82,14 +133,40 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
     return CostModel(model, training, cluster, CostParams(gpu_tflops=args.gpu_tflops), profile)
 
 
+def read_previous(path: str, cluster: Cluster):  # noqa: ANN201
+    """The previous plan document at ``path`` -> (Plan, the cluster it was made for)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ConfigError(f"--from-plan {path}: cannot open ({e.strerror}); give the file `elastor plan --json` "
+                          f"wrote") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_PLAN_FILE_BYTES:
+                raise ConfigError(f"--from-plan {path}: {size:,} bytes; a plan document is at most "
+                                  f"{MAX_PLAN_FILE_BYTES:,}")
+            doc = json.loads(f.read(MAX_PLAN_FILE_BYTES + 1))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--from-plan {path}: not a JSON plan document ({e})") from None
+    return plan_from_document(doc, cluster)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cost = build_inputs(args)
+        previous = read_previous(args.from_plan, cost.cluster) if args.from_plan else None
     except ConfigError as e:
         print(f"elastor plan: error: {e}", file=sys.stderr)
         return 2
     try:
-        result = plan(cost, layouts=args.layouts, top_k=args.top_k)
+        if previous is not None:
+            if args.layouts == "uniform":
+                raise ConfigError("--from-plan re-plans heterogeneous plans; drop --layouts uniform")
+            from .replan import replan
+            result = replan(cost, previous[0], previous[1], top_k=args.top_k)
+        else:
+            result = plan(cost, layouts=args.layouts, top_k=args.top_k)
     except PlanningError as e:
         print(f"elastor plan: infeasible: {e}", file=sys.stderr)
         return 1
@@ -99,34 +176,73 @@ def run(args: argparse.Namespace) -> int:
     tr = cost.training
     doc = plan_document(result, tr.num_micro_batches, tr.micro_batch_size,
                         inputs={"cluster": cost.cluster.describe(), "layouts": args.layouts,
-                                "profile": args.profile, "zero_stage": tr.zero_stage})
+                                "profile": args.profile, "zero_stage": tr.zero_stage,
+                                "from_plan": args.from_plan})
+    doc["search"] = {k: v for k, v in result.search_stats.items() if isinstance(v, (int, float, str))}
     doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)
     if args.json:
         json.dump(doc, sys.stdout, indent=1, sort_keys=False)
         sys.stdout.write("\n")
     else:
-        print(format_table(doc, cost))
+        print(format_table(doc, cost, full=args.full))
     return 0
 
 
-def format_table(doc: dict[str, Any], cost: CostModel) -> str:
+def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_rows: int = 40) -> str:
+    """The plan as text that stays short at any scale: identical replicas folded into one row set
+    ("1,024 x"), runs of identical stages folded ("8 x"), device lists as ranges; ``full`` lists
+    every replica and stage."""
     lines = [f"cluster: {cost.cluster.describe()}",
-             f"plan ({doc['kind']}): {doc['num_gpus']} of {doc['num_usable_gpus']} GPUs, "
+             f"plan ({doc['kind']}): {doc['num_gpus']:,} of {doc['num_usable_gpus']:,} GPUs, "
              f"predicted iteration {doc['predicted_iteration_time_s']:.4g} s "
              f"({doc['predicted_samples_per_s']:.4g} samples/s)"]
+    search = doc.get("search") or {}
+    if search.get("replan"):
+        lines.append(f"re-planned: {search['replan']}" + (
+            f" ({search['kept_replicas']:,} replicas kept, {search['damaged_replicas']:,} rebuilt)"
+            if "kept_replicas" in search else ""))
+    if search.get("decision"):
+        lines.append(f"search: {search['decision']}")
     u = doc.get("uniform_baseline")
     if u:
-        lines.append(f"best uniform: {u['description']} on {u['num_gpus']} GPUs, "
-                     f"{u['predicted_iteration_time_s']:.4g} s -> plan is {doc['speedup_vs_uniform']:.3f}x uniform")
+        idle = doc["num_usable_gpus"] - u["num_gpus"]
+        lines.append(f"best uniform: {_short(u['description'])} on {u['num_gpus']:,} GPUs"
+                     f"{f' ({idle:,} idle)' if idle else ''}, {u['predicted_iteration_time_s']:.4g} s -> plan is "
+                     f"{doc['speedup_vs_uniform']:.3f}x uniform")
     lines.append("")
-    lines.append(f"{'replica':>7} {'mbs':>4} {'stage':>5} {'tp':>3} {'layers':>9} {'mem GB':>7} {'s/mb':>9}  devices")
-    for ri, r in enumerate(doc["replicas"]):
-        for si, s in enumerate(r["stages"]):
-            devs = s["devices"]
-            dtxt = ",".join(devs) if len(devs) <= 4 else f"{devs[0]}..{devs[-1]}"
-            lines.append(f"{ri if si == 0 else '':>7} {r['micro_batches'] if si == 0 else '':>4} {si:>5} {s['tp']:>3} "
-                         f"{s['layers'][0]:>4}-{s['layers'][1]:<4} {s['memory_gb']:>7.1f} "
-                         f"{s['time_per_micro_batch_s']:>9.4g}  {dtxt}")
+    lines.append(f"{'replicas':>9} {'mbs':>4} {'stage':>7} {'tp':>3} {'layers':>11} {'mem GB':>7} {'s/mb':>9}  devices")
+    reps = doc["replicas"]
+    kinds: dict[tuple, list[int]] = {}
+    for ri, r in enumerate(reps):
+        key = (r["micro_batches"],) + tuple((s["tp"], tuple(s["layers"])) for s in r["stages"])
+        kinds.setdefault(key if not full else (ri,), []).append(ri)
+    rows = 0
+    for idx in kinds.values():
+        r = reps[idx[0]]
+        label = f"{len(idx):,} x" if len(idx) > 1 else f"#{idx[0]}"
+        stages = r["stages"]
+        j = 0
+        while j < len(stages):
+            s = stages[j]
+            k = j + 1
+            while not full and k < len(stages) and stages[k]["tp"] == s["tp"] and \
+                    stages[k]["layers"][1] - stages[k]["layers"][0] == s["layers"][1] - s["layers"][0] and \
+                    abs(stages[k]["memory_gb"] - s["memory_gb"]) < 0.05:
+                k += 1
+            names = [d for i in idx for jj in range(j, k) for d in reps[i]["stages"][jj]["devices"]] \
+                if len(idx) * (k - j) <= 4096 else None
+            dtxt = device_ranges(names) if names is not None else f"{len(idx) * (k - j) * s['tp']:,} GPUs"
+            stxt = f"{j}" if k - j == 1 else f"{j}-{k - 1}"
+            ltxt = f"{s['layers'][0]}-{s['layers'][1]}" if k - j == 1 else \
+                f"{k - j}x{s['layers'][1] - s['layers'][0]}"
+            lines.append(f"{label if j == 0 else '':>9} {r['micro_batches'] if j == 0 else '':>4} {stxt:>7} "
+                         f"{s['tp']:>3} {ltxt:>11} {s['memory_gb']:>7.1f} {s['time_per_micro_batch_s']:>9.4g}  {dtxt}")
+            rows += 1
+            j = k
+        if rows >= max_rows and not full:
+            lines.append(f"... {len(kinds) - list(kinds.values()).index(idx) - 1:,} more replica shapes "
+                         f"(--full lists all, --json has the plan)")
+            break
     cb = doc["cost_breakdown"]
     lines.append("")
     lines.append(f"pipeline {cb['pipeline_s']:.4g} s + gradient sync {cb['gradient_sync_s']:.4g} s; "
@@ -141,11 +257,15 @@ def format_table(doc: dict[str, Any], cost: CostModel) -> str:
             note = " (optimizer state sharded among the holders of each block)"
         lines.append(f"ZeRO-{z}{note}")
     if doc["unused_devices"]:
-        lines.append(f"unused devices: {', '.join(doc['unused_devices'])}")
+        lines.append(f"unused devices ({len(doc['unused_devices']):,}): {device_ranges(doc['unused_devices'])}")
     if len(doc["alternatives"]) > 1:
         lines.append("alternatives:")
         for a in doc["alternatives"]:
-            lines.append(f"  {a['predicted_iteration_time_s']:.4g} s  {a['kind']:<13} {a['num_gpus']:>5} GPUs  "
-                         f"{a['description'][:100]}")
+            lines.append(f"  {a['predicted_iteration_time_s']:.4g} s  {a['kind']:<13} {a['num_gpus']:>7,} GPUs  "
+                         f"{_short(a['description'])}")
     _ = GiB
     return "\n".join(lines)
+
+
+def _short(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -45,13 +45,18 @@ log = logging.getLogger(__name__)
 
 MAX_CHANGED_NODES = 64      # a larger change is planned from scratch
 EXACT = 3                   # candidates priced exactly (1 above Planner.LARGE_GPUS GPUs)
+FULL_SEARCH_BELOW = 4096    # GPUs: up to this many, the full search runs as well
 RESHAPE_MARGIN = 0.002      # a re-shaped plan must be estimated this much faster to be placed
 
 
-def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: int = 3) -> PlanResult:
+def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: int = 3,
+           full_search_below: int = FULL_SEARCH_BELOW) -> PlanResult:
     """The best plan for ``cost.cluster`` built from ``previous`` (made for ``previous_cluster``);
-    the full search (:func:`~.search.plan`) when the previous plan does not apply. The result has no
-    uniform baseline (``uniform`` is None) unless the full search ran."""
+    the full search (:func:`~.search.plan`) when the previous plan does not apply. On clusters of at
+    most ``full_search_below`` GPUs the full search runs too (well under a second there) and the
+    faster plan wins: few replicas make the micro-batch granularity coarse, and keeping replicas
+    can then cost more than 1 %. The result has no uniform baseline (``uniform`` is None) unless the
+    full search ran."""
     t0 = time.perf_counter()
     changed = changed_nodes(previous_cluster, cost.cluster)
     why = _not_applicable(cost, previous, changed)
@@ -59,6 +64,13 @@ def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: in
         res = _Replanner(cost, previous, previous_cluster, changed).run()
         if res is not None:
             res.search_stats["replan_s"] = time.perf_counter() - t0
+            if cost.cluster.num_gpus <= full_search_below:
+                full = plan(cost, top_k=top_k)
+                if full.best.cost.iteration_time_s < res.best.cost.iteration_time_s:
+                    full.search_stats["replan"] = (f"full search: {full.best.cost.iteration_time_s:.4g} s beats the "
+                                                   f"re-plan's {res.best.cost.iteration_time_s:.4g} s")
+                    return full
+                res.uniform = full.uniform
             return res
         why = "no feasible plan keeps the undamaged replicas"
     log.info("re-plan: full search (%s)", why)
@@ -208,6 +220,7 @@ class _Replanner:
             cb = c.evaluate(p)
             if cb.feasible:
                 scored.append(ScoredPlan(p, cb))
+        n_kept = len(scored)
         reshaped = self._reshape(kept, damaged)
         bar = best[0][0] * (1 - RESHAPE_MARGIN) if best else math.inf
         for cd in reshaped[:n_exact]:
@@ -221,8 +234,9 @@ class _Replanner:
             return None
         scored.sort(key=lambda s: s.cost.iteration_time_s)
         top = scored[0]
-        stats = {"replan": "from the previous plan", "kept_replicas": R_kept, "damaged_replicas": len(damaged),
-                 "changed_nodes": len(changed), "candidates": len(best)}
+        path = "kept replicas" if top.plan is not None and any(top is x for x in scored[:n_kept]) else "re-shaped"
+        stats = {"replan": "from the previous plan", "path": path, "kept_replicas": R_kept if path == "kept replicas"
+                 else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best)}
         return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1],
                           self.cluster.device_tuple(), stats)
 
@@ -235,13 +249,14 @@ class _Replanner:
         pools = [p for p in pools if max(k[0] for k in p.classes) == tp] or pools
         if not pools or want < 0:
             return []
-        pool = max(pools, key=lambda p: (sum(n for k, n in zip(p.classes, p.counts) if k[0] == tp), -len(p.classes)))
-        done = pl._lpt_replicas(pool, 0, self._ladder(pool, tp))
-        lo, hi = pl._replica_bounds(pool)
-        top = sorted((cd.estimate, R) for R, cd in done.items() if cd is not None)[:2]
-        near = sorted({R + d for _, R in top for d in (-1, 1) if lo <= R + d <= hi and R + d not in done})
-        done.update(pl._lpt_replicas(pool, 0, near))
-        out = [cd for cd in done.values() if cd is not None]
+        most = max(sum(n for k, n in zip(p.classes, p.counts) if k[0] == tp) for p in pools)
+        out: list[Candidate] = []
+        for gi, pool in enumerate(pools):  # the cuts that keep full nodes in TP-tp groups
+            if sum(n for k, n in zip(pool.classes, pool.counts) if k[0] == tp) != most:
+                continue
+            done = pl._lpt_replicas(pool, gi, self._ladder(pool, tp))
+            pl._refine(pool, gi, done)  # the search's own refinement around the best replica counts
+            out.extend(cd for cd in done.values() if cd is not None)
         out.sort(key=lambda cd: (cd.estimate, cd.num_replicas))
         return out
 

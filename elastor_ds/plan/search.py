@@ -1044,9 +1044,24 @@ def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> Pla
             alts.append(s)
     best = alts[0]
     stats = dict(pl.stats)
+    stats["decision"] = _decision(best, uniform, hetero, layouts)
     log.debug("planner stats: %s", stats)
     return PlanResult(best, uniform[0] if uniform else None, hetero[0] if hetero else None,
                       alts[:top_k], cluster.device_tuple(), stats)
+
+
+def _decision(best: ScoredPlan, uniform: list[ScoredPlan], hetero: list[ScoredPlan], layouts: str) -> str:
+    """Why the chosen plan's kind won, in numbers (a uniform plan is a stated decision)."""
+    if layouts == "uniform":
+        return "uniform grids only (--layouts uniform)"
+    if not hetero:
+        return "uniform: no heterogeneous candidate fits in memory"
+    h = hetero[0].cost.iteration_time_s
+    if best.plan.kind == "uniform":
+        return f"uniform: predicted {best.cost.iteration_time_s:.4g} s <= best heterogeneous {h:.4g} s"
+    u = uniform[0].cost.iteration_time_s if uniform else None
+    return f"heterogeneous: predicted {h:.4g} s" + (f" < best uniform {u:.4g} s" if u is not None else
+                                                      " (no uniform grid fits)")
 
 
 def infeasible_message(cost: CostModel) -> str:
