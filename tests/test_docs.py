@@ -297,6 +297,19 @@ def test_every_environment_variable_is_documented():
     assert len(names) >= 10 and not missing, f"not in docs/elastic.md: {missing}"
 
 
+def test_every_event_kind_and_failure_cause_is_documented():
+    from elastor_ds.elastic.events import EventKind
+    from elastor_ds.elastic.policy import Cause
+    text = (ROOT / "docs" / "elastic.md").read_text(encoding="utf-8")
+    _, prose = split_markdown(text)
+    rows = {code_spans(first_cell(line))[0] for line in prose
+            if line.startswith("|") and code_spans(first_cell(line))}
+    missing = [k.value for k in EventKind if k.value not in rows]
+    assert not missing, f"event kinds without a row in docs/elastic.md's events table: {missing}"
+    causes = [c.value for c in Cause if not re.search(rf"\b{c.value}\b", text)]
+    assert not causes, f"failure causes not named in docs/elastic.md: {causes}"
+
+
 # ------------------------------------------------------------------ config keys, JSON documents
 def schema_keys() -> dict[str, set[str]]:
     from elastor_ds.integrations.deepspeed import config as c
