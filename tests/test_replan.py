@@ -53,14 +53,7 @@ def random_loss(rng: random.Random, nodes: int) -> tuple[list[int], list[str]]:
     return counts, names
 
 
-KNOWN_GAPS = {  # seed -> what the re-plan alone misses (measured 2026-12-01); strict: a fix makes them pass
-    0: "70B on 8,184 GPUs, 512 micro-batches: re-plan 2.395 s vs full search 2.343 s (+2.2 %)",
-    3: "7B on 512 nodes (4,096 GPUs less the loss), 1,024 micro-batches: re-plan 0.678 s vs full search 0.668 s (+1.5 %)",
-}
-
-
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[s]))
-                                  if s in KNOWN_GAPS else s for s in range(6)])
+@pytest.mark.parametrize("seed", range(6))
 def test_replan_within_1_percent_of_full_search_on_random_losses(seed):
     """The re-plan alone (no full search beside it, as above FULL_SEARCH_BELOW GPUs) on 4,096 and
     8,192 GPUs, against the full search on the same cluster."""

@@ -141,13 +141,24 @@ class Plan:
                                  "replicas": self.replicas_json()})
 
     def uniform_dims(self) -> tuple[int, int, int] | None:
-        """(tp, pp, dp) when this is a TP x PP x DP grid (same boundaries everywhere), else None."""
-        shape0 = [(s.tp, s.layers) for s in self.replicas[0].stages]
-        if len({s.tp for s in self.replicas[0].stages}) != 1:
+        """(tp, pp, dp) when this is a TP x PP x DP grid (same boundaries everywhere), else None.
+        Worked out once per plan."""
+        d = self.__dict__
+        if "_dims" not in d:
+            object.__setattr__(self, "_dims", self._uniform_dims())
+        return d["_dims"]
+
+    def _uniform_dims(self) -> tuple[int, int, int] | None:
+        first = self.replicas[0].stages
+        tp = first[0].tp
+        if any(s.tp != tp for s in first):
             return None
-        if any([(s.tp, s.layers) for s in r.stages] != shape0 for r in self.replicas):
-            return None
-        return shape0[0][0], len(shape0), len(self.replicas)
+        bounds = [s.layers for s in first]
+        for r in self.replicas:
+            st = r.stages
+            if len(st) != len(bounds) or any(s.tp != tp or s.layers != b for s, b in zip(st, bounds)):
+                return None
+        return tp, len(bounds), len(self.replicas)
 
 
 def _stages_text(stages: tuple[PlanStage, ...]) -> str:

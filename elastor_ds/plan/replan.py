@@ -15,9 +15,10 @@ Steps (:func:`replan`):
    micro-batch assignment over kept and new replicas together (:func:`~.search.assign_micro_batches`).
    Candidates are ranked by the search's estimate (exact pipeline, estimated gradient sync).
 5. **Re-shape.** Keeping replicas can cost a whole micro-batch per replica (128 replicas of 8
-   micro-batches that lose two: 16 replicas run 9). So the search's own candidates for the
-   previous plan's TP cut are priced too (LPT over a coarse ladder of replica counts, refined
-   around the best): class counts only, no placement.
+   micro-batches that lose two: 16 replicas run 9). So the search's own candidates for the cuts
+   that keep full nodes in the previous plan's TP are priced too (up to
+   :data:`RESHAPE_SEARCH_MAX` GPUs as the search does it; above, one cut and one ladder of replica
+   counts, refined once): class counts only, no placement.
 6. **Price** the best few exactly (:meth:`~.cost.CostModel.evaluate`); the best feasible one wins.
    A re-shaped candidate is placed (every group made: O(GPUs)) only when its estimate beats the
    best kept-replica one by :data:`RESHAPE_MARGIN`.
@@ -38,7 +39,7 @@ from typing import Sequence
 from .cluster import Cluster, Device
 from .cost import CostModel
 from .plan_doc import Plan, PlanReplica, PlanStage
-from .search import (Candidate, ClassKey, Group, Planner, PlanResult, ReplicaSolution, ScoredPlan, _bulk_lpt, assign_micro_batches,
+from .search import (Candidate, ClassKey, Group, Planner, _geometric, PlanResult, ReplicaSolution, ScoredPlan, _bulk_lpt, assign_micro_batches,
                      carve, greedy_parts, plan)
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 MAX_CHANGED_NODES = 64      # a larger change is planned from scratch
 EXACT = 3                   # candidates priced exactly (1 above Planner.LARGE_GPUS GPUs)
 FULL_SEARCH_BELOW = 4096    # GPUs: up to this many, the full search runs as well
-RESHAPE_MARGIN = 0.002      # a re-shaped plan must be estimated this much faster to be placed
+RESHAPE_MARGIN = 0.002
+RESHAPE_SEARCH_MAX = 16384  # GPUs: up to this many the re-shape runs the search's candidates for the
+                            # previous cut in full; above, one ladder of replica counts (bounded time)      # a re-shaped plan must be estimated this much faster to be placed
 
 
 def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: int = 3,
@@ -222,48 +225,65 @@ class _Replanner:
                 scored.append(ScoredPlan(p, cb))
         n_kept = len(scored)
         reshaped = self._reshape(kept, damaged)
-        bar = best[0][0] * (1 - RESHAPE_MARGIN) if best else math.inf
+        # the kept-replica plan's exact price when there is one (the estimate's gradient sync
+        # assumes transfers across nodes, which kept replicas may not need)
+        kept_time = min((x.cost.iteration_time_s for x in scored), default=best[0][0] if best else math.inf)
+        bar = kept_time * (1 - RESHAPE_MARGIN)
+        placed = 0
         for cd in reshaped[:n_exact]:
             if cd.estimate >= bar:
                 break
+            placed += 1
             p = pl.place(cd)
             cb = c.evaluate(p)
             if cb.feasible:
                 scored.append(ScoredPlan(p, cb))
         if not scored:
             return None
+        kept_ids = {id(x) for x in scored[:n_kept]}
         scored.sort(key=lambda s: s.cost.iteration_time_s)
         top = scored[0]
-        path = "kept replicas" if top.plan is not None and any(top is x for x in scored[:n_kept]) else "re-shaped"
+        path = "kept replicas" if id(top) in kept_ids else "re-shaped"
         stats = {"replan": "from the previous plan", "path": path, "kept_replicas": R_kept if path == "kept replicas"
-                 else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best)}
+                 else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best),
+                 "reshaped_placed": placed, "estimate_kept": best[0][0] if best else None,
+                 "estimate_reshaped": reshaped[0].estimate if reshaped else None}
         return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1],
                           self.cluster.device_tuple(), stats)
 
     def _reshape(self, kept: Sequence[PlanReplica], damaged: Sequence[PlanReplica]) -> list[Candidate]:
-        """The search's candidates for the previous plan's widest TP cut (see step 5), best first."""
+        """The search's own candidates (:meth:`~.search.Planner.heterogeneous_candidates`) for the
+        cuts that keep full nodes in groups of the previous plan's widest TP (see step 5), best first."""
         pl = self.planner
         tp = max(s.tp for r in list(kept[:1]) + list(damaged[:1]) for s in r.stages)
-        pools = [p for p in pl.groupings() if p.num_groups > pl.SMALL_GROUPS]
-        want = pl.tps.index(tp) if tp in pl.tps else -1
-        pools = [p for p in pools if max(k[0] for k in p.classes) == tp] or pools
-        if not pools or want < 0:
-            return []
-        most = max(sum(n for k, n in zip(p.classes, p.counts) if k[0] == tp) for p in pools)
-        out: list[Candidate] = []
-        for gi, pool in enumerate(pools):  # the cuts that keep full nodes in TP-tp groups
-            if sum(n for k, n in zip(pool.classes, pool.counts) if k[0] == tp) != most:
-                continue
-            done = pl._lpt_replicas(pool, gi, self._ladder(pool, tp))
-            pl._refine(pool, gi, done)  # the search's own refinement around the best replica counts
-            out.extend(cd for cd in done.values() if cd is not None)
+        full = self.cluster.max_gpus_per_node
+        want = tuple(greedy_parts(full, tp))
+
+        def same_cut(pool) -> bool:  # noqa: ANN001
+            # a heuristic grouping's key: ((node type, its groups' classes), ...) (Planner.groupings)
+            cuts = [tuple(tp_ for tp_, _ in classes) for t, classes in pool.key
+                    if isinstance(t, tuple) and len(t) == full]
+            return bool(cuts) and all(c == want for c in cuts)
+
+        if self.cluster.num_gpus <= RESHAPE_SEARCH_MAX:
+            out = pl.heterogeneous_candidates(keep=same_cut)
+        else:  # one cut, the previous TP's ladder of replica counts, refined once
+            pools = [p for p in pl.groupings() if p.num_groups > pl.SMALL_GROUPS and same_cut(p)]
+            if not pools:
+                return []
+            pool = min(pools, key=lambda p: (len(p.classes), p.key))
+            done = pl._lpt_replicas(pool, 0, self._ladder(pool, tp))
+            lo, hi = pl._replica_bounds(pool)
+            top = sorted((cd.estimate, R) for R, cd in done.items() if cd is not None)[:2]
+            done.update(pl._lpt_replicas(pool, 0, sorted({R + d for _, R in top for d in (-1, 1)
+                                                          if lo <= R + d <= hi and R + d not in done})))
+            out = [cd for cd in done.values() if cd is not None]
         out.sort(key=lambda cd: (cd.estimate, cd.num_replicas))
         return out
 
     def _ladder(self, pool, tp: int) -> list[int]:  # noqa: ANN001
         """Replica counts: the pool's GPUs over ``tp`` x stages, for the search's geometric ladder
         of stage counts."""
-        from .search import _geometric
         lo, hi = self.planner._replica_bounds(pool)
         out = set()
         for p in _geometric(self.cost.model.num_layers):

@@ -605,10 +605,13 @@ class Planner:
             groups.extend(cut)
         return groups
 
-    def heterogeneous_candidates(self) -> list[Candidate]:
+    def heterogeneous_candidates(self, keep: Callable[[GroupPool], bool] | None = None) -> list[Candidate]:
+        """Candidates of every grouping (or of those ``keep`` accepts), unplaced."""
         cands: list[Candidate] = []
         pools = self.groupings()
         self.stats["groupings"] = len(pools)
+        if keep is not None:
+            pools = [p for p in pools if keep(p)]
         small = [(gi, p) for gi, p in enumerate(pools) if p.num_groups <= self.SMALL_GROUPS]
         for gi, pool in small:
             cands.extend(self._exhaustive_replicas(pool, gi))
