@@ -161,3 +161,30 @@ def test_shared_sticky_log_dir_keeps_the_handoff_private(tmp_path, nobody):
         assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700, \
             (name, oct(st.st_mode), st.st_uid)
     assert not [f for _, _, fs in os.walk(shared) for f in fs if f.startswith("assign_")]
+
+
+def test_assignment_larger_than_a_pipe_buffer_and_a_torn_one(tmp_path):
+    """The assignment travels only through the pipe: one of 200 KB (more than a pipe buffer, written
+    by a helper thread while the standby still imports) arrives whole; a torn or malformed one makes
+    the standby exit 1 (a failed worker), not run anything."""
+    from elastor_ds.elastic.standby import StandbyPool
+    marker = tmp_path / "big_env"
+    script = tmp_path / "w.py"
+    script.write_text(f"import os\nopen({str(marker)!r}, 'w').write(str(len(os.environ['BIG'])))\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    pool = StandbyPool(size=1, folder=str(logs / "standby"), preload=("json",))
+    try:
+        pool.fill()
+        env = dict(os.environ, BIG="x" * 200_000, PYTHONPATH=ROOT)
+        proc = pool.assign(0, (str(script),), env, str(tmp_path / "out.log"), str(tmp_path / "err.log"))
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err.log").read_text()[-2000:]
+    finally:
+        pool.close()
+    assert marker.read_text() == "200000"
+    assert not [f for f in os.listdir(logs / "standby") if f.startswith("assign_")]
+    env = dict(os.environ, PYTHONPATH=ROOT, ELASTOR_STANDBY_PRELOAD="")
+    for torn in (b'{"argv": ["/tmp/x.py"], "env": {', b"/tmp/assign_0_x.json", b'["not", "an", "assignment"]'):
+        r = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.standby_main"], input=torn, env=env,
+                           capture_output=True, timeout=120)
+        assert r.returncode == 1 and b"malformed assignment" in r.stderr, (torn, r.returncode, r.stderr[-500:])
