@@ -188,3 +188,29 @@ def test_assignment_larger_than_a_pipe_buffer_and_a_torn_one(tmp_path):
         r = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.standby_main"], input=torn, env=env,
                            capture_output=True, timeout=120)
         assert r.returncode == 1 and b"malformed assignment" in r.stderr, (torn, r.returncode, r.stderr[-500:])
+
+
+def test_planted_events_symlink_is_not_written_through(tmp_path, nobody):
+    """``--events`` in a shared folder (no sticky bit: the kernel's protected_symlinks does not
+    apply) where another user planted a symlink to a file of ours: exit 2, the file unchanged."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    _reachable(str(shared))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    uid, gid = nobody
+    link = shared / "events.jsonl"
+    r = subprocess.run(["/bin/ln", "-s", str(victim), str(link)],
+                       preexec_fn=lambda: (os.setgroups([]), os.setgid(gid), os.setuid(uid)))
+    assert r.returncode == 0 and os.lstat(link).st_uid == uid
+    good = tmp_path / "good.py"
+    good.write_text("pass\n")
+    logs = tmp_path / "logs"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--events", str(link), "--log-dir", str(logs), "--snapshot-dir",
+                        str(tmp_path / "snap"), str(good)], capture_output=True, text=True, timeout=180, env=env,
+                       cwd=str(tmp_path))
+    assert victim.read_text() == "precious\n", "the controller appended events through the planted symlink"
+    assert p.returncode == 2 and str(link) in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

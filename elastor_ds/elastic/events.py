@@ -61,6 +61,9 @@ class EventLog:
         self.records: list[dict] = []
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+            if os.path.islink(path):   # never append through a link another user may have planted
+                from ..errors import ConfigError
+                raise ConfigError(f"--events {path}: is a symlink; remove it or name a file in a folder of your own")
 
     def emit(self, kind: EventKind | str, **fields: Any) -> dict:
         rec = {"event": EventKind(kind).value, "time": fields.pop("time", None) or time.time(), "node": self.node}
@@ -73,7 +76,7 @@ class EventLog:
 
 def append_line(path: str, rec: dict) -> None:
     data = (json.dumps(rec, sort_keys=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.write(fd, data)
     finally:
