@@ -1169,12 +1169,19 @@ def run_eacces(work: str, rng: random.Random, reps: int) -> Row:
 CLASSES = ("cli-malformed", "ds-config", "trainer-flags", "path-escape", "malicious-pickle", "non-empty-destination",
            "corruption", "sigkill-save", "sigkill-job", "peers", "enospc", "eacces",
            # another local user or a forger (bench/security_faults.py)
-           "standby-handoff", "snapshot-server", "forged-table", "peer-sender")
+           "standby-handoff", "snapshot-server", "forged-table", "peer-sender",
+           # data loss and careless users (bench/trust_faults.py)
+           "final-save", "snapshot-dir", "overlap-roots", "convert-into-ckpt", "non-regular", "run-flags")
 
 
 def _security():
     import security_faults   # imports this module: loaded on first use
     return security_faults
+
+
+def _trust():
+    import trust_faults   # imports this module: loaded on first use
+    return trust_faults
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1210,7 +1217,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                "standby-handoff": lambda w: _security().run_standby_handoff(w, rng, args.reps),
                "snapshot-server": lambda w: _security().run_snapshot_server(w, rng, args.reps),
                "forged-table": lambda w: _security().run_forged_table(w, rng, args.reps),
-               "peer-sender": lambda w: _security().run_peer_sender(w, rng, args.reps)}
+               "peer-sender": lambda w: _security().run_peer_sender(w, rng, args.reps),
+               **{name: (lambda w, name=name: _trust().RUNNERS[name](w, rng, args.reps))
+                  for name in ("final-save", "snapshot-dir", "overlap-roots", "convert-into-ckpt", "non-regular",
+                               "run-flags")}}
     rows: dict[str, Row] = {}
     t0 = time.time()
     for name in [c for c in args.classes.split(",") if c]:

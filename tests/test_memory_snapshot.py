@@ -150,6 +150,12 @@ def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_
     iteration; the controller removes the snapshot directory at the end."""
     job = MemJob(tmp_path, nproc=3, iters=6, save_interval=3, snap_dir=snap_dir, ctl_args=["--on-failure", "shrink"])
     try:
+        job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 5, what="iteration 5")
+        # storage unreadable, not only unread by our counters: its committed data files are removed
+        removed = [os.path.join(d, f) for d, _, fs in os.walk(job.ckpt) for f in fs if f.endswith(".safetensors")]
+        assert removed
+        for f in removed:
+            os.unlink(f)
         last = _kill_at(job, 5, rank=1)
         assert job.wait(240) == 0, job.output()[-4000:]
     finally:

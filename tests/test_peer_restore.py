@@ -171,6 +171,19 @@ def _copy_ready(a: Node, b: Node, want_storage: bool):
     return s, d
 
 
+def _remove_storage_data(ckpt: str) -> int:
+    """Delete the data files of every committed storage step (manifests stay): a restore that read
+    a byte from storage would fail. Returns how many were removed."""
+    n = 0
+    for d in os.listdir(ckpt):
+        if d.startswith("step_"):
+            for f in os.listdir(os.path.join(ckpt, d)):
+                if f.endswith(".safetensors"):
+                    os.unlink(os.path.join(ckpt, d, f))
+                    n += 1
+    return n
+
+
 def _run_node_loss(tmp_path, corrupt: bool):
     port = free_port()
     store = _store(port)
@@ -191,6 +204,8 @@ def _run_node_loss(tmp_path, corrupt: bool):
                 f.write(bytes([v[0] ^ 0x40]))
         b.kill_node()
         t_kill = time.time()
+        if not corrupt:   # the restore must not need storage: its committed data files are gone (our counters aside)
+            assert _remove_storage_data(a.ckpt) > 0
         assert a.wait() == 0, a.output()[-6000:]
     finally:
         a.kill()
