@@ -86,6 +86,73 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
             "ratio": res.best.cost.iteration_time_s / full.best.cost.iteration_time_s}
 
 
+def metadata_case(ranks: int, load_rank: int | None = None) -> dict:
+    """Checkpoint metadata at scale for a 70B model (80 layers, hidden 8192, GQA 64/8, SwiGLU,
+    bf16 weights) on TP8 x PP8 x DP(ranks/64): the save plan from every rank's shard list
+    (:func:`plan_save`), the manifest (:func:`build_manifest` from per-rank write results with
+    placeholder CRCs, then its compact JSON), and one rank's load plan after resharding to
+    TP4 x PP8 x DP(ranks/32) (:func:`plan_load`). Time and peak Python heap (tracemalloc) of each;
+    the inputs (shard lists, results) are built before each clock starts."""
+    import tracemalloc
+
+    from elastor_ds.checkpoint.planning.load_plan import Request, plan_load
+    from elastor_ds.checkpoint.planning.save_plan import ShardMeta, plan_save
+    from elastor_ds.checkpoint.writer import build_manifest, chunk_key
+    from elastor_ds.layout import Layout, rank_tensors
+    from elastor_ds.testing.synthetic import GPTShape, gpt_specs
+
+    shape = GPTShape(num_layers=80, hidden=8192, ffn=28672, heads=64, groups=8, vocab=32000, pad_multiple=128,
+                     dtype="bfloat16")
+    specs = gpt_specs(shape)
+    src = Layout.uniform(8, 8, ranks // 64, 80)
+    by_place: dict[tuple[int, int], list] = {}
+    per_rank = []
+    for r in range(ranks):
+        pos = src.position(r)
+        key = (pos.stage, pos.tp_rank)
+        if key not in by_place:  # DP replicas hold the same regions: one list, shared
+            by_place[key] = [ShardMeta(sp.name, sp.shape, sp.dtype, pc.global_)
+                             for sp, h in rank_tensors(specs, src, r) for pc in h.pieces]
+        per_rank.append(by_place[key])
+    out: dict = {"ranks": ranks, "shards": sum(len(x) for x in per_rank)}
+
+    def measured(label: str, fn):  # noqa: ANN001, ANN202
+        """Timed once as is, then its peak Python heap in a second run under tracemalloc (which
+        slows it down)."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        v = fn()
+        out[label + "_s"], out[label + "_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        del v
+        tracemalloc.start()
+        v = fn()
+        out[label + "_peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        return v
+
+    plan_ = measured("save_plan", lambda: plan_save(per_rank))
+    results = []
+    for r, items in enumerate(plan_.items):
+        chunks, off = [], 0
+        for it in items:
+            chunks.append((it.name, chunk_key(it.name, it.region), it.region.to_json(), off, it.nbytes, 0,
+                           (1 << 16, f"rank_{r:06d}.crc", 0)))
+            off += it.nbytes
+        results.append({"rank": r, "data": f"rank_{r:06d}.safetensors", "chunks": chunks,
+                        "files": {f"rank_{r:06d}.safetensors": (off, 0)}, "state": None})
+    man = measured("manifest", lambda: build_manifest(1, plan_, results, {}, None, None))
+    text = measured("manifest_json", lambda: man.dumps(compact=True))
+    out["manifest_mb"] = len(text) / 2**20
+    dst = Layout.uniform(4, 8, ranks // 32, 80)
+    lr = ranks // 2 + 3 if load_rank is None else load_rank
+    reqs = [Request(sp.name, pc.global_, i) for i, (sp, h) in enumerate(rank_tensors(specs, dst, lr))
+            for pc in h.pieces]
+    lp = measured("load_plan", lambda: plan_load(man.tensors, reqs))
+    out["load_reads"] = len(lp.reads)
+    out["chunks"] = sum(len(t.chunks) for t in man.tensors.values())
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
 def in_subprocess(fn: str, *args) -> dict:  # noqa: ANN002
     """Run ``fn(*args)`` of this module in a fresh interpreter; its JSON result."""
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import plan_bench; "
@@ -139,6 +206,21 @@ def main() -> None:
         lost = "1 node" if loss == "node" else f"{loss} GPU" + ("s" if loss != "1" else "")
         print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | "
               f"{r['full_seconds']:.2f} | {r['full_cpu_s']:.2f} | {r['ratio']:.4f} | {r['how']} |", flush=True)
+    print("\n## Checkpoint metadata at scale: 70B (bf16 weights) on TP8 x PP8 x DP(ranks/64), one subprocess per "
+          "row\n")
+    print("Save plan from every rank's shard list; the manifest (built, then its compact JSON with checksum); one "
+          "rank's load plan after resharding to TP4 x PP8. Time (CPU s in brackets) of one run as is, peak Python "
+          "heap (tracemalloc) of a second run; peak RSS of the whole process (inputs included).\n")
+    print("| ranks | shard entries | save plan s | save plan peak MB | manifest build s | manifest JSON s | "
+          "manifest MB | chunks | load plan (1 rank) s | load plan reads | process peak RSS MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for ranks in ([1024] if a.quick else [1024, 16384, 131072]):
+        r = in_subprocess("metadata_case", ranks)
+        print(f"| {r['ranks']:,} | {r['shards']:,} | {r['save_plan_s']:.2f} ({r['save_plan_cpu_s']:.2f}) | "
+              f"{r['save_plan_peak_mb']:.1f} | {r['manifest_s']:.2f} ({r['manifest_cpu_s']:.2f}) | "
+              f"{r['manifest_json_s']:.2f} ({r['manifest_json_cpu_s']:.2f}) | {r['manifest_mb']:.1f} | {r['chunks']:,} | "
+              f"{r['load_plan_s']:.3f} ({r['load_plan_cpu_s']:.3f}) | {r['load_reads']:,} | {r['peak_rss_mb']:.0f} |",
+              flush=True)
     if a.skip_retained:
         return
     print("\n## Throughput retained after failures (predicted; 1.0 = healthy cluster's best plan)\n")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -82,10 +83,17 @@ class SavePlan:
 
 
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
-    """Compute the deduplicated, balanced save plan from every rank's shard metadata."""
+    """Compute the deduplicated, balanced save plan from every rank's shard metadata.
+
+    Ranks with equal shard lists (the data-parallel replicas of a stage) are taken together: the
+    lists are checked and indexed once per group, and the balanced choice (step 4) keeps one
+    (bytes written, rank) heap per group, so the work grows with the groups, not the ranks (the
+    plan is the same as choosing among every holder one by one)."""
+    groups, reps = _rank_groups(per_rank)
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     by_tensor: dict[str, list[tuple[Region, int, int]]] = {}
-    for rank, metas in enumerate(per_rank):
+    for gid, metas in enumerate(reps):
+        rank = groups[gid][0]
         for idx, m in enumerate(metas):
             prev = tensors.setdefault(m.name, (m.shape, m.dtype))
             if prev != (m.shape, m.dtype):
@@ -96,9 +104,9 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
             if not Region.full(m.shape).contains(m.region):
                 raise ShardingError(f"tensor {m.name}: rank {rank} holds {m.region} outside the global shape {m.shape}")
             if m.region.numel:
-                by_tensor.setdefault(m.name, []).append((m.region, rank, idx))
+                by_tensor.setdefault(m.name, []).append((m.region, gid, idx))
 
-    # units: (bytes, name, region, holders[(rank, shard)])
+    # units: (bytes, name, region, holders[(group, shard)])
     units: list[tuple[int, str, Region, list[tuple[int, int]]]] = []
     for name in sorted(tensors):
         shape, dtype = tensors[name]
@@ -111,8 +119,8 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
         if not held:
             raise ShardingError(f"tensor {name} of shape {shape}: no rank holds any part of it")
         distinct: dict[Region, list[tuple[int, int]]] = {}
-        for reg, rank, idx in held:
-            distinct.setdefault(reg, []).append((rank, idx))
+        for reg, gid, idx in held:
+            distinct.setdefault(reg, []).append((gid, idx))
         regions = sorted(distinct)
         if _pairwise_disjoint(regions):
             covered = sum(r.numel for r in regions)
@@ -125,12 +133,19 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
             units.extend(_grid_units(name, shape, dtype, distinct))
 
     units.sort(key=lambda u: (-u[0], u[1], u[2].offsets))
-    loads = [0] * len(per_rank)
+    # per group: (bytes so far, rank) of its ranks, least first: the group's best writer on top
+    heaps = [[(0, r) for r in ranks] for ranks in groups]  # ranks ascending: already a heap
     assigned: dict[str, list[tuple[Region, int, int]]] = {}
     for nbytes, name, reg, holders in units:
-        rank, idx = min(holders, key=lambda h: (loads[h[0]], h[0]))
-        loads[rank] += nbytes
-        assigned.setdefault(name, []).append((reg, rank, idx))
+        best: tuple[int, int] | None = None
+        best_gid = best_idx = -1
+        for gid, idx in holders:  # sorted: a group's smallest shard index first
+            top = heaps[gid][0]
+            if best is None or top < best:
+                best, best_gid, best_idx = top, gid, idx
+        load, rank = heapq.heappop(heaps[best_gid])
+        heapq.heappush(heaps[best_gid], (load + nbytes, rank))
+        assigned.setdefault(name, []).append((reg, rank, best_idx))
 
     items: list[list[WriteItem]] = [[] for _ in per_rank]
     for name, regs in assigned.items():
@@ -139,8 +154,29 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
             for tile in column_tiles(shape, dtype, reg):
                 items[rank].append(WriteItem(name, tile, idx, dtype))
     ordered = tuple(tuple(sorted(its, key=lambda i: (-DTYPE_SIZES[i.dtype], i.name, i.region.offsets)))
-                    for its in items)
+                    if its else () for its in items)
     return SavePlan(tensors, ordered)
+
+
+def _rank_groups(per_rank: Sequence[Sequence[ShardMeta]]) -> tuple[list[list[int]], list[Sequence[ShardMeta]]]:
+    """Ranks with equal shard lists, in order of their first rank: (ranks of each group, its list).
+    The same list object is recognised without comparing its items."""
+    groups: list[list[int]] = []
+    reps: list[Sequence[ShardMeta]] = []
+    by_id: dict[int, int] = {}
+    by_value: dict[tuple, int] = {}
+    for rank, metas in enumerate(per_rank):
+        gid = by_id.get(id(metas))
+        if gid is None:
+            key = tuple(metas)
+            gid = by_value.get(key)
+            if gid is None:
+                gid = by_value[key] = len(groups)
+                groups.append([])
+                reps.append(metas)
+            by_id[id(metas)] = gid
+        groups[gid].append(rank)
+    return groups, reps
 
 
 TILE_MIN_BYTES = 1 << 20
