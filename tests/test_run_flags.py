@@ -47,3 +47,47 @@ def test_rdzv_conf_values_are_typed():
     for bad in ("keep_alive_max_attempt=0", "timeout=inf", "is_host=maybe", "join_timeout", "close_timeout=0"):
         with pytest.raises(ConfigError, match="--rdzv-conf"):
             parse_rdzv_conf(bad)
+
+
+def test_an_endpoint_that_is_not_a_rendezvous_store_fails_in_bounded_time(tmp_path):
+    """Issue 19: a wrong ``--rdzv-endpoint`` (here a port where some other service answers) retried
+    without end, then exited 1 with "unexpected ...". Now: the wait is bounded by read_timeout, and
+    the error names the flag (exit 2)."""
+    import socket
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def http_like():   # answers every connection with bytes that are not the store's protocol
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            try:
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            except OSError:
+                pass
+            c.close()
+    t = threading.Thread(target=http_like, daemon=True)
+    t.start()
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--nnodes", "2",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "read_timeout=3", str(script)],
+                           capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                           env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    finally:
+        stop.set()
+        t.join()
+        srv.close()
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert f"--rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and elapsed < 60, elapsed

@@ -239,7 +239,13 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
     from .agent import RendezvousError
-    agent = build_agent(cfg, events)
+    try:
+        agent = build_agent(cfg, events)
+    except RendezvousError as e:   # the store never answered (c10d's connect timeout bounds the wait)
+        raise ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach the rendezvous store "
+                          f"({type(e).__name__}: {e}); check the host and port (the same on every node), that node 0 "
+                          f"is up, and firewalls; the wait is bounded by --rdzv-conf read_timeout=SECONDS "
+                          f"(default 60, two attempts)") from None
     try:
         agent.run()
     except RendezvousError as e:   # closed by another node, timed out, ...: a message, not a traceback
