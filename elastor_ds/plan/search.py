@@ -812,6 +812,8 @@ class Planner:
         c = self.cost
         est: list[tuple[float, tuple, tuple]] = []
         divisors = _divisors(self.M)
+        n_exact = 2 if self.large else max(4, self.top_k)
+        kept: list[float] = []  # the n_exact best estimates so far, as a max-heap (negated)
         for tp in sorted(self.tps, reverse=True):
             speeds_arr, where = self._uniform_pool(tp)
             n = len(where)
@@ -830,25 +832,32 @@ class Planner:
                         mask[fastest[:d * p]] = True
                         speeds = tuple(float(v) for v in speeds_arr[mask].reshape(p, d).min(axis=1))
                     Rk = d if self.training.zero_stage > 0 else 1
-                    key = ("u", tp, speeds, Rk, p)
+                    mb = self.M // d
+                    # lower bound: the slowest stage takes at least the layers' time over the
+                    # stages' combined speed; a grid that cannot make the best few is not split
+                    if len(kept) >= n_exact and \
+                            (mb + p - 1) * self.L * c.layer_time(tp) / sum(speeds) > -kept[0]:
+                        continue
+                    mx = c.max_layers_all(tp, p, Rk)
+                    key = ("u", tp, speeds, mx)
                     if key not in self._split_cache:
                         per = [c.layer_time(tp) / sp for sp in speeds]
                         extra = [c.stage_extra_time((tp,) * p, j) for j in range(p)]
                         extra[-1] += c.head_time(tp) / speeds[-1]
-                        mx = c.max_layers_all(tp, p, Rk)
                         self._split_cache[key] = _split(per, extra, mx, self.L)
                     res = self._split_cache[key]
                     if res is None:
                         continue
                     slow, counts = res
-                    mb = self.M // d
                     same = tp * p <= self.cluster.max_gpus_per_node
                     t = (mb + p - 1) * slow + (p - 1) * c.fill_drain_p2p(same)
                     sol = ReplicaSolution(tuple((tp, sp) for sp in speeds), counts, slow, 0.0)
                     t += self._sync_estimate([sol], d, d * tp)
                     est.append((t, (-tp, p, d), (tp, d, counts, mb, one_speed)))
+                    heapq.heappush(kept, -t)
+                    if len(kept) > n_exact:
+                        heapq.heappop(kept)
         est.sort(key=lambda x: (x[0], x[1]))
-        n_exact = 2 if self.large else max(4, self.top_k)
         plans = []
         for _, _, (tp, d, counts, mb, one_speed) in est[:n_exact]:
             speeds_arr, where = self._uniform_pool(tp)
