@@ -16,13 +16,14 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "PyYAML>=6.0",
+        "zlib-ng>=1.0",   # SIMD CRC32 for every checkpoint byte (checkpoint.crc): the default install is the fast one
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
         "megatron": ["megatron-core>=0.16", "psutil>=5.9"],
         "planner": ["scipy>=1.10"],
         "elastic": ["matplotlib>=3.7"],   # `elastor run`'s timeline plot (the table needs nothing)
-        "fast": ["zlib-ng>=1.0"],         # SIMD CRC32 (checkpoint.crc); falls back to the standard zlib
+        "fast": [],                       # kept for old install lines: zlib-ng is now a plain dependency
     },
     entry_points={"console_scripts": ["elastor=elastor_ds.cli:main"]},
 )

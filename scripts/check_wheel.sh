@@ -45,7 +45,15 @@ import torch
 from elastor_ds.layout.region import Region
 t = torch.arange(12.0).view(3, 4)
 CheckpointEngine("ck", async_save=False).save(1, [TensorShard("w", (3, 4), Region.full((3, 4)), t)])
-print(f"wheel check: {len(have)} modules in the wheel, {len(pkgs)} packages import from it")
+meta = next(n for n in zipfile.ZipFile(whl).namelist() if n.endswith(".dist-info/METADATA"))
+requires = [l for l in zipfile.ZipFile(whl).read(meta).decode().splitlines() if l.startswith("Requires-Dist: ")
+            and "extra ==" not in l]
+if not any(l.split()[1].startswith("zlib-ng") for l in requires):
+    sys.exit(f"wheel check: a plain install must pull the fast CRC (zlib-ng); the wheel requires {requires}")
+from elastor_ds.checkpoint import crc
+if crc.IMPLEMENTATION != "zlib-ng":
+    sys.exit(f"wheel check: the checksum runs on {crc.IMPLEMENTATION}, not zlib-ng")
+print(f"wheel check: {len(have)} modules in the wheel, {len(pkgs)} packages import from it; CRC32 by zlib-ng")
 PYEOF
 ELASTOR="$WORK/site/bin/elastor"
 "$ELASTOR" --help >/dev/null

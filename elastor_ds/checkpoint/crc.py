@@ -1,7 +1,7 @@
 """CRC32 (zlib's polynomial) for checkpoint data: the fastest implementation installed.
 
 ``crc32(data, value=0)`` and ``crc32_combine(crc1, crc2, len2)`` give exactly zlib's results. With
-the optional ``zlib-ng`` package (``pip install elastor_ds[fast]``) both come from zlib-ng (SIMD
+the ``zlib-ng`` package (a dependency of elastor_ds, so a plain ``pip install`` has it) both come from zlib-ng (SIMD
 CRC folding: about 4x zlib's speed on the block-CRC pass of a save, and a combine in C instead of
 Python); otherwise from the standard ``zlib`` module and a table-driven pure-Python combine.
 Every writer and reader uses this module, so a checkpoint's CRCs never depend on which one ran.
