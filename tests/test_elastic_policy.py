@@ -83,6 +83,47 @@ def test_one_failure_event_is_one_restart_for_the_job():
     assert [solo.claim(None).failures for _ in range(2)] == [1, 2]
 
 
+def test_one_failure_is_one_restart_on_a_store_without_compare_set():
+    """torch's EtcdStore (the etcd-v2 rendezvous's store) is a Python store without compare_set
+    (``RuntimeError: ... Not implemented`` through a PrefixStore). Before the fix each node then
+    counted the round's failure as its own: two restarts for one fault."""
+    import torch.distributed as dist
+
+    from elastor_ds.elastic.ledger import FailureLedger
+
+    class NoCasStore(dist.Store):          # the methods torch's EtcdStore implements, over a HashStore
+        def __init__(self):
+            super().__init__()
+            self.kv = dist.HashStore()
+
+        def set(self, key, value):
+            self.kv.set(key, value)
+
+        def get(self, key):
+            return self.kv.get(key)
+
+        def add(self, key, num):
+            return self.kv.add(key, num)
+
+        def wait(self, keys, override_timeout=None):
+            self.kv.wait(keys, override_timeout) if override_timeout else self.kv.wait(keys)
+
+        def check(self, keys):
+            return self.kv.check(keys)
+
+    job = NoCasStore()
+    with pytest.raises(RuntimeError, match="Not implemented"):
+        dist.PrefixStore("probe", job).compare_set("k", "", "v")
+    a, b = FailureLedger("A", job, "run"), FailureLedger("B", job, "run")
+    r1 = dist.PrefixStore("round1", job)
+    ca, cb = a.claim(r1), b.claim(r1)
+    assert (ca.primary, ca.by, ca.failures) == (True, "A", 1)
+    assert (cb.primary, cb.by, cb.failures) == (False, "A", 1)
+    r2 = dist.PrefixStore("round2", job)
+    cb2, ca2 = b.claim(r2), a.claim(r2)
+    assert (cb2.primary, cb2.failures) == (True, 2) and (ca2.primary, ca2.by, ca2.failures) == (False, "B", 2)
+
+
 def test_procs_per_node_prefers_the_controllers_list():
     from elastor_ds.elastic.protocol import node_of_rank, procs_per_node
     assert procs_per_node({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "ELASTOR_PROCS_PER_NODE": "2,1"}) == [2, 1]

@@ -13,17 +13,20 @@ failed round once, to the first node that reports it:
   the job's failure count, the same number on every node. Only the primary compares it with
   ``--max-restarts``; when it gives up it closes the rendezvous, so the other nodes stop too.
 
-Stores are duck-typed (``compare_set``, ``add``): no torch import here. Without a usable store
+Stores are duck-typed (``compare_set``, or ``add``/``set``/``wait``/``get`` where there is none): no torch import here. Without a usable store
 (another rendezvous backend, a store that died with its node) the node counts on its own.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 log = logging.getLogger("elastor.run")
 
 ROUND_KEY = "elastor/failure"
+ROUND_SEQ_KEY = "elastor/failure_seq"   # stores without compare-and-set: the first to add 1 is the primary
+NAME_WAIT_S = 30.0                       # how long a collateral node waits for the primary's name there
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,28 @@ class FailureLedger:
         self.job_key = f"elastor/{run_id}/failures"
         self.local_failures = 0
 
+    def _first_reporter(self, store) -> str:
+        """The name of the round's first reporter (this node if it is the first). compare-and-set where
+        the store has it; torch's ``EtcdStore`` has not (``RuntimeError: ... Not implemented``): there
+        an atomic ``add`` elects the primary, which then writes its name under ``ROUND_KEY``."""
+        try:
+            got = store.compare_set(ROUND_KEY, "", self.node)
+            return got.decode() if isinstance(got, bytes) else str(got)
+        except RuntimeError as e:
+            if "not implemented" not in str(e).lower():
+                raise
+        if int(store.add(ROUND_SEQ_KEY, 1)) == 1:
+            store.set(ROUND_KEY, self.node)
+            return self.node
+        store.wait([ROUND_KEY], timedelta(seconds=NAME_WAIT_S))
+        got = store.get(ROUND_KEY)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
     def claim(self, round_store) -> Claim:
         by = self.node
         if round_store is not None:
             try:
-                got = round_store.compare_set(ROUND_KEY, "", self.node)
-                by = got.decode() if isinstance(got, bytes) else str(got)
+                by = self._first_reporter(round_store)
             except Exception as e:  # noqa: BLE001 - a store gone with its node: count here
                 log.warning("failure ledger: the round's store is unusable (%s); counting this failure here", e)
                 by = self.node
