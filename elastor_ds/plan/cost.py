@@ -471,14 +471,12 @@ class CostModel:
         reps: list[ReplicaCost] = []
         memo: dict[tuple, ReplicaCost] = {}
         for rep in plan.replicas:
-            st = rep.stages
-            # what the price depends on: TP, layer count, speed of every stage, and which
-            # neighbouring stages share a node
-            key = (rep.micro_batches, tuple((s.tp, s.layers[1] - s.layers[0], s.speed) for s in st),
-                   tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            # what the price depends on: TP, layers, speed of every stage, and which neighbouring
+            # stages share a node (PlanReplica.shape_key), and the micro-batches
+            key = (rep.micro_batches, rep.shape_key())
             rc = memo.get(key)
             if rc is None:
-                rc = memo[key] = self._replica_cost(rep, key[2], R, z)
+                rc = memo[key] = self._replica_cost(rep, key[1][1], R, z)
             if any(mm > limit for mm in rc.stage_memory_bytes):
                 feasible = False
             reps.append(rc)

@@ -59,6 +59,23 @@ class PlanReplica:
     def num_gpus(self) -> int:
         return sum(s.tp for s in self.stages)
 
+    def shape_key(self) -> tuple:
+        """What the replica's price depends on besides its micro-batches: per stage (tp, layers,
+        speed), per boundary whether both sides share a node. Made once per replica."""
+        k = self.__dict__.get("_shape")
+        if k is None:
+            st = self.stages
+            k = (tuple((s.tp, s.layers, s.speed) for s in st), tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            object.__setattr__(self, "_shape", k)
+        return k
+
+    def with_micro_batches(self, m: int) -> "PlanReplica":
+        """The same stages with ``m`` micro-batches (its shape key carried over)."""
+        r = PlanReplica(self.stages, m)
+        if "_shape" in self.__dict__:
+            object.__setattr__(r, "_shape", self.__dict__["_shape"])
+        return r
+
 
 @dataclass(frozen=True)
 class Plan:

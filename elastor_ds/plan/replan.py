@@ -129,16 +129,18 @@ class _Replanner:
         new_names = [n.name for n in self.cluster.nodes]
         k = min(len(old_names), len(new_names))  # nodes keep their index unless one before them went
         same_numbering = old_names[:k] == new_names[:k] and not any(n in new_index for n in old_names[k:])
+        old_index = self.old.node_index()
+        # previous plans number nodes like the previous cluster; changed ones by their index
+        hit_nodes = {old_index[n] for n in changed if n in old_index}
         kept, damaged = [], []
         for r in self.prev.replicas:
             hit = False
             for s in r.stages:
                 n = s.node
-                if n == -1:
-                    if any(d.node_name in changed for d in s.devices):
-                        hit = True
-                        break
-                elif s.devices[0].node_name in changed:
+                if n in hit_nodes:
+                    hit = True
+                    break
+                if n == -1 and any(d.node_name in changed for d in s.devices):
                     hit = True
                     break
             if hit:
@@ -298,7 +300,7 @@ class _Replanner:
         same_fd = self.cost.fill_drain_p2p
         for i, r in enumerate(kept):
             st = r.stages
-            key = (tuple((s.tp, s.layers, s.speed) for s in st), tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            key = r.shape_key()
             e = out.get(key)
             if e is None:
                 order = tuple((s.tp, s.speed) for s in st)
@@ -338,7 +340,7 @@ class _Replanner:
             for m, n in lst:  # larger m first, to the first replicas of the kind
                 for i in idx[pos:pos + n]:
                     r = kept[i]
-                    out[i] = r if r.micro_batches == m else PlanReplica(r.stages, m)
+                    out[i] = r if r.micro_batches == m else r.with_micro_batches(m)
                 pos += n
         pools: dict[ClassKey, list[Group]] = {}
         for g in sorted(free, key=lambda g: g.sort_key):

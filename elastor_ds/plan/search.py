@@ -388,9 +388,12 @@ class Planner:
     def _types(self) -> dict[tuple[float, ...], list[int]]:
         if self._types_cache is None:
             types: dict[tuple[float, ...], list[int]] = {}
+            seen: dict[tuple[float, ...], tuple[float, ...]] = {}  # speeds -> their type (nodes share them)
             for i, n in enumerate(self.cluster.nodes):
                 sp = n.speeds
-                key = sp if (not sp or max(sp) == min(sp)) else tuple(sorted(sp, reverse=True))
+                key = seen.get(sp)
+                if key is None:
+                    key = seen[sp] = tuple(sorted(sp, reverse=True))
                 types.setdefault(key, []).append(i)
             self._types_cache = types
         return self._types_cache
