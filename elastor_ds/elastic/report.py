@@ -21,24 +21,39 @@ def _fmt(x, spec=".2f", none="-") -> str:
     return none if x is None else format(x, spec)
 
 
+def _predicted(ph: Phase) -> float | None:
+    """The chosen plan's predicted seconds per iteration (the trainer's ``predicted_iter_s``)."""
+    p = ph.plan or {}
+    v = p.get("predicted_iter_s")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    num = {k: v for k, v in p.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return next((v for k, v in num.items() if "predicted" in k and "uniform" not in k and "idle" not in k), None)
+
+
 def _plan_text(ph: Phase) -> str:
-    """Chosen plan, predicted ms/iteration and the best uniform plan's, from the trainer's fields."""
+    """Chosen plan, predicted vs measured ms/iteration, and the best uniform plan on the same world
+    (how many processes it leaves idle), from the trainer's fields."""
     p = ph.plan
     if not p:
         return ""
-    num = {k: v for k, v in p.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    pred = next((v for k, v in num.items() if "predicted" in k and "uniform" not in k), None)
-    uni = next((v for k, v in num.items() if "predicted" in k and "uniform" in k), None)
+    pred = _predicted(ph)
+    uni = p.get("uniform_predicted_iter_s")
+    uni = uni if isinstance(uni, (int, float)) and not isinstance(uni, bool) else None
     bits = []
     if isinstance(p.get("plan_source"), str):
         bits.append(f"source {p['plan_source']}")
     if pred is not None:
-        bits.append(f"predicted {pred * 1e3:.3g} ms/it")
+        meas = ph.median_iter_s
+        bits.append(f"predicted {pred * 1e3:.3g} ms/it" + (
+            f" vs measured {meas * 1e3:.3g} (measured/predicted {meas / pred:.2f})" if meas and pred > 0 else ""))
     uplan = p.get("uniform_plan")
     if uni is not None or isinstance(uplan, str):
-        bits.append("best uniform" + (f" {uplan}" if isinstance(uplan, str) else "")
+        idle = p.get("uniform_idle_processes")
+        bits.append("best uniform on this world" + (f" {uplan}" if isinstance(uplan, str) else "")
                     + (f" {uni * 1e3:.3g} ms/it" if uni is not None else "")
-                    + (f" ({uni / pred:.3f}x)" if uni and pred else ""))
+                    + (f" ({uni / pred:.3f}x)" if uni and pred else "")
+                    + (f", {idle} process(es) idle" if isinstance(idle, int) and idle > 0 else ""))
     return "; ".join(bits)
 
 
@@ -61,12 +76,15 @@ def summary_table(events: list[dict], metrics: list[dict]) -> str:
     phs = phases(events, metrics)
     recs = recoveries(events, metrics)
     lines = ["=" * 100, "elastor run: phases"]
-    lines.append(f"{'#':<3}{'world':>6}  {'layout':<34}{'iterations':<14}{'ms/iter':>9}{'samples/s':>11}  ended by")
+    lines.append(f"{'#':<3}{'world':>6}  {'layout':<34}{'iterations':<14}{'ms/iter':>9}{'pred ms':>9}"
+                 f"{'samples/s':>11}  ended by")
     for ph in phs:
         its = f"{ph.first_iteration}-{ph.last_iteration}" if ph.first_iteration is not None else "-"
         lay = ph.layout if len(ph.layout) <= 33 else ph.layout[:30] + "..."
+        pred = _predicted(ph)
         lines.append(f"{ph.index:<3}{ph.world_size:>6}  {lay:<34}{its:<14}"
-                     f"{_fmt(ph.median_iter_s and ph.median_iter_s * 1e3, '.0f'):>9}{_fmt(ph.samples_per_s, '.1f'):>11}  "
+                     f"{_fmt(ph.median_iter_s and ph.median_iter_s * 1e3, '.0f'):>9}"
+                     f"{_fmt(pred and pred * 1e3, '.0f'):>9}{_fmt(ph.samples_per_s, '.1f'):>11}  "
                      f"{ph.ended_by or '-'}")
         if len(ph.layout) > 33:
             lines.append(f"{'':<11}layout: {ph.layout}")

@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                                 "profile": args.profile, "zero_stage": tr.zero_stage,
                                 "from_plan": args.from_plan})
     doc["search"] = {k: v for k, v in result.search_stats.items() if isinstance(v, (int, float, str))}
+    doc["cost_sources"] = cost.sources()  # which numbers were measured, which assumed
     doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)
     if args.json:
         json.dump(doc, sys.stdout, indent=1, sort_keys=False)
@@ -246,7 +247,9 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
     cb = doc["cost_breakdown"]
     lines.append("")
     lines.append(f"pipeline {cb['pipeline_s']:.4g} s + gradient sync {cb['gradient_sync_s']:.4g} s; "
-                 f"peak memory {cb['peak_memory_gb']:.1f} of {cb['memory_limit_gb']:.1f} GB")
+                 f"peak memory {cb['peak_memory_gb']:.1f} of {cb['memory_limit_gb']:.1f} GB; priced from:")
+    for term, src in (doc.get("cost_sources") or {}).items():
+        lines.append(f"  {term.replace('_', ' ')}: {src}")
     z, asked = doc.get("zero_stage"), (doc.get("inputs") or {}).get("zero_stage")
     if z is not None:
         note = ""

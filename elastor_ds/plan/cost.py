@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 GiB = float(1 << 30)
 HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
 GB = 1e9  # bandwidths are in GB/s
+PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives")
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,14 @@ class Profile:
     JSON: ``{"version": 1, "micro_batch_size": 1, "seq_length": 4096, "device": "...",
     "layer_time_s": {"1": 0.0377, "2": 0.0191, "4": 0.01}, "head_time_s": {...},
     "activation_bytes_per_layer": {"1": ..., ...}, "layer_time_includes_tp_comm": true,
-    "collectives": {"tp_all_reduce": {"2": {"latency_s": ..., "s_per_byte": ...}}, ...}}``.
+    "collectives": {"tp_all_reduce": {"2": {"latency_s": ..., "s_per_byte": ...}}, ...},
+    "sources": {"layer_time_s": "measured: ...", "head_time_s": "assumed: ..."}}``.
     ``layer_time_includes_tp_comm`` (default true: the trainer times whole layers, TP all-reduces
     included) says whether the TP collectives must be added to ``layer_time_s``/``head_time_s``.
+    ``sources`` says, per table (:data:`PROFILE_TABLES`), how its numbers were obtained: a text
+    starting with ``"measured"`` or ``"assumed"``; a table present without an entry counts as
+    measured (older profiles). :meth:`CostModel.sources` names, for every term of the cost model,
+    whether it comes from a measured number, an assumed one, or the analytical model.
     """
 
     layer_time_s: Mapping[int, float]
@@ -100,6 +106,7 @@ class Profile:
     device: str = ""
     collectives: CommProfile | None = None
     layer_time_includes_tp_comm: bool = True
+    sources: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_time_s:
@@ -110,6 +117,20 @@ class Profile:
         if not isinstance(self.layer_time_includes_tp_comm, bool):
             raise ConfigError(f"profile layer_time_includes_tp_comm={self.layer_time_includes_tp_comm!r}: must be "
                               f"true or false")
+        for k, v in self.sources.items():
+            if k not in PROFILE_TABLES or not isinstance(v, str) or len(v) > 300 or \
+                    not v.startswith(("measured", "assumed")):
+                raise ConfigError(f"profile sources[{k!r}]={v!r}: keys are {list(PROFILE_TABLES)}, values a text "
+                                  f"of at most 300 characters starting with 'measured' or 'assumed'")
+
+    def source(self, table: str) -> str | None:
+        """How ``table`` was obtained (None when the profile does not have it)."""
+        present = {"layer_time_s": bool(self.layer_time_s), "head_time_s": bool(self.head_time_s),
+                   "activation_bytes_per_layer": bool(self.activation_bytes_per_layer),
+                   "collectives": self.collectives is not None}
+        if not present.get(table):
+            return None
+        return self.sources.get(table, "measured (the profile does not say how)")
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Profile":
@@ -131,10 +152,13 @@ class Profile:
             return out
 
         coll = d.get("collectives")
+        src = d.get("sources") or {}
+        if not isinstance(src, Mapping):
+            raise ConfigError(f"profile sources: expected a mapping of table -> text, got {type(src).__name__}")
         return Profile(tbl("layer_time_s"), tbl("head_time_s"), tbl("activation_bytes_per_layer"),
                        d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")),
                        CommProfile.from_dict(coll) if coll is not None else None,
-                       d.get("layer_time_includes_tp_comm", True))
+                       d.get("layer_time_includes_tp_comm", True), dict(src))
 
     @staticmethod
     def load(path: str | Path) -> "Profile":
@@ -154,6 +178,8 @@ class Profile:
                "layer_time_includes_tp_comm": self.layer_time_includes_tp_comm}
         if self.collectives is not None:
             out["collectives"] = self.collectives.to_dict()
+        if self.sources:
+            out["sources"] = dict(self.sources)
         return out
 
 
@@ -212,6 +238,43 @@ class CostModel:
                 log.warning("profile was measured at micro_batch_size=%s seq_length=%s, the plan uses %s/%s",
                             profile.micro_batch_size, profile.seq_length, training.micro_batch_size,
                             model.seq_length)
+
+    # ---- provenance ---------------------------------------------------------------------------
+    def sources(self) -> dict[str, str]:
+        """For every term of the cost model: where its numbers come from -- a measured profile
+        table (and which TP widths), an assumed profile entry, or the analytical model with the
+        constants it assumes. What `elastor plan` and the plan document show."""
+        prof, cl, par = self.profile, self.cluster, self.params
+        analytic = f"assumed: analytical ({par.gpu_tflops:g} TFLOP/s per GPU)"
+        out: dict[str, str] = {}
+        if prof is None:
+            out["layer_time"] = analytic
+            out["head_time"] = analytic
+        else:
+            widths = ",".join(str(t) for t in sorted(prof.layer_time_s))
+            other = [t for t in self.training.valid_tps(self.model) if t not in prof.layer_time_s]
+            out["layer_time"] = f"{prof.source('layer_time_s')} (TP {widths})" + (
+                f"; TP {','.join(map(str, other))} scaled from the nearest measured width" if other else "")
+            out["head_time"] = (prof.source("head_time_s") if prof.head_time_s else
+                                "assumed: analytical, scaled by the measured/analytical layer-time ratio")
+        nv = f"assumed: {cl.intra_node_bandwidth_gbs:g} GB/s within a node + {par.tp_collective_latency_s * 1e6:g} us"
+        if prof is not None and prof.layer_time_includes_tp_comm:
+            out["tp_all_reduce"] = "inside the measured layer times"
+        elif self.measured(CollectiveKind.TP_ALL_REDUCE) is not None:
+            out["tp_all_reduce"] = prof.source("collectives")  # type: ignore[union-attr]
+        else:
+            out["tp_all_reduce"] = nv
+        bw = (f"assumed: {cl.intra_node_bandwidth_gbs:g} GB/s within a node, {cl.inter_node_bandwidth_gbs:g} GB/s "
+              f"across nodes")
+        out["p2p"] = prof.source("collectives") if self.measured(CollectiveKind.P2P) is not None else bw  # type: ignore[union-attr]
+        z = min(self.training.zero_stage, HETERO_MAX_ZERO)
+        sync_measured = all(self.measured(k) is not None for k in self._sync_kinds(z))
+        out["gradient_sync"] = prof.source("collectives") if sync_measured else bw  # type: ignore[union-attr]
+        out["memory"] = ((prof.source("activation_bytes_per_layer") + " (activations); ")  # type: ignore[union-attr]
+                         if prof is not None and prof.activation_bytes_per_layer else "") + \
+            (f"assumed: analytical (weights, gradients, optimizer state, activations with flash attention, "
+             f"{par.memory_overhead_gb:g} GiB overhead, {par.memory_safety_margin:.0%} margin)")
+        return out
 
     # ---- time ---------------------------------------------------------------------------------
     def _analytic_compute(self, tp: int) -> float:

@@ -304,6 +304,8 @@ def auto_plan(args: argparse.Namespace, world: int):
         args.plan_info = {"plan_source": "auto", "predicted_iter_s": cand.cost.iteration_time_s,
                           "uniform_plan": uni.plan.describe() if uni else None,
                           "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
+                          # the best grid on the same world leaves these processes idle
+                          "uniform_idle_processes": world - uni.plan.num_gpus if uni else None,
                           "profile": prof_path}
         best = res.best
         if best.plan.num_gpus < world:
@@ -549,6 +551,8 @@ def _main(argv: list[str] | None = None) -> int:
                 t_comm = time.perf_counter()
                 from elastor_ds.comm.calibrate import measure_collectives
                 doc["collectives"] = measure_collectives((2, 3, 4), reps=3)
+                doc.setdefault("sources", {})["collectives"] = ("measured: per-call latency and seconds per byte "
+                                                                "of this job's groups of 2-4 ranks, 3 repetitions")
                 plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                 if rank == 0:
                     import layer_profile
