@@ -26,7 +26,8 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
+# the repository root (this file may sit in a tier folder under tests/)
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 FENCE = re.compile(r"^(\s*)(```+|~~~+)(.*)$")
 
