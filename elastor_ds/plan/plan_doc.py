@@ -225,8 +225,10 @@ def plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     ``i`` of both is ``cluster.nodes[i]`` by name; nodes the document names that ``cluster`` no
     longer has follow. Speeds come from ``cluster`` (1.0 on nodes it no longer has). Raises
     :class:`ConfigError` on a malformed document."""
+    from .search import gc_paused
     try:
-        return _plan_from_document(doc, cluster)
+        with gc_paused():
+            return _plan_from_document(doc, cluster)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -329,7 +331,7 @@ def plan_document(result: Any, num_micro_batches: int, micro_batch_size: int,
     the best uniform plan under ``uniform_baseline`` and the runners-up under ``alternatives``."""
     best = result.best
     doc = _scored_json(best.plan, best.cost, num_micro_batches, micro_batch_size)
-    doc["num_usable_gpus"] = len(result.usable)
+    doc["num_usable_gpus"] = result.num_usable()
     if result.uniform is not None:
         u = _scored_json(result.uniform.plan, result.uniform.cost, num_micro_batches, micro_batch_size)
         doc["uniform_baseline"] = u

@@ -39,8 +39,8 @@ from typing import Sequence
 from .cluster import Cluster, Device
 from .cost import CostModel
 from .plan_doc import Plan, PlanReplica, PlanStage
-from .search import (Candidate, ClassKey, Group, Planner, _geometric, PlanResult, ReplicaSolution, ScoredPlan, _bulk_lpt, assign_micro_batches,
-                     carve, greedy_parts, plan)
+from .search import (Candidate, ClassKey, Group, Planner, PlanResult, ReplicaSolution, ScoredPlan, _bulk_lpt,
+                     _geometric, assign_micro_batches, carve, gc_paused, greedy_parts, plan)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: in
     faster plan wins: few replicas make the micro-batch granularity coarse, and keeping replicas
     can then cost more than 1 %. The result has no uniform baseline (``uniform`` is None) unless the
     full search ran."""
+    with gc_paused():
+        return _replan(cost, previous, previous_cluster, top_k, full_search_below)
+
+
+def _replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: int,
+            full_search_below: int) -> PlanResult:
     t0 = time.perf_counter()
     changed = changed_nodes(previous_cluster, cost.cluster)
     why = _not_applicable(cost, previous, changed)
@@ -250,8 +256,8 @@ class _Replanner:
                  else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best),
                  "reshaped_placed": placed, "estimate_kept": best[0][0] if best else None,
                  "estimate_reshaped": reshaped[0].estimate if reshaped else None}
-        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1],
-                          self.cluster.device_tuple(), stats)
+        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1], (), stats,
+                          self.cluster)
 
     def _reshape(self, kept: Sequence[PlanReplica], damaged: Sequence[PlanReplica]) -> list[Candidate]:
         """The search's own candidates (:meth:`~.search.Planner.heterogeneous_candidates`) for the

@@ -34,6 +34,8 @@ Pure: no torch, torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 import logging
@@ -148,6 +150,24 @@ class PlanResult:
     alternatives: list[ScoredPlan] = field(default_factory=list)
     usable: tuple[Device, ...] = ()
     search_stats: dict = field(default_factory=dict)
+    cluster: Cluster | None = None  # the cluster planned for (``usable`` may be left empty then)
+
+    def num_usable(self) -> int:
+        return len(self.usable) if self.usable or self.cluster is None else self.cluster.num_gpus
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: planning at 131,072 GPUs allocates millions of small
+    acyclic objects, and each full collection would walk all of them (pauses of a large fraction
+    of a second). Reference counting still frees everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 # ---- step 1: TP groups ------------------------------------------------------------------------
@@ -1035,6 +1055,11 @@ def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict, R: 
 # ---- entry point ------------------------------------------------------------------------------
 def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> PlanResult:
     """Search the best plan. ``layouts="uniform"`` restricts to TP x PP x DP grids."""
+    with gc_paused():
+        return _plan(cost, layouts, top_k)
+
+
+def _plan(cost: CostModel, layouts: str, top_k: int) -> PlanResult:
     if layouts not in ("uniform", "heterogeneous"):
         raise PlanningError(f"layouts={layouts!r}: choose 'uniform' or 'heterogeneous'")
     cluster, model, training = cost.cluster, cost.model, cost.training
@@ -1062,7 +1087,7 @@ def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> Pla
     stats["decision"] = _decision(best, uniform, hetero, layouts)
     log.debug("planner stats: %s", stats)
     return PlanResult(best, uniform[0] if uniform else None, hetero[0] if hetero else None,
-                      alts[:top_k], cluster.device_tuple(), stats)
+                      alts[:top_k], cluster.device_tuple(), stats, cluster)
 
 
 def _decision(best: ScoredPlan, uniform: list[ScoredPlan], hetero: list[ScoredPlan], layouts: str) -> str:
