@@ -61,10 +61,14 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     """Full search on the healthy cluster, then a loss (``"node"`` or a GPU count); times the
     re-plan from the previous plan (no full search beside it) and the full search on the new cluster."""
     from elastor_ds.plan.replan import replan
+    from elastor_ds.plan import plan_document
+    from elastor_ds.plan.plan_doc import plan_from_document
     model, tp = MODELS[model_name]
     tr = TrainingSpec(1, gbs, nominal_tp=tp)
     old = failed_cluster(nodes, 8, 0)
-    prev = plan(CostModel(model, tr, old)).best.plan
+    # the previous plan as a relaunched trainer or `elastor plan --from-plan` has it: read back from
+    # its JSON document (nothing cached from the search that made it)
+    text = json.dumps(plan_document(plan(CostModel(model, tr, old)), tr.num_micro_batches, 1))
     rng = random.Random(seed)
     counts = [8] * nodes
     if loss == "node":
@@ -73,16 +77,20 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
         for i in rng.sample(range(nodes * 8), int(loss)):
             counts[i // 8] -= 1
     new = Cluster.from_gpus_per_node(counts)
-    new.device_tuple()
     cost = CostModel(model, tr, new)
     t0, c0 = time.perf_counter(), time.process_time()
-    res = replan(cost, prev, old, full_search_below=0)
+    prev, prev_cluster = plan_from_document(json.loads(text), new)
+    lt, lc = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = replan(cost, prev, prev_cluster, full_search_below=0)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    new.device_tuple()
     t1, c1 = time.perf_counter(), time.process_time()
     full = plan(cost)
     ft, fc = time.perf_counter() - t1, time.process_time() - c1
     return {"gpus": nodes * 8, "loss": loss, "model": model_name, "M": gbs, "seconds": dt, "cpu_s": dc,
-            "full_seconds": ft, "full_cpu_s": fc, "how": res.search_stats.get("replan", ""),
+            "load_seconds": lt, "load_cpu_s": lc, "full_seconds": ft, "full_cpu_s": fc,
+            "how": f"{res.search_stats.get('replan', '')}: {res.search_stats.get('path', '')}",
             "ratio": res.best.cost.iteration_time_s / full.best.cost.iteration_time_s}
 
 
@@ -180,32 +188,57 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the 16,384- and 131,072-GPU cases")
     ap.add_argument("--skip-retained", action="store_true", help="skip the throughput-retained table")
+    ap.add_argument("--sections", default="planner,replan,metadata,retained",
+                    help="comma-separated subset of planner, replan, metadata, retained")
     a = ap.parse_args()
+    want = set(a.sections.split(","))
+    if a.skip_retained:
+        want.discard("retained")
+    if "planner" in want:
+        planner_rows(a.quick)
+    if "replan" in want:
+        replan_rows(a.quick)
+    if "metadata" in want:
+        metadata_rows(a.quick)
+    if "retained" in want:
+        retained_rows()
+
+
+def planner_rows(quick: bool) -> None:
     print("## Planner time (full search, one subprocess per case)\n")
     print("| GPUs | failed | model | micro-batches | plan() wall s | CPU s | peak RSS MB | chosen | "
           "predicted speedup vs uniform |")
     print("|---:|---:|---|---:|---:|---:|---:|---|---:|")
     cases = [("7B", 8, 3, 256), ("7B", 128, 5, 1024), ("70B", 128, 5, 1024)]
-    if not a.quick:
+    if not quick:
         cases += [("70B", 2048, 7, 4096), ("7B", 16384, 1, 16384), ("70B", 16384, 1, 16384)]
     for name, nodes, failed, gbs in cases:
         r = in_subprocess("timing", name, nodes, failed, gbs)
         print(f"| {r['gpus']:,} | {r['failed']} | {r['model']} | {r['M']} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | "
               f"{r['peak_mb']:.0f} | {r['plan']} | {r['speedup']:.3f} |", flush=True)
         print(f"<!-- {r['decision']} -->", flush=True)
+
+
+def replan_rows(quick: bool) -> None:
     print("\n## Re-plan from the previous plan vs a full search (same cluster, one subprocess per case)\n")
-    print("| GPUs before | lost | model | micro-batches | re-plan wall s | re-plan CPU s | full search wall s | "
-          "full search CPU s | re-plan / full search (iteration time) | re-plan path |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("The previous plan is read back from its JSON document first (parse + devices: 'load' column, not part "
+          "of the re-plan), as a relaunched trainer or `elastor plan --from-plan` has it.\n")
+    print("| GPUs before | lost | model | micro-batches | load previous plan CPU s | re-plan wall s | re-plan CPU s | "
+          "full search wall s | full search CPU s | re-plan / full search (iteration time) | re-plan path |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     rcases = [("70B", 128, "1", 1024), ("70B", 128, "8", 1024), ("70B", 128, "node", 1024), ("7B", 128, "4", 1024)]
-    if not a.quick:
+    if not quick:
         rcases += [("70B", 16384, "1", 16384), ("70B", 16384, "8", 16384), ("70B", 16384, "node", 16384),
                    ("7B", 16384, "1", 16384), ("7B", 16384, "node", 16384)]
     for name, nodes, loss, gbs in rcases:
         r = in_subprocess("replan_case", name, nodes, loss, gbs)
         lost = "1 node" if loss == "node" else f"{loss} GPU" + ("s" if loss != "1" else "")
-        print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | "
+        print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['load_cpu_s']:.2f} | {r['seconds']:.3f} | "
+              f"{r['cpu_s']:.3f} | "
               f"{r['full_seconds']:.2f} | {r['full_cpu_s']:.2f} | {r['ratio']:.4f} | {r['how']} |", flush=True)
+
+
+def metadata_rows(quick: bool) -> None:
     print("\n## Checkpoint metadata at scale: 70B (bf16 weights) on TP8 x PP8 x DP(ranks/64), one subprocess per "
           "row\n")
     print("Save plan from every rank's shard list; the manifest (built, then its compact JSON with checksum); one "
@@ -214,15 +247,16 @@ def main() -> None:
     print("| ranks | shard entries | save plan s | save plan peak MB | manifest build s | manifest JSON s | "
           "manifest MB | chunks | load plan (1 rank) s | load plan reads | process peak RSS MB |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for ranks in ([1024] if a.quick else [1024, 16384, 131072]):
+    for ranks in ([1024] if quick else [1024, 16384, 131072]):
         r = in_subprocess("metadata_case", ranks)
         print(f"| {r['ranks']:,} | {r['shards']:,} | {r['save_plan_s']:.2f} ({r['save_plan_cpu_s']:.2f}) | "
               f"{r['save_plan_peak_mb']:.1f} | {r['manifest_s']:.2f} ({r['manifest_cpu_s']:.2f}) | "
               f"{r['manifest_json_s']:.2f} ({r['manifest_json_cpu_s']:.2f}) | {r['manifest_mb']:.1f} | {r['chunks']:,} | "
               f"{r['load_plan_s']:.3f} ({r['load_plan_cpu_s']:.3f}) | {r['load_reads']:,} | {r['peak_rss_mb']:.0f} |",
               flush=True)
-    if a.skip_retained:
-        return
+
+
+def retained_rows() -> None:
     print("\n## Throughput retained after failures (predicted; 1.0 = healthy cluster's best plan)\n")
     print("| lost | model | micro-batches | GPUs kept | heterogeneous retained | uniform retained | "
           "hetero / uniform |")
