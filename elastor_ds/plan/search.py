@@ -428,7 +428,11 @@ class Planner:
                      zero: int | None = None) -> tuple[float, tuple[int, ...]] | None:
         S = len(order)
         L, c = self.L, self.cost
-        mx = tuple(min(c.max_layers_all(tp, S, R, zero)[j], L) for j, (tp, _) in enumerate(order))
+        tables: dict[int, tuple[int, ...]] = {}
+        for tp, _ in order:
+            if tp not in tables:
+                tables[tp] = c.max_layers_all(tp, S, R, zero)
+        mx = tuple(min(tables[tp][j], L) for j, (tp, _) in enumerate(order))
         key = (order, mx)  # R and ZeRO matter only through the memory caps
         if key in self._split_cache:
             return self._split_cache[key]
