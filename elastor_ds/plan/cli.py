@@ -211,7 +211,7 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
                      f"{f' ({idle:,} idle)' if idle else ''}, {u['predicted_iteration_time_s']:.4g} s -> plan is "
                      f"{doc['speedup_vs_uniform']:.3f}x uniform")
     lines.append("")
-    lines.append(f"{'replicas':>9} {'mbs':>4} {'stage':>7} {'tp':>3} {'layers':>11} {'mem GB':>7} {'s/mb':>9}  devices")
+    lines.append(f"{'replicas':>9} {'mbs':>4} {'stage':>7} {'tp':>3} {'layers':>12} {'mem GB':>7} {'s/mb':>9}  devices")
     reps = doc["replicas"]
     kinds: dict[tuple, list[int]] = {}
     for ri, r in enumerate(reps):
@@ -228,21 +228,24 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
             k = j + 1
             while not full and k < len(stages) and stages[k]["tp"] == s["tp"] and \
                     stages[k]["layers"][1] - stages[k]["layers"][0] == s["layers"][1] - s["layers"][0] and \
-                    abs(stages[k]["memory_gb"] - s["memory_gb"]) < 0.05:
+                    stages[k]["time_per_micro_batch_s"] == s["time_per_micro_batch_s"]:
                 k += 1
             names = [d for i in idx for jj in range(j, k) for d in reps[i]["stages"][jj]["devices"]] \
                 if len(idx) * (k - j) <= 4096 else None
             dtxt = device_ranges(names) if names is not None else f"{len(idx) * (k - j) * s['tp']:,} GPUs"
             stxt = f"{j}" if k - j == 1 else f"{j}-{k - 1}"
             ltxt = f"{s['layers'][0]}-{s['layers'][1]}" if k - j == 1 else \
-                f"{k - j}x{s['layers'][1] - s['layers'][0]}"
+                f"{s['layers'][0]}-{stages[k - 1]['layers'][1]} by {s['layers'][1] - s['layers'][0]}"
+            mems = [st["memory_gb"] for st in stages[j:k]]
+            mtxt = f"{max(mems):.1f}" if k - j == 1 or max(mems) - min(mems) < 0.05 else \
+                f"{min(mems):.0f}-{max(mems):.0f}"
             lines.append(f"{label if j == 0 else '':>9} {r['micro_batches'] if j == 0 else '':>4} {stxt:>7} "
-                         f"{s['tp']:>3} {ltxt:>11} {s['memory_gb']:>7.1f} {s['time_per_micro_batch_s']:>9.4g}  {dtxt}")
+                         f"{s['tp']:>3} {ltxt:>12} {mtxt:>7} {s['time_per_micro_batch_s']:>9.4g}  {dtxt}")
             rows += 1
             j = k
-        if rows >= max_rows and not full:
-            lines.append(f"... {len(kinds) - list(kinds.values()).index(idx) - 1:,} more replica shapes "
-                         f"(--full lists all, --json has the plan)")
+        left = len(kinds) - list(kinds.values()).index(idx) - 1
+        if rows >= max_rows and not full and left:
+            lines.append(f"... {left:,} more replica shapes (--full lists all, --json has the plan)")
             break
     cb = doc["cost_breakdown"]
     lines.append("")
