@@ -16,3 +16,15 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   .venv/bin/python -m pip install -q --no-deps -e .
   echo "$WANT" > "$STAMP"
 fi
+# etcd (Debian's etcd-server) for the netns tier's etcd rendezvous test: installed as root only, when
+# absent. The tier needs root anyway; as root a missing etcd fails that test with this reason.
+if [ "$(id -u)" = 0 ] && ! command -v etcd >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q etcd-server >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 &&
+      apt-get install -y -q etcd-server >/dev/null 2>&1; } ||
+      echo "setup_env: apt-get install etcd-server failed: the netns etcd test will fail" >&2
+  else
+    echo "setup_env: no apt-get here to install etcd-server: the netns etcd test will fail (install etcd 3.4+)" >&2
+  fi
+fi

@@ -64,6 +64,12 @@ class _Store:
             self.values[key] = self.values.get(key, 0) + n
             return self.values[key]
 
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return str(self.values[key]).encode()
+
 
 def test_beacon_beats_and_fences_itself_when_the_store_goes_silent():
     store = _Store()
@@ -84,4 +90,34 @@ def test_beacon_beats_and_fences_itself_when_the_store_goes_silent():
     # fenced after fence_after (0.3 s) without a beat; the last beat was at most one interval before the cut
     assert cfg.fence_after - cfg.interval <= beacon.fenced_at - t_cut <= cfg.fence_after + 0.2
     assert fences[0] > cfg.fence_after
+    beacon.silence()
+
+
+def test_one_hung_beat_does_not_fence_when_the_next_beats_are_answered():
+    """An etcd write in flight when the cluster's leader died waits for etcd's request timeout
+    (5 s + 2 election timeouts) while the new leader answers new requests within ~1 s. One such
+    beat must not fence the node: the next beat goes out on time (before the fix the beat thread
+    waited in the hung call and the watchdog fenced a healthy node)."""
+    store = _Store()
+    hang = threading.Event()
+    release = threading.Event()
+    plain_add = store.add
+
+    def add(key, n):
+        if hang.is_set():
+            hang.clear()
+            release.wait(5)               # this one request hangs (far past fence_after)
+        return plain_add(key, n)
+    store.add = add
+    fences: list[float] = []
+    cfg = LivenessConfig(interval=0.1, timeout=0.4)
+    beacon = Beacon(cfg, fences.append)
+    beacon.retarget(store, 0)
+    time.sleep(0.25)
+    before = store.values["elastor/alive/0"]
+    hang.set()
+    time.sleep(1.5)
+    assert not beacon.fenced and not fences
+    assert store.values["elastor/alive/0"] >= before + 8      # ~14 more beats in 1.5 s, one of them hung
+    release.set()
     beacon.silence()

@@ -26,6 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "--rdzv-endpoint 'no-such-host.invalid:29400': host 'no-such-host.invalid' does not resolve"),
     (["--nnodes", "2", "--rdzv-endpoint", "node0:99999"], "port 99999 is outside 1..65535"),
     (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:2379,127.0.0.2:2379"],
+     "a list of endpoints is for --rdzv-backend etcd-v2 (the members of one etcd cluster); c10d takes one HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379,127.0.0.1:2379"],
+     "a member is listed twice"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379,no-such-host.invalid:2379"],
+     "host 'no-such-host.invalid' does not resolve"),
 ])
 def test_bad_launcher_values_exit_2_naming_the_flag(tmp_path, flags, message):
     script = tmp_path / "train.py"

@@ -143,7 +143,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         if cfg.local_addr and not os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST"):
             os.environ["ELASTOR_SNAPSHOT_SERVER_HOST"] = cfg.local_addr
         # this node's snapshot server; addresses of every node's go to the workers at each launch
-        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint,
+        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint.split(",")[0],
                                        multi_node=cfg.max_nodes > 1, secret_file=cfg.job_secret_file)
 
     # ------------------------------------------------------------------ signals
@@ -550,7 +550,13 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
                                   min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr,
                                   **cfg.rdzv_conf)
-    handler = rdzv_registry.get_rendezvous_handler(params)
+    if cfg.rdzv_backend == "etcd-v2":   # every etcd member listed, not only the first (torch's handler)
+        from .etcd_rdzv import create_handler
+        from .rdzv_args import check_endpoints
+        handler = create_handler(params, check_endpoints(cfg.rdzv_endpoint, cfg.rdzv_backend, lambda h, p: None),
+                                 cfg.local_addr)
+    else:
+        handler = rdzv_registry.get_rendezvous_handler(params)
     spec = WorkerSpec(role="default", local_world_size=cfg.nproc_per_node, rdzv_handler=handler,
                       entrypoint=os.environ.get("ELASTOR_PYTHON") or __import__("sys").executable,
                       args=("-u", "-m", "elastor_ds.elastic.worker_main", cfg.script, *cfg.script_args),

@@ -106,7 +106,8 @@ def register(sub) -> None:
     a("--standalone", action="store_true", help="single node: local c10d rendezvous on a free port")
     a("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
     a("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
-      help="HOST:PORT of the rendezvous store (default localhost:<free port> for one node)")
+      help="HOST:PORT of the rendezvous store (default localhost:<free port> for one node); etcd-v2: "
+           "HOST:PORT,HOST:PORT,... (every member of the etcd cluster)")
     a("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", help="job id shared by all nodes")
     a("--local-addr", "--local_addr", dest="local_addr", default=None,
       help="this node's address as the other nodes reach it (torchrun's --local-addr): names the node in the "
@@ -181,12 +182,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
-    from .rdzv_args import check_backend, check_endpoint
+    from .rdzv_args import check_backend, check_client, check_endpoints
     check_backend(args.rdzv_backend)
     rdzv_conf = _rdzv_conf(args.rdzv_conf)
     endpoint = args.rdzv_endpoint
     if endpoint and not args.standalone:
-        check_endpoint(endpoint)
+        check_endpoints(endpoint, args.rdzv_backend)
+        check_client(args.rdzv_backend)
     if args.standalone or not endpoint:
         if hi > 1 and not args.standalone:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")

@@ -5,8 +5,9 @@ survivors, whose workers then block in a collective until its timeout (gloo: 30 
 controllers watch each other through the round's store instead:
 
 1. Every controller adds 1 to ``elastor/alive/<node rank>`` in the round's store every
-   ``interval`` seconds (a thread: :class:`Beacon`), for as long as the controller runs.
-2. Each controller reads its peers' counters every ``interval`` (``add(key, 0)``: no blocking read)
+   ``interval`` seconds (a thread: :class:`Beacon`), for as long as the controller runs; a beat
+   not answered within ``interval`` is a missed beat, and the next one is sent on time.
+2. Each controller reads its peers' counters every ``interval`` (``check`` then ``get``: no wait, no write)
    and notes, on its own monotonic clock, when each last changed (:class:`PeerBook`, pure). A peer
    whose counter has not changed for ``timeout`` seconds is lost. Detection bound: ``timeout`` +
    ``interval`` (the read period) + one monitor interval after the peer's last beat.
@@ -109,20 +110,28 @@ class Beacon:
         self._stop.set()
 
     def _beat(self) -> None:
+        """One beat, given up after one interval: a request that hangs (an etcd write in flight when
+        the cluster's leader was lost waits for etcd's request timeout, 5 s + 2 election timeouts)
+        must not hold back the next beat, which a newly elected leader answers."""
         with self._lock:
             store, key = self._store, self._key
         if store is None:
             return
         try:
-            store.add(key, 1)
+            bounded(lambda: store.add(key, 1), self.cfg.interval, "beat", give_up=self._stop.is_set)
         except Exception as e:  # noqa: BLE001 - the watchdog decides what a missed beat means
             log.debug("liveness beat failed: %s", e)
             return
         self._last_ok = time.monotonic()
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self.cfg.interval):
+        t_next = time.monotonic()
+        while True:   # a fixed cadence: a beat that timed out is followed by the next one at once
+            t_next += self.cfg.interval
+            if self._stop.wait(max(0.0, t_next - time.monotonic())):
+                return
             self._beat()
+            t_next = max(t_next, time.monotonic() - self.cfg.interval)
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(min(0.1, self.cfg.interval / 4)):
@@ -167,7 +176,14 @@ def bounded(fn: Callable[[], object], timeout: float, what: str, give_up: Callab
 
 
 def read_peers(store, book: PeerBook, ranks, now: float) -> list[int]:
-    """One read of every peer's counter into ``book``; returns the peers lost by now."""
+    """One read of every peer's counter into ``book``; returns the peers lost by now. A plain read
+    (``check``, then ``get`` of a key that exists: never a wait for a key), not ``add(key, 0)``:
+    etcd serves reads from any member at once, while a write waits for a leader (seconds after the
+    leader's node was lost, when the counters matter most)."""
     for r in ranks:
-        book.observe(r, int(store.add(KEY.format(r), 0)), now)
+        key = KEY.format(r)
+        if store.check([key]):
+            book.observe(r, int(store.get(key)), now)
+        else:   # no beat yet: counted silent from the first read on
+            book.observe(r, 0, now)
     return book.lost(now)

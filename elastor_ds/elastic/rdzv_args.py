@@ -84,6 +84,17 @@ def check_backend(name: str) -> str:
     return name
 
 
+def check_client(backend: str) -> None:
+    """The etcd backends need the ``python-etcd`` client (module ``etcd``) and ``urllib3``."""
+    if backend not in ("etcd", "etcd-v2"):
+        return
+    import importlib.util
+    missing = [m for m in ("etcd", "urllib3") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"--rdzv-backend {backend}: the etcd client is not installed (no module "
+                          f"{', '.join(map(repr, missing))}); pip install python-etcd==0.4.5 (requirements-dev.txt)")
+
+
 def check_endpoint(endpoint: str, resolve: Callable[[str], Any] = socket.getaddrinfo) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a port in 1..65535 and a host that resolves: a
     typo fails here at once instead of a rendezvous that retries until its timeout."""
@@ -103,3 +114,25 @@ def check_endpoint(endpoint: str, resolve: Callable[[str], Any] = socket.getaddr
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve ({e}); give the rendezvous "
                           f"host's name or address as every node sees it") from None
     return host, p
+
+
+LIST_BACKENDS = ("etcd-v2",)   # backends whose --rdzv-endpoint may list several servers (the etcd members)
+
+
+def check_endpoints(text: str, backend: str,
+                    resolve: Callable[[str], Any] = socket.getaddrinfo) -> tuple[tuple[str, int], ...]:
+    """``HOST:PORT`` or, for ``etcd-v2``, ``HOST:PORT,HOST:PORT,...`` (the members of one etcd
+    cluster: the rendezvous survives losing any member but a quorum); each checked as
+    :func:`check_endpoint`, no member twice."""
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) == 1:
+        return (check_endpoint(parts[0], resolve),)
+    if backend not in LIST_BACKENDS:
+        raise ConfigError(f"--rdzv-endpoint {text!r}: a list of endpoints is for --rdzv-backend etcd-v2 (the members of "
+                          f"one etcd cluster); {backend} takes one HOST:PORT, the same on every node")
+    if not all(parts):
+        raise ConfigError(f"--rdzv-endpoint {text!r}: an empty entry; give HOST:PORT,HOST:PORT,... without empty items")
+    members = tuple(check_endpoint(x, resolve) for x in parts)
+    if len(set(members)) != len(members):
+        raise ConfigError(f"--rdzv-endpoint {text!r}: a member is listed twice; list each etcd member once")
+    return members

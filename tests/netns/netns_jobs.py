@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from elastic_utils import assert_losses_reproduce
 from elastor_ds.elastic.events import read_jsonl
 from elastor_ds.testing.netns import Testbed
 
@@ -21,6 +22,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 # each transformer layer sleeps per micro-batch (the example model's bench hook): ~0.7 s an iteration
 SLOW = json.dumps({"1": 0.12})
 STORE_PORT = 29400
+ITERS = 12
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS, READ_TIMEOUT_S = 1, 4, 10
 LIVENESS_TIMEOUT_S = KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS      # a silent node is lost after this
 FENCE_AFTER_S = LIVENESS_TIMEOUT_S - KEEP_ALIVE_S            # a node cut from the store kills its workers
@@ -171,3 +173,100 @@ def restorable_step(survivor: NodeJob, lost: NodeJob) -> int | None:
 def data_bytes(folder: str) -> int:
     """Bytes of the tensor data files (``*.safetensors``) in a snapshot folder."""
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def strike_point(survivor: NodeJob, lost: NodeJob, nodes) -> int:
+    """Wait for a step >= 3 whose peer copy (lost -> survivor) is complete."""
+    def ready():
+        s = restorable_step(survivor, lost)
+        return s if s is not None and s >= 3 else None
+    return wait_until(ready, nodes, 240, "a step with a complete peer copy")
+
+
+def after_detection(survivor: NodeJob, lost: NodeJob, timeout: float = 60) -> tuple[dict, int, dict]:
+    """The survivor's failure event, the step it can restore from memory and that step's files
+    (:func:`snapshot_files`), read from disk once its workers are torn down and before the
+    relaunched ones snapshot again."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        td = [e for e in survivor.event_list() if e.get("event") == "teardown"]
+        if td:
+            fail = next(e for e in survivor.event_list() if e.get("event") == "failure")
+            step = restorable_step(survivor, lost)
+            assert step is not None, "no complete peer copy on the survivor"
+            return fail, step, snapshot_files(survivor, lost, step)
+        time.sleep(0.02)
+    raise AssertionError(f"the survivor did not detect the loss in {timeout} s:\n{survivor.output()[-6000:]}")
+
+
+def check_recovery(survivor: NodeJob, lost: NodeJob, step: int, t_fault: float, world_after: int,
+                   expect_bytes: dict | None = None) -> dict:
+    """The survivor resumed from ``step`` in memory, re-ran exactly the iterations after it with
+    the same losses, read nothing from storage; ``expect_bytes``: the exact bytes per source (an
+    oracle such as :func:`restore_bytes_one_rank`)."""
+    recs = read_jsonl(survivor.metrics)
+    before = [r for r in recs if r["time"] <= t_fault]
+    assert before and {r["world_size"] for r in before} == {3}
+    assert recs[-1]["world_size"] == world_after and recs[-1]["iteration"] == ITERS
+    # the iterations the old world logged after the step resumed from run again, each with the loss
+    # it had then (the step is read from the survivor's disk at detection, not from our events)
+    last_before = max(r["iteration"] for r in recs if r["world_size"] == 3)
+    reruns = assert_losses_reproduce(recs, ITERS, reruns=last_before - step)
+    started = [e for e in survivor.event_list() if e.get("event") == "worker_started"]
+    assert started[-1]["resumed_from"] == step, (started[-1], step)
+    rest = [e for e in survivor.event_list() if e.get("event") == "restore"][-1]
+    assert rest["tier"] == "memory" and rest["step"] == step, rest
+    by = rest["bytes"]
+    # bytes per source: nothing from storage, no remote node asked; the lost node's ranks came from
+    # the peer copy the survivor holds, the survivor's own ranks from its local snapshot
+    assert by.get("storage", 0) == 0 and not any(k.startswith("remote:") for k in by), by
+    assert set(by) <= {"local-memory", "peer-memory", "storage"}, by
+    assert by["peer-memory"] > 0 and by["local-memory"] > 0, by
+    if expect_bytes is not None:
+        assert {k: v for k, v in by.items() if v} == expect_bytes, (by, expect_bytes)
+    return {"recs": recs, "rest": rest, "last_before": last_before, "reruns": reruns}
+
+
+def no_process_left(bed, *names):
+    left = {n: bed.pids(n) for n in names if bed.pids(n)}
+    assert not left, f"processes left on nodes: {left}"
+
+
+def snapshot_files(survivor: NodeJob, lost: NodeJob, step: int) -> dict:
+    """The oracle of a memory restore, read from the file system: the step's manifest (in the
+    survivor's own snapshot), and, for every file it lists, the size of the survivor's local copy and
+    of the peer copy it holds of the lost node's files (None: not there)."""
+    local = os.path.join(survivor.snapdir, "local", f"step_{step:09d}")
+    peer = peer_copy_dir(survivor, lost, step)
+    with open(os.path.join(local, "manifest.json")) as f:
+        manifest = json.load(f)
+
+    def size(folder, name):
+        p = os.path.join(folder, name)
+        return os.path.getsize(p) if os.path.isfile(p) else None
+    return {"manifest": manifest, "local": {n: size(local, n) for n in manifest["files"]},
+            "peer": {n: size(peer, n) for n in manifest["files"]}}
+
+
+def restore_bytes_one_rank(files: dict, own_ranks) -> dict:
+    """Bytes a restore into a world of ONE rank reads per source, from the manifest alone: that rank
+    needs every tensor, so it reads every chunk (``length`` bytes at ``offset``), every block-CRC
+    table whole, and the state file of old rank 0 (its own rank number); the files the survivor's old
+    ranks wrote come from its local snapshot, all the others from the peer copy. Checked first: each
+    file is where that says (local or peer), at the size the manifest gives."""
+    m = files["manifest"]
+    own = {n for n, f in m["files"].items() if f["writer_rank"] in own_ranks}
+    for n, f in m["files"].items():
+        where = files["local"] if n in own else files["peer"]
+        assert where[n] == f["size"], (n, f, files["local"].get(n), files["peer"].get(n))
+    by_file: dict[str, int] = {}
+    for t in m["tensors"].values():
+        for c in t["chunks"]:
+            by_file[c["file"]] = by_file.get(c["file"], 0) + c["length"]
+            by_file.setdefault(c["blocks"]["table"], m["files"][c["blocks"]["table"]]["size"])
+    state = m["rank_state_files"]["0"]
+    by_file[state] = m["files"][state]["size"]
+    out = {"local-memory": 0, "peer-memory": 0}
+    for n, b in by_file.items():
+        out["local-memory" if n in own else "peer-memory"] += b
+    return out

@@ -14,13 +14,12 @@ import time
 
 import pytest
 
-from elastic_utils import assert_losses_reproduce
 from elastor_ds.elastic.events import read_jsonl
 from elastor_ds.testing.netns import Cut
-from netns_jobs import KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, NodeJob, Store, restorable_step, wait_until
+from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, NodeJob, Store, after_detection, check_recovery,
+                        no_process_left, restore_bytes_one_rank, strike_point, wait_until)
 
 pytestmark = pytest.mark.timeout(400)
-ITERS = 12
 
 
 def _start(bed_factory, tmp_path):
@@ -31,80 +30,31 @@ def _start(bed_factory, tmp_path):
     return bed, store, big, small
 
 
-def _strike_point(survivor: NodeJob, lost: NodeJob, nodes) -> int:
-    """Wait for a step >= 3 whose peer copy (lost -> survivor) is complete."""
-    def ready():
-        s = restorable_step(survivor, lost)
-        return s if s is not None and s >= 3 else None
-    return wait_until(ready, nodes, 240, "a step with a complete peer copy")
-
-
-def _after_detection(survivor: NodeJob, lost: NodeJob, timeout: float = 60) -> tuple[dict, int]:
-    """The survivor's failure event, and the step it can restore from memory (read from disk once
-    its workers are torn down and before the relaunched ones snapshot again)."""
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        td = [e for e in survivor.event_list() if e.get("event") == "teardown"]
-        if td:
-            fail = next(e for e in survivor.event_list() if e.get("event") == "failure")
-            step = restorable_step(survivor, lost)
-            assert step is not None, "no complete peer copy on the survivor"
-            return fail, step
-        time.sleep(0.02)
-    raise AssertionError(f"the survivor did not detect the loss in {timeout} s:\n{survivor.output()[-6000:]}")
-
-
-def _check_recovery(survivor: NodeJob, lost: NodeJob, step: int, t_fault: float, world_after: int) -> dict:
-    recs = read_jsonl(survivor.metrics)
-    before = [r for r in recs if r["time"] <= t_fault]
-    assert before and {r["world_size"] for r in before} == {3}
-    assert recs[-1]["world_size"] == world_after and recs[-1]["iteration"] == ITERS
-    reruns = assert_losses_reproduce(recs, ITERS)          # re-run losses equal the uninterrupted run's
-    last_before = max(r["iteration"] for r in before)
-    started = [e for e in survivor.event_list() if e.get("event") == "worker_started"]
-    assert started[-1]["resumed_from"] == step, (started[-1], step)
-    assert reruns == last_before - step, (reruns, last_before, step)
-    rest = [e for e in survivor.event_list() if e.get("event") == "restore"][-1]
-    assert rest["tier"] == "memory" and rest["step"] == step, rest
-    by = rest["bytes"]
-    # bytes per source: nothing from storage, no remote node asked; the lost node's ranks came from
-    # the peer copy the survivor holds, the survivor's own ranks from its local snapshot
-    assert by.get("storage", 0) == 0 and not any(k.startswith("remote:") for k in by), by
-    assert set(by) <= {"local-memory", "peer-memory", "storage"}, by
-    assert by["peer-memory"] > 0 and by["local-memory"] > 0, by
-    return {"recs": recs, "rest": rest, "last_before": last_before, "reruns": reruns}
-
-
-def _no_process_left(bed, *names):
-    left = {n: bed.pids(n) for n in names if bed.pids(n)}
-    assert not left, f"processes left on nodes: {left}"
-
-
 def test_whole_node_lost(bed_factory, tmp_path):
     bed, store, big, small = _start(bed_factory, tmp_path)
-    _strike_point(big, small, [big, small])
+    strike_point(big, small, [big, small])
     t_fault = time.time()
     killed = bed.kill_node("n1")
     big.note_injected("whole node lost (SIGKILL)", t_fault)
     assert killed
-    fail, step = _after_detection(big, small)
+    fail, step, files = after_detection(big, small)
     assert big.wait() == 0, big.output()[-6000:]
-    out = _check_recovery(big, small, step, t_fault, world_after=2)
+    out = check_recovery(big, small, step, t_fault, world_after=2)
     # the dead processes' sockets were closed by the (shared) kernel, which resets the connections:
     # the survivor's workers fail at once, well under the liveness bound
     assert fail["time"] - t_fault < LIVENESS_TIMEOUT_S + 1, fail
-    _no_process_left(bed, "n0", "n1")
+    no_process_left(bed, "n0", "n1")
     rec = [e for e in big.event_list() if e.get("event") == "recovery"]
     assert rec and rec[-1]["resumed_from"] == step
 
 
 def test_silent_node_loss_is_detected_in_bounded_time(bed_factory, tmp_path):
     bed, store, big, small = _start(bed_factory, tmp_path)
-    _strike_point(big, small, [big, small])
+    strike_point(big, small, [big, small])
     t_fault = time.time()
     bed.cut("n1", Cut.LINK_DOWN)
     big.note_injected("silent node loss (link down)", t_fault)
-    fail, step = _after_detection(big, small)
+    fail, step, files = after_detection(big, small)
     # bounded detection: the survivor saw node 1's counter stop, and called it lost after the
     # liveness timeout (+ one read period + the monitor interval + slack for a loaded machine)
     assert fail["cause"] == "node_lost", fail
@@ -117,8 +67,8 @@ def test_silent_node_loss_is_detected_in_bounded_time(bed_factory, tmp_path):
     assert fenced is not None and fenced["time"] < fail["time"], (fenced, fail)
     assert "fenced out of the job" in small.output()
     assert big.wait() == 0, big.output()[-6000:]
-    _check_recovery(big, small, step, t_fault, world_after=2)
-    _no_process_left(bed, "n0", "n1")
+    check_recovery(big, small, step, t_fault, world_after=2)
+    no_process_left(bed, "n0", "n1")
 
 
 def _manifests_seen(ckpt: str, seen: dict) -> None:
@@ -139,11 +89,11 @@ def test_partitioned_node_is_fenced_and_commits_nothing(bed_factory, tmp_path):
     30 s, then its link comes back. It must not train on as a second job nor commit a step: it
     fences itself (kills its workers) before the survivor can count it lost, and exits 1."""
     bed, store, big, small = _start(bed_factory, tmp_path)
-    _strike_point(small, big, [big, small])
+    strike_point(small, big, [big, small])
     t_fault = time.time()
     bed.cut("n0", Cut.DROP)
     small.note_injected("network partition (node 0 cut off for 30 s)", t_fault)
-    fail, step = _after_detection(small, big)
+    fail, step, files = after_detection(small, big)
     assert fail["cause"] == "node_lost" and [n["node_rank"] for n in fail["lost_nodes"]] == [0], fail
     assert big.wait(timeout=60) == 1, big.output()[-6000:]
     fenced = big.first("fenced")
@@ -157,13 +107,14 @@ def test_partitioned_node_is_fenced_and_commits_nothing(bed_factory, tmp_path):
     bed.heal("n0")
     assert small.wait() == 0, small.output()[-6000:]
     _manifests_seen(small.ckpt, seen)
-    out = _check_recovery(small, big, step, t_fault, world_after=1)
+    out = check_recovery(small, big, step, t_fault, world_after=1,
+                         expect_bytes=restore_bytes_one_rank(files, own_ranks=[2]))   # node 1 held rank 2
     # no split brain: after the cut only the survivor's world (1 process) logged iterations and
     # committed steps (1 s of grace: a record whose collectives had finished before the cut)
     assert {r["world_size"] for r in out["recs"] if r["time"] > t_fault + 1} == {1}
     late = {d: w for d, (w, t) in seen.items() if t > t_fault + 1}
     assert late and set(late.values()) == {1}, seen
-    _no_process_left(bed, "n0", "n1")
+    no_process_left(bed, "n0", "n1")
 
 
 def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
@@ -186,4 +137,4 @@ def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
     before = sorted(r["iter_time_s"] for r in recs if r["time"] < t_fault and r["iteration"] > 1)
     after = sorted(r["iter_time_s"] for r in recs if r["time"] > t_fault + 2)
     assert before and after and after[len(after) // 2] > before[len(before) // 2], (before, after)
-    _no_process_left(bed, "n0", "n1")
+    no_process_left(bed, "n0", "n1")
