@@ -320,6 +320,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         reason = self._fence_reason or (f"lost contact with the rendezvous store at {self.cfg.rdzv_endpoint} "
                                         f"({type(err).__name__}: {err}); this node leaves the job, its workers "
                                         f"were killed")
+        if not self._fence_reason and self.cfg.rdzv_backend == "c10d":
+            reason += (". A c10d job ends with its store's host: run the store outside the nodes that can fail "
+                       "(python -m elastor_ds.elastic.store_main, --rdzv-conf is_host=0) or use --rdzv-backend "
+                       "etcd-v2 with every etcd member in --rdzv-endpoint")
         return self._stop_job(reason)
 
     def _observe(self, wg) -> list[WorkerOutcome]:

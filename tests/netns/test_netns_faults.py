@@ -16,7 +16,7 @@ import pytest
 
 from elastor_ds.elastic.events import read_jsonl
 from elastor_ds.testing.netns import Cut
-from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, NodeJob, Store, after_detection, check_recovery,
+from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, READ_TIMEOUT_S, NodeJob, Store, after_detection, check_recovery,
                         no_process_left, restore_bytes_one_rank, strike_point, wait_until)
 
 pytestmark = pytest.mark.timeout(400)
@@ -137,4 +137,31 @@ def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
     before = sorted(r["iter_time_s"] for r in recs if r["time"] < t_fault and r["iteration"] > 1)
     after = sorted(r["iter_time_s"] for r in recs if r["time"] > t_fault + 2)
     assert before and after and after[len(after) // 2] > before[len(before) // 2], (before, after)
+    no_process_left(bed, "n0", "n1")
+
+
+def test_c10d_store_host_lost_ends_the_job_with_a_clear_message(bed_factory, tmp_path):
+    """The documented limit of the c10d backend: node 0 hosts the store (is_host=1, endpoint on its
+    address) and is lost whole. The survivor cannot rendezvous again: it stops in bounded time,
+    non-zero, saying it lost the rendezvous store, with no process left behind (the deployment the
+    README asks for runs the store outside the nodes, or uses etcd-v2: test_netns_etcd)."""
+    bed = bed_factory(["n0", "n1"])
+    endpoint = f"{bed.node('n0').addr}:29400"
+    host = NodeJob(bed, "n0", tmp_path, endpoint, nproc=2, iters=ITERS, extra_conf="is_host=1")
+    other = NodeJob(bed, "n1", tmp_path, endpoint, nproc=1, iters=ITERS)
+    wait_until(lambda: other.latest() is not None and other.latest() >= 1, [host, other], 240, "iteration 1")
+    t_fault = time.time()
+    bed.kill_node("n0")
+    other.note_injected("node 0 (hosting the c10d store) lost whole", t_fault)
+    rc = other.wait(timeout=120)
+    t_end = time.time()
+    out = other.output()
+    assert rc == 1, (rc, out[-6000:])
+    assert f"lost contact with the rendezvous store at {endpoint}" in out, out[-6000:]
+    assert "A c10d job ends with its store's host" in out and "etcd-v2" in out, out[-6000:]
+    assert "Traceback" not in out.split("elastor run: phases")[-1], out[-6000:]
+    stopped = other.first("stopped")
+    assert stopped is not None and stopped["exit_code"] == 1 and endpoint in stopped["reason"], stopped
+    # bounded: the store's read timeout (10 s) bounds every store call of the controller
+    assert t_end - t_fault < READ_TIMEOUT_S * 3, t_end - t_fault
     no_process_left(bed, "n0", "n1")
