@@ -784,7 +784,10 @@ class Planner:
                 stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))
                 first += cnt
             out.append(PlanReplica(tuple(stages), m))
-        plan = Plan(self.L, tuple(out), self._unused(out), "heterogeneous")
+        # every usable GPU is in one group of the pool: the groups no slot took are the unused GPUs
+        left = [d for k, gs in pools.items() for g in gs[idx[k]:] for d in g.devices]
+        left.sort(key=lambda d: (d.node, d.local_id))
+        plan = Plan(self.L, tuple(out), tuple(left), "heterogeneous")
         if plan.uniform_dims() is not None and len({mm for _, mm in reps}) == 1:
             plan = Plan(self.L, plan.replicas, plan.unused, "uniform")
         return plan
