@@ -200,7 +200,7 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
     search = doc.get("search") or {}
     if search.get("replan"):
         lines.append(f"re-planned: {search['replan']}" + (
-            f" ({search['kept_replicas']:,} replicas kept, {search['damaged_replicas']:,} rebuilt)"
+            f" ({search['kept_replicas']:,} replicas kept, {search['damaged_replicas']:,} damaged; {search.get('path', '')})"
             if "kept_replicas" in search else ""))
     if search.get("decision"):
         lines.append(f"search: {search['decision']}")
