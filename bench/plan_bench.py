@@ -251,7 +251,8 @@ def metadata_rows(quick: bool) -> None:
         r = in_subprocess("metadata_case", ranks)
         print(f"| {r['ranks']:,} | {r['shards']:,} | {r['save_plan_s']:.2f} ({r['save_plan_cpu_s']:.2f}) | "
               f"{r['save_plan_peak_mb']:.1f} | {r['manifest_s']:.2f} ({r['manifest_cpu_s']:.2f}) | "
-              f"{r['manifest_json_s']:.2f} ({r['manifest_json_cpu_s']:.2f}) | {r['manifest_mb']:.1f} | {r['chunks']:,} | "
+              f"{r['manifest_json_s']:.2f} ({r['manifest_json_cpu_s']:.2f}) | {r['manifest_mb']:.1f} | "
+              f"{r['chunks']:,} | "
               f"{r['load_plan_s']:.3f} ({r['load_plan_cpu_s']:.3f}) | {r['load_reads']:,} | {r['peak_rss_mb']:.0f} |",
               flush=True)
 

@@ -70,20 +70,26 @@ def register(subparsers: Any) -> None:
     g.add_argument("--num-layers", type=bounded_int("--num-layers"), required=True, help="transformer layers")
     g.add_argument("--hidden-size", type=bounded_int("--hidden-size"), required=True, help="hidden size")
     g.add_argument("--ffn-hidden-size", type=bounded_int("--ffn-hidden-size"), default=None, help="default 4 x hidden")
-    g.add_argument("--num-attention-heads", type=bounded_int("--num-attention-heads"), required=True, help="attention heads")
-    g.add_argument("--num-query-groups", type=bounded_int("--num-query-groups"), default=None, help="KV heads (GQA); default = heads")
+    g.add_argument("--num-attention-heads", type=bounded_int("--num-attention-heads"),
+                   required=True, help="attention heads")
+    g.add_argument("--num-query-groups", type=bounded_int("--num-query-groups"),
+                   default=None, help="KV heads (GQA); default = heads")
     g.add_argument("--seq-length", type=bounded_int("--seq-length"), required=True, help="sequence length")
     g.add_argument("--vocab-size", type=bounded_int("--vocab-size"), required=True, help="vocabulary size")
     g.add_argument("--swiglu", action="store_true", help="gated MLP (three FFN matrices)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", help="separate output layer")
-    g.add_argument("--dtype-bytes", type=bounded_int("--dtype-bytes"), default=2, help="bytes per parameter (default 2)")
+    g.add_argument("--dtype-bytes", type=bounded_int("--dtype-bytes"),
+                   default=2, help="bytes per parameter (default 2)")
     g.add_argument("--make-vocab-size-divisible-by", type=bounded_int("--make-vocab-size-divisible-by"), default=128,
                    help="Megatron's vocabulary padding (decides which ranks of different TP widths share embedding "
                         "rows in the split all-reduce)")
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=bounded_int("--micro-batch-size"), required=True, help="samples per micro-batch")
-    t.add_argument("--global-batch-size", type=bounded_int("--global-batch-size"), required=True, help="samples per iteration (fixed)")
-    t.add_argument("--tensor-model-parallel-size", type=bounded_int("--tensor-model-parallel-size"), default=1, help="nominal (maximum) TP")
+    t.add_argument("--micro-batch-size", type=bounded_int("--micro-batch-size"),
+                   required=True, help="samples per micro-batch")
+    t.add_argument("--global-batch-size", type=bounded_int("--global-batch-size"),
+                   required=True, help="samples per iteration (fixed)")
+    t.add_argument("--tensor-model-parallel-size", type=bounded_int("--tensor-model-parallel-size"),
+                   default=1, help="nominal (maximum) TP")
     t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="default 1; heterogeneous plans run ZeRO-1 at most and are priced so")
     c = p.add_argument_group("cluster")
@@ -118,8 +124,9 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
                                               nominal_tp=args.tensor_model_parallel_size,
                                               zero_stage=args.zero_stage)
     if training.num_micro_batches > MAX_MICRO_BATCHES:
-        raise ConfigError(f"--global-batch-size {args.global_batch_size} / --micro-batch-size {args.micro_batch_size} = "
-                          f"{training.num_micro_batches:,} micro-batches; at most {MAX_MICRO_BATCHES:,} are supported")
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} / --micro-batch-size "
+                          f"{args.micro_batch_size} = {training.num_micro_batches:,} micro-batches; at most "
+                          f"{MAX_MICRO_BATCHES:,} are supported")
     training.check_against(model)
     kw = {"gpu_memory_gb": args.gpu_memory_gb, "intra_node_bandwidth_gbs": args.intra_node_bandwidth_gbs,
           "inter_node_bandwidth_gbs": args.inter_node_bandwidth_gbs}
@@ -200,7 +207,8 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
     search = doc.get("search") or {}
     if search.get("replan"):
         lines.append(f"re-planned: {search['replan']}" + (
-            f" ({search['kept_replicas']:,} replicas kept, {search['damaged_replicas']:,} damaged; {search.get('path', '')})"
+            f" ({search['kept_replicas']:,} replicas kept, {search['damaged_replicas']:,} damaged; "
+            f"{search.get('path', '')})"
             if "kept_replicas" in search else ""))
     if search.get("decision"):
         lines.append(f"search: {search['decision']}")

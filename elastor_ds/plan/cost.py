@@ -266,7 +266,8 @@ class CostModel:
             out["tp_all_reduce"] = nv
         bw = (f"assumed: {cl.intra_node_bandwidth_gbs:g} GB/s within a node, {cl.inter_node_bandwidth_gbs:g} GB/s "
               f"across nodes")
-        out["p2p"] = prof.source("collectives") if self.measured(CollectiveKind.P2P) is not None else bw  # type: ignore[union-attr]
+        p2p_measured = self.measured(CollectiveKind.P2P) is not None
+        out["p2p"] = prof.source("collectives") if p2p_measured else bw  # type: ignore[union-attr]
         z = min(self.training.zero_stage, HETERO_MAX_ZERO)
         sync_measured = all(self.measured(k) is not None for k in self._sync_kinds(z))
         out["gradient_sync"] = prof.source("collectives") if sync_measured else bw  # type: ignore[union-attr]

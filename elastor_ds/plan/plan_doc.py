@@ -65,7 +65,8 @@ class PlanReplica:
         k = self.__dict__.get("_shape")
         if k is None:
             st = self.stages
-            k = (tuple((s.tp, s.layers, s.speed) for s in st), tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            k = (tuple((s.tp, s.layers, s.speed) for s in st),
+                 tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
             object.__setattr__(self, "_shape", k)
         return k
 

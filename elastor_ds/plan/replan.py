@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 MAX_CHANGED_NODES = 64      # a larger change is planned from scratch
 EXACT = 3                   # candidates priced exactly (1 above Planner.LARGE_GPUS GPUs)
 FULL_SEARCH_BELOW = 4096    # GPUs: up to this many, the full search runs as well
-RESHAPE_MARGIN = 0.002
+RESHAPE_MARGIN = 0.002      # a re-shaped plan must be estimated this much faster to be placed
 RESHAPE_SEARCH_MAX = 16384  # GPUs: up to this many the re-shape runs the search's candidates for the
-                            # previous cut in full; above, one ladder of replica counts (bounded time)      # a re-shaped plan must be estimated this much faster to be placed
+                            # previous cut in full; above, one ladder of replica counts (bounded time)
 
 
 def replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: int = 3,

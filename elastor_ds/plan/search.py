@@ -1032,7 +1032,8 @@ def _multiset_partitions(rem: tuple[int, ...], max_block: tuple[int, ...]) -> It
             yield (blk,) + tail
 
 
-def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict, R: int) -> list[tuple[tuple[ClassKey, ...], int]]:
+def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict,
+              R: int) -> list[tuple[tuple[ClassKey, ...], int]]:
     """LPT with multiplicities: items of each class (largest capacity first) go one each to the
     least-loaded replicas; replicas with identical contents are kept as one kind with a count."""
     kinds: dict[tuple[int, ...], int] = {tuple([0] * len(classes)): R}
