@@ -84,12 +84,18 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     t0, c0 = time.perf_counter(), time.process_time()
     res = replan(cost, prev, prev_cluster, full_search_below=0)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    import tracemalloc  # a second re-plan from a fresh copy, for its peak Python heap
+    prev, prev_cluster = plan_from_document(json.loads(text), new)
+    tracemalloc.start()
+    replan(cost, prev, prev_cluster, full_search_below=0)
+    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
     new.device_tuple()
     t1, c1 = time.perf_counter(), time.process_time()
     full = plan(cost)
     ft, fc = time.perf_counter() - t1, time.process_time() - c1
     return {"gpus": nodes * 8, "loss": loss, "model": model_name, "M": gbs, "seconds": dt, "cpu_s": dc,
-            "load_seconds": lt, "load_cpu_s": lc, "full_seconds": ft, "full_cpu_s": fc,
+            "load_seconds": lt, "load_cpu_s": lc, "replan_peak_mb": peak, "full_seconds": ft, "full_cpu_s": fc,
             "how": f"{res.search_stats.get('replan', '')}: {res.search_stats.get('path', '')}",
             "ratio": res.best.cost.iteration_time_s / full.best.cost.iteration_time_s}
 
@@ -224,8 +230,9 @@ def replan_rows(quick: bool) -> None:
     print("The previous plan is read back from its JSON document first (parse + devices: 'load' column, not part "
           "of the re-plan), as a relaunched trainer or `elastor plan --from-plan` has it.\n")
     print("| GPUs before | lost | model | micro-batches | load previous plan CPU s | re-plan wall s | re-plan CPU s | "
-          "full search wall s | full search CPU s | re-plan / full search (iteration time) | re-plan path |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "re-plan peak heap MB | full search wall s | full search CPU s | re-plan / full search (iteration time) | "
+          "re-plan path |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rcases = [("70B", 128, "1", 1024), ("70B", 128, "8", 1024), ("70B", 128, "node", 1024), ("7B", 128, "4", 1024)]
     if not quick:
         rcases += [("70B", 16384, "1", 16384), ("70B", 16384, "8", 16384), ("70B", 16384, "node", 16384),
@@ -234,7 +241,7 @@ def replan_rows(quick: bool) -> None:
         r = in_subprocess("replan_case", name, nodes, loss, gbs)
         lost = "1 node" if loss == "node" else f"{loss} GPU" + ("s" if loss != "1" else "")
         print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['load_cpu_s']:.2f} | {r['seconds']:.3f} | "
-              f"{r['cpu_s']:.3f} | "
+              f"{r['cpu_s']:.3f} | {r['replan_peak_mb']:.1f} | "
               f"{r['full_seconds']:.2f} | {r['full_cpu_s']:.2f} | {r['ratio']:.4f} | {r['how']} |", flush=True)
 
 
