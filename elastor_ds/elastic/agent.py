@@ -50,7 +50,7 @@ from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
-from .protocol import (ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
+from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_EVENTS_FILE, collective_bound, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
                        ENV_ROUND, EXIT_RESIZE, heartbeat_path)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
@@ -199,6 +199,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             env[ENV_EVENTS_FILE] = os.path.abspath(self.cfg.events)
         if self.cfg.gpu_memory_gb:
             env[ENV_GPU_MEMORY_GB] = str(self.cfg.gpu_memory_gb)
+        if self.cfg.hang_timeout:   # the workers' own backstop; the controller's hang detection acts first
+            env[ENV_COLLECTIVE_TIMEOUT] = f"{collective_bound(self.cfg.hang_timeout):g}"
         if self.cfg.use_gpu:
             ids = [self._visible[d] if d < len(self._visible) else str(d) for d in self.devices]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)

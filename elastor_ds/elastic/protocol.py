@@ -30,6 +30,7 @@ ENV_LAUNCH_MODE = "ELASTOR_LAUNCH_MODE"          # LaunchMode of this worker pro
 ENV_T_STANDBY_SPAWN = "ELASTOR_T_STANDBY_SPAWN"  # a standby worker: wall time its process started
 ENV_T_STANDBY_READY = "ELASTOR_T_STANDBY_READY"  # a standby worker: wall time its imports were done
 ENV_STANDBY_DIR = "ELASTOR_STANDBY_DIR"          # node-local folder of the standby pool (modules list)
+ENV_COLLECTIVE_TIMEOUT = "ELASTOR_COLLECTIVE_TIMEOUT_S"  # seconds a collective may wait (2 x --hang-timeout)
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -53,6 +54,31 @@ class StopCode(enum.IntEnum):
 
     def exit_code(self) -> int:
         return EXIT_RESIZE if self is StopCode.RESIZE else EXIT_OK
+
+
+def collective_bound(hang_timeout_s: float) -> float:
+    """The bound on one collective for a launch with ``--hang-timeout``: twice it, so that the
+    controller's own hang detection (a heartbeat older than ``--hang-timeout``, which names the hung
+    worker) acts first, and the workers' timeout only where nothing else does."""
+    return 2.0 * hang_timeout_s
+
+
+def collective_timeout_s(env: dict[str, str] | None = None) -> float | None:
+    """The bound on any one collective the controller gave this launch (:func:`collective_bound`),
+    or None (not under ``elastor run``, or hang detection off: torch's defaults, 30 minutes for
+    gloo). A worker blocked in a collective with a peer that vanished without a reset fails after
+    this long on its own, even where no controller watches."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_COLLECTIVE_TIMEOUT, "").strip()
+    if not raw:
+        return None
+    try:
+        t = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT}={raw!r}: expected a number of seconds > 0") from None
+    if not (t > 0 and t < float("inf")):
+        raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT}={raw!r}: expected a number of seconds > 0")
+    return t
 
 
 def heartbeat_path(folder: str, local_rank: int) -> str:

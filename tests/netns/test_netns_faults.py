@@ -123,6 +123,10 @@ def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
     down, but no node is declared lost or fenced, nothing restarts, every iteration runs once."""
     bed, store, big, small = _start(bed_factory, tmp_path)
     wait_until(lambda: big.latest() is not None and big.latest() >= 3, [big, small], 240, "iteration 3")
+    # the workers' own collective bound: 2 x --hang-timeout (default 300 s), in every worker's environment
+    for pid in big.first("launch")["pids"] + small.first("launch")["pids"]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"ELASTOR_COLLECTIVE_TIMEOUT_S=600\x00" in f.read(), pid
     t_fault = time.time()
     qdisc = bed.slow("n1", rate_kbit=4000)
     big.note_injected(f"slow link ({qdisc} 4 Mbit/s)", t_fault)

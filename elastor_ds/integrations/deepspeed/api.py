@@ -17,7 +17,7 @@ import logging
 from typing import Any, Optional
 
 from ...errors import ConfigError
-from .compat import check_version, disable_cpu_jit_ops, harden_optimizer_config
+from .compat import bound_collective_timeouts, check_version, disable_cpu_jit_ops, harden_optimizer_config
 from .config import ElastorConfig, split_ds_config
 from .runtime import ElastorCheckpointer, engine_layout
 
@@ -143,8 +143,15 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """``deepspeed.init_distributed`` without the CPU just-in-time op build."""
+    """``deepspeed.init_distributed`` without the CPU just-in-time op build. Under ``elastor run``
+    every collective is bounded by the launch's ``ELASTOR_COLLECTIVE_TIMEOUT_S`` (the world group's
+    ``timeout`` unless the caller gives one, and the default of every group created later:
+    :func:`~.compat.bound_collective_timeouts`)."""
     check_version()
     disable_cpu_jit_ops()
+    from ...elastic.protocol import collective_timeout_s
+    bound = collective_timeout_s()
+    if bound is not None:
+        kwargs.setdefault("timeout", bound_collective_timeouts(bound))
     import deepspeed
     deepspeed.init_distributed(*args, **kwargs)

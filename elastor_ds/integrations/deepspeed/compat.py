@@ -80,3 +80,24 @@ def harden_optimizer_config(ds_config: dict[str, Any]) -> dict[str, Any]:
         log.info("CPU accelerator: setting optimizer.params.torch_adam=true to avoid a just-in-time C++ build")
         ds_config = dict(ds_config, optimizer=dict(opt, params=params))
     return ds_config
+
+
+def bound_collective_timeouts(seconds: float):
+    """Host patch (torch 2.13, ``torch.distributed.distributed_c10d``): every process group created
+    without an explicit ``timeout`` from now on waits at most ``seconds`` in a collective; returns the
+    ``timedelta`` for the world group.
+
+    What it changes: the module defaults ``default_pg_timeout`` (gloo and others, 30 minutes) and
+    ``default_pg_nccl_timeout`` (10 minutes), which ``new_group`` reads at call time. Why: DeepSpeed's
+    and Megatron's data-, pipeline- and tensor-parallel groups are made with ``new_group(ranks)``,
+    which ignores the world group's timeout; a survivor whose peer vanished without a reset would
+    wait 30 minutes in their all-reduce. How to drop it: when torch lets ``new_group`` inherit the
+    world group's timeout (or DeepSpeed passes one), remove this call; nothing else reads it."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+    td = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = td
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = td
+    return td
