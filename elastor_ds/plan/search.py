@@ -770,18 +770,19 @@ class Planner:
             for j, (k, cnt) in enumerate(zip(sol.order, sol.counts)):
                 slots.append((first, ri, j, k))
                 first += cnt
-        slots.sort(key=lambda s: (s[0], s[1], s[2]))
-        taken: dict[tuple[int, int], Group] = {}
+        slots.sort()  # (first layer, replica, stage) is unique: the class never decides
+        taken: list[list[Group | None]] = [[None] * len(sol.counts) for sol, _ in reps]
         idx = {k: 0 for k in pools}
         for first, ri, j, k in slots:
-            taken[(ri, j)] = pools[k][idx[k]]
+            taken[ri][j] = pools[k][idx[k]]
             idx[k] += 1
         out = []
         for ri, (sol, m) in enumerate(reps):
             stages, first = [], 0
+            row = taken[ri]
             for j, cnt in enumerate(sol.counts):
-                g = taken[(ri, j)]
-                stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))
+                g = row[j]
+                stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))  # type: ignore[union-attr]
                 first += cnt
             out.append(PlanReplica(tuple(stages), m))
         # every usable GPU is in one group of the pool: the groups no slot took are the unused GPUs
