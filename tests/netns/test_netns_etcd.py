@@ -14,8 +14,8 @@ import time
 import pytest
 
 from elastor_ds.testing.etcd_cluster import EtcdCluster, etcd_unavailable
-from netns_jobs import (ITERS, LIVENESS_TIMEOUT_S, NodeJob, after_detection, check_recovery, no_process_left, restore_bytes_one_rank,
-                        strike_point)
+from netns_jobs import (ITERS, LIVENESS_TIMEOUT_S, NodeJob, after_detection, check_recovery, final_manifest,
+                        no_process_left, restore_bytes, strike_point)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,13 +47,13 @@ def test_etcd_rendezvous_survives_losing_node0(bed_factory, tmp_path):
     small.note_injected("node 0 lost whole (controller, workers and its etcd member SIGKILLed)", t_fault)
     assert killed
     fail, step, files = after_detection(small, big)
-    expect = restore_bytes_one_rank(files, own_ranks=[2])     # node 1 held global rank 2
     # its workers failed at once (the dead node's sockets were reset); one failure, counted once
     # (the failure ledger on etcd's store: there is no compare-and-set)
     assert fail["time"] - t_fault < LIVENESS_TIMEOUT_S + 1, fail
     assert fail["job_failures"] == 1 and fail["collateral_of"] is None, fail
     assert small.wait() == 0, small.output()[-6000:]
-    check_recovery(small, big, step, t_fault, world_after=1, expect_bytes=expect)
+    check_recovery(small, big, step, t_fault, world_after=1,
+                   expect_bytes=lambda: restore_bytes(files, [2], final_manifest(small.ckpt)))   # n1 held 2
     launches = [e for e in small.event_list() if e.get("event") == "launch"]
     assert [(e["world_size"], e["node_rank"]) for e in launches] == [(3, 1), (1, 0)], launches
     assert "fenced" not in [e["event"] for e in small.event_list()]

@@ -6,7 +6,9 @@ Faults: a whole node SIGKILLed; a node whose link is cut (no reset reaches anyon
 partitioned off for 30 s that comes back (and hosts global rank 0). Each test asserts the step
 resumed from (the newest step the survivor holds in memory, read from disk right after the
 fault), the bytes per restore source, the losses of the re-run iterations (equal to those the
-uninterrupted run logged), the detection bound, and that no process and no namespace is left."""
+uninterrupted run logged), the detection bound, and that no process and no namespace is left.
+The bytes per restore source are exact: computed from the restored step's manifest and the
+relaunched world's (netns_jobs.restore_bytes), never from our counters."""
 from __future__ import annotations
 
 import os
@@ -16,8 +18,8 @@ import pytest
 
 from elastor_ds.elastic.events import read_jsonl
 from elastor_ds.testing.netns import Cut
-from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, READ_TIMEOUT_S, NodeJob, Store, after_detection, check_recovery,
-                        no_process_left, restore_bytes_one_rank, strike_point, wait_until)
+from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, READ_TIMEOUT_S, NodeJob, Store, after_detection,
+                        check_recovery, final_manifest, no_process_left, restore_bytes, strike_point, wait_until)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -39,7 +41,8 @@ def test_whole_node_lost(bed_factory, tmp_path):
     assert killed
     fail, step, files = after_detection(big, small)
     assert big.wait() == 0, big.output()[-6000:]
-    out = check_recovery(big, small, step, t_fault, world_after=2)
+    out = check_recovery(big, small, step, t_fault, world_after=2,
+                         expect_bytes=lambda: restore_bytes(files, [0, 1], final_manifest(big.ckpt)))   # n0 held 0, 1
     # the dead processes' sockets were closed by the (shared) kernel, which resets the connections:
     # the survivor's workers fail at once, well under the liveness bound
     assert fail["time"] - t_fault < LIVENESS_TIMEOUT_S + 1, fail
@@ -67,7 +70,8 @@ def test_silent_node_loss_is_detected_in_bounded_time(bed_factory, tmp_path):
     assert fenced is not None and fenced["time"] < fail["time"], (fenced, fail)
     assert "fenced out of the job" in small.output()
     assert big.wait() == 0, big.output()[-6000:]
-    check_recovery(big, small, step, t_fault, world_after=2)
+    check_recovery(big, small, step, t_fault, world_after=2,
+                   expect_bytes=lambda: restore_bytes(files, [0, 1], final_manifest(big.ckpt)))   # n0 held 0, 1
     no_process_left(bed, "n0", "n1")
 
 
@@ -108,7 +112,7 @@ def test_partitioned_node_is_fenced_and_commits_nothing(bed_factory, tmp_path):
     assert small.wait() == 0, small.output()[-6000:]
     _manifests_seen(small.ckpt, seen)
     out = check_recovery(small, big, step, t_fault, world_after=1,
-                         expect_bytes=restore_bytes_one_rank(files, own_ranks=[2]))   # node 1 held rank 2
+                         expect_bytes=lambda: restore_bytes(files, [2], final_manifest(small.ckpt)))   # n1 held 2
     # no split brain: after the cut only the survivor's world (1 process) logged iterations and
     # committed steps (1 s of grace: a record whose collectives had finished before the cut)
     assert {r["world_size"] for r in out["recs"] if r["time"] > t_fault + 1} == {1}
