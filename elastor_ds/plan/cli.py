@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     doc["cost_sources"] = cost.sources()  # which numbers were measured, which assumed
     doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)
     if args.json:
-        json.dump(doc, sys.stdout, indent=1, sort_keys=False)
+        if doc["num_usable_gpus"] <= 4096:
+            json.dump(doc, sys.stdout, indent=1, sort_keys=False)
+        else:  # json's C encoder (indentation takes the pure-Python one: seconds for 131,072 GPUs)
+            json.dump(doc, sys.stdout, separators=(",", ":"), sort_keys=False)
         sys.stdout.write("\n")
     else:
         print(format_table(doc, cost, full=args.full))

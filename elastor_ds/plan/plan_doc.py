@@ -283,7 +283,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise ConfigError("previous plan: a device is listed twice")
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(L, tuple(reps), unused, kind)
-    plan.to_layout()  # validates layer coverage and stage shapes (LayoutError is a ConfigError)
+    Layout.from_json(doc, L)  # validates layer coverage, stage shapes and ranks as the document gives them
     per: dict[int, list[Device]] = {}
     for d in known.values():
         per.setdefault(d.node, []).append(d)
@@ -344,5 +344,5 @@ def plan_document(result: Any, num_micro_batches: int, micro_batch_size: int,
                             "predicted_iteration_time_s": a.cost.iteration_time_s} for a in result.alternatives]
     if inputs is not None:
         doc["inputs"] = inputs
-    doc["fingerprint"] = best.plan.to_layout().fingerprint()
+    doc["fingerprint"] = Layout.from_json(doc).fingerprint()  # the layout of the replicas just written
     return doc
