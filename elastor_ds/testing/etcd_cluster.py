@@ -60,15 +60,37 @@ class EtcdCluster:
     def endpoint(self) -> str:
         return ",".join(f"{a}:{CLIENT_PORT}" for a in self.addrs.values())
 
-    def health(self, name: str, timeout: float = 2.0) -> bool:
-        """The member on ``name`` answers ``/health`` with a quorum behind it (asked from its own node)."""
-        url = f"http://{self.addrs[name]}:{CLIENT_PORT}/health"
-        res = self.bed.run(name, [sys.executable, "-c", f"import urllib.request as u; print(u.urlopen({url!r}, "
-                                                        f"timeout={timeout}).read().decode())"])
+    def _http(self, name: str, path: str, body: dict | None = None, timeout: float = 2.0) -> dict:
+        """GET (POST with a JSON ``body``) ``path`` of the member on ``name``, from its own node;
+        {} when it does not answer."""
+        url = f"http://{self.addrs[name]}:{CLIENT_PORT}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        code = (f"import urllib.request as u; r = u.Request({url!r}, data={data!r}); "
+                f"print(u.urlopen(r, timeout={timeout}).read().decode())")
+        res = self.bed.run(name, [sys.executable, "-c", code])
         try:
-            return json.loads(res.stdout or "{}").get("health") == "true"
+            return json.loads(res.stdout or "{}")
         except ValueError:
-            return False
+            return {}
+
+    def health(self, name: str) -> bool:
+        """The member on ``name`` answers ``/health`` with a quorum behind it."""
+        return self._http(name, "/health").get("health") == "true"
+
+    def leader(self) -> str | None:
+        """The node whose member leads the cluster now (None: no member says it leads)."""
+        return next((n for n in self.names if self._http(n, "/v2/stats/self").get("state") == "StateLeader"), None)
+
+    def move_leader(self, to: str, timeout: float = 30.0) -> None:
+        """Make the member on ``to`` the leader (etcd's leadership transfer, asked of the leader)."""
+        ids = {m["name"]: m["ID"] for m in self._http(to, "/v3/cluster/member/list", {}).get("members", [])}
+        t_end = time.monotonic() + timeout
+        while (now := self.leader()) != to:
+            if time.monotonic() > t_end:
+                raise RuntimeError(f"etcd leadership did not move to {to} in {timeout:.0f} s (leader: {now})")
+            if now is not None:
+                self._http(now, "/v3/maintenance/transfer-leadership", {"targetID": ids[to]})
+            time.sleep(0.2)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         t_end = time.monotonic() + timeout
