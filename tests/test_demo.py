@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -95,3 +96,21 @@ def test_demo_restores_from_memory_after_the_kill(tmp_path):
     assert f"restored step {resumed} from memory" in p.stdout
     assert f"lost {lost} iteration(s) (at most 1 with a memory snapshot every 1)" in p.stdout
     assert max(m["iteration"] for m in metrics) == 40
+
+    # predictions users can trust: every launch's plan has the trainer's predicted iteration time
+    # within 25 % of the median it then measured (raw metrics lines: a launch starts at the record
+    # carrying "plan"; its first iteration is the warm-up; the prediction is the launch's last one)
+    launches: list[list[dict]] = []
+    for m in metrics:
+        if "plan" in m or not launches:
+            launches.append([])
+        launches[-1].append(m)
+    assert [ln[0]["world_size"] for ln in launches] == [4, 3, 4], [ln[0]["world_size"] for ln in launches]
+    ratios = []
+    for ln in launches:
+        measured = statistics.median(m["iter_time_s"] for m in ln[1:])
+        predicted = ln[-1].get("predicted_iter_s")
+        assert isinstance(predicted, float) and predicted > 0, (ln[0]["layout"], ln[-1])
+        ratios.append((ln[0]["world_size"], ln[0]["layout"], round(predicted / measured, 3)))
+    print("predicted/measured per launch:", ratios)
+    assert all(0.75 <= r <= 1.25 for _, _, r in ratios), ratios     # |predicted - measured| <= 25 % of measured

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 GiB = float(1 << 30)
 HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
 GB = 1e9  # bandwidths are in GB/s
-PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives")
+PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives", "embedding_time_s",
+                  "step_time_s")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class Profile:
     collectives: CommProfile | None = None
     layer_time_includes_tp_comm: bool = True
     sources: Mapping[str, str] = field(default_factory=dict)
+    # measured by a running trainer (absent: 0, the analytical model's GPU-default behaviour):
+    embedding_time_s: Mapping[int, float] = field(default_factory=dict)  # first stage's non-layer s per micro-batch
+    step_time_s: float | None = None  # per iteration: optimizer step, gradient reduce, schedule bookkeeping
 
     def __post_init__(self) -> None:
         if not self.layer_time_s:
@@ -114,6 +118,12 @@ class Profile:
         for t, v in self.layer_time_s.items():
             if t < 1 or not (v > 0) or not math.isfinite(v):
                 raise ConfigError(f"profile layer_time_s[{t}]={v}: TP width >= 1 and time > 0 required")
+        for t, v in self.embedding_time_s.items():
+            if t < 1 or not (v >= 0) or not math.isfinite(v):
+                raise ConfigError(f"profile embedding_time_s[{t}]={v}: TP width >= 1 and time >= 0 required")
+        if self.step_time_s is not None and (not isinstance(self.step_time_s, (int, float)) or
+                                             not (self.step_time_s >= 0) or not math.isfinite(self.step_time_s)):
+            raise ConfigError(f"profile step_time_s={self.step_time_s!r}: seconds per iteration >= 0 required")
         if not isinstance(self.layer_time_includes_tp_comm, bool):
             raise ConfigError(f"profile layer_time_includes_tp_comm={self.layer_time_includes_tp_comm!r}: must be "
                               f"true or false")
@@ -127,7 +137,8 @@ class Profile:
         """How ``table`` was obtained (None when the profile does not have it)."""
         present = {"layer_time_s": bool(self.layer_time_s), "head_time_s": bool(self.head_time_s),
                    "activation_bytes_per_layer": bool(self.activation_bytes_per_layer),
-                   "collectives": self.collectives is not None}
+                   "collectives": self.collectives is not None, "embedding_time_s": bool(self.embedding_time_s),
+                   "step_time_s": self.step_time_s is not None}
         if not present.get(table):
             return None
         return self.sources.get(table, "measured (the profile does not say how)")
@@ -155,10 +166,14 @@ class Profile:
         src = d.get("sources") or {}
         if not isinstance(src, Mapping):
             raise ConfigError(f"profile sources: expected a mapping of table -> text, got {type(src).__name__}")
+        step = d.get("step_time_s")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
+            raise ConfigError(f"profile step_time_s={step!r}: expected seconds per iteration (a number)")
         return Profile(tbl("layer_time_s"), tbl("head_time_s"), tbl("activation_bytes_per_layer"),
                        d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")),
                        CommProfile.from_dict(coll) if coll is not None else None,
-                       d.get("layer_time_includes_tp_comm", True), dict(src))
+                       d.get("layer_time_includes_tp_comm", True), dict(src), tbl("embedding_time_s"),
+                       None if step is None else float(step))
 
     @staticmethod
     def load(path: str | Path) -> "Profile":
@@ -178,6 +193,10 @@ class Profile:
                "layer_time_includes_tp_comm": self.layer_time_includes_tp_comm}
         if self.collectives is not None:
             out["collectives"] = self.collectives.to_dict()
+        if self.embedding_time_s:
+            out["embedding_time_s"] = {str(k): v for k, v in sorted(self.embedding_time_s.items())}
+        if self.step_time_s is not None:
+            out["step_time_s"] = self.step_time_s
         if self.sources:
             out["sources"] = dict(self.sources)
         return out
@@ -271,6 +290,10 @@ class CostModel:
         z = min(self.training.zero_stage, HETERO_MAX_ZERO)
         sync_measured = all(self.measured(k) is not None for k in self._sync_kinds(z))
         out["gradient_sync"] = prof.source("collectives") if sync_measured else bw  # type: ignore[union-attr]
+        if prof is not None and prof.embedding_time_s:
+            out["embedding_time"] = f"{prof.source('embedding_time_s')} (per micro-batch, first stage)"
+        if prof is not None and prof.step_time_s is not None:
+            out["step_time"] = f"{prof.source('step_time_s')} (per iteration)"
         out["memory"] = ((prof.source("activation_bytes_per_layer") + " (activations); ")  # type: ignore[union-attr]
                          if prof is not None and prof.activation_bytes_per_layer else "") + \
             (f"assumed: analytical (weights, gradients, optimizer state, activations with flash attention, "
@@ -371,6 +394,20 @@ class CostModel:
             self._ht[tp] = v
         return v
 
+    def embedding_time(self, tp: int) -> float:
+        """The first stage's measured per-micro-batch work outside its layers (embedding, loading the
+        micro-batch; the profile's ``embedding_time_s``, nearest measured width); 0 when not measured."""
+        et = self.profile.embedding_time_s if self.profile is not None else None
+        if not et:
+            return 0.0
+        return et[tp] if tp in et else et[min(et, key=lambda k: (abs(k - tp), k))]
+
+    def step_time(self) -> float:
+        """The measured per-iteration time outside the pipeline schedule's passes (optimizer step,
+        gradient reduce, bookkeeping; the profile's ``step_time_s``); 0 when not measured."""
+        st = self.profile.step_time_s if self.profile is not None else None
+        return st or 0.0
+
     def stage_time(self, tp: int, num_layers: int, is_last: bool, speed: float = 1.0) -> float:
         return (num_layers * self.layer_time(tp) + (self.head_time(tp) if is_last else 0.0)) / speed
 
@@ -380,6 +417,8 @@ class CostModel:
         blocking p2p transfers (every micro-batch), when those are measured; 0 otherwise."""
         t = 0.0
         tp = tps[j]
+        if j == 0:
+            t += self.embedding_time(tp)
         c = self.measured(CollectiveKind.TP_ALL_REDUCE)
         if c is not None and j == 0 and tp > 1 and self._tp_comm_added():
             t += c.time(CollectiveKind.TP_ALL_REDUCE, tp, self.activation_bytes)
@@ -544,7 +583,7 @@ class CostModel:
             if any(mm > limit for mm in rc.stage_memory_bytes):
                 feasible = False
             reps.append(rc)
-        sync = self.sync_time(plan)
+        sync = self.sync_time(plan) + self.step_time()
         pipe = max(r.time_s for r in reps)
         return CostBreakdown(pipe + sync, pipe, sync, tuple(reps), limit, feasible)
 

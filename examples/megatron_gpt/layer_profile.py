@@ -38,6 +38,60 @@ class LayerProfiler:
         for layer in self.layers:
             self._handles.append(layer.register_forward_pre_hook(self._pre))
             self._handles.append(layer.register_forward_hook(self._post))
+        self.instr: dict[str, list[float]] = {}   # pipeline instruction -> [seconds, calls] in the window
+        self.ar_in = [0.0, 0]                      # TP all-reduces inside the layers: [seconds, calls]
+        self.ar_out = [0.0, 0]                     # TP all-reduces of the embedding, output layer and loss
+        self._tp_group = None
+        self._ar_orig = None
+        self.iter_s: list[float] = []              # train_batch wall seconds of the timed iterations
+        self._engine = None
+
+    def attach(self, engine: Any) -> None:
+        """Also time the pipeline engine's instructions (forward, backward, sends, receives, gradient
+        reduction, optimizer step) through the instance's instruction map, which the engine's
+        schedule loop looks up on every instruction; :meth:`gather` restores the class map."""
+        self._engine = engine
+        timed = {}
+        for kind, fn in type(engine)._INSTRUCTION_MAP.items():
+            timed[kind] = self._timed(kind.__name__, fn)
+        engine._INSTRUCTION_MAP = timed
+        if self.tp > 1:
+            self._time_tp_all_reduce()
+
+    def _time_tp_all_reduce(self) -> None:
+        """Time megatron's TP all-reduces (``torch.distributed.all_reduce`` on the TP group, looked up
+        at call time by megatron's mappings) while the window is open, apart inside and outside the
+        layers, so the layer times can be stored without them and the calls priced on their own."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        self._tp_group = ps.get_tensor_model_parallel_group()
+        orig = self._ar_orig = dist.all_reduce
+
+        def all_reduce(tensor: Any, *a: Any, **kw: Any) -> Any:
+            group = kw.get("group", a[1] if len(a) > 1 else None)
+            if not self.on or group is not self._tp_group:
+                return orig(tensor, *a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return orig(tensor, *a, **kw)
+            finally:
+                acc = self.ar_in if (self._t or self._b) else self.ar_out
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+        dist.all_reduce = all_reduce
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def run(eng: Any, **kw: Any) -> Any:
+            if not self.on:
+                return fn(eng, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(eng, **kw)
+            finally:
+                acc = self.instr.setdefault(name, [0.0, 0])
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+        return run
 
     def _pre(self, mod: Any, inputs: Any) -> None:
         if not self.on:
@@ -65,10 +119,13 @@ class LayerProfiler:
     def begin(self, iteration: int) -> None:
         self.on = self.first <= iteration < self.last
 
-    def end(self, iteration: int) -> bool:
-        """After ``iteration``; True when the window just closed (then call :meth:`gather` on every rank)."""
+    def end(self, iteration: int, iter_s: float | None = None) -> bool:
+        """After ``iteration`` (``iter_s``: its train_batch wall seconds); True when the window just
+        closed (then call :meth:`gather` on every rank)."""
         if self.on:
             self.iters += 1
+            if iter_s is not None:
+                self.iter_s.append(iter_s)
         self.on = False
         return iteration + 1 == self.last
 
@@ -81,18 +138,121 @@ class LayerProfiler:
         import torch.distributed as dist
         for h in self._handles:
             h.remove()
-        mine = (self.tp, self.seconds_per_layer())
+        if self._engine is not None and "_INSTRUCTION_MAP" in vars(self._engine):
+            del self._engine._INSTRUCTION_MAP
+        if self._ar_orig is not None:
+            dist.all_reduce = self._ar_orig
+        eng = self._engine
+        mine = (self.tp, self.seconds_per_layer(), {
+            "stage": getattr(eng, "stage_id", None), "first": bool(eng.is_first_stage()) if eng else None,
+            "last": bool(eng.is_last_stage()) if eng else None, "layers": len(self.layers), "layer_s": self.total,
+            "iters": self.iters, "iter_s": self.iter_s, "instr": self.instr, "ar_in": self.ar_in,
+            "ar_out": self.ar_out})
         got: list = [None] * dist.get_world_size()
         dist.all_gather_object(got, mine)
-        per_tp: dict[int, list[float]] = {}
-        for tp, t in got:
-            if t is not None:
-                per_tp.setdefault(tp, []).append(t)
-        return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length,
-                "device": "cpu (measured by pretrain_gpt.py)" if not _cuda() else "cuda (measured by pretrain_gpt.py)",
-                "layer_time_s": {str(tp): statistics.median(v) for tp, v in sorted(per_tp.items())},
-                "sources": {"layer_time_s": f"measured: median over ranks of each layer's forward+backward in "
-                                            f"{self.iters} training iterations (TP all-reduces included)"}}
+        self.breakdown = [g[2] for g in got]
+        dev = "cpu (measured by pretrain_gpt.py)" if not _cuda() else "cuda (measured by pretrain_gpt.py)"
+        if self._engine is None or self.iters == 0:  # layer hooks only: the whole layers, TP all-reduces included
+            per_tp: dict[int, list[float]] = {}
+            for tp, t, _ in got:
+                if t is not None:
+                    per_tp.setdefault(tp, []).append(t)
+            return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length, "device": dev,
+                    "layer_time_s": {str(tp): statistics.median(v) for tp, v in sorted(per_tp.items())},
+                    "sources": {"layer_time_s": f"measured: median over ranks of each layer's forward+backward in "
+                                                f"{self.iters} training iterations (TP all-reduces included)"}}
+        return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length, "device": dev,
+                **in_situ_terms(self.breakdown, self.tp, self.micro_batches)}
+
+
+def _med(v: list[float]) -> Optional[float]:
+    return statistics.median(v) if v else None
+
+
+def in_situ_terms(ranks: list[dict], tp: int, micro_batches: int) -> dict:
+    """The profile's terms from every rank's breakdown of the timed iterations (pure arithmetic):
+
+    * ``layer_time_s[tp]``: median over ranks of a layer's forward+backward per micro-batch, less the
+      TP all-reduces inside it (``layer_time_includes_tp_comm: false``);
+    * ``tp_all_reduce_s``: median seconds of one of those all-reduces as the job ran them;
+    * ``embedding_time_s[tp]`` / ``head_time_s[tp]``: the first / last stage's forward, backward and
+      micro-batch loading per micro-batch outside its layers and TP all-reduces (embedding; output
+      layer and loss);
+    * ``p2p_s``: median seconds of one blocking pipeline send;
+    * ``step_time_s``: median over ranks of the iteration's wall time outside the forward, backward,
+      load, send and receive instructions (gradient reduce, optimizer step, loss aggregation, the
+      checkpoint hooks).
+    """
+    lay, ar, emb, head, send, step = [], [], [], [], [], []
+    for r in ranks:
+        n, mb = r["iters"], micro_batches
+        ins = {k: v[0] for k, v in r["instr"].items()}
+        calls = {k: v[1] for k, v in r["instr"].items()}
+        if r["layers"]:
+            lay.append((r["layer_s"] - r["ar_in"][0]) / (r["layers"] * mb * n))
+        if r["ar_in"][1]:
+            ar.append(r["ar_in"][0] / r["ar_in"][1])
+        work = sum(ins.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch"))
+        rest = max(0.0, (work - r["layer_s"] - r["ar_out"][0]) / (mb * n))
+        if r["last"]:
+            head.append(rest)
+        elif r["first"]:
+            emb.append(rest)
+        sends = sum(calls.get(k, 0) for k in ("SendActivation", "SendGrad"))
+        if sends:
+            send.append(sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad")) / sends)
+        passes = work + sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad"))
+        if r["iter_s"]:
+            step.append(max(0.0, sum(r["iter_s"]) / len(r["iter_s"]) - passes / n))
+    n = ranks[0]["iters"]
+    how = f"measured: median over ranks, {n} training iterations at TP {tp}"
+    out: dict = {"layer_time_s": {str(tp): _med(lay)}, "layer_time_includes_tp_comm": False,
+                 "sources": {"layer_time_s": f"{how}, each layer's forward+backward less its TP all-reduces"}}
+    if emb:
+        out["embedding_time_s"] = {str(tp): _med(emb)}
+        out["sources"]["embedding_time_s"] = f"{how}, first stage's passes outside its layers and TP all-reduces"
+    if head:
+        out["head_time_s"] = {str(tp): _med(head)}
+        out["sources"]["head_time_s"] = f"{how}, last stage's passes outside its layers and TP all-reduces"
+    if step:
+        out["step_time_s"] = _med(step)
+        out["sources"]["step_time_s"] = f"{how}, iteration wall time outside the pipeline passes and transfers"
+    out["in_situ"] = {"tp_all_reduce_s": _med(ar), "p2p_s": _med(send)}
+    return out
+
+
+def scale_widths(doc: dict, tp: int, micro: dict) -> None:
+    """Fill the widths the job did not run: the measured width's times x this machine's
+    single-layer micro-benchmark ratio ``micro[t] / micro[tp]`` (``elastor_ds.plan.profile.measure``
+    on every rank right after the timed iterations)."""
+    base = micro.get(str(tp))
+    if not base:
+        return
+    for key in ("layer_time_s", "embedding_time_s", "head_time_s"):
+        table = doc.get(key)
+        if not table or table.get(str(tp)) is None:
+            continue
+        for t, v in micro.items():
+            if t != str(tp):
+                table[t] = table[str(tp)] * v / base
+        if key in doc.get("sources", {}) and len(micro) > 1:
+            doc["sources"][key] += (f"; TP {','.join(t for t in sorted(micro) if t != str(tp))} scaled by this "
+                                    f"machine's single-layer forward+backward ratio")[:120]
+    for key, text in list(doc.get("sources", {}).items()):
+        doc["sources"][key] = text[:300]
+
+
+def apply_in_situ(doc: dict, tp: int) -> None:
+    """Replace the calibration's TP all-reduce at this width and its p2p with the calls as the job
+    ran them (waits for peers included), and drop the working field."""
+    ins = doc.pop("in_situ", None) or {}
+    coll = doc.get("collectives")
+    if coll is None:
+        return
+    if ins.get("tp_all_reduce_s") is not None and tp > 1:
+        coll.setdefault("tp_all_reduce", {})[str(tp)] = {"latency_s": ins["tp_all_reduce_s"], "s_per_byte": 0.0}
+    if ins.get("p2p_s") is not None:
+        coll["p2p"] = {"2": {"latency_s": ins["p2p_s"], "s_per_byte": 0.0}}
 
 
 def _cuda() -> bool:

@@ -283,6 +283,42 @@ def plan_specs(args: argparse.Namespace):
     return model, training
 
 
+def price_layout(args: argparse.Namespace, world: int, layout, profile_doc: dict) -> float | None:
+    """The cost model's iteration time of the running ``layout`` with a profile document (rank
+    ``r`` on the cluster's ``r``-th device, as launched); None when the profile cannot be read."""
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.plan import CostModel, Plan, PlanReplica, PlanStage, Profile
+    try:
+        profile = Profile.from_dict(profile_doc)
+    except ConfigError as e:
+        log.warning("profile not used for the prediction: %s", e)
+        return None
+    model, training = plan_specs(args)
+    cluster = elastic_cluster(world)
+    devs = cluster.devices()
+    reps = tuple(PlanReplica(tuple(PlanStage(st.tp, tuple(st.layers), tuple(devs[r] for r in st.ranks))
+                                   for st in rep.stages), rep.micro_batches) for rep in layout.replicas)
+    from elastor_ds.runtime import needs_hetero
+    plan = Plan(args.num_layers, reps, (), "heterogeneous" if needs_hetero(layout) else "uniform")
+    return CostModel(model, training, cluster, profile=profile).evaluate(plan).iteration_time_s
+
+
+def micro_ratios(args: argparse.Namespace, tp: int) -> dict:
+    """Collective: this machine's forward+backward seconds of one layer of this model at each TP
+    width dividing the heads (``elastor_ds.plan.profile.measure``, a TP slice on one process), the
+    median over ranks, measured on every rank at once so the processes share the cores as in training."""
+    import statistics
+    import torch.distributed as dist
+    from elastor_ds.plan.profile import measure
+    groups = args.num_query_groups or args.num_attention_heads
+    widths = [t for t in (1, 2, 4, 8) if groups % t == 0 and ffn_size(args) % t == 0]
+    mine = measure(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                   ffn_size(args), groups, args.swiglu, widths, device="cpu", iters=10)["layer_time_s"]
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    return {t: statistics.median(g[t] for g in got if t in g) for t in mine}
+
+
 def auto_plan(args: argparse.Namespace, world: int):
     """The planner's best plan for the ``world`` launched processes, heterogeneous plans included
     (the default search space), priced with the per-layer profile this trainer measured before
@@ -525,7 +561,14 @@ def _main(argv: list[str] | None = None) -> int:
         import layer_profile
         prof = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, start + 1,
                                            min(args.profile_iters, args.train_iters - start - 1))
+        prof.attach(engine)
     plan_info = dict(getattr(args, "plan_info", None) or {"plan_source": "file" if args.elastor_plan else "flags"})
+    if "predicted_iter_s" not in plan_info:   # a given plan, priced with the profile of an earlier launch
+        import layer_profile
+        prof_path = layer_profile.find(args.load, args.save)
+        if prof_path:
+            with open(prof_path) as f:
+                plan_info.update(predicted_iter_s=price_layout(args, world, layout, json.load(f)), profile=prof_path)
     mfile = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
     t_start = time.time()
     last = args.train_iters if args.exit_after_iters is None else min(args.train_iters, args.exit_after_iters)
@@ -545,18 +588,29 @@ def _main(argv: list[str] | None = None) -> int:
             if it == min(start + 1, last - 1):  # the second iteration: the optimizer's state exists
                 state_all = [None] * world
                 dist.all_gather_object(state_all, state_memory.peak(state_mem))
-            if prof is not None and prof.end(it):
+            if prof is not None and prof.end(it, dt):
                 doc = prof.gather(args.micro_batch_size, args.seq_length)
+                if rank == 0 and os.environ.get("ELASTOR_PROFILE_BREAKDOWN"):  # per-rank raw timings (bench)
+                    with open(os.environ["ELASTOR_PROFILE_BREAKDOWN"], "a") as f:
+                        f.write(json.dumps({"world": world, "layout": layout.describe(), "ranks": prof.breakdown})
+                                + "\n")
                 # the job's own collective costs (per call, per group size) for the planner; collective
                 t_comm = time.perf_counter()
+                import layer_profile
+                layer_profile.scale_widths(doc, tp, micro_ratios(args, tp))
                 from elastor_ds.comm.calibrate import measure_collectives
                 doc["collectives"] = measure_collectives((2, 3, 4), reps=3)
                 doc.setdefault("sources", {})["collectives"] = ("measured: per-call latency and seconds per byte "
-                                                                "of this job's groups of 2-4 ranks, 3 repetitions")
+                                                                "of this job's groups of 2-4 ranks, 3 repetitions; "
+                                                                "this width's TP all-reduce and p2p as the job ran "
+                                                                "them")
+                layer_profile.apply_in_situ(doc, tp)
                 plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                 if rank == 0:
-                    import layer_profile
                     plan_info["profile_written"] = layer_profile.write(doc, args.save)
+                # the running plan re-priced with the profile just measured (the launch's own numbers)
+                plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")
+                plan_info["predicted_iter_s"] = price_layout(args, world, layout, doc)
                 prof = None
             saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
             stall = engine.elastor.stats[-1].stall_s if saved else None
