@@ -3,7 +3,9 @@
 trainer (tiny GPT, DP3 with ZeRO-1 over 2 + 1 processes), memory snapshots with one peer copy.
 
 Faults: a whole node SIGKILLed; a node whose link is cut (no reset reaches anyone); a node
-partitioned off for 30 s that comes back (and hosts global rank 0). Each test asserts the step
+partitioned off for 30 s that comes back (and hosts global rank 0); a slow link; the node hosting
+the c10d store lost (the documented limit: the job stops, exit 1; test_netns_etcd.py: etcd-v2
+survives it). Each test asserts the step
 resumed from (the newest step the survivor holds in memory, read from disk right after the
 fault), the bytes per restore source, the losses of the re-run iterations (equal to those the
 uninterrupted run logged), the detection bound, and that no process and no namespace is left.
