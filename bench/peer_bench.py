@@ -113,7 +113,7 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
 def part1(mib: int, steps: int, matmuls: int = 6) -> dict:
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     from dist_utils import free_port
     base = tempfile.mkdtemp(prefix="peer_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     out = tempfile.mkdtemp(prefix="peer_bench_out_")

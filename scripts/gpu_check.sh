@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks (issue 13's GPU path): the gpu test tier and the GPU benchmark rows.
 #   ./scripts/gpu_check.sh            (PYTHON=... to use another interpreter with a CUDA build of torch)
-# Runs: pytest -m gpu (tests/test_gpu_snapshot.py: pinned staging, side-stream device-to-host copy,
+# Runs: pytest -m gpu (tests/gpu/test_gpu_snapshot.py: pinned staging, side-stream device-to-host copy,
 # CUDA snapshot restored bit for bit under a reshard from a memory root, plus every other gpu-marked
 # test), then bench/gpu_snapshot_bench.py (stall vs the D2H floor; save and load vs PyTorch DCP on
 # the GPU). Results: bench/results/gpu_snapshot_bench.json; record the ratios in bench/README.md.

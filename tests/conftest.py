@@ -3,29 +3,34 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "helpers"))   # the test helpers live in one place: tests/helpers/
 
 import pytest  # noqa: E402
 
-# test tiers (registered in pytest.ini): `-m unit` runs in seconds, `-m integration` spawns ranks,
-# trainers and CLIs, `-m gpu` needs CUDA. A test module may set its own `pytestmark`; otherwise a
-# module that starts processes is integration, the rest unit.
-_STARTS_PROCESSES = ("run_world", "subprocess", "torchrun", "start_processes")
+# Tiers are folders (run one with `pytest tests/<tier>`, or `scripts/test.sh --quick` for unit):
+#   unit    pure code and local I/O in one process (seconds)
+#   dist    multi-process gloo ranks (tests/helpers/dist_utils.run_world) and subprocess CLIs
+#   e2e     the controller (`elastor run`), the trainers, the demo, Megatron-LM
+#   faults  injected faults and attackers (the fault campaign lives here too)
+#   netns   nodes as network namespaces (root)
+#   gpu     needs CUDA (skipped without it)
+# Every test gets its folder's marker, so `-m "not e2e"` works too.
+TIERS = ("unit", "dist", "e2e", "faults", "netns", "gpu")
+
+
+def tier_of(path: str) -> str:
+    rel = os.path.relpath(path, HERE).split(os.sep)
+    return rel[0] if len(rel) > 1 and rel[0] in TIERS else "unsorted"
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    cache: dict[str, bool] = {}
     for item in items:
-        if not any(item.get_closest_marker(m) for m in ("unit", "integration", "gpu")):
-            path = str(item.fspath)
-            if path not in cache:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-                cache[path] = any(s in text for s in _STARTS_PROCESSES)
-            item.add_marker(pytest.mark.integration if cache[path] else pytest.mark.unit)
-        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        tier = tier_of(str(item.fspath))
+        item.add_marker(getattr(pytest.mark, tier))
+        if (tier == "gpu" or item.get_closest_marker("gpu")) and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA (gpu tier)"))
 
 

@@ -138,7 +138,7 @@ class ManifestTemplate:
     block size (:func:`rank_header` gives every rank's offsets). So ranks send only their CRCs
     (``write_staged_rank_files(..., lean=True)``) and rank 0 fills them into this document and serialises it once. The
     text equals what :func:`build_manifest` then ``Manifest.dumps(compact=True)`` give for the
-    same results (``tests/test_snapshot_fast_path.py`` checks it).
+    same results (``tests/dist/test_snapshot_fast_path.py`` checks it).
     """
 
     def __init__(self, plan: SavePlan, block_size: int):

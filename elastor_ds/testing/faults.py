@@ -1,4 +1,4 @@
-"""Real faults at deterministic points, for tests and ``bench/fault_campaign.py``.
+"""Real faults at deterministic points, for tests and ``tests/faults/fault_campaign.py``.
 
 :func:`kill_at_io` wraps the file-system calls a save makes (``os.open``, ``os.write``,
 ``os.fsync``, ``os.rename``, ``os.replace``, ``os.mkdir``, ``os.rmdir``, ``os.unlink``, the

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples", "megatron_gpt"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

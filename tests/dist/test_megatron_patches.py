@@ -18,7 +18,7 @@ import pytest
 
 from dist_utils import run_world
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCH_DIR = os.path.join(ROOT, "patches")
 # patch file -> the upstream files it may touch
 INTENDED = {

@@ -194,7 +194,7 @@ FULL_TMPFS_CHILD = textwrap.dedent("""
 
 
 def test_a_snapshot_into_a_full_tmpfs_is_an_error_on_the_save_not_a_sigbus(tiny_tmpfs):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-c", FULL_TMPFS_CHILD, str(tiny_tmpfs / "mem")], capture_output=True,
                        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == 0, p.stderr[-2000:]        # a SIGBUS would be -7

@@ -172,7 +172,7 @@ def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_
     assert not os.path.exists(snap_dir)                       # removed when the job ended
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 ITERS = 6

@@ -14,7 +14,7 @@ import time
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').close()\ntime.sleep(600)\n"
 
 

@@ -1,6 +1,6 @@
 """Fault campaign: real faults against the checkpoint engine, the converters and the CLI.
 
-Usage: python bench/fault_campaign.py [--seed 0] [--kills 220] [--corruptions 120] [--malformed 1]
+Usage: python tests/faults/fault_campaign.py [--seed 0] [--kills 220] [--corruptions 120] [--malformed 1]
        [--classes a,b,...] [--workdir DIR] [--markdown]
 
 Every trial runs in a forked child (fork after the imports: a trial costs milliseconds, not an
@@ -1168,9 +1168,9 @@ def run_eacces(work: str, rng: random.Random, reps: int) -> Row:
 # ---------------------------------------------------------------------------------- main
 CLASSES = ("cli-malformed", "ds-config", "trainer-flags", "path-escape", "malicious-pickle", "non-empty-destination",
            "corruption", "sigkill-save", "sigkill-job", "peers", "enospc", "eacces",
-           # another local user or a forger (bench/security_faults.py)
+           # another local user or a forger (tests/faults/security_faults.py)
            "standby-handoff", "snapshot-server", "forged-table", "peer-sender",
-           # data loss and careless users (bench/trust_faults.py)
+           # data loss and careless users (tests/faults/trust_faults.py)
            "final-save", "snapshot-dir", "overlap-roots", "convert-into-ckpt", "non-regular", "run-flags")
 
 

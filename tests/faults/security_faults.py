@@ -1,6 +1,6 @@
 """The fault campaign's attacker classes (issue 19): another local user or a forger against the job.
 
-Used by ``bench/fault_campaign.py`` (``--classes standby-handoff,snapshot-server,forged-table,
+Used by ``tests/faults/fault_campaign.py`` (``--classes standby-handoff,snapshot-server,forged-table,
 peer-sender``); same row semantics: **detected** = the attack was refused as it should be;
 **data lost** = the attacker got something (a file of ours written through its symlink, its code
 run as us, a secret byte served, a forged value returned as good); **hangs**; **tracebacks**.
@@ -36,7 +36,7 @@ import zlib
 
 import fault_campaign as fc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------------------------- standby handoff

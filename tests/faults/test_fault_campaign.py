@@ -1,4 +1,4 @@
-"""A small, fast subset of bench/fault_campaign.py (the whole campaign: bench/README.md): every
+"""A small, fast subset of tests/faults/fault_campaign.py (the whole campaign: bench/README.md): every
 trial of these classes must be detected, with nothing lost, no hang and no traceback."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the campaign lives beside this test
 import fault_campaign  # noqa: E402 - an import error fails the tier, it never turns into a skip
 
 

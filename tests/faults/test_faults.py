@@ -23,8 +23,8 @@ from elastor_ds.comm import TorchComm
 from elastor_ds.errors import AsyncSaveError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
 
 HERE = os.path.dirname(__file__)
-WORKER = os.path.join(HERE, "helpers", "save_worker.py")
-sys.path.insert(0, os.path.join(HERE, "helpers"))
+WORKER = os.path.join(HERE, "..", "helpers", "save_worker.py")
+sys.path.insert(0, os.path.join(HERE, "..", "helpers"))
 import save_worker  # noqa: E402
 
 

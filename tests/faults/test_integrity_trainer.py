@@ -16,7 +16,7 @@ from dist_utils import free_port
 
 pytestmark = pytest.mark.integration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
           "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",

@@ -13,7 +13,7 @@ import pytest
 from elastor_ds.elastic.rdzv_args import parse_rdzv_conf
 from elastor_ds.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("flags, message", [

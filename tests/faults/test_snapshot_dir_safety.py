@@ -22,7 +22,7 @@ import pytest
 from elastor_ds.elastic import snapshot_dir
 from elastor_ds.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').close()\ntime.sleep(600)\n"
 pytestmark = pytest.mark.timeout(300)
 

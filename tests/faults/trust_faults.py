@@ -28,7 +28,7 @@ import time
 
 from fault_campaign import HANG, Outcome, Row, cli, fingerprint, save_ckpt, write
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr-warmup-iters", "2",

@@ -11,7 +11,7 @@ import time
 
 from elastor_ds.elastic.events import read_jsonl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 # tiny GPT: TP1 x PP3 on 3 processes, TP1 x PP2 x DP2 on 4, PP2 on 2 under --elastor-plan auto
 MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",

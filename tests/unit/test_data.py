@@ -71,7 +71,7 @@ def test_the_data_worker_does_not_outlive_its_trainer(corpus, how):
     import subprocess
     import sys
     import time
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-c", ORPHAN_PARENT, corpus, how], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == (-9 if how == "kill" else 0), p.stderr[-2000:]

@@ -228,7 +228,7 @@ def test_run_usage_errors_exit_2_with_message(argv, msg, caplog):
     import os
 
     from elastor_ds.cli import main
-    trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt",
+    trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "megatron_gpt",
                            "pretrain_gpt.py")
     assert main(["run", *argv, trainer]) == 2
     assert msg in caplog.text

@@ -5,6 +5,6 @@
 - :mod:`.load_plan`: the verified byte-range reads that fill a rank's requested regions
 - :mod:`.peer_plan`: the peer-copy ring (which rank sends its memory snapshot to which rank)
 
-``tests/test_layering.py`` imports each of these in a fresh interpreter and checks that neither
+``tests/unit/test_layering.py`` imports each of these in a fresh interpreter and checks that neither
 torch nor torch.distributed got imported, directly or indirectly.
 """
