@@ -260,7 +260,8 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
             break
     cb = doc["cost_breakdown"]
     lines.append("")
-    lines.append(f"pipeline {cb['pipeline_s']:.4g} s + gradient sync {cb['gradient_sync_s']:.4g} s; "
+    step = f" + step {cb['step_s']:.4g} s" if cb.get("step_s") else ""
+    lines.append(f"pipeline {cb['pipeline_s']:.4g} s + gradient sync {cb['gradient_sync_s']:.4g} s{step}; "
                  f"peak memory {cb['peak_memory_gb']:.1f} of {cb['memory_limit_gb']:.1f} GB; priced from:")
     for term, src in (doc.get("cost_sources") or {}).items():
         lines.append(f"  {term.replace('_', ' ')}: {src}")

@@ -19,7 +19,8 @@ Terms (all per iteration, seconds unless said otherwise):
   ``(R-1)/R x (grad_bytes + dtype_bytes)`` for reduce-scatter + all-gather (ZeRO >= 1). A layer
   whose holders all sit on one node uses intra-node bandwidth, otherwise inter-node. Stages sync in
   parallel; the sync time is the slowest stage's.
-* **iteration time** = ``max_i pipeline_i + sync`` (sync after the last backward, not overlapped).
+* **iteration time** = ``max_i pipeline_i + sync`` (sync after the last backward, not overlapped),
+  plus a measured profile's ``step_time_s`` (below).
 * **memory** per GPU of a stage: parameters, gradients and optimizer state of its layers
   (ZeRO-sharded over the ``R`` replicas; a heterogeneous plan runs ZeRO-1 at most -- the optimizer
   state of every block sharded among its ``R`` holders, gradients and weights whole -- so it is
@@ -38,6 +39,12 @@ receives of a stage, added to its time per micro-batch (the fill/drain transfer 
 ``dp_all_reduce`` / ``reduce_scatter`` + ``all_gather`` -- one call per holder set a rank belongs to
 (ZeRO 0 / ZeRO-1), the sync time being the slowest rank's sum. A uniform grid's DeepSpeed DP sync is
 one call over the DP group.
+
+**Measured per-iteration terms** (a running trainer's profile, ``examples/megatron_gpt/layer_profile.py``):
+``embedding_time_s`` -- the first stage's work per micro-batch outside its layers (embedding, loading
+the micro-batch), added to its stage time; ``step_time_s`` -- the iteration's wall time outside the
+pipeline passes and transfers (gradient reduce, optimizer step, loss aggregation, checkpoint hooks),
+added once per iteration. A profile without them prices them at 0 (the analytical GPU defaults).
 
 Pure: no torch, torch.distributed, deepspeed or megatron.
 """
@@ -227,6 +234,7 @@ class CostBreakdown:
     replicas: tuple[ReplicaCost, ...]
     memory_limit_bytes: float
     feasible: bool
+    step_time_s: float = 0.0  # the profile's measured per-iteration step time (0 without one)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -235,7 +243,8 @@ class CostBreakdown:
     def to_dict(self) -> dict[str, Any]:
         slow = max(range(len(self.replicas)), key=lambda i: (self.replicas[i].time_s, -i))
         return {"iteration_s": self.iteration_time_s, "pipeline_s": self.pipeline_time_s,
-                "gradient_sync_s": self.sync_time_s, "bottleneck_replica": slow,
+                "gradient_sync_s": self.sync_time_s, **({"step_s": self.step_time_s} if self.step_time_s else {}),
+                "bottleneck_replica": slow,
                 "peak_memory_gb": self.peak_memory_bytes / GiB,
                 "memory_limit_gb": self.memory_limit_bytes / GiB,
                 "replicas": [r.to_dict() for r in self.replicas]}
@@ -583,9 +592,10 @@ class CostModel:
             if any(mm > limit for mm in rc.stage_memory_bytes):
                 feasible = False
             reps.append(rc)
-        sync = self.sync_time(plan) + self.step_time()
+        sync = self.sync_time(plan)
+        step = self.step_time()
         pipe = max(r.time_s for r in reps)
-        return CostBreakdown(pipe + sync, pipe, sync, tuple(reps), limit, feasible)
+        return CostBreakdown(pipe + sync + step, pipe, sync, tuple(reps), limit, feasible, step)
 
     def _replica_cost(self, rep, same_node: tuple[bool, ...], R: int, z: int) -> ReplicaCost:  # noqa: ANN001
         S = len(rep.stages)

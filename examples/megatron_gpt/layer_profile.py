@@ -172,9 +172,12 @@ def _med(v: list[float]) -> Optional[float]:
 def in_situ_terms(ranks: list[dict], tp: int, micro_batches: int) -> dict:
     """The profile's terms from every rank's breakdown of the timed iterations (pure arithmetic):
 
-    * ``layer_time_s[tp]``: median over ranks of a layer's forward+backward per micro-batch, less the
-      TP all-reduces inside it (``layer_time_includes_tp_comm: false``);
-    * ``tp_all_reduce_s``: median seconds of one of those all-reduces as the job ran them;
+    * ``layer_time_s[tp]``: a layer's forward+backward per micro-batch, less the TP all-reduces inside
+      it (``layer_time_includes_tp_comm: false``), median over the busiest ranks (forward, backward,
+      loading and sends within 10 % of the most): the stage that bounds the pipeline; the others
+      wait for it part of every cycle and share the cores with it, so their layers run slower
+      where processes outnumber cores;
+    * ``tp_all_reduce_s``: median seconds of one of those all-reduces on the same ranks;
     * ``embedding_time_s[tp]`` / ``head_time_s[tp]``: the first / last stage's forward, backward and
       micro-batch loading per micro-batch outside its layers and TP all-reduces (embedding; output
       layer and loss);
@@ -184,14 +187,16 @@ def in_situ_terms(ranks: list[dict], tp: int, micro_batches: int) -> dict:
       checkpoint hooks).
     """
     lay, ar, emb, head, send, step = [], [], [], [], [], []
-    for r in ranks:
+    busy = [sum(r["instr"].get(k, (0.0, 0))[0] for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch",
+                                                         "SendActivation", "SendGrad")) / r["iters"] for r in ranks]
+    for r, b in zip(ranks, busy):
         n, mb = r["iters"], micro_batches
         ins = {k: v[0] for k, v in r["instr"].items()}
         calls = {k: v[1] for k, v in r["instr"].items()}
-        if r["layers"]:
+        if r["layers"] and b >= 0.9 * max(busy):
             lay.append((r["layer_s"] - r["ar_in"][0]) / (r["layers"] * mb * n))
-        if r["ar_in"][1]:
-            ar.append(r["ar_in"][0] / r["ar_in"][1])
+            if r["ar_in"][1]:
+                ar.append(r["ar_in"][0] / r["ar_in"][1])
         work = sum(ins.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch"))
         rest = max(0.0, (work - r["layer_s"] - r["ar_out"][0]) / (mb * n))
         if r["last"]:
@@ -207,7 +212,8 @@ def in_situ_terms(ranks: list[dict], tp: int, micro_batches: int) -> dict:
     n = ranks[0]["iters"]
     how = f"measured: median over ranks, {n} training iterations at TP {tp}"
     out: dict = {"layer_time_s": {str(tp): _med(lay)}, "layer_time_includes_tp_comm": False,
-                 "sources": {"layer_time_s": f"{how}, each layer's forward+backward less its TP all-reduces"}}
+                 "sources": {"layer_time_s": f"{how} (the busiest stage's), each layer's forward+backward less its "
+                                             f"TP all-reduces"}}
     if emb:
         out["embedding_time_s"] = {str(tp): _med(emb)}
         out["sources"]["embedding_time_s"] = f"{how}, first stage's passes outside its layers and TP all-reduces"

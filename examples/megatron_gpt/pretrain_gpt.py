@@ -36,6 +36,10 @@ contract for readers such as the demo table (keys may be added, never removed):
       process runs) idle_best_plan, idle_best_processes, idle_best_predicted_iter_s;
       uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
       processes), profile (path of the profile used, or null for the analytical model);
+    with any plan source, once a profile exists: predicted_iter_s, the running plan's predicted seconds
+      per iteration -- at launch from the profile of an earlier launch, and from the iteration this
+      launch's own profile was written on, re-priced with it (predicted_iter_s_at_launch keeps the
+      first; the profile's measured terms: elastor_ds.plan.cost and layer_profile.in_situ_terms);
     profile_written (path, from the iteration the profile was written on), profile_comm_s (seconds
     spent measuring the collectives for it);
     plan (the full plan document) and zero_stage: in the first record of each launch only;

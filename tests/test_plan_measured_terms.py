@@ -1,0 +1,86 @@
+"""The trainer's measured per-iteration terms: ``layer_profile.in_situ_terms`` turns every rank's
+timings of the pipeline instructions and TP all-reduces into the profile (values computed by hand
+below), and the cost model adds ``embedding_time_s`` per micro-batch on the first stage and
+``step_time_s`` per iteration -- nothing when a profile does not carry them. Pure CPU."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from elastor_ds.errors import ConfigError
+from elastor_ds.plan import Cluster, CostModel, ModelSpec, Plan, PlanReplica, PlanStage, Profile, TrainingSpec
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                                "megatron_gpt"))
+import layer_profile  # noqa: E402
+
+MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=104,
+                  dtype_bytes=4)
+TRAIN = TrainingSpec(micro_batch_size=2, num_micro_batches=4, zero_stage=0)
+
+
+def _rank(first, last, layers, layer_s, ar_in, ar_out, instr, iter_s):
+    return {"stage": 0, "first": first, "last": last, "layers": layers, "layer_s": layer_s, "iters": 2,
+            "iter_s": iter_s, "instr": instr, "ar_in": ar_in, "ar_out": ar_out}
+
+
+def test_in_situ_terms_by_hand():
+    # two stages of 2 layers, 4 micro-batches, 2 timed iterations
+    r0 = _rank(True, False, 2, 0.88, [0.16, 32], [0.04, 8],
+               {"ForwardPass": [0.5, 8], "BackwardPass": [0.5, 8], "LoadMicroBatch": [0.02, 8],
+                "SendActivation": [0.08, 8], "RecvGrad": [0.3, 8], "OptimizerStep": [0.06, 2]}, [0.7, 0.72])
+    r1 = _rank(False, True, 2, 0.96, [0.32, 32], [0.08, 32],
+               {"ForwardPass": [0.7, 8], "BackwardPass": [0.5, 8], "RecvActivation": [0.2, 8],
+                "SendGrad": [0.16, 8], "OptimizerStep": [0.1, 2]}, [0.7, 0.72])
+    out = layer_profile.in_situ_terms([r0, r1], tp=2, micro_batches=4)
+    # busy (passes, loading, sends per iteration): (0.5 + 0.5 + 0.02 + 0.08) / 2 = 0.55 < 0.9 x 0.68, the
+    # last stage's (0.7 + 0.5 + 0.16) / 2: only its layers count: (0.96 - 0.32) / (2 x 4 x 2) = 0.04
+    # (the first stage's would be (0.88 - 0.16) / 16 = 0.045)
+    assert out["layer_time_s"]["2"] == pytest.approx(0.04)
+    assert out["layer_time_includes_tp_comm"] is False
+    # first stage: (0.5 + 0.5 + 0.02 - 0.88 - 0.04) / 8 = 0.0125; last: (0.7 + 0.5 - 0.96 - 0.08) / 8 = 0.02
+    assert out["embedding_time_s"]["2"] == pytest.approx(0.0125)
+    assert out["head_time_s"]["2"] == pytest.approx(0.02)
+    # outside the passes: 0.71 - (1.02 + 0.08 + 0.3) / 2 = 0.01 and 0.71 - (1.2 + 0.2 + 0.16) / 2 = -0.07 -> 0
+    assert out["step_time_s"] == pytest.approx(0.005)
+    # all-reduce per call on the busiest ranks: 0.32 / 32; send per call: 0.08 / 8 and 0.16 / 8
+    assert out["in_situ"]["tp_all_reduce_s"] == pytest.approx(0.01)
+    assert out["in_situ"]["p2p_s"] == pytest.approx(0.015)
+    assert all(out["sources"][k].startswith("measured") for k in out["sources"])
+    doc = {"collectives": {"tp_all_reduce": {"2": {"latency_s": 1.0, "s_per_byte": 1.0}}}, **out}
+    layer_profile.scale_widths(doc, 2, {"1": 3.0, "2": 2.0})
+    assert doc["layer_time_s"]["1"] == pytest.approx(0.06) and doc["head_time_s"]["1"] == pytest.approx(0.03)
+    layer_profile.apply_in_situ(doc, 2)
+    assert doc["collectives"]["tp_all_reduce"]["2"] == {"latency_s": pytest.approx(0.01), "s_per_byte": 0.0}
+    assert "in_situ" not in doc
+    Profile.from_dict(doc)  # a valid profile
+
+
+def _plan(cluster):
+    d = cluster.devices()
+    return Plan(4, (PlanReplica((PlanStage(1, (0, 2), (d[0],)), PlanStage(1, (2, 4), (d[1],))), 4),), (), "uniform")
+
+
+def test_embedding_and_step_terms_add_exactly_and_are_absent_by_default():
+    cl = Cluster.from_gpus_per_node([2])
+    base = {"layer_time_s": {"1": 0.01}, "head_time_s": {"1": 0.004}}
+    plain = CostModel(MODEL, TRAIN, cl, profile=Profile.from_dict(base)).evaluate(_plan(cl))
+    # stages: 2 x 0.01 = 0.02 and 0.02 + 0.004 = 0.024; (4 + 1) x 0.024 = 0.12 (+ bandwidth-model p2p)
+    assert plain.pipeline_time_s == pytest.approx(0.12, rel=1e-3)
+    more = Profile.from_dict({**base, "embedding_time_s": {"1": 0.006}, "step_time_s": 0.05})
+    cm = CostModel(MODEL, TRAIN, cl, profile=more)
+    got = cm.evaluate(_plan(cl))
+    # first stage 0.02 + 0.006 = 0.026 is now the slowest: 5 x 0.026 = 0.13; plus 0.05 once
+    assert got.pipeline_time_s - plain.pipeline_time_s == pytest.approx(0.01, rel=1e-3)
+    assert got.iteration_time_s - plain.iteration_time_s == pytest.approx(0.06, rel=1e-3)
+    assert "embedding_time" in cm.sources() and "step_time" in cm.sources()
+    assert "embedding_time" not in CostModel(MODEL, TRAIN, cl, profile=Profile.from_dict(base)).sources()
+    assert Profile.from_dict(more.to_dict()) == more
+
+
+@pytest.mark.parametrize("bad", [{"step_time_s": -1.0}, {"step_time_s": "1"}, {"embedding_time_s": {"1": -0.1}}])
+def test_bad_measured_terms_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        Profile.from_dict({"layer_time_s": {"1": 0.01}, **bad})
