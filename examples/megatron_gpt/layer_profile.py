@@ -44,6 +44,7 @@ class LayerProfiler:
         self._tp_group = None
         self._ar_orig = None
         self.iter_s: list[float] = []              # train_batch wall seconds of the timed iterations
+        self.per_iter: list[dict] = []             # each timed iteration's own counters (in_situ_terms)
         self._engine = None
 
     def attach(self, engine: Any) -> None:
@@ -126,6 +127,23 @@ class LayerProfiler:
             self.iters += 1
             if iter_s is not None:
                 self.iter_s.append(iter_s)
+                done = self.per_iter
+                before = {"layer_s": sum(d["layer_s"] for d in done), "ar_in": [sum(d["ar_in"][i] for d in done)
+                                                                            for i in (0, 1)],
+                          "ar_out": [sum(d["ar_out"][i] for d in done) for i in (0, 1)]}
+                instr_before: dict[str, list[float]] = {}
+                for d in done:
+                    for k, v in d["instr"].items():
+                        acc = instr_before.setdefault(k, [0.0, 0])
+                        acc[0] += v[0]
+                        acc[1] += v[1]
+                instr = {}
+                for k, v in self.instr.items():
+                    b = instr_before.get(k, [0.0, 0])
+                    instr[k] = [v[0] - b[0], v[1] - b[1]]
+                done.append({"iter_s": iter_s, "layer_s": self.total - before["layer_s"],
+                             "ar_in": [self.ar_in[i] - before["ar_in"][i] for i in (0, 1)],
+                             "ar_out": [self.ar_out[i] - before["ar_out"][i] for i in (0, 1)], "instr": instr})
         self.on = False
         return iteration + 1 == self.last
 
@@ -146,8 +164,8 @@ class LayerProfiler:
         mine = (self.tp, self.seconds_per_layer(), {
             "stage": getattr(eng, "stage_id", None), "first": bool(eng.is_first_stage()) if eng else None,
             "last": bool(eng.is_last_stage()) if eng else None, "layers": len(self.layers), "layer_s": self.total,
-            "iters": self.iters, "iter_s": self.iter_s, "instr": self.instr, "ar_in": self.ar_in,
-            "ar_out": self.ar_out})
+            "iters": self.iters, "micro_batches": self.micro_batches, "iter_s": self.iter_s, "instr": self.instr,
+            "ar_in": self.ar_in, "ar_out": self.ar_out, "per_iter": self.per_iter})
         got: list = [None] * dist.get_world_size()
         dist.all_gather_object(got, mine)
         self.breakdown = [g[2] for g in got]
@@ -162,68 +180,91 @@ class LayerProfiler:
                     "sources": {"layer_time_s": f"measured: median over ranks of each layer's forward+backward in "
                                                 f"{self.iters} training iterations (TP all-reduces included)"}}
         return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length, "device": dev,
-                **in_situ_terms(self.breakdown, self.tp, self.micro_batches)}
+                **in_situ_terms(self.breakdown, self.tp)}
 
 
 def _med(v: list[float]) -> Optional[float]:
     return statistics.median(v) if v else None
 
 
-def in_situ_terms(ranks: list[dict], tp: int, micro_batches: int) -> dict:
-    """The profile's terms from every rank's breakdown of the timed iterations (pure arithmetic):
+def median_iteration(ranks: list[dict]) -> list[dict]:
+    """Every rank's counters of one timed iteration: the median one by rank 0's wall time (ranks
+    step together), so a burst of other processes' work in part of the window does not enter."""
+    its = ranks[0].get("per_iter") or []
+    if not its or any(len(r.get("per_iter") or []) != len(its) for r in ranks):
+        return ranks
+    k = sorted(range(len(its)), key=lambda i: its[i]["iter_s"])[(len(its) - 1) // 2]
+    return [dict(r, iters=1, iter_s=[r["per_iter"][k]["iter_s"]], **{f: r["per_iter"][k][f] for f in
+                                                                    ("layer_s", "ar_in", "ar_out", "instr")})
+            for r in ranks]
+
+
+def in_situ_terms(ranks: list[dict], tp: int) -> dict:
+    """The profile's terms from every rank's breakdown of the median timed iteration
+    (:func:`median_iteration`; pure arithmetic):
 
     * ``layer_time_s[tp]``: a layer's forward+backward per micro-batch, less the TP all-reduces inside
-      it (``layer_time_includes_tp_comm: false``), median over the busiest ranks (forward, backward,
-      loading and sends within 10 % of the most): the stage that bounds the pipeline; the others
-      wait for it part of every cycle and share the cores with it, so their layers run slower
-      where processes outnumber cores;
-    * ``tp_all_reduce_s``: median seconds of one of those all-reduces on the same ranks;
+      it (``layer_time_includes_tp_comm: false``): all ranks' layer seconds over all their layer
+      micro-batches. Where processes outnumber cores the ranks' per-layer times differ by up to 2x
+      (who shares the cores with whom), so no single rank's is the layer's;
+    * ``tp_all_reduce_s``: all those all-reduces' seconds over their number;
     * ``embedding_time_s[tp]`` / ``head_time_s[tp]``: the first / last stage's forward, backward and
       micro-batch loading per micro-batch outside its layers and TP all-reduces (embedding; output
-      layer and loss);
-    * ``p2p_s``: median seconds of one blocking pipeline send;
-    * ``step_time_s``: median over ranks of the iteration's wall time outside the forward, backward,
-      load, send and receive instructions (gradient reduce, optimizer step, loss aggregation, the
-      checkpoint hooks).
+      layer and loss), median over those ranks; a single-stage rank's counts as head time less the
+      embedding time;
+    * ``p2p_s``: half the median seconds of one blocking pipeline send: the cost model charges a
+      stage a receive and a send per neighbour and micro-batch, and a blocking receive's time in the
+      job is mostly waiting for the neighbour's pass (the pipeline's own schedule), so the measured
+      send -- the whole transfer -- is spread over the two messages;
+    * ``step_time_s``: median over ranks of the iteration's wall time outside the forward,
+      backward, load, send and receive instructions and the gradient reduce (which the cost model
+      prices from the collectives): optimizer step, loss aggregation, the checkpoint hooks.
     """
-    lay, ar, emb, head, send, step = [], [], [], [], [], []
-    busy = [sum(r["instr"].get(k, (0.0, 0))[0] for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch",
-                                                         "SendActivation", "SendGrad")) / r["iters"] for r in ranks]
-    for r, b in zip(ranks, busy):
-        n, mb = r["iters"], micro_batches
+    ranks = median_iteration(ranks)
+    emb, head, both, send, step = [], [], [], [], []
+    lay_s = lay_n = ar_s = ar_n = 0.0
+    for r in ranks:
+        n, mb = r["iters"], r["micro_batches"]
         ins = {k: v[0] for k, v in r["instr"].items()}
         calls = {k: v[1] for k, v in r["instr"].items()}
-        if r["layers"] and b >= 0.9 * max(busy):
-            lay.append((r["layer_s"] - r["ar_in"][0]) / (r["layers"] * mb * n))
-            if r["ar_in"][1]:
-                ar.append(r["ar_in"][0] / r["ar_in"][1])
+        lay_s += r["layer_s"] - r["ar_in"][0]
+        lay_n += r["layers"] * mb * n
+        ar_s += r["ar_in"][0]
+        ar_n += r["ar_in"][1]
         work = sum(ins.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch"))
         rest = max(0.0, (work - r["layer_s"] - r["ar_out"][0]) / (mb * n))
-        if r["last"]:
+        if r["first"] and r["last"]:
+            both.append(rest)
+        elif r["last"]:
             head.append(rest)
         elif r["first"]:
             emb.append(rest)
         sends = sum(calls.get(k, 0) for k in ("SendActivation", "SendGrad"))
         if sends:
             send.append(sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad")) / sends)
-        passes = work + sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad"))
+        passes = work + sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad",
+                                                      "ReduceGrads"))
         if r["iter_s"]:
             step.append(max(0.0, sum(r["iter_s"]) / len(r["iter_s"]) - passes / n))
-    n = ranks[0]["iters"]
-    how = f"measured: median over ranks, {n} training iterations at TP {tp}"
-    out: dict = {"layer_time_s": {str(tp): _med(lay)}, "layer_time_includes_tp_comm": False,
-                 "sources": {"layer_time_s": f"{how} (the busiest stage's), each layer's forward+backward less its "
-                                             f"TP all-reduces"}}
+    n = len(ranks[0].get("per_iter") or []) or ranks[0]["iters"]
+    head += [max(0.0, v - (_med(emb) or 0.0)) for v in both]
+    how = f"measured: the median of {n} training iterations at TP {tp}"
+    out: dict = {"layer_time_s": {str(tp): lay_s / lay_n if lay_n else None}, "layer_time_includes_tp_comm": False,
+                 "sources": {"layer_time_s": f"{how}, every layer's forward+backward less its TP all-reduces, over "
+                                             f"all ranks"}}
     if emb:
         out["embedding_time_s"] = {str(tp): _med(emb)}
-        out["sources"]["embedding_time_s"] = f"{how}, first stage's passes outside its layers and TP all-reduces"
+        out["sources"]["embedding_time_s"] = (f"{how}, median over ranks, first stage's passes outside its layers "
+                                              f"and TP all-reduces")
     if head:
         out["head_time_s"] = {str(tp): _med(head)}
-        out["sources"]["head_time_s"] = f"{how}, last stage's passes outside its layers and TP all-reduces"
+        out["sources"]["head_time_s"] = (f"{how}, median over ranks, last stage's passes outside its layers and "
+                                         f"TP all-reduces")
     if step:
         out["step_time_s"] = _med(step)
-        out["sources"]["step_time_s"] = f"{how}, iteration wall time outside the pipeline passes and transfers"
-    out["in_situ"] = {"tp_all_reduce_s": _med(ar), "p2p_s": _med(send)}
+        out["sources"]["step_time_s"] = (f"{how}, median over ranks, iteration wall time outside the pipeline "
+                                         f"passes, transfers and gradient reduce")
+    out["in_situ"] = {"tp_all_reduce_s": ar_s / ar_n if ar_n else None, "p2p_s": _med(send) / 2 if send else None}
     return out
 
 

@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "'on-change' (under `elastor run`): the TP/PP flags on the first launched world, the planner's after it changed")
     a("--elastor-layouts", choices=["heterogeneous", "uniform"], default="heterogeneous",
       help="search space of the planner for --elastor-plan auto (default: heterogeneous plans too)")
-    a("--profile-iters", type=int, default=3, help="iterations timed for the per-layer profile written to "
+    a("--profile-iters", type=int, default=5, help="iterations timed for the per-layer profile written to "
       "<save>/profile.json, which --elastor-plan auto uses after a restart (0: off)")
     a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
     a("--metrics-file", default=None, help="JSONL, one line per iteration")
@@ -316,8 +316,13 @@ def micro_ratios(args: argparse.Namespace, tp: int) -> dict:
     from elastor_ds.plan.profile import measure
     groups = args.num_query_groups or args.num_attention_heads
     widths = [t for t in (1, 2, 4, 8) if groups % t == 0 and ffn_size(args) % t == 0]
-    mine = measure(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
-                   ffn_size(args), groups, args.swiglu, widths, device="cpu", iters=10)["layer_time_s"]
+    mine: dict = {}
+    for _ in range(5):   # widths interleaved, the fastest of 5 rounds: robust to other processes' bursts
+        got_round = measure(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                            ffn_size(args), groups, args.swiglu, widths, device="cpu", warmup=1,
+                            iters=3)["layer_time_s"]
+        for t, v in got_round.items():
+            mine[t] = min(v, mine.get(t, v))
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     return {t: statistics.median(g[t] for g in got if t in g) for t in mine}
