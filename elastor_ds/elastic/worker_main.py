@@ -4,13 +4,16 @@ Records the process start time, installs the stop-signal handlers and the parent
 before anything slow is imported, then runs SCRIPT as ``__main__`` (its exit code is the worker's).
 After a stop the ranks agreed on (the checkpoint is durable by then), the process exits at once
 instead of running the interpreter's teardown (seconds with torch, DeepSpeed and gloo loaded): the
-relaunch starts sooner. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
+relaunch starts sooner. A failure (an exception, a non-zero exit) exits at once too, with its code:
+a teardown with gloo threads still running can abort the process (SIGABRT), which reads as a device
+fault. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
+import traceback
 
 if __name__ == "__main__":   # a standby worker sets its own (the time it was assigned)
     os.environ["ELASTOR_T_PROCESS_START"] = repr(time.time())
@@ -32,12 +35,23 @@ def run_script(argv: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        if worker.agreed():
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if worker.agreed() or code != 0:
+            _exit_now(code)
         raise
+    except BaseException:   # noqa: BLE001 - the worker failed: report it, exit 1, skip the teardown
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown. After a failure the teardown is where
+    a worker whose peer vanished turned its exit 1 into SIGABRT ("terminate called without an active
+    exception": a C++ thread still joinable at exit), which the controller reads as this worker's
+    own device failing (shrink dropped it). After an agreed stop it only costs seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:

@@ -1,0 +1,47 @@
+"""A failed worker exits with its own code, without the interpreter's teardown.
+
+Found between network-namespace nodes (tests/netns, whole node lost): a survivor's worker raised
+gloo's "Connection closed by peer", then aborted in the teardown ("terminate called without an
+active exception": a C++ thread still joinable at exit), so it died of SIGABRT. The controller reads
+a signal death as the worker's own device failing, and shrink dropped a healthy device: the job
+resumed at world 1 instead of 2. Here the teardown that aborts is an atexit handler."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = """
+import atexit, os, signal, sys
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))   # a teardown that aborts
+how = sys.argv[1]
+if how == "raise":
+    raise RuntimeError("Connection closed by peer")
+if how == "exit3":
+    sys.exit(3)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("how, code", [("raise", 1), ("exit3", 3)])
+def test_a_failed_worker_exits_with_its_code_not_an_abort(tmp_path, how, code):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.worker_main", str(script), how],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == code, (p.returncode, p.stderr[-2000:])
+    if how == "raise":   # the traceback is still reported (the controller shows its last error line)
+        assert "RuntimeError: Connection closed by peer" in p.stderr
+
+
+def test_a_worker_that_finishes_runs_the_normal_teardown(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.worker_main", str(script), "finish"],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.stdout.strip() == "done" and p.returncode == -signal.SIGABRT   # atexit ran: teardown kept
