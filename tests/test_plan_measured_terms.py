@@ -21,8 +21,8 @@ MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_lengt
 TRAIN = TrainingSpec(micro_batch_size=2, num_micro_batches=4, zero_stage=0)
 
 
-def _rank(first, last, layers, layer_s, ar_in, ar_out, instr, iter_s):
-    return {"stage": 0, "first": first, "last": last, "layers": layers, "layer_s": layer_s, "iters": 2,
+def _rank(first, last, layers, layer_s, ar_in, ar_out, instr, iter_s, tp=2):
+    return {"tp": tp, "stage": 0, "first": first, "last": last, "layers": layers, "layer_s": layer_s, "iters": 2,
             "micro_batches": 4,
             "iter_s": iter_s, "instr": instr, "ar_in": ar_in, "ar_out": ar_out}
 
@@ -35,7 +35,7 @@ def test_in_situ_terms_by_hand():
     r1 = _rank(False, True, 3, 1.2, [0.24, 48], [0.08, 32],
                {"ForwardPass": [0.9, 8], "BackwardPass": [0.5, 8], "RecvActivation": [0.2, 8],
                 "SendGrad": [0.16, 8], "ReduceGrads": [0.02, 2], "OptimizerStep": [0.1, 2]}, [0.9, 0.92])
-    out = layer_profile.in_situ_terms([r0, r1], tp=2)
+    out = layer_profile.in_situ_terms([r0, r1])
     # every rank's layer seconds less all-reduces over all layer micro-batches:
     # (0.88 - 0.16 + 1.2 - 0.24) / (2 x 4 x 2 + 3 x 4 x 2) = 1.68 / 40 = 0.042
     assert out["layer_time_s"]["2"] == pytest.approx(0.042)
@@ -47,13 +47,13 @@ def test_in_situ_terms_by_hand():
     # 0.91 - (1.4 + 0.2 + 0.16 + 0.02) / 2 = 0.02, median 0.015
     assert out["step_time_s"] == pytest.approx(0.015)
     # all-reduce per call: (0.16 + 0.24) / (32 + 48) = 0.005; half a send per call: median(0.08 / 8, 0.16 / 8) / 2
-    assert out["in_situ"]["tp_all_reduce_s"] == pytest.approx(0.005)
+    assert out["in_situ"]["tp_all_reduce_s"] == {"2": pytest.approx(0.005)}
     assert out["in_situ"]["p2p_s"] == pytest.approx(0.0075)
     assert all(out["sources"][k].startswith("measured") for k in out["sources"])
     doc = {"collectives": {"tp_all_reduce": {"2": {"latency_s": 1.0, "s_per_byte": 1.0}}}, **out}
-    layer_profile.scale_widths(doc, 2, {"1": 3.0, "2": 2.0})
+    layer_profile.scale_widths(doc, {"1": 3.0, "2": 2.0})
     assert doc["layer_time_s"]["1"] == pytest.approx(0.063) and doc["head_time_s"]["1"] == pytest.approx(0.0225)
-    layer_profile.apply_in_situ(doc, 2)
+    layer_profile.apply_in_situ(doc)
     assert doc["collectives"]["tp_all_reduce"]["2"] == {"latency_s": pytest.approx(0.005), "s_per_byte": 0.0}
     assert "in_situ" not in doc
     Profile.from_dict(doc)  # a valid profile
@@ -62,7 +62,12 @@ def test_in_situ_terms_by_hand():
     r2 = _rank(True, True, 1, 0.4, [0.0, 0], [0.0, 0], {"ForwardPass": [0.3, 8], "BackwardPass": [0.2, 8]},
                [0.5, 0.5])
     r2["micro_batches"] = 2
-    assert layer_profile.in_situ_terms([r0, r2], tp=1)["head_time_s"]["1"] == pytest.approx(0.0125)
+    assert layer_profile.in_situ_terms([r0, r2])["head_time_s"]["2"] == pytest.approx(0.0125)
+    # a job running two widths: each width's terms from its own ranks (TP 1: 0.4 / (1 x 2 x 2) = 0.1)
+    r2["tp"] = 1
+    two = layer_profile.in_situ_terms([r0, r2])
+    assert two["layer_time_s"] == {"1": pytest.approx(0.1), "2": pytest.approx((0.88 - 0.16) / 16)}
+    assert two["in_situ"]["tp_all_reduce_s"] == {"2": pytest.approx(0.005)}     # none at TP 1
 
 
 def test_terms_come_from_the_median_iteration_of_the_window():
@@ -70,9 +75,9 @@ def test_terms_come_from_the_median_iteration_of_the_window():
     its = [{"iter_s": t, "layer_s": ls, "ar_in": [0.0, 0], "ar_out": [0.0, 0],
             "instr": {"ForwardPass": [f, 4], "BackwardPass": [f, 4]}} for t, ls, f in
            ((0.9, 0.6, 0.4), (0.2, 0.08, 0.05), (0.1, 0.04, 0.03))]
-    r = _rank(True, True, 2, 0.72, [0.0, 0], [0.0, 0], {}, [0.9, 0.2, 0.1])
+    r = _rank(True, True, 2, 0.72, [0.0, 0], [0.0, 0], {}, [0.9, 0.2, 0.1], tp=1)
     r.update(per_iter=its, iters=3)
-    out = layer_profile.in_situ_terms([r], tp=1)
+    out = layer_profile.in_situ_terms([r])
     assert out["layer_time_s"]["1"] == pytest.approx(0.08 / (2 * 4))       # not 0.72 / (2 x 4 x 3)
     assert out["head_time_s"]["1"] == pytest.approx((0.1 - 0.08) / 4)
     assert out["step_time_s"] == pytest.approx(0.2 - 0.1)

@@ -162,7 +162,7 @@ class LayerProfiler:
             dist.all_reduce = self._ar_orig
         eng = self._engine
         mine = (self.tp, self.seconds_per_layer(), {
-            "stage": getattr(eng, "stage_id", None), "first": bool(eng.is_first_stage()) if eng else None,
+            "tp": self.tp, "stage": getattr(eng, "stage_id", None), "first": bool(eng.is_first_stage()) if eng else None,
             "last": bool(eng.is_last_stage()) if eng else None, "layers": len(self.layers), "layer_s": self.total,
             "iters": self.iters, "micro_batches": self.micro_batches, "iter_s": self.iter_s, "instr": self.instr,
             "ar_in": self.ar_in, "ar_out": self.ar_out, "per_iter": self.per_iter})
@@ -180,7 +180,7 @@ class LayerProfiler:
                     "sources": {"layer_time_s": f"measured: median over ranks of each layer's forward+backward in "
                                                 f"{self.iters} training iterations (TP all-reduces included)"}}
         return {"version": 1, "micro_batch_size": micro_batch_size, "seq_length": seq_length, "device": dev,
-                **in_situ_terms(self.breakdown, self.tp)}
+                **in_situ_terms(self.breakdown)}
 
 
 def _med(v: list[float]) -> Optional[float]:
@@ -199,16 +199,16 @@ def median_iteration(ranks: list[dict]) -> list[dict]:
             for r in ranks]
 
 
-def in_situ_terms(ranks: list[dict], tp: int) -> dict:
+def in_situ_terms(ranks: list[dict]) -> dict:
     """The profile's terms from every rank's breakdown of the median timed iteration
-    (:func:`median_iteration`; pure arithmetic):
+    (:func:`median_iteration`; pure arithmetic), per TP width the job ran (a rank's ``tp``):
 
-    * ``layer_time_s[tp]``: a layer's forward+backward per micro-batch, less the TP all-reduces inside
-      it (``layer_time_includes_tp_comm: false``): all ranks' layer seconds over all their layer
-      micro-batches. Where processes outnumber cores the ranks' per-layer times differ by up to 2x
-      (who shares the cores with whom), so no single rank's is the layer's;
-    * ``tp_all_reduce_s``: all those all-reduces' seconds over their number;
-    * ``embedding_time_s[tp]`` / ``head_time_s[tp]``: the first / last stage's forward, backward and
+    * ``layer_time_s[t]``: a layer's forward+backward per micro-batch, less the TP all-reduces inside
+      it (``layer_time_includes_tp_comm: false``): the width's ranks' layer seconds over all their
+      layer micro-batches. Where processes outnumber cores the ranks' per-layer times differ by up
+      to 2x (who shares the cores with whom), so no single rank's is the layer's;
+    * ``tp_all_reduce_s[t]``: those all-reduces' seconds over their number;
+    * ``embedding_time_s[t]`` / ``head_time_s[t]``: the first / last stage's forward, backward and
       micro-batch loading per micro-batch outside its layers and TP all-reduces (embedding; output
       layer and loss), median over those ranks; a single-stage rank's counts as head time less the
       embedding time;
@@ -221,24 +221,25 @@ def in_situ_terms(ranks: list[dict], tp: int) -> dict:
       prices from the collectives): optimizer step, loss aggregation, the checkpoint hooks.
     """
     ranks = median_iteration(ranks)
-    emb, head, both, send, step = [], [], [], [], []
-    lay_s = lay_n = ar_s = ar_n = 0.0
+    emb: dict[int, list[float]] = {}
+    head: dict[int, list[float]] = {}
+    both: dict[int, list[float]] = {}
+    lay: dict[int, list[float]] = {}   # width -> [layer seconds, layer micro-batches, all-reduce s, calls]
+    send, step = [], []
     for r in ranks:
-        n, mb = r["iters"], r["micro_batches"]
+        n, mb, t = r["iters"], r["micro_batches"], r["tp"]
         ins = {k: v[0] for k, v in r["instr"].items()}
         calls = {k: v[1] for k, v in r["instr"].items()}
-        lay_s += r["layer_s"] - r["ar_in"][0]
-        lay_n += r["layers"] * mb * n
-        ar_s += r["ar_in"][0]
-        ar_n += r["ar_in"][1]
+        acc = lay.setdefault(t, [0.0, 0, 0.0, 0])
+        acc[0] += r["layer_s"] - r["ar_in"][0]
+        acc[1] += r["layers"] * mb * n
+        acc[2] += r["ar_in"][0]
+        acc[3] += r["ar_in"][1]
         work = sum(ins.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch"))
         rest = max(0.0, (work - r["layer_s"] - r["ar_out"][0]) / (mb * n))
-        if r["first"] and r["last"]:
-            both.append(rest)
-        elif r["last"]:
-            head.append(rest)
-        elif r["first"]:
-            emb.append(rest)
+        where = both if r["first"] and r["last"] else head if r["last"] else emb if r["first"] else None
+        if where is not None:
+            where.setdefault(t, []).append(rest)
         sends = sum(calls.get(k, 0) for k in ("SendActivation", "SendGrad"))
         if sends:
             send.append(sum(ins.get(k, 0.0) for k in ("SendActivation", "SendGrad")) / sends)
@@ -247,57 +248,65 @@ def in_situ_terms(ranks: list[dict], tp: int) -> dict:
         if r["iter_s"]:
             step.append(max(0.0, sum(r["iter_s"]) / len(r["iter_s"]) - passes / n))
     n = len(ranks[0].get("per_iter") or []) or ranks[0]["iters"]
-    head += [max(0.0, v - (_med(emb) or 0.0)) for v in both]
-    how = f"measured: the median of {n} training iterations at TP {tp}"
-    out: dict = {"layer_time_s": {str(tp): lay_s / lay_n if lay_n else None}, "layer_time_includes_tp_comm": False,
+    emb_med = {t: statistics.median(v) for t, v in emb.items()}
+    for t, v in both.items():
+        e = emb_med.get(t, statistics.median(emb_med.values()) if emb_med else 0.0)
+        head.setdefault(t, []).extend(max(0.0, x - e) for x in v)
+    widths = ",".join(str(t) for t in sorted(lay))
+    how = f"measured: the median of {n} training iterations at TP {widths}"
+    out: dict = {"layer_time_s": {str(t): a[0] / a[1] for t, a in sorted(lay.items()) if a[1]},
+                 "layer_time_includes_tp_comm": False,
                  "sources": {"layer_time_s": f"{how}, every layer's forward+backward less its TP all-reduces, over "
-                                             f"all ranks"}}
-    if emb:
-        out["embedding_time_s"] = {str(tp): _med(emb)}
+                                             f"all ranks of the width"}}
+    if emb_med:
+        out["embedding_time_s"] = {str(t): v for t, v in sorted(emb_med.items())}
         out["sources"]["embedding_time_s"] = (f"{how}, median over ranks, first stage's passes outside its layers "
                                               f"and TP all-reduces")
     if head:
-        out["head_time_s"] = {str(tp): _med(head)}
+        out["head_time_s"] = {str(t): statistics.median(v) for t, v in sorted(head.items())}
         out["sources"]["head_time_s"] = (f"{how}, median over ranks, last stage's passes outside its layers and "
                                          f"TP all-reduces")
     if step:
         out["step_time_s"] = _med(step)
         out["sources"]["step_time_s"] = (f"{how}, median over ranks, iteration wall time outside the pipeline "
                                          f"passes, transfers and gradient reduce")
-    out["in_situ"] = {"tp_all_reduce_s": ar_s / ar_n if ar_n else None, "p2p_s": _med(send) / 2 if send else None}
+    out["in_situ"] = {"tp_all_reduce_s": {str(t): a[2] / a[3] for t, a in sorted(lay.items()) if a[3] and t > 1},
+                      "p2p_s": _med(send) / 2 if send else None}
     return out
 
 
-def scale_widths(doc: dict, tp: int, micro: dict) -> None:
-    """Fill the widths the job did not run: the measured width's times x this machine's
-    single-layer micro-benchmark ratio ``micro[t] / micro[tp]`` (``elastor_ds.plan.profile.measure``
+def scale_widths(doc: dict, micro: dict) -> None:
+    """Fill the widths the job did not run: the nearest measured width's times x this machine's
+    single-layer micro-benchmark ratio ``micro[t] / micro[measured]`` (``elastor_ds.plan.profile.measure``
     on every rank right after the timed iterations)."""
-    base = micro.get(str(tp))
-    if not base:
-        return
     for key in ("layer_time_s", "embedding_time_s", "head_time_s"):
         table = doc.get(key)
-        if not table or table.get(str(tp)) is None:
+        have = [int(t) for t in (table or {}) if str(t) in micro]
+        if not have:
             continue
+        added = []
         for t, v in micro.items():
-            if t != str(tp):
-                table[t] = table[str(tp)] * v / base
-        if key in doc.get("sources", {}) and len(micro) > 1:
-            doc["sources"][key] += (f"; TP {','.join(t for t in sorted(micro) if t != str(tp))} scaled by this "
-                                    f"machine's single-layer forward+backward ratio")[:120]
+            if t in table:
+                continue
+            near = str(min(have, key=lambda k: (abs(k - int(t)), k)))
+            table[t] = table[near] * v / micro[near]
+            added.append(t)
+        if added and key in doc.get("sources", {}):
+            doc["sources"][key] += (f"; TP {','.join(sorted(added))} scaled by this machine's single-layer "
+                                    f"forward+backward ratio")
     for key, text in list(doc.get("sources", {}).items()):
         doc["sources"][key] = text[:300]
 
 
-def apply_in_situ(doc: dict, tp: int) -> None:
-    """Replace the calibration's TP all-reduce at this width and its p2p with the calls as the job
-    ran them (waits for peers included), and drop the working field."""
+def apply_in_situ(doc: dict) -> None:
+    """Replace the calibration's TP all-reduce at the widths the job ran and its p2p with the calls
+    as the job ran them (waits for peers included), and drop the working field."""
     ins = doc.pop("in_situ", None) or {}
     coll = doc.get("collectives")
     if coll is None:
         return
-    if ins.get("tp_all_reduce_s") is not None and tp > 1:
-        coll.setdefault("tp_all_reduce", {})[str(tp)] = {"latency_s": ins["tp_all_reduce_s"], "s_per_byte": 0.0}
+    for t, v in (ins.get("tp_all_reduce_s") or {}).items():
+        coll.setdefault("tp_all_reduce", {})[t] = {"latency_s": v, "s_per_byte": 0.0}
     if ins.get("p2p_s") is not None:
         coll["p2p"] = {"2": {"latency_s": ins["p2p_s"], "s_per_byte": 0.0}}
 

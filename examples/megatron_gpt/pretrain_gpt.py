@@ -307,7 +307,7 @@ def price_layout(args: argparse.Namespace, world: int, layout, profile_doc: dict
     return CostModel(model, training, cluster, profile=profile).evaluate(plan).iteration_time_s
 
 
-def micro_ratios(args: argparse.Namespace, tp: int) -> dict:
+def micro_ratios(args: argparse.Namespace) -> dict:
     """Collective: this machine's forward+backward seconds of one layer of this model at each TP
     width dividing the heads (``elastor_ds.plan.profile.measure``, a TP slice on one process), the
     median over ranks, measured on every rank at once so the processes share the cores as in training."""
@@ -606,14 +606,14 @@ def _main(argv: list[str] | None = None) -> int:
                 # the job's own collective costs (per call, per group size) for the planner; collective
                 t_comm = time.perf_counter()
                 import layer_profile
-                layer_profile.scale_widths(doc, tp, micro_ratios(args, tp))
+                layer_profile.scale_widths(doc, micro_ratios(args))
                 from elastor_ds.comm.calibrate import measure_collectives
                 doc["collectives"] = measure_collectives((2, 3, 4), reps=3)
                 doc.setdefault("sources", {})["collectives"] = ("measured: per-call latency and seconds per byte "
                                                                 "of this job's groups of 2-4 ranks, 3 repetitions; "
                                                                 "this width's TP all-reduce and p2p as the job ran "
                                                                 "them")
-                layer_profile.apply_in_situ(doc, tp)
+                layer_profile.apply_in_situ(doc)
                 plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                 if rank == 0:
                     plan_info["profile_written"] = layer_profile.write(doc, args.save)
