@@ -311,6 +311,33 @@ def test_every_event_kind_and_failure_cause_is_documented():
     assert not causes, f"failure causes not named in docs/elastic.md: {causes}"
 
 
+def test_example_trainer_flags_in_the_docs_exist():
+    """Flags given to ``examples/megatron_gpt/pretrain_gpt.py`` in the docs' commands are the
+    trainer's (its ``--help``, run once in a subprocess)."""
+    import subprocess
+    import sys
+    trainer = "examples/megatron_gpt/pretrain_gpt.py"
+    out = subprocess.run([sys.executable, str(ROOT / trainer), "--help"], capture_output=True, text=True,
+                         timeout=300, cwd=str(ROOT), env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    known = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", out.stdout))
+    bad, seen = [], 0
+    for path, text in doc_texts().items():
+        blocks, prose = split_markdown(text)
+        pieces = [line for _, body in blocks for line in logical_lines(body)]
+        pieces += [span for line in prose for span in code_spans(line)]
+        for piece in pieces:
+            i = piece.find(trainer)
+            if i < 0:
+                continue
+            seen += 1
+            for t in tokens(piece[i + len(trainer):]):
+                flag = t.split("=", 1)[0]
+                if flag.startswith("--") and flag not in known:
+                    bad.append(f"{path.relative_to(ROOT)}: {trainer} has no flag {flag}")
+    assert seen >= 3 and not bad, "\n".join(bad) or f"only {seen} trainer commands found"
+
+
 # ------------------------------------------------------------------ config keys, JSON documents
 def schema_keys() -> dict[str, set[str]]:
     from elastor_ds.integrations.deepspeed import config as c
