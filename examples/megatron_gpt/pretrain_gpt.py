@@ -566,10 +566,13 @@ def _main(argv: list[str] | None = None) -> int:
                 yield mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
     it_data = batches() if needs_data else None
     prof = None
-    if args.save and args.profile_iters > 0 and start + 1 < args.train_iters:  # skip the first (warm-up) iteration
+    # skip the launch's warm-up: its first iteration, and the second when there are enough (after a
+    # relaunch the first few run up to 1.5x slower than the launch's median on CPU processes)
+    skip = 2 if start + 2 < args.train_iters else 1
+    if args.save and args.profile_iters > 0 and start + skip < args.train_iters:
         import layer_profile
-        prof = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, start + 1,
-                                           min(args.profile_iters, args.train_iters - start - 1))
+        prof = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, start + skip,
+                                           min(args.profile_iters, args.train_iters - start - skip))
         prof.attach(engine)
     plan_info = dict(getattr(args, "plan_info", None) or {"plan_source": "file" if args.elastor_plan else "flags"})
     if "predicted_iter_s" not in plan_info:   # a given plan, priced with the profile of an earlier launch
