@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     from elastor_ds.integrations.megatron.model import build_gpt
     from elastor_ds.layout import Layout
     from elastor_ds.testing.megatron_gpt import eval_loss, fixed_batch, tiny_gpt_config, train_step
-    from test_megatron_patches import _Sched, _Stepper
+    from megatron_standins import _Sched, _Stepper
 
     cfg = tiny_gpt_config(num_layers=2)
     batch = fixed_batch(cfg)
