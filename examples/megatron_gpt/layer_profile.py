@@ -22,6 +22,7 @@ import time
 from typing import Any, Optional
 
 PROFILE_NAME = "profile.json"
+PLAN_NAME = "plan.json"  # the running plan as a plan document (``elastor plan --json`` format), for re-planning
 
 
 class LayerProfiler:
@@ -162,7 +163,8 @@ class LayerProfiler:
             dist.all_reduce = self._ar_orig
         eng = self._engine
         mine = (self.tp, self.seconds_per_layer(), {
-            "tp": self.tp, "stage": getattr(eng, "stage_id", None), "first": bool(eng.is_first_stage()) if eng else None,
+            "tp": self.tp, "stage": getattr(eng, "stage_id", None),
+            "first": bool(eng.is_first_stage()) if eng else None,
             "last": bool(eng.is_last_stage()) if eng else None, "layers": len(self.layers), "layer_s": self.total,
             "iters": self.iters, "micro_batches": self.micro_batches, "iter_s": self.iter_s, "instr": self.instr,
             "ar_in": self.ar_in, "ar_out": self.ar_out, "per_iter": self.per_iter})
@@ -316,9 +318,9 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def write(doc: dict, folder: str) -> str:
+def write(doc: dict, folder: str, name: str = PROFILE_NAME) -> str:
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, PROFILE_NAME)
+    path = os.path.join(folder, name)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -328,13 +330,13 @@ def write(doc: dict, folder: str) -> str:
     return path
 
 
-def find(*dirs: Optional[str]) -> Optional[str]:
-    """The first ``profile.json`` in one of ``dirs`` (a checkpoint root, or a step directory's root)."""
+def find(*dirs: Optional[str], name: str = PROFILE_NAME) -> Optional[str]:
+    """The first ``name`` (``profile.json``) in one of ``dirs`` (a checkpoint root, or a step directory's root)."""
     for d in dirs:
         if not d:
             continue
         for cand in (d, os.path.dirname(os.path.abspath(d))):
-            p = os.path.join(cand, PROFILE_NAME)
+            p = os.path.join(cand, name)
             if os.path.isfile(p):
                 return p
     return None

@@ -31,7 +31,9 @@ contract for readers such as the demo table (keys may be added, never removed):
       snapshot_writer_cpu_s (the background writer's CPU for the previous one), snapshots_dropped
       (so far, by a changed shard layout), and peer_copy_* with peer copies,
     plan_source ("flags" | "file" | "auto"),
-    with --elastor-plan auto also: predicted_iter_s (the chosen plan's prediction), and when the
+    with --elastor-plan auto also: plan_search (a re-plan from the previous launch's <save>/plan.json, used
+      only when its plan gives every launched process a place; else why the full search ran),
+      predicted_iter_s (the chosen plan's prediction), and when the
       planner's best plan overall would leave processes idle (not supported: the plan using every
       process runs) idle_best_plan, idle_best_processes, idle_best_predicted_iter_s;
       uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
@@ -328,6 +330,50 @@ def micro_ratios(args: argparse.Namespace) -> dict:
     return {t: statistics.median(g[t] for g in got if t in g) for t in mine}
 
 
+def replan_if_safe(args: argparse.Namespace, cost, world: int, runnable) -> tuple:  # noqa: ANN001
+    """(the re-plan from the previous launch's plan, how the plan was searched) when there is a
+    previous plan (``<load or save dir>/plan.json``) and the re-plan's best plan is one this launch can
+    run (every launched process has a place, TP widths divide the model): ``elastor_ds.plan.replan``,
+    which on small clusters also runs the full search and keeps the faster plan. Otherwise (None,
+    why the full search runs): a plan that leaves processes idle cannot run, and the full search's
+    best plan using every process is then the one to run."""
+    import layer_profile
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.plan.plan_doc import plan_from_document
+    from elastor_ds.plan.replan import replan
+    prev = layer_profile.find(args.load, args.save, name=layer_profile.PLAN_NAME)
+    if prev is None:
+        return None, "full search (no previous plan)"
+    if args.elastor_layouts != "heterogeneous":
+        return None, "full search (--elastor-layouts uniform)"
+    try:
+        with open(prev) as f:
+            doc = json.load(f)
+        previous, previous_cluster = plan_from_document(doc, cost.cluster)
+        res = replan(cost, previous, previous_cluster, top_k=50)
+    except (OSError, ValueError, ConfigError) as e:
+        log.warning("previous plan %s not used: %s", prev, e)
+        return None, f"full search (previous plan {prev} not usable)"
+    if not runnable(res.best):
+        return None, (f"full search (the re-plan from {prev} uses {res.best.plan.num_gpus} of the {world} processes "
+                      f"or TP widths the model cannot split)")
+    return res, f"re-plan from {prev}: {res.search_stats.get('replan', 'from the previous plan')}"
+
+
+def plan_document_of(layout, world: int) -> dict:  # noqa: ANN001
+    """The running layout as a plan document (``elastor plan --json`` format: rank ``r`` on the
+    cluster's ``r``-th device), what the next launch re-plans from."""
+    from elastor_ds.runtime import needs_hetero
+    doc = layout.to_json()
+    devs = elastic_cluster(world).devices()
+    for rj in doc["replicas"]:
+        for sj in rj["stages"]:
+            sj["devices"] = [devs[r].name for r in sj["ranks"]]
+    doc["kind"] = "heterogeneous" if needs_hetero(layout) else "uniform"
+    doc["unused_devices"] = []
+    return doc
+
+
 def auto_plan(args: argparse.Namespace, world: int):
     """The planner's best plan for the ``world`` launched processes, heterogeneous plans included
     (the default search space), priced with the per-layer profile this trainer measured before
@@ -337,16 +383,24 @@ def auto_plan(args: argparse.Namespace, world: int):
     model, training = plan_specs(args)
     prof_path = layer_profile.find(args.load, args.save)
     profile = Profile.load(prof_path) if prof_path else None
-    res = plan(CostModel(model, training, elastic_cluster(world), profile=profile), layouts=args.elastor_layouts,
-               top_k=50)
+    cost = CostModel(model, training, elastic_cluster(world), profile=profile)
     ffn = ffn_size(args)
     groups = args.num_query_groups or args.num_attention_heads
-    for cand in list(res.alternatives) or [res.best]:
+
+    def runnable(cand) -> bool:  # noqa: ANN001
         layout = cand.plan.to_layout()
-        if layout.world_size != world or any(ffn % s.tp or groups % s.tp for r in layout.replicas for s in r.stages):
+        return layout.world_size == world and not any(ffn % s.tp or groups % s.tp
+                                                      for r in layout.replicas for s in r.stages)
+    res, search = replan_if_safe(args, cost, world, runnable)
+    if res is None:
+        res = plan(cost, layouts=args.elastor_layouts, top_k=50)
+    for cand in list(res.alternatives) or [res.best]:
+        if not runnable(cand):
             continue
+        layout = cand.plan.to_layout()
         uni = res.uniform
-        args.plan_info = {"plan_source": "auto", "predicted_iter_s": cand.cost.iteration_time_s,
+        args.plan_info = {"plan_source": "auto", "plan_search": search,
+                          "predicted_iter_s": cand.cost.iteration_time_s,
                           "uniform_plan": uni.plan.describe() if uni else None,
                           "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
                           # the best grid on the same world leaves these processes idle
@@ -575,6 +629,9 @@ def _main(argv: list[str] | None = None) -> int:
                                            min(args.profile_iters, args.train_iters - start - skip))
         prof.attach(engine)
     plan_info = dict(getattr(args, "plan_info", None) or {"plan_source": "file" if args.elastor_plan else "flags"})
+    if rank == 0 and args.save:   # what the next launch re-plans from (--elastor-plan auto)
+        import layer_profile
+        layer_profile.write(plan_document_of(layout, world), args.save, name=layer_profile.PLAN_NAME)
     if "predicted_iter_s" not in plan_info:   # a given plan, priced with the profile of an earlier launch
         import layer_profile
         prof_path = layer_profile.find(args.load, args.save)
