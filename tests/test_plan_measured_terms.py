@@ -12,8 +12,10 @@ import pytest
 from elastor_ds.errors import ConfigError
 from elastor_ds.plan import Cluster, CostModel, ModelSpec, Plan, PlanReplica, PlanStage, Profile, TrainingSpec
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                                "megatron_gpt"))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+while not os.path.isdir(os.path.join(ROOT, "examples")):   # the repository root from any tests/ subfolder
+    ROOT = os.path.dirname(ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples", "megatron_gpt"))
 import layer_profile  # noqa: E402
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=104,

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+while not os.path.isdir(os.path.join(ROOT, "examples")):   # the repository root from any tests/ subfolder
+    ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "megatron_gpt"))
 import pretrain_gpt  # noqa: E402
 
