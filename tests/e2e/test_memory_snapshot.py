@@ -150,9 +150,11 @@ def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_
     iteration; the controller removes the snapshot directory at the end."""
     job = MemJob(tmp_path, nproc=3, iters=6, save_interval=3, snap_dir=snap_dir, ctl_args=["--on-failure", "shrink"])
     try:
-        job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 5, what="iteration 5")
+        job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 5 and job.latest(job.ckpt) == 3,
+                     what="iteration 5 with storage's step 3 committed")
         # storage unreadable, not only unread by our counters: its committed data files are removed
-        removed = [os.path.join(d, f) for d, _, fs in os.walk(job.ckpt) for f in fs if f.endswith(".safetensors")]
+        step3 = os.path.join(job.ckpt, "step_000000003")
+        removed = [os.path.join(step3, f) for f in os.listdir(step3) if f.endswith(".safetensors")]
         assert removed
         for f in removed:
             os.unlink(f)
