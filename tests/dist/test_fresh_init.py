@@ -80,7 +80,7 @@ def test_fresh_weights_equal_under_tp1_and_tp2(tmp_path, swiglu):
 
 
 def test_first_losses_equal_under_tp1_tp2_pp2(tmp_path):
-    from test_trainer import torchrun
+    from trainer_utils import torchrun
     got = {}
     for nproc, tp, pp in ((1, 1, 1), (2, 2, 1), (2, 1, 2)):
         m = tmp_path / f"m{tp}{pp}.jsonl"

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "examples", "megatron_gpt", "elastic_demo.py")
 EVENT_KINDS = {"start", "rendezvous", "launch", "worker_started", "restore", "injected", "failure", "teardown",
                "probe", "decision", "scale_up_requested", "scale_up", "membership", "preempt_requested",

@@ -24,9 +24,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "megatron_gpt"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "megatron_gpt"))
 
-from test_trainer import COMMON, TRAINER, losses, torchrun  # noqa: E402
+from trainer_utils import COMMON, TRAINER, losses, torchrun  # noqa: E402
 
 
 def plan(*replicas):

@@ -17,7 +17,7 @@ from elastor_ds.layout import Layout
 from elastor_ds.plan import (Cluster, CostModel, CostParams, ModelSpec, Plan, PlanReplica, PlanStage, Profile,
                              TrainingSpec, assign_micro_batches, plan, plan_document, split_layers)
 
-PLAN_DIR = Path(__file__).resolve().parents[1] / "elastor_ds" / "plan"
+PLAN_DIR = Path(__file__).resolve().parents[2] / "elastor_ds" / "plan"
 
 
 # ---- helpers ----------------------------------------------------------------------------------

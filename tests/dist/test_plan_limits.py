@@ -13,7 +13,7 @@ import pytest
 
 from elastor_ds.plan.cli import LIMITS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CAP = 3 << 30  # bytes of address space (Python, numpy and torch's imports fit in well under this)
 MODEL = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024", "--vocab-size", "32000",
          "--micro-batch-size", "1", "--global-batch-size", "64", "--tensor-model-parallel-size", "8"]
