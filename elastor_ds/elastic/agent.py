@@ -254,12 +254,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         hs = self._handlers()
         for h in hs.values():
             if h.proc.poll() is None:
-                for kill in (lambda: os.killpg(h.proc.pid, signal.SIGKILL), lambda: os.kill(h.proc.pid, signal.SIGKILL)):
-                    try:
-                        kill()
-                        break
-                    except (ProcessLookupError, PermissionError):
-                        continue
+                _sigkill(h.proc.pid)
         for h in hs.values():
             try:
                 h.proc.wait(timeout=10)
@@ -293,12 +288,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                               f"its network, then start it again to rejoin")
         log.error("%s", self._fence_reason)
         for h in self._handlers().values():
-            for kill in (lambda: os.killpg(h.proc.pid, signal.SIGKILL), lambda: os.kill(h.proc.pid, signal.SIGKILL)):
-                try:
-                    kill()
-                    break
-                except (ProcessLookupError, PermissionError):
-                    continue
+            _sigkill(h.proc.pid)
         self.events.emit(EventKind.FENCED, silent_s=silent_s, fence_after_s=self.liveness.fence_after)
 
     def _lost_peers(self, now: float) -> list[int]:
@@ -577,6 +567,16 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
                                     preload=tuple(cfg.standby_preload), python=spec.entrypoint,
                                     on_spawn=lambda pids: events.emit(EventKind.STANDBY, pids=pids))
     return agent
+
+
+def _sigkill(pid: int) -> None:
+    """SIGKILL a worker's process group (it leads one), else the worker alone; gone already is fine."""
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+            return
+        except (ProcessLookupError, PermissionError):
+            continue
 
 
 def interface_of(addr: str) -> str | None:

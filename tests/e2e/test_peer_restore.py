@@ -25,7 +25,7 @@ import time
 import pytest
 
 from dist_utils import free_port
-from elastic_utils import ROOT, TRAINER, check_reruns, read_jsonl
+from elastic_utils import ROOT, TRAINER, check_reruns, read_jsonl, storage_latest, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -131,27 +131,6 @@ def _store(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
 
 
-def _storage_latest(ckpt: str) -> int | None:
-    try:
-        with open(os.path.join(ckpt, "latest")) as f:
-            return int(f.read().strip().rsplit("_", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _wait(cond, nodes, timeout: float, what: str):
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        got = cond()
-        if got:
-            return got
-        for n in nodes:
-            if n.proc.poll() is not None:
-                raise AssertionError(f"node {n.name} exited ({n.proc.returncode}) before {what}:\n{n.output()[-6000:]}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(n.output()[-4000:] for n in nodes))
-
-
 def _restores(*nodes) -> list[dict]:
     return [e for n in nodes for e in read_jsonl(n.events) if e.get("event") == "restore"]
 
@@ -166,7 +145,7 @@ def _copy_ready(a: Node, b: Node, want_storage: bool):
     d = os.path.join(a.snapdir, "peer", origin_id(b.snapdir), f"step_{s:09d}")
     if not os.path.exists(os.path.join(d, "COMPLETE")):
         return None
-    if want_storage and _storage_latest(a.ckpt) != s:
+    if want_storage and storage_latest(a.ckpt) != s:
         return None
     return s, d
 
@@ -191,7 +170,7 @@ def _run_node_loss(tmp_path, corrupt: bool):
     a = Node(tmp_path, "A", 2, port, iters, peer_copies=1, save_interval=1)
     b = Node(tmp_path, "B", 1, port, iters, peer_copies=1, save_interval=1)
     try:
-        s, peer_dir = _wait(lambda: _copy_ready(a, b, want_storage=True), [a, b], 240,
+        s, peer_dir = wait_until(lambda: _copy_ready(a, b, want_storage=True), [a, b], 240,
                             "a step with a complete peer copy and a storage checkpoint")
         if corrupt:
             data = sorted(f for f in os.listdir(peer_dir) if f.endswith(".safetensors"))
@@ -255,7 +234,7 @@ def test_reshard_reads_the_other_nodes_memory_through_its_server(tmp_path):
     a = Node(tmp_path, "A", 2, port, iters, peer_copies=0, save_interval=100)
     b = Node(tmp_path, "B", 1, port, iters, peer_copies=0, save_interval=100)
     try:
-        _wait(lambda: a.latest() is not None and a.latest() >= 3 and b.latest() == a.latest(), [a, b], 240,
+        wait_until(lambda: a.latest() is not None and a.latest() >= 3 and b.latest() == a.latest(), [a, b], 240,
               "memory snapshots on both nodes")
         victim = max(a.workers())
         os.kill(a.workers()[victim], signal.SIGKILL)

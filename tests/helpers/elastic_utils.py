@@ -166,3 +166,27 @@ def check_reruns(recs: list[dict], events: list[dict], iters: int, at_least: int
     n = expected_reruns(recs, resumed_steps(events))
     assert n >= at_least, f"only {n} iterations were re-run; the fault should have cost at least {at_least}"
     return assert_losses_reproduce(recs, iters, reruns=n, rel=rel)
+
+
+def storage_latest(ckpt: str) -> int | None:
+    """The step storage's ``latest`` names, or None."""
+    try:
+        with open(os.path.join(ckpt, "latest")) as f:
+            return int(f.read().strip().rsplit("_", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_until(cond, nodes, timeout: float, what: str):
+    """Poll ``cond`` until it is truthy (returned); fail at once when a node's controller exited."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        got = cond()
+        if got:
+            return got
+        for n in nodes:
+            if n.proc.poll() is not None:
+                raise AssertionError(f"node {n.name} exited ({n.proc.returncode}) before {what}:\n"
+                                     f"{n.output()[-6000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(n.output()[-4000:] for n in nodes))

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from elastic_utils import assert_losses_reproduce
+from elastic_utils import assert_losses_reproduce, storage_latest, wait_until  # noqa: F401 - used below
 from elastor_ds.elastic.events import read_jsonl
 from elastor_ds.testing.netns import Testbed
 
@@ -136,28 +136,6 @@ class NodeJob:
 def peer_copy_dir(holder: NodeJob, origin: NodeJob, step: int) -> str:
     from elastor_ds.comm.peer_copy import origin_id
     return os.path.join(holder.snapdir, "peer", origin_id(origin.snapdir), f"step_{step:09d}")
-
-
-def storage_latest(ckpt: str) -> int | None:
-    try:
-        with open(os.path.join(ckpt, "latest")) as f:
-            return int(f.read().strip().rsplit("_", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def wait_until(cond, nodes, timeout: float, what: str):
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        got = cond()
-        if got:
-            return got
-        for n in nodes:
-            if n.proc.poll() is not None:
-                raise AssertionError(f"node {n.name} exited ({n.proc.returncode}) before {what}:\n"
-                                     f"{n.output()[-6000:]}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(n.output()[-4000:] for n in nodes))
 
 
 def restorable_step(survivor: NodeJob, lost: NodeJob) -> int | None:
