@@ -643,6 +643,7 @@ def _main(argv: list[str] | None = None) -> int:
     last = args.train_iters if args.exit_after_iters is None else min(args.train_iters, args.exit_after_iters)
     try:
         for it in range(start, last):
+            injected_fault(f"iteration-{it + 1}", rank)   # dies as it starts iteration it + 1 (1-based)
             t0 = time.perf_counter()
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
             mem = engine.elastor.memory if engine.elastor else None
@@ -738,7 +739,8 @@ def injected_fault(point: str, rank: int, settle=None) -> None:
     """Fault injection for tests: ``ELASTOR_EXAMPLE_FAULT=<point>:<rank>`` SIGKILLs that rank when it
     reaches ``point`` in the first launch of an ``elastor run`` job (``ELASTOR_ROUND`` 0), a real
     kill at a moment a signal from outside cannot hit reliably; ``settle`` runs first on that rank
-    (e.g. wait until the in-flight saves committed). Unset: nothing happens."""
+    (e.g. wait until the in-flight saves committed). Points: ``before-final-save``, ``iteration-N``
+    (as the rank starts 1-based iteration N, its peers already inside it). Unset: nothing happens."""
     spec = os.environ.get("ELASTOR_EXAMPLE_FAULT", "")
     if not spec or os.environ.get("ELASTOR_ROUND", "0") != "0":
         return

@@ -32,10 +32,11 @@ def kinds(events):
 
 def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
     iters = 14
-    job = Job(tmp_path, nproc=4, iters=iters, save_interval=3, ctl_args=["--on-failure", "shrink"])
+    # rank 3 SIGKILLs itself as it starts iteration 6 (its peers are inside it): a signal from
+    # outside raced the save at 6 and could cost 0 iterations
+    job = Job(tmp_path, nproc=4, iters=iters, save_interval=3, ctl_args=["--on-failure", "shrink"],
+              env={"ELASTOR_EXAMPLE_FAULT": "iteration-6:3"})
     try:
-        job.wait_for(lambda r: last_iteration(r) >= 5, what="iteration 5 on 4 processes")
-        job.signal_worker(3, signal.SIGKILL)
         recs = job.wait_for(lambda r: len(r) > 0 and r[-1]["world_size"] == 3 and
                             sum(1 for x in r if x["world_size"] == 3) >= 3, what="3 iterations on 3 processes")
         os.kill(job.proc.pid, signal.SIGUSR1)            # the operator: the device is back
@@ -50,7 +51,7 @@ def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
         by_world.setdefault(r["world_size"], r["layout"])
     assert by_world[3] != by_world[4], by_world
     ev = job.event_list()
-    check_reruns(recs, ev, iters, at_least=1)   # the kill came after iteration 5, the last save before it at 3
+    check_reruns(recs, ev, iters, at_least=2)   # killed in iteration 6, the last save at 3: 4 and 5 re-run
     fail = next(e for e in ev if e["event"] == "failure")
     assert fail["cause"] == "signal"
     assert [(r["global_rank"], r["signal"]) for r in fail["ranks"] if r["cause"] == "signal"] == [(3, "SIGKILL")]

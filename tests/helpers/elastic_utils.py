@@ -21,7 +21,7 @@ MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4
 
 class Job:
     def __init__(self, tmp, nproc: int, iters: int, save_interval: int, ctl_args=(), name="job", metrics=None,
-                 ckpt=None, trainer_args=()):
+                 ckpt=None, trainer_args=(), env=None):
         self.dir = str(tmp)
         self.metrics = metrics or os.path.join(self.dir, "metrics.jsonl")
         self.ckpt = ckpt or os.path.join(self.dir, "ckpt")
@@ -31,7 +31,8 @@ class Job:
                "--monitor-interval", "0.1", *ctl_args, TRAINER, *MODEL, "--train-iters", str(iters),
                "--save", self.ckpt, "--load", self.ckpt, "--save-interval", str(save_interval),
                "--metrics-file", self.metrics, *trainer_args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
+                   **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=self.dir, env=env,
                                      start_new_session=True)
 
