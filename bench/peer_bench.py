@@ -6,7 +6,7 @@ node's memory (its snapshot server) vs from storage. Ratios within one run.
 Part 1 (2 gloo processes acting as 2 nodes, one rank each, /dev/shm node directories): a
 "training step" is a fixed matmul loop plus a gradient all-reduce on the default group (the
 training traffic); each step is followed by a memory snapshot of ``--mib`` MiB whose peer copy
-(:class:`elastor_ds.comm.peer_copy.PeerCopier`, the real transport) runs in the background while
+(:class:`elastor_ds.checkpoint.snapshot.peer_copy.PeerCopier`, the real transport) runs in the background while
 the next steps compute. Reported: step time (including ``submit``, which waits for the previous
 copy: back-pressure when copies are slower than steps) with copies / without; the copy's time / a
 memcpy of the same bytes.
@@ -47,7 +47,7 @@ def _part1(rank: int, world: int, port: int, mib: int, steps: int, base: str, ou
     import torch
     import torch.distributed as dist
 
-    from elastor_ds.comm.peer_copy import PeerCopier, PeerFile
+    from elastor_ds.checkpoint.snapshot.peer_copy import PeerCopier, PeerFile
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -141,9 +141,9 @@ def _read_all(src, rel: str, size: int, piece: int = 8 << 20) -> float:
 
 
 def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
-    from elastor_ds.checkpoint.peer_sources import PeerCopySource, RemoteSource
+    from elastor_ds.checkpoint.snapshot.peer_sources import PeerCopySource, RemoteSource
     from elastor_ds.checkpoint.sources import DirSource
-    from elastor_ds.elastic.snapshot_server import SnapshotServer
+    from elastor_ds.checkpoint.snapshot.server import SnapshotServer
 
     step = "step_000000001"
     rel = "data_00000.safetensors"

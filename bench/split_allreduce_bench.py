@@ -4,14 +4,14 @@ One world of gloo CPU ranks (default 7, the "one of 8 lost" case of ``bench/hete
 rank allocates gradients of the local shapes its plan gives it (the bench model of hetero_bench: 8
 GPT layers, hidden 64, FFN 256) and times, with nothing else running in the job:
 
-* ``split``: :class:`elastor_ds.comm.hetero.SplitAllReduce` for the planner's best heterogeneous
+* ``split``: :class:`elastor_ds.runtime.hetero_comm.SplitAllReduce` for the planner's best heterogeneous
   plan on those ranks (cells of every parameter reduced among exactly its holders);
 * ``split-uniform``: the same code on the best uniform grid (it degenerates to one buffer per DP
   group: the cost of our packing);
 * ``dp``: a plain flat ``all_reduce`` of each rank's whole local gradient over its DP group of the
   uniform grid (DeepSpeed's data-parallel all-reduce, the baseline);
 * ``zero1``: the heterogeneous plan's ZeRO-1 exchange (reduce-scatter of the gradients into the
-  shares + all-gather of the updated weights, :class:`~elastor_ds.comm.hetero.HeteroZero1`).
+  shares + all-gather of the updated weights, :class:`~elastor_ds.runtime.hetero_comm.HeteroZero1`).
 
 Bytes are those each rank sends (ring algorithm, from the pure plan); times are the median of
 ``--reps`` repetitions of the slowest rank (a barrier before each). Ranks outside a plan (a uniform
@@ -52,7 +52,7 @@ def worker(rank: int, world: int, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastor_ds.comm.hetero import HeteroZero1, SplitAllReduce, create_groups
+    from elastor_ds.runtime.hetero_comm import HeteroZero1, SplitAllReduce, create_groups
     from elastor_ds.layout import rank_tensors
     from elastor_ds.runtime import (layout_held, reduce_groups, replica_of, split_reduce_bytes, split_reduce_plan,
                                     uniform_dp_bytes, zero_partition)

@@ -55,7 +55,7 @@ from .reader import read_shards
 from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
 from .crc import crc32
-from .file_staging import FileStaging, StagedFile
+from .snapshot.file_staging import FileStaging, StagedFile
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
 from .state import to_jsonable

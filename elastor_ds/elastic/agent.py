@@ -44,7 +44,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousPara
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from . import probe as probe_mod
-from .snapshot_server import NodeSnapshots
+from ..checkpoint.snapshot.server import NodeSnapshots
 from .events import EventKind, EventLog
 from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers

@@ -18,7 +18,7 @@ A group size that was not measured is scaled from the nearest measured one as a 
 ``(g - 1) / (g0 - 1)``, the per-byte term by ``((g - 1) / g) / ((g0 - 1) / g0)``; a kind that was not
 measured falls back to the analytical defaults (:mod:`elastor_ds.plan.cost`).
 
-Which calls a plan makes (what :mod:`elastor_ds.comm.hetero` does, counted exactly):
+Which calls a plan makes (what :mod:`elastor_ds.runtime.hetero_comm` does, counted exactly):
 
 * gradient sync: every tensor is cut into the finest TP blocks among the replicas holding it; a
   block's holder set is one rank per replica (TP rank ``q x t / T`` of a width-``t`` stage when the

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from dist_utils import run_world
-from elastor_ds.checkpoint.planning.peer_plan import PeerTransfer, node_of_rank, peer_bytes_by_node, plan_peer_copies
+from elastor_ds.checkpoint.snapshot.peer_plan import PeerTransfer, node_of_rank, peer_bytes_by_node, plan_peer_copies
 from elastor_ds.errors import ConfigError
 
 STEP5, STEP6 = "step_000000005", "step_000000006"
@@ -17,7 +17,7 @@ STEP5, STEP6 = "step_000000005", "step_000000006"
 
 def _oid(name: str) -> str:
     """The origin id a node directory named ``name`` on this host gets (host + directory name)."""
-    from elastor_ds.comm.peer_copy import origin_id
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     return origin_id(os.path.join("/x", name))
 
 
@@ -109,8 +109,8 @@ def _job_key(base: str) -> None:
 
 
 def _worker(rank, world, base, ppn, corrupt_rank):
-    from elastor_ds.comm.peer_copy import PeerCopier, PeerFile
-    from elastor_ds.checkpoint.planning.peer_plan import node_of_rank
+    from elastor_ds.checkpoint.snapshot.peer_copy import PeerCopier, PeerFile
+    from elastor_ds.checkpoint.snapshot.peer_plan import node_of_rank
 
     node = node_of_rank(ppn, rank)
     nodedir = os.path.join(base, f"elastor-node{node}")
@@ -180,7 +180,7 @@ def test_copy_that_arrives_with_a_bad_crc_is_not_complete(tmp_path):
 
 @pytest.mark.unit
 def test_node_memory_need_counts_the_predecessors_bytes():
-    from elastor_ds.checkpoint.planning.peer_plan import node_memory_need
+    from elastor_ds.checkpoint.snapshot.peer_plan import node_memory_need
     # node 0 = ranks 0,1 (100 + 50 bytes), node 1 = rank 2 (7 bytes); keep 1
     got = node_memory_need([2, 1], {0: 100, 1: 50, 2: 7}, keep=1, peer_copies=1)
     assert got == [{"own": 150, "peer": 7, "need": 150 * 2 + 2 * 7},
@@ -194,7 +194,7 @@ MIB = 2 ** 20
 def _budget_worker(rank, world, base, out):
     from elastor_ds.comm import TorchComm
     from elastor_ds.integrations.deepspeed.config import MemorySnapshotConfig
-    from elastor_ds.integrations.deepspeed.memory import MemoryBudgetError, MemoryTier
+    from elastor_ds.checkpoint.snapshot.tier import MemoryBudgetError, MemoryTier
 
     node = 0 if rank < 2 else 1   # two "nodes" = two node directories: ranks 0,1 and rank 2
     mcfg = MemorySnapshotConfig(keep=2, peer_copies=1, dir=os.path.join(base, f"n{node}"),
@@ -226,7 +226,7 @@ def test_budget_counts_the_peer_copy_a_node_holds(tmp_path):
 @pytest.mark.unit
 def test_origin_id_names_host_and_directory(monkeypatch):
     import socket
-    from elastor_ds.comm.peer_copy import origin_id
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-1.cluster")
     a = origin_id("/dev/shm/my job")
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-2.cluster")
@@ -250,7 +250,7 @@ def _liar_worker(rank, world, base, lie):
     import torch
     import torch.distributed as dist
 
-    from elastor_ds.comm import peer_copy as pc
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
     ppn = [2, 1]
     node = 0 if rank < 2 else 1
     nodedir = os.path.join(base, f"elastor-node{node}")

@@ -217,7 +217,7 @@ def test_which_engines_stage_into_files(tmp_path):
 def _two_rank_failure(rank: int, world: int, root: str) -> None:
     import errno
 
-    from elastor_ds.checkpoint import file_staging
+    from elastor_ds.checkpoint.snapshot import file_staging
     from elastor_ds.comm import TorchComm
     from elastor_ds.errors import AsyncSaveError
 

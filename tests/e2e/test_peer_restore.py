@@ -141,7 +141,7 @@ def _copy_ready(a: Node, b: Node, want_storage: bool):
     s = a.latest()
     if s is None or s < 3:
         return None
-    from elastor_ds.comm.peer_copy import origin_id
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     d = os.path.join(a.snapdir, "peer", origin_id(b.snapdir), f"step_{s:09d}")
     if not os.path.exists(os.path.join(d, "COMPLETE")):
         return None

@@ -233,7 +233,7 @@ def _attacks(key: bytes, port: int) -> dict:
 
 
 def _legit(key: bytes, port: int, within_s: float = 10) -> bool:
-    from elastor_ds.checkpoint.peer_sources import RemoteSource
+    from elastor_ds.checkpoint.snapshot.peer_sources import RemoteSource
     t0 = time.monotonic()
     src = RemoteSource(f"127.0.0.1:{port}", _STEP, key, busy_wait_s=within_s)
     try:
@@ -255,7 +255,7 @@ def run_snapshot_server(work: str, rng: random.Random, reps: int) -> fc.Row:
 
             def trial(root=root, name=name) -> int:
                 logging.basicConfig(level=logging.WARNING)
-                from elastor_ds.elastic.snapshot_server import SnapshotServer
+                from elastor_ds.checkpoint.snapshot.server import SnapshotServer
                 _node(root)
                 key = os.urandom(32)
                 with SnapshotServer(root, key, head_timeout_s=2.0) as srv:
@@ -382,7 +382,7 @@ def _peer_rank(rank: int, base: str, store: str, secret: str, lie: str, timeout_
     import torch.distributed as dist
 
     from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
-    from elastor_ds.comm import peer_copy as pc
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
     os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
     dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -414,7 +414,7 @@ def _peer_rank(rank: int, base: str, store: str, secret: str, lie: str, timeout_
 
 
 def run_peer_sender(work: str, rng: random.Random, reps: int) -> fc.Row:
-    from elastor_ds.comm.peer_copy import origin_id
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     row = fc.Row()
     for i in range(max(1, reps)):
         for lie in ("huge", "unlisted", "other-rank"):

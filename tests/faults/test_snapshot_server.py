@@ -17,8 +17,8 @@ import zlib
 
 import pytest
 
-from elastor_ds.checkpoint.peer_sources import PeerCopySource, RemoteSource, node_sources
-from elastor_ds.elastic.snapshot_server import NodeSnapshots, SnapshotServer, advertised_host
+from elastor_ds.checkpoint.snapshot.peer_sources import PeerCopySource, RemoteSource, node_sources
+from elastor_ds.checkpoint.snapshot.server import NodeSnapshots, SnapshotServer, advertised_host
 from elastor_ds.errors import ConfigError, IncompleteCheckpointError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -215,7 +215,7 @@ def _still_serves(srv, data) -> None:
 def test_no_token_and_wrong_token_get_nothing(tmp_path, caplog):
     root, data = _node(tmp_path)
     with SnapshotServer(str(root), KEY) as srv:
-        with caplog.at_level(logging.WARNING, logger="elastor_ds.elastic.snapshot_server"):
+        with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.snapshot.server"):
             for key in (None, bytes(32), KEY[:-1] + b"\0"):
                 for path in (DATA, f"/index/{STEP}", f"/f/peer/nodeB/{STEP}/data_00002.safetensors"):
                     st, body = _get(srv.port, path, key)
@@ -300,7 +300,7 @@ def test_huge_range_long_name_and_big_head_get_4xx_not_a_traceback(tmp_path, cap
                 head = s.recv(4096)
             code = int(head.split(b" ", 2)[1])
             assert 400 <= code < 500, (rng[:40], head[:200])
-        with caplog.at_level(logging.WARNING, logger="elastor_ds.elastic.snapshot_server"):
+        with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.snapshot.server"):
             long_name = "/f/" + "A\x1b[2J" * 2000                   # 10 KB of name with terminal escapes
             st, _ = _raw(srv.port, f"GET {long_name} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
             assert st in (401, 414, 431)

@@ -134,7 +134,7 @@ class NodeJob:
 
 
 def peer_copy_dir(holder: NodeJob, origin: NodeJob, step: int) -> str:
-    from elastor_ds.comm.peer_copy import origin_id
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     return os.path.join(holder.snapdir, "peer", origin_id(origin.snapdir), f"step_{step:09d}")
 
 

@@ -341,7 +341,8 @@ def test_example_trainer_flags_in_the_docs_exist():
 # ------------------------------------------------------------------ config keys, JSON documents
 def schema_keys() -> dict[str, set[str]]:
     from elastor_ds.integrations.deepspeed import config as c
-    return {"": set(c._TOP_KEYS), "checkpoint": set(c._CKPT_KEYS), "memory_snapshot": set(c._MEM_KEYS)}
+    from elastor_ds.checkpoint import settings as s
+    return {"": set(c._TOP_KEYS), "checkpoint": set(s._CKPT_KEYS), "memory_snapshot": set(s._MEM_KEYS)}
 
 
 def test_config_keys_in_the_docs_are_in_the_schema_and_all_documented():

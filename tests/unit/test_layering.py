@@ -15,8 +15,9 @@ pytestmark = pytest.mark.unit
 PKG = pathlib.Path(__file__).resolve().parents[2] / "elastor_ds"
 FORBIDDEN_EVERYWHERE_PURE = ("torch", "deepspeed", "megatron")
 PURE_FILES = sorted(PKG.glob("layout/*.py")) + sorted(PKG.glob("plan/*.py")) + sorted(PKG.glob("data/*.py")) + sorted(
-    PKG.glob("runtime/*.py")) + [
+    p for p in PKG.glob("runtime/*.py") if p.name != "hetero_comm.py") + [
     *sorted(PKG.glob("checkpoint/planning/*.py")), PKG / "checkpoint" / "commit.py", PKG / "errors.py",
+    PKG / "checkpoint" / "settings.py", PKG / "checkpoint" / "snapshot" / "peer_plan.py",
     # the elastic controller's decision logic and records
     PKG / "elastic" / "protocol.py", PKG / "elastic" / "policy.py", PKG / "elastic" / "events.py"]
 # files allowed to use torch for measurement, but never torch.distributed / deepspeed / megatron
@@ -57,7 +58,7 @@ def test_only_comm_and_integrations_touch_distributed():
         # agent's process start; store_main.py hosts the c10d rendezvous store (a TCPStore); etcd_rdzv.py
         # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; its pure modules are
         # checked above
-        if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("demo.py", "deepspeed.py",
+        if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("runtime/hetero_comm.py", "checkpoint/snapshot/peer_copy.py", "checkpoint/snapshot/peer.py") or rel in ("demo.py", "deepspeed.py",
                                                                               "elastic/agent.py", "elastic/worker.py",
                                                                               "elastic/standby.py",
                                                                               "elastic/store_main.py",
@@ -84,3 +85,56 @@ def test_planning_modules_pull_in_no_torch_indirectly(mod):
                        cwd=str(PKG.parent), env={**__import__("os").environ, "PYTHONPATH": str(PKG.parent)})
     assert p.returncode == 0, f"importing {name} loaded {p.stdout.strip()} {p.stderr[-500:]}"
     assert set(PLANNING) >= {"manifest", "save_plan", "load_plan"}
+
+
+# The floors, lowest first. A module may import its own floor and the floors below it, never one
+# above ("an arrow back up"). elastic/protocol.py and elastic/events.py are the shared vocabulary
+# (environment names, event kinds): pure, importable from every floor.
+FLOORS = [("errors", "cli_types"), ("layout",), ("plan", "data"), ("comm",), ("runtime",), ("checkpoint",),
+          ("integrations", "testing"), ("elastic", "demo", "deepspeed", "cli", "__init__")]
+SHARED = {"elastor_ds.elastic.protocol", "elastor_ds.elastic.events", "elastor_ds.errors"}
+
+
+def _floor(top: str) -> int:
+    for i, names in enumerate(FLOORS):
+        if top in names:
+            return i
+    raise AssertionError(f"package elastor_ds.{top} has no floor in test_layering.FLOORS: add it")
+
+
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+    """elastor_ds modules imported by ``path`` (relative imports resolved; ``from . import x`` as x)."""
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    pkg = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("elastor_ds"):
+                out.add(mod)
+                out |= {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("elastor_ds")}
+    return out
+
+
+def test_no_arrow_back_up():
+    """comm/ imports neither checkpoint/ nor runtime/; checkpoint/ imports no integration nor the
+    elastic controller; nothing imports a floor above its own (the shared vocabulary excepted)."""
+    bad = []
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG)
+        own = _floor(rel.parts[0] if len(rel.parts) > 1 else rel.stem)
+        for mod in _absolute_imports(f):
+            parts = mod.split(".")
+            if len(parts) < 2 or any(mod == s or mod.startswith(s + ".") for s in SHARED):
+                continue
+            if not (PKG / parts[1]).exists() and not (PKG / f"{parts[1]}.py").exists():
+                continue
+            if _floor(parts[1]) > own:
+                bad.append(f"{rel.as_posix()} imports {mod}")
+    assert not bad, "arrows back up:\n" + "\n".join(sorted(bad))

@@ -170,8 +170,8 @@ def test_storage_source_only_for_the_same_bytes(shm_dir, tmp_path):
 def test_fallback_messages_name_the_peer_the_bytes_came_from(shm_dir, tmp_path, caplog):
     """A corrupt copy served by another node's snapshot server: the warning and the error name that
     peer (host:port and its file), never a path on this node that the bytes did not come from."""
-    from elastor_ds.checkpoint.peer_sources import RemoteSource
-    from elastor_ds.elastic.snapshot_server import SnapshotServer
+    from elastor_ds.checkpoint.snapshot.peer_sources import RemoteSource
+    from elastor_ds.checkpoint.snapshot.server import SnapshotServer
     w, b = _save_both(shm_dir, str(tmp_path / "storage"))
     mem_step = commit_mod.resolve(shm_dir)
     st_step = commit_mod.resolve(str(tmp_path / "storage"))
@@ -217,7 +217,7 @@ def test_node_lost_in_its_peer_copy_window_falls_back_to_storage_for_its_files(s
     file and the storage path); once the copy is complete the same load reads nothing from storage;
     without a storage twin of that step the load is incomplete (the runtime then falls back to
     storage's newest checkpoint)."""
-    from elastor_ds.checkpoint.peer_sources import PeerCopySource
+    from elastor_ds.checkpoint.snapshot.peer_sources import PeerCopySource
     local_root = os.path.join(shm_dir, "local")
     w, b = _save_both(local_root, str(tmp_path / "storage"))
     mem_step = commit_mod.resolve(local_root)

@@ -3,7 +3,6 @@
 - :mod:`.manifest`: the manifest document (format versions, schema validation, checksum, block CRC tables)
 - :mod:`.save_plan`: deduplicated, balanced, tiled write plan from every rank's shard metadata
 - :mod:`.load_plan`: the verified byte-range reads that fill a rank's requested regions
-- :mod:`.peer_plan`: the peer-copy ring (which rank sends its memory snapshot to which rank)
 
 ``tests/unit/test_layering.py`` imports each of these in a fresh interpreter and checks that neither
 torch nor torch.distributed got imported, directly or indirectly.

@@ -30,7 +30,7 @@ Where stock DeepSpeed stops, and what this module does instead (see RUNTIME_FACT
 * Losses: the engine returns the global loss ``sum_p M_p loss_p / M`` on every rank.
 * ZeRO: DeepSpeed's ZeRO-1 keeps one data-parallel group for every flat buffer; replicas with
   different partitions have no such group. So DeepSpeed runs ZeRO stage 0 here and ZeRO-1 is ours
-  (:class:`elastor_ds.comm.hetero.HeteroZero1`): the optimizer state of every block is sharded among
+  (:class:`elastor_ds.runtime.hetero_comm.HeteroZero1`): the optimizer state of every block is sharded among
   exactly the ranks that hold it (one per replica for TP-split blocks), the torch optimizer's param
   groups are re-pointed at those shares, ``ReduceGrads`` becomes a reduce-scatter and
   ``OptimizerStep`` is followed by an all-gather of the updated weights. ZeRO >= 2 (sharded gradients
@@ -48,7 +48,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from ...comm.hetero import HeteroZero1, SplitAllReduce, create_groups, global_mean
+from ...runtime.hetero_comm import HeteroZero1, SplitAllReduce, create_groups, global_mean
 from ...errors import ConfigError
 from ...layout import Layout
 from ...runtime import (creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan,

@@ -100,12 +100,12 @@ class ElastorCheckpointer:
         self.extra_memory_sources: list = []
         self.memory = None
         if memory is not None:
-            from .memory import MemoryTier, node_dir
+            from ...checkpoint.snapshot.tier import MemoryTier, node_dir
             check_roots_apart(cfg.dir, node_dir(memory))
             self.memory = MemoryTier(memory, TorchComm.create(cfg.timeout_s))
             est, estimated = self._snapshot_estimate()
             self.memory.check_budget(est, self.policy_comm, estimated=estimated)
-            from .peer import attach   # cross-node half: peer copies and restore sources (collective)
+            from ...checkpoint.snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
             attach(self, cfg.timeout_s)
         self.device_fence = self._install_device_fence()
 
@@ -310,7 +310,7 @@ class ElastorCheckpointer:
                         "seconds": max(sec for _, sec in rows), "layout": self.layout.describe(),
                         "fell_back": bool(res.fell_back)}
         if self.comm.rank == 0:
-            from .memory import report_restore
+            from ...checkpoint.snapshot.tier import report_restore
             log.info("resumed from %s (step %d, %s) under %s in %.2f s; bytes per source: %s", res.step_dir, res.step,
                      tier, self.layout.describe(), self.restore["seconds"],
                      ", ".join(f"{k} {v}" for k, v in sorted(total.items())) or "none")

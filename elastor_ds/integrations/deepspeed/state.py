@@ -15,7 +15,7 @@ partition-independent names, and its scalar state to JSON:
   holds one contiguous run of each param group's flat buffer; each parameter's part of that run is
   mapped to boxes of the parameter (:func:`shards_from_flat`), so any DP size or ZeRO stage can
   read it back. Under ZeRO-0 every rank holds whole tensors. Under ZeRO-1 across heterogeneous
-  replicas (``engine.elastor_zero``, :class:`elastor_ds.comm.hetero.HeteroZero1`) a rank holds a
+  replicas (``engine.elastor_zero``, :class:`elastor_ds.runtime.hetero_comm.HeteroZero1`) a rank holds a
   run of each buffer of finest common blocks (cells, regions of the global tensors): its part of
   that run is mapped to boxes of each cell the same way.
 * scalars (Adam's ``step``, param-group hyper-parameters), the LR scheduler and engine counters go

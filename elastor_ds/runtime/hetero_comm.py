@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.groups import Cell, ShardPart, split_reduce_bytes
+from .groups import Cell, ShardPart, split_reduce_bytes
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ What it serves (``GET``, ``HEAD``; anything else ``405``):
 - ``/f/local/<step>/<name>``: ``<name>`` listed in the ``files`` of ``local/<step>/manifest.json``
   (a committed memory snapshot of this node), of the listed size;
 - ``/f/peer/<origin>/<step>/<name>``: ``<name>`` listed in the ``files`` of that directory's
-  ``COMPLETE`` record (written last by :mod:`elastor_ds.comm.peer_copy`), of the listed size;
+  ``COMPLETE`` record (written last by :mod:`elastor_ds.checkpoint.snapshot.peer_copy`), of the listed size;
 - ``/index/<step>``: JSON ``{"local": bool, "peer": [origin, ...]}``.
 
 Any other name (the owner marker, a save in progress, a file under ``--snapshot-dir`` that no
@@ -27,7 +27,7 @@ the body, so the client also knows the bytes came from this server unchanged.
 Bounds: at most :data:`MAX_CONNECTIONS` connections (more get ``503`` and are closed at once); a
 request head of at most :data:`MAX_HEAD` bytes (``431``) that must arrive within
 :data:`HEAD_TIMEOUT_S` of the connection (or of the previous answer, :data:`IDLE_TIMEOUT_S`); a
-``Range`` of at most :data:`~elastor_ds.checkpoint.peer_sources.MAX_RANGE` bytes (``416``).
+``Range`` of at most :data:`~elastor_ds.checkpoint.snapshot.peer_sources.MAX_RANGE` bytes (``416``).
 Refusals are logged with a short, escaped prefix of the name, and rate-limited.
 """
 from __future__ import annotations
@@ -47,10 +47,10 @@ import urllib.parse
 from collections import OrderedDict
 from typing import Optional
 
-from ..checkpoint.auth import load_key, request_mac, response_mac
-from ..checkpoint.paths import safe_join
-from ..checkpoint.peer_sources import MAX_RANGE
-from ..errors import CheckpointError
+from ..auth import load_key, request_mac, response_mac
+from ..paths import safe_join
+from .peer_sources import MAX_RANGE
+from ...errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class _Listings:
         """Files (name -> size) of the committed snapshot ``local/<step>``; None when not committed."""
         if not _STEP_RE.match(step):
             return None
-        from ..checkpoint.planning.manifest import Manifest
+        from ..planning.manifest import Manifest
 
         def parse(raw: bytes, where: str) -> dict[str, int]:
             man = Manifest.loads(raw.decode("utf-8"), where=where)
@@ -585,7 +585,7 @@ class NodeSnapshots:
         """``ELASTOR_SNAPSHOT_PEERS`` (every live node's server, node-rank order; nodes without one
         left out), ``ELASTOR_SNAPSHOT_SELF`` (this node's) and ``ELASTOR_JOB_SECRET_FILE`` (the
         secret file's path, not the secret: workers derive the job key from it themselves)."""
-        from ..checkpoint.auth import ENV_JOB_SECRET_FILE
+        from ..auth import ENV_JOB_SECRET_FILE
         out = {"ELASTOR_SNAPSHOT_PEERS": ",".join(p for p in self.peers if p),
                "ELASTOR_SNAPSHOT_SELF": self.server.address if self.server is not None else ""}
         if self.secret_file:

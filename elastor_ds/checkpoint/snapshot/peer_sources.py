@@ -8,9 +8,9 @@ mismatch or on the :class:`~elastor_ds.errors.IncompleteCheckpointError` these r
 short or unreachable file.
 
 - :class:`PeerCopySource` (``peer-memory``): ``$ELASTOR_SNAPSHOT_DIR/peer/<origin>/<step>/``
-  directories that carry a ``COMPLETE`` marker (written last by :mod:`elastor_ds.comm.peer_copy`).
+  directories that carry a ``COMPLETE`` marker (written last by :mod:`elastor_ds.checkpoint.snapshot.peer_copy`).
 - :class:`RemoteSource` (``remote:<host:port>``): another node's
-  :class:`~elastor_ds.elastic.snapshot_server.SnapshotServer`: its committed ``local/<step>`` and
+  :class:`~elastor_ds.checkpoint.snapshot.server.SnapshotServer`: its committed ``local/<step>`` and
   its complete peer copies, read with signed HTTP range requests whose answers carry a MAC under the
   job key (:mod:`.auth`; one keep-alive connection per thread).
 - :func:`node_sources`: the list for a restore, nearest first: peer copies here, then each other
@@ -31,10 +31,10 @@ import time
 import urllib.parse
 from typing import Optional, Sequence
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from .auth import job_key, request_mac, response_mac
-from .paths import safe_join
-from .storage import pread_into
+from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..auth import job_key, request_mac, response_mac
+from ..paths import safe_join
+from ..storage import pread_into
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 After a memory snapshot commits, :meth:`PeerCopier.submit` (called on every rank, for every
 snapshot, in the same order) opens this rank's files of that step at once (so a later retention
 that deletes them cannot pull them from under the copy) and hands them to a background thread,
-which runs one exchange of the ring plan (:func:`~elastor_ds.checkpoint.planning.peer_plan.plan_peer_copies`)
+which runs one exchange of the ring plan (:func:`~elastor_ds.checkpoint.snapshot.peer_plan.plan_peer_copies`)
 on a dedicated gloo group:
 
 1. every sender posts a JSON header (origin node id, step, files with sizes, CRC32 and a keyed
@@ -44,12 +44,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..checkpoint.auth import file_mac, job_key
-from ..checkpoint.commit import recycle_data_files
-from ..checkpoint.crc import crc32
-from ..checkpoint.paths import safe_join
-from ..checkpoint.planning.peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
-from ..errors import CollectiveError
+from ..auth import file_mac, job_key
+from ..commit import recycle_data_files
+from ..crc import crc32
+from ..paths import safe_join
+from .peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
+from ...errors import CollectiveError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _allowed_files(fd: int, step_name: str) -> dict:
     try:
         with os.fdopen(fd, "rb") as f:
             raw = f.read(256 << 20)
-        from ..checkpoint.planning.manifest import Manifest
+        from ..planning.manifest import Manifest
         man = Manifest.loads(raw.decode("utf-8"), where=f"manifest of {step_name}")
     except Exception as e:  # noqa: BLE001 - no trustworthy list: nothing is received
         log.warning("peer copy of %s: this node's manifest is unreadable (%s); not receiving copies", step_name, e)

@@ -3,11 +3,11 @@
 :func:`attach` (collective; called by :class:`~.runtime.ElastorCheckpointer` right after its
 :class:`~.memory.MemoryTier`, on every rank at the same point):
 
-- restores: adds the cross-node sources (:func:`~elastor_ds.checkpoint.peer_sources.node_sources`:
+- restores: adds the cross-node sources (:func:`~elastor_ds.checkpoint.snapshot.peer_sources.node_sources`:
   peer copies held on this node, then the other live nodes' snapshot servers from
   ``ELASTOR_SNAPSHOT_PEERS``) between this node's memory and storage;
 - peer copies: with ``peer_copies >= 1`` and more than one node (``ELASTOR_PROCS_PER_NODE``),
-  creates the :class:`~elastor_ds.comm.peer_copy.PeerCopier` (one gloo group, every rank) and
+  creates the :class:`~elastor_ds.checkpoint.snapshot.peer_copy.PeerCopier` (one gloo group, every rank) and
   hooks it to the memory engine's commits: after each snapshot commits, this rank's files go to
   its ring partner in the background.
 """
@@ -17,8 +17,8 @@ import logging
 import os
 from typing import Any, Optional
 
-from ...checkpoint.peer_sources import node_sources
-from ...comm.peer_copy import PeerCopier, PeerFile
+from .peer_sources import node_sources
+from .peer_copy import PeerCopier, PeerFile
 
 log = logging.getLogger(__name__)
 

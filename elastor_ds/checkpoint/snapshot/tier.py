@@ -27,11 +27,11 @@ import os
 import time
 from typing import Any, Optional
 
-from ...checkpoint import commit as commit_mod
-from ...checkpoint import CheckpointEngine, SaveStats
-from ...checkpoint.planning.manifest import SNAPSHOT_BLOCK_SIZE
+from .. import commit as commit_mod
+from .. import CheckpointEngine, SaveStats
+from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
 from ...errors import ConfigError
-from .config import MemorySnapshotConfig
+from ..settings import MemorySnapshotConfig
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ class MemoryTier:
             n["ranks"] += 1
         self.nodes = len(nodes)
         # peer copies: a node holds its ring predecessor's ranks' bytes (not its own), twice while
-        # the next copy arrives (checkpoint.planning.peer_plan.node_memory_need)
-        from ...checkpoint.planning.peer_plan import node_memory_need
+        # the next copy arrives (peer_plan.node_memory_need)
+        from .peer_plan import node_memory_need
         order = list(dict.fromkeys(r[0] for r in rows))
         ppn = [sum(1 for r in rows if r[0] == k) for k in order]
         contiguous = [r[0] for r in rows] == [k for k, n in zip(order, ppn) for _ in range(n)]

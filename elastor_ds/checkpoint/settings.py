@@ -1,0 +1,170 @@
+"""Checkpoint settings shared by every trainer: the storage checkpoint's save policy and the memory
+snapshots' tier, typed and validated once. Every default lives here, and only here: the DeepSpeed
+config section, the example trainer's flags and Megatron-LM's ``--elastor-*`` flags all build
+these objects (pure: no torch, no I/O).
+
+Save policy: ``interval_steps`` N > 0 saves every N optimizer steps (and, when ``min_interval_s`` S > 0,
+not sooner than S seconds after the previous save); N = 0 with S > 0 is the reference's policy:
+save as soon as the previous save has finished everywhere and S seconds have passed. N = 0 and
+S = 0 disables periodic saves (an explicit save still writes one).
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Collection, Mapping, Optional
+
+from ..errors import ConfigError
+
+SECTION = "elastor"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str
+    interval_steps: int = 0
+    min_interval_s: float = 0.0
+    async_save: bool = True          # JSON key "async"
+    keep: int = 2
+    load: str = "latest"             # "latest" | "none" | a step dir / root path
+    verify_on_load: bool = True
+    fallback_to_previous: bool = True
+    on_save_checkpoint: bool = True  # engine.save_checkpoint() also writes an elastor checkpoint
+    deepspeed_native: bool = True    # engine.save_checkpoint() still writes DeepSpeed's own files
+    timeout_s: float = 600.0         # timeout of the checkpoint process group
+
+    @property
+    def periodic(self) -> bool:
+        return self.interval_steps > 0 or self.min_interval_s > 0
+
+
+@dataclass(frozen=True)
+class MemorySnapshotConfig:
+    """Snapshots in the node's memory (tmpfs), restored before storage (see checkpoint.snapshot.tier.MemoryTier)."""
+    interval_steps: int = 1
+    keep: int = 1
+    peer_copies: int = 1
+    dir: Optional[str] = None        # the node directory; default $ELASTOR_SNAPSHOT_DIR
+    max_bytes: Optional[int] = None  # cap on this node's snapshot bytes (all its ranks, all copies)
+
+
+_CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
+              "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
+              "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
+              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
+_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "dir", "max_bytes")
+
+
+def _unknown(where: str, key: str, allowed) -> ConfigError:
+    close = difflib.get_close_matches(str(key), list(allowed), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint}; allowed keys: {', '.join(sorted(allowed))}")
+
+
+MAX_STEPS = 10 ** 9          # intervals in optimizer steps: a billion steps is beyond any run
+MAX_KEEP = 1000
+MAX_BYTES = 2 ** 60          # an exbibyte
+
+
+def _int(where: str, v: Any, lo: int, example: str, hi: int = MAX_STEPS) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{where}: expected an integer >= {lo}, got {v!r}; e.g. {example}")
+    if v > hi:
+        raise ConfigError(f"{where}: {v} is too large (at most {hi}); e.g. {example}")
+    return v
+
+
+def _dir(where: str, v: Any, example: str) -> str:
+    """A directory setting: ``~`` expanded; the file-system root (or a path that resolves to it) refused."""
+    p = os.path.expanduser(_str(where, v, example))
+    if os.path.normpath(os.path.abspath(p)) == os.sep:
+        raise ConfigError(f"{where}: {v!r} is the root directory; name a directory of its own, e.g. {example}")
+    return p
+
+
+def _float(where: str, v: Any, lo: float, example: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+        raise ConfigError(f"{where}: expected a finite number >= {lo}, got {v!r}; e.g. {example}")
+    return float(v)
+
+
+def _bool(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: expected true or false, got {v!r}")
+    return v
+
+
+def _str(where: str, v: Any, example: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ConfigError(f"{where}: expected a non-empty string, got {v!r}; e.g. {example}")
+    return v
+
+
+def _check_object(where: str, d: Any, allowed: Collection[str], example: str) -> None:
+    """``d`` must be a JSON object whose keys are all in ``allowed``."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where}: expected an object like {example}, got {type(d).__name__} {d!r}")
+    for k in d:
+        if k not in allowed:
+            raise _unknown(where, k, allowed)
+
+
+def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> CheckpointConfig:
+    _check_object(where, d, _CKPT_KEYS, '{"dir": "/ckpt", "interval_steps": 100}')
+    if "dir" not in d:
+        raise ConfigError(f"{where}: missing required key 'dir' (where checkpoints go), e.g. \"dir\": \"/ckpt/run1\"")
+    kw: dict[str, Any] = {"dir": _dir(f"{where}.dir", d["dir"], '"dir": "/ckpt/run1"')}
+    if "interval_steps" in d:
+        kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 0, '"interval_steps": 100')
+    if "min_interval_s" in d:
+        kw["min_interval_s"] = _float(f"{where}.min_interval_s", d["min_interval_s"], 0.0, '"min_interval_s": 60')
+    if "keep" in d:
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 2 (the last good checkpoint is never deleted)',
+                          MAX_KEEP)
+    if "timeout_s" in d:
+        kw["timeout_s"] = _float(f"{where}.timeout_s", d["timeout_s"], 1.0, '"timeout_s": 600')
+        if kw["timeout_s"] <= 0:
+            raise ConfigError(f"{where}.timeout_s: must be > 0, got {d['timeout_s']!r}")
+    for key in ("async", "verify_on_load", "fallback_to_previous", "on_save_checkpoint", "deepspeed_native"):
+        if key in d:
+            kw[_CKPT_KEYS[key]] = _bool(f"{where}.{key}", d[key])
+    if "load" in d:
+        load = _str(f"{where}.load", d["load"], '"load": "latest" (or "none", or a step directory)')
+        kw["load"] = load
+    return CheckpointConfig(**kw)
+
+
+def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> MemorySnapshotConfig:
+    _check_object(where, d, _MEM_KEYS, '{"interval_steps": 1, "peer_copies": 1}')
+    kw: dict[str, Any] = {}
+    if "interval_steps" in d:
+        kw["interval_steps"] = _int(f"{where}.interval_steps", d["interval_steps"], 1,
+                                    '"interval_steps": 1 (a snapshot after every optimizer step)')
+    if "keep" in d:
+        kw["keep"] = _int(f"{where}.keep", d["keep"], 1, '"keep": 1', MAX_KEEP)
+    if "peer_copies" in d:
+        kw["peer_copies"] = _int(f"{where}.peer_copies", d["peer_copies"], 0, '"peer_copies": 1 (0: no copy on '
+                                 'another node)')
+        if kw["peer_copies"] > 1:
+            raise ConfigError(f"{where}.peer_copies: {kw['peer_copies']} is not supported; use 0 or 1 (one copy on "
+                              f"the next node of the ring)")
+    if "dir" in d:
+        kw["dir"] = _dir(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
+    if "max_bytes" in d and d["max_bytes"] is not None:
+        kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000', MAX_BYTES)
+    return MemorySnapshotConfig(**kw)
+
+
+def save_due(cfg: CheckpointConfig, step: int, last_step: Optional[int], seconds_since_last: float,
+             previous_done: bool) -> bool:
+    """The save policy for one rank's view (pure). The caller makes every rank agree when the
+    answer depends on time (``min_interval_s`` > 0)."""
+    if not cfg.periodic or step == last_step:
+        return False
+    if cfg.interval_steps > 0:
+        if step - (last_step or 0) < cfg.interval_steps:
+            return False
+        return seconds_since_last >= cfg.min_interval_s
+    return previous_done and seconds_since_last >= cfg.min_interval_s
