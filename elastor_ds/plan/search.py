@@ -49,6 +49,7 @@ from ..errors import PlanningError
 from .cluster import Cluster, Device
 from .cost import HETERO_MAX_ZERO, GiB, CostBreakdown, CostModel
 from .plan_doc import Plan, PlanReplica, PlanStage
+from .scored import ScoredPlan
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,6 @@ class Candidate:
     @property
     def groups(self) -> tuple[Group, ...]:
         return self.pool.groups
-
-
-@dataclass(frozen=True)
-class ScoredPlan:
-    plan: Plan
-    cost: CostBreakdown
 
 
 @dataclass

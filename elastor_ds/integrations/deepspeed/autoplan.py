@@ -8,7 +8,8 @@ module's layer-list length, because a plan's layer index is the index in that li
 shape comes from the DeepSpeed config (micro-batch size, global batch), and ``"profile"`` (a measured
 per-layer profile in ``elastor plan --profile`` format) prices the layers when given. The search
 covers heterogeneous plans (grids only when ZeRO >= 2 is configured: heterogeneous plans run ZeRO-1
-at most); the best plan that uses exactly the launched processes is returned. Every launched process
+at most); the best plan that uses exactly the launched processes is returned
+(:func:`elastor_ds.plan.best_plan_for_world`, the picker every trainer shares). Every launched process
 must have a place in the plan (each joins the runtime's collectives): when the planner's best plan
 overall leaves processes idle, that is logged with its prediction and the process count to relaunch
 with, and the best plan using every process runs.
@@ -51,7 +52,8 @@ def resolve_plan(config: Any, num_layers: int, env: Optional[Mapping[str, str]] 
 
 def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
                 env: Optional[Mapping[str, str]] = None) -> Layout:
-    from ...plan import Cluster, CostModel, ModelSpec, Profile, TrainingSpec, plan
+    from ...plan import Cluster, CostModel, ModelSpec, PlanConstraints, Profile, TrainingSpec, best_plan_for_world
+    from ...plan.world import widest_tp
     if not ecfg.model:
         raise ConfigError('elastor.plan="auto" needs the model description: add "model": {"hidden_size": ..., '
                           '"num_attention_heads": ..., "seq_length": ..., "vocab_size": ...} to the "elastor" section')
@@ -69,31 +71,27 @@ def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
     except TypeError as e:
         raise ConfigError(f"elastor.model: {e}; use the planner's ModelSpec fields") from None
     zero = int((ds.get("zero_optimization") or {}).get("stage", 0))
-    cap = 1
-    while cap * 2 <= max(nodes) and model.num_attention_heads % (cap * 2) == 0 and \
-            model.num_query_groups % (cap * 2) == 0:  # type: ignore[operator]
-        cap *= 2  # widest TP that fits a node and divides the heads
-    training = TrainingSpec(micro_batch_size=mbs, num_micro_batches=int(gbs) // mbs, nominal_tp=cap, zero_stage=zero)
+    training = TrainingSpec(micro_batch_size=mbs, num_micro_batches=int(gbs) // mbs,
+                            nominal_tp=widest_tp(model, max(nodes)), zero_stage=zero)
     profile = Profile.load(ecfg.profile) if ecfg.profile else None
+    # heterogeneous plans run ZeRO-1 at most (see .hetero): with ZeRO >= 2 configured, search grids only
+    cons = PlanConstraints(layouts="uniform" if zero >= 2 else "heterogeneous")
     try:
-        # heterogeneous plans run ZeRO-1 at most (see .hetero): with ZeRO >= 2 configured, search grids only
-        res = plan(CostModel(model, training, Cluster.from_gpus_per_node(nodes), profile=profile),
-                   layouts="uniform" if zero >= 2 else "heterogeneous", top_k=50)
+        best = best_plan_for_world(CostModel(model, training, Cluster.from_gpus_per_node(nodes), profile=profile),
+                                   cons)
     except ElastorError as e:
         raise ConfigError(f'elastor.plan="auto": {e}') from None
-    for cand in list(res.alternatives) or [res.best]:
-        layout = cand.plan.to_layout()
-        if layout.world_size == world:
-            if res.best.plan.num_gpus < world:
-                log.warning("elastor.plan=auto: the planner's best plan %s uses %d of the %d launched processes "
-                            "(predicted %.4g s/iter vs %.4g for the plan that uses all); processes cannot stay idle "
-                            "(every rank joins the runtime's collectives): relaunch with %d processes to run it",
-                            res.best.plan.describe(), res.best.plan.num_gpus, world, res.best.cost.iteration_time_s,
-                            cand.cost.iteration_time_s, res.best.plan.num_gpus)
-            uni = res.uniform
-            log.info("elastor.plan=auto on %s processes per node: %s, predicted %.4g s/iter (best uniform %s: %s)",
-                     nodes, layout.describe(), cand.cost.iteration_time_s, uni.plan.describe() if uni else "none",
-                     f"{uni.cost.iteration_time_s:.4g} s" if uni else "-")
-            return layout
-    raise ConfigError(f'elastor.plan="auto": none of the planner\'s best plans uses exactly the {world} launched '
-                      f"processes (best: {res.best.plan.describe()}); launch {res.best.plan.num_gpus} or pass a plan")
+    prov = best.provenance
+    idle = prov.best_overall if prov is not None else None
+    if idle is not None:
+        log.warning("elastor.plan=auto: the planner's best plan %s uses %d of the %d launched processes "
+                    "(predicted %.4g s/iter vs %.4g for the plan that uses all); processes cannot stay idle "
+                    "(every rank joins the runtime's collectives): relaunch with %d processes to run it",
+                    idle.plan.describe(), idle.plan.num_gpus, world, idle.cost.iteration_time_s,
+                    best.cost.iteration_time_s, idle.plan.num_gpus)
+    uni = prov.uniform if prov is not None else None
+    log.info("elastor.plan=auto on %s processes per node: %s, predicted %.4g s/iter (best uniform %s: %s)",
+             nodes, best.layout.describe(), best.cost.iteration_time_s, uni.plan.describe() if uni else "none",
+             f"{uni.cost.iteration_time_s:.4g} s" if uni else "-")
+    return best.layout
+
