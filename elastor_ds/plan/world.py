@@ -94,6 +94,9 @@ def best_plan_for_world(cost: CostModel, constraints: PlanConstraints = PlanCons
     if not pool:
         raise PlanningError(_none_fits(cost, constraints, res))
     best = min(pool, key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
+    searched = pool[len(grids):]
+    if searched and best.cost.iteration_time_s < min(s.cost.iteration_time_s for s in searched):
+        how += "; chosen: a TP x PP x DP grid over every device (faster than the search's plans)"
     idle = res.best if res is not None and res.best.plan.num_gpus < world else None
     prov = PlanProvenance(how, len(pool), idle, res.uniform if res is not None else None)
     log.debug("best plan for %d devices (%s): %s", world, constraints.describe(), best.describe())

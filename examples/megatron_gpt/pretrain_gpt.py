@@ -229,13 +229,13 @@ def check_hetero(args: argparse.Namespace, layout, world: int, ffn: int, groups:
     if total * mbs != gbs:
         raise UsageError(f"the plan's micro-batches {[r.micro_batches for r in layout.replicas]} sum to {total}; "
                          f"{total} x --micro-batch-size {mbs} = {total * mbs} != --global-batch-size {gbs}")
-    from elastor_ds.elastic.protocol import node_of_rank, procs_per_node
+    from elastor_ds.elastic.protocol import ENV_PROCS_PER_NODE, launched_world, node_of_rank, procs_per_node
     try:   # ELASTOR_PROCS_PER_NODE under `elastor run` (nodes may differ), else WORLD / LOCAL_WORLD_SIZE
         per_node = procs_per_node(dict(os.environ, WORLD_SIZE=str(world)))
+        lw = launched_world()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    src = "ELASTOR_PROCS_PER_NODE" if os.environ.get("ELASTOR_PROCS_PER_NODE") and sum(per_node) == world \
-        else "LOCAL_WORLD_SIZE"
+    src = ENV_PROCS_PER_NODE if lw is not None and lw.world_size == world else "LOCAL_WORLD_SIZE"
     node = node_of_rank(per_node)
     for ri, rep in enumerate(layout.replicas):
         for si, st in enumerate(rep.stages):
@@ -330,34 +330,26 @@ def micro_ratios(args: argparse.Namespace) -> dict:
     return {t: statistics.median(g[t] for g in got if t in g) for t in mine}
 
 
-def replan_if_safe(args: argparse.Namespace, cost, world: int, runnable) -> tuple:  # noqa: ANN001
-    """(the re-plan from the previous launch's plan, how the plan was searched) when there is a
-    previous plan (``<load or save dir>/plan.json``) and the re-plan's best plan is one this launch can
-    run (every launched process has a place, TP widths divide the model): ``elastor_ds.plan.replan``,
-    which on small clusters also runs the full search and keeps the faster plan. Otherwise (None,
-    why the full search runs): a plan that leaves processes idle cannot run, and the full search's
-    best plan using every process is then the one to run."""
+def previous_plan(args: argparse.Namespace, cost) -> tuple:  # noqa: ANN001
+    """(the previous launch's plan, None) when ``<load or save dir>/plan.json`` exists and reads as a
+    plan document, numbered like this launch's cluster (``elastor_ds.plan.best_plan_for_world`` then
+    re-plans from it when that gives every launched process a place); (None, why the full search
+    runs) when it cannot be read; (None, None) when there is none."""
     import layer_profile
     from elastor_ds.errors import ConfigError
+    from elastor_ds.plan import PreviousPlan
     from elastor_ds.plan.plan_doc import plan_from_document
-    from elastor_ds.plan.replan import replan
     prev = layer_profile.find(args.load, args.save, name=layer_profile.PLAN_NAME)
     if prev is None:
-        return None, "full search (no previous plan)"
-    if args.elastor_layouts != "heterogeneous":
-        return None, "full search (--elastor-layouts uniform)"
+        return None, None
     try:
         with open(prev) as f:
             doc = json.load(f)
         previous, previous_cluster = plan_from_document(doc, cost.cluster)
-        res = replan(cost, previous, previous_cluster, top_k=50)
     except (OSError, ValueError, ConfigError) as e:
         log.warning("previous plan %s not used: %s", prev, e)
         return None, f"full search (previous plan {prev} not usable)"
-    if not runnable(res.best):
-        return None, (f"full search (the re-plan from {prev} uses {res.best.plan.num_gpus} of the {world} processes "
-                      f"or TP widths the model cannot split)")
-    return res, f"re-plan from {prev}: {res.search_stats.get('replan', 'from the previous plan')}"
+    return PreviousPlan(previous, previous_cluster, str(prev)), None
 
 
 def plan_document_of(layout, world: int) -> dict:  # noqa: ANN001
@@ -375,58 +367,48 @@ def plan_document_of(layout, world: int) -> dict:  # noqa: ANN001
 
 
 def auto_plan(args: argparse.Namespace, world: int):
-    """The planner's best plan for the ``world`` launched processes, heterogeneous plans included
-    (the default search space), priced with the per-layer profile this trainer measured before
+    """The planner's best plan for the ``world`` launched processes (``elastor_ds.plan.best_plan_for_world``:
+    heterogeneous plans included unless ``--elastor-layouts uniform``, re-planned from the previous
+    launch's plan when there is one), priced with the per-layer profile this trainer measured before
     (``<load or save dir>/profile.json``) when there is one. Sets ``args.plan_info`` (metrics keys)."""
     import layer_profile
-    from elastor_ds.plan import CostModel, Profile, plan
+    from elastor_ds.errors import PlanningError
+    from elastor_ds.plan import CostModel, PlanConstraints, Profile, best_plan_for_world
     model, training = plan_specs(args)
     prof_path = layer_profile.find(args.load, args.save)
     profile = Profile.load(prof_path) if prof_path else None
     cost = CostModel(model, training, elastic_cluster(world), profile=profile)
-    ffn = ffn_size(args)
-    groups = args.num_query_groups or args.num_attention_heads
-
-    def runnable(cand) -> bool:  # noqa: ANN001
-        layout = cand.plan.to_layout()
-        return layout.world_size == world and not any(ffn % s.tp or groups % s.tp
-                                                      for r in layout.replicas for s in r.stages)
-    res, search = replan_if_safe(args, cost, world, runnable)
-    if res is None:
-        res = plan(cost, layouts=args.elastor_layouts, top_k=50)
-    for cand in list(res.alternatives) or [res.best]:
-        if not runnable(cand):
-            continue
-        layout = cand.plan.to_layout()
-        uni = res.uniform
-        args.plan_info = {"plan_source": "auto", "plan_search": search,
-                          "predicted_iter_s": cand.cost.iteration_time_s,
-                          "uniform_plan": uni.plan.describe() if uni else None,
-                          "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
-                          # the best grid on the same world leaves these processes idle
-                          "uniform_idle_processes": world - uni.plan.num_gpus if uni else None,
-                          "profile": prof_path}
-        best = res.best
-        if best.plan.num_gpus < world:
-            # every launched process must have a place: each joins the runtime's collectives (group
-            # creation, split all-reduce planning, loss and norm all-reduces, checkpoint collectives),
-            # so a plan that leaves processes idle is not run; say what it would have given
-            args.plan_info.update(idle_best_plan=best.plan.describe(), idle_best_processes=best.plan.num_gpus,
-                                  idle_best_predicted_iter_s=best.cost.iteration_time_s)
-            log.warning("the planner's best plan %s uses %d of the %d launched processes (predicted %.4g s/iter vs "
-                        "%.4g for the plan chosen, which uses all); idle processes are not supported: relaunch with "
-                        "%d processes to run it", best.plan.describe(), best.plan.num_gpus, world,
-                        best.cost.iteration_time_s, cand.cost.iteration_time_s, best.plan.num_gpus)
-        log.info("planner (%s search, profile %s): %s, predicted %.4g s/iter; best uniform %s, predicted %s s/iter",
-                 args.elastor_layouts, prof_path or "none: analytical model", layout.describe(),
-                 cand.cost.iteration_time_s, uni.plan.describe() if uni else "none",
-                 f"{uni.cost.iteration_time_s:.4g}" if uni else "-")
-        return layout
-    raise UsageError(f"none of the planner's best plans for this model uses exactly the {world} launched processes "
-                     f"(best: {res.best.plan.describe()} on {res.best.plan.num_gpus}); plans that leave processes "
-                     f"idle are not run (every process joins the runtime's collectives): relaunch with "
-                     f"{res.best.plan.num_gpus} processes, or run `elastor plan ... --json > plan.json` and relaunch "
-                     f"with its process count and --elastor-plan plan.json")
+    previous, note = previous_plan(args, cost)
+    try:
+        best = best_plan_for_world(cost, PlanConstraints(layouts=args.elastor_layouts), previous)
+    except PlanningError as e:
+        raise UsageError(f"{e}; plans that leave processes idle are not run (every process joins the runtime's "
+                         f"collectives): run `elastor plan ... --json > plan.json` and relaunch with its process "
+                         f"count and --elastor-plan plan.json") from None
+    prov = best.provenance
+    uni, idle = prov.uniform, prov.best_overall
+    args.plan_info = {"plan_source": "auto", "plan_search": note or prov.search,
+                      "predicted_iter_s": best.cost.iteration_time_s,
+                      "uniform_plan": uni.plan.describe() if uni else None,
+                      "uniform_predicted_iter_s": uni.cost.iteration_time_s if uni else None,
+                      # the best grid on the same world leaves these processes idle
+                      "uniform_idle_processes": world - uni.plan.num_gpus if uni else None,
+                      "profile": prof_path}
+    if idle is not None:
+        # every launched process must have a place: each joins the runtime's collectives (group
+        # creation, split all-reduce planning, loss and norm all-reduces, checkpoint collectives),
+        # so a plan that leaves processes idle is not run; say what it would have given
+        args.plan_info.update(idle_best_plan=idle.plan.describe(), idle_best_processes=idle.plan.num_gpus,
+                              idle_best_predicted_iter_s=idle.cost.iteration_time_s)
+        log.warning("the planner's best plan %s uses %d of the %d launched processes (predicted %.4g s/iter vs "
+                    "%.4g for the plan chosen, which uses all); idle processes are not supported: relaunch with "
+                    "%d processes to run it", idle.plan.describe(), idle.plan.num_gpus, world,
+                    idle.cost.iteration_time_s, best.cost.iteration_time_s, idle.plan.num_gpus)
+    log.info("planner (%s search, profile %s): %s, predicted %.4g s/iter; best uniform %s, predicted %s s/iter",
+             args.elastor_layouts, prof_path or "none: analytical model", best.layout.describe(),
+             best.cost.iteration_time_s, uni.plan.describe() if uni else "none",
+             f"{uni.cost.iteration_time_s:.4g}" if uni else "-")
+    return best.layout
 
 
 def lr_lambda(args: argparse.Namespace):
@@ -579,6 +561,7 @@ def _main(argv: list[str] | None = None) -> int:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
     layout = d["layout"]
     start = int(engine.global_steps)
+    from elastor_ds.elastic.protocol import ENV_PROFILE_BREAKDOWN
     from elastor_ds.testing import state_memory
     state_mem = state_memory.track(engine)  # training-state bytes (metrics "state_bytes", vs the planner's model)
     elastic_mark(ctl, "t_loaded")
@@ -660,8 +643,8 @@ def _main(argv: list[str] | None = None) -> int:
                 dist.all_gather_object(state_all, state_memory.peak(state_mem))
             if prof is not None and prof.end(it, dt):
                 doc = prof.gather(args.micro_batch_size, args.seq_length)
-                if rank == 0 and os.environ.get("ELASTOR_PROFILE_BREAKDOWN"):  # per-rank raw timings (bench)
-                    with open(os.environ["ELASTOR_PROFILE_BREAKDOWN"], "a") as f:
+                if rank == 0 and os.environ.get(ENV_PROFILE_BREAKDOWN):  # per-rank raw timings (bench)
+                    with open(os.environ[ENV_PROFILE_BREAKDOWN], "a") as f:
                         f.write(json.dumps({"world": world, "layout": layout.describe(), "ranks": prof.breakdown})
                                 + "\n")
                 # the job's own collective costs (per call, per group size) for the planner; collective
@@ -742,7 +725,10 @@ def injected_fault(point: str, rank: int, settle=None) -> None:
     (e.g. wait until the in-flight saves committed). Points: ``before-final-save``, ``iteration-N``
     (as the rank starts 1-based iteration N, its peers already inside it). Unset: nothing happens."""
     spec = os.environ.get("ELASTOR_EXAMPLE_FAULT", "")
-    if not spec or os.environ.get("ELASTOR_ROUND", "0") != "0":
+    if not spec:
+        return
+    from elastor_ds.elastic.protocol import launch_context
+    if launch_context().round != 0:
         return
     want, _, who = spec.partition(":")
     if want == point and who.isdigit() and int(who) == rank:
