@@ -34,7 +34,8 @@ die() { echo "apply.sh: $*" >&2; exit 1; }
 info="$dir/megatron/core/package_info.py"
 [ -f "$info" ] || die "$dir is not a Megatron-LM source tree (no megatron/core/package_info.py)"
 for f in pretrain_gpt.py megatron/training/checkpointing.py megatron/training/arguments.py \
-         megatron/training/initialize.py megatron/training/async_utils.py megatron/training/yaml_arguments.py; do
+         megatron/training/initialize.py megatron/training/async_utils.py megatron/training/yaml_arguments.py \
+         megatron/training/training.py; do
   [ -f "$dir/$f" ] || die "$dir has no $f: not a Megatron-LM checkout (megatron-core alone is not enough)"
 done
 ver=$(python3 - "$info" <<'PY'

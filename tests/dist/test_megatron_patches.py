@@ -28,7 +28,13 @@ INTENDED = {
     "megatron-lm/0004-checkpointing-elastor-save-load.patch": {"megatron/training/checkpointing.py"},
     "megatron-lm/0005-async_utils-elastor-finalize.patch": {"megatron/training/async_utils.py"},
     "megatron-lm/0006-yaml_arguments-elastor-plan.patch": {"megatron/training/yaml_arguments.py"},
+    "megatron-lm/0007-training-elastor-loop.patch": {"megatron/training/training.py"},
 }
+# what the patches may import from elastor_ds: the hooks (and, for the training loop, the worker
+# hooks of `elastor run` it hands to them)
+HOOK_MODULES = {"elastor_ds.integrations.megatron.training_hooks", "elastor_ds.integrations.megatron.elastic",
+                "elastor_ds.elastic.worker"}
+IMPORT_RE = re.compile(r"from (elastor_ds[\w.]*) import (\w+)|import (elastor_ds[\w.]*)")
 HEADER_KEYS = ("What:", "Why:", "Upstream:", "Drop:")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -106,8 +112,10 @@ def test_patch_header_and_shape(name):
     assert 0 < len(added) <= 30, f"{name}: {len(added)} added lines; host patches stay small"
     # the patches only call into elastor_ds, and only when --elastor is on
     body = "\n".join(added)
-    if "elastor_ds" in body:
-        assert "training_hooks" in body
+    imports = IMPORT_RE.findall(body)   # (from-module, name, "") or ("", "", module)
+    imported = {m[0] if m[0] in HOOK_MODULES else f"{m[0]}.{m[1]}" if m[0] else m[2] for m in imports}
+    assert imported <= HOOK_MODULES, f"{name} imports {sorted(imported - HOOK_MODULES)} (not a hook module)"
+    assert ("elastor_ds" in body) == bool(imported), "every use of elastor_ds goes through an import of the hooks"
     for ln in added:
         assert "import elastor_ds" not in ln or ln.startswith((" ", "\t")), "elastor is imported lazily"
 
