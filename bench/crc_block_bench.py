@@ -18,7 +18,7 @@ import zlib
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from elastor_ds.checkpoint.planning.load_plan import Request, plan_load  # noqa: E402
 from elastor_ds.checkpoint.planning.manifest import BlockTable, Chunk, TensorEntry  # noqa: E402
-from elastor_ds.checkpoint.storage import cumulative_crcs  # noqa: E402
+from elastor_ds.checkpoint.fileformat import cumulative_crcs  # noqa: E402
 from elastor_ds.layout.region import Region  # noqa: E402
 
 SIZES = [1024, 4096, 16384, 65536, 262144]

@@ -41,6 +41,7 @@ def main() -> int:
         print("gpu_snapshot_bench: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 2
     from elastor_ds.checkpoint import CheckpointEngine, TensorShard
+    from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
     from elastor_ds.layout.region import Region
 
     cols = 4096
@@ -67,7 +68,8 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="elastor-gpu-bench-", dir=a.root)
     try:
-        eng = CheckpointEngine(os.path.join(work, "elastor"), keep=1, fsync=False)
+        el_root = os.path.join(work, "elastor")
+        eng = CheckpointEngine(el_root, storage=PosixStorage(el_root, sync=False), keep=1)
         shards = [TensorShard(f"t{i}", (rows, cols), Region((0, 0), (rows, cols)), t) for i, t in enumerate(ts)]
         stalls, durable = [], []
         for step in range(a.reps + 1):
@@ -111,7 +113,8 @@ def main() -> int:
 
         # the memory tier's engine: node-local, staged straight into its page-locked mapped tmpfs
         # file, device-to-host copies deferred (fence() stands for the optimizer pre-step hook)
-        mem = CheckpointEngine(os.path.join(work, "mem"), keep=1, fsync=False, node_local=True, optimistic_plan=True)
+        mem = CheckpointEngine(os.path.join(work, "mem"), storage=TmpfsStorage(os.path.join(work, "mem")), keep=1,
+                               optimistic_plan=True)
         mem.defer_device_copies = True
         mstalls, mdur = [], []
         for step in range(a.reps + 2):
@@ -124,7 +127,8 @@ def main() -> int:
                 mdur.append(done.durable_s)
         res["memory_stall_s"] = statistics.median(mstalls)
         res["memory_durable_s"] = statistics.median(mdur)
-        res["memory_mapping_pinned"] = bool(mem.files is not None and all(m.pinned for m in mem.files._maps.values()))
+        files = mem.storage.files
+        res["memory_mapping_pinned"] = bool(files is not None and all(m.pinned for m in files._maps.values()))
         torch.cuda.synchronize()
         mem.save(a.reps + 3, shards)
         res["compute_with_deferred_copy_over_idle"] = step_time() / idle

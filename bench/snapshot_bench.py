@@ -87,6 +87,7 @@ def _engine_worker(rank: int, world: int, port: int, args, mem_dir: str, storage
     import torch.distributed as dist
 
     from elastor_ds.checkpoint import CheckpointEngine
+    from elastor_ds.checkpoint.storage import TmpfsStorage
     from elastor_ds.checkpoint import commit as commit_mod
     from elastor_ds.checkpoint.shards import TensorShard
     from elastor_ds.checkpoint.sources import LOCAL_MEMORY, STORAGE, DirSource
@@ -105,7 +106,7 @@ def _engine_worker(rank: int, world: int, port: int, args, mem_dir: str, storage
     comm = TorchComm.create(600)
     mem_root = os.path.join(mem_dir, "local")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mem = CheckpointEngine(mem_root, comm, keep=1, fsync=False, node_local=True)
+    mem = CheckpointEngine(mem_root, comm, TmpfsStorage(mem_root), keep=1)
     sto = CheckpointEngine(storage, TorchComm.create(600), keep=1)
     peak = [0]
     stop = threading.Event()

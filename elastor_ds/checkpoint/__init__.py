@@ -6,7 +6,9 @@ Pipeline, one module per stage::
     load: commit (resolve) -> planning.manifest (read once) -> planning.load_plan (pure) -> reader
     engine.py: the collective orchestration of both (async save, agreement, fallback)
 
-``planning/`` is pure (no torch, no I/O). Also here: ``storage`` (file formats, CRCs), ``shards``
+``storage/`` is where the bytes go (the backend an engine takes: ``posix`` shared storage, fsynced;
+``tmpfs`` node memory, never fsynced). ``planning/`` is pure (no torch, no I/O). Also here:
+``fileformat`` (the data file format, CRCs), ``shards``
 (TensorShard), ``state`` (RNG, JSON), ``verify``, ``convert``, ``cli``. The names below are
 resolved lazily so that importing a planning module does not import torch.
 """
@@ -23,6 +25,8 @@ _EXPORTS = {
     "VerifyMode": "engine",
     "TensorShard": "shards",
     "Manifest": "planning.manifest",
+    "PosixStorage": "storage",
+    "TmpfsStorage": "storage",
 }
 
 __all__ = sorted(_EXPORTS)

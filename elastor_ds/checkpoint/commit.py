@@ -33,6 +33,9 @@ or ``abort`` (the temporary directory is removed; nothing else changes). Two kin
   written as ``.<name>.tmp-<id>`` next to the destination and renamed into place; the destination
   must be absent or empty.
 
+``StepCommit(..., sync=False)`` (the node-local tmpfs backend, :mod:`.storage.tmpfs`) does the same
+renames without any fsync: atomic, not durable.
+
 A directory without ``manifest.json`` is never treated as a checkpoint. Every name read from a
 checkpoint (``latest``, the manifest's files, chunks and rank state files) goes through
 :func:`~elastor_ds.checkpoint.paths.safe_join`.
@@ -53,7 +56,7 @@ from typing import Optional
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 from .planning.manifest import MANIFEST_NAME, Manifest
 from .paths import not_a_checkpoint, read_regular_text, safe_join
-from .storage import atomic_write_text, fsync_dir
+from .fileformat import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +233,18 @@ class AtomicCommit:
 class StepCommit(AtomicCommit):
     """One step of an elastor checkpoint root (protocol steps 1-4 in the module docstring)."""
 
-    def __init__(self, root: str, step: int, tmp_dir: str, latest: LatestPolicy = LatestPolicy.ALWAYS):
-        self.root, self.step, self.path, self.latest = root, int(step), tmp_dir, latest
+    def __init__(self, root: str, step: int, tmp_dir: str, latest: LatestPolicy = LatestPolicy.ALWAYS,
+                 sync: bool = True):
+        """``sync``: fsync the manifest, ``latest`` and the directories (durable storage); False on
+        storage that does not outlive the node anyway (tmpfs: the renames are atomic all the same)."""
+        self.root, self.step, self.path, self.latest, self.sync = root, int(step), tmp_dir, latest, sync
+
+    def _write(self, path: str, text: str) -> None:
+        atomic_write_text(path, text, sync=self.sync)
+
+    def _sync_root(self) -> None:
+        if self.sync:
+            fsync_dir(self.root)
 
     @property
     def final_dir(self) -> str:
@@ -250,9 +263,9 @@ class StepCommit(AtomicCommit):
 
     @classmethod
     def adopt(cls, root: str, tmp_dir: str, step: int,
-              latest: LatestPolicy = LatestPolicy.ALWAYS) -> "StepCommit":
+              latest: LatestPolicy = LatestPolicy.ALWAYS, sync: bool = True) -> "StepCommit":
         """Take over a temp dir created by someone else (every rank writes into it)."""
-        return cls(root, step, tmp_dir, latest)
+        return cls(root, step, tmp_dir, latest, sync)
 
     def finalize(self, manifest: Optional[Manifest] = None, keep: int = 0, retention: bool = False,
                  text: Optional[str] = None) -> str:
@@ -263,21 +276,21 @@ class StepCommit(AtomicCommit):
         if manifest is not None:
             if manifest.step != self.step:
                 raise CheckpointError(f"manifest step {manifest.step} != commit step {self.step}")
-            atomic_write_text(os.path.join(self.path, MANIFEST_NAME), text if text is not None else manifest.dumps())
+            self._write(os.path.join(self.path, MANIFEST_NAME), text if text is not None else manifest.dumps())
         elif not is_committed(self.path):
             raise IncompleteCheckpointError(f"{self.path} has no {MANIFEST_NAME} to commit")
         final = self.final_dir
         if not os.path.exists(final):
             os.rename(self.path, final)
         elif _exchange(self.path, final):
-            fsync_dir(self.root)
+            self._sync_root()
             shutil.rmtree(self.path, ignore_errors=True)  # now the old step's content
         else:
             self._replace_without_exchange(final)
         self.finalized = True
-        fsync_dir(self.root)
+        self._sync_root()
         if self._should_move_latest():
-            atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
+            self._write(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         if retention:
             apply_retention(self.root, keep, protect=final)
         return final
@@ -286,16 +299,16 @@ class StepCommit(AtomicCommit):
         """:meth:`finalize` with the manifest given as its serialised text (no retention)."""
         if self.finalized or self.aborted:
             raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
-        atomic_write_text(os.path.join(self.path, MANIFEST_NAME), text)
+        self._write(os.path.join(self.path, MANIFEST_NAME), text)
         return self.finalize(None)
 
     def _replace_without_exchange(self, final: str) -> None:
-        atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(self.path) + "\n")
+        self._write(os.path.join(self.root, LATEST), os.path.basename(self.path) + "\n")
         aside = os.path.join(self.root, tmp_dirname(self.step, f"replaced{int(time.time() * 1e6)}"))
         os.rename(final, aside)
         os.rename(self.path, final)
-        fsync_dir(self.root)
-        atomic_write_text(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
+        self._sync_root()
+        self._write(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         shutil.rmtree(aside, ignore_errors=True)
 
     def _should_move_latest(self) -> bool:
@@ -395,10 +408,11 @@ def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bo
                                                                             text=text)
 
 
-def commit_text(root: str, tmp_dir: str, step: int, text: str) -> str:
+def commit_text(root: str, tmp_dir: str, step: int, text: str, sync: bool = True) -> str:
     """Commit ``tmp_dir`` with an already serialised manifest ``text`` of ``step`` (memory snapshots:
-    rank 0 renders it from a template, other nodes commit the same text). Returns the step dir."""
-    return StepCommit.adopt(root, tmp_dir, step).finalize_text(text)
+    rank 0 renders it from a template, other nodes commit the same text); ``sync``: see
+    :class:`StepCommit`. Returns the step dir."""
+    return StepCommit.adopt(root, tmp_dir, step, sync=sync).finalize_text(text)
 
 
 def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None,

@@ -29,7 +29,7 @@ from .reader import read_shards
 from .paths import check_tensor_name
 from .planning.manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
 from .shards import dtype_name, full_shard
-from .storage import EntrySpec, build_header, fsync_dir, write_stream
+from .fileformat import EntrySpec, build_header, fsync_dir, write_stream
 
 log = logging.getLogger(__name__)
 

@@ -11,15 +11,21 @@ Save (``save``), one in flight at a time:
    dropped on every rank at commit time (never half-committed; logged, counted in
    ``saves_dropped``) and the next save plans again.
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
-   With file staging (node-local roots: memory snapshots on tmpfs) the staging buffer is the
-   rank's data file itself, mapped (:mod:`.file_staging`): a retired file is renamed into the
-   temp dir, its header written, the regions copied into its pages.
-4. Background writer thread (one per engine, fed one save at a time): stream the buffer to ``data_<rank>.safetensors`` in the temp step
-   dir, fsync, write the rank's state file (file staging: only the CRCs, the block-CRC table and
-   the state file are left); all-gather every rank's outcome on the checkpoint group (file
-   staging: CRCs only, rank 0 renders the manifest from the plan's :class:`~.writer.ManifestTemplate`);
-   rank 0 commits (manifest last, rename, ``latest``, retention) and broadcasts the result.
-   Any rank's failure (disk full, permission denied, a dead peer) becomes every rank's error.
+   With a storage that stages in place (:class:`~.storage.TmpfsStorage`: memory snapshots) the
+   staging buffer is the rank's data file itself, mapped: a retired file is renamed into the temp
+   dir, its header written, the regions copied into its pages.
+4. Background writer thread (one per engine, fed one save at a time): stream the buffer to
+   ``data_<rank>.safetensors`` in the temp step dir through the storage (a durable one fsyncs),
+   write the rank's state file (staged in place: only the CRCs, the block-CRC table and the state
+   file are left); all-gather every rank's outcome on the checkpoint group (staged in place: CRCs
+   only, rank 0 renders the manifest from the plan's :class:`~.writer.ManifestTemplate`); rank 0
+   has the storage commit (manifest last, atomically, ``latest``), broadcasts the result, and
+   runs retention. Any rank's failure (disk full, permission denied, a dead peer) becomes every
+   rank's error.
+
+Where the bytes go and how a step is committed is the storage's (:mod:`.storage`: ``posix`` by
+default, ``tmpfs`` for memory snapshots); the engine branches on its typed
+:class:`~.storage.Capabilities`, never on a backend's type.
 
 Why a thread and not a process: the writer's time goes to ``os.write``/``zlib.crc32`` calls that
 release the GIL; a thread reads the staging buffer without copying it into shared memory, and a
@@ -42,10 +48,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from ..comm.collectives import Comm, LocalComm, agree
-from ..errors import (AsyncSaveError, CheckpointError, CorruptCheckpointError, FormatVersionError,
+from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
                       UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
@@ -55,16 +61,17 @@ from .reader import read_shards
 from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
 from .crc import crc32
-from .snapshot.file_staging import FileStaging, StagedFile
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
 from .state import to_jsonable
+from .storage import PosixStorage, Storage
+from .storage.base import check_root
 from .writer import ManifestTemplate, build_manifest, data_file_name, rank_header, write_rank_files, write_staged_rank_files
-from .verify import verify
+
+if TYPE_CHECKING:
+    from .snapshot.file_staging import StagedFile
 
 log = logging.getLogger(__name__)
-
-RECYCLE_DIR = ".recycle"
 
 # a checkpoint that fails with one of these on every failing rank is unusable: fall back to an older one
 DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionError)
@@ -141,7 +148,7 @@ class _Job:
     stats: Optional[SaveStats] = None
     t0: float = 0.0
     stale: bool = False   # optimistic_plan: this rank's metadata no longer matches the cached plan
-    staged: Optional[StagedFile] = None      # file staging: the data file the snapshot went into
+    staged: "Optional[StagedFile]" = None    # staged in place: the data file the snapshot went into
     header_crc: int = 0
     local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
 
@@ -149,36 +156,32 @@ class _Job:
 class CheckpointEngine:
     """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
 
-    def __init__(self, root: str, comm: Optional[Comm] = None, keep: int = 2, async_save: bool = True,
-                 pin_memory: Optional[bool] = None, fsync: bool = True, node_local: bool = False,
-                 optimistic_plan: bool = False, block_size: int = BLOCK_SIZE, file_staging: Optional[bool] = None):
-        """``node_local``: ``root`` is a per-node directory (a memory snapshot on tmpfs), not shared
-        storage: each node's directory gets its ranks' files, and after rank 0's commit the lowest
-        rank of every other node commits its own directory with the same manifest (so every node
-        holds the step's manifest and ``latest``). Collective when True (one all-gather).
-        ``optimistic_plan``: no plan-agreement collective per save (see the module docstring).
-        ``block_size``: bytes per block CRC of the data files (readers take it from the manifest).
-        ``file_staging`` (default: ``node_local``): snapshot straight into this rank's mapped data
-        file instead of a staging buffer (:mod:`.file_staging`; for tmpfs roots, where the file's
-        pages are memory: the write of the whole file disappears)."""
+    def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = 2,
+                 async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE):
+        """``storage``: where the files go and how a step commits (:mod:`.storage`; default
+        :class:`~.storage.PosixStorage` at ``root``: shared storage, fsynced). A node-local
+        :class:`~.storage.TmpfsStorage` makes the constructor collective (one all-gather).
+        ``optimistic_plan``: no plan-agreement collective per save (see the module docstring; a
+        save-planning choice for snapshots every step, not a storage one).
+        ``block_size``: bytes per block CRC of the data files (readers take it from the manifest)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1 byte")
         self.root = os.path.abspath(root)
+        self.storage: Storage = storage if storage is not None else PosixStorage(self.root)
+        mismatch = check_root(self.storage, self.root)
+        if mismatch:
+            raise ConfigError(mismatch)
         self.comm: Comm = comm or LocalComm()
         # the background writer's collectives run on their own group: two threads never share one
         self.writer_comm: Comm = self.comm.duplicate() if hasattr(self.comm, "duplicate") else self.comm
         self.keep = keep
         self.async_save = async_save
-        self.fsync = fsync
-        self.staging = StagingBuffer(pin_memory)
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size}: must be >= 1 byte")
+        self.staging = StagingBuffer()
         self.block_size = int(block_size)
-        self.files: Optional[FileStaging] = (FileStaging(max_maps=keep + 3, pin=self.staging.pin)
-                                             if (node_local if file_staging is None else file_staging) else None)
-        self._header: Optional[tuple] = None   # file staging: (plan items, header, header CRC, file size)
-        self._template: Optional[ManifestTemplate] = None   # rank 0, file staging: the cached plan's manifest
-        self._committed: list[str] = []   # names of the step dirs this engine committed, oldest first
+        self._header: Optional[tuple] = None   # staged in place: (plan items, header, header CRC, file size)
+        self._template: Optional[ManifestTemplate] = None   # rank 0, staged in place: the cached plan's manifest
         # CUDA: True once the caller calls fence() before every optimizer step; then the snapshot
         # does not wait for its device-to-host copies (they overlap the next forward/backward)
         self.defer_device_copies = False
@@ -195,23 +198,17 @@ class CheckpointEngine:
         # called with a CommitInfo on every rank after each committed save (writer thread; the next
         # save waits for them); an exception is logged, never fails the save (e.g. peer copies)
         self.after_commit: list[Callable[[CommitInfo], None]] = []
-        self.node_local = node_local
-        # node_local (tmpfs): retention moves retired data files here and the next save writes over
-        # them, so a snapshot every step does not allocate, zero and free its bytes' pages each time
-        self.recycle_dir: Optional[str] = os.path.join(self.root, RECYCLE_DIR) if node_local else None
-        self.node_committer = False   # node_local: this rank commits its node's copy (rank 0's node: rank 0)
-        self._multi_node = False      # node_local: the manifest text goes to other nodes' committers
-        # node_local: data files worth keeping for reuse (this job's ranks'); others are deleted
-        self._recycle_names = {data_file_name(r) for r in range(self.comm.world_size)} if node_local else None
-        if node_local:
-            import socket
-            os.makedirs(self.root, exist_ok=True)
-            key = (socket.gethostname(), os.path.realpath(self.root))
-            keys = self.comm.all_gather_object(key)
-            self.node_committer = self.comm.rank != 0 and keys.index(key) == self.comm.rank and key != keys[0]
-            self._multi_node = len(set(keys)) > 1
-        elif self.comm.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+        self.storage.set_up(self.comm, keep)
+
+    @property
+    def in_place(self) -> bool:
+        """Snapshots go straight into mapped data files (the storage stages in place)."""
+        return self.storage.caps.stages_in_place
+
+    @property
+    def committer(self) -> bool:
+        """This rank commits a copy of each step (rank 0; with node-local storage, one rank per node)."""
+        return self.comm.rank == 0 or self.storage.commits_copy
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, shards: Sequence[TensorShard], extra: Optional[Mapping[str, Any]] = None,
@@ -243,12 +240,12 @@ class CheckpointEngine:
             self._local_key = key
         plan = self._plan
         assert plan is not None
-        tmp_dir = os.path.join(self.root, commit_mod.tmp_dirname(step, f"{self._session}_{self._saves}"))
+        tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")
         t1 = time.perf_counter()
         items = plan.items[rank] if not stale else []
         job = _Job(step, t0=t0, stale=stale)
         spans: list[tuple[int, int]] = []
-        if not stale and self.files is not None:
+        if not stale and self.in_place:
             try:
                 job.staged, job.header_crc = self._take_file(items, tmp_dir)
             except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
@@ -272,19 +269,13 @@ class CheckpointEngine:
             self.wait()
         return stats
 
-    def _take_file(self, items, tmp_dir: str) -> tuple[StagedFile, int]:
-        """File staging: this save's data file, mapped, header written (training thread)."""
-        assert self.files is not None
+    def _take_file(self, items, tmp_dir: str) -> "tuple[StagedFile, int]":
+        """Staged in place: this save's data file, mapped, header written (training thread)."""
         if self._header is None or self._header[0] is not items:
             header, _ = rank_header(self.comm.rank, items)
             self._header = (items, header, crc32(header), len(header) + sum(it.nbytes for it in items))
         _, header, hcrc, size = self._header
-        fname = data_file_name(self.comm.rank)
-        # this rank's retired files: where retention put them, or still in a step dir that a newer
-        # commit retired (newest first); never a step among the newest ``keep``
-        cands = [os.path.join(self.recycle_dir, fname)] if self.recycle_dir else []
-        cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
-        staged = self.files.take(tmp_dir, fname, cands, header, size)
+        staged = self.storage.stage_data_file(tmp_dir, data_file_name(self.comm.rank), header, size)
         return staged, hcrc
 
     def fence(self) -> None:
@@ -319,12 +310,9 @@ class CheckpointEngine:
             return self.wait()
         finally:
             self._stop_writer()
-            if self.files is not None:
+            if self.in_place:
                 self.staging.forget_all()   # their views would keep the mappings alive
-                self.files.close()
-            if self.recycle_dir is not None and (self.comm.rank == 0 or self.node_committer):
-                import shutil   # every rank's last save took its file before rank 0 could finish it
-                shutil.rmtree(self.recycle_dir, ignore_errors=True)
+            self.storage.close(self.committer)
 
     def _submit(self, args: tuple) -> None:
         """Hand a save to the writer thread (started on first use): no thread start per save, which
@@ -370,19 +358,19 @@ class CheckpointEngine:
                 self.staging.wait_device()
                 outcome = ("ok", write_staged_rank_files(rank, items, job.staged.data.numpy(), spans, job.staged.path,
                                                          job.staged.header_len, job.header_crc, rank_state,
-                                                         fsync=self.fsync, block_size=self.block_size, lean=True))
+                                                         self.storage, block_size=self.block_size, lean=True))
             else:
                 self.staging.wait_device()
                 buf = self.staging.buf
                 views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
-                outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, fsync=self.fsync,
+                outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
                                                   block_size=self.block_size))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
-            lean = self.files is not None
+            lean = self.in_place
             outcomes = self._gather_lean(outcome, plan) if lean else self.writer_comm.all_gather_object(outcome)
             failures = [o[1] for o in outcomes if o[0] == "error"]
             stale = [o[1] for o in outcomes if o[0] == "stale"]
@@ -390,20 +378,18 @@ class CheckpointEngine:
             if rank == 0:
                 if failures or stale:
                     result = ("error", failures) if failures else ("stale", stale)
-                    import shutil
-                    shutil.rmtree(tmp_dir, ignore_errors=True)
+                    self.storage.abort(tmp_dir)
                 else:
                     try:
-                        if self.files is not None:   # lean results: the plan's template, CRCs filled in
+                        if lean:   # lean results: the plan's template, CRCs filled in
                             if self._template is None or self._template.plan is not plan:
                                 self._template = ManifestTemplate(plan, self.block_size)
                             text = self._template.render(job.step, [o[1] for o in outcomes], extra, model, layout)
-                            final = commit_mod.commit_text(self.root, tmp_dir, job.step, text)
                         else:
                             man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
-                            text = man.dumps(compact=self.node_local)   # serialised once
-                            final = commit_mod.commit(self.root, tmp_dir, man, self.keep, retention=False, text=text)
-                        result = ("ok", final, text if self._multi_node else None)
+                            text = man.dumps(compact=self.storage.caps.node_local)   # serialised once
+                        final = self.storage.commit(tmp_dir, job.step, text)
+                        result = ("ok", final, text if self.storage.shares_manifest else None)
                     except BaseException as e:  # noqa: BLE001
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = (self._broadcast_lean(result, job.step) if lean else
@@ -421,14 +407,13 @@ class CheckpointEngine:
                                          base=AsyncSaveError)
             else:
                 stats.committed_dir = result[1]
-                self._committed = [*self._committed[-(self.keep + 2):], os.path.basename(result[1])]
-                if self.node_committer:
+                self.storage.committed(result[1])
+                if rank != 0 and self.storage.commits_copy:
                     self._commit_node_copy(job.step, tmp_dir, result[2])
                 stats.durable_s = time.perf_counter() - job.t0
-                if rank == 0 or self.node_committer:  # durable and announced: now delete what retention drops
+                if self.committer:  # committed and announced: now delete what retention drops
                     try:
-                        commit_mod.apply_retention(self.root, self.keep, protect=result[1],
-                                                   recycle_dir=self.recycle_dir, recycle_names=self._recycle_names)
+                        self.storage.retain(self.keep, protect=result[1])
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
                 if self.after_commit and outcome[0] == "ok":
@@ -446,9 +431,9 @@ class CheckpointEngine:
             err.__cause__ = e
             job.error = err
         finally:
-            if job.staged is not None and self.files is not None and (job.error is not None or stats.dropped):
+            if job.staged is not None and (job.error is not None or stats.dropped):
                 self.staging.forget(job.staged.data)
-                self.files.release(job.staged)   # its temp dir is gone: do not keep its pages mapped
+                self.storage.release_staged(job.staged)   # its temp dir is gone: do not keep its pages mapped
             stats.writer_cpu_s = time.thread_time() - cpu0
             job.done.set()
 
@@ -499,16 +484,15 @@ class CheckpointEngine:
         if code == self._STALE:
             return ("stale", result[1] if self.comm.rank == 0 else [])
         text = self.writer_comm.broadcast_object(result[2] if self.comm.rank == 0 else None, src=0) \
-            if self._multi_node else None
+            if self.storage.shares_manifest else None
         return ("ok", os.path.join(self.root, commit_mod.step_dirname(step)), text)
 
     def _commit_node_copy(self, step: int, tmp_dir: str, manifest_text: str) -> None:
-        """node_local, on another node's committer: commit this node's directory with rank 0's
+        """Node-local storage, on another node's committer: commit this node's directory with rank 0's
         manifest. A failure here leaves this node without the step (logged; its restore then
         reads elsewhere), it never fails the save."""
         try:
-            os.makedirs(tmp_dir, exist_ok=True)   # a node whose ranks wrote no data file
-            commit_mod.commit_text(self.root, tmp_dir, step, manifest_text)
+            self.storage.commit(tmp_dir, step, manifest_text)
         except (OSError, CheckpointError) as e:
             log.error("rank %d: could not commit this node's copy of snapshot %d under %s: %s", self.comm.rank, step,
                       self.root, e)
@@ -523,7 +507,7 @@ class CheckpointEngine:
         last_err: Optional[BaseException] = None
         for i, step_dir in enumerate(candidates):
             try:
-                man = agree(self.comm, lambda: commit_mod.read_manifest(step_dir), what=f"manifest of {step_dir}")
+                man = agree(self.comm, lambda: self.storage.read_manifest(step_dir), what=f"manifest of {step_dir}")
                 return OpenCheckpoint(step_dir, man, tuple(candidates[i + 1:]), fallback, i > 0, last_err)
             except RanksFailedError as e:
                 last_err = e
@@ -572,7 +556,7 @@ class CheckpointEngine:
 
     def _load_candidates(self, path: str, fallback: bool) -> list[str]:
         try:
-            first = commit_mod.resolve(path)
+            first = self.storage.resolve(path)
         except (IncompleteCheckpointError, UnsafeCheckpointError) as e:
             # a `latest` that is garbage or points outside the root is never followed; with fallback
             # the committed step dirs of this root itself are still usable
@@ -582,8 +566,8 @@ class CheckpointEngine:
             first = None
         cands = [first] if first else []
         if fallback:
-            root = path if not commit_mod.is_committed(path) else os.path.dirname(path)
-            older = [p for _, p in reversed(commit_mod.list_committed(root)) if p != first]
+            root = path if not self.storage.is_step(path) else os.path.dirname(path)
+            older = [p for _, p in reversed(self.storage.list_steps(root)) if p != first]
             cands.extend(older)
         if not cands:
             raise IncompleteCheckpointError(f"{path}: no committed checkpoint to load")
@@ -594,20 +578,15 @@ class CheckpointEngine:
                    ) -> LoadResult:
         t0 = time.perf_counter()
         if man is None:
-            man = commit_mod.read_manifest(step_dir)
+            man = self.storage.read_manifest(step_dir)
         shards = list(shards_arg(man)) if callable(shards_arg) else list(shards_arg)
         if sources is None:
             if mode is VerifyMode.FULL:
                 mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
-                problems = verify(step_dir, files=mine, manifest=man)
+                problems = self.storage.verify_files(step_dir, mine, man)
                 if problems:
                     raise CorruptCheckpointError("; ".join(str(p) for p in problems))
-            for fname, fe in man.files.items():
-                p = os.path.join(step_dir, fname)
-                if not os.path.isfile(p):
-                    raise IncompleteCheckpointError(f"{p}: data file is missing")
-                if os.path.getsize(p) != fe.size:
-                    raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
+            self.storage.check_files(step_dir, man)
         shards_found = [s for s in shards if s.name in man.tensors]
         if strict and len(shards_found) != len(shards):
             missing = next(s.name for s in shards if s.name not in man.tensors)
@@ -615,8 +594,8 @@ class CheckpointEngine:
                                       f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
                                       f"to skip missing tensors")
         import json
-        from .sources import STORAGE, DirSource, bytes_by_source, close_all, read_file
-        srcs = [DirSource(step_dir, STORAGE)] if sources is None else list(sources(step_dir, man))
+        from .sources import bytes_by_source, close_all, read_file
+        srcs = [self.storage.source(step_dir)] if sources is None else list(sources(step_dir, man))
         if not srcs:
             raise IncompleteCheckpointError(f"{step_dir}: no source to read the checkpoint from")
         try:
@@ -627,8 +606,7 @@ class CheckpointEngine:
             if sf:
                 fe = man.files.get(sf)
                 if sources is None or fe is None:
-                    with open(os.path.join(step_dir, sf), encoding="utf-8") as f:
-                        rank_state = json.load(f)
+                    rank_state = json.loads(self.storage.read_text(step_dir, sf))
                 else:
                     data, _ = read_file(srcs, sf, fe.size, fe.crc32, what="rank state")
                     rank_state = json.loads(data.decode("utf-8"))

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_che
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .paths import open_regular, safe_join
-from .storage import pread_into
+from .fileformat import pread_into
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from ..layout.region import Region
 from .commit import read_manifest
 from .planning.manifest import Manifest
-from .storage import file_crc32, read_header
+from .fileformat import file_crc32, read_header
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The writer: one rank's files of a save (data, block-CRC table, rank state) and the manifest.
 
 Runs in the engine's background thread. The data file is a standard safetensors file streamed
-from the staging buffer (:func:`.storage.write_stream`: one CRC pass gives cumulative block CRCs,
-chunk and file CRCs while ``fsync`` flushes); the table file holds the block CRCs; rank 0 builds
-the manifest from every rank's result (:func:`build_manifest`) and commits it.
+from the staging buffer (the storage backend's ``write_data_file``, :mod:`.storage`: one CRC pass
+gives cumulative block CRCs, chunk and file CRCs while a durable backend's ``fsync`` flushes); the
+table file holds the block CRCs; rank 0 builds the manifest from every rank's result
+(:func:`build_manifest`) and commits it. Every byte goes through the storage backend: this module
+lays files out, it never decides how they are written or synced.
 """
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from ..layout.region import Region
 from .planning.manifest import BLOCK_SIZE, BlockTable, Chunk, FileEntry, Manifest, TensorEntry, crc_table_name
 from .planning.save_plan import SavePlan, WriteItem
 from .crc import crc32, crc32_combine
-from .storage import EntrySpec, build_header, cumulative_crcs, write_all, write_crc_table, write_stream
+from .fileformat import EntrySpec, build_header, crc_table_bytes, cumulative_crcs
+
+if TYPE_CHECKING:
+    from .storage.base import StorageWriter
 
 
 def chunk_key(name: str, region: Region) -> str:
@@ -38,25 +43,24 @@ def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]
 
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
-                     rank_state: Optional[Mapping[str, Any]], fsync: bool = True,
+                     rank_state: Optional[Mapping[str, Any]], storage: "StorageWriter",
                      block_size: int = BLOCK_SIZE) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
-    table and its state file into ``tmp_dir``, all fsynced; return what the manifest needs (plain
-    data, sent to rank 0)."""
-    os.makedirs(tmp_dir, exist_ok=True)
+    table and its state file into ``tmp_dir`` through ``storage`` (as durable as it is); return
+    what the manifest needs (plain data, sent to rank 0)."""
     fname = data_file_name(rank)
     header, rel = rank_header(rank, items)
     crcs: list[int] = []
     blocks: list[list[int]] = []
-    size, crc = write_stream(os.path.join(tmp_dir, fname), header, views, fsync=fsync, chunk_crcs=crcs,
-                             block_crcs=blocks, block_size=block_size)
+    size, crc = storage.write_data_file(os.path.join(tmp_dir, fname), header, views, chunk_crcs=crcs,
+                                        block_crcs=blocks, block_size=block_size)
     return _finish_rank_files(rank, items, tmp_dir, fname, len(header), rel, crcs, blocks, size, crc, rank_state,
-                              fsync, block_size)
+                              storage, block_size)
 
 
 def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, spans: Sequence[tuple[int, int]],
                             path: str, header_len: int, header_crc: int, rank_state: Optional[Mapping[str, Any]],
-                            fsync: bool = False, block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
+                            storage: "StorageWriter", block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
     """The same for a data file that is already in place (:mod:`.file_staging`: ``data`` is its
     mapped data section, filled by the snapshot): only the checksums, the table and the state
     file are left to do. Returns what :func:`write_rank_files` returns; ``lean``: the chunk CRCs
@@ -71,23 +75,20 @@ def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, sp
         blocks.append(cum)
         crcs.append(cum[-1])
         crc = crc32_combine(crc, cum[-1], n)
-    if fsync:   # pages written through the mapping are flushed by an fsync of the file
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    storage.seal_file(path)
     tmp_dir, fname = os.path.split(path)
     rel = [pos for pos, _ in spans]
     size = header_len + sum(n for _, n in spans)
     return _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, blocks, size, crc, rank_state,
-                              fsync, block_size, lean)
+                              storage, block_size, lean)
 
 
-def _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, blocks, size, crc, rank_state, fsync,
-                       block_size, lean=False) -> dict:
+def _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, blocks, size, crc, rank_state,
+                       storage: "StorageWriter", block_size, lean=False) -> dict:
     tname = crc_table_name(fname)
-    tsize, tcrc, starts = write_crc_table(os.path.join(tmp_dir, tname), blocks, fsync=fsync)
+    table, starts = crc_table_bytes(blocks)
+    storage.write_file(os.path.join(tmp_dir, tname), table)
+    tsize, tcrc = len(table), crc32(table)
     chunks = None if lean else [
         (it.name, chunk_key(it.name, it.region), it.region.to_json(), header_len + off, it.nbytes, c,
          (block_size, tname, first)) for it, off, c, first in zip(items, rel, crcs, starts)]
@@ -95,16 +96,8 @@ def _finish_rank_files(rank, items, tmp_dir, fname, header_len, rel, crcs, block
     state_name = None
     if rank_state is not None:
         state_name = f"rank_state/rank_{rank:05d}.json"
-        sp = os.path.join(tmp_dir, state_name)
-        os.makedirs(os.path.dirname(sp), exist_ok=True)
         data = json.dumps(rank_state, separators=(",", ":")).encode()
-        fd = os.open(sp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            write_all(fd, memoryview(data))
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        storage.write_file(os.path.join(tmp_dir, state_name), data)
         files[state_name] = (len(data), crc32(data))   # of the bytes written, not read back
     if lean:
         return {"rank": rank, "crcs": crcs, "files": files, "state": state_name}

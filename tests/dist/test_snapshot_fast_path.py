@@ -21,6 +21,7 @@ from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.planning.manifest import Manifest
 from elastor_ds.checkpoint.planning.save_plan import ShardMeta, plan_save
 from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
 from elastor_ds.checkpoint.verify import verify
 from elastor_ds.checkpoint.writer import ManifestTemplate, build_manifest, write_rank_files
 from elastor_ds.layout.region import Region
@@ -50,8 +51,8 @@ def test_template_manifest_equals_the_storage_paths_manifest(tmp_path, block_siz
         for r, items in enumerate(plan.items):
             views = [torch.randint(0, 256, (it.nbytes,), dtype=torch.uint8, generator=g).numpy() for it in items]
             state = {"rng": [r, step]}
-            res = write_rank_files(r, items, views, str(tmp_path / f"s{step}"), state, fsync=False,
-                                   block_size=block_size)
+            res = write_rank_files(r, items, views, str(tmp_path / f"s{step}"), state,
+                                   PosixStorage(str(tmp_path), sync=False), block_size=block_size)
             full.append(res)
             lean.append({"rank": r, "crcs": [c[5] for c in res["chunks"]], "files": res["files"],
                          "state": res["state"]})
@@ -74,7 +75,7 @@ def test_template_rejects_a_result_that_does_not_match_the_plan(tmp_path):
     lean = []
     for r, items in enumerate(plan.items):
         views = [bytes(it.nbytes) for it in items]
-        res = write_rank_files(r, items, views, str(tmp_path), None, fsync=False)
+        res = write_rank_files(r, items, views, str(tmp_path), None, PosixStorage(str(tmp_path), sync=False))
         lean.append({"rank": r, "crcs": [c[5] for c in res["chunks"]], "files": res["files"], "state": None})
     lean[1]["crcs"] = lean[1]["crcs"][:-1]
     with pytest.raises(CheckpointError, match="rank 1's snapshot result does not match the save plan"):
@@ -90,8 +91,8 @@ def test_file_staging_reuses_two_files_and_never_writes_a_committed_one(tmp_path
     mappings made once; while save N+1 runs, step N (the newest committed) is intact and loads
     the values of step N exactly; every committed step reads back through the safetensors library."""
     root = str(tmp_path / "mem")
-    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True, block_size=64 * 1024)
-    assert eng.files is not None
+    eng = CheckpointEngine(root, storage=TmpfsStorage(root), keep=1, optimistic_plan=True, block_size=64 * 1024)
+    assert eng.storage.files is not None
     w = torch.randn(512, 300)          # 600 KiB: 10 blocks of 64 KiB, the last one short
     flat = torch.randn(1000)
     shards = [full_shard("w", w), TensorShard("f", (1000,), Region((0,), (1000,)), flat)]
@@ -119,7 +120,7 @@ def test_file_staging_reuses_two_files_and_never_writes_a_committed_one(tmp_path
         eng.wait()
         inodes.append(_data_inode(root, step))
     assert len(set(inodes)) == 2 and inodes[2:] == inodes[:2] * 2 + inodes[:1]   # A B A B A B A
-    assert eng.files.new_files == 2 and eng.files.new_mappings == 2
+    assert eng.storage.files.new_files == 2 and eng.storage.files.new_mappings == 2
     last = os.path.join(root, commit_mod.step_dirname(7))
     man = commit_mod.read_manifest(last)
     assert {c.blocks.size for t in man.tensors.values() for c in t.chunks} == {64 * 1024}
@@ -139,7 +140,7 @@ def test_file_staging_reuses_two_files_and_never_writes_a_committed_one(tmp_path
 
 def test_file_staging_follows_a_plan_change_and_a_flipped_byte_is_caught(tmp_path):
     root = str(tmp_path / "mem")
-    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(root, storage=TmpfsStorage(root), keep=1, optimistic_plan=True)
     a = torch.randn(200, 64)
     eng.save(1, [full_shard("a", a)])
     eng.wait()
@@ -172,9 +173,10 @@ FULL_TMPFS_CHILD = textwrap.dedent("""
     from elastor_ds.checkpoint.engine import CheckpointEngine
     from elastor_ds.checkpoint.shards import full_shard
     from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.checkpoint.storage import TmpfsStorage
     from elastor_ds.errors import AsyncSaveError
     root = sys.argv[1]
-    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(root, storage=TmpfsStorage(root), keep=1, optimistic_plan=True)
     eng.save(1, [full_shard("t", torch.ones(1000))])
     eng.wait()
     big = [full_shard("t", torch.ones(1000)), full_shard("big", torch.ones(512, 1024))]  # 2 MiB > the tmpfs
@@ -206,12 +208,19 @@ def test_a_snapshot_into_a_full_tmpfs_is_an_error_on_the_save_not_a_sigbus(tiny_
 
 def test_which_engines_stage_into_files(tmp_path):
     """Storage roots keep the staging buffer (their files are written and fsynced); node-local roots
-    stage into the mapped file unless told not to; a block size must be positive."""
-    assert CheckpointEngine(str(tmp_path / "a")).files is None
-    assert CheckpointEngine(str(tmp_path / "b"), node_local=True).files is not None
-    assert CheckpointEngine(str(tmp_path / "c"), node_local=True, file_staging=False).files is None
+    stage into the mapped file unless told not to; a block size must be positive; a storage rooted
+    elsewhere than the engine is refused."""
+    from elastor_ds.errors import ConfigError
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    assert not CheckpointEngine(a).in_place and not hasattr(CheckpointEngine(a).storage, "files")
+    eng_b = CheckpointEngine(b, storage=TmpfsStorage(b))
+    assert eng_b.in_place and eng_b.storage.files is not None
+    eng_c = CheckpointEngine(c, storage=TmpfsStorage(c, stage_in_place=False))
+    assert not eng_c.in_place and eng_c.storage.files is None
     with pytest.raises(ValueError, match="block_size=0"):
         CheckpointEngine(str(tmp_path / "d"), block_size=0)
+    with pytest.raises(ConfigError, match="rooted at"):
+        CheckpointEngine(str(tmp_path / "e"), storage=TmpfsStorage(a))
 
 
 def _two_rank_failure(rank: int, world: int, root: str) -> None:
@@ -221,7 +230,7 @@ def _two_rank_failure(rank: int, world: int, root: str) -> None:
     from elastor_ds.comm import TorchComm
     from elastor_ds.errors import AsyncSaveError
 
-    eng = CheckpointEngine(root, TorchComm.create(60, liveness_s=20), keep=1, fsync=False, node_local=True,
+    eng = CheckpointEngine(root, TorchComm.create(60, liveness_s=20), TmpfsStorage(root), keep=1,
                            optimistic_plan=True)
     t = torch.full((64, 64), float(rank))
     shards = [TensorShard("t", (128, 64), Region((64 * rank, 0), (64, 64)), t)]
@@ -267,7 +276,7 @@ def test_retention_keeps_only_this_jobs_ranks_files_for_reuse(tmp_path):
     spare.mkdir(parents=True)
     for r in (0, 3):
         (spare / f"data_{r:05d}.safetensors").write_bytes(b"x" * 4096)
-    eng = CheckpointEngine(str(root), keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(str(root), storage=TmpfsStorage(str(root)), keep=1, optimistic_plan=True)
     t = torch.randn(100, 10)
     for step in (1, 2, 3):
         eng.save(step, [full_shard("t", t)])

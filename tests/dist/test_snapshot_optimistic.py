@@ -11,6 +11,7 @@ from dist_utils import run_world
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.checkpoint.storage import TmpfsStorage
 from elastor_ds.comm import TorchComm
 from elastor_ds.layout.region import Region
 
@@ -21,7 +22,7 @@ def _rows(rank: int, t: torch.Tensor) -> TensorShard:
 
 def _worker(rank: int, world: int, root: str) -> None:
     comm = TorchComm.create(60)
-    eng = CheckpointEngine(root, comm, keep=2, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(root, comm, TmpfsStorage(root), keep=2, optimistic_plan=True)
     w = torch.full((4, 6), float(rank + 1))
     st = eng.save(1, [_rows(rank, w)])
     eng.wait()

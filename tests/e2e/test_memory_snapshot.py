@@ -40,6 +40,7 @@ def snap_dir():
 # ------------------------------------------------------------------------------------------------ engine level
 def _bitwise_worker(rank: int, world: int, roots: list[str], storage: str) -> None:
     from elastor_ds.checkpoint import CheckpointEngine
+    from elastor_ds.checkpoint.storage import TmpfsStorage
     from elastor_ds.checkpoint import commit as commit_mod
     from elastor_ds.checkpoint.shards import TensorShard
     from elastor_ds.checkpoint.sources import LOCAL_MEMORY, PEER_MEMORY, STORAGE, DirSource
@@ -53,7 +54,8 @@ def _bitwise_worker(rank: int, world: int, roots: list[str], storage: str) -> No
     saved = [TensorShard("w", (96, 768), Region((rank * rows, 0), (rows, 768)), full["w"][rank * rows:(rank + 1) * rows]),
              TensorShard("e", (50, 64), Region((0, 0), (50, 64)), full["e"])]   # replicated: saved once
     comm = TorchComm.create(60)
-    mem = CheckpointEngine(os.path.join(roots[node], "local"), comm, keep=1, fsync=False, node_local=True)
+    local = os.path.join(roots[node], "local")
+    mem = CheckpointEngine(local, comm, TmpfsStorage(local), keep=1)
     sto = CheckpointEngine(storage, TorchComm.create(60), keep=1)
     for step in (1, 2):
         mem.save(step, saved, extra={"step": step})

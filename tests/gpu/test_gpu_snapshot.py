@@ -13,6 +13,7 @@ import torch
 
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard
 from elastor_ds.checkpoint.sources import LOCAL_MEMORY, DirSource
+from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
 from elastor_ds.layout.region import Region
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -27,7 +28,7 @@ def test_pinned_staging_and_cuda_snapshot_restores_bit_exact_under_reshard(tmp_p
     import shutil
     root = _shm_dir(tmp_path)
     try:
-        eng = CheckpointEngine(root, keep=1, fsync=False)
+        eng = CheckpointEngine(root, storage=PosixStorage(root, sync=False), keep=1)
         g = torch.Generator(device="cuda").manual_seed(7)
         full = torch.randn(1024, 512, device="cuda", generator=g)
         bias = torch.randn(512, device="cuda", generator=g).to(torch.bfloat16)
@@ -60,7 +61,7 @@ def test_side_stream_copy_does_not_block_the_default_stream(tmp_path):
     import shutil
     root = _shm_dir(tmp_path)
     try:
-        eng = CheckpointEngine(root, keep=1, fsync=False)
+        eng = CheckpointEngine(root, storage=PosixStorage(root, sync=False), keep=1)
         x = torch.ones(4096, 4096, device="cuda")
         for _ in range(20):            # queue work; no synchronize before the save
             x.mul_(1.0001)
@@ -87,15 +88,15 @@ def test_node_local_snapshot_stages_into_a_page_locked_mapping(shm_root):
     """A memory-snapshot engine (node_local) copies CUDA shards straight into its mapped tmpfs data
     file, page-locked with cudaHostRegister; two steps later the same mapping is reused (no new
     mapping, no new registration), and the snapshot restores bit for bit."""
-    eng = CheckpointEngine(shm_root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(shm_root, storage=TmpfsStorage(shm_root), keep=1, optimistic_plan=True)
     x = torch.randn(2048, 1024, device="cuda")
     shards = [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), x)]
     for step in range(1, 5):
         x.add_(1.0)
         eng.save(step, shards)
         eng.wait()
-    assert eng.files is not None and eng.files.new_mappings == 2
-    assert all(m.pinned for m in eng.files._maps.values())
+    assert eng.storage.files is not None and eng.storage.files.new_mappings == 2
+    assert all(m.pinned for m in eng.storage.files._maps.values())
     back = torch.zeros_like(x)
     eng.load(None, [TensorShard("x", (2048, 1024), Region((0, 0), (2048, 1024)), back)])
     assert torch.equal(back, x)
@@ -106,7 +107,7 @@ def test_deferred_device_copy_is_ordered_before_the_next_update_by_the_fence(shm
     """defer_device_copies: save() returns while the D2H copy is still queued on the side stream;
     fence() makes the next in-place update (the optimizer step's role) wait for it on the device,
     so the snapshot holds the value before the update, and the update's result is intact."""
-    eng = CheckpointEngine(shm_root, keep=1, fsync=False, node_local=True, optimistic_plan=True)
+    eng = CheckpointEngine(shm_root, storage=TmpfsStorage(shm_root), keep=1, optimistic_plan=True)
     eng.defer_device_copies = True
     x = torch.ones(8192, 8192, device="cuda")        # 256 MiB: the copy takes milliseconds
     shards = [TensorShard("x", (8192, 8192), Region((0, 0), (8192, 8192)), x)]

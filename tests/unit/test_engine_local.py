@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.checkpoint.storage import TmpfsStorage
 from elastor_ds.errors import TensorMismatchError
 from elastor_ds.layout.region import Region
 
@@ -81,7 +82,7 @@ def test_crc32_combine_matches_zlib():
     import zlib
 
     from elastor_ds.checkpoint.crc import crc32, crc32_combine_py
-    from elastor_ds.checkpoint.storage import crc32_combine
+    from elastor_ds.checkpoint.fileformat import crc32_combine
     rng = torch.Generator().manual_seed(0)
     for n1, n2 in [(0, 5), (7, 0), (100, 1000), (1 << 20, 12345), (3, 1), (4096, 4096 * 3 + 17)]:
         a = torch.randint(0, 256, (n1,), generator=rng, dtype=torch.uint8).numpy().tobytes()
@@ -138,7 +139,7 @@ def test_node_local_snapshots_reuse_retired_data_files_and_stay_exact(tmp_path):
     from elastor_ds.checkpoint.verify import verify
 
     root = str(tmp_path / "mem")
-    eng = CheckpointEngine(root, keep=1, fsync=False, node_local=True)
+    eng = CheckpointEngine(root, storage=TmpfsStorage(root), keep=1)
     spare = os.path.join(root, ".recycle", "data_00000.safetensors")
     big = torch.randn(300, 1000)
     inodes = []

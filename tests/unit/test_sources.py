@@ -16,6 +16,7 @@ import torch
 from elastor_ds.checkpoint import CheckpointEngine
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.shards import TensorShard
+from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
 from elastor_ds.checkpoint.sources import (LOCAL_MEMORY, PEER_MEMORY, STORAGE, ChunkSource, DirSource,
                                           storage_source_for)
 from elastor_ds.errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -41,8 +42,8 @@ def _save_both(mem_root: str, storage_root: str, step: int = 3):
     shards = [TensorShard("w", SHAPE, Region((0, 0), (32, 1024)), w[:32]),
               TensorShard("w", SHAPE, Region((32, 0), (32, 1024)), w[32:]),
               TensorShard("b", (1000,), Region((0,), (1000,)), b)]
-    for root, fsync in ((mem_root, False), (storage_root, True)):
-        eng = CheckpointEngine(root, async_save=False, fsync=fsync)
+    for root, storage in ((mem_root, TmpfsStorage(mem_root)), (storage_root, PosixStorage(storage_root))):
+        eng = CheckpointEngine(root, storage=storage, async_save=False)
         eng.save(step, shards, extra={"it": step}, rank_state={"seed": 11})
         eng.wait()
     return w.clone(), b.clone()

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..auth import job_key, request_mac, response_mac
 from ..paths import safe_join
-from ..storage import pread_into
+from ..fileformat import pread_into
 
 log = logging.getLogger(__name__)
 

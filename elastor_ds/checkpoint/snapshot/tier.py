@@ -4,7 +4,8 @@ A memory snapshot is an ordinary elastor checkpoint (same safetensors chunk file
 CRCs, commit protocol) written by a second :class:`CheckpointEngine` whose root is
 ``<node dir>/local`` (the node dir: ``$ELASTOR_SNAPSHOT_DIR``, created, exported and removed by
 ``elastor run``; or ``memory_snapshot.dir``). Files on tmpfs survive a SIGKILLed worker, so the
-relaunched workers, under any layout, read them back. The engine is ``node_local``: each node's
+relaunched workers, under any layout, read them back. The engine writes to a
+:class:`~elastor_ds.checkpoint.storage.TmpfsStorage` (node-local, never fsynced): each node's
 directory holds its ranks' chunk files plus the whole manifest.
 
 1. Start (:meth:`MemoryTier.check_budget`, collective): bytes per snapshot of every node, estimated
@@ -30,6 +31,7 @@ from typing import Any, Optional
 from .. import commit as commit_mod
 from .. import CheckpointEngine, SaveStats
 from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
+from ..storage.tmpfs import TmpfsStorage
 from ...errors import ConfigError
 from ..settings import MemorySnapshotConfig
 
@@ -77,8 +79,8 @@ class MemoryTier:
         self.comm = comm
         # optimistic_plan: no plan-agreement collective on the training thread per snapshot (a rank
         # whose shards changed makes that one snapshot be dropped everywhere; the next one re-plans)
-        # node_local: snapshots are staged straight into each rank's mapped data file (file staging)
-        self.ckpt = CheckpointEngine(self.root, comm, keep=mcfg.keep, async_save=True, fsync=False, node_local=True,
+        # TmpfsStorage: node-local, no fsync, snapshots staged straight into each rank's mapped data file
+        self.ckpt = CheckpointEngine(self.root, comm, TmpfsStorage(self.root), keep=mcfg.keep, async_save=True,
                                      optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE)
         self.last_step: Optional[int] = None
         self.stats: list[SaveStats] = []

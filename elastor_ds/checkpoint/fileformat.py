@@ -1,4 +1,7 @@
-"""Storage primitives: streaming safetensors files, checksums, durable renames.
+"""The data file format and its byte-level helpers: safetensors headers, streamed writes, CRCs, reads.
+
+Where files go and how durable they are is the storage backend's business
+(:mod:`elastor_ds.checkpoint.storage`); these helpers take a ``sync``/``fsync`` argument from it.
 
 Files are standard safetensors (8-byte little-endian header length, JSON header padded with
 spaces to a multiple of 8, then the raw tensor bytes), readable by the ``safetensors`` library.
@@ -112,9 +115,9 @@ def cumulative_crcs(mv: memoryview, block_size: int) -> list[int]:
     return out or [0]
 
 
-def write_crc_table(path: str, tables: Sequence[Sequence[int]], fsync: bool = True) -> tuple[int, int, list[int]]:
-    """Write the block-CRC tables of a data file's chunks, back to back (little-endian uint32);
-    return (size, crc32 of the file, first entry index of each table)."""
+def crc_table_bytes(tables: Sequence[Sequence[int]]) -> tuple[bytes, list[int]]:
+    """The block-CRC table file of a data file's chunks: their tables back to back (little-endian
+    uint32), and the first entry index of each table."""
     import array
     import sys
 
@@ -125,15 +128,7 @@ def write_crc_table(path: str, tables: Sequence[Sequence[int]], fsync: bool = Tr
         arr.extend(t)
     if sys.byteorder != "little":
         arr.byteswap()
-    data = arr.tobytes()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, memoryview(data))
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    return len(data), crc32(data), starts
+    return arr.tobytes(), starts
 
 
 def read_crc_entries(path: str, lo: int, hi: int) -> list[int]:
@@ -232,12 +227,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via temp file + fsync + rename + directory fsync."""
+def atomic_write_text(path: str, text: str, sync: bool = True) -> None:
+    """Write ``text`` to ``path`` via temp file + rename; with ``sync`` (durable storage) the file is
+    fsynced before the rename and its directory after it."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if sync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,167 @@
+"""The storage interface: what a checkpoint engine asks of the place it writes to and reads from.
+
+After PyTorch DCP's ``StorageWriter``/``StorageReader``: the engine plans, snapshots, gathers and
+decides; a :class:`Storage` puts the bytes somewhere and makes a step appear atomically. A backend
+is one new module implementing these two halves; the engine does not change.
+
+A save, as the engine drives it (``*`` on every rank, ``0`` on the coordinator, rank 0):
+
+1. ``*`` :meth:`StorageWriter.set_up` once (collective where a backend needs it, e.g. node-local
+   storage learns which rank commits each node's copy).
+2. ``*`` :meth:`StorageWriter.temp_dir`: where this save's files go until the commit.
+3. ``*`` :meth:`StorageWriter.write_data_file` (a data file streamed from buffers, with its CRCs)
+   and :meth:`StorageWriter.write_file` (small files: the block-CRC table, the rank state); or,
+   where :attr:`Capabilities.stages_in_place`, :meth:`StorageWriter.stage_data_file` before the
+   snapshot copy and :meth:`StorageWriter.seal_file` after it.
+4. ``0`` :meth:`StorageWriter.commit` (manifest last, atomically, then ``latest``) or
+   :meth:`StorageWriter.abort`; other ranks with :attr:`StorageWriter.commits_copy` commit their
+   node's copy with rank 0's manifest text.
+5. ``*`` :meth:`StorageWriter.committed` on every rank; then the committers run
+   :meth:`StorageWriter.retain`.
+
+A load asks a :class:`StorageReader` to resolve a root or step dir to a committed step, list the
+committed steps (for fallback), read the manifest and small files, check that the data files are
+whole, and open a :class:`~elastor_ds.checkpoint.sources.ChunkSource` for byte-range reads.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+from ...comm.collectives import Comm
+from ..planning.manifest import Manifest
+from ..sources import ChunkSource
+
+if TYPE_CHECKING:
+    from ..snapshot.file_staging import StagedFile
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend is, as typed fields (the engine branches on these, never on a backend's type)."""
+
+    durable: bool           # a committed step survives a crash of the machine (files and dirs fsynced)
+    node_local: bool        # each node has its own copy of every step under the root, not shared storage
+    stages_in_place: bool   # the snapshot copy goes straight into the mapped data file (stage_data_file)
+
+
+class StorageWriter(abc.ABC):
+    """The write half (see the module docstring for the order of the calls)."""
+
+    root: str
+    caps: Capabilities
+
+    @property
+    def commits_copy(self) -> bool:
+        """This rank (not rank 0) commits its node's own copy of each step (node-local storage)."""
+        return False
+
+    @property
+    def shares_manifest(self) -> bool:
+        """Rank 0 sends the manifest text to the :attr:`commits_copy` ranks."""
+        return False
+
+    @abc.abstractmethod
+    def set_up(self, comm: Comm, keep: int) -> None:
+        """Called once by the engine's constructor, on every rank (collective for some backends);
+        ``keep``: committed steps retention keeps."""
+
+    @abc.abstractmethod
+    def temp_dir(self, step: int, nonce: str) -> str:
+        """The directory this save's files go to before the commit (the same on every rank)."""
+
+    @abc.abstractmethod
+    def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
+                        block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
+        """Write ``header`` then each buffer to ``path`` (making its directory); append each buffer's
+        cumulative block CRCs and CRC; return (size, crc32 of the file). Raises OSError."""
+
+    @abc.abstractmethod
+    def write_file(self, path: str, data: bytes) -> None:
+        """Write a small file whole (making its directory). Raises OSError."""
+
+    @abc.abstractmethod
+    def seal_file(self, path: str) -> None:
+        """A file written in place (through a mapping) is complete: make it as durable as the backend is."""
+
+    def stage_data_file(self, tmp_dir: str, fname: str, header: bytes, size: int) -> "StagedFile":
+        """Only with :attr:`Capabilities.stages_in_place`: ``tmp_dir/fname`` of ``size`` bytes,
+        mapped, ``header`` written; the caller copies the data section into ``StagedFile.data``."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage in place (caps.stages_in_place is False)")
+
+    def release_staged(self, staged: "StagedFile") -> None:
+        """A staged file's save failed or was dropped (its temp dir is gone): drop its mapping."""
+
+    @abc.abstractmethod
+    def commit(self, tmp_dir: str, step: int, manifest_text: str) -> str:
+        """Write the manifest into ``tmp_dir`` and make it step ``step`` atomically, then move
+        ``latest``; return the committed step dir. Retention is separate (:meth:`retain`)."""
+
+    @abc.abstractmethod
+    def abort(self, tmp_dir: str) -> None:
+        """Remove a save's temp dir (a failed or dropped save); never raises."""
+
+    def committed(self, step_dir: str) -> None:
+        """Every rank, after a step committed (e.g. to know which retired files it may reuse)."""
+
+    @abc.abstractmethod
+    def retain(self, keep: int, protect: str) -> list[str]:
+        """Delete committed steps beyond the newest ``keep`` and stale temp dirs, never ``protect``
+        nor what ``latest`` names; return what was removed. Raises OSError."""
+
+    def close(self, committer: bool) -> None:
+        """The engine is finishing (no save in flight); ``committer``: rank 0 or :attr:`commits_copy`."""
+
+
+class StorageReader(abc.ABC):
+    """The read half. Paths may lie outside the root (a load can name any root or step dir)."""
+
+    @abc.abstractmethod
+    def resolve(self, path: str) -> str:
+        """The committed step dir that ``path`` (a step dir, or a root and its ``latest``) names;
+        raises a :class:`~elastor_ds.errors.CheckpointError` saying why there is none."""
+
+    @abc.abstractmethod
+    def is_step(self, path: str) -> bool:
+        """``path`` is a committed step dir."""
+
+    @abc.abstractmethod
+    def list_steps(self, root: str) -> list[tuple[int, str]]:
+        """(step, step dir) of every committed step under ``root``, oldest first."""
+
+    @abc.abstractmethod
+    def read_manifest(self, step_dir: str) -> Manifest:
+        """The manifest of a committed step (checked: every name it holds stays inside ``step_dir``)."""
+
+    @abc.abstractmethod
+    def read_text(self, step_dir: str, name: str) -> str:
+        """A small file of the step (a rank state file)."""
+
+    @abc.abstractmethod
+    def check_files(self, step_dir: str, manifest: Manifest) -> None:
+        """Every file the manifest lists is there with its size; else Incomplete/CorruptCheckpointError."""
+
+    @abc.abstractmethod
+    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> list:
+        """The whole-file CRC problems of ``names`` (empty: all good)."""
+
+    @abc.abstractmethod
+    def source(self, step_dir: str) -> ChunkSource:
+        """A source of the step's files for byte-range reads (the reader closes it)."""
+
+
+class Storage(StorageWriter, StorageReader):
+    """Both halves: what :class:`~elastor_ds.checkpoint.engine.CheckpointEngine` takes."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+
+def check_root(storage: Storage, root: str) -> Optional[str]:
+    """A message when ``storage`` is not rooted at ``root`` (the engine refuses the pair), else None."""
+    import os
+    if os.path.abspath(storage.root) != os.path.abspath(root):
+        return (f"storage {storage!r} is rooted at {storage.root}, the engine at {root}; construct the storage "
+                f"with the engine's root")
+    return None

@@ -1,0 +1,112 @@
+"""The posix backend: a checkpoint root on a shared (or local) file system, committed durably.
+
+Every data file, CRC table and rank state file is fsynced before the writer reports it; the commit
+(:class:`~elastor_ds.checkpoint.commit.StepCommit`) writes the manifest to a temp name, fsyncs it,
+renames it into the temp step dir, renames that to ``step_<N>`` and fsyncs the root, then moves
+``latest`` the same way. ``sync=False`` keeps the renames (atomic) and drops the fsyncs (a benchmark
+of the write path, or storage that is thrown away); :attr:`Capabilities.durable` then says False.
+
+The read half (also the tmpfs backend's) reads the step directory through
+:class:`~elastor_ds.checkpoint.sources.DirSource`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Iterable, Sequence
+
+from ...comm.collectives import Comm
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError
+from .. import commit as commit_mod
+from ..fileformat import write_all, write_stream
+from ..planning.manifest import Manifest
+from ..sources import STORAGE, ChunkSource, DirSource
+from .base import Capabilities, Storage
+
+log = logging.getLogger(__name__)
+
+
+class PosixStorage(Storage):
+    """A checkpoint root on a posix file system (see the module docstring)."""
+
+    def __init__(self, root: str, *, sync: bool = True):
+        self.root = os.path.abspath(root)
+        self.sync = bool(sync)
+        self.caps = Capabilities(durable=self.sync, node_local=False, stages_in_place=False)
+        self.keep = 1
+
+    # ------------------------------------------------------------------ write
+    def set_up(self, comm: Comm, keep: int) -> None:
+        self.keep = keep
+        if comm.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+
+    def temp_dir(self, step: int, nonce: str) -> str:
+        return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))
+
+    def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
+                        block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return write_stream(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
+                            block_size=block_size)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, memoryview(data))
+            if self.sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def seal_file(self, path: str) -> None:
+        if not self.sync:
+            return
+        fd = os.open(path, os.O_RDONLY)   # pages written through a mapping are flushed by an fsync of the file
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self, tmp_dir: str, step: int, manifest_text: str) -> str:
+        return commit_mod.commit_text(self.root, tmp_dir, step, manifest_text, sync=self.sync)
+
+    def abort(self, tmp_dir: str) -> None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    def retain(self, keep: int, protect: str) -> list[str]:
+        return commit_mod.apply_retention(self.root, keep, protect=protect)
+
+    # ------------------------------------------------------------------ read
+    def resolve(self, path: str) -> str:
+        return commit_mod.resolve(path)
+
+    def is_step(self, path: str) -> bool:
+        return commit_mod.is_committed(path)
+
+    def list_steps(self, root: str) -> list[tuple[int, str]]:
+        return commit_mod.list_committed(root)
+
+    def read_manifest(self, step_dir: str) -> Manifest:
+        return commit_mod.read_manifest(step_dir)
+
+    def read_text(self, step_dir: str, name: str) -> str:
+        with open(os.path.join(step_dir, name), encoding="utf-8") as f:
+            return f.read()
+
+    def check_files(self, step_dir: str, manifest: Manifest) -> None:
+        for fname, fe in manifest.files.items():
+            p = os.path.join(step_dir, fname)
+            if not os.path.isfile(p):
+                raise IncompleteCheckpointError(f"{p}: data file is missing")
+            if os.path.getsize(p) != fe.size:
+                raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
+
+    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> list:
+        from ..verify import verify
+        return verify(step_dir, files=list(names), manifest=manifest)
+
+    def source(self, step_dir: str) -> ChunkSource:
+        return DirSource(step_dir, STORAGE)

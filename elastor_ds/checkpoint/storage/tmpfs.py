@@ -1,0 +1,100 @@
+"""The node-local tmpfs backend: memory snapshots in each node's own directory, never fsynced.
+
+What differs from :mod:`.posix`:
+
+1. **No fsync.** tmpfs pages do not outlive the node, so no file, directory or commit is fsynced;
+   the commit's renames keep it atomic (a reader never sees half a step).
+2. **Node-local.** The root is a per-node directory (``/dev/shm/...``). :meth:`TmpfsStorage.set_up`
+   (collective: one all-gather) finds the lowest rank of every node other than rank 0's: it commits
+   its node's copy with rank 0's manifest text, so every node holds the step's manifest and
+   ``latest``, and runs retention there.
+3. **In-place staging** (``stage_in_place=True``, the default): the snapshot copies straight into
+   this rank's mapped data file (:mod:`~elastor_ds.checkpoint.snapshot.file_staging`), so the write
+   of the whole file disappears. Retention moves a retired step's data files to ``.recycle`` and
+   the next save renames one back into its temp dir and writes over its pages (no allocation,
+   zeroing and freeing of a snapshot's pages every step).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from typing import Optional
+
+import torch
+
+from ...comm.collectives import Comm
+from .. import commit as commit_mod
+from ..snapshot.file_staging import FileStaging, StagedFile
+from ..writer import data_file_name
+from .base import Capabilities
+from .posix import PosixStorage
+
+RECYCLE_DIR = ".recycle"
+
+
+class TmpfsStorage(PosixStorage):
+    """A node-local memory snapshot root (see the module docstring)."""
+
+    def __init__(self, root: str, *, stage_in_place: bool = True, pin: Optional[bool] = None):
+        """``pin`` (default: CUDA present): page-lock the mapped files, so device-to-host copies into
+        them are DMA."""
+        super().__init__(root, sync=False)
+        self.caps = Capabilities(durable=False, node_local=True, stages_in_place=bool(stage_in_place))
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.recycle_dir = os.path.join(self.root, RECYCLE_DIR)
+        self.files: Optional[FileStaging] = None
+        self._committer = False     # this rank commits its node's copy (rank 0's node: rank 0)
+        self._multi_node = False
+        self._recycle_names: set[str] = set()   # data files a rank of this job will take (others are deleted)
+        self._committed: list[str] = []         # step dirs committed while this storage was used, oldest first
+
+    @property
+    def commits_copy(self) -> bool:
+        return self._committer
+
+    @property
+    def shares_manifest(self) -> bool:
+        return self._multi_node
+
+    def set_up(self, comm: Comm, keep: int) -> None:
+        """Collective (one all-gather of (host, real path of the root))."""
+        self.keep = keep
+        os.makedirs(self.root, exist_ok=True)
+        key = (socket.gethostname(), os.path.realpath(self.root))
+        keys = comm.all_gather_object(key)
+        self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
+        self._multi_node = len(set(keys)) > 1
+        self._recycle_names = {data_file_name(r) for r in range(comm.world_size)}
+        if self.caps.stages_in_place and self.files is None:
+            self.files = FileStaging(max_maps=keep + 3, pin=self.pin)
+
+    def stage_data_file(self, tmp_dir: str, fname: str, header: bytes, size: int) -> StagedFile:
+        if self.files is None:
+            raise RuntimeError(f"{self!r}: stage_data_file before set_up, or with stage_in_place=False")
+        # this rank's retired files: where retention put them, or still in a step dir that a newer
+        # commit retired (newest first); never a step among the newest ``keep``
+        cands = [os.path.join(self.recycle_dir, fname)]
+        cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
+        return self.files.take(tmp_dir, fname, cands, header, size)
+
+    def release_staged(self, staged: StagedFile) -> None:
+        if self.files is not None:
+            self.files.release(staged)   # its temp dir is gone: do not keep its pages mapped
+
+    def commit(self, tmp_dir: str, step: int, manifest_text: str) -> str:
+        os.makedirs(tmp_dir, exist_ok=True)   # another node's committer whose ranks wrote no data file
+        return commit_mod.commit_text(self.root, tmp_dir, step, manifest_text, sync=False)
+
+    def committed(self, step_dir: str) -> None:
+        self._committed = [*self._committed[-(self.keep + 2):], os.path.basename(step_dir)]
+
+    def retain(self, keep: int, protect: str) -> list[str]:
+        return commit_mod.apply_retention(self.root, keep, protect=protect, recycle_dir=self.recycle_dir,
+                                          recycle_names=self._recycle_names)
+
+    def close(self, committer: bool) -> None:
+        if self.files is not None:
+            self.files.close()
+        if committer:   # every rank's last save took its file before rank 0 could finish it
+            shutil.rmtree(self.recycle_dir, ignore_errors=True)
