@@ -25,12 +25,12 @@ import os
 import stat
 from typing import Iterable, Optional
 
+from ..elastic.protocol import ENV_JOB_SECRET_FILE, LaunchContext, launch_context
 from ..errors import ConfigError
 
 __all__ = ["ENV_JOB_SECRET_FILE", "load_key", "job_key", "request_mac", "response_mac", "file_mac", "MIN_SECRET",
            "new_key_file_hint"]
 
-ENV_JOB_SECRET_FILE = "ELASTOR_JOB_SECRET_FILE"
 MIN_SECRET = 32
 _MAX_SECRET = 64 * 1024
 _LABEL = b"elastor-ds job key v1"
@@ -74,7 +74,7 @@ def load_key(path: str, what: str = "--job-secret-file") -> bytes:
 
 def job_key(env: Optional[dict] = None) -> Optional[bytes]:
     """The job key of a worker launched by ``elastor run --job-secret-file`` (None without one)."""
-    path = (os.environ if env is None else env).get(ENV_JOB_SECRET_FILE)
+    path = (launch_context() if env is None else LaunchContext.from_env(env)).job_secret_file
     return load_key(path, ENV_JOB_SECRET_FILE) if path else None
 
 

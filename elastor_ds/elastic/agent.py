@@ -50,8 +50,9 @@ from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
-from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_EVENTS_FILE, collective_bound, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR, ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE,
-                       ENV_ROUND, EXIT_RESIZE, heartbeat_path)
+from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
+                       ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
+                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, collective_bound, heartbeat_path)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
@@ -140,10 +141,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self._peer_ranks: list[int] = []
         self._next_peer_read = 0.0
         self._fence_reason = ""
-        if cfg.local_addr and not os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST"):
-            os.environ["ELASTOR_SNAPSHOT_SERVER_HOST"] = cfg.local_addr
+        if cfg.local_addr and not os.environ.get(ENV_SNAPSHOT_SERVER_HOST):
+            os.environ[ENV_SNAPSHOT_SERVER_HOST] = cfg.local_addr
         # this node's snapshot server; addresses of every node's go to the workers at each launch
-        self.snapshots = NodeSnapshots(os.environ.get("ELASTOR_SNAPSHOT_DIR"), cfg.rdzv_endpoint.split(",")[0],
+        self.snapshots = NodeSnapshots(os.environ.get(ENV_SNAPSHOT_DIR), cfg.rdzv_endpoint.split(",")[0],
                                        multi_node=cfg.max_nodes > 1, secret_file=cfg.job_secret_file)
 
     # ------------------------------------------------------------------ signals
@@ -194,7 +195,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         private_dir(hb, "heartbeat folder")
         env = {ENV_PROCS_PER_NODE: ",".join(map(str, self.procs_per_node or [n])),
                ENV_INITIAL_WORLD: str(self.initial_world), ENV_ROUND: str(self.round), ENV_HEARTBEAT_DIR: hb,
-               "ELASTOR_DEVICES": ",".join(map(str, self.devices)), **self.snapshots.env()}
+               ENV_DEVICES: ",".join(map(str, self.devices)), **self.snapshots.env()}
         if self.cfg.events:
             env[ENV_EVENTS_FILE] = os.path.abspath(self.cfg.events)
         if self.cfg.gpu_memory_gb:
@@ -554,7 +555,7 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     else:
         handler = rdzv_registry.get_rendezvous_handler(params)
     spec = WorkerSpec(role="default", local_world_size=cfg.nproc_per_node, rdzv_handler=handler,
-                      entrypoint=os.environ.get("ELASTOR_PYTHON") or __import__("sys").executable,
+                      entrypoint=os.environ.get(ENV_PYTHON) or __import__("sys").executable,
                       args=("-u", "-m", "elastor_ds.elastic.worker_main", cfg.script, *cfg.script_args),
                       max_restarts=cfg.max_restarts, monitor_interval=cfg.monitor_interval)
     logs = DefaultLogsSpecs(log_dir=cfg.log_dir, redirects=Std.ALL, tee=Std.ALL if cfg.tee else Std.NONE)

@@ -8,6 +8,7 @@ import sys
 import uuid
 
 from .standby_main import DEFAULT_PRELOAD   # light: no torch
+from .protocol import ENV_FORCE_CPU
 
 from ..cli_types import nonnegative_float, positive_float
 from ..errors import ConfigError
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         lo = hi = 1
     else:
         rdzv_id = args.rdzv_id
-    use_gpu = n_gpu > 0 and not os.environ.get("ELASTOR_FORCE_CPU")
+    use_gpu = n_gpu > 0 and not os.environ.get(ENV_FORCE_CPU)
     events_path = os.path.abspath(args.events) if args.events else None
     base = os.path.splitext(events_path)[0] if events_path else None
     log_dir = os.path.abspath(args.log_dir) if args.log_dir else (f"{base}_logs" if base else os.path.abspath("elastor_logs"))

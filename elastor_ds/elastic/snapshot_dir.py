@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from .protocol import ENV_SNAPSHOT_DIR
 
 log = logging.getLogger("elastor.run")
 
-ENV_SNAPSHOT_DIR = "ELASTOR_SNAPSHOT_DIR"
 JOB_SUBDIRS = ("local", "peer")
 OWNER_MARKER = ".elastor-owner"
 NAME_RE = re.compile(r"^elastor-[A-Za-z0-9_.-]+$")

@@ -40,7 +40,9 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from .private import open_private, private_dir
 from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
-from .standby_main import DEFAULT_PRELOAD, ENV_PRELOAD, ENV_READY_FD
+from .protocol import ENV_STANDBY_PRELOAD as ENV_PRELOAD
+from .protocol import ENV_STANDBY_READY_FD as ENV_READY_FD
+from .standby_main import DEFAULT_PRELOAD
 
 log = logging.getLogger("elastor.run")
 

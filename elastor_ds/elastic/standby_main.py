@@ -31,8 +31,11 @@ import sys
 import time
 
 T_SPAWN = time.time()
-ENV_READY_FD = "ELASTOR_STANDBY_READY_FD"
-ENV_PRELOAD = "ELASTOR_STANDBY_PRELOAD"
+
+from elastor_ds.elastic.protocol import ENV_STANDBY_DIR  # noqa: E402 - after T_SPAWN
+from elastor_ds.elastic.protocol import ENV_STANDBY_PRELOAD as ENV_PRELOAD  # noqa: E402
+from elastor_ds.elastic.protocol import ENV_STANDBY_READY_FD as ENV_READY_FD  # noqa: E402
+
 # what a trainer on DeepSpeed + Megatron-core imports anyway; the learned list adds the rest
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "megatron.core.parallel_state",
                    "megatron.core.tensor_parallel", "elastor_ds.deepspeed", "elastor_ds.checkpoint")
@@ -62,8 +65,8 @@ def _assignment_waiting(fd: int) -> bool:
 
 def preload_names() -> list[str]:
     names = [m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip()]
-    learned = os.path.join(os.environ.get("ELASTOR_STANDBY_DIR", ""), "modules.json")
-    if os.environ.get("ELASTOR_STANDBY_DIR") and os.path.isfile(learned):
+    learned = os.path.join(os.environ.get(ENV_STANDBY_DIR, ""), "modules.json")
+    if os.environ.get(ENV_STANDBY_DIR) and os.path.isfile(learned):
         import json
         try:   # the pool's folder is private (0700, ours); a symlink is still never followed
             with os.fdopen(os.open(learned, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))) as f:

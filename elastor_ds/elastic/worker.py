@@ -20,9 +20,7 @@ import signal
 import time
 
 from .events import EventKind, append_line
-from .protocol import (ENV_EVENTS_FILE, ENV_HEARTBEAT_DIR, ENV_LAUNCH_MODE, ENV_ROUND, ENV_STANDBY_DIR,
-                       ENV_T_STANDBY_READY, ENV_T_STANDBY_SPAWN, ENV_T_START, LaunchMode, StopCode, heartbeat_path,
-                       launched_world)
+from .protocol import LaunchContext, StopCode, heartbeat_path, launch_context
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +62,24 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 class ElasticWorker:
     """Per-process hooks; every method is cheap except :meth:`agree_stop` (one tiny all-reduce)."""
 
-    def __init__(self, heartbeat_dir: str | None, events_file: str | None, local_rank: int):
+    def __init__(self, heartbeat_dir: str | None, events_file: str | None, local_rank: int,
+                 context: LaunchContext | None = None):
+        ctx = launch_context() if context is None else context
+        self.context = ctx
         self.heartbeat_file = heartbeat_path(heartbeat_dir, local_rank) if heartbeat_dir else None
         self.events_file = events_file
         self.local_rank = local_rank
-        self.marks: dict[str, float] = {}
-        for mark, var in (("t_process_start", ENV_T_START), ("t_standby_spawn", ENV_T_STANDBY_SPAWN),
-                          ("t_standby_ready", ENV_T_STANDBY_READY)):
-            if os.environ.get(var):
-                self.marks[mark] = float(os.environ[var])
-        self.launch_mode = os.environ.get(ENV_LAUNCH_MODE, LaunchMode.SPAWN.value)
-        self.world = launched_world()
-        self.round = int(os.environ.get(ENV_ROUND, "0"))
+        self.marks: dict[str, float] = ctx.start_marks()
+        self.launch_mode = ctx.launch_mode.value
+        self.world = ctx.launched_world
+        self.round = ctx.round
 
     @classmethod
     def from_env(cls) -> "ElasticWorker | None":
-        if not os.environ.get(ENV_HEARTBEAT_DIR) and not os.environ.get(ENV_EVENTS_FILE):
+        ctx = launch_context()
+        if not ctx.under_elastor_run:
             return None
-        return cls(os.environ.get(ENV_HEARTBEAT_DIR), os.environ.get(ENV_EVENTS_FILE),
-                   int(os.environ.get("LOCAL_RANK", "0")))
+        return cls(ctx.heartbeat_dir, ctx.events_file, int(os.environ.get("LOCAL_RANK", "0")), ctx)
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.time()
@@ -114,7 +111,7 @@ class ElasticWorker:
         """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world);
         local rank 0 of every node tells the node's standby pool which modules a worker imports."""
         if self.local_rank == 0:
-            write_module_list(os.environ.get(ENV_STANDBY_DIR))
+            write_module_list(self.context.standby_dir)
         if rank != 0 or not self.events_file:
             return
         rec = {"event": EventKind.WORKER_STARTED.value, "time": time.time(), "node": "workers", "round": self.round,

@@ -16,7 +16,9 @@ import time
 import traceback
 
 if __name__ == "__main__":   # a standby worker sets its own (the time it was assigned)
-    os.environ["ELASTOR_T_PROCESS_START"] = repr(time.time())
+    _T_START = time.time()   # before the (small) import below
+    from elastor_ds.elastic.protocol import ENV_T_START
+    os.environ[ENV_T_START] = repr(_T_START)
 
 
 def run_script(argv: list[str]) -> None:

@@ -76,6 +76,7 @@ def measure_overhead(a: argparse.Namespace, env: dict, nproc: int) -> dict:
     block of 4 (:func:`elastor_ds.elastic.overhead.paired_overhead`: the same processes with and
     without, so the machine's drift between separate runs does not enter). Storage checkpoints off."""
     from elastor_ds.elastic.overhead import paired_overhead
+    from elastor_ds.elastic.protocol import ENV_SNAPSHOT_DIR
     work = tempfile.mkdtemp(prefix="overhead_", dir=a.out)
     mfile = os.path.join(work, "paired.jsonl")
     sdir = tempfile.mkdtemp(prefix="elastor-demo-overhead-",
@@ -94,7 +95,7 @@ def measure_overhead(a: argparse.Namespace, env: dict, nproc: int) -> dict:
     log.info("overhead run: %d iterations, a snapshot every iteration, paused in every other block of %d",
              a.overhead_iters, block)
     try:
-        p = subprocess.run(cmd, env=dict(env, ELASTOR_SNAPSHOT_DIR=sdir), cwd=ROOT, capture_output=True, text=True,
+        p = subprocess.run(cmd, env={**env, ENV_SNAPSHOT_DIR: sdir}, cwd=ROOT, capture_output=True, text=True,
                            timeout=1800)
         if p.returncode != 0:
             raise SystemExit(f"overhead run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")

@@ -122,7 +122,8 @@ def simulated_layer_seconds() -> dict[int, float]:
     p2p, TP collectives and the split all-reduce stay real."""
     global _SIM
     if _SIM is None:
-        raw = os.environ.get("ELASTOR_SIM_LAYER_S")
+        from elastor_ds.elastic.protocol import ENV_SIM_LAYER_S
+        raw = os.environ.get(ENV_SIM_LAYER_S)
         _SIM = {int(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
     return _SIM
 

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from ...elastic.protocol import ENV_PROCS_PER_NODE, launch_context
 from .peer_sources import node_sources
 from .peer_copy import PeerCopier, PeerFile
 
@@ -27,16 +28,13 @@ __all__ = ["attach", "procs_per_node"]
 
 def procs_per_node(world: int) -> list[int]:
     """The launched processes per node (``elastor run`` exports them), else one node."""
-    raw = os.environ.get("ELASTOR_PROCS_PER_NODE", "")
-    try:
-        ppn = [int(x) for x in raw.split(",") if x.strip()]
-    except ValueError:
-        ppn = []
-    if not ppn or sum(ppn) != world or min(ppn) < 1:
-        if raw:
-            log.warning("ELASTOR_PROCS_PER_NODE=%r does not describe a world of %d: treating it as one node", raw, world)
+    ppn = launch_context().procs_per_node
+    if ppn is None or sum(ppn) != world:
+        if ppn is not None:
+            log.warning("%s=%s does not describe a world of %d: treating it as one node", ENV_PROCS_PER_NODE,
+                        ",".join(map(str, ppn)), world)
         return [world]
-    return ppn
+    return list(ppn)
 
 
 def _cross_node_sources(step_dir: str, _manifest: Any) -> list:

@@ -31,6 +31,7 @@ import time
 import urllib.parse
 from typing import Optional, Sequence
 
+from ...elastic.protocol import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, launch_context
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..auth import job_key, request_mac, response_mac
 from ..paths import safe_join
@@ -39,11 +40,8 @@ from ..fileformat import pread_into
 log = logging.getLogger(__name__)
 
 __all__ = ["PeerCopySource", "RemoteSource", "node_sources", "ENV_SNAPSHOT_DIR", "ENV_SNAPSHOT_PEERS", "COMPLETE",
-           "PEER_DIR", "LOCAL_DIR"]
+           "PEER_DIR", "LOCAL_DIR", "ENV_SNAPSHOT_SELF"]   # the names: re-exported from elastic.protocol
 
-ENV_SNAPSHOT_DIR = "ELASTOR_SNAPSHOT_DIR"
-ENV_SNAPSHOT_PEERS = "ELASTOR_SNAPSHOT_PEERS"
-ENV_SNAPSHOT_SELF = "ELASTOR_SNAPSHOT_SELF"      # this node's own server address (left out of the remotes)
 COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
 LOCAL_DIR = "local"
@@ -317,9 +315,10 @@ def node_sources(step_name: str, snapshot_dir: Optional[str] = None, peers: Opti
     node, then every other node's server (``ELASTOR_SNAPSHOT_PEERS`` minus ``ELASTOR_SNAPSHOT_SELF``;
     only with the job key, ``key`` or from ``ELASTOR_JOB_SECRET_FILE``). Arguments default to the
     environment ``elastor run`` sets; empty without it."""
-    snapshot_dir = snapshot_dir if snapshot_dir is not None else os.environ.get(ENV_SNAPSHOT_DIR)
-    peers = list(peers) if peers is not None else parse_peers(os.environ.get(ENV_SNAPSHOT_PEERS))
-    me = self_address if self_address is not None else os.environ.get(ENV_SNAPSHOT_SELF)
+    ctx = launch_context()
+    snapshot_dir = snapshot_dir if snapshot_dir is not None else ctx.snapshot_dir
+    peers = list(peers) if peers is not None else list(ctx.snapshot_peers)
+    me = self_address if self_address is not None else ctx.snapshot_self
     out: list = []
     if snapshot_dir:
         out.append(PeerCopySource(snapshot_dir, step_name))

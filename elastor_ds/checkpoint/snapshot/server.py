@@ -50,6 +50,7 @@ from typing import Optional
 from ..auth import load_key, request_mac, response_mac
 from ..paths import safe_join
 from .peer_sources import MAX_RANGE
+from ...elastic.protocol import ENV_JOB_SECRET_FILE, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, ENV_SNAPSHOT_SERVER_HOST
 from ...errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -569,7 +570,7 @@ class NodeSnapshots:
                             "(the server authenticates every request with the job key); their restores read "
                             "storage for the files only this node held")
             return
-        host = os.environ.get("ELASTOR_SNAPSHOT_SERVER_HOST") or advertised_host(self.rdzv_endpoint)
+        host = os.environ.get(ENV_SNAPSHOT_SERVER_HOST) or advertised_host(self.rdzv_endpoint)
         self.server = SnapshotServer(self.snapshot_dir, self.key, host=host).start()
 
     def publish(self, store, group_rank: int, group_world_size: int) -> list[str]:
@@ -585,9 +586,8 @@ class NodeSnapshots:
         """``ELASTOR_SNAPSHOT_PEERS`` (every live node's server, node-rank order; nodes without one
         left out), ``ELASTOR_SNAPSHOT_SELF`` (this node's) and ``ELASTOR_JOB_SECRET_FILE`` (the
         secret file's path, not the secret: workers derive the job key from it themselves)."""
-        from ..auth import ENV_JOB_SECRET_FILE
-        out = {"ELASTOR_SNAPSHOT_PEERS": ",".join(p for p in self.peers if p),
-               "ELASTOR_SNAPSHOT_SELF": self.server.address if self.server is not None else ""}
+        out = {ENV_SNAPSHOT_PEERS: ",".join(p for p in self.peers if p),
+               ENV_SNAPSHOT_SELF: self.server.address if self.server is not None else ""}
         if self.secret_file:
             out[ENV_JOB_SECRET_FILE] = self.secret_file
         return out

@@ -31,13 +31,13 @@ from typing import Any, Optional
 from .. import commit as commit_mod
 from .. import CheckpointEngine, SaveStats
 from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
+from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
 from ..storage.tmpfs import TmpfsStorage
 from ...errors import ConfigError
 from ..settings import MemorySnapshotConfig
 
 log = logging.getLogger(__name__)
 
-ENV_SNAPSHOT_DIR = "ELASTOR_SNAPSHOT_DIR"
 LOCAL = "local"
 
 
@@ -46,7 +46,7 @@ class MemoryBudgetError(ConfigError):
 
 
 def node_dir(mcfg: MemorySnapshotConfig) -> str:
-    d = mcfg.dir or os.environ.get(ENV_SNAPSHOT_DIR)
+    d = mcfg.dir or launch_context().snapshot_dir
     if not d:
         raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
                           f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
@@ -180,7 +180,7 @@ class MemoryTier:
 
 def report_restore(rank: int, record: dict[str, Any]) -> None:
     """Rank 0 appends a ``restore`` record to ``$ELASTOR_EVENTS_FILE`` (when set)."""
-    path = os.environ.get("ELASTOR_EVENTS_FILE")
+    path = launch_context().events_file
     if rank != 0 or not path:
         return
     from ...elastic.events import EventKind
