@@ -562,7 +562,6 @@ def _main(argv: list[str] | None = None) -> int:
     layout = d["layout"]
     start = int(engine.global_steps)
     from elastor_ds.elastic.protocol import ENV_PROFILE_BREAKDOWN
-    from elastor_ds.elastic.protocol import ENV_PROFILE_BREAKDOWN
     from elastor_ds.testing import state_memory
     state_mem = state_memory.track(engine)  # training-state bytes (metrics "state_bytes", vs the planner's model)
     elastic_mark(ctl, "t_loaded")

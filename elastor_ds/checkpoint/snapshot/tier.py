@@ -31,8 +31,8 @@ from typing import Any, Optional
 from .. import commit as commit_mod
 from .. import CheckpointEngine, SaveStats
 from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
-from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
 from ..storage.tmpfs import TmpfsStorage
+from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
 from ...errors import ConfigError
 from ..settings import MemorySnapshotConfig
 
