@@ -62,6 +62,15 @@ class CollectiveError(ElastorError, RuntimeError):
     """A collective failed on some rank; raised on every rank."""
 
 
+class TransportError(CollectiveError):
+    """A point-to-point transfer (:mod:`elastor_ds.comm.transport`) failed on this rank: the peer
+    left, the connection broke, or the transport already failed earlier. Raised on this rank only."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """A transfer did not complete within its timeout (the peer never sent, or never received)."""
+
+
 # ------------------------------------------------------------------ errors gathered from every rank
 class RankFailure:
     """What one rank raised: its exception's class name, message, and the names of its classes."""

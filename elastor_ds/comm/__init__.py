@@ -1,4 +1,8 @@
-"""The only package of elastor_ds that calls torch.distributed."""
+"""The only package of elastor_ds that calls torch.distributed (with integrations/, testing/ and the
+elastic controller): object collectives (:mod:`.collectives`), group creation (:mod:`.groups`),
+the runtime's tensor collectives (:mod:`.tensors`) and point-to-point transports (:mod:`.transport`).
+It imports nothing of checkpoint/ or runtime/ (tests/unit/test_layering.py)."""
 from .collectives import Comm, LocalComm, TorchComm, agree
+from .transport import GlooTransport, Transport, Work
 
-__all__ = ["Comm", "LocalComm", "TorchComm", "agree"]
+__all__ = ["Comm", "GlooTransport", "LocalComm", "TorchComm", "Transport", "Work", "agree"]
