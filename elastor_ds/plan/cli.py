@@ -23,7 +23,7 @@ from .cluster import Cluster
 from .cost import CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
 from .plan_doc import device_ranges, plan_document, plan_from_document
-from .search import plan
+from .search import PlanResult, plan
 
 # Upper bounds of the sizes the planner accepts (flag -> bound). The largest public models have
 # ~130 layers, 16k-wide hidden states, 128k-token contexts and vocabularies of ~256k.
@@ -105,6 +105,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--top-k", type=bounded_int("--top-k"), default=3, help="alternatives to list")
     s.add_argument("--layouts", choices=("uniform", "heterogeneous"), default="heterogeneous",
                    help="uniform: TP x PP x DP grids only (what stock DeepSpeed/Megatron run)")
+    s.add_argument("--homogeneous", action="store_true",
+                   help="the best TP x PP x DP grid over every listed GPU (one TP x PP for every replica, uneven "
+                        "layer splits allowed): what Megatron-LM's --elastor-plan runs, one process per GPU")
     s.add_argument("--json", action="store_true", help="print the plan JSON document to stdout")
     s.add_argument("--from-plan", metavar="PREV.json",
                    help="re-plan from this previous plan document (--json output) after a small change of the "
@@ -167,7 +170,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"elastor plan: error: {e}", file=sys.stderr)
         return 2
     try:
-        if previous is not None:
+        if getattr(args, "homogeneous", False):
+            if previous is not None:
+                raise ConfigError("--homogeneous plans grids from scratch; drop --from-plan")
+            result = homogeneous_result(cost)
+        elif previous is not None:
             if args.layouts == "uniform":
                 raise ConfigError("--from-plan re-plans heterogeneous plans; drop --layouts uniform")
             from .replan import replan
@@ -197,6 +204,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(doc, cost, full=args.full))
     return 0
+
+
+def homogeneous_result(cost: CostModel) -> PlanResult:
+    """``--homogeneous``: :func:`~.world.best_plan_for_world` over every GPU of the cluster, grids only."""
+    from .world import PlanConstraints, best_plan_for_world
+    best = best_plan_for_world(cost, PlanConstraints(homogeneous_only=True))
+    prov = best.provenance
+    stats = {"decision": "homogeneous: the best TP x PP x DP grid over every GPU (--homogeneous)",
+             "candidates": prov.candidates if prov is not None else 1}
+    return PlanResult(best, best, None, [best], (), stats, cost.cluster)
 
 
 def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_rows: int = 40) -> str:
