@@ -1,10 +1,11 @@
 """Collectives of the heterogeneous runtime: group creation in one order, split gradient all-reduce,
 global gradient norm and the global loss.
 
-The plans come from :mod:`elastor_ds.runtime.groups` (pure); this module only moves bytes:
+The plans come from :mod:`elastor_ds.runtime.groups` (pure); this module only moves bytes, through
+:mod:`elastor_ds.comm` (it imports no ``torch.distributed`` itself):
 
-* :func:`create_groups` calls ``torch.distributed.new_group`` for every group of the plan, in the
-  plan's order, on every rank (``new_group`` is collective over the world);
+* :func:`create_groups` (:func:`elastor_ds.comm.groups.create_groups`) creates every group of the
+  plan, in the plan's order, on every rank (group creation is collective over the world);
 * :class:`SplitAllReduce` packs this rank's cells of each holder set into one flat buffer (its
   gradient times ``weight`` if it contributes, zeros otherwise), all-reduces it (SUM) within exactly
   the holder set and unpacks: afterwards every holder of every cell has ``sum_p weight_p * g_p`` over
@@ -27,23 +28,14 @@ import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..comm.groups import create_groups, world_rank
+from ..comm.tensors import all_gather_into, all_reduce_sum, reduce_scatter_sum
 from .groups import Cell, ShardPart, split_reduce_bytes
 
 log = logging.getLogger(__name__)
 
-
-def create_groups(order: Sequence[Sequence[int]], backend: Optional[str] = None) -> dict[tuple[int, ...], Any]:
-    """Create every group of ``order`` (same order on every rank). Returns rank tuple -> group for
-    the groups this rank belongs to (others are created but not kept)."""
-    me = dist.get_rank()
-    out: dict[tuple[int, ...], Any] = {}
-    for ranks in order:
-        g = dist.new_group(ranks=list(ranks), backend=backend)
-        if me in ranks:
-            out[tuple(ranks)] = g
-    return out
+__all__ = ["HeteroZero1", "SplitAllReduce", "create_groups", "global_mean"]
 
 
 def _slices(region) -> tuple[slice, ...]:
@@ -63,7 +55,7 @@ def _owned_cells_sq(cells, grad_of: Callable[[str], Optional[torch.Tensor]]) -> 
 
 def _global_norm(sq: torch.Tensor) -> float:
     """L2 norm from every rank's partial sum of squares; collective over the world."""
-    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    all_reduce_sum(sq)
     return float(sq.sqrt())
 
 
@@ -78,7 +70,7 @@ class SplitAllReduce:
                 self.by_group.setdefault(c.holders, []).append(c)
         missing = [g for g in self.by_group if g not in groups]
         if missing:
-            raise RuntimeError(f"split all-reduce groups {missing[:4]} were not created on rank {dist.get_rank()}")
+            raise RuntimeError(f"split all-reduce groups {missing[:4]} were not created on rank {world_rank()}")
         self.groups = {g: groups[g] for g in self.by_group}
         self.bytes_sent = split_reduce_bytes(self.cells)
 
@@ -103,7 +95,7 @@ class SplitAllReduce:
                 if c.contributes and g is not None:
                     buf[pos:pos + k].view(c.region.sizes).copy_(g[_slices(c.local)]).mul_(weight)
                 pos += k
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.groups[holders])
+            all_reduce_sum(buf, self.groups[holders])
             pos = 0
             for c, g in zip(cells, grads):
                 k = c.region.numel
@@ -119,18 +111,8 @@ class SplitAllReduce:
 def global_mean(value: Optional[float], weight: float) -> float:
     """``sum over contributing ranks of weight * value`` over the world (``value=None``: contributes 0)."""
     t = torch.tensor([0.0 if value is None else float(value) * weight], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    all_reduce_sum(t)
     return float(t)
-
-
-def _gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
 class HeteroZero1:
@@ -144,7 +126,7 @@ class HeteroZero1:
         self.parts = list(parts)
         missing = [p.holders for p in self.parts if p.holders not in groups]
         if missing:
-            raise RuntimeError(f"ZeRO-1 groups {missing[:4]} were not created on rank {dist.get_rank()}")
+            raise RuntimeError(f"ZeRO-1 groups {missing[:4]} were not created on rank {world_rank()}")
         self.groups = {p.holders: groups[p.holders] for p in self.parts}
         sharded = {c.name for p in self.parts for c in p.cells}
         self.local_cells = [c for c in cells if not c.cross_replica]
@@ -190,7 +172,7 @@ class HeteroZero1:
         for p, sh in zip(self.parts, self.shards):
             buf = self._pack(p, grad_of, weight)
             out = torch.empty(p.chunk, dtype=buf.dtype, device=buf.device)
-            _reduce_scatter_single(out, buf, self.groups[p.holders])
+            reduce_scatter_sum(out, buf, self.groups[p.holders])
             sh.grad = out[:p.end - p.start].clone()
 
     def grad_norm(self, grad_of: Callable[[str], Optional[torch.Tensor]]) -> float:
@@ -214,7 +196,7 @@ class HeteroZero1:
                 mine = torch.zeros(p.chunk, dtype=torch.float32, device=sh.device)
                 mine[:p.end - p.start].copy_(sh.data)
                 out = torch.empty(len(p.holders) * p.chunk, dtype=torch.float32, device=sh.device)
-                _gather_single(out, mine, self.groups[p.holders])
+                all_gather_into(out, mine, self.groups[p.holders])
                 pos = 0
                 for c in p.cells:
                     k = c.region.numel

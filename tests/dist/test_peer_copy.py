@@ -248,7 +248,6 @@ def _liar_worker(rank, world, base, lie):
     protocol by hand and announces a file the manifest does not back. It posts its header and its
     data sends, and leaves without waiting for them (an attacker does not)."""
     import torch
-    import torch.distributed as dist
 
     from elastor_ds.checkpoint.snapshot import peer_copy as pc
     ppn = [2, 1]
@@ -269,10 +268,10 @@ def _liar_worker(rank, world, base, lie):
     if hasattr(pc, "file_mac"):   # the attacker adapts to the receiver's protocol version
         entry.append(pc.file_mac(cp.key, cp.origin, "step_000000005", entry[0], body))
     header = json.dumps({"origin": cp.origin, "step": "step_000000005", "seq": 1, "src": 1, "files": [entry]}).encode()
-    g = cp.group
-    dist.isend(torch.tensor([len(header)], dtype=torch.int64), 2, group=g, tag=1).wait()
-    dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), 2, group=g, tag=2).wait()
-    dist.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), 2, group=g, tag=16)   # not waited for
+    tr = cp.transport   # the copier's own transport, spoken by hand
+    tr.isend(torch.tensor([len(header)], dtype=torch.int64), 2, tag=1).wait()
+    tr.isend(header, 2, tag=2).wait()
+    tr.isend(body, 2, tag=16)   # not waited for
 
 
 @pytest.mark.timeout(120)

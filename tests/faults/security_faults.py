@@ -407,9 +407,9 @@ def _peer_rank(rank: int, base: str, store: str, secret: str, lie: str, timeout_
              "other-rank": ["data_00000.safetensors", len(other), zlib.crc32(other)]}[lie]
     entry.append(pc.file_mac(cp.key, cp.origin, "step_000000005", entry[0], body))
     header = json.dumps({"origin": cp.origin, "step": "step_000000005", "seq": 1, "src": 1, "files": [entry]}).encode()
-    dist.isend(torch.tensor([len(header)], dtype=torch.int64), 2, group=cp.group, tag=1).wait()
-    dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), 2, group=cp.group, tag=2).wait()
-    dist.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), 2, group=cp.group, tag=16)
+    cp.transport.isend(torch.tensor([len(header)], dtype=torch.int64), 2, tag=1).wait()
+    cp.transport.isend(header, 2, tag=2).wait()
+    cp.transport.isend(body, 2, tag=16)
     return 0
 
 

@@ -7,7 +7,7 @@
   peer copies held on this node, then the other live nodes' snapshot servers from
   ``ELASTOR_SNAPSHOT_PEERS``) between this node's memory and storage;
 - peer copies: with ``peer_copies >= 1`` and more than one node (``ELASTOR_PROCS_PER_NODE``),
-  creates the :class:`~elastor_ds.checkpoint.snapshot.peer_copy.PeerCopier` (one gloo group, every rank) and
+  creates the :class:`~elastor_ds.checkpoint.snapshot.peer_copy.PeerCopier` (one transport, every rank) and
   hooks it to the memory engine's commits: after each snapshot commits, this rank's files go to
   its ring partner in the background.
 """
@@ -18,6 +18,7 @@ import os
 from typing import Any, Optional
 
 from ...elastic.protocol import ENV_PROCS_PER_NODE, launch_context
+from ...comm.groups import world_rank, world_size
 from .peer_sources import node_sources
 from .peer_copy import PeerCopier, PeerFile
 
@@ -43,14 +44,12 @@ def _cross_node_sources(step_dir: str, _manifest: Any) -> list:
 
 def attach(checkpointer: Any, timeout_s: float = 600.0) -> Optional[PeerCopier]:
     """Collective. Returns the copier (None without peer copies)."""
-    import torch.distributed as dist
-
     mem = checkpointer.memory
     if mem is None:
         return None
     if _cross_node_sources not in checkpointer.extra_memory_sources:
         checkpointer.extra_memory_sources.append(_cross_node_sources)
-    ppn = procs_per_node(dist.get_world_size())
+    ppn = procs_per_node(world_size())
     copier = PeerCopier.create(ppn, mem.dir, int(mem.cfg.peer_copies), timeout_s)
     if copier is None:
         return None
@@ -61,6 +60,6 @@ def attach(checkpointer: Any, timeout_s: float = 600.0) -> Optional[PeerCopier]:
 
     mem.ckpt.after_commit.append(peer_copy)
     mem.peer_copier = copier
-    if dist.get_rank() == 0:
+    if world_rank() == 0:
         log.info("memory snapshots: peer copies to the next node in the ring (%d node(s): %s processes)", len(ppn), ppn)
     return copier

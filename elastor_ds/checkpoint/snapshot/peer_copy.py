@@ -4,7 +4,7 @@ After a memory snapshot commits, :meth:`PeerCopier.submit` (called on every rank
 snapshot, in the same order) opens this rank's files of that step at once (so a later retention
 that deletes them cannot pull them from under the copy) and hands them to a background thread,
 which runs one exchange of the ring plan (:func:`~elastor_ds.checkpoint.snapshot.peer_plan.plan_peer_copies`)
-on a dedicated gloo group:
+over a :class:`~elastor_ds.comm.transport.Transport` of the whole world (a dedicated gloo group today):
 
 1. every sender posts a JSON header (origin node id, step, files with sizes, CRC32 and a keyed
    digest under the job key, :func:`~elastor_ds.checkpoint.auth.file_mac`) to its receiver; every
@@ -28,12 +28,13 @@ Peer copies need the job key (``elastor run --job-secret-file``): without it on 
 none (decided collectively, logged).
 
 The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``).
-:meth:`create` makes the gloo group: it is collective, every rank calls it at the same point
-relative to its other ``new_group`` calls (see RUNTIME_FACTS.md: group creation order).
+:meth:`create` makes the transport: it is collective, every rank calls it at the same point
+relative to its other group creations (see RUNTIME_FACTS.md: group creation order). A transfer that
+fails or times out fails that copy (logged); a failed transport stays failed, so every later copy
+fails at once until the next launch.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -42,13 +43,15 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..auth import file_mac, job_key
 from ..commit import recycle_data_files
 from ..crc import crc32
 from ..paths import safe_join
 from .peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
+from ...comm.groups import world_rank, world_size
+from ...comm.transport import GlooTransport, Transport
 from ...errors import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -174,20 +177,24 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 class PeerCopier:
     """Runs the peer copies of one rank (see the module docstring)."""
 
-    def __init__(self, group, rank: int, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
+    def __init__(self, transport: Transport, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
                  peer_copies: int = 1, key: Optional[bytes] = None):
+        """``transport``: over the whole world (its ranks are the plan's global ranks)."""
         if not key:
             raise ValueError("peer copies need the job key (elastor run --job-secret-file)")
+        if tuple(transport.ranks) != tuple(range(sum(procs_per_node))):
+            raise CollectiveError(f"peer copy: the transport spans global ranks {list(transport.ranks)[:8]}, the plan "
+                                  f"needs the whole world of {sum(procs_per_node)} processes {list(procs_per_node)}")
         self.key = key
-        self.group = group
-        self.rank = rank
+        self.transport = transport
+        self.rank = transport.rank
         self.procs_per_node = list(procs_per_node)
         self.snapshot_dir = snapshot_dir
         self.origin = origin
         self.plan = plan_peer_copies(self.procs_per_node, peer_copies)
-        self.node = node_of_rank(self.procs_per_node, rank)
-        self.sends = [t for t in self.plan if t.src == rank]
-        self.recvs = [t for t in self.plan if t.dst == rank]
+        self.node = node_of_rank(self.procs_per_node, self.rank)
+        self.sends = [t for t in self.plan if t.src == self.rank]
+        self.recvs = [t for t in self.plan if t.dst == self.rank]
         self.seq = 0
         self.stats: list[PeerCopyStats] = []
         self._thread: Optional[threading.Thread] = None
@@ -196,40 +203,38 @@ class PeerCopier:
             raise ValueError(f"peer copy origin id {origin!r}: letters, digits, '_', '.', ':', '-' only")
 
     @staticmethod
-    def create(procs_per_node: Sequence[int], snapshot_dir: str, peer_copies: int = 1,
-               timeout_s: float = 600.0) -> Optional["PeerCopier"]:
-        """Collective on the default world: the group exists on every rank (or on none: one node or
-        ``peer_copies == 0`` returns None on every rank, logged once)."""
-        import torch.distributed as dist
-
+    def create(procs_per_node: Sequence[int], snapshot_dir: str, peer_copies: int = 1, timeout_s: float = 600.0,
+               make_transport: Optional[Callable[[float], Optional[Transport]]] = None) -> Optional["PeerCopier"]:
+        """Collective on the default world: the transport exists on every rank (or on none: one node or
+        ``peer_copies == 0`` returns None on every rank, logged once). ``make_transport(timeout_s)``:
+        a transport over the whole world (collective; default :class:`GlooTransport`)."""
         plan = plan_peer_copies(procs_per_node, peer_copies)
-        rank = dist.get_rank()
+        rank = world_rank()
         if not plan:
             if rank == 0:
                 log.info("memory snapshots: no peer copy (%s)", "one node" if len(procs_per_node) < 2 else
                          "peer_copies 0")
             return None
-        if sum(procs_per_node) != dist.get_world_size():
+        if sum(procs_per_node) != world_size():
             raise CollectiveError(f"peer copy: processes per node {list(procs_per_node)} do not add up to the world "
-                                  f"size {dist.get_world_size()}")
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+                                  f"size {world_size()}")
+        transport = (make_transport or (lambda t: GlooTransport.create(None, t)))(timeout_s)
+        if transport is None:
+            raise CollectiveError("peer copy: the transport over the whole world left this rank out")
         try:
             key = job_key()
         except Exception as e:  # noqa: BLE001 - a bad secret file: this rank has no key (agreed below)
             log.warning("peer copy: the job secret file is unusable here: %s", e)
             key = None
-        import torch
-        have = torch.tensor([1 if key else 0], dtype=torch.int32)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=group)
-        if not int(have.item()):
+        if not all(transport.all_gather_object(bool(key))):
             if rank == 0:
                 log.warning("memory snapshots: no peer copies: they need the job key on every node (elastor run "
                             "--job-secret-file FILE, the same file on every node); restores of a lost node read "
                             "storage")
-            dist.destroy_process_group(group)
+            transport.close()
             return None
         origin = origin_id(snapshot_dir)
-        return PeerCopier(group, rank, procs_per_node, snapshot_dir, origin, peer_copies, key)
+        return PeerCopier(transport, procs_per_node, snapshot_dir, origin, peer_copies, key)
 
     # ------------------------------------------------------------------ API
     def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = ()) -> PeerCopyStats:
@@ -297,9 +302,8 @@ class PeerCopier:
 
     def _exchange(self, st: PeerCopyStats, opened: Optional[list[_Open]], allowed: Optional[dict] = None) -> None:
         import torch
-        import torch.distributed as dist
 
-        g = self.group
+        tr = self.transport
         # 1. headers
         header = {"origin": self.origin, "step": st.step_name, "seq": st.seq, "src": self.rank,
                   "files": [[o.file.relpath, o.file.size, o.crc, self._mac(st.step_name, o)] for o in opened]
@@ -307,17 +311,17 @@ class PeerCopier:
         hbytes = json.dumps(header).encode()
         htensor = torch.frombuffer(bytearray(hbytes), dtype=torch.uint8)
         lens_out = torch.tensor([len(hbytes)], dtype=torch.int64)
-        works = [dist.isend(lens_out, t.dst, group=g, tag=_T_LEN) for t in self.sends]
+        works = [tr.isend(lens_out, t.dst, tag=_T_LEN) for t in self.sends]
         lens_in = [torch.zeros(1, dtype=torch.int64) for _ in self.recvs]
-        works += [dist.irecv(b, t.src, group=g, tag=_T_LEN) for b, t in zip(lens_in, self.recvs)]
+        works += [tr.irecv(b, t.src, tag=_T_LEN) for b, t in zip(lens_in, self.recvs)]
         for w in works:
             w.wait()
         for n, t in zip(lens_in, self.recvs):
             if not 0 < int(n) <= _MAX_HEADER:
                 raise CollectiveError(f"peer copy: header of {int(n)} bytes from rank {t.src}")
-        works = [dist.isend(htensor, t.dst, group=g, tag=_T_HDR) for t in self.sends]
+        works = [tr.isend(htensor, t.dst, tag=_T_HDR) for t in self.sends]
         hdrs_in = [torch.empty(int(n), dtype=torch.uint8) for n in lens_in]
-        works += [dist.irecv(b, t.src, group=g, tag=_T_HDR) for b, t in zip(hdrs_in, self.recvs)]
+        works += [tr.irecv(b, t.src, tag=_T_HDR) for b, t in zip(hdrs_in, self.recvs)]
         for w in works:
             w.wait()
         incoming = [_Incoming.parse(bytes(b.numpy()), t, self) for b, t in zip(hdrs_in, self.recvs)]
@@ -329,9 +333,9 @@ class PeerCopier:
         for t in self.sends:
             for k, o in enumerate(opened or []):
                 for a, b in _pieces(o.file.size):
-                    works.append(dist.isend(o.tensor[a:b], t.dst, group=g, tag=_T_DATA + k))
+                    works.append(tr.isend(o.tensor[a:b], t.dst, tag=_T_DATA + k))
         for inc in incoming:
-            works += inc.post(g)
+            works += inc.post(tr)
         for w in works:
             w.wait()
         st.bytes_sent = sum(o.file.size for o in (opened or [])) * len(self.sends)
@@ -463,9 +467,8 @@ class _Incoming:
                 self.files, self.ok = None, False
                 return
 
-    def post(self, g) -> list:
+    def post(self, tr: Transport) -> list:
         import torch
-        import torch.distributed as dist
 
         if self.files is None:
             return []
@@ -474,7 +477,7 @@ class _Incoming:
             for k, (rel, size, *_x) in enumerate(self.files):
                 scratch = torch.empty(min(size, _PIECE), dtype=torch.uint8)
                 for a, b in _pieces(size):
-                    works.append(dist.irecv(scratch[:b - a], self.t.src, group=g, tag=_T_DATA + k))
+                    works.append(tr.irecv(scratch[:b - a], self.t.src, tag=_T_DATA + k))
             self.bufs = []
             return works
         os.makedirs(self.dir, exist_ok=True)
@@ -498,7 +501,7 @@ class _Incoming:
             buf = torch.from_file(part, shared=True, size=size, dtype=torch.uint8) if size else None
             self.bufs.append((part, final, buf))
             for a, b in _pieces(size):
-                works.append(dist.irecv(buf[a:b], self.t.src, group=g, tag=_T_DATA + k))
+                works.append(tr.irecv(buf[a:b], self.t.src, tag=_T_DATA + k))
         return works
 
     def finish(self, key: bytes) -> int:
