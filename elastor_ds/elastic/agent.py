@@ -36,13 +36,13 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from torch.distributed.elastic.agent.server.api import (DEFAULT_ROLE, RunResult, WorkerSpec, WorkerState,
-                                                        _RoleInstanceInfo)
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from . import overrides
 from . import probe as probe_mod
 from ..checkpoint.snapshot.server import NodeSnapshots
 from .events import EventKind, EventLog
@@ -174,8 +174,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 
     def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
         workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
-        raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
-        self.procs_per_node = [_RoleInstanceInfo.deserialize(b).local_world_size for b in raw]
+        self.procs_per_node = overrides.local_world_sizes(store, group_world_size)
         self.snapshots.publish(store, group_rank, group_world_size)
         if self.beacon is not None:
             self.beacon.retarget(store, group_rank)
@@ -562,7 +561,7 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     book = DeviceBook(tuple(range(cfg.nproc_per_node)))
     agent = ElastorAgent(spec, cfg, events, book, logs)
     # the rendezvous's own store outlives rounds: the job's failure count lives there (c10d backend)
-    agent.ledger = FailureLedger(cfg.node_name, getattr(handler, "_store", None), handler.get_run_id())
+    agent.ledger = FailureLedger(cfg.node_name, overrides.rendezvous_store(handler), handler.get_run_id())
     if cfg.standby:
         agent.standby = StandbyPool(size=cfg.nproc_per_node, folder=os.path.join(cfg.log_dir, "standby"),
                                     preload=tuple(cfg.standby_preload), python=spec.entrypoint,

@@ -34,10 +34,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from . import overrides
 from .private import open_private, private_dir
 from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
 from .protocol import ENV_STANDBY_PRELOAD as ENV_PRELOAD
@@ -262,31 +262,28 @@ def _start_processes_from(pool: StandbyPool):
     """While active, ``LocalElasticAgent._start_workers`` builds a :class:`StandbyContext` where it
     would call ``start_processes`` (everything else it does, the worker environment included, is
     unchanged)."""
-    original = _lea.start_processes
+    def make(original):
+        def start_processes(name, entrypoint, args, envs, logs_specs, log_line_prefixes=None, start_method="spawn",
+                            numa_options=None, duplicate_stdout_filters=None, duplicate_stderr_filters=None, **_):
+            if not isinstance(entrypoint, str):
+                return original(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+                                log_line_prefixes=log_line_prefixes, start_method=start_method,
+                                numa_options=numa_options, duplicate_stdout_filters=duplicate_stdout_filters,
+                                duplicate_stderr_filters=duplicate_stderr_filters)
+            ctx = StandbyContext(pool, name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+                                 log_line_prefixes=log_line_prefixes, numa_options=numa_options,
+                                 duplicate_stdout_filters=duplicate_stdout_filters,
+                                 duplicate_stderr_filters=duplicate_stderr_filters)
+            try:
+                ctx.start()
+            except Exception:
+                ctx.close()
+                raise
+            return ctx
+        return start_processes
 
-    def start_processes(name, entrypoint, args, envs, logs_specs, log_line_prefixes=None, start_method="spawn",
-                        numa_options=None, duplicate_stdout_filters=None, duplicate_stderr_filters=None, **_):
-        if not isinstance(entrypoint, str):
-            return original(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
-                            log_line_prefixes=log_line_prefixes, start_method=start_method, numa_options=numa_options,
-                            duplicate_stdout_filters=duplicate_stdout_filters,
-                            duplicate_stderr_filters=duplicate_stderr_filters)
-        ctx = StandbyContext(pool, name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
-                             log_line_prefixes=log_line_prefixes, numa_options=numa_options,
-                             duplicate_stdout_filters=duplicate_stdout_filters,
-                             duplicate_stderr_filters=duplicate_stderr_filters)
-        try:
-            ctx.start()
-        except Exception:
-            ctx.close()
-            raise
-        return ctx
-
-    _lea.start_processes = start_processes
-    try:
+    with overrides.replaced_start_processes(make):
         yield
-    finally:
-        _lea.start_processes = original
 
 
 class StandbyAgentMixin:

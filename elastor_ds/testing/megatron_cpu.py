@@ -13,6 +13,8 @@ What it changes, and why (see ``/work/shared/design/ENV.md``):
    module-level ``torch`` is replaced by a proxy whose ``zeros/empty/ones/tensor`` map a CUDA
    device to CPU.
 
+Every patched symbol is a row of :mod:`elastor_ds.integrations.megatron.overrides`.
+
 How to drop it: run on a CUDA machine (:func:`apply` is a no-op when CUDA is available).
 Every patched symbol is checked first; when one moved :class:`MegatronShimError` names it, so a
 megatron-core upgrade fails loudly instead of silently running unpatched code.
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import ElastorError
+from ..integrations.megatron import overrides
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +116,15 @@ def apply(force: bool = False) -> bool:
     def set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
         torch.set_rng_state(new_state)
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
-    torch.cuda.set_rng_state = set_rng_state  # type: ignore[assignment]
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
-    rnd._get_cuda_rng_state = get_cuda_rng_state
-    rnd._set_cuda_rng_state = set_cuda_rng_state
-    sched.torch = _CpuTorchProxy()
+    for path, value in (("torch.cuda:current_device", lambda: "cpu"),
+                        ("torch.cuda:synchronize", lambda *a, **k: None),
+                        ("torch.cuda:get_rng_state", get_rng_state),
+                        ("torch.cuda:set_rng_state", set_rng_state),
+                        ("torch.cuda:manual_seed", lambda seed: torch.manual_seed(seed)),
+                        ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", get_cuda_rng_state),
+                        ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", set_cuda_rng_state),
+                        ("megatron.core.pipeline_parallel.schedules:torch", _CpuTorchProxy())):
+        overrides.patch(path, value)   # every patched symbol is a row of the Megatron overrides table
     _applied = True
     log.info("megatron-core %s CPU shims applied", version)
     return True

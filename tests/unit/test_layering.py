@@ -56,11 +56,12 @@ def test_only_comm_and_integrations_touch_distributed():
         # elastic/: the controller is built on torch.distributed.elastic (agent.py) and the workers'
         # stop agreement is one all-reduce (worker.py); standby.py plugs standby workers into its
         # agent's process start; store_main.py hosts the c10d rendezvous store (a TCPStore); etcd_rdzv.py
-        # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; its pure modules are
-        # checked above
+        # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; overrides.py lists (and
+        # patches) the torch elastic internals; its pure modules are checked above
         if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("runtime/hetero_comm.py", "checkpoint/snapshot/peer_copy.py", "checkpoint/snapshot/peer.py") or rel in ("demo.py", "deepspeed.py",
                                                                               "elastic/agent.py", "elastic/worker.py",
                                                                               "elastic/standby.py",
+                                                                              "elastic/overrides.py",
                                                                               "elastic/store_main.py",
                                                                               "elastic/etcd_rdzv.py"):
             continue

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ...errors import ConfigError
 from .compat import bound_collective_timeouts, check_version, disable_cpu_jit_ops, harden_optimizer_config
+from . import overrides
 from .config import ElastorConfig, split_ds_config
 from .runtime import ElastorCheckpointer, engine_layout
 
@@ -128,10 +129,10 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
     if rt is not None:
         from .hetero import HeteroPipelineEngine
-        engine.__class__ = _elastor_class(HeteroPipelineEngine)
+        overrides.reclass(engine, _elastor_class(HeteroPipelineEngine))
         engine.hetero_setup(rt, clip, int(ds_config["train_micro_batch_size_per_gpu"]) * rt.total_micro_batches)
     else:
-        engine.__class__ = _elastor_class(type(engine))
+        overrides.reclass(engine, _elastor_class(type(engine)))
     engine.elastor_config = ecfg
     engine.elastor = None
     _check_plan(engine, ecfg)

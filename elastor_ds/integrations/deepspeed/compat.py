@@ -1,8 +1,8 @@
 """DeepSpeed version check and CPU hardening (no just-in-time C++ op builds).
 
 elastor_ds reads a few DeepSpeed internals (ZeRO-1 flat-partition bookkeeping, the pipeline
-module's partition); this module checks the installed version once and says what to do when it
-is outside the tested range.
+module's partition; all listed in :mod:`.overrides`); this module checks the installed version once
+and says what to do when it is outside the tested range.
 """
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import re
 from typing import Any, Optional
 
 from ...errors import ConfigError
+from . import overrides
 
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (0, 16, 0)
-TESTED = "0.19.8"
+TESTED = next(p.version for p in overrides.PINS if p.dist == "deepspeed")  # the pin, one place
 _BELOW = (0, 21, 0)  # first version we have not read
 
 
@@ -60,10 +61,7 @@ def disable_cpu_jit_ops() -> None:
     Must run before ``deepspeed.init_distributed``."""
     if not on_cpu():
         return
-    import deepspeed.ops
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):
-        compatible["deepspeed_shm_comm"] = False
+    overrides.disable_op("deepspeed_shm_comm")
 
 
 def harden_optimizer_config(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -95,9 +93,6 @@ def bound_collective_timeouts(seconds: float):
     world group's timeout (or DeepSpeed passes one), remove this call; nothing else reads it."""
     from datetime import timedelta
 
-    import torch.distributed.distributed_c10d as c10d
     td = timedelta(seconds=seconds)
-    c10d.default_pg_timeout = td
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-        c10d.default_pg_nccl_timeout = td
+    overrides.bound_default_pg_timeouts(td)
     return td

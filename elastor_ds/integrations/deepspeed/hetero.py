@@ -51,6 +51,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from ...runtime.hetero_comm import HeteroZero1, SplitAllReduce, create_groups, global_mean
 from ...errors import ConfigError
 from ...layout import Layout
+from . import overrides
 from ...runtime import (creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan,
                          zero_partition)
 
@@ -273,27 +274,26 @@ class HeteroRuntime:
 
 def install_p2p() -> None:
     """Route DeepSpeed's pipeline p2p through the cross-width pairing when the grid is a HeteroGrid."""
-    from deepspeed.runtime.pipe import p2p
-    if getattr(p2p, "_elastor_hetero", False):
-        return
     import deepspeed.comm as dist
-    orig_send, orig_recv = p2p.send, p2p.recv
 
-    def send(tensor, dest_stage, async_op=False):
-        grid = p2p._grid
-        if not isinstance(grid, HeteroGrid):
-            return orig_send(tensor, dest_stage, async_op=async_op)
-        for r in grid.send_targets(dest_stage):
-            dist.send(tensor, r)
+    def wrap_send(orig_send):
+        def send(tensor, dest_stage, async_op=False):
+            grid = overrides.p2p_grid()
+            if not isinstance(grid, HeteroGrid):
+                return orig_send(tensor, dest_stage, async_op=async_op)
+            for r in grid.send_targets(dest_stage):
+                dist.send(tensor, r)
+        return send
 
-    def recv(tensor, src_stage, async_op=False):
-        grid = p2p._grid
-        if not isinstance(grid, HeteroGrid):
-            return orig_recv(tensor, src_stage, async_op=async_op)
-        return dist.recv(tensor, grid.recv_source(src_stage))
+    def wrap_recv(orig_recv):
+        def recv(tensor, src_stage, async_op=False):
+            grid = overrides.p2p_grid()
+            if not isinstance(grid, HeteroGrid):
+                return orig_recv(tensor, src_stage, async_op=async_op)
+            return dist.recv(tensor, grid.recv_source(src_stage))
+        return recv
 
-    p2p.send, p2p.recv = send, recv
-    p2p._elastor_hetero = True
+    overrides.wrap_p2p(wrap_send, wrap_recv)
 
 
 def prepare_config(ds_config: dict, rt: HeteroRuntime) -> tuple[dict, float]:
@@ -337,7 +337,7 @@ def _hetero_reduce_grads(self: "HeteroPipelineEngine") -> None:
         zero.reduce_scatter(rt.grad_of, rt.weight)  # each share's .grad: the global gradient of its elements
     else:
         rt.reducer.reduce(rt.grad_of, rt.weight)
-    PipelineEngine._exec_reduce_grads(self)
+    overrides.stock_reduce_grads(self)
     if zero is not None:  # ZeRO-1: the full gradients are not needed any more (the shares carry theirs)
         for n in zero.sharded_names:
             rt.params[n].grad = None
@@ -356,7 +356,7 @@ def _hetero_reduce_grads(self: "HeteroPipelineEngine") -> None:
 
 
 def _hetero_optimizer_step(self: "HeteroPipelineEngine", lr_kwargs: Any = None) -> None:
-    PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+    overrides.stock_optimizer_step(self, lr_kwargs)
     rt: HeteroRuntime = self.elastor_runtime
     if rt.zero is not None:
         rt.zero.all_gather(rt.data_of)  # the updated shares back into every holder's weights
@@ -366,8 +366,8 @@ class HeteroPipelineEngine(PipelineEngine):
     """DeepSpeed's PipelineEngine for one replica of a heterogeneous plan (see the module docstring).
     Instances are created by ``deepspeed.initialize`` as ``PipelineEngine`` and re-classed."""
 
-    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _hetero_reduce_grads,
-                        schedule.OptimizerStep: _hetero_optimizer_step}
+    _INSTRUCTION_MAP = overrides.instruction_map({schedule.ReduceGrads: _hetero_reduce_grads,
+                                                  schedule.OptimizerStep: _hetero_optimizer_step})
     elastor_runtime: HeteroRuntime
     elastor_clip: float = 0.0
     elastor_grad_norm: Optional[float] = None

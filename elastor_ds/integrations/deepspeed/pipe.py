@@ -19,6 +19,7 @@ from deepspeed.pipe import PipelineModule as _DSPipelineModule
 
 from ...errors import ConfigError, LayoutError
 from ...layout import Layout
+from . import overrides
 from .config import load_plan_document
 
 log = logging.getLogger(__name__)
@@ -99,17 +100,11 @@ class PipelineModule(_DSPipelineModule):
             raise ConfigError(f"a heterogeneous plan sets each replica's topology: pass plan= without topology/"
                               f"num_stages (this rank's replica has {len(rt.stages)} stages)")
         from deepspeed.pipe import TiedLayerSpec
-        from deepspeed.runtime.pipe import module as ds_module
         if any(isinstance(s, TiedLayerSpec) for s in layers):
             raise ConfigError("heterogeneous plans do not support tied layers (TiedLayerSpec) yet: untie them or use "
                               "a uniform plan")
-        grid = rt.make_grid()
-        orig = ds_module.PipelineParallelGrid
-        ds_module.PipelineParallelGrid = lambda *a, **k: grid  # PipelineModule.__init__ builds its grid by name
-        try:
+        with overrides.swapped_grid(rt.make_grid()):  # PipelineModule.__init__ builds its grid by name
             super().__init__(layers, topology=rt.topology, **kwargs)
-        finally:
-            ds_module.PipelineParallelGrid = orig
 
     def _partition_layers(self, method: str = "uniform") -> None:
         b = self._elastor_boundaries

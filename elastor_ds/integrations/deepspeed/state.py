@@ -36,6 +36,7 @@ import torch
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat, shards_from_pieces
 from ...errors import ConfigError
 from ...layout.region import Piece, Region
+from . import overrides
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def _cell_views(part: Any, shapes: dict, key: str, t: torch.Tensor) -> list[Tens
 
 
 def _is_zero(opt: Any) -> bool:
-    return hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "round_robin_bit16_groups")
+    return overrides.is_zero_optimizer(opt)
 
 
 def base_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -141,18 +142,17 @@ def _groups(engine: Any) -> list[_Group]:
             out.append(grp)
     elif _is_zero(opt):
         import deepspeed.comm as dist
-        offsets_attr = getattr(opt, "round_robin_bit16_offsets", None)
-        for i, flat in enumerate(opt.single_partition_of_fp32_groups):
-            params = opt.round_robin_bit16_groups[i]
-            if offsets_attr is not None:
-                offsets = list(offsets_attr[i])
+        for i, zg in enumerate(overrides.zero_flat_groups(opt)):
+            flat, params = zg.flat, zg.params
+            if zg.offsets is not None:
+                offsets = zg.offsets
             else:  # older DeepSpeed: params packed back to back
                 offsets, pos = [], 0
                 for p in params:
                     offsets.append(pos)
                     pos += p.numel()
-            pid = dist.get_rank(group=opt.real_dp_process_group[i])
-            psize = int(opt.partition_size[i])
+            pid = dist.get_rank(group=zg.dp_group)
+            psize = zg.partition_size
             if flat.numel() != psize:
                 raise ConfigError(f"ZeRO group {i}: fp32 partition has {flat.numel()} elements but partition_size is "
                                   f"{psize}; this DeepSpeed version's ZeRO layout is not supported")
@@ -207,13 +207,14 @@ def state_fingerprint(engine: Any) -> tuple:
     memory (a shard's view keeps its storage alive, so a replaced tensor cannot reuse its address)."""
     key: list = [id(engine.module), id(engine.optimizer), id(getattr(engine, "elastor_zero", None))]
     seen: set[int] = set()
-    for m in _submodules(engine.module):   # what module.parameters()/buffers() visit, without their recursion
-        for p in m._parameters.values():
+    own = [overrides.own_tensors(m) for m in _submodules(engine.module)]
+    for params, _ in own:   # what module.parameters()/buffers() visit, without their recursion
+        for p in params.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 key.append((id(p), _tensor_key(p.data)))
-    for m in _submodules(engine.module):
-        for b in m._buffers.values():
+    for _, buffers in own:
+        for b in buffers.values():
             if b is not None and b.is_floating_point() and id(b) not in seen:
                 seen.add(id(b))
                 key.append((id(b), _tensor_key(b)))

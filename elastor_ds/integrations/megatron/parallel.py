@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from ...errors import LayoutError
 from ...layout import Layout
+from . import overrides
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,7 @@ def use_stage_tp_group(group: Any, ranks: Any, seed: Optional[int] = None) -> No
         raise LayoutError(f"rank {me} is not in the stage TP group {ranks}")
     if not ps.model_parallel_is_initialized():
         raise LayoutError("call megatron's parallel_state.initialize_model_parallel(1, 1) before use_stage_tp_group")
-    ps._TENSOR_MODEL_PARALLEL_GROUP = group
-    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = ranks
-    ps.set_tensor_model_parallel_world_size(len(ranks))
-    ps.set_tensor_model_parallel_rank(ranks.index(me))
+    overrides.set_tensor_parallel_group(group, ranks, ranks.index(me))
     if seed is not None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
