@@ -2,9 +2,14 @@
 # End to end: Megatron-LM's own pretrain_gpt.py with the elastor patches trains, saves and resumes
 # under new layouts (uninterrupted vs resume at the same layout, TP2, uneven PP2 from a plan,
 # TP2 x PP2 from a plan, --no-load-optim / --finetune, a stock-checkpoint --load directory, bf16,
-# the distributed optimizer). Results: WORKDIR/summary.json and one PASS/FAIL line per check.
+# the distributed optimizer) and runs under `elastor run --nproc-per-node 4 --on-failure shrink`
+# (a SIGKILLed worker: relaunch on 3, re-plan, restore, losses reproduce; SIGTERM: the current
+# iteration saved durably, exit 0). Results: WORKDIR/summary.json and one PASS/FAIL line per check.
 #
-# usage: scripts/megatron_lm_e2e.sh MEGATRON_LM_DIR [--gpu] [--only fp32,stock,bf16,distopt,distopt_bf16,fp16] [--workdir DIR]
+# usage: scripts/megatron_lm_e2e.sh MEGATRON_LM_DIR [--gpu] [--only LIST] [--workdir DIR]
+#   --only LIST      comma-separated cases (default: all): fp32, stock, bf16, distopt, distopt_bf16,
+#                    fp16, elastic_kill, elastic_sigterm, elastic_memory (the elastic_* cases: CPU only;
+#                    elastic_memory once the hooks have --elastor-memory-snapshot-* flags)
 #   MEGATRON_LM_DIR  a Megatron-LM checkout at tag core_v0.16.1 (this script never downloads it);
 #                    the patches are applied to it (patches/apply.sh; a no-op when already applied)
 #   --gpu            run on GPUs (nccl, --bf16 --use-distributed-optimizer, stock pretrain_gpt.py,
@@ -22,7 +27,7 @@ while [ $# -gt 0 ]; do
     --gpu) gpu=(--gpu); shift ;;
     --only) only=(--only "$2"); shift 2 ;;
     --workdir) work=$2; shift 2 ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     -*) echo "megatron_lm_e2e.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$mlm" ] || { echo "megatron_lm_e2e.sh: one MEGATRON_LM_DIR only" >&2; exit 2; }; mlm=$1; shift ;;
   esac

@@ -26,6 +26,12 @@ Shims (each target is checked first; a missing one raises :class:`MegatronShimEr
    parameter types and allocates its buffers with ``torch.cuda.current_device()``; the proxy covers
    the allocations and ``Tensor.type()`` is answered as ``torch.cuda.<X>Tensor`` for CPU tensors
    while ``MEGATRON_CPU_CUDA_TYPE=1`` (set by this runner for those flags).
+
+Fault injection for the ``elastor run`` end-to-end cases (:func:`install_fault`):
+``ELASTOR_MLM_FAULT=iteration-N:RANK`` SIGKILLs global rank RANK as it starts 1-based iteration N
+(its peers are already inside it), in the first launch of an ``elastor run`` job only
+(``ELASTOR_ROUND`` 0), after its in-flight elastor save committed: a real kill at a point a signal
+from outside cannot hit reliably.
 """
 from __future__ import annotations
 
@@ -214,6 +220,35 @@ def install(cuda_types: bool = False) -> None:
         _cuda_type_shim()
 
 
+def install_fault(spec: str) -> None:
+    """``iteration-N:RANK`` (see the module docstring): wrap Megatron-LM's ``train_step`` so that
+    global rank RANK kills itself (SIGKILL) when called for 1-based iteration N. Empty: nothing."""
+    if not spec or os.environ.get("ELASTOR_ROUND", "0") != "0":
+        return
+    point, _, who = spec.partition(":")
+    if not point.startswith("iteration-") or not point[len("iteration-"):].isdigit() or not who.isdigit():
+        raise ValueError(f"ELASTOR_MLM_FAULT={spec!r}: expected iteration-N:RANK, e.g. iteration-8:3")
+    at, rank = int(point[len("iteration-"):]), int(who)
+    training = importlib.import_module("megatron.training.training")
+    orig = _need(training, "train_step")
+
+    def train_step(*a: Any, iteration: Any = None, **k: Any) -> Any:
+        import signal
+
+        import torch.distributed as dist
+
+        if iteration is not None and int(iteration) + 1 == at and dist.get_rank() == rank:
+            from elastor_ds.integrations.megatron import training_hooks
+
+            training_hooks.finalize()   # the last save is committed: the relaunch resumes from it
+            sys.stderr.write(f"injected fault: SIGKILL of rank {rank} at iteration {at}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*a, iteration=iteration, **k)
+
+    training.train_step = train_step  # type: ignore[attr-defined]
+
+
 def main(argv: list[str]) -> None:
     if "--megatron-lm" in argv:
         i = argv.index("--megatron-lm")
@@ -230,6 +265,7 @@ def main(argv: list[str]) -> None:
         sys.path.insert(0, mlm)
     os.environ.setdefault("PYENV_VERSION", "%d.%d.%d" % sys.version_info[:3])
     install(cuda_types=any(f in argv for f in ("--bf16", "--fp16", "--use-distributed-optimizer")))
+    install_fault(os.environ.get("ELASTOR_MLM_FAULT", ""))
     sys.argv = [script] + argv
     runpy.run_path(script, run_name="__main__")
 

@@ -3,6 +3,8 @@ resumes under new layouts (CPU through ``cpu_pretrain_gpt.py``, or a GPU with ``
 
 usage: python examples/megatron_lm/e2e.py MEGATRON_LM_DIR WORKDIR [--gpu] [--only NAME,...]
 (run by ``scripts/megatron_lm_e2e.sh``, which applies the patches and installs the extras first).
+Names: fp32, stock, bf16, distopt, distopt_bf16, fp16, and the ``elastor run`` cases (CPU only,
+``elastic_cases.py``): elastic_kill, elastic_sigterm, elastic_memory.
 
 Every scenario is a real launch (torchrun, one process per rank). Oracles: the uninterrupted run's
 logged losses (Megatron's own log lines), and consolidated checkpoints compared tensor by tensor
@@ -211,6 +213,7 @@ class E2E:
             steps.append(("distopt_bf16", self.seq_distopt_bf16))
         if want("fp16") and not self.gpu:
             steps.append(("fp16", self.seq_fp16))
+        steps += self.elastic_steps(want)
         for name, fn in steps:
             print(f"== {name}", flush=True)
             try:
@@ -222,6 +225,23 @@ class E2E:
         with open(os.path.join(self.work, "summary.json"), "w") as f:
             json.dump({"results": self.results, "commands": self.commands, "losses": self.losses}, f, indent=1)
         return n_ok == len(self.results) and bool(self.results)
+
+    def elastic_steps(self, want) -> list:  # noqa: ANN001
+        """The ``elastor run`` cases (CPU: the fault is injected through the CPU runner)."""
+        if self.gpu:
+            return []
+        from elastic_cases import ElasticCases, hooks_have_memory_flags
+
+        cases = ElasticCases(self, MODEL, CPU, RUNNER, REPO, Failed)
+        steps = [(n, fn) for n, fn in (("elastic_kill", cases.case_kill), ("elastic_sigterm", cases.case_sigterm))
+                 if want(n)]
+        if want("elastic_memory"):
+            if hooks_have_memory_flags():
+                steps.append(("elastic_memory", cases.case_memory))
+            else:
+                print("SKIP elastic_memory: the Megatron hooks have no --elastor-memory-snapshot-* flags yet",
+                      flush=True)
+        return steps
 
     def seq_fp32(self) -> None:
         """fp32, Megatron's FP32Optimizer (CPU); on a GPU this is the bf16 + distributed optimizer run."""
@@ -394,7 +414,8 @@ def main() -> int:
     ap.add_argument("megatron_lm")
     ap.add_argument("workdir")
     ap.add_argument("--gpu", action="store_true", help="run on GPUs (nccl, --bf16 --use-distributed-optimizer)")
-    ap.add_argument("--only", default=None, help="comma-separated: fp32,stock,bf16,distopt,distopt_bf16,fp16")
+    ap.add_argument("--only", default=None, help="comma-separated: fp32,stock,bf16,distopt,distopt_bf16,fp16,"
+                                                 "elastic_kill,elastic_sigterm,elastic_memory")
     a = ap.parse_args()
     sys.path.insert(0, REPO)
     if a.gpu:
