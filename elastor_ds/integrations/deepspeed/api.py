@@ -6,7 +6,7 @@
 3. Give the returned engine elastor behaviour: its class becomes a subclass of its own class
    (``ElastorPipelineEngine`` for a ``PipelineEngine``) whose ``train_batch``/``step`` save when the
    policy says so and whose ``save_checkpoint`` also writes an elastor checkpoint. The engine is
-   still an instance of the DeepSpeed class; ``engine.elastor`` is the :class:`ElastorCheckpointer`.
+   still an instance of the DeepSpeed class; ``engine.elastor`` is its :class:`~elastor_ds.checkpoint.session.CheckpointSession`.
 4. Check the plan (if any) against the module's stage boundaries; with ``"load"`` set, resume.
 
 Returns what ``deepspeed.initialize`` returns.
@@ -20,6 +20,7 @@ from ...errors import ConfigError
 from .compat import bound_collective_timeouts, check_version, disable_cpu_jit_ops, harden_optimizer_config
 from . import overrides
 from .config import ElastorConfig, split_ds_config
+from ...checkpoint.session import CheckpointSession
 from .runtime import ElastorCheckpointer, engine_layout
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 class ElastorEngineMixin:
     """Hooks layered over a DeepSpeed engine class (kept as small as possible)."""
 
-    elastor: Optional[ElastorCheckpointer]
+    elastor: Optional[CheckpointSession]
     elastor_config: ElastorConfig
 
     def train_batch(self, *args: Any, **kwargs: Any):  # PipelineEngine
@@ -51,12 +52,13 @@ class ElastorEngineMixin:
             ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,  # type: ignore[misc]
                                          save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         if ec is not None and ec.cfg.on_save_checkpoint:
-            ec.save(client_state=dict(client_state or {}))
+            ec.state.client_state = dict(client_state or {})
+            ec.save()
         return ok
 
     def elastor_client_state(self) -> dict[str, Any]:
         """The client state of the checkpoint resumed from (empty when none)."""
-        return dict(self.elastor.client_state) if self.elastor is not None else {}
+        return dict(self.elastor.state.client_state) if self.elastor is not None else {}
 
 
 _CLASSES: dict[type, type] = {}

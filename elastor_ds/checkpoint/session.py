@@ -1,0 +1,333 @@
+"""One checkpoint session per training job, whatever the trainer: when to save, where the bytes go,
+where a restart reads them from.
+
+A :class:`CheckpointSession` owns, for one trainer (DeepSpeed's engine, Megatron-LM's own loop, ...):
+
+- the save policy (:class:`~.settings.CheckpointConfig`: interval in steps and seconds, async,
+  keep; ``maybe_save`` after every optimizer step; ``save`` for an explicit or preemption save);
+- the storage engine (:class:`~.engine.CheckpointEngine` over ``cfg.dir``) and the memory tier
+  (:class:`~.snapshot.tier.MemoryTier`: snapshots in the node's memory, their peer copies);
+- the device fence (CUDA: a snapshot's device-to-host copies overlap the next forward/backward and
+  finish before the next optimizer step);
+- the restore chain: the newest committed step across memory and storage wins (memory on a tie);
+  a memory restore reads this node's memory, then the registered sources (peer copies, other
+  nodes' snapshot servers), then storage's identical files of the same step, every byte
+  CRC-checked; a snapshot that fails on any rank falls back to storage. A ``restore`` record
+  (tier, step, bytes per source, seconds) goes to the job's events file.
+
+What the trainer gives is a :class:`TrainerState` (a small protocol): its step, its layout, its
+shards and JSON state for a save, its shards for a given manifest, and how to take back its JSON
+state after a load. The DeepSpeed adapter (:mod:`elastor_ds.integrations.deepspeed.runtime`) and the
+Megatron-LM hooks (:mod:`elastor_ds.integrations.megatron.training_hooks`) are such states.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+from ..comm import TorchComm
+from ..errors import CheckpointError, ConfigError, IncompleteCheckpointError, RanksFailedError
+from ..layout import Layout
+from . import commit as commit_mod
+from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, SaveStats, VerifyMode
+from .planning.manifest import Manifest
+from .settings import CheckpointConfig, MemorySnapshotConfig, save_due
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Collected", "TrainerState", "CheckpointSession", "check_roots_apart"]
+
+
+@dataclass
+class Collected:
+    """What one save writes for this rank: its shards, the job's JSON state (identical on every
+    rank), this rank's own JSON state (e.g. RNG), and a description of the model."""
+    shards: list
+    extra: dict[str, Any]
+    rank_state: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class TrainerState(Protocol):
+    """The trainer's side of a :class:`CheckpointSession`."""
+
+    def step(self) -> int:
+        """The optimizer step just completed (the step a save now would carry)."""
+
+    def layout(self) -> Layout:
+        """The layout this process group runs (a heterogeneous plan's layout as is)."""
+
+    def collect(self) -> Collected:
+        """The shards and JSON state of a save (called on every rank, same point)."""
+
+    def shards_for(self, manifest: Manifest) -> list:
+        """This rank's shards to fill for the checkpoint about to be loaded (no collectives)."""
+
+    def restore(self, result: LoadResult, same_layout: bool) -> None:
+        """Take back the JSON state of a loaded checkpoint; ``same_layout``: RNG states may come back."""
+
+    def snapshot_bytes(self, comm: Any) -> int:
+        """Collective: bytes this rank writes per snapshot, estimated before the optimizer has state."""
+
+    def fence_optimizer(self) -> Any:
+        """The optimizer whose ``register_step_pre_hook`` orders device copies before the next step,
+        or None (no CUDA parameters / no hooks: snapshots then wait for their copies)."""
+
+
+def check_roots_apart(storage: str, snapshots: str) -> None:
+    """Storage and the memory snapshots each own their root: retention and the commit protocol of
+    one would delete or rename the other's steps when one root lies inside the other."""
+    from .paths import overlap
+    if overlap(storage, snapshots):
+        raise ConfigError(f"the checkpoint directory {os.path.abspath(storage)} and the memory-snapshot directory "
+                          f"{os.path.abspath(snapshots)} overlap (one holds the other); give them separate "
+                          f"directories, e.g. --save on shared storage and --snapshot-dir on /dev/shm")
+
+
+class CheckpointSession:
+    """Collective constructor: every rank of the job, same point."""
+
+    def __init__(self, state: TrainerState, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None,
+                 *, comm: Any = None, policy_comm: Any = None, memory_comm: Any = None, cross_node: bool = True):
+        self.state = state
+        self.cfg = cfg
+        self.comm = comm if comm is not None else TorchComm.create(cfg.timeout_s)
+        # main-thread agreement (policy, load) gets its own group: the background writer runs
+        # collectives on ``self.comm`` and two threads must never interleave collectives on one group
+        self.policy_comm = policy_comm if policy_comm is not None else TorchComm.create(cfg.timeout_s)
+        self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save)
+        self.last_save_step: Optional[int] = None
+        self.last_save_time = time.monotonic()
+        self.stats: list[SaveStats] = []
+        self.loaded: Optional[LoadResult] = None
+        self.last_collect_s = 0.0
+        self.last_hook_s = 0.0   # wall time of the last save/snapshot on the training thread (collect .. stall)
+        self.restore: Optional[dict[str, Any]] = None   # where the resumed bytes came from
+        # sources consulted between this node's memory and storage on a memory restore (peer copies,
+        # other nodes' servers): fn(step_dir, manifest) -> [ChunkSource, ...]
+        self.extra_memory_sources: list[Callable[[str, Manifest], list]] = []
+        self.memory = None
+        if memory is not None:
+            from .snapshot.tier import MemoryTier, node_dir
+            check_roots_apart(cfg.dir, node_dir(memory))
+            self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else TorchComm.create(cfg.timeout_s))
+            self.memory.check_budget(state.snapshot_bytes(self.policy_comm), self.policy_comm, estimated=True)
+            if cross_node:
+                from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
+                attach(self, cfg.timeout_s)
+        self.device_fence = self._install_device_fence()
+
+    @property
+    def layout(self) -> Layout:
+        return self.state.layout()
+
+    def _install_device_fence(self) -> bool:
+        opt = self.state.fence_optimizer()
+        if opt is None or not hasattr(opt, "register_step_pre_hook"):
+            return False
+        engines = [self.ckpt] + ([self.memory.ckpt] if self.memory is not None else [])
+
+        def fence(*_args: Any) -> None:
+            for e in engines:
+                e.fence()
+        opt.register_step_pre_hook(fence)
+        for e in engines:
+            e.defer_device_copies = True
+        return True
+
+    # ---------------------------------------------------------------- save
+    def maybe_save(self) -> Optional[SaveStats]:
+        """After an optimizer step: a storage save when the policy says so (identical decision on
+        every rank), a memory snapshot when one is due."""
+        cfg = self.cfg
+        step = int(self.state.step())
+        due = save_due(cfg, step, self.last_save_step, time.monotonic() - self.last_save_time, self.ckpt.local_idle())
+        if cfg.min_interval_s > 0 and cfg.periodic and step != self.last_save_step:
+            due = all(self.policy_comm.all_gather_object(due))  # clocks differ per rank: agree
+        mem = self.memory
+        mem_due = mem is not None and mem.due(step)
+        if not due and not mem_due:
+            return None
+        t0 = time.perf_counter()
+        got = self._collect()
+        stats = self.save(collected=got) if due else None
+        if mem_due:
+            assert mem is not None
+            ms = mem.save(step, got.shards, self.policy_comm, extra=got.extra, rank_state=got.rank_state,
+                          model=got.model, layout=self.layout.to_json())
+            stats = stats or ms
+        self.last_hook_s = time.perf_counter() - t0
+        return stats
+
+    def _collect(self) -> Collected:
+        t0 = time.perf_counter()
+        got = self.state.collect()
+        self.last_collect_s = time.perf_counter() - t0
+        return got
+
+    def save(self, collected: Optional[Collected] = None) -> SaveStats:
+        """Collective: save the current step to storage now (asynchronously when configured)."""
+        got = collected or self._collect()
+        step = int(self.state.step())
+        stats = self.ckpt.save(step, got.shards, extra=got.extra, rank_state=got.rank_state, model=got.model,
+                               layout=self.layout.to_json())
+        self.last_save_step = step
+        self.last_save_time = time.monotonic()
+        self.stats.append(stats)
+        if self.comm.rank == 0:
+            log.info("elastor save of step %d: stall %.1f ms (%d bytes on rank 0)", step, stats.stall_s * 1e3,
+                     stats.bytes_written)
+        return stats
+
+    def save_final(self) -> Optional[SaveStats]:
+        """Collective: make the current step durable in storage (end of run, preemption), unless
+        storage already holds it; waits for the write. A step restored from memory is not saved
+        until storage holds it (see :meth:`resumed`)."""
+        stats = None
+        if self.last_save_step != int(self.state.step()):
+            stats = self.save()
+        self.wait()
+        return stats
+
+    def wait(self) -> Optional[SaveStats]:
+        if self.memory is not None:
+            self.memory.ckpt.wait()
+        return self.ckpt.wait()
+
+    def finalize(self) -> Optional[SaveStats]:
+        if self.memory is not None:
+            self.memory.ckpt.finalize()
+            if self.memory.peer_copier is not None:   # the last snapshot's copy (snapshot.peer.attach)
+                self.memory.peer_copier.close()
+        return self.ckpt.finalize()
+
+    # ---------------------------------------------------------------- load
+    def resolve(self, load: str) -> Optional[str]:
+        """The root or step dir to load for ``load`` (``latest``/a path), or None when there is nothing yet."""
+        if load == "none":
+            return None
+        if load != "latest":
+            return os.path.abspath(load)
+        root = os.path.abspath(self.cfg.dir)
+        if not os.path.isdir(root) or (commit_mod.read_latest(root) is None and not commit_mod.list_committed(root)):
+            return None
+        return root
+
+    def load(self, path: Optional[str] = None) -> Optional[LoadResult]:
+        """Collective: restore ``path`` (default ``cfg.load``); for ``latest`` with memory snapshots,
+        the newest step across memory and storage. None when there is nothing to load."""
+        want = path or self.cfg.load
+        step_dir = self.resolve(want)
+        if self.memory is not None and want == "latest":
+            res = self.load_memory(step_dir)
+            if res is not None:
+                return res
+        agreed = self.policy_comm.all_gather_object(step_dir is not None)
+        if not any(agreed):
+            log.info("no elastor checkpoint under %s: starting fresh", self.cfg.dir)
+            return None
+        if not all(agreed):
+            raise IncompleteCheckpointError(f"some ranks see a checkpoint under {self.cfg.dir} and others do not: "
+                                            f"the directory must be on storage shared by every rank")
+        assert step_dir is not None
+        return self.load_storage(step_dir)
+
+    def load_storage(self, step_dir: str, *, fallback: Optional[bool] = None, strict: bool = True) -> LoadResult:
+        """Collective: load ``step_dir`` (a root: its newest committed step) from storage."""
+        res = self.ckpt.load(step_dir, self.state.shards_for,
+                             verify_checksums=VerifyMode.CHUNKS if self.cfg.verify_on_load else VerifyMode.NONE,
+                             fallback=self.cfg.fallback_to_previous if fallback is None else fallback, strict=strict)
+        return self.resumed(res, "storage", durable_step=res.step)
+
+    def resumed(self, res: LoadResult, tier: str, durable_step: Optional[int]) -> LoadResult:
+        """Bookkeeping after a load. ``durable_step`` is the newest step storage holds (the loaded
+        step for a storage load; for a memory restore storage's newest, which may be older): a step
+        restored from memory is not saved until storage holds it, so the end-of-run and stop-point
+        saves write it again (a relaunch that restored the final step from memory must not exit
+        with storage one interval behind)."""
+        layout = self.layout
+        saved = res.manifest.layout
+        same = saved is not None and Layout.from_json(saved).fingerprint() == layout.fingerprint()
+        self.state.restore(res, same)
+        if not same and self.comm.rank == 0:
+            log.info("layout changed (%s -> %s): RNG states start fresh",
+                     Layout.from_json(saved).describe() if saved else "?", layout.describe())
+        self.loaded = res
+        self.last_save_step = durable_step
+        if self.memory is not None:
+            self.memory.last_step = res.step
+        rows = self.policy_comm.all_gather_object((res.bytes_by_source, res.seconds))
+        total: dict[str, int] = {}
+        for by, _ in rows:
+            for k, v in by.items():
+                total[k] = total.get(k, 0) + int(v)
+        self.restore = {"step": res.step, "tier": tier, "step_dir": res.step_dir, "bytes": total,
+                        "durable_step": durable_step,
+                        "seconds": max(sec for _, sec in rows), "layout": layout.describe(),
+                        "fell_back": bool(res.fell_back)}
+        if self.comm.rank == 0:
+            from .snapshot.tier import report_restore
+            log.info("resumed from %s (step %d, %s) under %s in %.2f s; bytes per source: %s", res.step_dir, res.step,
+                     tier, layout.describe(), self.restore["seconds"],
+                     ", ".join(f"{k} {v}" for k, v in sorted(total.items())) or "none")
+            report_restore(0, self.restore)
+        return res
+
+    def load_memory(self, storage_root: Optional[str]) -> Optional[LoadResult]:
+        """Collective. Restore from the memory snapshots when their newest committed step is at
+        least storage's and every rank's node holds it; None (nothing loaded) otherwise or when the
+        snapshot fails its checks on any rank (logged; the caller then loads storage)."""
+        from .sources import LOCAL_MEMORY, DirSource, registered_sources, storage_source_for
+        mem = self.memory
+        if mem is None:
+            return None
+        mstep, mdir = mem.newest_local_step()
+        sdir = None
+        if storage_root is not None:
+            try:
+                sdir = commit_mod.resolve(storage_root)
+            except CheckpointError:
+                sdir = None
+        sstep = commit_mod.step_of(os.path.basename(sdir)) if sdir else None
+        rows = self.policy_comm.all_gather_object((mstep, sstep))
+        msteps = {r[0] for r in rows}
+        best_storage = max((r[1] for r in rows if r[1] is not None), default=-1)
+        if len(msteps) != 1 or mstep is None or mstep < best_storage:
+            if self.comm.rank == 0 and any(r[0] is not None for r in rows):
+                log.info("memory snapshots not used: steps per rank %s, storage step %s", sorted(
+                    {r[0] for r in rows}, key=lambda x: -1 if x is None else x), best_storage)
+            return None
+        assert mdir is not None
+
+        def sources(step_dir: str, man: Manifest) -> list:
+            out = [DirSource(step_dir, LOCAL_MEMORY)]
+            for fn in self.extra_memory_sources:
+                out.extend(fn(step_dir, man) or [])
+            out.extend(registered_sources(step_dir, man))
+            if sdir is not None and sstep == man.step:
+                try:
+                    smt = commit_mod.read_manifest(sdir)
+                except CheckpointError as e:
+                    log.warning("storage checkpoint %s cannot back the memory snapshot: %s", sdir, e)
+                    smt = None
+                st_src = storage_source_for(sdir, man, smt)
+                if st_src is not None:
+                    out.append(st_src)
+            return out
+        try:
+            res = mem.ckpt.load(mdir, self.state.shards_for, verify_checksums=VerifyMode.CHUNKS, fallback=False,
+                                sources=sources)
+        except RanksFailedError as e:
+            if not e.all_are(*DATA_ERRORS):
+                raise
+            if self.comm.rank == 0:
+                log.error("memory snapshot of step %s is unusable (%s); restoring from storage instead", mstep, e)
+            return None
+        # storage's newest step on every rank (shared storage: the same); the restored step counts
+        # as saved only when storage holds it too
+        durable = best_storage if best_storage >= 0 else None
+        return self.resumed(res, "memory", durable_step=durable)
