@@ -121,13 +121,22 @@ def test_listed_symbol_exists_with_recorded_parameters(row):
             f"the row and the code at {', '.join(row.where)}")
         return
     obj = resolve(row.path)
-    if row.kind in (Kind.CALL, Kind.WRAP, Kind.OVERRIDE) and callable(obj):
+    if row.kind in (Kind.CALL, Kind.WRAP, Kind.OVERRIDE) and callable(obj) and _has_signature(obj):
         assert row.params is not None, f"{row.path} ({row.kind.value}) records no parameter names"
     if row.params is not None:
         got = parameter_names(obj)
         assert got == row.params, (f"{row.path}: parameters are ({got}), the overrides table records ({row.params}); "
                                    f"re-check the code at {', '.join(row.where)} against the new signature, then "
                                    f"update the row")
+
+
+def _has_signature(obj: Any) -> bool:
+    """False for C functions without a Python signature (e.g. ``torch.Tensor.type``)."""
+    try:
+        inspect.signature(obj)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _def_params(fn: ast.FunctionDef) -> str:
@@ -157,9 +166,37 @@ def test_megatron_lm_rows(row):
     src = pathlib.Path(mlm, *row.module.split(".")).with_suffix(".py")
     tree = ast.parse(src.read_text())
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == row.name]
+    if row.params is None:   # a module global: bound at the top level (def, class, import or assignment)
+        assert row.name in _top_level_names(tree), f"{row.path}: {row.name} is not bound at the top of {src}"
+        return
     assert defs, f"{row.path}: no top-level def {row.name} in {src}: the patch point moved"
     assert _def_params(defs[0]) == row.params, (f"{row.path}: parameters are ({_def_params(defs[0])}) in {src}, the "
                                                 f"table records ({row.params}); re-check {', '.join(row.where)}")
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    out: set[str] = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.Assign):
+            out |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(n, ast.Try):   # try: import x / except ImportError: x = None
+            out |= _top_level_names(ast.Module(body=n.body + [h for e in n.handlers for h in e.body], type_ignores=[]))
+    return out
+
+
+def test_cpu_runner_patches_only_listed_modules():
+    """The Megatron-LM CPU runner's TORCH_PROXY_MODULES are the table's CPU_RUNNER_TORCH_MODULES."""
+    from elastor_ds.integrations.megatron.overrides import CPU_RUNNER_TORCH_MODULES
+    tree = ast.parse((ROOT / "examples" / "megatron_lm" / "cpu_pretrain_gpt.py").read_text())
+    got = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and
+               any(isinstance(t, ast.Name) and t.id == "TORCH_PROXY_MODULES" for t in n.targets))
+    assert tuple(got) == CPU_RUNNER_TORCH_MODULES, ("examples/megatron_lm/cpu_pretrain_gpt.py patches `torch` in "
+                                                    f"{sorted(set(got) ^ set(CPU_RUNNER_TORCH_MODULES))} unlike the "
+                                                    "Megatron overrides table: update one of them")
 
 
 # ------------------------------------------------------------------ 3. the guard

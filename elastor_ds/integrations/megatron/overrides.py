@@ -13,7 +13,10 @@ Where the Megatron integration reaches into Megatron:
   megatron-core's ``tensor_parallel.random`` and the ``torch`` module global of the pipeline
   schedules (:func:`patch`);
 * the Megatron-LM source patches (``patches/megatron-lm/``) insert calls into functions of
-  Megatron-LM; their parameter names are what the hooks receive.
+  Megatron-LM; their parameter names are what the hooks receive;
+* the Megatron-LM CPU runner (``examples/megatron_lm/cpu_pretrain_gpt.py``, dev/test only) patches
+  ``Tensor.cuda``/``Module.cuda``/``Tensor.type``, the ``torch`` of :data:`CPU_RUNNER_TORCH_MODULES`
+  and a few Megatron-LM start-up functions itself (listed; not routed: it is an example script).
 
 :data:`TABLE` is the one list: ``tests/unit/test_overrides.py`` imports every megatron-core row,
 compares the parameter names, checks the installed version against :data:`PINS`, and checks the
@@ -55,6 +58,24 @@ def _lm(path: str, patch_file: str, why: str, params: str, hooks: str = _HOOKS) 
     """A Megatron-LM function a source patch calls ``hooks`` from."""
     return Override(path, Kind.PATCH, (_P + patch_file, hooks), why, params, host="megatron-lm",
                     direct=(_P + patch_file,))
+
+
+_RUNNER = "examples/megatron_lm/cpu_pretrain_gpt.py"
+# the modules whose ``torch`` the Megatron-LM CPU runner replaces by a proxy (its TORCH_PROXY_MODULES)
+CPU_RUNNER_TORCH_MODULES = (
+    "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
+    "megatron.training.initialize", "megatron.training.arguments", "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.clip_grads", "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.tensor_parallel.cross_entropy", "megatron.core.tensor_parallel.data",
+    "megatron.core.pipeline_parallel.p2p_communication", "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.rerun_state_machine", "megatron.core.utils")
+
+
+def _run(path: str, kind: Kind, why: str, params: Any = None, *, host: str) -> Override:
+    """A symbol the Megatron-LM CPU runner (an example, not the package) patches itself."""
+    return Override(path, kind, (_RUNNER,), why, params, host=host, direct=(_RUNNER,))
 
 
 def _torch(path: str, why: str, params: str) -> Override:
@@ -128,6 +149,29 @@ TABLE: tuple[Override, ...] = (
         "an agreed stop saves this iteration through it",
         "iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, "
         "checkpointing_context, non_persistent_ckpt, train_data_iterator", _M + "elastic.py"),
+    # --- the Megatron-LM CPU runner (examples/megatron_lm/cpu_pretrain_gpt.py; dev/test only)
+    _run("torch:Tensor.cuda", Kind.PATCH, "returns the tensor itself on CPU", host="torch"),
+    _run("torch.nn.modules.module:Module.cuda", Kind.PATCH, "returns the module itself on CPU", "device",
+         host="torch"),
+    _run("torch:Tensor.type", Kind.WRAP, "answers torch.cuda.<X>Tensor for CPU tensors (Megatron's optimizers "
+         "assert it)", host="torch"),
+    *(_run(f"{m}:torch", Kind.PATCH, "a proxy torch: device='cuda' allocations go to CPU, torch.cuda answers "
+           "with CPU stand-ins", host="megatron-lm" if m.startswith("megatron.training") else "megatron-core")
+      for m in CPU_RUNNER_TORCH_MODULES),
+    _run("megatron.training.initialize:fused_kernels", Kind.PATCH, "no fused-kernel build", host="megatron-lm"),
+    _run("megatron.training.initialize:_warmup_jit_function", Kind.PATCH, "no JIT warm-up", "",
+         host="megatron-lm"),
+    _run("megatron.training.arguments:get_device_arch_version", Kind.PATCH, "answers 0 (no GPU; imported there "
+         "from megatron.core.utils)", host="megatron-lm"),
+    _run("megatron.training.training:initialize_megatron", Kind.WRAP, "called with allow_no_cuda=True",
+         host="megatron-lm"),
+    _run("megatron.training.initialize:initialize_megatron", Kind.CALL, "the wrapper sets allow_no_cuda",
+         "extra_args_provider, args_defaults, ignore_unknown_args, allow_no_cuda, skip_mpu_initialization, "
+         "get_embedding_ranks, get_position_embedding_ranks, parsed_args, store", host="megatron-lm"),
+    _run("megatron.training.training:train_step", Kind.WRAP, "fault injection: SIGKILL a rank at iteration N "
+         "(reads the iteration keyword)",
+         "forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, forward_backward_func, "
+         "iteration", host="megatron-lm"),
 )
 
 
