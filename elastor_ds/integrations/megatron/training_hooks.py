@@ -4,9 +4,10 @@ patches import this module only then, so an unflagged run never touches elastor.
 
 The patches call, in order:
 1. :func:`add_arguments` (pretrain_gpt.py's ``extra_args_provider``): ``--elastor``,
-   ``--elastor-async/--no-elastor-async``, ``--elastor-keep N``, ``--elastor-plan FILE``.
+   ``--elastor-async/--no-elastor-async``, ``--elastor-keep N``, ``--elastor-plan auto|on-change|FILE``.
 2. :func:`configure` (start of ``validate_args``): check the flags megatron-core must run with, and
-   apply a plan: TP, PP and (uneven) stage boundaries as ``--pipeline-model-parallel-layout``.
+   apply a plan (a FILE, or planned for the launched world by :mod:`.autoplan`): TP, PP and (uneven)
+   stage boundaries as ``--pipeline-model-parallel-layout``.
 3. :func:`check_parallel_state` (after ``mpu.initialize_model_parallel``): every rank sits where the
    layout says.
 4. :func:`save_checkpoint` / :func:`load_checkpoint` (start of Megatron-LM's functions of the same
@@ -51,6 +52,7 @@ from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_piece
 from ...checkpoint.state import capture_rng_state, restore_rng_state
 from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
 from ...layout import Layout
+from . import autoplan
 from .model import spec_config_from_model
 from .parallel import MEGATRON_ORDER, check_layout
 from .specs import GPTSpecConfig
@@ -74,8 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--elastor-fallback", dest="elastor_fallback", action=argparse.BooleanOptionalAction,
                    default=True, help="when the newest checkpoint is corrupt or incomplete, load the previous "
                                       "committed one (default on)")
-    g.add_argument("--elastor-plan", default=None, metavar="FILE",
-                   help="elastor plan JSON: sets TP, PP and the (uneven) pipeline stage boundaries")
+    g.add_argument("--elastor-plan", default=None, metavar="auto|on-change|FILE",
+                   help="sets TP, PP and the (uneven) pipeline stage boundaries: 'auto' plans the best TP x PP x DP "
+                        "for the launched world; 'on-change' keeps the parallel-size flags on the world `elastor "
+                        "run` first launched and plans (as auto) once it changed; FILE: a plan JSON "
+                        "(`elastor plan ... --homogeneous --json`)")
     return parser
 
 
@@ -84,10 +89,20 @@ def enabled(args: Any) -> bool:
 
 
 def plan_layout(args: Any) -> Optional[Layout]:
-    """The layout of ``--elastor-plan`` (None without one)."""
+    """The layout of ``--elastor-plan`` (None without one, and under ``on-change`` while the world is
+    the first one launched): the one :func:`configure` chose (``args.elastor_plan_layout``), else a
+    FILE as written or ``auto`` / ``on-change`` planned (:mod:`.autoplan`)."""
+    chosen = getattr(args, "elastor_plan_layout", None)
+    if chosen is not None:
+        return chosen
     path = getattr(args, "elastor_plan", None)
     if not path:
         return None
+    if path in autoplan.MODES:
+        world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+        if path == autoplan.ON_CHANGE and not autoplan.world_changed(world)[0]:
+            return None
+        return autoplan.auto_plan(args, world, honour_flags=path == autoplan.AUTO).layout
     if not os.path.isfile(path):
         raise ConfigError(f"--elastor-plan {path}: no such file (write one with `elastor plan ... --json`)")
     try:
@@ -116,8 +131,10 @@ def _parallel_ns(args: Any) -> Any:
 
 def configure(args: Any) -> Optional[Layout]:
     """Check the flags (start of ``validate_args`` / ``validate_yaml``) and apply ``--elastor-plan``;
-    returns its layout. A plan that contradicts an explicit ``--tensor/--pipeline-model-parallel-size``
-    or ``--pipeline-model-parallel-layout`` is an error, never silently overridden."""
+    returns its layout (also kept as ``args.elastor_plan_layout``). A plan that contradicts an explicit
+    ``--tensor/--pipeline-model-parallel-size`` or ``--pipeline-model-parallel-layout`` is an error,
+    never silently overridden; the one exception is ``on-change`` after the world changed, whose
+    flags describe the first world and are replaced (logged). A heterogeneous plan is refused."""
     keep = getattr(args, "elastor_keep", 2)
     if keep < 1:
         raise ConfigError(f"--elastor-keep {keep}: must be >= 1")
@@ -138,34 +155,55 @@ def configure(args: Any) -> Optional[Layout]:
                           "checkpoints globally; use --non-persistent-ckpt-type global or run without --elastor")
     layout = plan_layout(args)
     if layout is None:
+        if getattr(args, "elastor_plan", None) == autoplan.ON_CHANGE:
+            log.info("--elastor-plan on-change: the world is the one first launched; the parallel-size flags run")
         return None
     try:
         tp, pp, dp = layout.uniform_dims()
     except LayoutError as e:
-        raise ConfigError(f"--elastor-plan: Megatron-LM runs uniform TP x PP x DP grids (uneven stages "
-                          f"allowed); this plan is heterogeneous: {e}") from None
+        raise ConfigError(f"--elastor-plan {args.elastor_plan}: Megatron-LM runs one TP x PP for every replica "
+                          f"(uneven layer splits allowed, through --pipeline-model-parallel-layout); this plan "
+                          f"is heterogeneous ({e}). Write a homogeneous plan with `elastor plan ... --homogeneous "
+                          f"--json > plan.json`, or use --elastor-plan auto") from None
+    if len({r.micro_batches for r in layout.replicas}) > 1:
+        raise ConfigError(f"--elastor-plan {args.elastor_plan}: its replicas run different micro-batch counts "
+                          f"{[r.micro_batches for r in layout.replicas]}; Megatron-LM runs the same in every "
+                          f"replica. Write a homogeneous plan with `elastor plan ... --homogeneous --json > "
+                          f"plan.json`, or use --elastor-plan auto")
+    replaces_flags = args.elastor_plan == autoplan.ON_CHANGE  # the flags describe the first world
     world = int(getattr(args, "world_size", layout.world_size))
     if layout.world_size != world:
         raise ConfigError(f"--elastor-plan needs {layout.world_size} processes (tp({tp}) * pp({pp}) * dp({dp})) "
                           f"but WORLD_SIZE={world}")
     for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(args, f, None) is not None or getattr(mp, f, None) is not None:
+        if getattr(args, f, None) is None and getattr(mp, f, None) is None:
+            continue
+        if not replaces_flags:
             raise ConfigError(f"--elastor-plan sets the stage boundaries; drop --{f.replace('_', '-')}")
+        log.info("--elastor-plan on-change: the world changed; the plan's stage boundaries replace --%s",
+                 f.replace("_", "-"))
+        for ns in {id(args): args, id(mp): mp}.values():
+            if hasattr(ns, f):
+                setattr(ns, f, None)
     for flag, attr, dim, want in (("--tensor-model-parallel-size", "tensor_model_parallel_size", "TP", tp),
                                   ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "PP", pp)):
         have = int(getattr(mp, attr, 1) or 1)
-        if have not in (1, want):
+        if have not in (1, want) and replaces_flags:
+            log.info("--elastor-plan on-change: the world changed; the plan's %s=%d replaces %s %d", dim, want,
+                     flag, have)
+        elif have not in (1, want):
             raise ConfigError(f"--elastor-plan {args.elastor_plan} says {dim}={want} but "
                               f"{flag} {have} was given: drop {flag} (the plan sets it) or use a plan for it")
     bounds = layout.boundaries()
     want_layout = pipeline_layout_string(bounds) if pp > 1 and check_layout(layout).uneven else None
     have_layout = getattr(mp, "pipeline_model_parallel_layout", None) or getattr(args, "pipeline_model_parallel_layout", None)
-    if have_layout is not None and str(have_layout) != str(want_layout):
+    if have_layout is not None and str(have_layout) != str(want_layout) and not replaces_flags:
         raise ConfigError(f"--elastor-plan {args.elastor_plan} places the layers at stage boundaries {bounds} but "
                           f"--pipeline-model-parallel-layout {have_layout} was given: drop one of them")
     mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size = tp, pp
-    if want_layout is not None:
+    if want_layout is not None or replaces_flags:
         mp.pipeline_model_parallel_layout = want_layout
+    args.elastor_plan_layout = layout  # what check_parallel_state and the checkpoint hooks run under
     log.info("elastor plan %s: tp %d, pp %d, dp %d, stage boundaries %s", layout.describe(), tp, pp, dp, bounds)
     return layout
 
