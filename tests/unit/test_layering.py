@@ -1,6 +1,8 @@
 """The pure core stays pure: layout and plan code imports neither torch.distributed, deepspeed nor
 megatron (nor torch at all); checkpoint planning modules (checkpoint/planning/) import no torch,
-neither directly (AST check) nor indirectly (each imported in a fresh interpreter)."""
+neither directly (AST check) nor indirectly (each imported in a fresh interpreter). Only comm/,
+integrations/, testing/ and the listed elastic modules import torch.distributed; no floor imports one
+above it, and comm/ loads nothing of checkpoint/, runtime/ or integrations/, even indirectly."""
 from __future__ import annotations
 
 import ast
@@ -58,7 +60,7 @@ def test_only_comm_and_integrations_touch_distributed():
         # agent's process start; store_main.py hosts the c10d rendezvous store (a TCPStore); etcd_rdzv.py
         # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; overrides.py lists (and
         # patches) the torch elastic internals; its pure modules are checked above
-        if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("runtime/hetero_comm.py", "checkpoint/snapshot/peer_copy.py", "checkpoint/snapshot/peer.py") or rel in ("demo.py", "deepspeed.py",
+        if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("demo.py", "deepspeed.py",
                                                                               "elastic/agent.py", "elastic/worker.py",
                                                                               "elastic/standby.py",
                                                                               "elastic/overrides.py",
@@ -139,3 +141,22 @@ def test_no_arrow_back_up():
             if _floor(parts[1]) > own:
                 bad.append(f"{rel.as_posix()} imports {mod}")
     assert not bad, "arrows back up:\n" + "\n".join(sorted(bad))
+
+
+COMM = sorted(p.stem for p in PKG.glob("comm/*.py"))
+
+
+@pytest.mark.parametrize("mod", COMM)
+def test_comm_pulls_in_no_upper_floor_indirectly(mod):
+    """Import a comm/ module in a fresh interpreter: no module of checkpoint/, runtime/, integrations/,
+    testing/ or the elastic controller gets loaded (the AST check above sees direct imports only; this
+    one also sees chains through package ``__init__`` files)."""
+    name = "elastor_ds.comm" + ("" if mod == "__init__" else f".{mod}")
+    code = (f"import sys, importlib; importlib.import_module({name!r}); "
+            "up = ('elastor_ds.checkpoint', 'elastor_ds.runtime', 'elastor_ds.integrations', 'elastor_ds.testing', "
+            "'elastor_ds.elastic.agent', 'elastor_ds.elastic.worker');"
+            "bad = sorted(m for m in sys.modules if m.startswith(up)); print(bad[:5]); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(PKG.parent), env={**__import__("os").environ, "PYTHONPATH": str(PKG.parent)})
+    assert p.returncode == 0, f"importing {name} loaded {p.stdout.strip()} {p.stderr[-500:]}"
+    assert {"collectives", "groups", "transport"} <= set(COMM)
