@@ -47,7 +47,9 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ...checkpoint import commit as commit_mod
-from ...checkpoint.engine import CheckpointEngine, SaveStats
+from ...checkpoint.engine import LoadResult, SaveStats
+from ...checkpoint.session import Collected, CheckpointSession
+from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig, parse_memory_snapshot
 from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_pieces
 from ...checkpoint.state import capture_rng_state, restore_rng_state
 from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
@@ -72,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="save/load checkpoints through elastor (loadable under any TP x PP x DP)")
     g.add_argument("--elastor-async", dest="elastor_async", action=argparse.BooleanOptionalAction, default=True,
                    help="write checkpoints in a background thread (default on)")
-    g.add_argument("--elastor-keep", type=int, default=2, help="committed checkpoints to keep (default 2)")
+    g.add_argument("--elastor-keep", type=int, default=CheckpointConfig.keep,
+                   help=f"committed checkpoints to keep (default {CheckpointConfig.keep})")
     g.add_argument("--elastor-fallback", dest="elastor_fallback", action=argparse.BooleanOptionalAction,
                    default=True, help="when the newest checkpoint is corrupt or incomplete, load the previous "
                                       "committed one (default on)")
@@ -81,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "for the launched world; 'on-change' keeps the parallel-size flags on the world `elastor "
                         "run` first launched and plans (as auto) once it changed; FILE: a plan JSON "
                         "(`elastor plan ... --homogeneous --json`)")
+    g.add_argument("--elastor-memory-snapshot-interval", type=int, default=None, metavar="N",
+                   help="also snapshot every N iterations into this node's memory (tmpfs; $ELASTOR_SNAPSHOT_DIR "
+                        "from `elastor run`); a restart restores from memory first, storage only for what no "
+                        "memory holds (needs --save)")
+    g.add_argument("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
+                   help="copies of each snapshot on other nodes (0 or 1; default 1)")
+    g.add_argument("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
+                   help="memory snapshots kept per node (default 1)")
     return parser
 
 
@@ -135,9 +146,13 @@ def configure(args: Any) -> Optional[Layout]:
     ``--tensor/--pipeline-model-parallel-size`` or ``--pipeline-model-parallel-layout`` is an error,
     never silently overridden; the one exception is ``on-change`` after the world changed, whose
     flags describe the first world and are replaced (logged). A heterogeneous plan is refused."""
-    keep = getattr(args, "elastor_keep", 2)
+    keep = getattr(args, "elastor_keep", None)
+    keep = CheckpointConfig.keep if keep is None else keep
     if keep < 1:
         raise ConfigError(f"--elastor-keep {keep}: must be >= 1")
+    if memory_config(args) is not None and not getattr(args, "save", None):
+        raise ConfigError("--elastor-memory-snapshot-interval needs --save DIR too (storage stays the durable tier; "
+                          "--save-interval can be large)")
     mp = _parallel_ns(args)
     bad = [(f, v) for f, v in (("--context-parallel-size", getattr(mp, "context_parallel_size", 1)),
                                ("--expert-model-parallel-size", getattr(mp, "expert_model_parallel_size", 1)))
@@ -227,49 +242,93 @@ def check_parallel_state(args: Any) -> None:
                           f"{(pos.tp_rank, pos.replica, pos.stage)}")
 
 
-# ------------------------------------------------------------------ session (comm + engines)
+# ------------------------------------------------------------------ session (comm + checkpoint sessions)
 @dataclass
-class _Session:
+class _Registry:
+    """This process's checkpoint sessions, one per storage root (``--save``, the non-persistent
+    directory, a ``--load`` elsewhere); the one of ``--save`` carries the memory tier."""
     comm: Any = None
-    engines: dict = field(default_factory=dict)
+    policy_comm: Any = None
+    sessions: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
 
 
-_S = _Session()
+_S = _Registry()
+
+
+def _timeout_s(args: Any) -> float:
+    return 60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _comm(args: Any) -> Any:
     if _S.comm is None:
         from ...comm.collectives import LocalComm, TorchComm
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            _S.comm = TorchComm.create(60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10))
+        if _distributed():
+            _S.comm = TorchComm.create(_timeout_s(args))
+            _S.policy_comm = TorchComm.create(_timeout_s(args))
         else:
-            _S.comm = LocalComm()
+            _S.comm = _S.policy_comm = LocalComm()
     return _S.comm
 
 
-def _engine(args: Any, root: str, keep: Optional[int] = None) -> CheckpointEngine:
+def memory_config(args: Any) -> Optional[MemorySnapshotConfig]:
+    """``--elastor-memory-snapshot-*`` as the memory tier's settings (None: no snapshots)."""
+    interval = getattr(args, "elastor_memory_snapshot_interval", None)
+    if interval is None:
+        return None
+    d = {"interval_steps": interval}
+    for flag, key in (("elastor_memory_snapshot_keep", "keep"), ("elastor_memory_snapshot_peer_copies", "peer_copies"),
+                      ("elastor_memory_snapshot_dir", "dir")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            d[key] = v
+    return parse_memory_snapshot(d, where="--elastor-memory-snapshot-*")
+
+
+def session(args: Any, root: str, keep: Optional[int] = None, model: Any = None, optimizer: Any = None,
+            scheduler: Any = None) -> CheckpointSession:
+    """Collective on first use of ``root``: the checkpoint session writing under ``root`` (its state
+    bound to ``model``/``optimizer``/``scheduler`` when given: the memory tier sizes its budget from them)."""
     key = os.path.abspath(root)
-    eng = _S.engines.get(key)
-    if eng is None:
-        eng = CheckpointEngine(key, _comm(args), keep=int(keep or getattr(args, "elastor_keep", 2)),
-                               async_save=bool(getattr(args, "elastor_async", True)))
-        _S.engines[key] = eng
-    return eng
+    sess = _S.sessions.get(key)
+    if sess is None:
+        comm = _comm(args)
+        keep = int(keep or getattr(args, "elastor_keep", None) or CheckpointConfig.keep)
+        cfg = CheckpointConfig(dir=key, keep=keep, async_save=bool(getattr(args, "elastor_async", True)),
+                               fallback_to_previous=bool(getattr(args, "elastor_fallback", True)),
+                               timeout_s=_timeout_s(args))
+        mem = None
+        if getattr(args, "save", None) and key == os.path.abspath(args.save):
+            mem = memory_config(args)
+        memory_comm = None
+        if mem is not None and _distributed():
+            from ...comm.collectives import TorchComm
+            memory_comm = TorchComm.create(_timeout_s(args))
+        state = MegatronState(args, comm)
+        if model is not None:
+            state.bind(args, model, optimizer, scheduler)
+        sess = CheckpointSession(state, cfg, mem, comm=comm, policy_comm=_S.policy_comm,
+                                 memory_comm=memory_comm, cross_node=_distributed())
+        _S.sessions[key] = sess
+    return sess
 
 
 def finalize() -> Optional[SaveStats]:
-    """Wait for every in-flight save (raises AsyncSaveError if one failed). Call before exiting."""
+    """Wait for every in-flight save and snapshot (raises AsyncSaveError if one failed). Call before exiting."""
     last = None
-    for eng in _S.engines.values():
-        last = eng.finalize() or last
+    for sess in _S.sessions.values():
+        last = sess.finalize() or last
     return last
 
 
 def reset() -> None:
-    """Forget the engines and comm (after finalize; for tests and in-process restarts)."""
-    _S.comm, _S.engines, _S.warned = None, {}, set()
+    """Forget the sessions and comm (after finalize; for tests and in-process restarts)."""
+    _S.comm, _S.policy_comm, _S.sessions, _S.warned = None, None, {}, set()
 
 
 def _warn_once(key: str, msg: str, *a: Any) -> None:
@@ -597,6 +656,138 @@ def _cfg(args: Any, chunk: Any) -> GPTSpecConfig:
     return spec_config_from_model(chunk, _true_vocab(args, chunk), int(getattr(args, "make_vocab_size_divisible_by", 128)))
 
 
+class MegatronState:
+    """The :class:`~elastor_ds.checkpoint.session.TrainerState` of Megatron-LM's own trainer. Megatron
+    passes its model, optimizer and scheduler to every hook call; :meth:`bind` keeps the current ones
+    (and the iteration) for the session's next save, snapshot or load."""
+
+    def __init__(self, args: Any, comm: Any):
+        self.args = args
+        self.comm = comm
+        self.model = self.optimizer = self.scheduler = None
+        self.iteration = 0
+        self.flops = 0.0
+        self.non_persistent = False
+        self._layout: Optional[Layout] = None
+        self.loaded: dict[str, Any] = {}   # what the last load found (see restore)
+        self.load_opts: dict[str, Any] = {}   # per load: no_optim, strict
+        self._chosen: dict[str, Any] = {}
+
+    def bind(self, args: Any, model: Any, optimizer: Any, scheduler: Any, iteration: Optional[int] = None,
+             flops: Optional[float] = None, non_persistent: bool = False) -> "MegatronState":
+        if model is not self.model or args is not self.args:
+            self._layout = None
+        self.args = args
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if iteration is not None:
+            self.iteration = int(iteration)
+        if flops is not None:
+            self.flops = float(flops or 0)
+        self.non_persistent = bool(non_persistent)
+        return self
+
+    # -------------------------------------------------------------- TrainerState
+    def step(self) -> int:
+        return self.iteration
+
+    def _chunk_cfg(self) -> tuple[Any, GPTSpecConfig]:
+        chunk = _one_chunk(self.model)
+        return chunk, _cfg(self.args, chunk)
+
+    def layout(self) -> Layout:
+        if self._layout is None:
+            chunk, cfg = self._chunk_cfg()
+            self._layout = _layout(self.args, chunk, cfg, self.comm)
+        return self._layout
+
+    def fence_optimizer(self) -> Any:
+        return None   # Megatron's optimizers have no step pre-hooks: snapshots wait for their copies
+
+    def snapshot_bytes(self, comm: Any) -> int:
+        """Bytes this rank writes per snapshot, before the optimizer has state: its model shards
+        (fp32 Adam adds two moments, a separate fp32 main copy a third, per element)."""
+        chunk, cfg = self._chunk_cfg()
+        shards = _shards(chunk, cfg, self.layout(), comm.rank, None, for_load=False, with_main=False)
+        model_bytes = sum(sh.tensor.numel() * sh.tensor.element_size() for sh in shards)
+        elems = sum(sh.tensor.numel() for sh in shards)
+        extra = (3 if any(sh.tensor.element_size() < 4 for sh in shards) else 2) * 4 * elems
+        return model_bytes + (extra if self.optimizer is not None else 0)
+
+    def collect(self) -> Collected:
+        args, optimizer = self.args, self.optimizer
+        chunk, cfg = self._chunk_cfg()
+        view = adam_view(optimizer)
+        if view is not None and not view.has_state():
+            _warn_once("nostate", "elastor: optimizer has no state yet (no step taken); saving weights only")
+            view = None
+        # every rank must agree (a DistributedOptimizer rank may own no element of a parameter)
+        if not all(self.comm.all_gather_object(view is not None)):
+            view = None
+        shards = _shards(chunk, cfg, self.layout(), self.comm.rank, view, for_load=False, with_main=True)
+        sched = self.scheduler
+        extra = {
+            "format": FORMAT, "iteration": int(self.iteration),
+            "num_floating_point_operations_so_far": float(self.flops or 0),
+            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+            "opt_param_scheduler": sched.state_dict() if sched is not None else None,
+            "optimizer_state": view is not None,
+            "grad_scaler": _scaler_states(optimizer),
+            "adam": _adam_hparams(view),
+            "global_batch_size": getattr(args, "global_batch_size", None),
+            "non_persistent": bool(self.non_persistent),
+        }
+        return Collected(shards=shards, extra=extra, rank_state=_rng_state(), model=cfg.to_json())
+
+    def shards_for(self, m: Any) -> list:
+        """This rank's shards for the checkpoint the engine loads (no collectives: runs per candidate)."""
+        chunk, cfg = self._chunk_cfg()
+        v = self.load_opts.get("view")
+        if v is not None and not m.extra.get("optimizer_state"):
+            _warn_once("noopt", "elastor: checkpoint of step %s has no optimizer state; loading weights only", m.step)
+            v = None
+        wm = any(n.startswith(MAIN_PREFIX) for n in m.tensors)
+        shards = _shards(chunk, cfg, self.layout(), self.comm.rank, v, for_load=True, with_main=wm)
+        self._chosen = dict(view=v, with_main=wm, step_t=next((s.tensor for s in shards if s.name == STEP_NAME), None))
+        return shards
+
+    def restore(self, res: LoadResult, same_layout: bool) -> None:
+        """Megatron-LM's loader's bookkeeping after the tensors are in: Adam steps, main params,
+        loss scalers; then (unless fine-tuning) consumed samples, the scheduler, RNG."""
+        ex, man = res.extra, res.manifest
+        if ex.get("format") not in (None, FORMAT):
+            raise ConfigError(f"{res.step_dir}: format {ex.get('format')!r}; this reader knows {FORMAT}")
+        optimizer, args = self.optimizer, self.args
+        view, with_main, step_t = (self._chosen.get(k) for k in ("view", "with_main", "step_t"))
+        if view is not None:
+            if step_t is not None:
+                _set_steps(view, step_t)  # type: ignore[arg-type]
+            if not with_main:  # main params from the (lower precision) weights
+                _reload_main_params(optimizer)
+            _load_scalers(optimizer, ex.get("grad_scaler"))
+        elif optimizer is not None:
+            _reload_main_params(optimizer)
+        self._restore_counters(ex, res.rank_state, same_layout)
+        self.iteration = int(ex.get("iteration", man.step))
+        self.flops = float(ex.get("num_floating_point_operations_so_far", 0))
+
+    def _restore_counters(self, ex: Mapping[str, Any], rank_state: Any, same_layout: bool) -> None:
+        args = self.args
+        if self.load_opts.get("finetune"):
+            return
+        for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+            setattr(args, k, int(ex.get(k, 0)))
+        _update_num_microbatches(args.consumed_train_samples)
+        # like Megatron-LM: the scheduler comes back unless --finetune / --no-load-optim, whether or not
+        # the optimizer state itself could be loaded
+        if not self.load_opts.get("no_optim") and self.scheduler is not None and \
+                ex.get("opt_param_scheduler") is not None:
+            self.scheduler.load_state_dict(ex["opt_param_scheduler"])
+        if same_layout and rank_state and not getattr(args, "no_load_rng", False):
+            _restore_rng(rank_state)
+
+
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                     num_floating_point_operations_so_far: float, args: Any, non_persistent_ckpt: bool = False,
                     **_megatron_kwargs: Any) -> SaveStats:
@@ -615,38 +806,26 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             raise ConfigError("--elastor: a non-persistent save needs --non-persistent-ckpt-type global "
                               "(elastor does not write 'local' non-persistent checkpoints)")
         keep = 1
-    chunk = _one_chunk(model)
-    cfg = _cfg(args, chunk)
-    eng = _engine(args, root, keep)
-    layout = _layout(args, chunk, cfg, eng.comm)
-    view = adam_view(optimizer)
-    if view is not None and not view.has_state():
-        _warn_once("nostate", "elastor: optimizer has no state yet (no step taken); saving weights only")
-        view = None
-    # every rank must agree (a DistributedOptimizer rank may own no element of a parameter)
-    if not all(eng.comm.all_gather_object(view is not None)):
-        view = None
-    shards = _shards(chunk, cfg, layout, eng.comm.rank, view, for_load=False, with_main=True)
-    extra = {
-        "format": FORMAT, "iteration": int(iteration),
-        "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0),
-        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
-        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
-        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
-        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-        "optimizer_state": view is not None,
-        "grad_scaler": _scaler_states(optimizer),
-        "adam": _adam_hparams(view),
-        "global_batch_size": getattr(args, "global_batch_size", None),
-        "non_persistent": bool(non_persistent_ckpt),
-    }
-    stats = eng.save(int(iteration), shards, extra=extra, rank_state=_rng_state(), model=cfg.to_json(),
-                     layout=layout.to_json())
-    if eng.comm.rank == 0:
+    sess = session(args, root, keep, model, optimizer, opt_param_scheduler)
+    sess.state.bind(args, model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+                    non_persistent=non_persistent_ckpt)
+    stats = sess.save()
+    if sess.comm.rank == 0:
         log.info("elastor: saving %siteration %d under %s (%s, stall %.3fs%s)",
-                 "non-persistent " if non_persistent_ckpt else "", iteration, eng.root, layout.describe(),
-                 stats.stall_s, ", async" if eng.async_save else "")
+                 "non-persistent " if non_persistent_ckpt else "", iteration, sess.ckpt.root,
+                 sess.layout.describe(), stats.stall_s, ", async" if sess.ckpt.async_save else "")
     return stats
+
+
+def after_iteration(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float, args: Any) -> Optional[SaveStats]:
+    """End of iteration ``iteration`` (collective, every rank): a memory snapshot when one is due
+    (``--elastor-memory-snapshot-interval``). Storage saves stay Megatron-LM's (``--save-interval``)."""
+    if memory_config(args) is None or not getattr(args, "save", None):
+        return None
+    sess = session(args, args.save, None, model, optimizer, opt_param_scheduler)
+    sess.state.bind(args, model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far)
+    return sess.maybe_save()
 
 
 def stock_megatron_checkpoint(root: str) -> Optional[str]:
@@ -715,9 +894,20 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
     ``args.consumed_train_samples`` and friends, like Megatron-LM. Like Megatron-LM it falls back to
     ``--pretrained-checkpoint`` (as ``--finetune``) when ``--load`` holds nothing, honours
     ``--ckpt-step``, ``--finetune``, ``--no-load-optim``, ``--no-load-rng`` and
-    ``skip_load_to_model_and_opt`` (read the metadata only)."""
+    ``skip_load_to_model_and_opt`` (read the metadata only).
+
+    With memory snapshots (``--elastor-memory-snapshot-interval``, ``--load`` = ``--save``): the
+    newest committed step across this node's memory and storage wins (memory on a tie; see
+    :class:`~elastor_ds.checkpoint.session.CheckpointSession`), and a step restored from memory that
+    storage lacks is saved to storage right away (in the background)."""
     root = getattr(args, load_arg, None)
     finalize()  # a save of this process must be committed before it is read
+    finetune = bool(getattr(args, "finetune", False))
+    no_optim = finetune or bool(getattr(args, "no_load_optim", False))
+    mem_res = _load_memory(model, optimizer, opt_param_scheduler, args, load_arg, root, strict, no_optim,
+                           skip_load_to_model_and_opt)
+    if mem_res is not None:
+        return mem_res
     step_dir = _find_step(root, args, load_arg) if root else None
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if step_dir is None and pretrained and load_arg == "load":
@@ -727,6 +917,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
                                           f"{pretrained}")
         log.info("elastor: nothing under --load %s; fine-tuning from --pretrained-checkpoint %s", root, step_dir)
         args.finetune = True
+        finetune = no_optim = True
     if step_dir is None:
         if not root:
             return 0, 0
@@ -734,79 +925,73 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
             raise CheckpointNotFoundError(f"--exit-on-missing-checkpoint: no elastor checkpoint under {root}")
         log.warning("elastor: no checkpoint under %s; starting from scratch", root)
         return 0, 0
-    chunk = _one_chunk(model)
-    cfg = _cfg(args, chunk)
     np_root = _non_persistent_root(args, root)
     from_np = bool(np_root) and os.path.abspath(os.path.dirname(step_dir)) == os.path.abspath(np_root)
-    eng = _engine(args, os.path.dirname(step_dir), 1 if from_np else None)  # the same engine later saves there
+    sess = session(args, os.path.dirname(step_dir), 1 if from_np else None, model, optimizer,
+                   opt_param_scheduler)  # the same session later saves there
+    state: MegatronState = sess.state
+    state.bind(args, model, optimizer, opt_param_scheduler)
     # the engine resolves and reads the manifest once (past unusable ones with --elastor-fallback);
     # --ckpt-step pins one step: no fallback then
     fallback = bool(getattr(args, "elastor_fallback", True)) and getattr(args, "ckpt_step", None) is None
-    opened = eng.open(step_dir, fallback=fallback)
+    opened = sess.ckpt.open(step_dir, fallback=fallback)
     man = opened.manifest
     if man.extra.get("format") not in (None, FORMAT):
         raise ConfigError(f"{opened.step_dir}: format {man.extra.get('format')!r}; this reader knows {FORMAT}")
-    layout = _layout(args, chunk, cfg, eng.comm)
+    layout = state.layout()
     saved = Layout.from_json(man.layout) if man.layout else None
-    finetune = bool(getattr(args, "finetune", False))
-    no_optim = finetune or bool(getattr(args, "no_load_optim", False))
     if skip_load_to_model_and_opt:
-        ex, rank_state = dict(man.extra), None
-        view = None
-    else:
-        if man.model and saved is not None and eng.comm.rank == 0:
-            msg = check_padded_vocab(man.model, saved.uniform_dims()[0] if _uniform(saved) else 1, cfg.vocab_size,
-                                     cfg.make_vocab_size_divisible_by, layout.uniform_dims()[0])
-            if msg:
-                log.warning(msg)
-        want = None if no_optim else adam_view(optimizer)
-        if not all(eng.comm.all_gather_object(want is not None)):
-            want = None
-        chosen: dict[str, Any] = {}
-
-        def shards_for(m: Any) -> list:
-            """This rank's shards for the checkpoint the engine loads (no collectives: runs per candidate)."""
-            v = want
-            if v is not None and not m.extra.get("optimizer_state"):
-                _warn_once("noopt", "elastor: checkpoint of step %s has no optimizer state; loading weights only",
-                           m.step)
-                v = None
-            wm = any(n.startswith(MAIN_PREFIX) for n in m.tensors)
-            shards = _shards(chunk, cfg, layout, eng.comm.rank, v, for_load=True, with_main=wm)
-            chosen.update(view=v, with_main=wm, step_t=next((s.tensor for s in shards if s.name == STEP_NAME), None))
-            return shards
-        res = eng.load(opened, shards_for, strict=strict)
-        man, step_dir = res.manifest, res.step_dir
-        saved = Layout.from_json(man.layout) if man.layout else None
-        view, with_main, step_t = chosen["view"], chosen["with_main"], chosen["step_t"]
-        ex, rank_state = res.extra, res.rank_state
-        if view is not None:
-            if step_t is not None:
-                _set_steps(view, step_t)  # type: ignore[arg-type]
-            if not with_main:  # main params from the (lower precision) weights
-                _reload_main_params(optimizer)
-            _load_scalers(optimizer, ex.get("grad_scaler"))
-        elif optimizer is not None:
-            _reload_main_params(optimizer)
+        state.load_opts = {"finetune": finetune, "no_optim": no_optim}
+        if finetune:
+            return 0, 0
+        state._restore_counters(man.extra, None, same_layout=False)
+        return int(man.extra.get("iteration", man.step)), float(man.extra.get("num_floating_point_operations_so_far", 0))
+    if man.model and saved is not None and sess.comm.rank == 0:
+        c = _cfg(args, _one_chunk(model))
+        msg = check_padded_vocab(man.model, saved.uniform_dims()[0] if _uniform(saved) else 1, c.vocab_size,
+                                 c.make_vocab_size_divisible_by, layout.uniform_dims()[0])
+        if msg:
+            log.warning(msg)
+    _prepare_load(state, sess, optimizer, finetune, no_optim)
+    res = sess.ckpt.load(opened, state.shards_for, strict=strict)
+    sess.resumed(res, "storage", durable_step=res.step)
     if finetune:
         return 0, 0
-    for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-        setattr(args, k, int(ex.get(k, 0)))
-    _update_num_microbatches(args.consumed_train_samples)
-    # like Megatron-LM: the scheduler comes back unless --finetune / --no-load-optim, whether or not
-    # the optimizer state itself could be loaded
-    if not no_optim and opt_param_scheduler is not None and ex.get("opt_param_scheduler") is not None:
-        opt_param_scheduler.load_state_dict(ex["opt_param_scheduler"])
-    if saved is not None and saved.fingerprint() == layout.fingerprint() and rank_state \
-            and not getattr(args, "no_load_rng", False):
-        _restore_rng(rank_state)
-    elif eng.comm.rank == 0:
-        log.info("elastor: layout %s -> %s: RNG states start fresh", saved.describe() if saved else "?",
-                 layout.describe())
-    it = int(ex.get("iteration", man.step))
-    if eng.comm.rank == 0:
-        log.info("elastor: loaded iteration %s from %s into %s", it, step_dir, layout.describe())
-    return it, float(ex.get("num_floating_point_operations_so_far", 0))
+    if sess.comm.rank == 0:
+        log.info("elastor: loaded iteration %s from %s into %s", state.iteration, res.step_dir, layout.describe())
+    return state.iteration, state.flops
+
+
+def _prepare_load(state: "MegatronState", sess: CheckpointSession, optimizer: Any, finetune: bool,
+                  no_optim: bool) -> None:
+    want = None if no_optim else adam_view(optimizer)
+    if not all(sess.comm.all_gather_object(want is not None)):
+        want = None
+    state.load_opts = {"view": want, "finetune": finetune, "no_optim": no_optim}
+
+
+def _load_memory(model: Any, optimizer: Any, opt_param_scheduler: Any, args: Any, load_arg: str,
+                 root: Optional[str], strict: bool, no_optim: bool, skip: bool) -> Optional[tuple[int, float]]:
+    """The memory tier's half of a load: only for a plain resume of ``--save`` (``--load`` = ``--save``,
+    no ``--ckpt-step``, no fine-tuning, tensors wanted). None: load from storage as usual."""
+    if (memory_config(args) is None or load_arg != "load" or skip or not root or not getattr(args, "save", None)
+            or os.path.abspath(root) != os.path.abspath(args.save) or getattr(args, "ckpt_step", None) is not None
+            or getattr(args, "finetune", False)):
+        return None
+    sess = session(args, args.save, None, model, optimizer, opt_param_scheduler)
+    state: MegatronState = sess.state
+    state.bind(args, model, optimizer, opt_param_scheduler)
+    _prepare_load(state, sess, optimizer, False, no_optim)
+    storage_root = sess.resolve("latest")
+    res = sess.load_memory(storage_root)
+    if res is None:
+        return None
+    if sess.last_save_step != res.step:   # storage lacks the restored step: make it durable (background)
+        sess.save()
+    if sess.comm.rank == 0:
+        log.info("elastor: restored iteration %s from memory (%s) into %s", state.iteration, res.step_dir,
+                 sess.layout.describe())
+    return state.iteration, state.flops
 
 
 def _uniform(layout: Layout) -> bool:
