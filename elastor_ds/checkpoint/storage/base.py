@@ -26,6 +26,7 @@ whole, and open a :class:`~elastor_ds.checkpoint.sources.ChunkSource` for byte-r
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
@@ -35,6 +36,7 @@ from ..sources import ChunkSource
 
 if TYPE_CHECKING:
     from ..snapshot.file_staging import StagedFile
+    from ..verify import Problem
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class StorageReader(abc.ABC):
         """Every file the manifest lists is there with its size; else Incomplete/CorruptCheckpointError."""
 
     @abc.abstractmethod
-    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> list:
+    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> "list[Problem]":
         """The whole-file CRC problems of ``names`` (empty: all good)."""
 
     @abc.abstractmethod
@@ -160,7 +162,6 @@ class Storage(StorageWriter, StorageReader):
 
 def check_root(storage: Storage, root: str) -> Optional[str]:
     """A message when ``storage`` is not rooted at ``root`` (the engine refuses the pair), else None."""
-    import os
     if os.path.abspath(storage.root) != os.path.abspath(root):
         return (f"storage {storage!r} is rooted at {storage.root}, the engine at {root}; construct the storage "
                 f"with the engine's root")

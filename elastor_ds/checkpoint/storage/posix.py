@@ -11,10 +11,9 @@ The read half (also the tmpfs backend's) reads the step directory through
 """
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ...comm.collectives import Comm
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -24,7 +23,8 @@ from ..planning.manifest import Manifest
 from ..sources import STORAGE, ChunkSource, DirSource
 from .base import Capabilities, Storage
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..verify import Problem
 
 
 class PosixStorage(Storage):
@@ -104,7 +104,7 @@ class PosixStorage(Storage):
             if os.path.getsize(p) != fe.size:
                 raise CorruptCheckpointError(f"{p}: size {os.path.getsize(p)} != manifest {fe.size} (truncated?)")
 
-    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> list:
+    def verify_files(self, step_dir: str, names: Iterable[str], manifest: Manifest) -> "list[Problem]":
         from ..verify import verify
         return verify(step_dir, files=list(names), manifest=manifest)
 
