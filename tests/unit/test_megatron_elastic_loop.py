@@ -1,11 +1,13 @@
 """Megatron-LM's training loop under ``elastor run`` (elastor_ds/integrations/megatron/elastic.py,
 called by patches/megatron-lm/0007): no Megatron-LM checkout, no process group.
 
-1. Not under ``elastor run`` (no worker): attach returns None and the per-iteration hook does nothing.
+1. Not under ``elastor run`` (no worker): every iteration only asks for a memory snapshot
+   (``training_hooks.after_iteration``); no heartbeat, no collective, no stop.
 2. With ``elastor run``'s real worker hooks (ElasticWorker from the environment): the start is
-   reported (t_loaded, world, layout, resumed iteration), every iteration writes the heartbeat, and a
-   SIGTERM (preemption) or SIGUSR1 (resize) makes the hook save this iteration, wait for the commit
-   and return 0 or 75; without --save it returns the code without saving.
+   reported (t_loaded, world, layout, resumed iteration, the session's restore record), every
+   iteration writes the heartbeat, and a SIGTERM (preemption) or SIGUSR1 (resize) makes the hook
+   save this iteration, wait for the commit and return 0 or 75 (no snapshot then); without --save
+   it returns the code without saving.
 3. The e2e cases' decoding of Megatron-LM's logged losses (its second logged iteration of a launch
    is the mean of the first two), on the numbers of a recorded run.
 """
@@ -40,6 +42,7 @@ def launched(tmp_path, monkeypatch):
     monkeypatch.setattr(elastic, "describe_layout", lambda args: "tp1 x pp3 x dp1 (layout Ett|t|tL)")
     calls: list[str] = []
     monkeypatch.setattr(training_hooks, "finalize", lambda: calls.append("finalize"))
+    monkeypatch.setattr(training_hooks, "after_iteration", lambda it, *a: calls.append(f"snapshot? {it}"))
     return types.SimpleNamespace(hb=hb, events=ev, calls=calls)
 
 
@@ -47,25 +50,35 @@ def _args(**kw):
     return types.SimpleNamespace(save="/ckpt", elastor_plan="auto", **kw)
 
 
-def test_not_under_elastor_run_does_nothing():
-    assert elastic.attach(None, _args(), 10) is None
+def _end(loop, it, save):
+    return elastic.iteration_end(loop, it, "model", "optimizer", "scheduler", 1.0, save)
+
+
+def test_not_under_elastor_run_only_snapshots(launched):
+    loop = elastic.attach(None, _args(), 10)
+    assert loop.worker is None and loop.rank == 0
     saved = []
-    assert elastic.stop_point(None, 11, lambda: saved.append(11)) is None
-    assert saved == []
+    assert _end(loop, 11, lambda: saved.append(11)) is None
+    worker_mod._on_signal(signal.SIGTERM, None)   # no worker: not ours to act on
+    assert _end(loop, 12, lambda: saved.append(12)) is None
+    assert saved == [] and launched.calls == ["snapshot? 11", "snapshot? 12"]
+    assert not launched.events.exists() and not os.listdir(launched.hb)
 
 
-def test_attach_reports_the_start_and_each_iteration_beats(launched):
+def test_attach_reports_the_start_and_each_iteration_beats(launched, monkeypatch):
+    restore = {"step": 6, "tier": "memory", "bytes": {"local-memory": 123}, "seconds": 0.5}
+    monkeypatch.setitem(training_hooks._S.sessions, os.path.abspath("/ckpt"), types.SimpleNamespace(restore=restore))
     loop = elastic.attach(worker_mod.ElasticWorker.from_env(), _args(), 6)
-    assert loop is not None and loop.rank == 0 and loop.saves
+    assert loop.worker is not None and loop.rank == 0 and loop.saves
     (rec,) = [json.loads(x) for x in launched.events.read_text().splitlines()]
     assert rec["event"] == "worker_started" and rec["resumed_from"] == 6 and rec["world_size"] == 1
     assert rec["layout"] == "tp1 x pp3 x dp1 (layout Ett|t|tL)" and rec["plan_source"] == "auto"
-    assert rec["t_loaded"] <= rec["time"]
+    assert rec["t_loaded"] <= rec["time"] and rec["restore"] == restore
     saved = []
     for it in (7, 8):
-        assert elastic.stop_point(loop, it, lambda: saved.append(it)) is None
+        assert _end(loop, it, lambda: saved.append(it)) is None
         assert (launched.hb / "heartbeat_0").read_text().split()[0] == str(it)
-    assert saved == [] and launched.calls == []
+    assert saved == [] and launched.calls == ["snapshot? 7", "snapshot? 8"]
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_OK), (signal.SIGINT, EXIT_OK),
@@ -73,19 +86,19 @@ def test_attach_reports_the_start_and_each_iteration_beats(launched):
 def test_a_stop_saves_this_iteration_waits_for_the_commit_and_returns_the_code(launched, sig, code):
     loop = elastic.attach(worker_mod.ElasticWorker.from_env(), _args(), 0)
     order: list[str] = launched.calls
-    assert elastic.stop_point(loop, 3, lambda: order.append("save 3")) is None
+    assert _end(loop, 3, lambda: order.append("save 3")) is None
     worker_mod._on_signal(sig, None)          # what the handler worker_main installs does
-    assert elastic.stop_point(loop, 4, lambda: order.append("save 4")) == code
-    assert order == ["save 4", "finalize"]
+    assert _end(loop, 4, lambda: order.append("save 4")) == code
+    assert order == ["snapshot? 3", "save 4", "finalize"]
     assert (launched.hb / "heartbeat_0").read_text().split()[0] == "4"
 
 
 def test_a_stop_without_save_dir_exits_without_saving(launched):
     loop = elastic.attach(worker_mod.ElasticWorker.from_env(), types.SimpleNamespace(save=None), 0)
-    assert loop is not None and not loop.saves
+    assert not loop.saves
     worker_mod._on_signal(signal.SIGTERM, None)
     saved = []
-    assert elastic.stop_point(loop, 2, lambda: saved.append(2)) == EXIT_OK
+    assert _end(loop, 2, lambda: saved.append(2)) == EXIT_OK
     assert saved == [] and launched.calls == []
     (rec,) = [json.loads(x) for x in launched.events.read_text().splitlines()]
     assert rec["plan_source"] == "flags"

@@ -1,18 +1,23 @@
-"""Megatron-LM's own training loop inside ``elastor run``: start-up report, heartbeat, agreed stop.
+"""Megatron-LM's own training loop, once per iteration: memory snapshots, and inside ``elastor run``
+the start-up report, the heartbeat and the agreed stop.
 
 The patch of ``megatron/training/training.py`` (``patches/megatron-lm/0007-training-elastor-loop.patch``)
 calls, with ``--elastor``:
 
-1. :func:`attach` once in ``train()``, before the first iteration (model built, checkpoint loaded):
-   marks ``t_loaded``; rank 0 appends a ``worker_started`` event (world size, the layout megatron-core
-   runs, the plan flag, the iteration it resumed from) to ``elastor run``'s events file. Returns the
-   loop's handle, or None when the process was not launched by ``elastor run``.
-2. :func:`stop_point` at the end of every iteration (before Megatron-LM's own save / exit checks):
-   heartbeat, then one all-reduce (MAX) of the stop requests of every rank. On a stop it saves this
-   iteration through ``save`` (Megatron-LM's ``save_checkpoint_and_time``, i.e. the elastor hooks),
-   waits until the save is committed (:func:`training_hooks.finalize`) and returns the exit code:
-   ``EXIT_OK`` (0) for a preemption (SIGTERM/SIGINT), ``EXIT_RESIZE`` (75) for a resize (SIGUSR1).
-   Otherwise None.
+1. :func:`attach` once in ``train()``, before the first iteration (model built, checkpoint loaded).
+   Under ``elastor run`` (a worker given): marks ``t_loaded``; rank 0 appends a ``worker_started``
+   event (world size, the grid megatron-core runs, the plan flag, the iteration it resumed from, the
+   restore record) to the job's events file.
+2. :func:`iteration_end` at the end of every iteration, before Megatron-LM's own save / exit checks
+   (collective: every rank, same point):
+
+   a. under ``elastor run``: the heartbeat, then one all-reduce (MAX) of every rank's stop request.
+      On a stop: save this iteration through ``save`` (Megatron-LM's ``save_checkpoint_and_time``,
+      i.e. the elastor hooks), wait until it is committed (:func:`training_hooks.finalize`) and
+      return the exit code, ``EXIT_OK`` (0) for a preemption (SIGTERM/SIGINT), ``EXIT_RESIZE`` (75)
+      for a resize (SIGUSR1);
+   b. otherwise a memory snapshot when one is due (:func:`training_hooks.after_iteration`,
+      ``--elastor-memory-snapshot-interval``) and None.
 
 The worker hooks come from the caller (``elastor_ds.elastic.worker.ElasticWorker.from_env()``, whose
 signal handlers ``elastor run``'s worker entry point installs before any import): the elastic
@@ -28,7 +33,7 @@ from ...elastic.protocol import StopCode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerHooks", "ElasticLoop", "attach", "stop_point", "describe_layout"]
+__all__ = ["WorkerHooks", "ElasticLoop", "attach", "iteration_end", "describe_layout"]
 
 
 class WorkerHooks(Protocol):
@@ -45,11 +50,15 @@ class WorkerHooks(Protocol):
 
 @dataclass(frozen=True)
 class ElasticLoop:
-    """The handle :func:`attach` returns: the worker hooks, this process's global rank and whether
-    the run saves (``--save``)."""
-    worker: WorkerHooks
+    """What :func:`attach` hands the loop: Megatron-LM's args, ``elastor run``'s worker hooks (None
+    outside it) and this process's global rank."""
+    args: Any
+    worker: Optional[WorkerHooks]
     rank: int
-    saves: bool = True
+
+    @property
+    def saves(self) -> bool:
+        return bool(getattr(self.args, "save", None))
 
 
 def describe_layout(args: Any) -> str:
@@ -62,41 +71,64 @@ def describe_layout(args: Any) -> str:
     return f"{text} (layout {pipe})" if pipe else text
 
 
-def attach(worker: Optional[WorkerHooks], args: Any, iteration: int) -> Optional[ElasticLoop]:
-    """Start of training: mark ``t_loaded`` and report the start (rank 0). None without a worker
-    (not under ``elastor run``): :func:`stop_point` then does nothing, not even a collective."""
-    if worker is None:
-        return None
+def _restore_record(args: Any) -> Optional[dict]:
+    """The restore record (tier, step, bytes per source, seconds) of the session this launch loaded
+    from, or None (nothing loaded)."""
+    import os
+
+    from . import training_hooks
+
+    # the hooks keep one session per storage root (no public accessor yet: their registry)
+    sessions = training_hooks._S.sessions
+    for root in (getattr(args, "load", None), getattr(args, "save", None)):
+        sess = sessions.get(os.path.abspath(root)) if root else None
+        if sess is not None and getattr(sess, "restore", None):
+            return dict(sess.restore)
+    return None
+
+
+def attach(worker: Optional[WorkerHooks], args: Any, iteration: int) -> ElasticLoop:
+    """Start of training. Under ``elastor run`` (``worker`` set): mark ``t_loaded``, report the start."""
     import torch.distributed as dist
 
-    worker.mark("t_loaded")
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    worker.report_started(rank, world_size=world, layout=describe_layout(args), resumed_from=int(iteration),
-                          plan_source=getattr(args, "elastor_plan", None) or "flags",
-                          trainer="megatron-lm")
-    return ElasticLoop(worker, rank, saves=bool(getattr(args, "save", None)))
+    up = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if up else 0
+    if worker is not None:
+        worker.mark("t_loaded")
+        worker.report_started(rank, world_size=dist.get_world_size() if up else 1, layout=describe_layout(args),
+                              resumed_from=int(iteration), plan_source=getattr(args, "elastor_plan", None) or "flags",
+                              restore=_restore_record(args), trainer="megatron-lm")
+    return ElasticLoop(args, worker, rank)
 
 
-def stop_point(loop: Optional[ElasticLoop], iteration: int, save: Callable[[], Any]) -> Optional[int]:
-    """End of iteration ``iteration`` (1-based, just completed). Collective when ``loop`` is set:
-    every rank calls it once per iteration. Returns the exit code after a durable save of this
-    iteration when the ranks agreed to stop, else None."""
-    if loop is None:
-        return None
-    loop.worker.heartbeat(iteration)
-    code = loop.worker.agree_stop()
-    if code == StopCode.NONE:
-        return None
+def iteration_end(loop: ElasticLoop, iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                  num_floating_point_operations_so_far: float, save: Callable[[], Any]) -> Optional[int]:
+    """End of iteration ``iteration`` (1-based, just completed; collective). Returns the exit code
+    after a durable save of this iteration when the ranks agreed to stop, else None (after a memory
+    snapshot, when one is due)."""
+    from . import training_hooks
+
+    if loop.worker is not None:
+        loop.worker.heartbeat(iteration)
+        code = loop.worker.agree_stop()
+        if code != StopCode.NONE:
+            return _stop(loop, code, iteration, save)
+    training_hooks.after_iteration(iteration, model, optimizer, opt_param_scheduler,
+                                   num_floating_point_operations_so_far, loop.args)
+    return None
+
+
+def _stop(loop: ElasticLoop, code: StopCode, iteration: int, save: Callable[[], Any]) -> int:
+    """Save ``iteration`` and wait until it is committed (data, manifest, latest), then the exit code."""
+    from . import training_hooks
+
     if not loop.saves:
         if loop.rank == 0:
             log.warning("elastor: stop requested (%s) at iteration %d; no --save, so nothing is saved; exiting "
                         "with %d", code.name.lower(), iteration, code.exit_code())
         return code.exit_code()
-    from . import training_hooks
-
     save()
-    training_hooks.finalize()   # committed (data, manifest, latest) before the process may exit
+    training_hooks.finalize()
     if loop.rank == 0:
         log.info("elastor: stop requested (%s): iteration %d saved durably; exiting with %d",
                  code.name.lower(), iteration, code.exit_code())
