@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = gpt_specs(shape)
     globs = global_tensors(specs + optimizer_specs(specs), args.seed)
     comm = TorchComm.create(120)
-    eng = CheckpointEngine(args.ckpt, comm, keep=2)
+    eng = CheckpointEngine(args.ckpt, comm)
     if args.phase == "save":
         st = rank_state(layout, rank, specs, globs, args.zero and layout.dp > 1, fill=0.0)
         held = sum(s.tensor.numel() * s.tensor.element_size() for s in st.shards)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from .settings import DEFAULT_KEEP
 from .crc import crc32
 from ..errors import CheckpointError
 from ..layout.region import Region
@@ -98,7 +99,7 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
 def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
                                    dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor],
                                    extra: Optional[Mapping[str, Any]] = None, model: Any = None,
-                                   layout: Any = None, keep: int = 2, progress: bool = True,
+                                   layout: Any = None, keep: int = DEFAULT_KEEP, progress: bool = True,
                                    force: bool = False) -> str:
     """Commit a checkpoint written by one process, streaming tensor by tensor (importers use this).
 

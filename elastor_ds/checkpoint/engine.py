@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
+from .settings import DEFAULT_KEEP
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
@@ -156,7 +157,7 @@ class _Job:
 class CheckpointEngine:
     """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
 
-    def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = 2,
+    def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = DEFAULT_KEEP,
                  async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE):
         """``storage``: where the files go and how a step commits (:mod:`.storage`; default
         :class:`~.storage.PosixStorage` at ``root``: shared storage, fsynced). A node-local

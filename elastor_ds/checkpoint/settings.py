@@ -19,6 +19,7 @@ from typing import Any, Collection, Mapping, Optional
 from ..errors import ConfigError
 
 SECTION = "elastor"
+DEFAULT_KEEP = 2   # committed checkpoints kept: the one place this default is written
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class CheckpointConfig:
     interval_steps: int = 0
     min_interval_s: float = 0.0
     async_save: bool = True          # JSON key "async"
-    keep: int = 2
+    keep: int = DEFAULT_KEEP
     load: str = "latest"             # "latest" | "none" | a step dir / root path
     verify_on_load: bool = True
     fallback_to_previous: bool = True
