@@ -256,3 +256,31 @@ def test_capabilities_of_the_two_backends(tmp_path):
     assert PosixStorage(str(tmp_path)).caps == Capabilities(durable=True, node_local=False, stages_in_place=False)
     assert TmpfsStorage(str(tmp_path)).caps == Capabilities(durable=False, node_local=True, stages_in_place=True)
     assert TmpfsStorage(str(tmp_path), stage_in_place=False).caps.stages_in_place is False
+
+
+def test_the_engine_and_the_writer_leave_file_system_effects_to_the_storage():
+    """The seam holds: engine.py and writer.py neither sync, rename, create nor delete anything, nor
+    open files, nor commit or retire steps themselves (a new backend then needs no edit of them)."""
+    import ast
+    import elastor_ds.checkpoint.engine as engine_mod
+    import elastor_ds.checkpoint.writer as writer_mod
+
+    effects = {"fsync", "fdatasync", "sync", "rename", "replace", "makedirs", "mkdir", "unlink", "remove", "rmdir",
+               "open", "write", "ftruncate", "posix_fallocate"}
+    commit_allowed = {"step_dirname"}   # the name of a committed step dir, no effect
+    bad = []
+    for mod in (engine_mod, writer_mod):
+        tree = ast.parse(open(mod.__file__, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                base, attr = node.value.id, node.attr
+                if (base == "os" and attr in effects) or base == "shutil" or \
+                        (base == "commit_mod" and attr not in commit_allowed):
+                    bad.append(f"{mod.__name__}:{node.lineno} {base}.{attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                bad.append(f"{mod.__name__}:{node.lineno} open()")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n == "shutil" or n.endswith("file_staging") for n in names) and node.col_offset == 0:
+                    bad.append(f"{mod.__name__}:{node.lineno} imports {names}")
+    assert bad == []
