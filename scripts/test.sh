@@ -11,4 +11,4 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   exec .venv/bin/python -m pytest -q tests/unit "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"
