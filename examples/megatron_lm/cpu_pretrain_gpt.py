@@ -62,6 +62,7 @@ TORCH_PROXY_MODULES = (
     "megatron.core.datasets.blended_megatron_dataset_builder",
     "megatron.core.rerun_state_machine",
     "megatron.core.utils",
+    "megatron.core.transformer.utils",  # the default causal mask of middle pipeline stages (PP > 2)
 )
 _ALLOC = ("zeros", "empty", "ones", "tensor", "full", "arange", "rand", "randn", "randint",
           "zeros_like", "empty_like", "ones_like", "full_like", "as_tensor")

@@ -70,7 +70,7 @@ CPU_RUNNER_TORCH_MODULES = (
     "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.finalize_model_grads",
     "megatron.core.tensor_parallel.cross_entropy", "megatron.core.tensor_parallel.data",
     "megatron.core.pipeline_parallel.p2p_communication", "megatron.core.datasets.blended_megatron_dataset_builder",
-    "megatron.core.rerun_state_machine", "megatron.core.utils")
+    "megatron.core.rerun_state_machine", "megatron.core.utils", "megatron.core.transformer.utils")
 
 
 def _run(path: str, kind: Kind, why: str, params: Any = None, *, host: str) -> Override:
