@@ -143,7 +143,8 @@ class ElasticCases:
                          output=open(out_path, errors="replace").read())
         for text in launch_logs(logs):
             run.launches.append({int(i): float(v) for i, v in LOSS_RE.findall(text)})
-        self.e.losses[name] = {i: repr(v) for ln in run.launches for i, v in ln.items()}
+        for k, ln in enumerate(run.launches):   # as logged (summary.json), one entry per launch
+            self.e.losses[f"{name}#launch{k}"] = {i: repr(v) for i, v in ln.items()}
         return run
 
     def reference(self) -> dict[int, float]:
@@ -174,13 +175,16 @@ class ElasticCases:
         worlds = [e.get("world_size") for e in run.of("launch")]
         check(f"{name}: relaunched on 3 processes", worlds == [4, 3], f"launch world sizes {worlds}")
         started = sorted(run.of("worker_started"), key=lambda e: e["time"])
-        layouts = [(e.get("world_size"), e.get("layout"), e.get("plan_source")) for e in started]
-        check(f"{name}: the relaunch runs a plan for 3 (--elastor-plan auto)",
-              len(started) == 2 and started[1].get("world_size") == 3
-              and started[1].get("plan_source") == (self.plan[1] if self.plan else "flags")
-              and started[0].get("layout") != started[1].get("layout"), f"worker_started: {layouts}")
+        shown = [(e.get("world_size"), e.get("layout"), e.get("plan_source"), (e.get("plan") or {}).get("num_gpus"))
+                 for e in started]
+        source = self.plan[1] if self.plan else "flags"
+        planned = all(e.get("plan_source") == source and (not self.plan or (e.get("plan") or {}).get("num_gpus")
+                                                           == e.get("world_size")) for e in started)
+        check(f"{name}: each launch reports the plan it runs (--elastor-plan {source}), a new one for 3 processes",
+              len(started) == 2 and started[1].get("world_size") == 3 and planned
+              and started[0].get("layout") != started[1].get("layout"), f"worker_started: {shown}")
         plans = run.of("plan")
-        if plans:   # the hooks' own plan event, when they write one
+        if plans:   # a plan event of its own, should the hooks write one
             check(f"{name}: plan events for both worlds", [p.get("world_size") for p in plans] == [4, 3],
                   json.dumps(plans)[:600])
         resumed = started[1].get("resumed_from") if len(started) == 2 else None

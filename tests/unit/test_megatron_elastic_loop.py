@@ -24,6 +24,7 @@ import pytest
 from elastor_ds.elastic import worker as worker_mod
 from elastor_ds.elastic.protocol import EXIT_OK, EXIT_RESIZE, StopCode
 from elastor_ds.integrations.megatron import elastic, training_hooks
+from elastor_ds.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,11 +69,13 @@ def test_not_under_elastor_run_only_snapshots(launched):
 def test_attach_reports_the_start_and_each_iteration_beats(launched, monkeypatch):
     restore = {"step": 6, "tier": "memory", "bytes": {"local-memory": 123}, "seconds": 0.5}
     monkeypatch.setitem(training_hooks._S.sessions, os.path.abspath("/ckpt"), types.SimpleNamespace(restore=restore))
-    loop = elastic.attach(worker_mod.ElasticWorker.from_env(), _args(), 6)
+    plan = Layout.uniform(1, 3, 1, 4, [0, 2, 3, 4])
+    loop = elastic.attach(worker_mod.ElasticWorker.from_env(), _args(elastor_plan_layout=plan), 6)
     assert loop.worker is not None and loop.rank == 0 and loop.saves
     (rec,) = [json.loads(x) for x in launched.events.read_text().splitlines()]
     assert rec["event"] == "worker_started" and rec["resumed_from"] == 6 and rec["world_size"] == 1
     assert rec["layout"] == "tp1 x pp3 x dp1 (layout Ett|t|tL)" and rec["plan_source"] == "auto"
+    assert [st["layers"] for st in rec["plan"]["replicas"][0]["stages"]] == [[0, 2], [2, 3], [3, 4]]
     assert rec["t_loaded"] <= rec["time"] and rec["restore"] == restore
     saved = []
     for it in (7, 8):
@@ -101,7 +104,7 @@ def test_a_stop_without_save_dir_exits_without_saving(launched):
     assert _end(loop, 2, lambda: saved.append(2)) == EXIT_OK
     assert saved == [] and launched.calls == []
     (rec,) = [json.loads(x) for x in launched.events.read_text().splitlines()]
-    assert rec["plan_source"] == "flags"
+    assert rec["plan_source"] == "flags" and rec["plan"] is None and rec["restore"] is None
 
 
 def test_decode_losses_undoes_megatron_lms_first_two_iteration_mean():

@@ -6,8 +6,8 @@ calls, with ``--elastor``:
 
 1. :func:`attach` once in ``train()``, before the first iteration (model built, checkpoint loaded).
    Under ``elastor run`` (a worker given): marks ``t_loaded``; rank 0 appends a ``worker_started``
-   event (world size, the grid megatron-core runs, the plan flag, the iteration it resumed from, the
-   restore record) to the job's events file.
+   event (world size, the grid megatron-core runs, the plan flag and the plan it applied, the
+   iteration it resumed from, the restore record) to the job's events file.
 2. :func:`iteration_end` at the end of every iteration, before Megatron-LM's own save / exit checks
    (collective: every rank, same point):
 
@@ -95,8 +95,10 @@ def attach(worker: Optional[WorkerHooks], args: Any, iteration: int) -> ElasticL
     rank = dist.get_rank() if up else 0
     if worker is not None:
         worker.mark("t_loaded")
+        plan = getattr(args, "elastor_plan_layout", None)   # the plan --elastor-plan applied (a Layout)
         worker.report_started(rank, world_size=dist.get_world_size() if up else 1, layout=describe_layout(args),
                               resumed_from=int(iteration), plan_source=getattr(args, "elastor_plan", None) or "flags",
+                              plan=plan.to_json() if plan is not None else None,
                               restore=_restore_record(args), trainer="megatron-lm")
     return ElasticLoop(args, worker, rank)
 
