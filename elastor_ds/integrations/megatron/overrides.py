@@ -140,7 +140,7 @@ TABLE: tuple[Override, ...] = (
     _lm("megatron.training.yaml_arguments:validate_yaml", "0006-yaml_arguments-elastor-plan.patch",
         "the --yaml-cfg path applies --elastor-plan like validate_args", "args, defaults"),
     _lm("megatron.training.training:train", "0007-training-elastor-loop.patch",
-        "attach before the loop, stop_point at every iteration end (its locals: iteration, model, optimizer, "
+        "attach before the loop, iteration_end at every iteration end (its locals: iteration, model, optimizer, "
         "opt_param_scheduler, checkpointing_context, train_data_iterator)",
         "forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator, "
         "process_non_loss_data_func, config, checkpointing_context, non_loss_data_func, inference_model",
