@@ -63,8 +63,8 @@ TABLE: tuple[Override, ...] = (
     _ds("deepspeed.runtime.pipe.module:PipelineModule._set_bounds", Kind.CALL, (_PIPE,),
         "sets this stage's layer range after our partitioning", "start, stop", direct=(_PIPE,)),
     _ds("deepspeed.runtime.pipe.module:PipelineModule._layer_specs", Kind.READ, (_PIPE, _RT),
-        "the module's full layer list (the plan's layer index is its index); runtime.py (being rewritten) reads "
-        "it directly: route it through layer_specs()", instance=True, direct=(_PIPE, _RT)),
+        "the module's full layer list (the plan's layer index is its index); runtime.py reads it through "
+        "layer_specs()", instance=True, direct=(_PIPE,)),
     _ds("deepspeed.runtime.pipe.module:PipelineModule._topo", Kind.READ, (_PIPE,),
         "this rank's pipe coordinate when partitioning", instance=True, direct=(_PIPE,)),
     _ds("deepspeed.runtime.pipe.topology:PipelineParallelGrid._topo", Kind.PATCH, (_HET,),

@@ -22,7 +22,7 @@ from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
 from ...checkpoint.state import capture_rng_state, restore_rng_state, to_jsonable
 from ...errors import ConfigError
 from ...layout import Layout
-from . import state as st
+from . import overrides, state as st
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def engine_layout(engine: Any) -> Layout:
     if rt is not None:
         return rt.layout
     parts = getattr(module, "parts", None)
-    num_layers = len(getattr(module, "_layer_specs", [])) or 1
+    num_layers = len(overrides.layer_specs(module)) or 1
     pp = int(getattr(engine, "num_stages", 1) or 1)
     dp = int(engine.dp_world_size)
     gas = int(engine.gradient_accumulation_steps())

@@ -91,11 +91,11 @@ TABLE: tuple[Override, ...] = (
     _mc(_PS + "set_tensor_model_parallel_rank", Kind.CALL, (_PAR,), "this rank's place in the stage's TP group",
         "rank"),
     # --- the Megatron-LM hooks (training_hooks.py)
-    _hooks("megatron.core.num_microbatches_calculator:_GLOBAL_NUM_MICROBATCHES_CALCULATOR", Kind.READ,
-           "update the micro-batch schedule after a load only when Megatron built the calculator "
-           "(microbatches_calculator_ready())"),
-    _hooks(_DOPT + "_get_model_param_range_map", Kind.CALL,
-           "each parameter's range in this rank's distributed-optimizer shard (param_range())", "param"),
+    _mc("megatron.core.num_microbatches_calculator:_GLOBAL_NUM_MICROBATCHES_CALCULATOR", Kind.READ, (_HOOKS,),
+        "update the micro-batch schedule after a load only when Megatron built the calculator "
+        "(microbatches_calculator_ready())"),
+    _mc(_DOPT + "_get_model_param_range_map", Kind.CALL, (_HOOKS,),
+        "each parameter's range in this rank's distributed-optimizer shard (param_range())", "param"),
     _hooks(_DOPT + "model_float16_groups", Kind.READ, "half-precision model params per group", instance=True),
     _hooks(_DOPT + "shard_fp32_from_float16_groups", Kind.READ, "their fp32 main shards", instance=True),
     _hooks(_DOPT + "model_fp32_groups", Kind.READ, "fp32 model params per group", instance=True),

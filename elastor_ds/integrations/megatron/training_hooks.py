@@ -54,7 +54,7 @@ from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_piece
 from ...checkpoint.state import capture_rng_state, restore_rng_state
 from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
 from ...layout import Layout
-from . import autoplan
+from . import autoplan, overrides
 from .model import spec_config_from_model
 from .parallel import MEGATRON_ORDER, check_layout
 from .specs import GPTSpecConfig
@@ -498,7 +498,7 @@ def _distributed_view(optimizer: Any) -> Optional[_AdamView]:
                     _warn_once("distopt-prec", "elastor: precision-aware distributed optimizer keeps its main "
                                "params inside the fused optimizer; its state is not carried")
                     return None
-                r = optimizer._get_model_param_range_map(p)["param"]
+                r = overrides.param_range(optimizer, p)
                 flat[p] = _Flat(shard, shard if is16 else None, int(r.start), int(r.end))
     return _AdamView([inner], {}, flat)
 
@@ -1005,6 +1005,6 @@ def _uniform(layout: Layout) -> bool:
 def _update_num_microbatches(consumed: int) -> None:
     from megatron.core import num_microbatches_calculator as nmc
 
-    if getattr(nmc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is not None:
+    if overrides.microbatches_calculator_ready():
         nmc.update_num_microbatches(consumed_samples=consumed, verbose=True)
 
