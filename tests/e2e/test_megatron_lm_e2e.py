@@ -8,9 +8,13 @@ and TP2 x PP2 from plans (first loss after the resume; load -> save round trips 
 optimizer state included), --no-load-optim, --finetune, a stock-checkpoint --load directory (imported
 with its Adam state: iterations 11-12 equal stock Megatron's own resume), an export to stock
 Megatron-LM (`--to megatron`: stock resumes from it; stock loads and saves it at TP2 x PP2 and it
-imports back bit-identical), bf16 with fp32 main params, fp16 and the distributed optimizer. Set
-MEGATRON_LM_E2E_ONLY=fp32,stock,... to run a part. Takes 30-60 minutes on 2 busy cores (about 35
-launches of 4 ranks).
+imports back bit-identical), bf16 with fp32 main params, fp16 and the distributed optimizer; and under
+`elastor run --nproc-per-node 4 --on-failure shrink` (examples/megatron_lm/elastic_cases.py):
+elastic_kill (a SIGKILLed rank: relaunch on 3 under --elastor-plan auto's new plan, restore event of
+the newest checkpoint, re-run iterations reproduce the uninterrupted run's losses), elastic_sigterm
+(SIGTERM: the current iteration committed, exit 0) and elastic_memory (with memory snapshots: the
+restore from this node's memory, 0 bytes from storage). Set MEGATRON_LM_E2E_ONLY=fp32,stock,... or
+elastic_kill,... to run a part. Takes 30-60 minutes on 2 busy cores (about 40 launches of 4 ranks).
 """
 from __future__ import annotations
 
