@@ -38,7 +38,16 @@ from .settings import CheckpointConfig, MemorySnapshotConfig, save_due
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Collected", "TrainerState", "CheckpointSession", "check_roots_apart"]
+__all__ = ["Collected", "TrainerState", "CheckpointSession", "check_roots_apart", "restore_candidates"]
+
+
+def restore_candidates(steps_per_rank: list, storage_step: int) -> list[int]:
+    """The memory snapshot steps a restore may try, newest first (pure): held by every rank's node
+    and not older than storage's newest step (storage wins when it is newer)."""
+    if not steps_per_rank or any(not s for s in steps_per_rank):
+        return []
+    common = set(steps_per_rank[0]).intersection(*map(set, steps_per_rank[1:]))
+    return sorted((s for s in common if s >= storage_step), reverse=True)
 
 
 @dataclass
@@ -278,14 +287,15 @@ class CheckpointSession:
         return res
 
     def load_memory(self, storage_root: Optional[str]) -> Optional[LoadResult]:
-        """Collective. Restore from the memory snapshots when their newest committed step is at
-        least storage's and every rank's node holds it; None (nothing loaded) otherwise or when the
-        snapshot fails its checks on any rank (logged; the caller then loads storage)."""
-        from .sources import LOCAL_MEMORY, DirSource, registered_sources, storage_source_for
+        """Collective. Restore from the memory snapshots: the newest step that every rank's node
+        holds, at least storage's newest; when its bytes cannot all be found (e.g. a lost node's
+        files of a step that was not peer-copied), the next older such step. None (nothing loaded)
+        when no step qualifies or every candidate fails its checks (logged; the caller then loads
+        storage)."""
         mem = self.memory
         if mem is None:
             return None
-        mstep, mdir = mem.newest_local_step()
+        local = mem.committed_steps()
         sdir = None
         if storage_root is not None:
             try:
@@ -293,15 +303,27 @@ class CheckpointSession:
             except CheckpointError:
                 sdir = None
         sstep = commit_mod.step_of(os.path.basename(sdir)) if sdir else None
-        rows = self.policy_comm.all_gather_object((mstep, sstep))
-        msteps = {r[0] for r in rows}
+        rows = self.policy_comm.all_gather_object((sorted(local), sstep))
         best_storage = max((r[1] for r in rows if r[1] is not None), default=-1)
-        if len(msteps) != 1 or mstep is None or mstep < best_storage:
-            if self.comm.rank == 0 and any(r[0] is not None for r in rows):
-                log.info("memory snapshots not used: steps per rank %s, storage step %s", sorted(
-                    {r[0] for r in rows}, key=lambda x: -1 if x is None else x), best_storage)
+        cands = restore_candidates([r[0] for r in rows], best_storage)
+        if not cands:
+            if self.comm.rank == 0 and any(r[0] for r in rows):
+                log.info("memory snapshots not used: steps per rank %s, storage step %s",
+                         [r[0] for r in rows], best_storage)
             return None
-        assert mdir is not None
+        for i, step in enumerate(cands):
+            res = self._load_memory_step(step, local[step], sdir, sstep, best_storage)
+            if res is not None:
+                return res
+            if self.comm.rank == 0 and i + 1 < len(cands):
+                log.warning("trying the older memory snapshot of step %d", cands[i + 1])
+        return None
+
+    def _load_memory_step(self, mstep: int, mdir: str, sdir: Optional[str], sstep: Optional[int],
+                          best_storage: int) -> Optional[LoadResult]:
+        from .sources import LOCAL_MEMORY, DirSource, registered_sources, storage_source_for
+        mem = self.memory
+        assert mem is not None
 
         def sources(step_dir: str, man: Manifest) -> list:
             out = [DirSource(step_dir, LOCAL_MEMORY)]
@@ -325,7 +347,7 @@ class CheckpointSession:
             if not e.all_are(*DATA_ERRORS):
                 raise
             if self.comm.rank == 0:
-                log.error("memory snapshot of step %s is unusable (%s); restoring from storage instead", mstep, e)
+                log.error("memory snapshot of step %s is unusable (%s)", mstep, e)
             return None
         # storage's newest step on every rank (shared storage: the same); the restored step counts
         # as saved only when storage holds it too

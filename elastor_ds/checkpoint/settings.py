@@ -49,13 +49,26 @@ class MemorySnapshotConfig:
     peer_copies: int = 1
     dir: Optional[str] = None        # the node directory; default $ELASTOR_SNAPSHOT_DIR
     max_bytes: Optional[int] = None  # cap on this node's snapshot bytes (all its ranks, all copies)
+    # steps between peer copies (a multiple of interval_steps); None: every snapshot is copied
+    peer_copy_interval_steps: Optional[int] = None
+
+    def copies_step(self, step: int) -> bool:
+        """Whether the snapshot of ``step`` is copied to the next node (peer copies on)."""
+        every = self.peer_copy_interval_steps or self.interval_steps
+        return self.peer_copies > 0 and step % every == 0
+
+    def keep_for_copies(self) -> int:
+        """Snapshots a node must keep so that the newest copied step is still in its own memory
+        when a node is lost: the snapshots between two copies, plus one in flight."""
+        every = self.peer_copy_interval_steps or self.interval_steps
+        return every // self.interval_steps + 1 if every > self.interval_steps else 1
 
 
 _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
               "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
-_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "dir", "max_bytes")
+_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes")
 
 
 def _unknown(where: str, key: str, allowed) -> ConfigError:
@@ -155,7 +168,24 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
         kw["dir"] = _dir(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
     if "max_bytes" in d and d["max_bytes"] is not None:
         kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000', MAX_BYTES)
-    return MemorySnapshotConfig(**kw)
+    if d.get("peer_copy_interval_steps") is not None:
+        every = _int(f"{where}.peer_copy_interval_steps", d["peer_copy_interval_steps"], 1,
+                     '"peer_copy_interval_steps": 10 (copy every 10th step\'s snapshot to the next node)')
+        snap = kw.get("interval_steps", MemorySnapshotConfig.interval_steps)
+        if every % snap:
+            raise ConfigError(f"{where}.peer_copy_interval_steps: {every} is not a multiple of the snapshot interval "
+                              f"{snap} (only snapshots can be copied); use e.g. {snap * max(1, round(every / snap))}")
+        kw["peer_copy_interval_steps"] = every
+    cfg = MemorySnapshotConfig(**kw)
+    need = cfg.keep_for_copies()
+    if cfg.peer_copies > 0 and "keep" not in d and cfg.keep < need:   # the default follows the copy interval
+        cfg = MemorySnapshotConfig(**{**kw, "keep": need})
+    if cfg.peer_copies > 0 and cfg.keep < need:
+        raise ConfigError(f"{where}.keep: {cfg.keep} snapshot(s) per node, but with a peer copy every "
+                          f"{cfg.peer_copy_interval_steps} steps and a snapshot every {cfg.interval_steps} a node must "
+                          f"keep {need} so that the newest copied step is still in its own memory when another node is "
+                          f"lost; set keep to {need} (or copy every snapshot)")
+    return cfg
 
 
 def save_due(cfg: CheckpointConfig, step: int, last_step: Optional[int], seconds_since_last: float,

@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "a restart restores from memory first, storage only for what no memory holds (needs --save)")
     a("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
       help="copies of each snapshot on other nodes (0 or 1; default 1)")
+    a("--elastor-memory-snapshot-peer-copy-interval", type=int, default=None, metavar="N",
+      help="copy only every N-th step's snapshot to the next node (a multiple of the snapshot interval; "
+           "default: every snapshot); a node then keeps N / interval + 1 snapshots")
     a("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
       help="memory snapshots kept per node (default 1)")
     a("--elastor-memory-snapshot-ab-blocks", type=int, default=0, metavar="B",
@@ -459,7 +462,8 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
     if args.load and (not args.save or os.path.abspath(args.load) != os.path.abspath(args.save)):
         ck["load"] = args.load  # an explicit root or step dir ("latest" would look for steps *under* a step dir)
     flags = {"interval_steps": args.elastor_memory_snapshot_interval,
-             "peer_copies": args.elastor_memory_snapshot_peer_copies, "keep": args.elastor_memory_snapshot_keep}
+             "peer_copies": args.elastor_memory_snapshot_peer_copies, "keep": args.elastor_memory_snapshot_keep,
+             "peer_copy_interval_steps": args.elastor_memory_snapshot_peer_copy_interval}
     if any(v is not None for v in flags.values()):
         ms = el.setdefault("memory_snapshot", {})
         for k, v in flags.items():

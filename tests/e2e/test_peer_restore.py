@@ -9,6 +9,10 @@ files other ranks wrote), memory snapshots every iteration, real processes, real
 - a worker dies and the world shrinks (DP3 -> DP2, optimizer partitions resharded) without peer
   copies: each node reads the regions the other node's ranks wrote from that node's server.
 - a corrupt peer copy (a flipped byte): that file falls back to storage (logged), losses exact.
+- a peer copy every 2nd step only (``--elastor-memory-snapshot-peer-copy-interval 2``, so each node
+  keeps 3 snapshots): node B is frozen while A's newest snapshot is an odd (uncopied) step, then
+  killed; the survivor cannot find B's files of that step anywhere (no storage checkpoint yet), so
+  it restores the newest copied step from its own memory and its peer copy, 0 bytes from storage.
 
 Oracles: the losses the job logged before the failure; the events' ``restore`` record (bytes per
 source, summed over ranks by the trainer); the files on disk.
@@ -38,7 +42,8 @@ SLOW = json.dumps({"1": 0.08})
 
 
 class Node:
-    def __init__(self, tmp, name: str, nproc: int, port: int, iters: int, peer_copies: int, save_interval: int):
+    def __init__(self, tmp, name: str, nproc: int, port: int, iters: int, peer_copies: int, save_interval: int,
+                 memory_flags=("--elastor-memory-snapshot-keep", "1")):
         self.name = name
         self.snapdir = str(tmp / f"shm{name}")
         self.events = str(tmp / f"{name}_events.jsonl")
@@ -59,7 +64,7 @@ class Node:
                "--snapshot-dir", self.snapdir, TRAINER, *MODEL, "--train-iters", str(iters), "--save", self.ckpt,
                "--load", self.ckpt, "--save-interval", str(save_interval), "--metrics-file", self.metrics,
                "--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", str(peer_copies),
-               "--elastor-memory-snapshot-keep", "1"]
+               *memory_flags]
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="",
                    ELASTOR_SIM_LAYER_S=SLOW)
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=str(tmp), env=env,
@@ -257,3 +262,64 @@ def test_reshard_reads_the_other_nodes_memory_through_its_server(tmp_path):
     assert rest["tier"] == "memory" and by.get("storage", 0) == 0, rest
     assert len(remote) == 2 and all(v > 0 for v in remote.values()), by   # each node read from the other
     assert by.get("peer-memory", 0) == 0 and by.get("local-memory", 0) > 0, by
+
+
+def _odd_step_with_older_copy(a: Node, b: Node):
+    """A's newest snapshot is an odd step S (not peer-copied) and A holds B's COMPLETE copy of S - 1."""
+    s = a.latest()
+    if s is None or s < 3 or s % 2 == 0:
+        return None
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
+    d = os.path.join(a.snapdir, "peer", origin_id(b.snapdir), f"step_{s - 1:09d}")
+    return (s, d) if os.path.exists(os.path.join(d, "COMPLETE")) else None
+
+
+def _signal_node(node: Node, sig) -> None:
+    import psutil
+    for p in [psutil.Process(node.proc.pid)] + psutil.Process(node.proc.pid).children(recursive=True):
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_peer_copy_interval_restores_the_newest_copied_step(tmp_path):
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
+    port = free_port()
+    store = _store(port)
+    iters = 11
+    flags = ("--elastor-memory-snapshot-peer-copy-interval", "2")   # keep defaults to 2 / 1 + 1 = 3
+    a = Node(tmp_path, "A", 2, port, iters, peer_copies=1, save_interval=100, memory_flags=flags)
+    b = Node(tmp_path, "B", 1, port, iters, peer_copies=1, save_interval=100, memory_flags=flags)
+    try:
+        for _ in range(20):   # freeze B (no snapshot can commit without it) at the right moment
+            wait_until(lambda: _odd_step_with_older_copy(a, b), [a, b], 240,
+                       "an odd newest snapshot with a complete copy of the step before")
+            _signal_node(b, signal.SIGSTOP)
+            time.sleep(1.0)   # an in-flight commit of A's next snapshot lands now, or cannot happen
+            hit = _odd_step_with_older_copy(a, b)
+            if hit is not None and a.latest() == hit[0]:
+                break
+            _signal_node(b, signal.SIGCONT)
+        else:
+            raise AssertionError("never froze node B with an uncopied newest snapshot")
+        newest, copied_dir = hit
+        peer_root = os.path.dirname(copied_dir)
+        copies = sorted(d for d in os.listdir(peer_root) if os.path.exists(os.path.join(peer_root, d, "COMPLETE")))
+        assert copies == [f"step_{newest - 1:09d}"], copies      # the odd step itself was never copied
+        assert sorted(os.listdir(os.path.join(a.snapdir, "local"))).count(f"step_{newest:09d}") == 1
+        b.kill_node()
+        assert storage_latest(a.ckpt) is None                     # nothing durable yet: memory or nothing
+        assert a.wait() == 0, a.output()[-6000:]
+    finally:
+        a.kill()
+        b.kill()
+        del store
+    rest = _restores(a)[-1]
+    by = rest["bytes"]
+    assert rest["tier"] == "memory" and rest["step"] == newest - 1, rest
+    assert by.get("storage", 0) == 0 and by.get("peer-memory", 0) > 0 and by.get("local-memory", 0) > 0, by
+    assert f"trying the older memory snapshot of step {newest - 1}" in a.output(), a.output()[-6000:]
+    recs = read_jsonl(a.metrics)
+    # exactly the iterations after the copied step re-run, with the losses logged before the failure
+    check_reruns(recs, a.event_list() + b.event_list(), iters, at_least=1)

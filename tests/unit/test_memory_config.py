@@ -90,3 +90,39 @@ def test_memory_snapshot_dir_expands_the_home_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = parse_elastor_section({"checkpoint": {"dir": "~/ckpt"}, "memory_snapshot": {"dir": "~/snap"}})
     assert cfg.memory_snapshot.dir == str(tmp_path / "snap") and cfg.checkpoint.dir == str(tmp_path / "ckpt")
+
+
+def _mem(**kw):
+    return parse_elastor_section({"checkpoint": {"dir": "/tmp/x"}, "memory_snapshot": kw}).memory_snapshot
+
+
+def test_peer_copy_interval_copies_every_nth_step_and_keeps_enough():
+    m = _mem(peer_copy_interval_steps=4, interval_steps=2)
+    assert m.peer_copy_interval_steps == 4 and m.keep == 3           # 4 / 2 + 1: the default follows
+    assert [s for s in range(1, 13) if m.copies_step(s)] == [4, 8, 12]
+    every = _mem()                                                    # no interval: every snapshot
+    assert every.keep == 1 and [s for s in range(1, 5) if every.copies_step(s)] == [1, 2, 3, 4]
+    assert not any(_mem(peer_copies=0, peer_copy_interval_steps=3).copies_step(s) for s in range(1, 10))
+    assert _mem(peer_copies=0, peer_copy_interval_steps=3).keep == 1  # no copies: nothing to keep for
+    assert _mem(peer_copy_interval_steps=3, keep=5).keep == 5
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"peer_copy_interval_steps": 3, "interval_steps": 2}, "not a multiple of the snapshot interval 2"),
+    ({"peer_copy_interval_steps": 0}, "peer_copy_interval_steps: expected an integer >= 1"),
+    ({"peer_copy_interval_steps": 4, "keep": 2}, "keep: 2 snapshot(s) per node, but with a peer copy every 4 steps"),
+])
+def test_bad_peer_copy_intervals_name_the_fix(section, message):
+    with pytest.raises(ConfigError) as e:
+        _mem(**section)
+    assert message in str(e.value)
+
+
+def test_restore_candidates_are_common_steps_not_older_than_storage():
+    from elastor_ds.checkpoint.session import restore_candidates
+
+    assert restore_candidates([[5, 6, 7], [6, 7], [5, 6, 7]], -1) == [7, 6]
+    assert restore_candidates([[5, 6, 7], [5, 6, 7]], 6) == [7, 6]     # storage's step ties: memory first
+    assert restore_candidates([[5, 6, 7], [5, 6, 8]], 7) == []          # storage is newer than the common steps
+    assert restore_candidates([[3], []], -1) == []                      # one node holds nothing
+    assert restore_candidates([], -1) == []

@@ -55,6 +55,8 @@ def attach(checkpointer: Any, timeout_s: float = 600.0) -> Optional[PeerCopier]:
         return None
 
     def peer_copy(info) -> None:
+        if not mem.cfg.copies_step(int(info.step)):   # a peer-copy interval longer than the snapshots'
+            return
         files = [PeerFile(rel, int(size), int(crc)) for rel, (size, crc) in sorted(info.files.items())]
         copier.submit(info.step_dir, files, search_dirs=[info.tmp_dir])
 

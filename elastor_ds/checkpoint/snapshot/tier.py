@@ -168,6 +168,14 @@ class MemoryTier:
                 self.check_budget(stats.bytes_written, policy_comm, estimated=False)
         return stats
 
+    def committed_steps(self) -> dict[int, str]:
+        """step -> step dir of every committed snapshot in this node's directory."""
+        try:
+            return dict(commit_mod.list_committed(self.root))
+        except Exception as e:  # noqa: BLE001 - nothing usable here: restore elsewhere
+            log.debug("no usable memory snapshot under %s: %s", self.root, e)
+            return {}
+
     def newest_local_step(self) -> tuple[Optional[int], Optional[str]]:
         """(step, step dir) of the newest committed snapshot in this node's directory."""
         try:

@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "memory holds (needs --save)")
     g.add_argument("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
                    help="copies of each snapshot on other nodes (0 or 1; default 1)")
+    g.add_argument("--elastor-memory-snapshot-peer-copy-interval", type=int, default=None, metavar="N",
+                   help="copy only every N-th iteration's snapshot to the next node (a multiple of the snapshot "
+                        "interval; default: every snapshot)")
     g.add_argument("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
                    help="memory snapshots kept per node (default 1)")
     return parser
@@ -283,6 +286,7 @@ def memory_config(args: Any) -> Optional[MemorySnapshotConfig]:
         return None
     d = {"interval_steps": interval}
     for flag, key in (("elastor_memory_snapshot_keep", "keep"), ("elastor_memory_snapshot_peer_copies", "peer_copies"),
+                      ("elastor_memory_snapshot_peer_copy_interval", "peer_copy_interval_steps"),
                       ("elastor_memory_snapshot_dir", "dir")):
         v = getattr(args, flag, None)
         if v is not None:
