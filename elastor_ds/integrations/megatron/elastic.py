@@ -26,6 +26,7 @@ controller sits a floor above the integrations and this module does not import i
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -74,8 +75,6 @@ def describe_layout(args: Any) -> str:
 def _restore_record(args: Any) -> Optional[dict]:
     """The restore record (tier, step, bytes per source, seconds) of the session this launch loaded
     from, or None (nothing loaded)."""
-    import os
-
     from . import training_hooks
 
     # the hooks keep one session per storage root (no public accessor yet: their registry)
