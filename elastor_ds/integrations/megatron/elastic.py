@@ -26,7 +26,6 @@ controller sits a floor above the integrations and this module does not import i
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -77,13 +76,7 @@ def _restore_record(args: Any) -> Optional[dict]:
     from, or None (nothing loaded)."""
     from . import training_hooks
 
-    # the hooks keep one session per storage root (no public accessor yet: their registry)
-    sessions = training_hooks._S.sessions
-    for root in (getattr(args, "load", None), getattr(args, "save", None)):
-        sess = sessions.get(os.path.abspath(root)) if root else None
-        if sess is not None and getattr(sess, "restore", None):
-            return dict(sess.restore)
-    return None
+    return training_hooks.restore_record(args)
 
 
 def attach(worker: Optional[WorkerHooks], args: Any, iteration: int) -> ElasticLoop:

@@ -322,6 +322,16 @@ def session(args: Any, root: str, keep: Optional[int] = None, model: Any = None,
     return sess
 
 
+def restore_record(args: Any) -> Optional[dict]:
+    """The restore record (tier, step, bytes per source, seconds) of this launch's load, from the
+    session of ``--load`` (else ``--save``); None when nothing was loaded."""
+    for root in (getattr(args, "load", None), getattr(args, "save", None)):
+        sess = _S.sessions.get(os.path.abspath(root)) if root else None
+        if sess is not None and sess.restore:
+            return dict(sess.restore)
+    return None
+
+
 def finalize() -> Optional[SaveStats]:
     """Wait for every in-flight save and snapshot (raises AsyncSaveError if one failed). Call before exiting."""
     last = None
