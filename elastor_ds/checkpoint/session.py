@@ -315,8 +315,11 @@ class CheckpointSession:
             res = self._load_memory_step(step, local[step], sdir, sstep, best_storage)
             if res is not None:
                 return res
-            if self.comm.rank == 0 and i + 1 < len(cands):
-                log.warning("trying the older memory snapshot of step %d", cands[i + 1])
+            if self.comm.rank == 0:
+                if i + 1 < len(cands):
+                    log.warning("trying the older memory snapshot of step %d", cands[i + 1])
+                else:
+                    log.error("no usable memory snapshot; restoring from storage instead")
         return None
 
     def _load_memory_step(self, mstep: int, mdir: str, sdir: Optional[str], sstep: Optional[int],
