@@ -19,17 +19,7 @@ import os
 import pytest
 
 from dist_utils import run_world
-
-
-class _Sched:
-    def __init__(self, n=0):
-        self.num_steps = n
-
-    def state_dict(self):
-        return {"num_steps": self.num_steps}
-
-    def load_state_dict(self, sd):
-        self.num_steps = sd["num_steps"]
+from megatron_standins import _Sched
 
 
 def _args(cfg, root: str, **kw) -> argparse.Namespace:
