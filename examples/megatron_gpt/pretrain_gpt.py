@@ -457,7 +457,6 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
         cfg.pop("elastor")
         return cfg
     ck.setdefault("interval_steps", args.save_interval)
-    ck.setdefault("async", True)
     ck.setdefault("load", "latest" if args.load else "none")
     if args.load and (not args.save or os.path.abspath(args.load) != os.path.abspath(args.save)):
         ck["load"] = args.load  # an explicit root or step dir ("latest" would look for steps *under* a step dir)

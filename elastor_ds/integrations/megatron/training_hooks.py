@@ -72,13 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("elastor", "elastic, partition-agnostic checkpoints (off by default)")
     g.add_argument("--elastor", action="store_true", default=False,
                    help="save/load checkpoints through elastor (loadable under any TP x PP x DP)")
-    g.add_argument("--elastor-async", dest="elastor_async", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--elastor-async", dest="elastor_async", action=argparse.BooleanOptionalAction,
+                   default=CheckpointConfig.async_save,
                    help="write checkpoints in a background thread (default on)")
     g.add_argument("--elastor-keep", type=int, default=CheckpointConfig.keep,
                    help=f"committed checkpoints to keep (default {CheckpointConfig.keep})")
     g.add_argument("--elastor-fallback", dest="elastor_fallback", action=argparse.BooleanOptionalAction,
-                   default=True, help="when the newest checkpoint is corrupt or incomplete, load the previous "
-                                      "committed one (default on)")
+                   default=CheckpointConfig.fallback_to_previous,
+                   help="when the newest checkpoint is corrupt or incomplete, load the previous "
+                        "committed one (default on)")
     g.add_argument("--elastor-plan", default=None, metavar="auto|on-change|FILE",
                    help="sets TP, PP and the (uneven) pipeline stage boundaries: 'auto' plans the best TP x PP x DP "
                         "for the launched world; 'on-change' keeps the parallel-size flags on the world `elastor "
@@ -303,8 +305,10 @@ def session(args: Any, root: str, keep: Optional[int] = None, model: Any = None,
     if sess is None:
         comm = _comm(args)
         keep = int(keep or getattr(args, "elastor_keep", None) or CheckpointConfig.keep)
-        cfg = CheckpointConfig(dir=key, keep=keep, async_save=bool(getattr(args, "elastor_async", True)),
-                               fallback_to_previous=bool(getattr(args, "elastor_fallback", True)),
+        cfg = CheckpointConfig(dir=key, keep=keep,
+                               async_save=bool(getattr(args, "elastor_async", CheckpointConfig.async_save)),
+                               fallback_to_previous=bool(getattr(args, "elastor_fallback",
+                                                                 CheckpointConfig.fallback_to_previous)),
                                timeout_s=_timeout_s(args))
         mem = None
         if getattr(args, "save", None) and key == os.path.abspath(args.save):
@@ -947,7 +951,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
     state.bind(args, model, optimizer, opt_param_scheduler)
     # the engine resolves and reads the manifest once (past unusable ones with --elastor-fallback);
     # --ckpt-step pins one step: no fallback then
-    fallback = bool(getattr(args, "elastor_fallback", True)) and getattr(args, "ckpt_step", None) is None
+    fallback = bool(getattr(args, "elastor_fallback", CheckpointConfig.fallback_to_previous)) and getattr(args, "ckpt_step", None) is None
     opened = sess.ckpt.open(step_dir, fallback=fallback)
     man = opened.manifest
     if man.extra.get("format") not in (None, FORMAT):
