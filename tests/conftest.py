@@ -27,6 +27,7 @@ def tier_of(path: str) -> str:
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    config._elastor_collected_tiers = sorted({tier_of(str(item.fspath)) for item in items})
     for item in items:
         tier = tier_of(str(item.fspath))
         item.add_marker(getattr(pytest.mark, tier))
