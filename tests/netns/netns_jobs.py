@@ -77,7 +77,7 @@ class NodeJob:
     """`elastor run` in namespace ``name`` with ``nproc`` workers."""
 
     def __init__(self, bed: Testbed, name: str, tmp, endpoint: str, nproc: int, iters: int, extra_conf: str = "",
-                 rdzv_backend: str = "c10d"):
+                 rdzv_backend: str = "c10d", keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS):
         self.bed, self.name = bed, name
         self.addr = bed.node(name).addr
         self.snapdir = f"/dev/shm/{bed.prefix}{name}"
@@ -89,7 +89,7 @@ class NodeJob:
         if not os.path.exists(secret):
             job_secret(tmp)
         conf = (f"join_timeout=120,last_call_timeout=6,keep_alive_interval={KEEP_ALIVE_S},"
-                f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},read_timeout={READ_TIMEOUT_S}")
+                f"keep_alive_max_attempt={keep_alive_attempts},read_timeout={READ_TIMEOUT_S}")
         if rdzv_backend == "c10d":
             conf += ",is_host=0"
         if extra_conf:

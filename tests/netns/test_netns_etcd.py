@@ -15,11 +15,16 @@ import time
 import pytest
 
 from elastor_ds.testing.etcd_cluster import EtcdCluster, etcd_unavailable
-from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, NodeJob, after_detection, check_recovery, final_manifest,
+from netns_jobs import (ITERS, KEEP_ALIVE_S, NodeJob, after_detection, check_recovery, final_manifest,
                         no_process_left, restore_bytes, strike_point)
 
 pytestmark = pytest.mark.timeout(300)
 ETCD_REQUEST_TIMEOUT_S = 5 + 2 * 1.0   # etcd: 5 s + 2 election timeouts (EtcdCluster: --election-timeout 1000)
+# the survivor's beats go unanswered while etcd elects a new leader: about 1 s idle, but over 3 s
+# on a loaded 2-core CI machine, where the other tiers' 4-beat bound (fence after 3 s) fenced the
+# survivor itself. This test gives the election room: 8 beats (lost after 8 s, fence after 7 s).
+ETCD_KEEP_ALIVE_ATTEMPTS = 8
+ETCD_LIVENESS_TIMEOUT_S = KEEP_ALIVE_S * ETCD_KEEP_ALIVE_ATTEMPTS
 
 
 def _require_etcd() -> None:
@@ -39,8 +44,10 @@ def test_etcd_rendezvous_survives_losing_node0(bed_factory, tmp_path):
     bed = bed_factory(["n0", "n1", "e2"])
     cluster = EtcdCluster(bed, ["n0", "n1", "e2"], str(tmp_path / "etcd"))
     cluster.wait_healthy()
-    big = NodeJob(bed, "n0", tmp_path, cluster.endpoint, nproc=2, iters=ITERS, rdzv_backend="etcd-v2")
-    small = NodeJob(bed, "n1", tmp_path, cluster.endpoint, nproc=1, iters=ITERS, rdzv_backend="etcd-v2")
+    big = NodeJob(bed, "n0", tmp_path, cluster.endpoint, nproc=2, iters=ITERS, rdzv_backend="etcd-v2",
+                  keep_alive_attempts=ETCD_KEEP_ALIVE_ATTEMPTS)
+    small = NodeJob(bed, "n1", tmp_path, cluster.endpoint, nproc=1, iters=ITERS, rdzv_backend="etcd-v2",
+                    keep_alive_attempts=ETCD_KEEP_ALIVE_ATTEMPTS)
     strike_point(small, big, [big, small])
     launch = big.first("launch")
     assert launch is not None and launch["node_rank"] == 0 and launch["global_ranks"] == [0, 1], launch
@@ -56,7 +63,7 @@ def test_etcd_rendezvous_survives_losing_node0(bed_factory, tmp_path):
     # during the election waits for etcd's request timeout (measured: the record at 7.4 s). One
     # failure, counted once (the ledger on etcd's store, which has no compare-and-set).
     assert fail["cause"] in ("exit", "node_lost"), fail
-    assert fail["time"] - t_fault <= LIVENESS_TIMEOUT_S + KEEP_ALIVE_S + 2.0 + ETCD_REQUEST_TIMEOUT_S, fail
+    assert fail["time"] - t_fault <= ETCD_LIVENESS_TIMEOUT_S + KEEP_ALIVE_S + 2.0 + ETCD_REQUEST_TIMEOUT_S, fail
     assert cluster.leader() in ("n1", "e2")
     assert fail["job_failures"] == 1 and fail["collateral_of"] is None, fail
     assert small.wait() == 0, small.output()[-6000:]
