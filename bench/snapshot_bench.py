@@ -46,6 +46,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
 from elastor_ds.elastic.overhead import paired_overhead  # noqa: E402
+from elastor_ds.checkpoint.snapshot.tier import tree_bytes  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
 
@@ -66,17 +67,6 @@ def _evict(path: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-
-
-def _tree_bytes(path: str) -> int:
-    n = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                n += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
-    return n
 
 
 # ---------------------------------------------------------------------------------------------- engine rows
@@ -113,7 +103,7 @@ def _engine_worker(rank: int, world: int, port: int, args, mem_dir: str, storage
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _tree_bytes(mem_root))
+            peak[0] = max(peak[0], tree_bytes(mem_root))
             time.sleep(0.002)
     sampler = threading.Thread(target=sample, daemon=True) if rank == 0 else None
     if sampler:

@@ -54,7 +54,8 @@ def node_dir(mcfg: MemorySnapshotConfig) -> str:
     return os.path.abspath(d)
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (links not followed)."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
@@ -103,7 +104,7 @@ class MemoryTier:
         import socket
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
-        usable = free + _tree_bytes(self.root)   # older snapshots here are replaced, not added to
+        usable = free + tree_bytes(self.root)   # older snapshots here are replaced, not added to
         limit = min(usable, self.cfg.max_bytes) if self.cfg.max_bytes else usable
         me = (socket.gethostname(), os.path.realpath(self.root))
         rows = policy_comm.all_gather_object((me, int(rank_bytes), int(limit), int(free)))
