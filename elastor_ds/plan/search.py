@@ -242,73 +242,88 @@ def grouping_candidates(cluster: Cluster, tps: Sequence[int], exhaustive: bool) 
 
 
 # ---- step 4: exact layer split ----------------------------------------------------------------
+def _stage_values(per_layer: Sequence[float], extra: Sequence[float], max_layers: Sequence[int],
+                  L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(a, e, caps, vals)``: ``vals[j, n - 1] = n * per_layer[j] + extra[j]`` for ``n <= caps[j]``
+    (``caps`` = ``max_layers`` capped at ``L``), ``inf`` beyond; every row ascending."""
+    a = np.asarray(per_layer, dtype=float)
+    e = np.asarray(extra, dtype=float)
+    mx = np.minimum(np.asarray(max_layers), L)
+    n = np.arange(1, L + 1)
+    vals = n[None, :] * a[:, None] + e[:, None]
+    vals[n[None, :] > mx[:, None]] = math.inf
+    return a, e, mx, vals
+
+
+def _min_max(vals: np.ndarray, k: int) -> float:
+    """The min-max time of ``k`` layers over the stages of ``vals`` (rows of :func:`_stage_values`),
+    each stage at least one layer: a bound ``T`` admits such a split iff every stage can hold one
+    layer within ``T`` and together they can hold ``k`` (a stage holds any count from 1 up to the
+    number of its values <= ``T``). So the optimum is the larger of the slowest one-layer stage and
+    the ``k``-th smallest of all values (inf when none)."""
+    return max(float(vals[:, 0].max()), float(np.partition(vals.ravel(), k - 1)[k - 1]))
+
+
 def split_layers(per_layer: Sequence[float], extra: Sequence[float], max_layers: Sequence[int],
                  num_layers: int) -> tuple[float, tuple[int, ...]] | None:
     """Exact min-max split of ``num_layers`` contiguous layers over stages in order.
 
     Stage ``j`` with ``n`` layers costs ``n * per_layer[j] + extra[j]`` and may hold
     ``1 <= n <= max_layers[j]``. Returns (slowest stage time, layers per stage) or None when no
-    split fits. Dynamic program over (stage, layers placed), vectorised over both; ties go to the
-    smallest layer count for the later stage.
+    split fits. Ties go as in the dynamic program over (stage, layers placed) ``f[j][k] = min_n
+    max(f[j-1][k-n], c_j(n))``: from the last stage back, each stage takes the smallest count that
+    keeps its prefix at the prefix's own optimum ``f[j][k]``. Both the optimum and that count
+    follow from :func:`_min_max` (the smallest ``n`` with ``k - n`` no more than the layers the
+    stages before can hold within ``f[j][k]``), so no table is built: O(S) partial sorts.
     """
     S, L = len(per_layer), num_layers
     if S > L or any(m < 1 for m in max_layers):
         return None
-    inf = math.inf
-    f = np.full(L + 1, inf)
-    f[0] = 0.0
-    k = np.arange(L + 1)
-    choices = []
-    for j in range(S):
-        nmax = min(max_layers[j], L)
-        n = np.arange(1, nmax + 1)
-        idx = k[:, None] - n[None, :]
-        prev = np.where(idx >= 0, f[np.maximum(idx, 0)], inf)
-        cand = np.maximum(prev, (n * per_layer[j] + extra[j])[None, :])
-        best = np.argmin(cand, axis=1)
-        f = cand[k, best]
-        choices.append(best + 1)
-    if not np.isfinite(f[L]):
+    vals = _stage_values(per_layer, extra, max_layers, L)[3]
+    top = _min_max(vals, L)
+    if not math.isfinite(top):
         return None
     counts = [0] * S
-    rem = L
-    for j in range(S - 1, -1, -1):
-        c = int(choices[j][rem])
+    rem, v = L, top
+    for j in range(S - 1, 0, -1):
+        head = vals[:j]
+        c = max(1, rem - int(np.count_nonzero(head <= v)))
         counts[j] = c
         rem -= c
-    return float(f[L]), tuple(counts)
+        v = _min_max(head, rem)
+    counts[0] = rem
+    return top, tuple(counts)
 
 
 def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], max_layers: Sequence[int],
                             num_layers: int) -> tuple[float, tuple[int, ...]] | None:
-    """Same optimum as :func:`split_layers`, found by exact parametric search (faster for long
-    pipelines): the optimum is one of the values ``n * per_layer[j] + extra[j]``; for a bound ``T``
-    every stage takes the most layers it can (time and memory), and ``T`` is feasible iff each
-    stage can take one layer and together they can take ``num_layers``. Binary search over the
-    sorted values; the split gives later stages as many layers as they can take."""
+    """Same optimum as :func:`split_layers`; the split gives later stages as many layers as they
+    can take (better for long pipelines: later stages keep fewer activations). The bound is the
+    smallest value ``n * per_layer[j] + extra[j]`` at which every stage can take one layer and
+    together they can take ``num_layers``, counting with a relative tolerance of 1e-12 (a value a
+    rounding error above the bound still counts). :func:`_min_max` gives the exact bound; the
+    tolerance can only lower it by a rounding error, so only the values just below it are tried."""
     S, L = len(per_layer), num_layers
     if S > L or any(m < 1 for m in max_layers):
         return None
-    a = np.asarray(per_layer, dtype=float)
-    e = np.asarray(extra, dtype=float)
-    mx = np.minimum(np.asarray(max_layers), L)
-    n = np.arange(1, L + 1)
-    vals = np.unique((n[None, :] * a[:, None] + e[:, None])[n[None, :] <= mx[:, None]])
+    a, e, mx, vals = _stage_values(per_layer, extra, max_layers, L)
+    if int(mx.sum()) < L:
+        return None
 
     def take(T: float) -> np.ndarray:
         return np.minimum(mx, np.floor((T - e) / a * (1 + 1e-12) + 1e-9)).astype(np.int64)
 
-    lo, hi = 0, len(vals) - 1
-    if take(vals[hi]).min() < 1 or take(vals[hi]).sum() < L:
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        t = take(vals[mid])
+    exact = _min_max(vals, L)
+    flat = vals.ravel()
+    near = flat[(flat <= exact) & (flat >= exact - 1e-8 * (float(a.max()) + abs(exact)))]
+    cap = None
+    for T in np.unique(near):  # ascending; ``exact`` itself is among them and always feasible
+        t = take(T)
         if t.min() >= 1 and t.sum() >= L:
-            hi = mid
-        else:
-            lo = mid + 1
-    cap = take(vals[lo])
+            cap = t
+            break
+    if cap is None:  # pragma: no cover - the exact bound counts at least as many layers
+        raise AssertionError(f"split_layers_parametric: bound {exact} not feasible")
     counts = [1] * S
     rem = L - S
     for j in range(S - 1, -1, -1):  # fill from the back (later stages keep fewer activations)

@@ -190,6 +190,42 @@ def test_split_layers_matches_brute_force():
             assert max(n * a + e for n, a, e in zip(got[1], per, extra)) == pytest.approx(want)
 
 
+def test_split_layers_ties_as_the_dynamic_program():
+    """The counts, not just the optimum: from the last stage back, each stage takes the smallest
+    count that keeps its prefix at the prefix's own optimum (the rule of the dynamic program
+    f[j][k] = min_n max(f[j-1][k-n], c_j(n)) the function used to run), here by brute force over
+    every composition. Equal per-layer times make many ties."""
+    rng = random.Random(17)
+
+    def best(per, extra, mx, k, j):  # optimum of k layers on stages 0..j, None if none fits
+        vals = [max(n * a + e for n, a, e in zip(comp, per, extra)) for comp in _compositions(k, j + 1)
+                if all(n <= m for n, m in zip(comp, mx))] if j + 1 <= k else []
+        return min(vals) if vals else None
+
+    checked = 0
+    for _ in range(120):
+        S, L = rng.randint(1, 4), rng.randint(1, 9)
+        per = [rng.choice([1.0, 0.5, 0.25]) for _ in range(S)]
+        extra = [0.0] * (S - 1) + [rng.choice([0.0, 0.5, 1.0])]
+        mx = [rng.randint(1, 7) for _ in range(S)]
+        got = split_layers(per, extra, mx, L)
+        top = best(per, extra, mx, L, S - 1)
+        if top is None:
+            assert got is None
+            continue
+        want, rem, v = [0] * S, L, top
+        for j in range(S - 1, 0, -1):
+            n = next(n for n in range(1, min(mx[j], rem - j) + 1)
+                     if n * per[j] + extra[j] <= v and (b := best(per, extra, mx, rem - n, j - 1)) is not None
+                     and max(b, n * per[j] + extra[j]) == v)
+            want[j], rem = n, rem - n
+            v = best(per, extra, mx, rem, j - 1)
+        want[0] = rem
+        assert got == (top, tuple(want)), (per, extra, mx, L)
+        checked += 1
+    assert checked > 60
+
+
 def test_micro_batch_assignment_is_exact():
     rng = random.Random(3)
     for _ in range(200):
