@@ -29,8 +29,14 @@ default, ``tmpfs`` for memory snapshots); the engine branches on its typed
 
 Why a thread and not a process: the writer's time goes to ``os.write``/``zlib.crc32`` calls that
 release the GIL; a thread reads the staging buffer without copying it into shared memory, and a
-process would double host memory or need shared-memory staging. ``bench/ckpt_bench.py`` measures the
-training slowdown while the thread writes.
+process would double host memory or need shared-memory staging. So that training keeps its core,
+the writer thread runs at a lower OS priority (``writer_nice``, Linux) and its loops of small-block
+CRCs (which hold the GIL) pause every MiB to hand the GIL over (:mod:`.fileformat`).
+``bench/ckpt_bench.py`` measures the training slowdown while the thread writes.
+
+Column tiles (:func:`~.planning.save_plan.column_tiles`) cost the stall nothing: the snapshot copies
+each box whole, row-major (one memcpy when the shard holds whole rows), and the writer streams
+each tile's rows from it with ``writev`` (:class:`~.fileformat.RowRuns`).
 
 Load (``load``): resolve the step dir (``latest``, optional fallback to the previous committed
 checkpoint when the newest fails verification on any rank), plan the byte ranges this rank needs
@@ -50,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from .settings import DEFAULT_KEEP
+from .settings import DEFAULT_KEEP, DEFAULT_WRITER_NICE
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
@@ -62,6 +68,7 @@ from .reader import read_shards
 from .sources import SourcesFor
 from .shards import TensorShard, dtype_name
 from .crc import crc32
+from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
 from .state import to_jsonable
@@ -77,6 +84,18 @@ log = logging.getLogger(__name__)
 # a checkpoint that fails with one of these on every failing rank is unusable: fall back to an older one
 DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionError)
 
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (at most 19). Linux treats each thread
+    as a task with its own nice value (``setpriority`` on its native id); threads it starts
+    inherit it. Elsewhere, or when refused, the thread keeps its priority (logged)."""
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
+    except (AttributeError, OSError) as e:
+        log.debug("checkpoint writer keeps its priority (setpriority refused: %s)", e)
 
 
 @dataclass
@@ -158,17 +177,23 @@ class CheckpointEngine:
     """Save/load model and optimizer state under any layout. Collective: every rank calls every method."""
 
     def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = DEFAULT_KEEP,
-                 async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE):
+                 async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE,
+                 writer_nice: int = DEFAULT_WRITER_NICE):
         """``storage``: where the files go and how a step commits (:mod:`.storage`; default
         :class:`~.storage.PosixStorage` at ``root``: shared storage, fsynced). A node-local
         :class:`~.storage.TmpfsStorage` makes the constructor collective (one all-gather).
         ``optimistic_plan``: no plan-agreement collective per save (see the module docstring; a
         save-planning choice for snapshots every step, not a storage one).
-        ``block_size``: bytes per block CRC of the data files (readers take it from the manifest)."""
+        ``block_size``: bytes per block CRC of the data files (readers take it from the manifest).
+        ``writer_nice``: added to the background writer thread's nice value (Linux; 0 leaves it as
+        the training thread's), so its work yields the core to training."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be >= 1 byte")
+        if not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice={writer_nice}: must be 0..19 (added to the writer thread's nice value)")
+        self.writer_nice = int(writer_nice)
         self.root = os.path.abspath(root)
         self.storage: Storage = storage if storage is not None else PosixStorage(self.root)
         mismatch = check_root(self.storage, self.root)
@@ -254,9 +279,10 @@ class CheckpointEngine:
             if job.staged is not None:
                 spans = self.staging.snapshot(items, shards, buf=job.staged.data, defer=self.defer_device_copies)
         elif not stale:
-            spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies)
+            # column tiles of a box are copied as the box (one memcpy) and tiled by the writer
+            spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
         t2 = time.perf_counter()
-        stats = job.stats = SaveStats(step, sum(n for _, n in spans), plan_s=t1 - t0, stall_s=t2 - t1,
+        stats = job.stats = SaveStats(step, sum(sp[1] for sp in spans), plan_s=t1 - t0, stall_s=t2 - t1,
                                       plan_cached=cached, wait_s=t0 - tw)
         extra_j = to_jsonable(dict(extra or {}), "extra")
         rank_j = to_jsonable(dict(rank_state or {}), "rank_state") if rank_state is not None else None
@@ -327,6 +353,8 @@ class CheckpointEngine:
         self._queue.put(args)
 
     def _writer_loop(self, q: "queue.SimpleQueue") -> None:
+        if self.writer_nice:
+            _lower_thread_priority(self.writer_nice)
         while True:
             args = q.get()
             if args is None:
@@ -363,7 +391,9 @@ class CheckpointEngine:
             else:
                 self.staging.wait_device()
                 buf = self.staging.buf
-                views = [] if buf is None else [buf[pos:pos + n].numpy() for pos, n in spans]
+                base = memoryview(buf.numpy()) if buf is not None else None
+                views = [base[sp[0]:sp[0] + sp[1]] if len(sp) == 2 else RowRuns(base, sp[0], sp[2], sp[1] // sp[2], sp[3])
+                         for sp in spans] if base is not None else []
                 outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
                                                   block_size=self.block_size))
             stats.write_s = time.perf_counter() - tw

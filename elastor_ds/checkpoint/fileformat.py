@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -52,7 +54,79 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
     return struct.pack("<Q", len(text)) + text, offs
 
 
-def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync: bool = True,
+@dataclass(frozen=True)
+class RowRuns:
+    """``rows`` runs of ``width`` bytes, ``stride`` bytes apart, from byte ``offset`` of ``base``
+    (1-D bytes): a column tile inside a row-major box of the staging buffer. The file holds the
+    runs back to back (:func:`write_stream` writes them with ``writev``, no copy)."""
+
+    base: memoryview
+    offset: int
+    rows: int
+    width: int
+    stride: int
+
+    def __len__(self) -> int:
+        return self.rows * self.width
+
+    def row(self, r: int) -> memoryview:
+        a = self.offset + r * self.stride
+        return self.base[a:a + self.width]
+
+
+IOV_MAX = 1024
+
+
+def write_runs(fd: int, runs: RowRuns) -> None:
+    """Write every row of ``runs`` in order: ``writev`` of up to IOV_MAX rows (and about
+    WRITE_BLOCK bytes) per call; a short write continues where it stopped."""
+    per = max(1, min(IOV_MAX, WRITE_BLOCK // max(1, runs.width)))
+    for r0 in range(0, runs.rows, per):
+        pieces = [runs.row(r) for r in range(r0, min(runs.rows, r0 + per))]
+        want = runs.width * len(pieces)
+        n = os.writev(fd, pieces)
+        while n < want:   # a short write (a signal, a full pipe): finish the rest piece by piece
+            done = 0
+            for i, pc in enumerate(pieces):
+                if done + len(pc) > n:
+                    write_all(fd, pc[n - done:])
+                    for rest in pieces[i + 1:]:
+                        write_all(fd, rest)
+                    break
+                done += len(pc)
+            n = want
+
+
+def runs_cumulative_crcs(runs: RowRuns, block_size: int) -> list[int]:
+    """:func:`cumulative_crcs` of the bytes of ``runs`` taken in file order (rows back to back)."""
+    out: list[int] = []
+    c = 0
+    filled = 0
+    w = runs.width
+    pause = max(1, GIL_PAUSE_BYTES // max(1, w)) if _pausing(min(block_size, w)) else 0
+    for r in range(runs.rows):
+        if pause and r and r % pause == 0:
+            time.sleep(GIL_PAUSE_S)
+        row = runs.row(r)
+        if filled == 0 and w == block_size:   # the common case: a row is a block
+            c = crc32(row, c)
+            out.append(c)
+            continue
+        p = 0
+        while p < w:
+            take = min(w - p, block_size - filled)
+            c = crc32(row[p:p + take], c)
+            filled += take
+            p += take
+            if filled == block_size:
+                out.append(c)
+                filled = 0
+    if filled or not out:
+        out.append(c)
+    return out
+
+
+def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRuns"], fsync: bool = True,
                  chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
                  block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
@@ -64,16 +138,17 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
        (appended to ``block_crcs`` when given; the last one is the buffer's CRC, appended to
        ``chunk_crcs``); the file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`).
     Raises OSError on failure."""
-    import threading
-
-    mvs = [memoryview(b).cast("B") for b in buffers]
+    mvs = [b if isinstance(b, RowRuns) else memoryview(b).cast("B") for b in buffers]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, memoryview(header))
         size = len(header)
         for mv in mvs:
-            for i in range(0, len(mv), WRITE_BLOCK):
-                write_all(fd, mv[i:i + WRITE_BLOCK])
+            if isinstance(mv, RowRuns):
+                write_runs(fd, mv)
+            else:
+                for i in range(0, len(mv), WRITE_BLOCK):
+                    write_all(fd, mv[i:i + WRITE_BLOCK])
             size += len(mv)
         err: list[BaseException] = []
 
@@ -88,9 +163,13 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
         crc = crc32(header)
         for mv in mvs:
             if block_crcs is not None:
-                cum = cumulative_crcs(mv, block_size)
+                cum = runs_cumulative_crcs(mv, block_size) if isinstance(mv, RowRuns) else cumulative_crcs(mv, block_size)
                 block_crcs.append(cum)
                 c = cum[-1]
+            elif isinstance(mv, RowRuns):
+                c = 0
+                for r in range(mv.rows):
+                    c = crc32(mv.row(r), c)
             else:
                 c = 0
                 for i in range(0, len(mv), WRITE_BLOCK):
@@ -107,12 +186,32 @@ def write_stream(path: str, header: bytes, buffers: Iterable[memoryview], fsync:
     return size, crc
 
 
+# The CRC of a small block (< 5 KiB) runs with the GIL held, so a loop of them in a background
+# thread would keep training's Python from running for up to the interpreter's switch interval
+# (5 ms) at every GIL hand-over. Such loops pause every GIL_PAUSE_BYTES for GIL_PAUSE_S: long
+# enough for a waiting thread to wake and take the GIL (a zero sleep hands it straight back).
+GIL_PAUSE_BYTES = 1 << 20
+GIL_PAUSE_S = 1e-4
+_GIL_FREE_CRC = 8 * 1024   # zlib(-ng) releases the GIL for calls on more than ~5 KiB
+
+
+def _pausing(block_size: int) -> bool:
+    return block_size < _GIL_FREE_CRC and threading.current_thread() is not threading.main_thread()
+
+
 def cumulative_crcs(mv: memoryview, block_size: int) -> list[int]:
     """CRC32 of ``mv[:end]`` for every block end (``block_size`` apart, the last at ``len(mv)``);
     at least one entry (0 for an empty buffer)."""
     c = 0
-    out = [c := crc32(mv[i:i + block_size], c) for i in range(0, len(mv), block_size)]
-    return out or [0]
+    if not _pausing(block_size) or len(mv) <= GIL_PAUSE_BYTES:
+        out = [c := crc32(mv[i:i + block_size], c) for i in range(0, len(mv), block_size)]
+        return out or [0]
+    out = []
+    step = max(block_size, GIL_PAUSE_BYTES // block_size * block_size)
+    for s in range(0, len(mv), step):
+        out += [c := crc32(mv[i:i + block_size], c) for i in range(s, min(len(mv), s + step), block_size)]
+        time.sleep(GIL_PAUSE_S)
+    return out
 
 
 def crc_table_bytes(tables: Sequence[Sequence[int]]) -> tuple[bytes, list[int]]:

@@ -25,6 +25,8 @@ from .sources import STORAGE, ChunkSource, DirSource, close_all, describe_source
 
 log = logging.getLogger(__name__)
 
+PREFETCH_BYTES = 32 << 20   # reads announced to a source ahead of the one running (``prefetch``)
+
 
 def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], allow_cast: bool = False,
                 check_crc: bool = True, sources: Optional[Sequence[ChunkSource]] = None) -> LoadPlan:
@@ -142,8 +144,17 @@ class _Reader:
         self.src = src
         stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         pending = None
+        prefetch = getattr(src, "prefetch", None)
+        ahead = 0   # ops[:ahead] have been announced to the source
         try:
             for i, op in enumerate(ops):
+                if prefetch is not None:
+                    # keep about PREFETCH_BYTES of the following contiguous reads queued at the source
+                    ahead = max(ahead, i + 1)
+                    while ahead < len(ops) and sum(o.length for o in ops[i + 1:ahead]) < PREFETCH_BYTES:
+                        if ops[ahead].repeat == 1:
+                            prefetch(ops[ahead].file, ops[ahead].offset, ops[ahead].length)
+                        ahead += 1
                 if op.repeat > 1:
                     if pending is not None:
                         pending.result()

@@ -20,6 +20,9 @@ from ..errors import ConfigError
 
 SECTION = "elastor"
 DEFAULT_KEEP = 2   # committed checkpoints kept: the one place this default is written
+# added to the nice value of the checkpoint writer thread (Linux, per thread): the writer's copies
+# and checksums take a core only when training leaves it idle (bench/ckpt_bench.py, issue 23)
+DEFAULT_WRITER_NICE = 19
 
 
 @dataclass(frozen=True)

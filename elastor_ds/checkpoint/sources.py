@@ -10,7 +10,8 @@ file or an I/O error falls back to the next source for that file (logged). When 
 fails too, the load fails as a corrupt checkpoint.
 
 A source is any object with ``name``, ``bytes_read``, ``has(relpath, size)`` and
-``read_into(relpath, offset, views)``, optionally ``where(relpath)`` (where the file is, for
+``read_into(relpath, offset, views)``, optionally ``prefetch(relpath, offset, length)`` (a hint
+that a read of those bytes comes next) and ``where(relpath)`` (where the file is, for
 messages: ``local memory /dev/shm/...``, ``peer 10.0.0.2:4567 (local/step_.../data_00000...)``,
 ``storage /ckpt/...``; :func:`describe_source`); ``relpath`` is the manifest's name, resolved inside the
 source's directory with :func:`~.paths.safe_join` (never a name out of it). This module has the
@@ -82,7 +83,7 @@ class DirSource:
         except (CheckpointError, OSError):
             return False
 
-    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+    def _fd(self, relpath: str) -> int:
         fd = self._fds.get(relpath)
         if fd is None:
             try:
@@ -90,6 +91,19 @@ class DirSource:
             except FileNotFoundError:
                 raise IncompleteCheckpointError(f"{self.step_dir}/{relpath}: data file is missing "
                                                 f"(source {self.name})") from None
+        return fd
+
+    def prefetch(self, relpath: str, offset: int, length: int) -> None:
+        """Ask the kernel to start reading ``length`` bytes at ``offset`` into the page cache
+        (``POSIX_FADV_WILLNEED``: it queues the reads and returns), so the disk works on the next
+        read while this one is checked and copied. A hint: errors are ignored."""
+        try:
+            os.posix_fadvise(self._fd(relpath), offset, length, os.POSIX_FADV_WILLNEED)
+        except (CheckpointError, OSError, AttributeError):
+            pass
+
+    def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
+        fd = self._fd(relpath)
         try:
             pread_into(fd, views, offset)
         except CorruptCheckpointError as e:

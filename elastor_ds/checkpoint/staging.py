@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..layout.region import Region
 from .planning.save_plan import WriteItem
 from .shards import TensorShard, region_view
 
@@ -34,15 +35,34 @@ def _byte_run(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(st, t.data_ptr() - st.data_ptr(), (nbytes,))
 
 
+def _tile_run_end(items: Sequence[WriteItem], i: int) -> int:
+    """The end of the run of column tiles of one 2-D box that starts at ``items[i]``: the items
+    after it of the same tensor and shard, with the same rows, each starting at the column where
+    the one before ends (:func:`~.planning.save_plan.column_tiles` cuts a box so)."""
+    first = items[i]
+    if first.region.ndim != 2:
+        return i + 1
+    j = i + 1
+    while j < len(items):
+        it, prev = items[j], items[j - 1]
+        if (it.name != first.name or it.shard != first.shard or it.dtype != first.dtype
+                or it.region.offsets[0] != first.region.offsets[0] or it.region.sizes[0] != first.region.sizes[0]
+                or it.region.offsets[1] != prev.region.ends[1]):
+            break
+        j += 1
+    return j
+
+
 class _CopyProgram:
     """The CPU copies of one (items, shards, buffer): (destination array, source array) pairs."""
 
-    def __init__(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor):
-        self.items, self.shards, self.buf = items, shards, buf
+    def __init__(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor,
+                 whole_boxes: bool = False):
+        self.items, self.shards, self.buf, self.whole_boxes = items, shards, buf, whole_boxes
         self.tensors = [sh.tensor for sh in shards]
         self.copies: list[tuple[np.ndarray, np.ndarray]] = []
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.spans: list[tuple[int, int]] = []
+        self.spans: list[tuple[int, ...]] = []
         self.total = sum(i.nbytes for i in items)
         run: list = []   # [src tensor, src storage id, src start ptr, dst start, nbytes] of the open run
 
@@ -50,12 +70,8 @@ class _CopyProgram:
             if run and run[4]:
                 self.copies.append((buf[run[3]:run[3] + run[4]].numpy(), _byte_run(run[0], run[4]).numpy()))
             run.clear()
-        pos = 0
-        for it in items:
-            sh = shards[it.shard]
-            src = region_view(sh.tensor, it.region.relative_to(sh.region))
-            n = it.nbytes
-            self.spans.append((pos, n))
+
+        def copy(src: torch.Tensor, pos: int, n: int, sizes: Sequence[int]) -> None:
             if n and src.is_contiguous():
                 sid = src.untyped_storage().data_ptr()
                 if run and run[1] == sid and run[2] + run[4] == src.data_ptr() and run[3] + run[4] == pos:
@@ -68,12 +84,41 @@ class _CopyProgram:
                 self.copies.append((buf[pos:pos + n].numpy().reshape(src.shape[0], -1), src.view(torch.uint8).numpy()))
             elif n:
                 close()   # any other strides: torch's strided copy (dtypes numpy lacks, e.g. bfloat16)
-                self.strided.append((buf[pos:pos + n].view(src.dtype).view(it.region.sizes), src))
+                self.strided.append((buf[pos:pos + n].view(src.dtype).view(tuple(sizes)), src))
+        pos = 0
+        i = 0
+        while i < len(items):
+            it = items[i]
+            sh = shards[it.shard]
+            j = _tile_run_end(items, i) if whole_boxes else i + 1
+            if j - i > 1:
+                # the column tiles of one box: the box is copied whole, row-major (one memcpy when
+                # the shard holds whole rows), and each tile is a strided span of it that the
+                # writer streams row by row (the tiling costs the training thread nothing)
+                box = Region(it.region.offsets, (it.region.sizes[0], items[j - 1].region.ends[1] - it.region.offsets[1]))
+                n = sum(items[k].nbytes for k in range(i, j))
+                copy(region_view(sh.tensor, box.relative_to(sh.region)), pos, n, box.sizes)
+                rows = box.sizes[0]
+                row_bytes = n // rows
+                col = 0
+                for k in range(i, j):
+                    width = items[k].nbytes // rows
+                    self.spans.append((pos + col, items[k].nbytes, rows, row_bytes))
+                    col += width
+                pos += n
+                i = j
+                continue
+            n = it.nbytes
+            self.spans.append((pos, n))
+            copy(region_view(sh.tensor, it.region.relative_to(sh.region)), pos, n, it.region.sizes)
             pos += n
+            i += 1
         close()
 
-    def valid_for(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor) -> bool:
-        return (items is self.items and shards is self.shards and buf is self.buf and len(shards) == len(self.tensors)
+    def valid_for(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor,
+                  whole_boxes: bool = False) -> bool:
+        return (items is self.items and shards is self.shards and buf is self.buf and whole_boxes == self.whole_boxes
+                and len(shards) == len(self.tensors)
                 and all(sh.tensor is t for sh, t in zip(shards, self.tensors)))
 
 
@@ -127,9 +172,15 @@ class StagingBuffer:
             self._program = None
 
     def snapshot(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor | None = None,
-                 defer: bool = False) -> list[tuple[int, int]]:
-        """Copy every item's bytes into the buffer in file order; return (offset, nbytes) per item."""
-        prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None) if buf is not None else None
+                 defer: bool = False, whole_boxes: bool = False) -> list[tuple[int, ...]]:
+        """Copy every item's bytes into the buffer in file order; return (offset, nbytes) per item.
+
+        ``whole_boxes`` (CPU shards): the column tiles of one box are copied as the box, row-major,
+        and each tile's span is ``(offset, nbytes, rows, row stride)``: its rows of ``nbytes //
+        rows`` bytes, ``row stride`` apart (the writer streams them in file order, row by row);
+        for a destination that is the file itself (staged in place) leave it False."""
+        prog = (next((p for p in self._programs if p.valid_for(items, shards, buf, whole_boxes)), None)
+                if buf is not None else None)
         total = prog.total if prog is not None else sum(i.nbytes for i in items)
         if buf is None:
             buf = self.ensure(total)
@@ -138,9 +189,9 @@ class StagingBuffer:
         self.wait_device()
         if not any(sh.tensor.is_cuda for sh in shards):
             if prog is None:
-                prog = next((p for p in self._programs if p.valid_for(items, shards, buf)), None)
+                prog = next((p for p in self._programs if p.valid_for(items, shards, buf, whole_boxes)), None)
             if prog is None:
-                prog = _CopyProgram(items, shards, buf)
+                prog = _CopyProgram(items, shards, buf, whole_boxes)
                 self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
             self._program = prog
             for dst, src in prog.copies:
