@@ -102,9 +102,14 @@ def read_jsonl(path: str | None) -> list[dict]:
     return out
 
 
+WARMUP_ITERATIONS = 2  # a launch's first iterations, left out of its median (the example trainer's profile skips them)
+
+
 @dataclass
 class Phase:
-    """One launch that trained: its world, layout and iterations."""
+    """One launch that trained: its world, layout and iterations. ``median_iter_s``: the median
+    iteration time after the first :data:`WARMUP_ITERATIONS` (after the first one when the phase
+    ran at most that many more)."""
     index: int
     world_size: int
     layout: str
@@ -188,7 +193,9 @@ def phases(events: list[dict], metrics: list[dict]) -> list[Phase]:
             ph.first_iteration, ph.last_iteration = mine[0]["iteration"], mine[-1]["iteration"]
             ph.loss_first, ph.loss_last = mine[0].get("lm_loss"), mine[-1].get("lm_loss")
             ph.t_end = mine[-1]["time"]
-            steady = [m["iter_time_s"] for m in mine[1:] if "iter_time_s" in m] or [m.get("iter_time_s", 0) for m in mine]
+            skip = WARMUP_ITERATIONS if len(mine) > WARMUP_ITERATIONS + 1 else 1
+            steady = [m["iter_time_s"] for m in mine[skip:] if "iter_time_s" in m] or \
+                [m.get("iter_time_s", 0) for m in mine]
             ph.median_iter_s = statistics.median(steady) if steady else None
             if len(mine) > 1 and mine[-1]["time"] > mine[0]["time"]:
                 samples = mine[-1].get("consumed_samples", 0) - mine[0].get("consumed_samples", 0)

@@ -31,6 +31,12 @@ def _predicted(ph: Phase) -> float | None:
     return next((v for k, v in num.items() if "predicted" in k and "uniform" not in k and "idle" not in k), None)
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds, 3 significant digits below 100 ms, whole milliseconds above."""
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
 def _plan_text(ph: Phase) -> str:
     """Chosen plan, predicted vs measured ms/iteration, and the best uniform plan on the same world
     (how many processes it leaves idle), from the trainer's fields."""
@@ -45,15 +51,22 @@ def _plan_text(ph: Phase) -> str:
         bits.append(f"source {p['plan_source']}")
     if pred is not None:
         meas = ph.median_iter_s
-        bits.append(f"predicted {pred * 1e3:.3g} ms/it" + (
-            f" vs measured {meas * 1e3:.3g} (measured/predicted {meas / pred:.2f})" if meas and pred > 0 else ""))
+        bits.append(f"predicted {_ms(pred)} ms/it" + (
+            f" vs measured {_ms(meas)} (predicted/measured {pred / meas:.2f})" if meas and pred > 0 else ""))
     uplan = p.get("uniform_plan")
     if uni is not None or isinstance(uplan, str):
         idle = p.get("uniform_idle_processes")
         bits.append("best uniform on this world" + (f" {uplan}" if isinstance(uplan, str) else "")
-                    + (f" {uni * 1e3:.3g} ms/it" if uni is not None else "")
+                    + (f" {_ms(uni)} ms/it" if uni is not None else "")
                     + (f" ({uni / pred:.3f}x)" if uni and pred else "")
-                    + (f", {idle} process(es) idle" if isinstance(idle, int) and idle > 0 else ""))
+                    + (f", {idle} of {ph.world_size} process(es) idle" if isinstance(idle, int) and idle > 0 else
+                       f", every process used" if idle == 0 else ""))
+    src = p.get("predicted_sources")
+    if isinstance(src, dict) and src:
+        kinds: dict[str, list[str]] = {}
+        for term, kind in src.items():
+            kinds.setdefault(str(kind), []).append(str(term).replace("_", " "))
+        bits.append("priced from " + ", ".join(f"{k}: {' + '.join(v)}" for k, v in kinds.items()))
     return "; ".join(bits)
 
 

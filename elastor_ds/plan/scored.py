@@ -31,7 +31,8 @@ class PlanProvenance:
     previous plan)"``, ``"re-plan from ...: ..."``). ``candidates``: plans that use exactly the world
     and were compared. ``best_overall``: the search's best plan when it leaves devices idle (a
     trainer cannot run it on this world; relaunching with its device count would). ``uniform``: the
-    search's best TP x PP x DP grid, idle devices allowed (None when no search beyond the grids ran).
+    best TP x PP x DP grid for the world under the same cost model (:func:`~.world.best_uniform`:
+    the grids over every device and the search's best grid, which may leave devices idle).
     """
 
     search: str

@@ -13,6 +13,8 @@ only run a plan that gives each of them a place (each process joins the trainer'
    previous launch's plan when one is given (:func:`~.replan.replan`), else the full search
    (:func:`~.search.plan`); its plans that use exactly the world join the grids.
 3. **Choose** the fastest prediction; ties go to grids, then fewer replicas, then the plan's text.
+   The provenance's ``uniform`` is the best uniform alternative on the same world and cost model
+   (:func:`best_uniform`), idle devices allowed; a trainer reports it with ``world - num_gpus``.
 
 ``homogeneous_only`` is what Megatron-LM can run: one TP x PP for every replica (uneven layer
 splits through ``--pipeline-model-parallel-layout``). Every TP degree divides the attention heads,
@@ -98,9 +100,20 @@ def best_plan_for_world(cost: CostModel, constraints: PlanConstraints = PlanCons
     if searched and best.cost.iteration_time_s < min(s.cost.iteration_time_s for s in searched):
         how += "; chosen: a TP x PP x DP grid over every device (faster than the search's plans)"
     idle = res.best if res is not None and res.best.plan.num_gpus < world else None
-    prov = PlanProvenance(how, len(pool), idle, res.uniform if res is not None else None)
+    prov = PlanProvenance(how, len(pool), idle, best_uniform(cost, grids, res))
     log.debug("best plan for %d devices (%s): %s", world, constraints.describe(), best.describe())
     return ScoredPlan(best.plan, best.cost, prov)
+
+
+def best_uniform(cost: CostModel, grids: Sequence[ScoredPlan], res: Optional[PlanResult]) -> Optional[ScoredPlan]:
+    """The best uniform plan for the launched world, priced by the same ``cost`` as the chosen
+    plan: the fastest of the grids over every device (``grids``, :func:`world_grids`) and the
+    search's best grid (``res.uniform``, which may leave devices idle: ``world - plan.num_gpus``);
+    ties go to the plan using more devices. None when neither exists."""
+    pool = list(grids) + ([res.uniform] if res is not None and res.uniform is not None else [])
+    if not pool:
+        return None
+    return min(pool, key=lambda s: (s.cost.iteration_time_s, -s.plan.num_gpus, _plan_tie(s.plan)))
 
 
 def world_grids(cost: CostModel, constraints: PlanConstraints = PlanConstraints()) -> list[ScoredPlan]:

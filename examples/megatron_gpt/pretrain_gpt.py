@@ -36,12 +36,18 @@ contract for readers such as the demo table (keys may be added, never removed):
       predicted_iter_s (the chosen plan's prediction), and when the
       planner's best plan overall would leave processes idle (not supported: the plan using every
       process runs) idle_best_plan, idle_best_processes, idle_best_predicted_iter_s;
-      uniform_plan and uniform_predicted_iter_s (the planner's best uniform grid, which may use fewer
-      processes), profile (path of the profile used, or null for the analytical model);
+      uniform_plan, uniform_predicted_iter_s and uniform_idle_processes (the best uniform grid for the
+      launched processes under the same cost model: over all of them, or over fewer, leaving that many
+      idle), profile (path of the profile used, or null for the analytical model); once this launch's
+      profile is written, uniform_predicted_iter_s and idle_best_predicted_iter_s are re-priced with it
+      like predicted_iter_s (the *_at_launch keys keep the first prices);
     with any plan source, once a profile exists: predicted_iter_s, the running plan's predicted seconds
       per iteration -- at launch from the profile of an earlier launch, and from the iteration this
       launch's own profile was written on, re-priced with it (predicted_iter_s_at_launch keeps the
-      first; the profile's measured terms: elastor_ds.plan.cost and layer_profile.in_situ_terms);
+      first; the profile's measured terms: elastor_ds.plan.cost and layer_profile.in_situ_terms), and
+      predicted_terms_s: that re-priced prediction's pipeline, sync and step seconds, and
+      predicted_sources: per cost term, "measured" or "assumed" (elastor_ds.plan.CostModel.sources,
+      logged in full);
     profile_written (path, from the iteration the profile was written on), profile_comm_s (seconds
     spent measuring the collectives for it);
     plan (the full plan document) and zero_stage: in the first record of each launch only;
@@ -295,21 +301,56 @@ def plan_specs(args: argparse.Namespace):
 def price_layout(args: argparse.Namespace, world: int, layout, profile_doc: dict) -> float | None:
     """The cost model's iteration time of the running ``layout`` with a profile document (rank
     ``r`` on the cluster's ``r``-th device, as launched); None when the profile cannot be read."""
+    from elastor_ds.plan import Plan, PlanReplica, PlanStage
+    devs = elastic_cluster(world).devices()
+    reps = tuple(PlanReplica(tuple(PlanStage(st.tp, tuple(st.layers), tuple(devs[r] for r in st.ranks))
+                                   for st in rep.stages), rep.micro_batches) for rep in layout.replicas)
+    from elastor_ds.runtime import needs_hetero
+    plan = Plan(args.num_layers, reps, (), "heterogeneous" if needs_hetero(layout) else "uniform")
+    cb = price_plan(args, world, plan, profile_doc)
+    if cb is None:
+        return None
+    # the terms of the prediction (pipeline: slowest replica's passes, bubble and transfers; sync:
+    # gradient sync across replicas; step: the measured per-iteration step time)
+    args.last_breakdown = {"pipeline": cb.pipeline_time_s, "sync": cb.sync_time_s, "step": cb.step_time_s}
+    return cb.iteration_time_s
+
+
+def price_plan(args: argparse.Namespace, world: int, plan, profile_doc: dict):  # noqa: ANN001
+    """The cost model's :class:`~elastor_ds.plan.CostBreakdown` of a placed ``plan`` on the launched
+    world's cluster with a profile document; None when the profile cannot be read."""
     from elastor_ds.errors import ConfigError
-    from elastor_ds.plan import CostModel, Plan, PlanReplica, PlanStage, Profile
+    from elastor_ds.plan import CostModel, Profile
     try:
         profile = Profile.from_dict(profile_doc)
     except ConfigError as e:
         log.warning("profile not used for the prediction: %s", e)
         return None
     model, training = plan_specs(args)
-    cluster = elastic_cluster(world)
-    devs = cluster.devices()
-    reps = tuple(PlanReplica(tuple(PlanStage(st.tp, tuple(st.layers), tuple(devs[r] for r in st.ranks))
-                                   for st in rep.stages), rep.micro_batches) for rep in layout.replicas)
-    from elastor_ds.runtime import needs_hetero
-    plan = Plan(args.num_layers, reps, (), "heterogeneous" if needs_hetero(layout) else "uniform")
-    return CostModel(model, training, cluster, profile=profile).evaluate(plan).iteration_time_s
+    cost = CostModel(model, training, elastic_cluster(world), profile=profile)
+    args.last_sources = cost.sources()
+    return cost.evaluate(plan)
+
+
+def source_kinds(sources: dict) -> dict:
+    """``CostModel.sources()`` in one word per term (``measured`` / ``assumed`` / the text when it
+    is neither, e.g. 'inside the measured layer times'), for the metrics records and the report."""
+    out = {}
+    for term, text in sources.items():
+        head = text.split(":", 1)[0].split(" (", 1)[0]
+        out[term] = head if head in ("measured", "assumed") else text[:40]
+    return out
+
+
+def reprice_alternatives(args: argparse.Namespace, world: int, plan_info: dict, profile_doc: dict) -> None:
+    """The planner's alternatives of this launch (best uniform, best plan leaving processes idle)
+    re-priced with the same profile as the running plan, so the report compares like with like
+    (the ``*_at_launch`` keys keep the first prices)."""
+    for key, plan in (getattr(args, "plan_alternatives", None) or {}).items():
+        cb = price_plan(args, world, plan, profile_doc)
+        if cb is not None:
+            plan_info[f"{key}_predicted_iter_s_at_launch"] = plan_info.get(f"{key}_predicted_iter_s")
+            plan_info[f"{key}_predicted_iter_s"] = cb.iteration_time_s
 
 
 def micro_ratios(args: argparse.Namespace) -> dict:
@@ -390,6 +431,8 @@ def auto_plan(args: argparse.Namespace, world: int):
                          f"count and --elastor-plan plan.json") from None
     prov = best.provenance
     uni, idle = prov.uniform, prov.best_overall
+    # re-priced with this launch's own profile once it is measured (reprice_alternatives)
+    args.plan_alternatives = {k: v.plan for k, v in (("uniform", uni), ("idle_best", idle)) if v is not None}
     args.plan_info = {"plan_source": "auto", "plan_search": note or prov.search,
                       "predicted_iter_s": best.cost.iteration_time_s,
                       "uniform_plan": uni.plan.describe() if uni else None,
@@ -666,6 +709,13 @@ def _main(argv: list[str] | None = None) -> int:
                 # the running plan re-priced with the profile just measured (the launch's own numbers)
                 plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")
                 plan_info["predicted_iter_s"] = price_layout(args, world, layout, doc)
+                plan_info["predicted_terms_s"] = getattr(args, "last_breakdown", None)
+                plan_info["predicted_sources"] = source_kinds(getattr(args, "last_sources", None) or {})
+                if rank == 0:
+                    log.info("running plan re-priced with this launch's profile: %.4g s/iter; priced from: %s",
+                             plan_info["predicted_iter_s"] or float("nan"),
+                             "; ".join(f"{k}: {v}" for k, v in (getattr(args, "last_sources", None) or {}).items()))
+                reprice_alternatives(args, world, plan_info, doc)
                 prof = None
             saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
             stall = engine.elastor.stats[-1].stall_s if saved else None

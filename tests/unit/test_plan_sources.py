@@ -63,6 +63,27 @@ def test_report_sets_prediction_beside_measurement_and_states_idle_processes():
                plan={"plan_source": "auto", "predicted_iter_s": 0.0616, "uniform_plan": "(mb4)[tp1:0-5]",
                      "uniform_predicted_iter_s": 0.0924, "uniform_idle_processes": 5})
     text = _plan_text(ph)
-    # 77 / 61.6 = 1.25; 92.4 / 61.6 = 1.5
-    assert "predicted 61.6 ms/it vs measured 77 (measured/predicted 1.25)" in text
-    assert "best uniform on this world (mb4)[tp1:0-5] 92.4 ms/it (1.500x), 5 process(es) idle" in text
+    # 61.6 / 77 = 0.8; 92.4 / 61.6 = 1.5
+    assert "predicted 61.6 ms/it vs measured 77 (predicted/measured 0.80)" in text
+    assert "best uniform on this world (mb4)[tp1:0-5] 92.4 ms/it (1.500x), 5 of 6 process(es) idle" in text
+    ph.plan["uniform_idle_processes"] = 0
+    assert _plan_text(ph).endswith("92.4 ms/it (1.500x), every process used")
+    # the trainer's one word per cost term (pretrain_gpt.source_kinds of CostModel.sources())
+    ph.plan["predicted_sources"] = {"layer_time": "measured", "p2p": "measured", "memory": "assumed"}
+    assert _plan_text(ph).endswith("every process used; priced from measured: layer time + p2p, assumed: memory")
+    ph.median_iter_s, ph.plan["predicted_iter_s"] = 1.1916, 0.9584   # whole milliseconds from 100 ms
+    assert "predicted 958 ms/it vs measured 1192 (predicted/measured 0.80)" in _plan_text(ph)
+
+
+def test_phase_median_leaves_out_the_two_warm_up_iterations():
+    from elastor_ds.elastic.events import phases
+    ev = [{"event": "worker_started", "time": 100.0, "world_size": 3, "layout": "L", "resumed_from": 0}]
+    times = [5.0, 3.0, 1.0, 1.0, 2.0]   # median of the last three: 1.0 (of the last four: 1.5)
+    t, ms = 100.0, []
+    for i, dt in enumerate(times, 1):
+        t += dt
+        ms.append({"iteration": i, "time": t, "iter_time_s": dt})
+    (ph,) = phases(ev, ms)
+    assert ph.median_iter_s == 1.0
+    (ph,) = phases(ev, ms[:3])          # too short to leave out two: only the first
+    assert ph.median_iter_s == 2.0

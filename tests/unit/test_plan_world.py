@@ -208,3 +208,34 @@ def test_the_constraint_never_returns_heterogeneous_replicas():
             assert free.cost.iteration_time_s <= got.cost.iteration_time_s * (1 + 1e-12)
             searched += 1
     assert seen >= 15 and searched >= 5
+
+
+def _demo_cost(micro_batches: int) -> CostModel:
+    """The demo's model on one node of 3 processes, priced from a hand-written profile: a layer
+    10 ms at TP1 and 6 ms at TP2 (TP all-reduces included), the output layer 1 ms, bandwidths so
+    high that transfers and the gradient sync are below 1e-5 s."""
+    from elastor_ds.plan import Profile
+    model = ModelSpec(num_layers=5, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=64,
+                      vocab_size=104, ffn_hidden_size=168, dtype_bytes=4, gated_mlp=True, tied_embeddings=False)
+    training = TrainingSpec(micro_batch_size=2, num_micro_batches=micro_batches, nominal_tp=2)
+    prof = Profile({1: 0.010, 2: 0.006}, head_time_s={1: 0.001, 2: 0.001})
+    return CostModel(model, training, fast_cluster([3]), profile=prof)
+
+
+def test_best_uniform_is_on_the_same_world_and_says_how_many_processes_it_leaves_idle():
+    # 4 micro-batches on 3 processes: the only grid over all 3 is TP1 x PP3 (layers 2+2+1):
+    # (4 + 2) x 20 ms = 120 ms; DP2 on 2 of them: 2 x (5 x 10 + 1) = 102 ms, 1 process idle;
+    # TP2 on 2: 4 x 31 = 124 ms; PP2 on 2: 5 x 30 = 150 ms
+    cost = _demo_cost(4)
+    (grid,) = world_grids(cost)
+    assert grid.plan.uniform_dims() == (1, 3, 1) and grid.cost.iteration_time_s == pytest.approx(0.120, abs=1e-5)
+    uni = best_plan_for_world(cost).provenance.uniform
+    assert uni.plan.uniform_dims() == (1, 1, 2) and uni.plan.num_gpus == 2   # leaves 1 of 3 idle
+    assert uni.cost.iteration_time_s == pytest.approx(0.102, abs=1e-5)
+    # 6 micro-batches: DP3 over all 3 runs 2 each, 2 x 51 = 102 ms, beats DP2 on 2 (3 x 51 = 153 ms)
+    uni = best_plan_for_world(_demo_cost(6)).provenance.uniform
+    assert uni.plan.uniform_dims() == (1, 1, 3) and uni.plan.num_gpus == 3
+    assert uni.cost.iteration_time_s == pytest.approx(0.102, abs=1e-5)
+    # grids only (Megatron-LM): the best grid over every device
+    uni = best_plan_for_world(cost, HOMOGENEOUS).provenance.uniform
+    assert uni.plan.uniform_dims() == (1, 3, 1) and uni.plan.num_gpus == 3
