@@ -51,3 +51,23 @@ def tiny_tmpfs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# ELASTOR_TEST_CPU_LOG=FILE: one line per test with its wall seconds and the CPU seconds it used (this
+# process plus the children it reaped). CPU / wall near 2 on this 2-core machine means the test is
+# compute-bound; near 0 means it waits (timeouts, sleeps), which running tests side by side can hide.
+_CPU_LOG = os.environ.get("ELASTOR_TEST_CPU_LOG")
+if _CPU_LOG:
+    import resource
+    import time as _time
+
+    def _cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        t0, c0 = _time.monotonic(), _cpu()
+        yield
+        with open(_CPU_LOG, "a") as f:
+            f.write(f"{_time.monotonic() - t0:.2f}\t{_cpu() - c0:.2f}\t{item.nodeid}\n")

@@ -87,6 +87,7 @@ class RunConfig:
     tee: bool = True
     standby: bool = True                 # workers from pre-imported standby interpreters (--no-standby: off)
     standby_preload: tuple[str, ...] = DEFAULT_PRELOAD
+    standby_fork: bool = True            # standbys forked from one template per node (--no-standby-fork: off)
     job_secret_file: str | None = None   # --job-secret-file: the key of the snapshot server and peer copies
     local_addr: str | None = None        # this node's address (torchrun's --local-addr)
 
@@ -564,7 +565,7 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     agent.ledger = FailureLedger(cfg.node_name, overrides.rendezvous_store(handler), handler.get_run_id())
     if cfg.standby:
         agent.standby = StandbyPool(size=cfg.nproc_per_node, folder=os.path.join(cfg.log_dir, "standby"),
-                                    preload=tuple(cfg.standby_preload), python=spec.entrypoint,
+                                    preload=tuple(cfg.standby_preload), python=spec.entrypoint, fork=cfg.standby_fork,
                                     on_spawn=lambda pids: events.emit(EventKind.STANDBY, pids=pids))
     return agent
 

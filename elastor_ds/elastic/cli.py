@@ -36,7 +36,9 @@ behaviour:
               hands each worker's rank, environment and log files to one of them instead of
               spawning a fresh process (still torch's agent, c10d rendezvous and per-rank logs;
               every round gets fresh processes; CUDA is never initialised before the rank is
-              known). --no-standby: spawn each worker as torchrun does.
+              known). The imports are done once per node, in a template interpreter the
+              standbys are forked from (--no-standby-fork: each standby imports on its own).
+              --no-standby: spawn each worker as torchrun does.
   multi-node  one fault is one restart for the job: the nodes whose workers failed only because
               another node's did are recorded as collateral (failure event "collateral_of") and
               do not count; the node that exhausts --max-restarts closes the rendezvous.
@@ -148,6 +150,11 @@ def register(sub) -> None:
       help="keep one standby worker per device slot: an interpreter that has imported torch, DeepSpeed, "
            "Megatron and the modules the last workers imported, waiting for its rank, so a relaunch skips the "
            "imports (default on; --no-standby: spawn every worker fresh, as torchrun does)")
+    a("--standby-fork", action=argparse.BooleanOptionalAction, default=True,
+      help="do the standbys' imports once per node, in a template interpreter, and fork each standby from it "
+           "(milliseconds and no CPU taken from training per refill; the template never initialises CUDA, and "
+           "forks nothing if an import loaded the driver). --no-standby-fork: each standby spawns and imports "
+           "on its own (default on)")
     a("--standby-preload", default=",".join(DEFAULT_PRELOAD),
       help="comma-separated modules a standby imports besides the learned list (default: %(default)s)")
     a("script", help="the training script (run with this Python, as torchrun does)")
@@ -217,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
                     standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()),
+                    standby_fork=args.standby_fork,
                     local_addr=args.local_addr,
                     job_secret_file=os.path.abspath(args.job_secret_file) if args.job_secret_file else None)
     if cfg.job_secret_file:   # a bad secret file is a usage error before anything is created

@@ -54,6 +54,7 @@ ENV_T_STANDBY_READY = "ELASTOR_T_STANDBY_READY"  # standby_main: wall time its i
 # the controller -> its standby interpreters only (not for trainers)
 ENV_STANDBY_PRELOAD = "ELASTOR_STANDBY_PRELOAD"  # StandbyPool._spawn: modules to import -> standby_main
 ENV_STANDBY_READY_FD = "ELASTOR_STANDBY_READY_FD"  # StandbyPool._spawn: the readiness pipe -> standby_main
+ENV_STANDBY_TEMPLATE_FD = "ELASTOR_STANDBY_TEMPLATE_FD"  # StandbyTemplate: its socketpair end -> standby_template
 # the user -> ``elastor run`` (the controller's own environment)
 ENV_SNAPSHOT_SERVER_HOST = "ELASTOR_SNAPSHOT_SERVER_HOST"  # user, else the agent (--local-addr) -> NodeSnapshots
 ENV_FORCE_CPU = "ELASTOR_FORCE_CPU"              # user: treat the node as GPU-less -> elastic.cli
@@ -67,7 +68,7 @@ WORKER_ENV = (ENV_ROUND, ENV_PROCS_PER_NODE, ENV_INITIAL_WORLD, ENV_DEVICES, ENV
               ENV_COLLECTIVE_TIMEOUT, ENV_HEARTBEAT_DIR, ENV_EVENTS_FILE, ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_PEERS,
               ENV_SNAPSHOT_SELF, ENV_JOB_SECRET_FILE, ENV_STANDBY_DIR, ENV_LAUNCH_MODE, ENV_T_START,
               ENV_T_STANDBY_SPAWN, ENV_T_STANDBY_READY, ENV_SNAPSHOT_SERVER_HOST)
-STANDBY_ENV = (ENV_STANDBY_PRELOAD, ENV_STANDBY_READY_FD)
+STANDBY_ENV = (ENV_STANDBY_PRELOAD, ENV_STANDBY_READY_FD, ENV_STANDBY_TEMPLATE_FD)
 USER_ENV = (ENV_SNAPSHOT_SERVER_HOST, ENV_FORCE_CPU, ENV_PYTHON)
 EXAMPLE_ENV = (ENV_SIM_LAYER_S, ENV_PROFILE_BREAKDOWN)
 #: every ``ELASTOR_*`` name, once (docs/elastic.md documents each)

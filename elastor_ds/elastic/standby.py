@@ -20,14 +20,22 @@ inherited.
 
 Replacements are spawned once the round's workers are training (their first heartbeat), or after
 ``refill_delay`` seconds, so the standbys' imports do not compete with the relaunch they speed up.
+
+Fork from a template (the default; ``--no-standby-fork`` turns it off): the imports are done once
+per node, by :mod:`standby_template`, and each standby is forked from it (milliseconds, no CPU
+taken from training) and adopted by the agent (:class:`StandbyTemplate`). The template never
+initialises CUDA either; when an import loaded the driver anyway, it forks nothing and standbys are
+spawned as above.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +50,7 @@ from .private import open_private, private_dir
 from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
 from .protocol import ENV_STANDBY_PRELOAD as ENV_PRELOAD
 from .protocol import ENV_STANDBY_READY_FD as ENV_READY_FD
+from .protocol import ENV_STANDBY_TEMPLATE_FD
 from .standby_main import DEFAULT_PRELOAD
 
 log = logging.getLogger("elastor.run")
@@ -88,6 +97,127 @@ class Standby:
             self.proc.wait(timeout=5)
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.contextmanager
+def _subreaper():
+    """This process adopts the orphans of its descendants while active (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+class _AdoptedProcess(subprocess.Popen):
+    """A ``Popen`` for a child this process adopted rather than spawned (a standby forked by the
+    template): ``poll``, ``wait``, ``send_signal``, ``kill`` and ``stdin`` work as for a spawned one,
+    since the pid is our own child."""
+
+    def __init__(self, pid: int, stdin, args: list[str]):   # noqa: D107 - no process is started here
+        self.args = args
+        self.pid = pid
+        self.returncode = None
+        self.stdin, self.stdout, self.stderr = stdin, None, None
+        self._waitpid_lock = threading.Lock()
+        self._child_created = True
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self.text_mode = False
+        self.universal_newlines = False
+        self.encoding = self.errors = None
+        self.pipesize = -1
+
+
+class StandbyTemplate:
+    """The node's template interpreter (:mod:`standby_template`) and the agent's end of its socket."""
+
+    def __init__(self, python: str, env: dict[str, str], log_file, import_timeout: float = 300.0):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(env, **{ENV_STANDBY_TEMPLATE_FD: str(theirs.fileno())})
+        try:
+            self.proc = subprocess.Popen([python, "-u", "-m", "elastor_ds.elastic.standby_template"], env=env,
+                                         stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                         pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.state = "importing"   # importing | ready | unusable
+        self.import_timeout = import_timeout
+        self.t_spawn = time.time()
+        self._lock = threading.Lock()
+
+    def _wait_ready(self, block: bool = True) -> bool:
+        if self.state == "importing":
+            self.sock.settimeout(max(0.0, self.t_spawn + self.import_timeout - time.time()) if block else 0.0)
+            try:
+                b = self.sock.recv(16)
+            except (BlockingIOError, socket.timeout):
+                if not block:
+                    return False
+                b = b""
+            except OSError:
+                b = b""
+            self.state = "ready" if b == b"R" else "unusable"
+            if b == b"C":
+                log.warning("standby template pid %d loaded the CUDA driver while importing: standbys are "
+                            "spawned one by one instead", self.proc.pid)
+            elif b != b"R":
+                log.warning("standby template pid %d is not usable (%s): standbys are spawned one by one",
+                            self.proc.pid, "exited" if self.proc.poll() is not None else "no answer")
+        return self.state == "ready"
+
+    def importing(self) -> bool:
+        """Still importing (checked without blocking)."""
+        with self._lock:
+            self._wait_ready(block=False)
+            return self.state == "importing"
+
+    def fork(self, python: str) -> tuple[subprocess.Popen, int] | None:
+        """A new standby (our child) and the read end of its readiness pipe, or None when the
+        template cannot fork (then the caller spawns one)."""
+        with self._lock:
+            if not self._wait_ready():
+                return None
+            stdin_r, stdin_w = os.pipe()
+            ready_r, ready_w = os.pipe()
+            try:
+                with _subreaper():
+                    socket.send_fds(self.sock, [json.dumps({"agent": os.getpid()}).encode()], [stdin_r, ready_w])
+                    self.sock.settimeout(30.0)
+                    reply = json.loads(self.sock.recv(4096) or b"{}")
+                pid = reply.get("pid") if isinstance(reply, dict) else None
+                if not isinstance(pid, int) or pid <= 0:
+                    raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
+            except (OSError, ValueError) as e:
+                log.warning("standby template pid %d: %s; standbys are spawned one by one from now on",
+                            self.proc.pid, e)
+                self.state = "unusable"
+                for fd in (stdin_w, ready_r):
+                    os.close(fd)
+                return None
+            finally:
+                os.close(stdin_r)
+                os.close(ready_w)
+            os.set_blocking(ready_r, False)
+            return _AdoptedProcess(pid, os.fdopen(stdin_w, "wb"),
+                                   [python, "-m", "elastor_ds.elastic.standby_template", "(fork)"]), ready_r
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+
+
 @dataclass
 class StandbyPool:
     """Pre-spawned worker interpreters of one node (``size``: its device slots)."""
@@ -100,6 +230,8 @@ class StandbyPool:
     assigned: dict[int, str] = field(default_factory=dict)   # local rank -> LaunchMode of the last launch
     spawned: int = 0
     on_spawn: object = None        # callable(pids) told about every refill (the agent's event log)
+    fork: bool = True              # standbys forked from the node's template (False: each spawned and importing)
+    template: StandbyTemplate | None = None
     _refill_at: float | None = None
 
     def __post_init__(self) -> None:
@@ -110,12 +242,13 @@ class StandbyPool:
 
     # -------------------------------------------------------------- processes
     def _spawn(self, env: dict[str, str] | None = None) -> Standby:
+        if env is None and self.fork:   # a plain standby: forked from the template when it can
+            sb = self._fork()
+            if sb is not None:
+                return sb
         r, w = os.pipe()
         os.set_blocking(r, False)
-        env = dict(os.environ if env is None else env)
-        env[ENV_READY_FD] = str(w)
-        env[ENV_PRELOAD] = ",".join(self.preload)
-        env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        env = dict(self._standby_env(env), **{ENV_READY_FD: str(w)})
         try:
             proc = subprocess.Popen([self.python, "-u", "-m", "elastor_ds.elastic.standby_main"], env=env,
                                     stdin=subprocess.PIPE, stdout=self._log, stderr=self._log, pass_fds=(w,),
@@ -125,14 +258,35 @@ class StandbyPool:
         self.spawned += 1
         return Standby(proc, r, time.time(), env.get("CUDA_VISIBLE_DEVICES"))
 
+    def _template(self) -> StandbyTemplate:
+        if self.template is None:
+            self.template = StandbyTemplate(self.python, self._standby_env(None), self._log)
+        return self.template
+
+    def _fork(self) -> Standby | None:
+        made = self._template().fork(self.python)
+        if made is None:
+            return None
+        self.spawned += 1
+        return Standby(made[0], made[1], time.time(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def _standby_env(self, env: dict[str, str] | None) -> dict[str, str]:
+        env = dict(os.environ if env is None else env)
+        env[ENV_PRELOAD] = ",".join(self.preload)
+        env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        return env
+
     def fill(self) -> list[int]:
         """Spawn standbys until ``size`` are idle; returns the new processes' pids."""
         self._refill_at = None
         self.idle = [s for s in self.idle if s.alive() or s.retire()]
+        if self.fork and self._template().importing():
+            return []   # the first launch forks its workers from the template once it is ready
         new = [self._spawn() for _ in range(max(0, self.size - len(self.idle)))]
         self.idle += new
         if new:
-            log.info("standby: %d worker interpreter(s) spawned (importing)", len(new))
+            log.info("standby: %d worker interpreter(s) %s", len(new), "forked from the template"
+                     if self.template is not None and self.template.state == "ready" else "spawned (importing)")
             if self.on_spawn is not None:
                 self.on_spawn([s.proc.pid for s in new])
         return [s.proc.pid for s in new]
@@ -167,6 +321,8 @@ class StandbyPool:
         sb = self.take(env.get("CUDA_VISIBLE_DEVICES"))
         if sb is not None:
             mode = LaunchMode.WARM if sb.state in ("ready", "cuda") else LaunchMode.COLD
+        elif self.fork and (sb := self._fork()) is not None:   # imported once, in the template (waits for it)
+            mode = LaunchMode.WARM
         else:   # spawned with the worker's own environment: CUDA reads the right devices from the start
             sb = self._spawn(env)
             mode = LaunchMode.COLD
@@ -199,6 +355,9 @@ class StandbyPool:
             s.retire()
         self.idle = []
         self._refill_at = None
+        if self.template is not None:
+            self.template.close()
+            self.template = None
         with contextlib.suppress(OSError):
             self._log.close()
 

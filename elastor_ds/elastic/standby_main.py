@@ -21,8 +21,10 @@ becomes an ordinary worker (:func:`worker_main.run_script`).
    environment replaced by the assignment's, the launch marks set, then the script runs as
    ``__main__`` exactly as under :mod:`worker_main` (signals, exit codes, the agreed-stop fast exit).
 
-The process never forks and never serves a second assignment: every round gets fresh processes
-(no process group, CUDA context or trainer state carried over), one per rank.
+A standby never forks and never serves a second assignment: every round gets fresh processes
+(no process group, CUDA context or trainer state carried over), one per rank. With the node's
+template (:mod:`standby_template`, the default) steps 1's imports are done once, in the template,
+and each standby is forked from it before it has a rank; it then runs steps 2-4 here (:func:`serve`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,15 @@ DEFAULT_PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core", "
 
 
 _MAX_ASSIGNMENT = 16 << 20   # argv + environment; far above any real one
+_SPAWN = [T_SPAWN]           # a standby forked by the template starts at its fork, not the template's start
+
+
+def spawn_time() -> float:
+    return _SPAWN[0]
+
+
+def set_spawn_time(t: float) -> None:
+    _SPAWN[0] = t
 
 
 def _log(msg: str) -> None:
@@ -109,7 +120,8 @@ def become_worker(job: dict, t_ready: float | None) -> None:
     from elastor_ds.elastic.protocol import ENV_T_STANDBY_READY, ENV_T_STANDBY_SPAWN, ENV_T_START
     # the worker "process start": when it both existed and was asked to be a worker (a standby still
     # importing then counts the rest of its imports as start-up, like a freshly spawned worker)
-    t_start = max(T_SPAWN, float(job.get("t_assigned") or time.time()))
+    t_spawn = spawn_time()
+    t_start = max(t_spawn, float(job.get("t_assigned") or time.time()))
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(job.get("stdout"), 1)
@@ -119,7 +131,7 @@ def become_worker(job: dict, t_ready: float | None) -> None:
     os.close(devnull)
     env = {str(k): str(v) for k, v in job["env"].items()}
     env[ENV_T_START] = repr(t_start)
-    env[ENV_T_STANDBY_SPAWN] = repr(T_SPAWN)
+    env[ENV_T_STANDBY_SPAWN] = repr(t_spawn)
     if t_ready is not None:
         env[ENV_T_STANDBY_READY] = repr(t_ready)
     os.environ.clear()
@@ -131,12 +143,11 @@ def become_worker(job: dict, t_ready: float | None) -> None:
     worker_main.run_script(argv)
 
 
-def main() -> None:
+def serve(fd: int) -> None:
+    """Steps 2-4 for a standby whose process exists (spawned, or forked by the template): import
+    what is still missing, report on ``fd``, read the assignment from stdin and become the worker."""
     import json
 
-    from elastor_ds.elastic import worker
-    worker.set_parent_death_signal()
-    fd = int(os.environ.pop(ENV_READY_FD, "-1"))
     t_ready = None
     if not _assignment_waiting(0):
         names = preload_names()
@@ -153,7 +164,8 @@ def main() -> None:
                 pass
     if fd >= 0:
         os.close(fd)
-    raw = sys.stdin.buffer.read(_MAX_ASSIGNMENT + 1)
+    with os.fdopen(0, "rb", closefd=False) as stdin:
+        raw = stdin.read(_MAX_ASSIGNMENT + 1)
     if not raw.strip():   # the agent retired this standby (or died)
         os._exit(0)
     try:
@@ -164,6 +176,12 @@ def main() -> None:
         _log(f"malformed assignment on stdin ({len(raw)} bytes: {e}); exiting")
         os._exit(1)
     become_worker(job, t_ready)
+
+
+def main() -> None:
+    from elastor_ds.elastic import worker
+    worker.set_parent_death_signal()
+    serve(int(os.environ.pop(ENV_READY_FD, "-1")))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from elastor_ds.errors import ConfigError, PlanningError
 from elastor_ds.plan import Cluster, CostModel, CostParams, ModelSpec, Plan, PlanReplica, PlanStage, Profile, TrainingSpec, plan
 from elastor_ds.plan.comm_cost import CollectiveKind, CommProfile, sync_buffers
 
-from dist_utils import run_world
 from test_plan import BASE, assert_planner_near_oracle
 
 H, S_LEN, V = 1024, 1024, 1000
@@ -229,48 +228,6 @@ def test_standalone_layer_profile_says_tp_collectives_are_not_in_it():
     # (2 (2-1)/2 x 2048 B / 150 GB/s + 20 us each)
     assert cost.layer_time(2) == pytest.approx(prof.layer_time_s[2] + 4 * (2048 / 150e9 + 20e-6))
     assert cost.layer_time(1) == prof.layer_time_s[1]
-
-
-# ---- the measurement on real ranks --------------------------------------------------------------
-def _measure(rank, world, out):
-    import torch.distributed as dist
-
-    from elastor_ds.comm.calibrate import measure_collectives
-    doc = measure_collectives([2, 3], reps=3)
-    got = [None] * world
-    dist.all_gather_object(got, doc)
-    if rank == 0:
-        out.put(got)
-
-
-def test_measure_collectives_on_gloo_ranks():
-    import torch.multiprocessing as mp
-    q = mp.get_context("spawn").SimpleQueue()
-    run_world(_measure, 3, q, timeout_s=60)
-    docs = q.get()
-    assert all(d == docs[0] for d in docs), "ranks disagree on the measured costs"
-    prof = CommProfile.from_dict(docs[0])  # a valid profile field
-    assert set(docs[0]) == {"tp_all_reduce", "dp_all_reduce", "reduce_scatter", "all_gather", "p2p"}
-    assert set(docs[0]["dp_all_reduce"]) == {"2", "3"} and set(docs[0]["p2p"]) == {"2"}
-    for kind in CollectiveKind:
-        for g in ((2,) if kind is CollectiveKind.P2P else (2, 3)):
-            t = prof.time(kind, g, 65536)
-            assert 0 < t < 1.0, (kind, g, t)  # a real call on local gloo: more than nothing, less than a second
-
-
-def _measure_alone(rank, world, out):
-    from elastor_ds.comm.calibrate import measure_collectives
-    out.put(measure_collectives([2, 3, 4]))
-
-
-def test_measure_collectives_on_one_process_is_empty_and_loads():
-    import torch.multiprocessing as mp
-    q = mp.get_context("spawn").SimpleQueue()
-    run_world(_measure_alone, 1, q, timeout_s=30)
-    doc = q.get()
-    assert doc == {}
-    prof = Profile.from_dict({"layer_time_s": {"1": 0.1}, "collectives": doc})
-    assert not any(prof.collectives.has(k) for k in CollectiveKind)
 
 
 # ---- the call count against the runtime's own split all-reduce plan ---------------------------------
