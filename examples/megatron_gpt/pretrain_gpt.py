@@ -43,7 +43,10 @@ contract for readers such as the demo table (keys may be added, never removed):
       like predicted_iter_s (the *_at_launch keys keep the first prices);
     with any plan source, once a profile exists: predicted_iter_s, the running plan's predicted seconds
       per iteration -- at launch from the profile of an earlier launch, and from the iteration this
-      launch's own profile was written on, re-priced with it (predicted_iter_s_at_launch keeps the
+      launch's own profile was written on, re-priced with it; the profile is measured again in every
+      further window of --profile-iters iterations (up to PROFILE_WINDOWS) from the median timed
+      iteration of all windows so far, and the plan re-priced each time (profile_iterations: the
+      iterations timed so far; predicted_iter_s_at_launch keeps the
       first; the profile's measured terms: elastor_ds.plan.cost and layer_profile.in_situ_terms), and
       predicted_terms_s: that re-priced prediction's pipeline, sync and step seconds, and
       predicted_sources: per cost term, "measured" or "assumed" (elastor_ds.plan.CostModel.sources,
@@ -125,12 +128,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "'on-change' (under `elastor run`): the TP/PP flags on the first launched world, the planner's after it changed")
     a("--elastor-layouts", choices=["heterogeneous", "uniform"], default="heterogeneous",
       help="search space of the planner for --elastor-plan auto (default: heterogeneous plans too)")
-    a("--profile-iters", type=int, default=5, help="iterations timed for the per-layer profile written to "
-      "<save>/profile.json, which --elastor-plan auto uses after a restart (0: off)")
+    a("--profile-iters", type=int, default=5, help="iterations per profile window: each window that closes "
+      "rewrites <save>/profile.json (which --elastor-plan auto uses after a restart) and re-prices the running "
+      "plan with it; windows repeat while the launch runs (0: off)")
     a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
     a("--metrics-file", default=None, help="JSONL, one line per iteration")
     a("--exit-after-iters", type=int, default=None, help="stop (as if killed) after this iteration; for demos")
     return p.parse_args(argv)
+
+
+PROFILE_WINDOWS = 10  # profile windows per launch (each --profile-iters iterations, back to back)
 
 
 class UsageError(Exception):
@@ -342,14 +349,16 @@ def source_kinds(sources: dict) -> dict:
     return out
 
 
-def reprice_alternatives(args: argparse.Namespace, world: int, plan_info: dict, profile_doc: dict) -> None:
+def reprice_alternatives(args: argparse.Namespace, world: int, plan_info: dict, profile_doc: dict,
+                         first: bool = True) -> None:
     """The planner's alternatives of this launch (best uniform, best plan leaving processes idle)
     re-priced with the same profile as the running plan, so the report compares like with like
-    (the ``*_at_launch`` keys keep the first prices)."""
+    (the ``*_at_launch`` keys keep the prices at launch, set at the ``first`` re-pricing)."""
     for key, plan in (getattr(args, "plan_alternatives", None) or {}).items():
         cb = price_plan(args, world, plan, profile_doc)
         if cb is not None:
-            plan_info[f"{key}_predicted_iter_s_at_launch"] = plan_info.get(f"{key}_predicted_iter_s")
+            if first:
+                plan_info[f"{key}_predicted_iter_s_at_launch"] = plan_info.get(f"{key}_predicted_iter_s")
             plan_info[f"{key}_predicted_iter_s"] = cb.iteration_time_s
 
 
@@ -651,11 +660,17 @@ def _main(argv: list[str] | None = None) -> int:
     # skip the launch's warm-up: its first iteration, and the second when there are enough (after a
     # relaunch the first few run up to 1.5x slower than the launch's median on CPU processes)
     skip = 2 if start + 2 < args.train_iters else 1
-    if args.save and args.profile_iters > 0 and start + skip < args.train_iters:
+
+    def profiler(first: int, n: int):
         import layer_profile
-        prof = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, start + skip,
-                                           min(args.profile_iters, args.train_iters - start - skip))
-        prof.attach(engine)
+        p = layer_profile.LayerProfiler(engine.module, gpt_pipe.TransformerLayerPipe, tp, gas, first, n)
+        p.attach(engine)
+        return p
+    if args.save and args.profile_iters > 0 and start + skip < args.train_iters:
+        prof = profiler(start + skip, min(args.profile_iters, args.train_iters - start - skip))
+    shared = None   # (single-layer ratios, calibrated collectives) of the launch's first window
+    timed = None    # every rank's counters of every timed iteration of this launch (all windows so far)
+    windows = 0
     plan_info = dict(getattr(args, "plan_info", None) or {"plan_source": "file" if args.elastor_plan else "flags"})
     if rank == 0 and args.save:   # what the next launch re-plans from (--elastor-plan auto)
         import layer_profile
@@ -687,27 +702,42 @@ def _main(argv: list[str] | None = None) -> int:
                 state_all = [None] * world
                 dist.all_gather_object(state_all, state_memory.peak(state_mem))
             if prof is not None and prof.end(it, dt):
+                import layer_profile
                 doc = prof.gather(args.micro_batch_size, args.seq_length)
+                windows += 1
+                if timed is None:
+                    first_timed = prof.first + 1
+                    timed = [dict(r, per_iter=list(r["per_iter"])) for r in prof.breakdown]
+                else:   # the terms of the median timed iteration of all the launch's windows so far
+                    for acc, r in zip(timed, prof.breakdown):
+                        acc["per_iter"].extend(r["per_iter"])
+                    doc = dict({k: doc[k] for k in ("version", "micro_batch_size", "seq_length", "device")},
+                               **layer_profile.in_situ_terms(timed))
                 if rank == 0 and os.environ.get(ENV_PROFILE_BREAKDOWN):  # per-rank raw timings (bench)
                     with open(os.environ[ENV_PROFILE_BREAKDOWN], "a") as f:
                         f.write(json.dumps({"world": world, "layout": layout.describe(), "ranks": prof.breakdown})
                                 + "\n")
-                # the job's own collective costs (per call, per group size) for the planner; collective
+                # the job's own collective costs (per call, per group size) for the planner; collective.
+                # Measured in the launch's first window only; later windows refresh the in-situ terms
+                first_window = shared is None
                 t_comm = time.perf_counter()
-                import layer_profile
-                layer_profile.scale_widths(doc, micro_ratios(args))
-                from elastor_ds.comm.calibrate import measure_collectives
-                doc["collectives"] = measure_collectives((2, 3, 4), reps=3)
+                if first_window:
+                    from elastor_ds.comm.calibrate import measure_collectives
+                    shared = (micro_ratios(args), measure_collectives((2, 3, 4), reps=3))
+                layer_profile.scale_widths(doc, shared[0])
+                doc["collectives"] = json.loads(json.dumps(shared[1]))
                 doc.setdefault("sources", {})["collectives"] = ("measured: per-call latency and seconds per byte "
                                                                 "of this job's groups of 2-4 ranks, 3 repetitions; "
                                                                 "this width's TP all-reduce and p2p as the job ran "
                                                                 "them")
                 layer_profile.apply_in_situ(doc)
-                plan_info["profile_comm_s"] = time.perf_counter() - t_comm
+                if first_window:
+                    plan_info["profile_comm_s"] = time.perf_counter() - t_comm
+                    plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")
+                plan_info["profile_iterations"] = [first_timed, prof.last]   # 1-based, inclusive
                 if rank == 0:
                     plan_info["profile_written"] = layer_profile.write(doc, args.save)
                 # the running plan re-priced with the profile just measured (the launch's own numbers)
-                plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")
                 plan_info["predicted_iter_s"] = price_layout(args, world, layout, doc)
                 plan_info["predicted_terms_s"] = getattr(args, "last_breakdown", None)
                 plan_info["predicted_sources"] = source_kinds(getattr(args, "last_sources", None) or {})
@@ -715,8 +745,12 @@ def _main(argv: list[str] | None = None) -> int:
                     log.info("running plan re-priced with this launch's profile: %.4g s/iter; priced from: %s",
                              plan_info["predicted_iter_s"] or float("nan"),
                              "; ".join(f"{k}: {v}" for k, v in (getattr(args, "last_sources", None) or {}).items()))
-                reprice_alternatives(args, world, plan_info, doc)
-                prof = None
+                reprice_alternatives(args, world, plan_info, doc, first_window)
+                # the next window: the profile, the median timed iteration of all windows, follows the
+                # launch past its start-up transients (the controller's standby workers importing,
+                # relaunch warm-up) and bursts of other work; only windows that can close
+                prof = (profiler(it + 1, args.profile_iters)
+                        if it + 1 + args.profile_iters <= last and windows < PROFILE_WINDOWS else None)
             saved = engine.elastor is not None and len(engine.elastor.stats) > n_saves
             stall = engine.elastor.stats[-1].stall_s if saved else None
             snapped = mem is not None and len(mem.stats) > n_snaps
