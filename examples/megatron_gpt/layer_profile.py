@@ -23,7 +23,6 @@ import time
 from typing import Any, Optional
 
 PROFILE_NAME = "profile.json"
-BUSY_FRACTION = 0.9   # ranks within this share of the busiest rank's compute share give the layer time
 PLAN_NAME = "plan.json"  # the running plan as a plan document (``elastor plan --json`` format), for re-planning
 
 
@@ -208,13 +207,11 @@ def in_situ_terms(ranks: list[dict]) -> dict:
     (:func:`median_iteration`; pure arithmetic), per TP width the job ran (a rank's ``tp``):
 
     * ``layer_time_s[t]``: a layer's forward+backward per micro-batch, less the TP all-reduces inside
-      it (``layer_time_includes_tp_comm: false``), on the iteration's critical path: the layer
-      seconds over the layer micro-batches of the width's ranks that compute the most of the
-      iteration (forward, backward and load within :data:`BUSY_FRACTION` of the busiest rank's
-      share). Where processes outnumber cores a rank that computes all the time runs its layers
-      up to 3x slower than one that waits between passes (the scheduler favours the waking one:
-      3 processes on 2 shared cores, bench/results/2026-12-01-predictions.md); the busy rank's
-      layers bound the iteration;
+      it (``layer_time_includes_tp_comm: false``): the width's ranks' layer seconds over all their
+      layer micro-batches. Where processes outnumber cores the ranks' per-layer times differ by up
+      to 3x (who shares the cores with whom), so no single rank's is the layer's; taking only the
+      busiest ranks' (those computing the most of the iteration) was tried and dropped: under other
+      processes' load a preempted rank looks busiest (bench/results/2026-12-01-predictions.md);
     * ``tp_all_reduce_s[t]``: those all-reduces' seconds over their number;
     * ``embedding_time_s[t]`` / ``head_time_s[t]``: the first / last stage's forward, backward and
       micro-batch loading per micro-batch outside its layers and TP all-reduces (embedding; output
@@ -233,7 +230,6 @@ def in_situ_terms(ranks: list[dict]) -> dict:
     head: dict[int, list[float]] = {}
     both: dict[int, list[float]] = {}
     lay: dict[int, list[float]] = {}   # width -> [layer seconds, layer micro-batches, all-reduce s, calls]
-    busy: dict[int, list[tuple[float, float, int]]] = {}   # width -> (compute share, layer s, layer mbs)
     send, step = [], []
     for r in ranks:
         n, mb, t = r["iters"], r["micro_batches"], r["tp"]
@@ -245,9 +241,6 @@ def in_situ_terms(ranks: list[dict]) -> dict:
         acc[2] += r["ar_in"][0]
         acc[3] += r["ar_in"][1]
         work = sum(ins.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "LoadMicroBatch"))
-        wall = sum(r["iter_s"]) if r["iter_s"] else 0.0
-        busy.setdefault(t, []).append((work / wall if wall > 0 else 0.0, r["layer_s"] - r["ar_in"][0],
-                                       r["layers"] * mb * n))
         rest = max(0.0, (work - r["layer_s"] - r["ar_out"][0]) / (mb * n))
         where = both if r["first"] and r["last"] else head if r["last"] else emb if r["first"] else None
         if where is not None:
@@ -266,15 +259,10 @@ def in_situ_terms(ranks: list[dict]) -> dict:
         head.setdefault(t, []).extend(max(0.0, x - e) for x in v)
     widths = ",".join(str(t) for t in sorted(lay))
     how = f"measured: the median of {n} training iterations at TP {widths}"
-    layer_time = {}
-    for t, v in sorted(busy.items()):
-        top = max(b for b, _, _ in v)
-        sel = [(x, k) for b, x, k in v if b >= BUSY_FRACTION * top and k]
-        if sel and sum(k for _, k in sel):
-            layer_time[str(t)] = sum(x for x, _ in sel) / sum(k for _, k in sel)
-    out: dict = {"layer_time_s": layer_time, "layer_time_includes_tp_comm": False,
-                 "sources": {"layer_time_s": f"{how}, every layer's forward+backward less its TP all-reduces, on "
-                                             f"the width's ranks that compute the most of the iteration"}}
+    out: dict = {"layer_time_s": {str(t): a[0] / a[1] for t, a in sorted(lay.items()) if a[1]},
+                 "layer_time_includes_tp_comm": False,
+                 "sources": {"layer_time_s": f"{how}, every layer's forward+backward less its TP all-reduces, over "
+                                             f"all ranks of the width"}}
     if emb_med:
         out["embedding_time_s"] = {str(t): v for t, v in sorted(emb_med.items())}
         out["sources"]["embedding_time_s"] = (f"{how}, median over ranks, first stage's passes outside its layers "

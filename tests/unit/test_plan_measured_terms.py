@@ -112,23 +112,3 @@ def test_bad_measured_terms_are_config_errors(bad):
     with pytest.raises(ConfigError):
         Profile.from_dict({"layer_time_s": {"1": 0.01}, **bad})
 
-
-def test_layer_time_comes_from_the_ranks_that_compute_the_most():
-    # 3 processes on 2 cores: the single-stage replica's rank computes 0.8 of its iteration at 19 ms
-    # a layer and micro-batch; the pipeline replica's ranks 0.2 of it at 6 ms: the busy rank bounds it
-    busy = _rank(True, True, 5, 0.19, [0.0, 0], [0.0, 0], {"ForwardPass": [0.1, 2], "BackwardPass": [0.1, 2]},
-                 [0.25], tp=1)
-    idle = [_rank(True, False, 3, 0.036, [0.0, 0], [0.0, 0], {"ForwardPass": [0.03, 2], "BackwardPass": [0.02, 2]},
-                  [0.25], tp=1),
-            _rank(False, True, 2, 0.024, [0.0, 0], [0.0, 0], {"ForwardPass": [0.02, 2], "BackwardPass": [0.02, 2]},
-                  [0.25], tp=1)]
-    for r in [busy, *idle]:
-        r.update(iters=1, micro_batches=2)
-    out = layer_profile.in_situ_terms([busy, *idle])
-    assert out["layer_time_s"]["1"] == pytest.approx(0.19 / (5 * 2))           # 0.019, not 0.25 / 20
-    # a rank within 0.9 of the busiest share counts too: 0.19 / 0.25 = 0.76 >= 0.72, at 0.18 s -> both
-    idle[0]["instr"]["ForwardPass"] = [0.09, 2]
-    idle[0]["instr"]["BackwardPass"] = [0.1, 2]
-    idle[0]["layer_s"] = 0.18
-    out = layer_profile.in_situ_terms([busy, *idle])
-    assert out["layer_time_s"]["1"] == pytest.approx((0.19 + 0.18) / (5 * 2 + 3 * 2))
