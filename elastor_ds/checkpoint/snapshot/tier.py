@@ -81,8 +81,10 @@ class MemoryTier:
         # optimistic_plan: no plan-agreement collective on the training thread per snapshot (a rank
         # whose shards changed makes that one snapshot be dropped everywhere; the next one re-plans)
         # TmpfsStorage: node-local, no fsync, snapshots staged straight into each rank's mapped data file
+        # writer_nice=0: a snapshot every step must finish within the step (its writer only checksums
+        # 64 KiB blocks, which release the GIL); a lowered priority is not measured for it (issue 23)
         self.ckpt = CheckpointEngine(self.root, comm, TmpfsStorage(self.root), keep=mcfg.keep, async_save=True,
-                                     optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE)
+                                     optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE, writer_nice=0)
         self.last_step: Optional[int] = None
         self.stats: list[SaveStats] = []
         self.budget: Optional[dict[str, Any]] = None
