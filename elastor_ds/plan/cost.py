@@ -629,7 +629,11 @@ class CostModel:
         by_range: dict[tuple[int, int], int] = {}
         first_node: int | None = None
         last_node: int | None = None
+        done: set = set()  # replica shapes whose layer ranges, first and last stage span nodes already
         for r in plan.replicas:
+            shape = r.shape_key()[0]
+            if shape in done:  # -1 stays -1: nothing this replica holds can change
+                continue
             st = r.stages
             for s in st:
                 n = s.node
@@ -638,6 +642,8 @@ class CostModel:
             n0, n1 = st[0].node, st[-1].node
             first_node = n0 if first_node in (None, n0) else -1
             last_node = n1 if last_node in (None, n1) else -1
+            if first_node == -1 and last_node == -1 and all(by_range[s.layers] == -1 for s in st):
+                done.add(shape)
         cuts = sorted({b for lay in by_range for b in lay})
         seg_index = {c: i for i, c in enumerate(cuts)}
         seg_node: list[int | None] = [None] * (len(cuts) - 1)
@@ -650,7 +656,12 @@ class CostModel:
         emb_last = m.embedding_params * factor / (self.bandwidth(last_node != -1) * GB)
         worst = 0.0
         seen: set = set()
+        shapes: set = set()
         for r in plan.replicas:
+            shape = r.shape_key()[0]  # (tp, layers, speed) per stage: its stages' keys below
+            if shape in shapes:
+                continue
+            shapes.add(shape)
             S = len(r.stages)
             for j, s in enumerate(r.stages):
                 key = (s.tp, s.layers, j == 0, j == S - 1 and not (m.tied_embeddings and S == 1))

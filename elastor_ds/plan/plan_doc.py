@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout
 from .cluster import Cluster, Device
 
@@ -49,6 +49,17 @@ class PlanStage:
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
+    @staticmethod
+    def of_group(tp: int, layers: tuple[int, int], devices: tuple[Device, ...], speed: float,
+                 node: int) -> "PlanStage":
+        """A stage on a TP group whose pace (slowest GPU) and node the caller already knows (the
+        planner's groups carry them): the same value as ``PlanStage(tp, layers, devices)`` without
+        the pass over the devices (a 131,072-GPU plan makes tens of thousands of stages)."""
+        st = object.__new__(PlanStage)
+        object.__setattr__(st, "__dict__", {"tp": tp, "layers": layers, "devices": devices, "speed": speed,
+                                            "node": node})
+        return st
+
 
 @dataclass(frozen=True)
 class PlanReplica:
@@ -65,8 +76,8 @@ class PlanReplica:
         k = self.__dict__.get("_shape")
         if k is None:
             st = self.stages
-            k = (tuple((s.tp, s.layers, s.speed) for s in st),
-                 tuple(a.node == b.node != -1 for a, b in zip(st, st[1:])))
+            k = (tuple([(s.tp, s.layers, s.speed) for s in st]),
+                 tuple([a.node == b.node != -1 for a, b in zip(st, st[1:])]))
             object.__setattr__(self, "_shape", k)
         return k
 
@@ -243,9 +254,10 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} plan document (a JSON object)")
     L = int(doc["num_layers"])
     index = cluster.node_index()
-    node_speeds: dict[int, dict[int, float]] = {}
     known: dict[str, Device] = {}
     gone: dict[str, int] = {}
+    nodes_seen: dict[str, tuple[int, dict[int, float] | None]] = {}  # node name -> (index, GPU speeds)
+    new_device = tuple.__new__
 
     def device(name: str) -> Device:
         d = known.get(name)
@@ -255,35 +267,62 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         if not sep or not gpu.isdigit() or len(gpu) > 7:
             raise ConfigError(f"previous plan: device name {name!r} is not NODE:GPU")
         g = int(gpu)
-        ni = index.get(node)
-        if ni is None:
-            ni = gone.setdefault(node, len(cluster.nodes) + len(gone))
-            sp = 1.0
-        else:
-            table = node_speeds.get(ni)
-            if table is None:
+        seen = nodes_seen.get(node)
+        if seen is None:
+            ni = index.get(node)
+            if ni is None:
+                seen = (gone.setdefault(node, len(cluster.nodes) + len(gone)), None)
+            else:
                 nd = cluster.nodes[ni]
-                table = node_speeds[ni] = dict(zip(nd.gpus, nd.speeds))
-            sp = table.get(g, 1.0)
-        d = known[name] = Device(ni, node, g, sp)
+                seen = (ni, dict(zip(nd.gpus, nd.speeds)))
+            nodes_seen[node] = seen
+        ni, table = seen
+        d = known[name] = new_device(Device, (ni, node, g, 1.0 if table is None else table.get(g, 1.0)))
         return d
 
+    if L < 1:
+        raise LayoutError(f"num_layers={L}: must be >= 1")
+    # Layout.from_json's checks (layers, TP degrees, ranks), made here without building the layout
     reps = []
-    for rj in doc["replicas"]:
+    ranks: list[int] = []
+    for ri, rj in enumerate(doc["replicas"]):
         stages = []
-        for sj in rj["stages"]:
+        expect = 0
+        for si, sj in enumerate(rj["stages"]):
             devs = tuple(device(n) for n in sj["devices"])
             lay = sj["layers"]
-            if int(sj["tp"]) != len(devs) or len(lay) != 2:
+            tp = int(sj["tp"])
+            if tp != len(devs) or len(lay) != 2:
                 raise ConfigError(f"previous plan: a stage lists {len(devs)} devices for tp={sj['tp']}")
-            stages.append(PlanStage(int(sj["tp"]), (int(lay[0]), int(lay[1])), devs))
+            if tp < 1:
+                raise LayoutError(f"stage tp={tp}: the TP degree must be >= 1")
+            first, last = int(lay[0]), int(lay[1])
+            if first < 0 or last < first:
+                raise LayoutError(f"stage layer range [{first}, {last}) is invalid: need 0 <= first <= last")
+            if first != expect:
+                raise LayoutError(f"replica {ri} stage {si} starts at layer {first} but the previous stage ends at "
+                                  f"{expect}: stages must cover [0, {L}) contiguously")
+            expect = last
+            if "ranks" in sj:
+                rk = [int(r) for r in sj["ranks"]]
+                if len(rk) != tp:
+                    raise LayoutError(f"stage with tp={tp} lists {len(rk)} ranks {rk}: give exactly tp ranks")
+                ranks.extend(rk)
+            else:
+                ranks.extend(range(len(ranks), len(ranks) + tp))
+            stages.append(PlanStage(tp, (first, last), devs))
+        if expect != L:
+            raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {L}")
         reps.append(PlanReplica(tuple(stages), int(rj["micro_batches"])))
+    if not reps:
+        raise LayoutError("a layout needs at least one replica")
+    if sorted(ranks) != list(range(len(ranks))):
+        _bad_ranks(ranks)
     unused = tuple(device(n) for n in doc.get("unused_devices", ()))
     if len(known) != sum(len(s.devices) for r in reps for s in r.stages) + len(unused):
         raise ConfigError("previous plan: a device is listed twice")
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(L, tuple(reps), unused, kind)
-    Layout.from_json(doc, L)  # validates layer coverage, stage shapes and ranks as the document gives them
     per: dict[int, list[Device]] = {}
     for d in known.values():
         per.setdefault(d.node, []).append(d)
@@ -295,6 +334,19 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
     old = Cluster(tuple(nodes), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
                   cluster.inter_node_bandwidth_gbs)
     return plan, old
+
+
+def _bad_ranks(ranks: list[int]) -> None:
+    """Raise what :class:`~elastor_ds.layout.Layout` says of ranks that are not ``0..n-1`` once each."""
+    seen: set[int] = set()
+    for r in ranks:
+        if r < 0:
+            raise LayoutError(f"rank {r} is negative")
+        if r in seen:
+            raise LayoutError(f"rank {r} appears twice: every rank holds one place")
+        seen.add(r)
+    missing = sorted(set(range(max(seen) + 1)) - seen)
+    raise LayoutError(f"ranks must be 0..{len(seen) - 1} without gaps; missing {missing[:8]}")
 
 
 def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size: int) -> dict[str, Any]:

@@ -226,26 +226,46 @@ class _Replanner:
         best.sort(key=lambda x: (x[0], x[1]))
         scored: list[ScoredPlan] = []
         n_exact = 1 if pl.large else EXACT
-        for _, _, mbs, sols, free in best[:n_exact]:
-            p = self._build(kept, kinds_kept, mbs, sols, free, changed)
-            cb = c.evaluate(p)
-            if cb.feasible:
-                scored.append(ScoredPlan(p, cb))
-        n_kept = len(scored)
         reshaped = self._reshape(kept, damaged)
-        # the kept-replica plan's exact price when there is one (the estimate's gradient sync
-        # assumes transfers across nodes, which kept replicas may not need)
-        kept_time = min((x.cost.iteration_time_s for x in scored), default=best[0][0] if best else math.inf)
-        bar = kept_time * (1 - RESHAPE_MARGIN)
-        placed = 0
-        for cd in reshaped[:n_exact]:
-            if cd.estimate >= bar:
-                break
-            placed += 1
-            p = pl.place(cd)
-            cb = c.evaluate(p)
-            if cb.feasible:
-                scored.append(ScoredPlan(p, cb))
+        placed, early, shortcut = 0, None, False
+        if n_exact == 1 and reshaped:
+            # Large clusters: when the re-shaped candidate is certainly placed (its estimate beats,
+            # by the margin, a lower bound of the kept-replica plan's exact price and of its
+            # estimate, the two bars below) and its exact price beats that bound, it wins whatever
+            # the kept-replica plan costs: that plan is then neither built nor priced (both
+            # O(GPUs)). Same result as the steps below.
+            bound = min(self._kept_bound(kept, kinds_kept, best[0][2]), best[0][0] * (1 - 1e-9)) \
+                if best else math.inf
+            cd = reshaped[0]
+            if cd.estimate < bound * (1 - RESHAPE_MARGIN):
+                placed = 1
+                p = pl.place(cd)
+                cb = c.evaluate(p)
+                early = ScoredPlan(p, cb) if cb.feasible else None
+                shortcut = early is not None and cb.iteration_time_s < bound
+        if not shortcut:
+            for _, _, mbs, sols, free in best[:n_exact]:
+                p = self._build(kept, kinds_kept, mbs, sols, free, changed)
+                cb = c.evaluate(p)
+                if cb.feasible:
+                    scored.append(ScoredPlan(p, cb))
+        n_kept = len(scored)
+        if placed:  # placed above: below the bar whatever the kept-replica plan costs
+            if early is not None:
+                scored.append(early)
+        else:
+            # the kept-replica plan's exact price when there is one (the estimate's gradient sync
+            # assumes transfers across nodes, which kept replicas may not need)
+            kept_time = min((x.cost.iteration_time_s for x in scored), default=best[0][0] if best else math.inf)
+            bar = kept_time * (1 - RESHAPE_MARGIN)
+            for cd in reshaped[:n_exact]:
+                if cd.estimate >= bar:
+                    break
+                placed += 1
+                p = pl.place(cd)
+                cb = c.evaluate(p)
+                if cb.feasible:
+                    scored.append(ScoredPlan(p, cb))
         if not scored:
             return None
         kept_ids = {id(x) for x in scored[:n_kept]}
@@ -258,6 +278,27 @@ class _Replanner:
                  "estimate_reshaped": reshaped[0].estimate if reshaped else None}
         return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1], (), stats,
                           self.cluster)
+
+    def _kept_bound(self, kept: Sequence[PlanReplica], kinds_kept: dict, mbs: list) -> float:
+        """A lower bound of the exact price (:meth:`~.cost.CostModel.evaluate`) of a plan holding the
+        kept replicas with micro-batches ``mbs``: its slowest kept replica, priced as ``evaluate``
+        prices it, plus the gradient sync of the kept replicas alone (fewer replicas move fewer
+        bytes; the new replicas can only cut the layers finer and span more nodes) when it is
+        priced from bandwidths, plus the step time; a hair lower for rounding."""
+        c = self.cost
+        worst = 0.0
+        for (_, idx), lst in zip(kinds_kept.values(), mbs):
+            r = kept[idx[0]]
+            rc = c._replica_cost(PlanReplica(r.stages, lst[0][0]), r.shape_key()[1], len(kept), 1)
+            worst = max(worst, rc.time_s)
+        sync = 0.0
+        if kept and (c.profile is None or c.profile.collectives is None):
+            alone = Plan(self.prev.num_layers, tuple(kept), (), "heterogeneous")
+            # priced as a heterogeneous plan (no pass to find out whether it is a grid): ZeRO
+            # min(z, 1) moves the same bytes as z (the sync factor only tells ZeRO 0 from >= 1)
+            object.__setattr__(alone, "_dims", None)
+            sync = c.sync_time(alone)
+        return (worst + sync + c.step_time()) * (1 - 1e-9)
 
     def _reshape(self, kept: Sequence[PlanReplica], damaged: Sequence[PlanReplica]) -> list[Candidate]:
         """The search's own candidates (:meth:`~.search.Planner.heterogeneous_candidates`) for the
@@ -360,7 +401,7 @@ class _Replanner:
                     for k, cnt in zip(sol.order, sol.counts):
                         g = pools[k][taken[k]]
                         taken[k] += 1
-                        stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))
+                        stages.append(PlanStage.of_group(g.tp, (first, first + cnt), g.devices, g.speed, g.node))
                         first += cnt
                     new.append(PlanReplica(tuple(stages), m))
         leftover = [d for k, gs in pools.items() for g in gs[taken[k]:] for d in g.devices]

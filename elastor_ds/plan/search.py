@@ -155,13 +155,21 @@ class PlanResult:
 def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector paused: planning at 131,072 GPUs allocates millions of small
     acyclic objects, and each full collection would walk all of them (pauses of a large fraction
-    of a second). Reference counting still frees everything."""
+    of a second). Reference counting still frees everything. What survives (the plan: a few
+    hundred thousand objects at 131,072 GPUs) is moved to the oldest generation on the way out
+    (``gc.freeze`` then ``gc.unfreeze``: two list splices) instead of being walked by the young
+    generation's next collection (about a fifth of a re-plan's time there); the next full
+    collection sees it like any long-lived object. Skipped when the process has frozen objects of
+    its own (``unfreeze`` would release them)."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -317,7 +325,7 @@ def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], 
     flat = vals.ravel()
     near = flat[(flat <= exact) & (flat >= exact - 1e-8 * (float(a.max()) + abs(exact)))]
     cap = None
-    for T in np.unique(near):  # ascending; ``exact`` itself is among them and always feasible
+    for T in (near if near.size == 1 else np.unique(near)):  # ascending; ``exact`` is among them, always feasible
         t = take(T)
         if t.min() >= 1 and t.sum() >= L:
             cap = t
@@ -346,21 +354,18 @@ def assign_micro_batches(kinds: Sequence[tuple[float, float, int]], total: int) 
     if R > total or R == 0:
         return None
     lo = max(o + b for o, b, _ in kinds)
-    hi = lo + total * max(o for o, _, _ in kinds)
-
-    def fill(T: float) -> float:
-        return sum(c * max(1.0, (T - b) / o) for o, b, c in kinds)
-
-    if fill(lo) < total:
-        for _ in range(100):
-            mid = (lo + hi) / 2
-            if fill(mid) <= total:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo <= 1e-12 * hi:
-                break
-    ms = [max(1, int(math.floor((lo - b) / o))) for o, b, _ in kinds]
+    # the continuous optimum: above ``lo`` every replica holds (T - b) / o >= 1 micro-batches, so
+    # sum c (T - b) / o = total is linear in T; a hair below it, every replica's count that fits
+    # (o m + b <= T) is part of the optimum, and the greedy below adds the rest in order
+    inv = sum(c / o for o, _, c in kinds)
+    if sum(c * (lo - b) / o for o, b, c in kinds) < total:
+        lo = max(lo, (total + sum(c * b / o for o, b, c in kinds)) / inv * (1 - 1e-9))
+    ms = []
+    for o, b, _ in kinds:
+        m = max(1, int(math.floor((lo - b) / o)))
+        while m > 1 and o * m + b > lo:  # rounding: only counts whose time fits
+            m -= 1
+        ms.append(m)
     if sum(m * c for m, (_, _, c) in zip(ms, kinds)) > total:  # float safety net
         ms = [1] * len(kinds)
     rem = total - sum(m * c for m, (_, _, c) in zip(ms, kinds))
@@ -400,6 +405,10 @@ class Planner:
         self._rep_cache: dict = {}
         self._split_cache: dict = {}
         self._mx_cache: dict = {}
+        self._extra_cache: dict = {}  # TP degrees of a replica's stages -> their extra times
+        self._order_info: dict = {}   # order -> per-layer times, extra times, TP degrees, distinct TPs
+        self._orders_cache: dict = {}  # signature -> stage orders tried
+        self._sol_info: dict = {}     # (order, counts) -> (candidate sort key, largest share of a sync)
         self._per_node: list[list[Device]] | None = None
         self.max_orders = self.MAX_ORDERS if self.cluster.num_gpus <= 64 else 6
         self.node_gpus = self.cluster.max_gpus_per_node
@@ -436,25 +445,40 @@ class Planner:
     # -- replica sub-problem --------------------------------------------------------------------
     def _solve_order(self, order: tuple[ClassKey, ...], R: int,
                      zero: int | None = None) -> tuple[float, tuple[int, ...]] | None:
-        S = len(order)
-        L, c = self.L, self.cost
-        tables: dict[int, tuple[int, ...]] = {}
-        for tp, _ in order:
-            if tp not in tables:
-                tables[tp] = c.max_layers_all(tp, S, R, zero)
-        mx = tuple(min(tables[tp][j], L) for j, (tp, _) in enumerate(order))
+        S, L = len(order), self.L
+        info = self._order_info.get(order)
+        if info is None:  # what the split needs besides the memory caps: once per order
+            c = self.cost
+            tps = tuple(tp for tp, _ in order)
+            per = [c.layer_time(tp) / sp for tp, sp in order]
+            extra = list(self._extra_times(tps))
+            extra[-1] += c.head_time(order[-1][0]) / order[-1][1]
+            info = self._order_info[order] = (per, extra, tps, tuple(sorted(set(tps))))
+        per, extra, tps, widths = info
+        caps = self.cost.max_layers_all
+        if len(widths) == 1:
+            mx = caps(widths[0], S, R, zero)
+            if max(mx) > L:
+                mx = tuple(min(v, L) for v in mx)
+        else:
+            tables = {tp: caps(tp, S, R, zero) for tp in widths}
+            mx = tuple(min(tables[tp][j], L) for j, tp in enumerate(tps))
         key = (order, mx)  # R and ZeRO matter only through the memory caps
-        if key in self._split_cache:
-            return self._split_cache[key]
+        res = self._split_cache.get(key, self)
+        if res is not self:
+            return res
         self.stats["splits"] += 1
-        c = self.cost
-        per = [c.layer_time(tp) / sp for tp, sp in order]
-        tps = tuple(tp for tp, _ in order)
-        extra = [c.stage_extra_time(tps, j) for j in range(S)]
-        extra[-1] += c.head_time(order[-1][0]) / order[-1][1]
         res = _split(per, extra, mx, self.L)
         self._split_cache[key] = res
         return res
+
+    def _extra_times(self, tps: tuple[int, ...]) -> tuple[float, ...]:
+        """:meth:`~.cost.CostModel.stage_extra_time` of every stage of a replica with TP degrees
+        ``tps`` (once per ``tps``)."""
+        v = self._extra_cache.get(tps)
+        if v is None:
+            v = self._extra_cache[tps] = tuple(self.cost.stage_extra_time(tps, j) for j in range(len(tps)))
+        return v
 
     def _max_layers(self, tp: int, pos: int, S: int, R: int, zero: int | None = None) -> int:
         key = (tp, pos, S, R, zero)
@@ -464,6 +488,12 @@ class Planner:
         return v
 
     def _orders(self, sig: tuple[ClassKey, ...]) -> list[tuple[ClassKey, ...]]:
+        out = self._orders_cache.get(sig)
+        if out is None:
+            out = self._orders_cache[sig] = self._make_orders(sig)
+        return out
+
+    def _make_orders(self, sig: tuple[ClassKey, ...]) -> list[tuple[ClassKey, ...]]:
         counts: dict[ClassKey, int] = {}
         for k in sig:
             counts[k] = counts.get(k, 0) + 1
@@ -529,8 +559,28 @@ class Planner:
         for (s, _), lst in zip(sols, mbs):
             for m, n in lst:
                 out.append((s, m, n))
-        out.sort(key=lambda x: (-sum(t for t, _ in x[0].order), _order_key(x[0].order), x[0].counts, -x[1]))
+        if len(out) > 1:
+            out.sort(key=lambda x: (self._solution_info(x[0])[0], -x[1]))
         return Candidate(pipe + sync, tuple(out), pool, tie)
+
+    def _solution_info(self, s: ReplicaSolution) -> tuple[tuple, float]:
+        """(sort key of the solution in a candidate, largest parameters per GPU of one of its
+        stages, embedding and output layer included): once per solution."""
+        key = (s.order, s.counts)
+        v = self._sol_info.get(key)
+        if v is None:
+            m = self.model
+            S = s.num_stages
+            share = 0.0
+            for j, ((tp, _), n) in enumerate(zip(s.order, s.counts)):
+                p = n * m.params_per_layer
+                if j == 0:
+                    p += m.embedding_params
+                if j == S - 1 and not (m.tied_embeddings and S == 1):
+                    p += m.embedding_params
+                share = max(share, p / tp)
+            v = self._sol_info[key] = ((-sum(t for t, _ in s.order), _order_key(s.order), s.counts), share)
+        return v
 
     def _sync_estimate(self, sols: Sequence[ReplicaSolution], R: int, used_gpus: int) -> float:
         f = self.cost.sync_bytes_factor(R)
@@ -554,17 +604,8 @@ class Planner:
             return worst
         same = used_gpus <= self.cluster.max_gpus_per_node
         bw = self.cost.bandwidth(same) * 1e9
-        worst = 0.0
-        for s in sols:
-            S = s.num_stages
-            for j, ((tp, _), n) in enumerate(zip(s.order, s.counts)):
-                p = n * m.params_per_layer
-                if j == 0:
-                    p += m.embedding_params
-                if j == S - 1 and not (m.tied_embeddings and S == 1):
-                    p += m.embedding_params
-                worst = max(worst, p / tp * f / bw)
-        return worst
+        # the slowest stage holds the most parameters per GPU (x f / bw is monotone, in floats too)
+        return max(0.0, max(self._solution_info(s)[1] for s in sols) * f / bw)
 
     # -- heterogeneous --------------------------------------------------------------------------
     def groupings(self) -> list[GroupPool]:
@@ -772,29 +813,40 @@ class Planner:
         for g in cand.groups:  # in node order
             pools.setdefault(g.key, []).append(g)
         reps: list[tuple[ReplicaSolution, int]] = []
+        # slots in (first layer, replica, stage) order, a kind's replicas as one block: per first
+        # layer, the blocks in replica order (a replica has one stage per first layer)
+        blocks: dict[int, list[tuple[int, int, int, ClassKey]]] = {}
         for sol, m, n in cand.kinds:
-            reps.extend([(sol, m)] * n)
-        slots = []
-        for ri, (sol, _) in enumerate(reps):
             first = 0
             for j, (k, cnt) in enumerate(zip(sol.order, sol.counts)):
-                slots.append((first, ri, j, k))
+                blocks.setdefault(first, []).append((len(reps), n, j, k))
                 first += cnt
-        slots.sort()  # (first layer, replica, stage) is unique: the class never decides
+            reps.extend([(sol, m)] * n)
         taken: list[list[Group | None]] = [[None] * len(sol.counts) for sol, _ in reps]
         idx = {k: 0 for k in pools}
-        for first, ri, j, k in slots:
-            taken[ri][j] = pools[k][idx[k]]
-            idx[k] += 1
+        for first in sorted(blocks):
+            for r0, n, j, k in blocks[first]:
+                i0 = idx[k]
+                if i0 + n > len(pools[k]):
+                    raise IndexError(f"placement: {n} groups of class {k} wanted, {len(pools[k]) - i0} left")
+                for t, g in enumerate(pools[k][i0:i0 + n]):
+                    taken[r0 + t][j] = g
+                idx[k] = i0 + n
         out = []
+        shapes: dict[int, tuple] = {}  # per solution: (tp, layers, pace) of its stages (PlanReplica.shape_key)
         for ri, (sol, m) in enumerate(reps):
-            stages, first = [], 0
+            shape = shapes.get(id(sol))
+            if shape is None:
+                bounds = list(itertools.accumulate(sol.counts, initial=0))
+                shape = shapes[id(sol)] = tuple((k[0], (bounds[j], bounds[j + 1]), k[1])
+                                                for j, k in enumerate(sol.order))
             row = taken[ri]
-            for j, cnt in enumerate(sol.counts):
-                g = row[j]
-                stages.append(PlanStage(g.tp, (first, first + cnt), g.devices))  # type: ignore[union-attr]
-                first += cnt
-            out.append(PlanReplica(tuple(stages), m))
+            rep = PlanReplica(tuple([PlanStage.of_group(g.tp, lay, g.devices, g.speed, g.node)  # type: ignore[union-attr]
+                                     for g, (_, lay, _) in zip(row, shape)]), m)
+            # its shape key as PlanReplica.shape_key makes it (a group's class is its (tp, pace))
+            object.__setattr__(rep, "_shape", (shape, tuple([a.node == b.node for a, b in  # type: ignore[union-attr]
+                                                             zip(row, row[1:])])))
+            out.append(rep)
         # every usable GPU is in one group of the pool: the groups no slot took are the unused GPUs
         left = [d for k, gs in pools.items() for g in gs[idx[k]:] for d in g.devices]
         left.sort(key=lambda d: (d.node, d.local_id))
@@ -804,10 +856,17 @@ class Planner:
         return plan
 
     def _unused(self, replicas: Sequence[PlanReplica]) -> tuple[Device, ...]:
-        used = {d for r in replicas for s in r.stages for d in s.devices}
-        if len(used) == len(self._devices):
+        devices = self._devices
+        n_used = sum(len(s.devices) for r in replicas for s in r.stages)
+        if n_used == len(devices):
             return ()
-        return tuple(d for d in self._devices if d not in used)
+        # the stages hold the cluster's own Device objects: compare identities (cheap to hash)
+        used = {id(d) for r in replicas for s in r.stages for d in s.devices}
+        out = tuple(d for d in devices if id(d) not in used)
+        if len(out) + n_used != len(devices):  # a device not from this cluster: compare values
+            used_v = {d for r in replicas for s in r.stages for d in s.devices}
+            out = tuple(d for d in devices if d not in used_v)
+        return out
 
     # -- uniform --------------------------------------------------------------------------------
     def _uniform_pool(self, tp: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -907,12 +966,14 @@ class Planner:
                 picked = range(d * p)
             else:
                 picked = sorted(np.argsort(-speeds_arr, kind="stable")[:d * p].tolist())
-            chosen = [self._uniform_devices(tp, *where[i]) for i in picked]
+            # (devices, pace, node) of each group; its pace is its slowest GPU's speed (the pool's)
+            chosen = [(self._uniform_devices(tp, *where[i]), float(speeds_arr[i]), where[i][0]) for i in picked]
             reps = []
             for r in range(d):
                 stages, first = [], 0
                 for j, cnt in enumerate(counts):
-                    stages.append(PlanStage(tp, (first, first + cnt), chosen[j * d + r]))
+                    devs, sp, node = chosen[j * d + r]
+                    stages.append(PlanStage.of_group(tp, (first, first + cnt), devs, sp, node))
                     first += cnt
                 reps.append(PlanReplica(tuple(stages), mb))
             plans.append(Plan(self.L, tuple(reps), self._unused(reps), "uniform"))
@@ -1046,12 +1107,15 @@ def _multiset_partitions(rem: tuple[int, ...], max_block: tuple[int, ...]) -> It
 def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict,
               R: int) -> list[tuple[tuple[ClassKey, ...], int]]:
     """LPT with multiplicities: items of each class (largest capacity first) go one each to the
-    least-loaded replicas; replicas with identical contents are kept as one kind with a count."""
-    kinds: dict[tuple[int, ...], int] = {tuple([0] * len(classes)): R}
-    loads: dict[tuple[int, ...], float] = {tuple([0] * len(classes)): 0.0}
+    least-loaded replicas (ties: fewer GPUs, then the smaller composition); replicas with identical
+    contents are kept as one kind with a count."""
+    zero = (0,) * len(classes)
+    kinds: dict[tuple[int, ...], int] = {zero: R}
+    rank: dict[tuple[int, ...], tuple[float, int]] = {zero: (0.0, 0)}  # (load, GPUs) of a composition
     for ci, (k, n) in enumerate(zip(classes, counts)):
+        add, gpus = cap[k], k[0]
         while n > 0:
-            comp = min(kinds, key=lambda x: (loads[x], sum(cnt * classes[i][0] for i, cnt in enumerate(x)), x))
+            comp = min(kinds, key=lambda x: (rank[x], x)) if len(kinds) > 1 else next(iter(kinds))
             avail = kinds[comp]
             take = min(avail, n)
             n -= take
@@ -1059,8 +1123,9 @@ def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict,
                 del kinds[comp]
             else:
                 kinds[comp] = avail - take
-            new = tuple(v + (1 if i == ci else 0) for i, v in enumerate(comp))
-            loads[new] = loads[comp] + cap[k]
+            new = comp[:ci] + (comp[ci] + 1,) + comp[ci + 1:]
+            load, g = rank[comp]
+            rank[new] = (load + add, g + gpus)
             kinds[new] = kinds.get(new, 0) + take
     out = []
     for comp, n in kinds.items():

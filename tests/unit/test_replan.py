@@ -9,6 +9,7 @@ import random
 import pytest
 
 from elastor_ds.cli import main as cli_main
+from elastor_ds.errors import ConfigError
 from elastor_ds.plan import Cluster, CostModel, ModelSpec, Plan, TrainingSpec, plan
 from elastor_ds.plan.replan import changed_nodes, replan
 
@@ -139,3 +140,32 @@ def test_cli_from_plan_bad_files(tmp_path, capsys):
     link = tmp_path / "link.json"
     link.symlink_to(bad)
     assert cli_main(BASE + ["--gpus-per-node", "8", "--from-plan", str(link)]) == 2
+
+
+def test_previous_plan_document_checked_like_a_layout():
+    """plan_from_document checks what Layout.from_json checks (it no longer builds the layout):
+    contiguous layers covering the model, TP degrees, ranks 0..n-1 once each; each fault named."""
+    import copy
+
+    from elastor_ds.plan.plan_doc import plan_from_document
+    cl = Cluster.from_gpus_per_node([4, 4])
+    good = {"version": 1, "num_layers": 4, "replicas": [
+        {"micro_batches": 1, "stages": [{"tp": 2, "layers": [0, 2], "devices": ["node0:0", "node0:1"]},
+                                        {"tp": 1, "layers": [2, 4], "devices": ["node1:0"]}]},
+        {"micro_batches": 3, "stages": [{"tp": 2, "layers": [0, 4], "devices": ["node1:2", "node1:3"]}]}]}
+    prev, old = plan_from_document(good, cl)
+    assert prev.describe() == "(mb1)[tp2:0-2|tp1:2-4] (mb3)[tp2:0-4]"
+    assert [n.gpus for n in old.nodes] == [(0, 1), (0, 2, 3)]
+    faults = [((0, 1), {"layers": [3, 4]}, "replica 0 stage 1 starts at layer 3 but the previous stage ends at 2"),
+              ((1, 0), {"layers": [0, 3]}, "replica 1 covers layers [0, 3) but the model has 4"),
+              ((0, 0), {"ranks": [0, 0]}, "rank 0 appears twice"),
+              ((0, 0), {"ranks": [0, 7]}, "ranks must be 0..4 without gaps; missing [1, 5, 6]"),
+              ((0, 0), {"ranks": [0]}, "stage with tp=2 lists 1 ranks [0]"),
+              ((0, 0), {"ranks": [-1, 1]}, "rank -1 is negative"),
+              ((0, 0), {"layers": [2, 1]}, "stage layer range [2, 1) is invalid")]
+    for (ri, si), change, want in faults:
+        doc = copy.deepcopy(good)
+        doc["replicas"][ri]["stages"][si].update(change)
+        with pytest.raises(ConfigError, match="previous plan: malformed plan document") as e:
+            plan_from_document(doc, cl)
+        assert want in str(e.value), (change, str(e.value))
