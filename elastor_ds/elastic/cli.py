@@ -163,29 +163,16 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .agent import RunConfig, node_name
-    from .policy import OnFailure
-
+    # every check that needs no torch first: a bad flag exits 2 in a fraction of a second
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist; give the path of the training script")
     lo, hi = _nnodes(args.nnodes)
-    if args.local_addr:
-        from .agent import check_local_addr
-        check_local_addr(args.local_addr)
-    import torch
-    n_gpu = torch.cuda.device_count()
     npn = args.nproc_per_node
-    if npn in ("gpu", "auto"):
-        if npn == "gpu" and n_gpu == 0:
-            raise ConfigError("--nproc-per-node gpu: no GPU is visible; give a process count")
-        nproc = n_gpu or 1
-    else:
+    if npn not in ("gpu", "auto"):
         try:
-            nproc = int(npn)
+            int(npn)
         except ValueError:
             raise ConfigError(f"--nproc-per-node {npn!r}: expected an integer, 'gpu' or 'auto'") from None
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node {nproc}: must be >= 1")
     if args.monitor_interval <= 0 or args.shutdown_timeout <= 0:
         raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
     if args.max_restarts < 0:
@@ -197,6 +184,22 @@ def run(args: argparse.Namespace) -> int:
     if endpoint and not args.standalone:
         check_endpoints(endpoint, args.rdzv_backend)
         check_client(args.rdzv_backend)
+
+    from .agent import RunConfig, node_name
+    from .policy import OnFailure
+    if args.local_addr:
+        from .agent import check_local_addr
+        check_local_addr(args.local_addr)
+    import torch
+    n_gpu = torch.cuda.device_count()
+    if npn in ("gpu", "auto"):
+        if npn == "gpu" and n_gpu == 0:
+            raise ConfigError("--nproc-per-node gpu: no GPU is visible; give a process count")
+        nproc = n_gpu or 1
+    else:
+        nproc = int(npn)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc}: must be >= 1")
     if args.standalone or not endpoint:
         if hi > 1 and not args.standalone:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
