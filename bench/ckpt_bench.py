@@ -155,7 +155,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     # ---- elastor save
     comm = TorchComm.create(900)
     root = os.path.join(tmp, "elastor")
-    eng = CheckpointEngine(root, comm, keep=2)
+    eng = CheckpointEngine(root, comm, keep=2, **({} if args.writer_nice is None else {"writer_nice": args.writer_nice}))
     shards = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_local, 0), (rows_local, COLS)), t)
               for i, t in enumerate(local)]
     stalls, durables, writes, snaps, plans, cpus, memcpys = [], [], [], [], [], [], []
@@ -168,7 +168,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         return time.perf_counter() - t0
     compute(5)
     idle = statistics.median(compute() for _ in range(5))
-    busy_per, idle_per, busy_dur = [], [], []
+    busy_per, idle_per, busy_dur, durables_busy = [], [], [], []
     del views
     del warm, wmv
     gc.collect()
@@ -192,7 +192,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
                 np.copyto(d_, s_)
             mc, mc_cpu = time.perf_counter() - t0, time.thread_time() - c0
             memcpys.append(mc)
-            del pairs, dst
+            del pairs, dst, d_, s_   # views of the staging buffer: they would keep it alive after the engine
         dist.barrier()
         c0 = time.thread_time()
         st = eng.save(step, shards)
@@ -217,15 +217,18 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         dist.barrier()
         i0 = statistics.median(compute() for _ in range(3))
         dist.barrier()
-        eng.save(args.saves + 1 + rep, shards)
+        st = eng.save(args.saves + 1 + rep, shards)
         t0 = time.perf_counter()
         n = 0
-        while not eng.local_idle() or n == 0:
+        # compute while the writer runs, for at most --slowdown-window seconds (a writer at a low
+        # priority under a trainer that keeps every core busy runs on idle cycles only)
+        while (not eng.local_idle() and time.perf_counter() - t0 < args.slowdown_window) or n == 0:
             compute(1)
             n += 1
         busy = (time.perf_counter() - t0) / n
         busy_dur.append(time.perf_counter() - t0)
-        eng.wait()
+        done = eng.wait()
+        durables_busy.append(done.durable_s)
         i1 = statistics.median(compute() for _ in range(3))
         busy_per.append(busy)
         idle_per.append((i0 + i1) / 2 / 10)   # idle just before and just after (the machine drifts)
@@ -244,6 +247,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         i1 = statistics.median(compute() for _ in range(3))
         ctrl.append(busy / ((i0 + i1) / 2 / 10))
     res["compute_slowdown_no_write"] = max(ctrl)
+    res["elastor_durable_busy_s"] = max(durables_busy)
     res["compute_slowdown_during_write"] = max(b / i for b, i in zip(busy_per, idle_per))
     res["compute_slowdowns"] = [b / i for b, i in zip(busy_per, idle_per)]
     res["elastor_stall_s"] = statistics.median(stalls)
@@ -406,7 +410,8 @@ def report(path: str) -> bool:
     staging = rs[0]["elastor_staging_bytes"]
     need_frac = rs[0]["elastor_load_bytes_needed"] / rs[0]["bytes"]
     print(f"\nworld={len(rs)} ranks, {mib:.0f} MiB per rank (fp32), tensors={d['args']['tensors']}, "
-          f"saves={d['args']['saves']}, dcp saves={d['args']['dcp_saves']}; the slowest rank of each figure; "
+          f"saves={d['args']['saves']}, dcp saves={d['args']['dcp_saves']}, writer nice="
+          f"{d['args'].get('writer_nice') if d['args'].get('writer_nice') is not None else 'default'}; the slowest rank of each figure; "
           f"ratios are measured in this run\n")
     # what the save phase adds to the process holding its state, plus the state, over state + staging
     ratio = max(statistics.median(r["stall_ratios"]) for r in rs)
@@ -439,6 +444,8 @@ def report(path: str) -> bool:
          max(r["compute_slowdown_during_write"] for r in rs)),
         ("  the same measurement with no save running (this machine's noise)", None,
          max(r["compute_slowdown_no_write"] for r in rs)),
+        ("  time to durable while training computes / while it waits", None,
+         worst("elastor_durable_busy_s") / worst("elastor_durable_s")),
     ]
     if d["args"]["dcp_saves"]:
         rows += [
@@ -473,6 +480,9 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--dcp-saves", type=int, default=3, help="DCP saves of each kind (0: no DCP phase)")
     ap.add_argument("--slowdown-reps", type=int, default=2, help="saves measured for the compute slowdown")
+    ap.add_argument("--writer-nice", type=int, default=None, help="the engine's writer_nice (default: its default)")
+    ap.add_argument("--slowdown-window", type=float, default=3.0,
+                    help="compute for at most this many seconds of each of those saves")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ckpt_bench.json"))
     args = ap.parse_args()

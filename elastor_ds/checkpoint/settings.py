@@ -20,9 +20,11 @@ from ..errors import ConfigError
 
 SECTION = "elastor"
 DEFAULT_KEEP = 2   # committed checkpoints kept: the one place this default is written
-# added to the nice value of the checkpoint writer thread (Linux, per thread): the writer's copies
-# and checksums take a core only when training leaves it idle (bench/ckpt_bench.py, issue 23)
-DEFAULT_WRITER_NICE = 19
+# added to the nice value of the checkpoint writer thread (Linux, per thread): against a training
+# thread that keeps a core busy the writer gets about a tenth of it (CFS weights 110 vs 1024), so
+# training keeps its core and a save still progresses (at +19, 15 vs 1024, a trainer that keeps
+# every core busy leaves it about 1.5 %; issue 23, bench/ckpt_bench.py)
+DEFAULT_WRITER_NICE = 10
 
 
 @dataclass(frozen=True)
