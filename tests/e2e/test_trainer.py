@@ -16,8 +16,9 @@ from trainer_utils import COMMON, ROOT, TRAINER, losses, torchrun  # noqa: F401 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("trainer")
+    # through torchrun itself (the other launches of the suite fork their ranks from the forkserver)
     torchrun(4, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--save",
-             str(d / "ck"), "--save-interval", "3", "--metrics-file", str(d / "ref.jsonl"))
+             str(d / "ck"), "--save-interval", "3", "--metrics-file", str(d / "ref.jsonl"), real_torchrun=True)
     return d
 
 
