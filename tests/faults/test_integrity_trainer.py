@@ -8,11 +8,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from dist_utils import free_port
+from trainer_utils import fork_launch
 
 pytestmark = pytest.mark.integration
 
@@ -24,10 +23,9 @@ COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", TRAINER, *COMMON, *args]
+    """The ranks fork from the test session's forkserver (tests/helpers/trainer_utils.fork_launch)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    return fork_launch(nproc, TRAINER, [*COMMON, *args], env, ROOT, timeout=300)
 
 
 def test_flipped_byte_at_tp1_never_resumes_at_tp2(tmp_path):
