@@ -221,9 +221,15 @@ def carve(devices: Sequence[Device], parts: Sequence[int], large_fast: bool = Tr
 
 
 def node_devices(cluster: Cluster) -> list[list[Device]]:
-    per: list[list[Device]] = [[] for _ in cluster.nodes]
-    for d in cluster.devices():
-        per[d.node].append(d)
+    """Each node's devices, GPU ids ascending: slices of :meth:`Cluster.device_tuple`, which lists
+    them node by node."""
+    devs = cluster.device_tuple()
+    per: list[list[Device]] = []
+    i = 0
+    for n in cluster.nodes:
+        k = len(n.gpus)
+        per.append(list(devs[i:i + k]))
+        i += k
     return per
 
 
