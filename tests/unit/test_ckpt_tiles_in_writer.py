@@ -115,3 +115,28 @@ def test_block_crcs_in_a_background_thread_pause_and_stay_exact():
     assert got["flat"] == want
     assert got["runs"] == want[:rows]
     assert len(sleeps) >= 2 * 2 and set(sleeps) == {ff.GIL_PAUSE_S}   # it did pause, both loops
+
+
+def test_the_writer_thread_runs_at_a_lower_priority_and_bad_values_are_refused(tmp_path):
+    """Linux: the background writer's nice value is the training thread's + writer_nice (read back
+    with getpriority on its native id while it is alive); 0 leaves it equal; out-of-range values
+    are refused with a message naming the value."""
+    import sys
+    import threading
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux")
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = torch.randn(8, 8)
+    for inc, want in ((5, min(19, mine + 5)), (0, mine)):
+        eng = CheckpointEngine(str(tmp_path / f"n{inc}"), writer_nice=inc)
+        eng.save(1, [TensorShard("t", (8, 8), Region((0, 0), (8, 8)), t)])
+        eng.wait()
+        assert eng._thread is not None and eng._thread.is_alive()
+        assert os.getpriority(os.PRIO_PROCESS, eng._thread.native_id) == want
+        eng.finalize()
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match=f"writer_nice={bad}"):
+            CheckpointEngine(str(tmp_path / "bad"), writer_nice=bad)
