@@ -25,5 +25,5 @@ setup(
         "elastic": ["matplotlib>=3.7"],   # `elastor run`'s timeline plot (the table needs nothing)
         "fast": [],                       # kept for old install lines: zlib-ng is now a plain dependency
     },
-    entry_points={"console_scripts": ["elastor=elastor_ds.cli:main"]},
+    entry_points={"console_scripts": ["elastor=elastor_ds.cli:console_main"]},
 )

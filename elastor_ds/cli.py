@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from .errors import CheckpointNotFoundError, ConfigError, ElastorError
@@ -70,9 +71,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def console_main() -> None:
+    """The ``elastor`` command. ``elastor run`` leaves without the interpreter's teardown once its
+    work is done (logs flushed): torch's c10d store client keeps a C++ thread that, after the store's
+    host is gone, can abort the process during teardown ("terminate called without an active
+    exception", SIGABRT) in place of the exit code the run chose."""
+    code = main()
+    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "run":
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _one_line(e: BaseException) -> str:
     return " | ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

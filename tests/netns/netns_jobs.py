@@ -77,7 +77,7 @@ class NodeJob:
     """`elastor run` in namespace ``name`` with ``nproc`` workers."""
 
     def __init__(self, bed: Testbed, name: str, tmp, endpoint: str, nproc: int, iters: int, extra_conf: str = "",
-                 rdzv_backend: str = "c10d", keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS):
+                 rdzv_backend: str = "c10d", keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS, standby: bool = True):
         self.bed, self.name = bed, name
         self.addr = bed.node(name).addr
         self.snapdir = f"/dev/shm/{bed.prefix}{name}"
@@ -97,7 +97,8 @@ class NodeJob:
         cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--nnodes", "1:2", "--nproc-per-node", str(nproc),
                "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "netns",
                "--local-addr", self.addr, "--rdzv-conf", conf, "--on-failure", "shrink", "--max-restarts", "3",
-               "--monitor-interval", "0.1", "--events", self.events, "--snapshot-dir", self.snapdir, "--no-standby",
+               "--monitor-interval", "0.1", "--events", self.events, "--snapshot-dir", self.snapdir,
+               *([] if standby else ["--no-standby"]),
                *(["--job-secret-file", secret] if "--job-secret-file" in _RUN_HELP() else []), TRAINER, *MODEL, "--train-iters", str(iters), "--save", self.ckpt, "--load", self.ckpt,
                "--save-interval", "1", "--metrics-file", self.metrics, "--elastor-memory-snapshot-interval", "1",
                "--elastor-memory-snapshot-peer-copies", "1", "--elastor-memory-snapshot-keep", "1"]

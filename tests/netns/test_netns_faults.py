@@ -26,11 +26,11 @@ from netns_jobs import (ITERS, KEEP_ALIVE_S, LIVENESS_TIMEOUT_S, READ_TIMEOUT_S,
 pytestmark = pytest.mark.timeout(400)
 
 
-def _start(bed_factory, tmp_path):
+def _start(bed_factory, tmp_path, standby: bool = True):
     bed = bed_factory(["store", "n0", "n1"])
     store = Store(bed, "store", tmp_path)
-    big = NodeJob(bed, "n0", tmp_path, store.endpoint, nproc=2, iters=ITERS)     # node rank 0: ranks 0, 1
-    small = NodeJob(bed, "n1", tmp_path, store.endpoint, nproc=1, iters=ITERS)   # node rank 1: rank 2
+    big = NodeJob(bed, "n0", tmp_path, store.endpoint, nproc=2, iters=ITERS, standby=standby)   # ranks 0, 1
+    small = NodeJob(bed, "n1", tmp_path, store.endpoint, nproc=1, iters=ITERS, standby=standby)  # rank 2
     return bed, store, big, small
 
 
@@ -126,8 +126,10 @@ def test_partitioned_node_is_fenced_and_commits_nothing(bed_factory, tmp_path):
 def test_slow_link_is_not_a_node_loss(bed_factory, tmp_path):
     """Node 1's link throttled to 4 Mbit/s in both directions (a token bucket whose short queue
     drops bursts; netem delay/loss where the kernel has it) from iteration 3 on: iterations slow
-    down, but no node is declared lost or fenced, nothing restarts, every iteration runs once."""
-    bed, store, big, small = _start(bed_factory, tmp_path)
+    down, but no node is declared lost or fenced, nothing restarts, every iteration runs once.
+    Spawned workers (--no-standby): the check below reads each worker's environment from /proc,
+    which for a standby is the one it started with, not its assignment's."""
+    bed, store, big, small = _start(bed_factory, tmp_path, standby=False)
     wait_until(lambda: big.latest() is not None and big.latest() >= 3, [big, small], 240, "iteration 3")
     # the workers' own collective bound: 2 x --hang-timeout (default 300 s), in every worker's environment
     for pid in big.first("launch")["pids"] + small.first("launch")["pids"]:
