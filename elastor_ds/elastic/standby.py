@@ -189,7 +189,7 @@ class StandbyTemplate:
             try:
                 with _subreaper():
                     socket.send_fds(self.sock, [json.dumps({"agent": os.getpid()}).encode()], [stdin_r, ready_w])
-                    self.sock.settimeout(30.0)
+                    self.sock.settimeout(self.import_timeout)   # it may import the learned modules first
                     reply = json.loads(self.sock.recv(4096) or b"{}")
                 pid = reply.get("pid") if isinstance(reply, dict) else None
                 if not isinstance(pid, int) or pid <= 0:

@@ -143,13 +143,14 @@ def become_worker(job: dict, t_ready: float | None) -> None:
     worker_main.run_script(argv)
 
 
-def serve(fd: int) -> None:
-    """Steps 2-4 for a standby whose process exists (spawned, or forked by the template): import
-    what is still missing, report on ``fd``, read the assignment from stdin and become the worker."""
+def serve(fd: int, forked: bool = False) -> None:
+    """Steps 2-4 for a standby whose process exists (spawned, or ``forked`` by the template): import
+    what is still missing, report on ``fd``, read the assignment from stdin and become the worker. A
+    forked standby has the template's imports, so it is ready even when its assignment is waiting."""
     import json
 
     t_ready = None
-    if not _assignment_waiting(0):
+    if forked or not _assignment_waiting(0):
         names = preload_names()
         t0 = time.time()
         ok, failed = preload(names)

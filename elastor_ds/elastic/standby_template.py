@@ -63,7 +63,7 @@ def _become_standby(stdin_fd: int, ready_fd: int, agent: int) -> None:
     except Exception as e:  # noqa: BLE001 - B must never go back to serving requests
         _log(f"forked standby failed before its assignment ({type(e).__name__}: {e})")
         os._exit(1)
-    standby_main.serve(ready_fd)
+    standby_main.serve(ready_fd, forked=True)
 
 
 def fork_standby(agent: int) -> int:
@@ -117,6 +117,9 @@ def main() -> None:
             req = json.loads(msg)
             if cuda or len(fds) != 2 or not isinstance(req, dict) or not isinstance(req.get("agent"), int):
                 raise ValueError("not a fork request" if not cuda else "the CUDA driver is loaded here")
+            # the node's learned module list (written by the workers of a launch) grows after the
+            # template started: import what is new here, once, not in every standby
+            standby_main.preload(standby_main.preload_names())
             pid = fork_standby(req["agent"])
             if pid == 0:   # the standby: leave the loop (and the template's socket) behind
                 child = (fds[0], fds[1], req["agent"])
