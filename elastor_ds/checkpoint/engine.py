@@ -40,8 +40,8 @@ each tile's rows from it with ``writev`` (:class:`~.fileformat.RowRuns`).
 
 Load (``load``): resolve the step dir (``latest``, optional fallback to the previous committed
 checkpoint when the newest fails verification on any rank), plan the byte ranges this rank needs
-(:func:`plan_load`) and read each once into the destination tensors, checking the CRC32 of every
-whole chunk read.
+(:func:`plan_load`) and read each once into the destination tensors, checking every byte read
+against its block's CRC32 (a helper thread checks and copies one read while the next is read).
 
 Every collective runs on a dedicated gloo group (:class:`TorchComm`) with its own timeout.
 """
