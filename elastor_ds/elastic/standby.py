@@ -112,6 +112,14 @@ def _subreaper():
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _AdoptedProcess(subprocess.Popen):
     """A ``Popen`` for a child this process adopted rather than spawned (a standby forked by the
     template): ``poll``, ``wait``, ``send_signal``, ``kill`` and ``stdin`` work as for a spawned one,
@@ -170,6 +178,8 @@ class StandbyTemplate:
             elif b != b"R":
                 log.warning("standby template pid %d is not usable (%s): standbys are spawned one by one",
                             self.proc.pid, "exited" if self.proc.poll() is not None else "no answer")
+            if self.state == "unusable":   # it would only hold memory (and a CUDA driver) from here on
+                self.close()
         return self.state == "ready"
 
     def importing(self) -> bool:
@@ -194,12 +204,15 @@ class StandbyTemplate:
                 pid = reply.get("pid") if isinstance(reply, dict) else None
                 if not isinstance(pid, int) or pid <= 0:
                     raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
+                if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
+                    raise OSError(f"pid {pid} from the template is not this controller's child")
             except (OSError, ValueError) as e:
                 log.warning("standby template pid %d: %s; standbys are spawned one by one from now on",
                             self.proc.pid, e)
                 self.state = "unusable"
                 for fd in (stdin_w, ready_r):
                     os.close(fd)
+                self.close()
                 return None
             finally:
                 os.close(stdin_r)
