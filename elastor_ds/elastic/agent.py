@@ -57,7 +57,8 @@ from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
 log = logging.getLogger("elastor.run")
-__all__ = ["ElastorAgent", "RendezvousError", "RunConfig", "build_agent", "node_name"]
+__all__ = ["ElastorAgent", "RendezvousError", "RunConfig", "build_agent", "node_name", "store_lost_reason",
+           "store_unreachable"]
 
 
 @dataclass
@@ -310,13 +311,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def _store_lost(self, err: Exception) -> RunResult:
         """A store call of the monitor loop failed (after the store's read timeout): stop, exit 1."""
         self._kill_all()
-        reason = self._fence_reason or (f"lost contact with the rendezvous store at {self.cfg.rdzv_endpoint} "
-                                        f"({type(err).__name__}: {err}); this node leaves the job, its workers "
-                                        f"were killed")
-        if not self._fence_reason and self.cfg.rdzv_backend == "c10d":
-            reason += (". A c10d job ends with its store's host: run the store outside the nodes that can fail "
-                       "(python -m elastor_ds.elastic.store_main, --rdzv-conf is_host=0) or use --rdzv-backend "
-                       "etcd-v2 with every etcd member in --rdzv-endpoint")
+        reason = self._fence_reason or store_lost_reason(self.cfg, err, "its workers were killed")
         return self._stop_job(reason)
 
     def _observe(self, wg) -> list[WorkerOutcome]:
@@ -536,6 +531,32 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             self.restarts_used = claim.failures
         self._launch()
         return None
+
+
+def store_lost_reason(cfg: RunConfig, err: BaseException, then: str) -> str:
+    """The one message for a store that stopped answering, whichever call met it first (the monitor
+    loop's liveness read, or the next round's rendezvous after the workers exited)."""
+    reason = (f"lost contact with the rendezvous store at {cfg.rdzv_endpoint} ({type(err).__name__}: {err}); "
+              f"this node leaves the job, {then}")
+    if cfg.rdzv_backend == "c10d":
+        reason += (". A c10d job ends with its store's host: run the store outside the nodes that can fail "
+                   "(python -m elastor_ds.elastic.store_main, --rdzv-conf is_host=0) or use --rdzv-backend "
+                   "etcd-v2 with every etcd member in --rdzv-endpoint")
+    return reason
+
+
+def store_unreachable(err: BaseException) -> bool:
+    """The rendezvous failed because the store's connection broke (not because a node closed it)."""
+    from torch.distributed import DistNetworkError, DistStoreError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (RendezvousConnectionError, DistNetworkError, DistStoreError, ConnectionError)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:

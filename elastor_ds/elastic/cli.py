@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
                 max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
-    from .agent import RendezvousError
+    from .agent import RendezvousError, store_lost_reason, store_unreachable
     try:
         agent = build_agent(cfg, events)
     except RendezvousError as e:   # the store never answered (c10d's connect timeout bounds the wait)
@@ -264,8 +264,11 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
         agent.run()
     except RendezvousError as e:   # closed by another node, timed out, ...: a message, not a traceback
         agent.exit_code = 1
-        agent.message = (f"rendezvous failed ({type(e).__name__}: {e or 'the job was closed by another node'}); "
-                         f"the other nodes stopped or could not be reached at {cfg.rdzv_endpoint}")
+        if store_unreachable(e):   # the store's host went away between rounds (its workers had exited)
+            agent.message = store_lost_reason(cfg, e, "it has no workers left")
+        else:
+            agent.message = (f"rendezvous failed ({type(e).__name__}: {e or 'the job was closed by another node'}); "
+                             f"the other nodes stopped or could not be reached at {cfg.rdzv_endpoint}")
         events.emit(EventKind.STOPPED, reason=agent.message, exit_code=1)
     finally:
         if agent.exit_code == 0:   # a node that leaves must not close the rendezvous for the others

@@ -121,3 +121,32 @@ def test_one_hung_beat_does_not_fence_when_the_next_beats_are_answered():
     assert store.values["elastor/alive/0"] >= before + 8      # ~14 more beats in 1.5 s, one of them hung
     release.set()
     beacon.silence()
+
+
+def test_a_rendezvous_against_a_vanished_store_reads_as_store_lost():
+    """The survivor of a c10d store host's loss may meet it first in the next round's rendezvous (its
+    workers exited on the lost peer before the monitor loop read the store): torch's own handler,
+    against a TCPStore that was there and is gone, must read as 'store lost', and a closed rendezvous
+    must not."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from elastor_ds.elastic.agent import RunConfig, store_lost_reason, store_unreachable
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{server.port}"
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id="gone", min_nodes=1, max_nodes=2,
+        is_host="0", read_timeout="5", join_timeout="5"))
+    del server
+    with pytest.raises(Exception) as info:
+        handler.next_rendezvous()
+    assert store_unreachable(info.value), repr(info.value)
+    assert not store_unreachable(RendezvousClosedError())
+    assert not store_unreachable(RuntimeError("the trainer rejected the world"))
+    cfg = RunConfig(script="train.py", script_args=[], nproc_per_node=1, rdzv_endpoint=endpoint)
+    msg = store_lost_reason(cfg, info.value, "it has no workers left")
+    assert msg.startswith(f"lost contact with the rendezvous store at {endpoint} (")
+    assert "--rdzv-conf is_host=0" in msg and "etcd-v2" in msg
