@@ -56,7 +56,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from ..errors import ConfigError
 from .cluster import Cluster
@@ -248,6 +248,13 @@ class CostBreakdown:
                 "peak_memory_gb": self.peak_memory_bytes / GiB,
                 "memory_limit_gb": self.memory_limit_bytes / GiB,
                 "replicas": [r.to_dict() for r in self.replicas]}
+
+
+class _Shaped(NamedTuple):
+    """A replica as :meth:`CostModel._replica_cost` reads it: stages as (tp, layers, pace)."""
+
+    stages: tuple
+    micro_batches: int
 
 
 class CostModel:
@@ -573,8 +580,10 @@ class CostModel:
     # ---- whole plans --------------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> CostBreakdown:
         """Price a placed plan exactly (the function every search result and test is judged by).
-        Replicas of the same shape on the same kind of placement are priced once."""
-        R = len(plan.replicas)
+        Replicas of the same shape on the same kind of placement are priced once
+        (:meth:`~.plan_doc.Plan.priced_replicas`: a plan placed lazily is priced without its devices)."""
+        priced = plan.priced_replicas()
+        R = len(priced)
         # a grid runs DeepSpeed's ZeRO at the configured stage over its DP group; the heterogeneous
         # runtime runs ZeRO-1 at most, sharding each block's optimizer state among its R holders
         z = self.plan_zero_stage(plan)
@@ -582,15 +591,20 @@ class CostModel:
         feasible = True
         reps: list[ReplicaCost] = []
         memo: dict[tuple, ReplicaCost] = {}
-        for rep in plan.replicas:
+        by_id: dict[tuple[int, int], ReplicaCost] = {}  # (micro-batches, id of the shape key): no hashing of the key
+        for m, shape in priced:
             # what the price depends on: TP, layers, speed of every stage, and which neighbouring
             # stages share a node (PlanReplica.shape_key), and the micro-batches
-            key = (rep.micro_batches, rep.shape_key())
-            rc = memo.get(key)
+            k = (m, id(shape))
+            rc = by_id.get(k)
             if rc is None:
-                rc = memo[key] = self._replica_cost(rep, key[1][1], R, z)
-            if any(mm > limit for mm in rc.stage_memory_bytes):
-                feasible = False
+                key = (m, shape)
+                rc = memo.get(key)
+                if rc is None:
+                    rc = memo[key] = self._replica_cost(_Shaped(shape[0], m), shape[1], R, z)
+                    if any(mm > limit for mm in rc.stage_memory_bytes):
+                        feasible = False
+                by_id[k] = rc
             reps.append(rc)
         sync = self.sync_time(plan)
         step = self.step_time()
@@ -598,11 +612,17 @@ class CostModel:
         return CostBreakdown(pipe + sync + step, pipe, sync, tuple(reps), limit, feasible, step)
 
     def _replica_cost(self, rep, same_node: tuple[bool, ...], R: int, z: int) -> ReplicaCost:  # noqa: ANN001
-        S = len(rep.stages)
-        tps = tuple(s.tp for s in rep.stages)
-        times = tuple(self.stage_time(s.tp, s.num_layers, j == S - 1, s.speed) + self.stage_extra_time(tps, j)
-                      for j, s in enumerate(rep.stages))
-        mems = tuple(self.stage_memory(s.tp, s.num_layers, j, S, R, z) for j, s in enumerate(rep.stages))
+        """``rep``: a :class:`~.plan_doc.PlanReplica` or a :class:`_Shaped` (stages as (tp, layers, pace))."""
+        st = rep.stages
+        S = len(st)
+        if S and isinstance(st[0], tuple):
+            shape = st
+        else:
+            shape = tuple((s.tp, s.layers, s.speed) for s in st)
+        tps = tuple(t for t, _, _ in shape)
+        times = tuple(self.stage_time(t, b - a, j == S - 1, sp) + self.stage_extra_time(tps, j)
+                      for j, (t, (a, b), sp) in enumerate(shape))
+        mems = tuple(self.stage_memory(t, b - a, j, S, R, z) for j, (t, (a, b), _) in enumerate(shape))
         slow = max(times)
         p2p = sum(self.fill_drain_p2p(same) for same in same_node)
         compute, bubble = rep.micro_batches * slow, (S - 1) * slow
@@ -612,11 +632,12 @@ class CostModel:
     def is_grid(plan: Plan) -> bool:
         """A TP x PP x DP grid with equal micro-batches: runs as DeepSpeed's own grid (any ZeRO
         stage); other plans run on the heterogeneous runtime (ZeRO-1 at most)."""
-        return plan.uniform_dims() is not None and len({r.micro_batches for r in plan.replicas}) == 1
+        return plan.uniform_dims() is not None and len({m for m, _ in plan.priced_replicas()}) == 1
 
     def sync_time(self, plan: Plan) -> float:
         """Cross-replica gradient sync (see module docstring): slowest stage over all replicas."""
-        R = len(plan.replicas)
+        priced = plan.priced_replicas()
+        R = len(priced)
         factor = self.sync_bytes_factor(R, self.plan_zero_stage(plan))
         if factor == 0.0:
             return 0.0
@@ -626,24 +647,7 @@ class CostModel:
         m = self.model
         # The node holding each layer over all replicas (-1: more than one), by segments between
         # all stage boundaries; stages of the same layer range are taken together.
-        by_range: dict[tuple[int, int], int] = {}
-        first_node: int | None = None
-        last_node: int | None = None
-        done: set = set()  # replica shapes whose layer ranges, first and last stage span nodes already
-        for r in plan.replicas:
-            shape = r.shape_key()[0]
-            if shape in done:  # -1 stays -1: nothing this replica holds can change
-                continue
-            st = r.stages
-            for s in st:
-                n = s.node
-                prev = by_range.get(s.layers, n)
-                by_range[s.layers] = n if prev == n else -1
-            n0, n1 = st[0].node, st[-1].node
-            first_node = n0 if first_node in (None, n0) else -1
-            last_node = n1 if last_node in (None, n1) else -1
-            if first_node == -1 and last_node == -1 and all(by_range[s.layers] == -1 for s in st):
-                done.add(shape)
+        by_range, first_node, last_node = plan.holder_nodes()
         cuts = sorted({b for lay in by_range for b in lay})
         seg_index = {c: i for i, c in enumerate(cuts)}
         seg_node: list[int | None] = [None] * (len(cuts) - 1)
@@ -657,23 +661,27 @@ class CostModel:
         worst = 0.0
         seen: set = set()
         shapes: set = set()
-        for r in plan.replicas:
-            shape = r.shape_key()[0]  # (tp, layers, speed) per stage: its stages' keys below
+        ids: set[int] = set()
+        for _, sk in priced:
+            shape = sk[0]  # (tp, layers, speed) per stage: its stages' keys below
+            if id(shape) in ids:
+                continue
+            ids.add(id(shape))
             if shape in shapes:
                 continue
             shapes.add(shape)
-            S = len(r.stages)
-            for j, s in enumerate(r.stages):
-                key = (s.tp, s.layers, j == 0, j == S - 1 and not (m.tied_embeddings and S == 1))
+            S = len(shape)
+            for j, (tp, lay, _) in enumerate(shape):
+                key = (tp, lay, j == 0, j == S - 1 and not (m.tied_embeddings and S == 1))
                 if key in seen:
                     continue
                 seen.add(key)
-                t = sum(seg_time[seg_index[s.layers[0]]:seg_index[s.layers[1]]])
+                t = sum(seg_time[seg_index[lay[0]]:seg_index[lay[1]]])
                 if key[2]:
                     t += emb_first
                 if key[3]:
                     t += emb_last
-                worst = max(worst, t / s.tp)
+                worst = max(worst, t / tp)
         return worst
 
     def _sync_kinds(self, zero_stage: int) -> tuple[CollectiveKind, ...]:

@@ -106,6 +106,50 @@ class Plan:
     def num_gpus(self) -> int:
         return sum(r.num_gpus for r in self.replicas)
 
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def priced_replicas(self) -> list[tuple[int, tuple]]:
+        """Per replica, in order, what its price depends on: ``(micro_batches, shape key)``
+        (:meth:`PlanReplica.shape_key`). Replicas of one shape may share the key object, so a
+        pricer can fold them by identity before comparing values. Made once per plan."""
+        v = self.__dict__.get("_priced")
+        if v is None:
+            v = [(r.micro_batches, r.shape_key()) for r in self.replicas]
+            object.__setattr__(self, "_priced", v)
+        return v
+
+    def holder_nodes(self) -> tuple[dict[tuple[int, int], int], int, int]:
+        """Where the holders of each layer range sit: per stage layer range, the node every stage
+        of that range is on (-1: more than one node); the same for the first and for the last
+        stages of all replicas. What the gradient sync's price depends on besides the shapes."""
+        by_range: dict[tuple[int, int], int] = {}
+        first_node: int | None = None
+        last_node: int | None = None
+        done: set[int] = set()  # ids of stage shapes whose ranges, first and last stage span nodes already
+        seen: dict[tuple, int] = {}  # shape value -> id of the first object with it
+        for r in self.replicas:
+            shape = r.shape_key()[0]
+            sid = id(shape)
+            if sid in done:  # -1 stays -1: nothing this replica holds can change
+                continue
+            sid = seen.setdefault(shape, sid)
+            if sid in done:
+                continue
+            st = r.stages
+            for s in st:
+                n = s.node
+                prev = by_range.get(s.layers, n)
+                by_range[s.layers] = n if prev == n else -1
+            n0, n1 = st[0].node, st[-1].node
+            first_node = n0 if first_node in (None, n0) else -1
+            last_node = n1 if last_node in (None, n1) else -1
+            if first_node == -1 and last_node == -1 and all(by_range[s.layers] == -1 for s in st):
+                done.add(sid)
+                done.add(id(shape))
+        return by_range, -1 if first_node is None else first_node, -1 if last_node is None else last_node
+
     def rank_of(self) -> dict[Device, int]:
         return {d: i for i, d in enumerate(self.used_devices())}
 
@@ -122,13 +166,13 @@ class Plan:
     def _describe(self) -> str:
         parts: list[str] = []
         prev, n = None, 0
-        texts: dict[tuple, str] = {}
-        for r in self.replicas:
-            shape = tuple((s.tp, s.layers) for s in r.stages)
-            body = texts.get(shape)
+        texts: dict[int, str] = {}  # id of a shape -> its text (the shapes are kept alive by the plan)
+        for m, key in self.priced_replicas():
+            shape = key[0]  # (tp, layers, pace) per stage
+            body = texts.get(id(shape))
             if body is None:
-                body = texts[shape] = _stages_text(r.stages)
-            txt = f"(mb{r.micro_batches})[" + body + "]"
+                body = texts[id(shape)] = _stages_text(shape)
+            txt = f"(mb{m})[" + body + "]"
             if txt == prev:
                 n += 1
                 continue
@@ -190,20 +234,20 @@ class Plan:
         return tp, len(bounds), len(self.replicas)
 
 
-def _stages_text(stages: tuple[PlanStage, ...]) -> str:
+def _stages_text(stages: tuple[tuple[int, tuple[int, int], float], ...]) -> str:
     """``tp8:0-10|tp8:10-20|tp8:20-30`` with runs of three or more stages of the same TP degree and
-    layer count folded: ``3x tp8:0+10``."""
+    layer count folded: ``3x tp8:0+10``. ``stages``: (tp, layers, pace) per stage (a shape key's)."""
     out: list[str] = []
     i = 0
     while i < len(stages):
-        s = stages[i]
+        tp, (a, b), _ = stages[i]
         j = i + 1
-        while j < len(stages) and stages[j].tp == s.tp and stages[j].num_layers == s.num_layers:
+        while j < len(stages) and stages[j][0] == tp and stages[j][1][1] - stages[j][1][0] == b - a:
             j += 1
         if j - i >= 3:
-            out.append(f"{j - i}x tp{s.tp}:{s.layers[0]}+{s.num_layers}")
+            out.append(f"{j - i}x tp{tp}:{a}+{b - a}")
         else:
-            out.extend(f"tp{t.tp}:{t.layers[0]}-{t.layers[1]}" for t in stages[i:j])
+            out.extend(f"tp{t}:{lay[0]}-{lay[1]}" for t, lay, _ in stages[i:j])
         i = j
     return "|".join(out)
 

@@ -239,7 +239,7 @@ class _Replanner:
             cd = reshaped[0]
             if cd.estimate < bound * (1 - RESHAPE_MARGIN):
                 placed = 1
-                p = pl.place(cd)
+                p = pl.place_lazy(cd)
                 cb = c.evaluate(p)
                 early = ScoredPlan(p, cb) if cb.feasible else None
                 shortcut = early is not None and cb.iteration_time_s < bound
@@ -262,7 +262,7 @@ class _Replanner:
                 if cd.estimate >= bar:
                     break
                 placed += 1
-                p = pl.place(cd)
+                p = pl.place_lazy(cd)
                 cb = c.evaluate(p)
                 if cb.feasible:
                     scored.append(ScoredPlan(p, cb))

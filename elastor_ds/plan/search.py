@@ -95,10 +95,25 @@ class GroupPool:
     prices class counts; only the candidates it places need the groups themselves."""
 
     def __init__(self, make: "Callable[[], list[Group]]", classes: Sequence[ClassKey], counts: Sequence[int],
-                 key: tuple) -> None:
+                 key: tuple, nodes: "Callable[[], dict[ClassKey, np.ndarray]] | None" = None) -> None:
         self._make = make
+        self._nodes = nodes
         self._groups: tuple[Group, ...] | None = None
+        self._class_nodes: dict[ClassKey, np.ndarray] | None = None
         self.classes, self.counts, self.key = tuple(classes), tuple(counts), key
+
+    def class_nodes(self) -> dict[ClassKey, np.ndarray]:
+        """Per class, the node of each of its groups in node order (what :meth:`groups` would
+        give), without making the groups when the pool knows how."""
+        if self._class_nodes is None:
+            if self._nodes is not None and self._groups is None:
+                self._class_nodes = self._nodes()
+            else:
+                per: dict[ClassKey, list[int]] = {}
+                for g in self.groups:
+                    per.setdefault(g.key, []).append(g.node)
+                self._class_nodes = {k: np.asarray(v, dtype=np.int64) for k, v in per.items()}
+        return self._class_nodes
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -657,7 +672,8 @@ class Planner:
                         tally[k] = tally.get(k, 0) + n
                     classes = sorted(tally, key=lambda k: (-k[0], -k[1]))
                     out.append(GroupPool(lambda p=parts, lf=large_fast: self._carve_all(p, lf), classes,
-                                         [tally[k] for k in classes], sig))
+                                         [tally[k] for k in classes], sig,
+                                         lambda p=parts, lf=large_fast: self._class_nodes(p, lf)))
         return out
 
     def _carve_all(self, parts: dict, large_fast: bool) -> list[Group]:
@@ -688,6 +704,27 @@ class Planner:
                 cache[key] = cut
             groups.extend(cut)
         return groups
+
+    def _class_nodes(self, parts: dict, large_fast: bool) -> dict[ClassKey, np.ndarray]:
+        """:meth:`GroupPool.class_nodes` of the grouping :meth:`_carve_all` cuts, without cutting
+        the nodes of one speed (their classes are their type's)."""
+        per: dict[ClassKey, list[np.ndarray]] = {}
+        for t, nodes in self._types.items():
+            if not t:
+                continue
+            if t[0] == t[-1]:
+                arr = np.asarray(nodes, dtype=np.int64)
+                tally: dict[ClassKey, int] = {}
+                for k in _type_classes(t, parts[t], large_fast):
+                    tally[k] = tally.get(k, 0) + 1
+                for k, c in tally.items():
+                    per.setdefault(k, []).append(arr if c == 1 else np.repeat(arr, c))
+            else:
+                per_node = self.per_node()
+                for i in nodes:
+                    for g in carve(per_node[i], parts[t], large_fast):
+                        per.setdefault(g.key, []).append(np.asarray([i], dtype=np.int64))
+        return {k: np.sort(np.concatenate(v), kind="stable") for k, v in per.items()}
 
     def heterogeneous_candidates(self, keep: Callable[[GroupPool], bool] | None = None) -> list[Candidate]:
         """Candidates of every grouping (or of those ``keep`` accepts), unplaced."""
@@ -860,6 +897,13 @@ class Planner:
         if plan.uniform_dims() is not None and len({mm for _, mm in reps}) == 1:
             plan = Plan(self.L, plan.replicas, plan.unused, "uniform")
         return plan
+
+    def place_lazy(self, cand: Candidate) -> Plan:
+        """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made (by
+        :meth:`place`) when first read (:class:`~.lazy_plan.LazyPlan`)."""
+        from .lazy_plan import place_lazily
+        return place_lazily(self.L, [(s.order, s.counts, m, n) for s, m, n in cand.kinds], cand.pool.class_nodes(),
+                            lambda: self.place(cand))
 
     def _unused(self, replicas: Sequence[PlanReplica]) -> tuple[Device, ...]:
         devices = self._devices
