@@ -270,6 +270,92 @@ def overhead_rows(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _two_node_run(args, work: str, name: str, peer_copies: int, copy_interval: int = 0, block: int = 0) -> dict:
+    """One paired run (snapshots every iteration, paused in every other block) of the example
+    trainer as two "nodes" on this machine: two torchrun agents (``--nnodes 2``), one rank each,
+    each its own snapshot directory, ``ELASTOR_PROCS_PER_NODE=1,1`` and one job secret file, so
+    with ``peer_copies`` 1 each snapshot (or every ``copy_interval``-th) goes to the other node's
+    memory through the real transport. Rank 0's metrics; load average before and after."""
+    from elastor_ds.elastic.protocol import ENV_JOB_SECRET_FILE, ENV_PROCS_PER_NODE, ENV_SNAPSHOT_DIR
+    block = block or args.block
+    metrics = os.path.join(work, f"{name}.jsonl")
+    secret = os.path.join(work, f"{name}.secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    port = _free_port()
+    snaps = [os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
+             for _ in range(2)]
+    procs = []
+    load0 = os.getloadavg()
+    try:
+        for node, snap in enumerate(snaps):
+            os.makedirs(snap, mode=0o700)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                   "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", TRAINER, *MODEL,
+                   "--hidden-size", str(args.hidden), "--train-iters", str(args.paired_iters), "--save",
+                   os.path.join(work, f"{name}_ckpt"), "--save-interval", "0", "--profile-iters", "0",
+                   "--metrics-file", metrics, "--elastor-memory-snapshot-interval", "1",
+                   "--elastor-memory-snapshot-peer-copies", str(peer_copies),
+                   "--elastor-memory-snapshot-ab-blocks", str(block)]
+            if copy_interval:
+                cmd += ["--elastor-memory-snapshot-peer-copy-interval", str(copy_interval)]
+            env = _env({ENV_SNAPSHOT_DIR: snap, ENV_PROCS_PER_NODE: "1,1", ENV_JOB_SECRET_FILE: secret})
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=900)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"two-node trainer {name} failed ({p.returncode}):\n{out[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for snap in snaps:
+            shutil.rmtree(snap, ignore_errors=True)
+    recs = [r for r in read_jsonl(metrics) if r["iteration"] > 3]
+    res = paired_overhead(recs, block, skip=0)
+    snap_recs = [r for r in recs if r.get("snapshot_stall_s") is not None]
+    iter_s = res["median_iter_s_with"]
+
+    def share(key: str):
+        xs = [r[key] for r in snap_recs if r.get(key) is not None]
+        return statistics.median(xs) / iter_s if xs else None
+    copies = {r["peer_copy_seq"]: r for r in recs if r.get("peer_copy_seq") is not None}
+    cpu = [r["peer_copy_cpu_s"] for r in copies.values()]
+    snapshots_with = sum(1 for r in snap_recs)
+    res.update(peer_copies=peer_copies, peer_copy_interval=copy_interval or (1 if peer_copies else None),
+               load_average_before=load0, load_average_after=os.getloadavg(),
+               snapshot_training_thread_over_iter=share("snapshot_hook_s"),
+               snapshot_writer_cpu_over_iter=share("snapshot_writer_cpu_s"),
+               peer_copies_seen=len(copies), peer_copies_failed=sum(1 for r in copies.values() if not r["peer_copy_ok"]),
+               peer_copy_s_median=statistics.median(r["peer_copy_s"] for r in copies.values()) if copies else None,
+               peer_copy_cpu_per_copy_over_iter=statistics.median(cpu) / iter_s if cpu else None,
+               # the copy thread's CPU spread over the snapshots it serves (1 copy per interval snapshots)
+               peer_copy_cpu_per_snapshot_over_iter=(statistics.median(cpu) / iter_s / (copy_interval or 1))
+               if cpu else None, snapshots=snapshots_with)
+    return res
+
+
+def peer_rows(args) -> dict:
+    """The memory tier across two nodes (this machine's two agents): a paired run each of snapshots
+    only, a peer copy of every snapshot, and a peer copy every ``--peer-copy-interval`` snapshots.
+    "A peer copy adds" = that run's overhead - the snapshots-only run's (each against its own
+    iterations without snapshots)."""
+    work = tempfile.mkdtemp(prefix="snapshot_bench_peer_", dir=args.storage)
+    n = args.peer_copy_interval
+    try:
+        only = _two_node_run(args, work, "snapshots_only", 0)
+        every = _two_node_run(args, work, "copy_every", 1)
+        interval = _two_node_run(args, work, f"copy_every_{n}", 1, copy_interval=n, block=n)
+        out = {"snapshots_only": only, "peer_copy_every_snapshot": every, f"peer_copy_every_{n}": interval}
+        for key, r in (("every_snapshot", every), (f"every_{n}", interval)):
+            out[f"peer_copy_adds_{key}"] = {"median": r["step_overhead"] - only["step_overhead"],
+                                            "mean": r["step_overhead_of_means"] - only["step_overhead_of_means"]}
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _lost_run(args, work: str, name: str, memory: bool) -> dict:
     metrics = os.path.join(work, f"{name}.jsonl")
     events = os.path.join(work, f"{name}_events.jsonl")
@@ -323,7 +409,7 @@ def lost_rows(args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="restore,overhead,lost", help="comma-separated: restore (includes memory), "
-                   "overhead, lost")
+                   "overhead, peer, lost")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--mib-per-rank", type=int, default=64)
     p.add_argument("--tensors", type=int, default=4)
@@ -336,6 +422,8 @@ def main() -> int:
     p.add_argument("--paired-iters", type=int, default=200, help="overhead row: iterations of the one run that "
                    "alternates blocks with and without snapshots (0: skip it)")
     p.add_argument("--block", type=int, default=4, help="overhead row: iterations per block in that run")
+    p.add_argument("--peer-copy-interval", type=int, default=8, help="peer row: the copy interval of its third run "
+                   "(also its block length, so each block with snapshots holds one copy)")
     p.add_argument("--kill-at", type=int, default=7)
     p.add_argument("--storage-interval", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))
@@ -349,6 +437,9 @@ def main() -> int:
     if "overhead" in rows:
         doc["overhead"] = overhead_rows(args)
         print(json.dumps({"overhead": doc["overhead"]}, indent=1), flush=True)
+    if "peer" in rows:
+        doc["peer"] = peer_rows(args)
+        print(json.dumps({"peer": doc["peer"]}, indent=1), flush=True)
     if "lost" in rows:
         doc["lost"] = lost_rows(args)
         print(json.dumps({"lost": doc["lost"]}, indent=1), flush=True)

@@ -53,7 +53,13 @@ if not any(l.split()[1].startswith("zlib-ng") for l in requires):
 from elastor_ds.checkpoint import crc
 if crc.IMPLEMENTATION != "zlib-ng":
     sys.exit(f"wheel check: the checksum runs on {crc.IMPLEMENTATION}, not zlib-ng")
-print(f"wheel check: {len(have)} modules in the wheel, {len(pkgs)} packages import from it; CRC32 by zlib-ng")
+if not any(l.split()[1].startswith("cryptography") for l in requires):
+    sys.exit(f"wheel check: a plain install must pull GMAC for peer copies (cryptography); the wheel requires {requires}")
+from elastor_ds.checkpoint import auth
+if not auth.GMAC_AVAILABLE:
+    sys.exit("wheel check: peer-copy digests run on HMAC-SHA256: the cryptography package is missing")
+print(f"wheel check: {len(have)} modules in the wheel, {len(pkgs)} packages import from it; CRC32 by zlib-ng, "
+      f"peer-copy MACs by GMAC")
 PYEOF
 ELASTOR="$WORK/site/bin/elastor"
 "$ELASTOR" --help >/dev/null

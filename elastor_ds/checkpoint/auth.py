@@ -13,9 +13,11 @@ that only the job's processes know:
   and checks the file itself;
 - requests to a snapshot server carry a MAC over (method, path, range, nonce, time); responses a
   MAC over (the request's nonce, status, range, file size, body); peer copies one MAC per file
-  over (origin, step, name, bytes).
+  over (origin, step, name, bytes): GMAC (AES-256-GCM, a random nonce per file) under a key derived
+  for that use, ~10x faster than HMAC-SHA256 on the bytes of every copied snapshot; HMAC-SHA256
+  where the ``cryptography`` package is missing.
 
-Stdlib only (no torch).
+Stdlib (no torch), plus ``cryptography`` for GMAC when it is installed.
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ import hashlib
 import hmac
 import os
 import stat
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ..elastic.protocol import ENV_JOB_SECRET_FILE, LaunchContext, launch_context
 from ..errors import ConfigError
 
-__all__ = ["ENV_JOB_SECRET_FILE", "load_key", "job_key", "request_mac", "response_mac", "file_mac", "MIN_SECRET",
+__all__ = ["ENV_JOB_SECRET_FILE", "load_key", "job_key", "request_mac", "response_mac", "file_mac", "FileMac",
+           "GMAC_AVAILABLE", "MIN_SECRET",
            "new_key_file_hint"]
 
 MIN_SECRET = 32
@@ -94,8 +97,84 @@ def response_mac(key: bytes, nonce: str, status: int, rng: str, size: str, body:
     return h.hexdigest()
 
 
-def file_mac(key: bytes, origin: str, step: str, relpath: str, data) -> str:
-    """Keyed digest of one peer-copied file (``data``: a bytes-like object)."""
-    h = hmac.new(key, b"peer\n" + _fields(origin, step, relpath), hashlib.sha256)
-    h.update(data)
-    return h.hexdigest()
+# ---------------------------------------------------------------------------------------------- peer-copied files
+# A peer copy moves a whole snapshot per step, so its MAC runs over every byte twice (sender and
+# receiver). HMAC-SHA256 runs at ~0.4-1 GB/s here (18-45 ms per 17 MiB); GMAC (AES-256-GCM with the
+# file as associated data and no plaintext; AES-NI and carry-less multiply) at ~8 GB/s (2 ms). GMAC
+# needs a fresh nonce per message (a repeated nonce under one key leaks the hash key): 96 random
+# bits per file, sent with the tag. Its key is derived from the job key for this use only. Without
+# the ``cryptography`` package (a dependency; a missing one is tolerated) files carry HMAC-SHA256,
+# and a receiver checks whichever of the two a tag is.
+try:  # pragma: no cover - depends on the environment
+    from cryptography.hazmat.primitives.ciphers import Cipher as _Cipher, algorithms as _algorithms, modes as _modes
+except ImportError:  # pragma: no cover
+    _Cipher = None
+
+GMAC_AVAILABLE = _Cipher is not None
+_GMAC_LABEL = b"elastor-ds peer-copy gmac v1"
+_GMAC_PREFIX = "g1."
+_MAC_PIECE = 1 << 20
+_gmac_keys: dict[bytes, bytes] = {}
+
+
+class FileMac:
+    """Incremental keyed digest of one peer-copied file: ``update`` with its bytes in order, then
+    :meth:`hexdigest` (the sender's tag) or :meth:`matches` (the receiver's check, constant time).
+    ``tag``: the sender's tag (receiver; its scheme and nonce are taken from it); None: a new tag
+    (sender; GMAC unless ``scheme`` is "hmac" or GMAC is unavailable)."""
+
+    def __init__(self, key: bytes, origin: str, step: str, relpath: str, tag: Optional[str] = None,
+                 scheme: str = "gmac"):
+        head = b"peer\n" + _fields(origin, step, relpath)
+        self.nonce: Optional[bytes] = None
+        if tag is not None:
+            scheme = "gmac" if tag.startswith(_GMAC_PREFIX) else "hmac"
+            if scheme == "gmac":
+                parts = tag.split(".")
+                self.nonce = bytes.fromhex(parts[1]) if len(parts) == 3 and len(parts[1]) == 24 else b""
+        elif scheme == "gmac" and GMAC_AVAILABLE:
+            self.nonce = os.urandom(12)
+        else:
+            scheme = "hmac"
+        self.scheme = scheme
+        self._h: Any = None
+        self._enc: Any = None
+        if scheme == "hmac":
+            self._h = hmac.new(key, head, hashlib.sha256)
+        elif GMAC_AVAILABLE and self.nonce and len(self.nonce) == 12:
+            gk = _gmac_keys.get(key)
+            if gk is None:
+                gk = _gmac_keys[key] = hmac.new(key, _GMAC_LABEL, hashlib.sha256).digest()
+            self._enc = _Cipher(_algorithms.AES(gk), _modes.GCM(self.nonce)).encryptor()
+            self._enc.authenticate_additional_data(head)
+        # else: a GMAC tag this process cannot check (no cryptography, or a malformed nonce): never matches
+
+    def update(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        for a in range(0, len(mv), _MAC_PIECE):
+            piece = mv[a:a + _MAC_PIECE]
+            if self._h is not None:
+                self._h.update(piece)
+            elif self._enc is not None:
+                self._enc.authenticate_additional_data(piece)
+
+    def hexdigest(self) -> str:
+        if self._h is not None:
+            return self._h.hexdigest()
+        if self._enc is None:
+            raise ValueError("no GMAC key: this tag cannot be computed here")
+        self._enc.finalize()
+        return f"{_GMAC_PREFIX}{self.nonce.hex()}.{self._enc.tag.hex()}"   # type: ignore[union-attr]
+
+    def matches(self, tag: str) -> bool:
+        if self._h is None and self._enc is None:
+            return False
+        return hmac.compare_digest(self.hexdigest(), tag)
+
+
+def file_mac(key: bytes, origin: str, step: str, relpath: str, data, scheme: str = "gmac") -> str:
+    """Keyed digest of one peer-copied file (``data``: a bytes-like object): GMAC with a fresh
+    nonce (``g1.<nonce>.<tag>``) or, with ``scheme`` "hmac" or without GMAC, HMAC-SHA256 (hex)."""
+    m = FileMac(key, origin, step, relpath, scheme=scheme)
+    m.update(data)
+    return m.hexdigest()

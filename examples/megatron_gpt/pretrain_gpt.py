@@ -773,6 +773,7 @@ def _main(argv: list[str] | None = None) -> int:
                     done = [c for c in pc.stats if c.copy_s > 0] if pc is not None else []
                     if done:   # rank 0's newest finished peer copy (background) and the wait before it
                         rec.update(peer_copy_s=done[-1].copy_s, peer_copy_wait_s=done[-1].wait_s,
+                                   peer_copy_cpu_s=done[-1].cpu_s, peer_copy_seq=done[-1].seq,
                                    peer_copy_bytes=done[-1].bytes_sent, peer_copy_ok=done[-1].error is None)
                 rec.update(plan_info)
                 if it == start:
