@@ -122,10 +122,12 @@ def place_lazily(num_layers: int, kinds: Sequence[KindSpec], class_nodes: Mappin
         gpus += n * sum(k[0] for k in order)
         mbs.add(m)
         if S > 1:
-            same = nodes[:, :-1] == nodes[:, 1:]
-            rows, inv = np.unique(same, axis=0, return_inverse=True)
-            keys = [(m, (shape, tuple(bool(x) for x in row))) for row in rows.tolist()]
-            priced.extend(keys[i] for i in inv.reshape(-1).tolist())
+            keys: dict[tuple[bool, ...], tuple] = {}  # flags -> the key (one object per distinct row)
+            for row in map(tuple, (nodes[:, :-1] == nodes[:, 1:]).tolist()):
+                key = keys.get(row)
+                if key is None:
+                    key = keys[row] = (m, (shape, row))
+                priced.append(key)
         else:
             key = (m, (shape, ()))
             priced.extend([key] * n)

@@ -120,6 +120,20 @@ class Plan:
             object.__setattr__(self, "_priced", v)
         return v
 
+    def replicas_by_node(self) -> dict[int, list[int]]:
+        """Node index -> the indices of the replicas with a stage on it, ascending (-1: replicas
+        with a stage across nodes). Made once per plan (a loaded plan gets it while it is read)."""
+        v = self.__dict__.get("_by_node")
+        if v is None:
+            v = {}
+            for i, r in enumerate(self.replicas):
+                for s in r.stages:
+                    lst = v.setdefault(s.node, [])
+                    if not lst or lst[-1] != i:
+                        lst.append(i)
+            object.__setattr__(self, "_by_node", v)
+        return v
+
     def holder_nodes(self) -> tuple[dict[tuple[int, int], int], int, int]:
         """Where the holders of each layer range sit: per stage layer range, the node every stage
         of that range is on (-1: more than one node); the same for the first and for the last
@@ -222,16 +236,24 @@ class Plan:
         return d["_dims"]
 
     def _uniform_dims(self) -> tuple[int, int, int] | None:
-        first = self.replicas[0].stages
-        tp = first[0].tp
-        if any(s.tp != tp for s in first):
+        priced = self.priced_replicas()
+        if not priced:
             return None
-        bounds = [s.layers for s in first]
-        for r in self.replicas:
-            st = r.stages
-            if len(st) != len(bounds) or any(s.tp != tp or s.layers != b for s, b in zip(st, bounds)):
+        first: tuple | None = None
+        ids: set[int] = set()  # stage shapes already compared (one object is shared by many replicas)
+        for _, key in priced:
+            shape = key[0]
+            if id(shape) in ids:
+                continue
+            ids.add(id(shape))
+            tl = tuple((t, lay) for t, lay, _ in shape)
+            if first is None:
+                first = tl
+                if any(t != tl[0][0] for t, _ in tl):
+                    return None
+            elif tl != first:
                 return None
-        return tp, len(bounds), len(self.replicas)
+        return first[0][0], len(first), len(priced)  # type: ignore[index]
 
 
 def _stages_text(stages: tuple[tuple[int, tuple[int, int], float], ...]) -> str:
@@ -328,6 +350,8 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise LayoutError(f"num_layers={L}: must be >= 1")
     # Layout.from_json's checks (layers, TP degrees, ranks), made here without building the layout
     reps = []
+    shapes: dict[tuple, tuple] = {}
+    by_node: dict[int, list[int]] = {}  # Plan.replicas_by_node, made on the way
     ranks: list[int] = []
     for ri, rj in enumerate(doc["replicas"]):
         stages = []
@@ -354,10 +378,17 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
                 ranks.extend(rk)
             else:
                 ranks.extend(range(len(ranks), len(ranks) + tp))
-            stages.append(PlanStage(tp, (first, last), devs))
+            st = PlanStage(tp, (first, last), devs)
+            lst = by_node.setdefault(st.node, [])
+            if not lst or lst[-1] != ri:
+                lst.append(ri)
+            stages.append(st)
         if expect != L:
             raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {L}")
-        reps.append(PlanReplica(tuple(stages), int(rj["micro_batches"])))
+        rep = PlanReplica(tuple(stages), int(rj["micro_batches"]))
+        sk = rep.shape_key()
+        object.__setattr__(rep, "_shape", shapes.setdefault(sk, sk))  # one object per shape: pricing folds by id
+        reps.append(rep)
     if not reps:
         raise LayoutError("a layout needs at least one replica")
     if sorted(ranks) != list(range(len(ranks))):
@@ -367,6 +398,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise ConfigError("previous plan: a device is listed twice")
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(L, tuple(reps), unused, kind)
+    object.__setattr__(plan, "_by_node", by_node)
     per: dict[int, list[Device]] = {}
     for d in known.values():
         per.setdefault(d.node, []).append(d)

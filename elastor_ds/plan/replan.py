@@ -138,23 +138,19 @@ class _Replanner:
         old_index = self.old.node_index()
         # previous plans number nodes like the previous cluster; changed ones by their index
         hit_nodes = {old_index[n] for n in changed if n in old_index}
-        kept, damaged = [], []
-        for r in self.prev.replicas:
-            hit = False
-            for s in r.stages:
-                n = s.node
-                if n in hit_nodes:
-                    hit = True
-                    break
-                if n == -1 and any(d.node_name in changed for d in s.devices):
-                    hit = True
-                    break
-            if hit:
-                damaged.append(r)
-            elif same_numbering:
-                kept.append(r)
-            else:
-                kept.append(_renumber(r, new_index))
+        reps = self.prev.replicas
+        by_node = self.prev.replicas_by_node()
+        hit = {i for n in hit_nodes for i in by_node.get(n, ())}
+        for i in by_node.get(-1, ()):  # a stage across nodes: its devices' nodes by name
+            if any(d.node_name in changed for s in reps[i].stages for d in s.devices):
+                hit.add(i)
+        damaged = [reps[i] for i in sorted(hit)]
+        if not hit:
+            kept = list(reps)
+        else:
+            kept = [r for i, r in enumerate(reps) if i not in hit]
+        if not same_numbering:
+            kept = [_renumber(r, new_index) for r in kept]
         return kept, damaged, changed
 
     def _free_groups(self, damaged: list[PlanReplica], changed: set[str], cap: int) -> list[Group]:
@@ -343,19 +339,26 @@ class _Replanner:
 
     def _kept_kinds(self, kept: Sequence[PlanReplica]) -> dict[tuple, list]:
         """Kept replicas by shape: key -> [solution, indices of the replicas]."""
+        by_id: dict[int, list] = {}  # replicas sharing a shape key object (a loaded plan interns them)
+        for i, r in enumerate(kept):
+            key = r.shape_key()
+            e = by_id.get(id(key))
+            if e is None:
+                by_id[id(key)] = [key, [i]]
+            else:
+                e[1].append(i)
         out: dict[tuple, list] = {}
         same_fd = self.cost.fill_drain_p2p
-        for i, r in enumerate(kept):
-            st = r.stages
-            key = r.shape_key()
+        for key, idx in by_id.values():  # in order of first appearance
             e = out.get(key)
             if e is None:
+                st = kept[idx[0]].stages
                 order = tuple((s.tp, s.speed) for s in st)
                 slow = self._slowest(st)
                 p2p = sum(same_fd(x) for x in key[1])
-                out[key] = [ReplicaSolution(order, tuple(s.num_layers for s in st), slow, p2p), [i]]
+                out[key] = [ReplicaSolution(order, tuple(s.num_layers for s in st), slow, p2p), idx]
             else:
-                e[1].append(i)
+                e[1] = sorted(e[1] + idx)
         return out
 
     def _slowest(self, stages: Sequence[PlanStage]) -> float:

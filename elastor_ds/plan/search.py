@@ -48,6 +48,7 @@ import numpy as np
 from ..errors import PlanningError
 from .cluster import Cluster, Device
 from .cost import HETERO_MAX_ZERO, GiB, CostBreakdown, CostModel
+from .lazy_plan import place_lazily
 from .plan_doc import Plan, PlanReplica, PlanStage
 from .scored import ScoredPlan
 
@@ -901,7 +902,6 @@ class Planner:
     def place_lazy(self, cand: Candidate) -> Plan:
         """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made (by
         :meth:`place`) when first read (:class:`~.lazy_plan.LazyPlan`)."""
-        from .lazy_plan import place_lazily
         return place_lazily(self.L, [(s.order, s.counts, m, n) for s, m, n in cand.kinds], cand.pool.class_nodes(),
                             lambda: self.place(cand))
 
