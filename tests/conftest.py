@@ -24,13 +24,32 @@ def tier_of(path: str) -> str:
     return rel[0] if len(rel) > 1 and rel[0] in TIERS else "unsorted"
 
 
+# Under pytest-xdist (scripts/test.sh runs the full suite on 2 workers) the longest waits go first so
+# that the short tests fill the end: the netns tier (one worker, one group: fixed namespace names),
+# then e2e, faults, dist, unit. A stable sort: the order within a tier stays the files' order.
+XDIST_ORDER = ("netns", "e2e", "faults", "dist", "gpu", "unsorted", "unit")
+
+
+def _shares_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return bool(info) and any(d.scope in ("module", "class", "package")
+                              for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     import torch
 
     config._elastor_collected_tiers = sorted({tier_of(str(item.fspath)) for item in items})
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: XDIST_ORDER.index(tier_of(str(item.fspath))))
     for item in items:
         tier = tier_of(str(item.fspath))
         item.add_marker(getattr(pytest.mark, tier))
+        if tier == "netns":   # fixed namespace names and addresses: one pytest-xdist worker runs them all
+            item.add_marker(pytest.mark.xdist_group("netns"))
+        elif _shares_a_module_fixture(item):   # a module's reference run is computed once, on one worker
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if (tier == "gpu" or item.get_closest_marker("gpu")) and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA (gpu tier)"))
 
