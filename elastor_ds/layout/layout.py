@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import LayoutError
+from .compact_plan import COMPACT_FORMAT_VERSION, decode, to_replicas_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -171,8 +172,12 @@ class Layout:
     @staticmethod
     def _from_json(obj: Mapping[str, Any], num_layers: int | None = None) -> "Layout":
         version = obj.get("version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
-            raise LayoutError(f"plan version {version} is not supported (this build reads {PLAN_FORMAT_VERSION})")
+        if version == COMPACT_FORMAT_VERSION:  # replica groups and device ranges: expanded, checked
+            cp = decode(obj)
+            obj = {"num_layers": cp.num_layers, "replicas": to_replicas_json(cp)}
+        elif version != PLAN_FORMAT_VERSION:
+            raise LayoutError(f"plan version {version} is not supported (this build reads {PLAN_FORMAT_VERSION} and "
+                              f"{COMPACT_FORMAT_VERSION})")
         if "replicas" not in obj:
             raise LayoutError("plan JSON has no 'replicas' list")
         next_rank = 0

@@ -22,7 +22,7 @@ from ..errors import ConfigError, PlanningError
 from .cluster import Cluster
 from .cost import CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
-from .plan_doc import device_ranges, plan_document, plan_from_document
+from .plan_doc import COMPACT_ABOVE_GPUS, device_ranges, plan_document, plan_from_document
 from .search import PlanResult, plan
 
 # Upper bounds of the sizes the planner accepts (flag -> bound). The largest public models have
@@ -188,10 +188,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"elastor plan: error: {e}", file=sys.stderr)
         return 2
     tr = cost.training
+    # --json above COMPACT_ABOVE_GPUS: version 2 (replica groups and device ranges, under 1 MB at
+    # 131,072 GPUs instead of 10-17 MB); the table reads version 1
+    compact = bool(args.json) and cost.cluster.num_gpus > COMPACT_ABOVE_GPUS
     doc = plan_document(result, tr.num_micro_batches, tr.micro_batch_size,
                         inputs={"cluster": cost.cluster.describe(), "layouts": args.layouts,
                                 "profile": args.profile, "zero_stage": tr.zero_stage,
-                                "from_plan": args.from_plan})
+                                "from_plan": args.from_plan}, compact=compact)
     doc["search"] = {k: v for k, v in result.search_stats.items() if isinstance(v, (int, float, str))}
     doc["cost_sources"] = cost.sources()  # which numbers were measured, which assumed
     doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)

@@ -9,6 +9,10 @@ Document (version 1)::
           "memory_gb": g, "time_per_micro_batch_s": s}]}],
      "unused_devices": [...], "cost_breakdown": {...}}
 
+Version 2 (``compact=True``, what ``elastor plan --json`` writes above :data:`COMPACT_ABOVE_GPUS`
+GPUs) carries the same plan as replica groups and device ranges
+(:mod:`~elastor_ds.layout.compact_plan`); :func:`plan_from_document` and ``Layout.from_json`` read both.
+
 Ranks number the used devices in canonical device order (node by node, GPU id ascending), so a
 launcher that starts one process per used device in that order gets rank ``i`` on ``ranks[i]``.
 
@@ -17,11 +21,16 @@ Pure: no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from ..errors import ConfigError, LayoutError
+from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout
 from .cluster import Cluster, Device
+
+COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,46 @@ class Plan:
             out.append({"micro_batches": r.micro_batches, "stages": stages})
         return out
 
+    def compact_json(self, stage_extra: list[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """The version-2 fields (:mod:`~elastor_ds.layout.compact_plan`): ``nodes`` (the device
+        table: every used and unused device, node by node, GPU ids ascending), ``replica_groups``
+        (runs of consecutive replicas with the same micro-batches, TP degrees, layers and
+        ``stage_extra``) and ``unused_devices``."""
+        devs = [d for r in self.replicas for s in r.stages for d in s.devices]
+        devs.extend(self.unused)
+        devs.sort(key=_canonical)
+        pos = {d: i for i, d in enumerate(devs)}
+        nodes: list[list[Any]] = []
+        last = None
+        for d in devs:
+            if d.node != last:
+                nodes.append([d.node_name, []])
+                last = d.node
+            nodes[-1][1].append(d.local_id)
+        for e in nodes:
+            if e[1] == list(range(len(e[1]))):
+                e[1] = len(e[1])
+        groups: list[dict[str, Any]] = []
+        key = None
+        rows: list[list[list[int]]] = []
+        for ri, r in enumerate(self.replicas):
+            extra = stage_extra[ri] if stage_extra is not None else [{}] * len(r.stages)
+            k = (r.micro_batches, tuple((s.tp, s.layers, tuple(sorted(e.items()))) for s, e in zip(r.stages, extra)))
+            if k != key:
+                rows = [[] for _ in r.stages]
+                groups.append({"count": 0, "micro_batches": r.micro_batches, "stages": [
+                    dict({"tp": s.tp, "layers": [s.layers[0], s.layers[1]]}, **e, devices=rows[j])
+                    for j, (s, e) in enumerate(zip(r.stages, extra))]})
+                key = k
+            groups[-1]["count"] += 1
+            for j, s in enumerate(r.stages):
+                rows[j].append([pos[d] for d in s.devices])
+        for g in groups:
+            for st in g["stages"]:
+                st["devices"] = encode_devices(st["devices"])
+        return {"nodes": nodes, "replica_groups": groups,
+                "unused_devices": segments(sorted(pos[d] for d in self.unused))}
+
     def to_layout(self) -> Layout:
         return Layout.from_json({"version": PLAN_FORMAT_VERSION, "num_layers": self.num_layers,
                                  "replicas": self.replicas_json()})
@@ -316,8 +365,11 @@ def plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
 
 def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
     from .cluster import Node
+    if isinstance(doc, Mapping) and doc.get("version") == COMPACT_FORMAT_VERSION:
+        return _plan_from_compact(doc, cluster)
     if not isinstance(doc, Mapping) or doc.get("version", PLAN_FORMAT_VERSION) != PLAN_FORMAT_VERSION:
-        raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} plan document (a JSON object)")
+        raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} or -{COMPACT_FORMAT_VERSION} plan "
+                          f"document (a JSON object), got version {doc.get('version') if isinstance(doc, Mapping) else '?'}")
     L = int(doc["num_layers"])
     index = cluster.node_index()
     known: dict[str, Device] = {}
@@ -412,6 +464,83 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
     return plan, old
 
 
+def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
+    """:func:`plan_from_document` of a version-2 document: checked by
+    :func:`~elastor_ds.layout.compact_plan.decode`, then one pass over the replica groups; the
+    node and pace of every stage and each replica's shape key come from arrays, not from the
+    devices one by one."""
+    from .cluster import Node
+    cp = decode(doc)
+    index = cluster.node_index()
+    n_now = len(cluster.nodes)
+    gone: dict[str, int] = {}
+    new_device = tuple.__new__
+    devices: list[Device] = []
+    speed_of: list[float] = []
+    node_idx = np.empty(len(cp.node_names), dtype=np.int64)
+    old_nodes: dict[int, Node] = {}
+    for t, (name, ids) in enumerate(zip(cp.node_names, cp.node_gpus)):
+        ni = index.get(name)
+        if ni is None:
+            ni = gone.setdefault(name, n_now + len(gone))
+            sp: Sequence[float] = [1.0] * len(ids)
+        else:
+            nd = cluster.nodes[ni]
+            sp = [1.0] * len(ids) if nd.speeds == nd.speeds[:1] * len(nd.speeds) and (not nd.speeds or
+                                                                                        nd.speeds[0] == 1.0) \
+                else [dict(zip(nd.gpus, nd.speeds)).get(g, 1.0) for g in ids]
+        node_idx[t] = ni
+        devices.extend([new_device(Device, (ni, name, g, v)) for g, v in zip(ids, sp)])
+        speed_of.extend(sp)
+        if ni < n_now and cluster.nodes[ni].gpus == ids:  # unchanged node: the cluster's own (speeds as read)
+            old_nodes[ni] = cluster.nodes[ni]
+        else:
+            old_nodes[ni] = Node(name, ids, tuple(sp))
+    node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
+    speed_at = np.asarray(speed_of, dtype=float)
+    reps: list[PlanReplica] = []
+    shapes: dict[tuple, tuple] = {}
+    by_node: dict[int, list[int]] = {}
+    of_group = PlanStage.of_group
+    for g in cp.groups:
+        S = len(g.stages)
+        rows = [s.positions.tolist() for s in g.stages]
+        lo = np.stack([node_at[s.positions].min(axis=1) for s in g.stages], axis=1)
+        hi = np.stack([node_at[s.positions].max(axis=1) for s in g.stages], axis=1)
+        node_m = np.where(lo == hi, lo, -1)                                     # (count, S)
+        pace_m = np.stack([speed_at[s.positions].min(axis=1) for s in g.stages], axis=1)
+        flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
+        nodes_l, paces_l, flags_l = node_m.tolist(), pace_m.tolist(), flags_m.tolist()
+        keys: dict[tuple, tuple] = {}
+        for t in range(g.count):
+            nl, pl_ = nodes_l[t], paces_l[t]
+            stages = tuple([of_group(s.tp, s.layers, tuple([devices[p] for p in rows[j][t]]), pl_[j], nl[j])
+                            for j, s in enumerate(g.stages)])
+            rep = PlanReplica(stages, g.micro_batches)
+            ck = (tuple(pl_), tuple(flags_l[t]))
+            sk = keys.get(ck)
+            if sk is None:
+                sk = (tuple((s.tp, s.layers, v) for s, v in zip(g.stages, pl_)), tuple(flags_l[t]))
+                sk = keys[ck] = shapes.setdefault(sk, sk)
+            object.__setattr__(rep, "_shape", sk)
+            ri = len(reps)
+            for n in (nl if S > 1 else nl[:1]):
+                lst = by_node.setdefault(n, [])
+                if not lst or lst[-1] != ri:
+                    lst.append(ri)
+            reps.append(rep)
+    unused = tuple(devices[p] for p in cp.unused.tolist())
+    kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
+    plan = Plan(cp.num_layers, tuple(reps), unused, kind)
+    object.__setattr__(plan, "_by_node", by_node)
+    empty: tuple = ()
+    nodes = [old_nodes.get(i) or Node(cluster.nodes[i].name, empty, empty) for i in range(n_now)]
+    nodes.extend(old_nodes[i] for i in sorted(gone.values()))
+    old = Cluster(tuple(nodes), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
+                  cluster.inter_node_bandwidth_gbs)
+    return plan, old
+
+
 def _bad_ranks(ranks: list[int]) -> None:
     """Raise what :class:`~elastor_ds.layout.Layout` says of ranks that are not ``0..n-1`` once each."""
     seen: set[int] = set()
@@ -425,8 +554,14 @@ def _bad_ranks(ranks: list[int]) -> None:
     raise LayoutError(f"ranks must be 0..{len(seen) - 1} without gaps; missing {missing[:8]}")
 
 
-def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size: int) -> dict[str, Any]:
-    """Plan + cost as the version-1 document (``cost`` is a :class:`~.cost.CostBreakdown`)."""
+def _canonical(d: Device) -> tuple[int, int]:
+    return d.node, d.local_id
+
+
+def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size: int,
+                 compact: bool = False) -> dict[str, Any]:
+    """Plan + cost as the version-1 document, or version 2 (``compact``: replica groups and device
+    ranges) (``cost`` is a :class:`~.cost.CostBreakdown`)."""
     gib = float(1 << 30)
     extra = [[{"memory_gb": round(rc.stage_memory_bytes[j] / gib, 3),
                "time_per_micro_batch_s": rc.stage_times_s[j]}
@@ -443,10 +578,17 @@ def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size
         "predicted_iteration_time_s": t,
         "predicted_samples_per_s": num_micro_batches * micro_batch_size / t if t > 0 else None,
         "description": plan.describe(),
-        "replicas": plan.replicas_json(extra),
-        "unused_devices": [d.name for d in plan.unused],
-        "cost_breakdown": cost.to_dict(),
     }
+    if compact:
+        doc["version"] = COMPACT_FORMAT_VERSION
+        doc.update(plan.compact_json(extra))
+        cb = cost.to_dict()
+        cb["replica_groups"] = [dict(r, count=n) for r, n in fold_runs(cb.pop("replicas"))]
+        doc["cost_breakdown"] = cb
+    else:
+        doc["replicas"] = plan.replicas_json(extra)
+        doc["unused_devices"] = [d.name for d in plan.unused]
+        doc["cost_breakdown"] = cost.to_dict()
     dims = plan.uniform_dims()
     if dims is not None:
         doc["tp"], doc["pp"], doc["dp"] = dims
@@ -455,14 +597,16 @@ def _scored_json(plan: Plan, cost: Any, num_micro_batches: int, micro_batch_size
 
 
 def plan_document(result: Any, num_micro_batches: int, micro_batch_size: int,
-                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                  inputs: dict[str, Any] | None = None, compact: bool = False) -> dict[str, Any]:
     """The full plan document of a :class:`~.search.PlanResult`: the chosen plan at top level,
-    the best uniform plan under ``uniform_baseline`` and the runners-up under ``alternatives``."""
+    the best uniform plan under ``uniform_baseline`` and the runners-up under ``alternatives``.
+    ``compact``: version 2 (replica groups and device ranges, :mod:`~elastor_ds.layout.compact_plan`),
+    what ``elastor plan --json`` writes above :data:`COMPACT_ABOVE_GPUS` GPUs."""
     best = result.best
-    doc = _scored_json(best.plan, best.cost, num_micro_batches, micro_batch_size)
+    doc = _scored_json(best.plan, best.cost, num_micro_batches, micro_batch_size, compact)
     doc["num_usable_gpus"] = result.num_usable()
     if result.uniform is not None:
-        u = _scored_json(result.uniform.plan, result.uniform.cost, num_micro_batches, micro_batch_size)
+        u = _scored_json(result.uniform.plan, result.uniform.cost, num_micro_batches, micro_batch_size, compact)
         doc["uniform_baseline"] = u
         doc["speedup_vs_uniform"] = u["predicted_iteration_time_s"] / doc["predicted_iteration_time_s"]
     else:

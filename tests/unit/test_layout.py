@@ -55,7 +55,9 @@ def test_heterogeneous_plan_json_roundtrip():
     assert lay.world_size == 7 and not lay.is_uniform()
     assert lay.replicas[1].stages[0].ranks == (5, 6)
     assert Layout.from_json(lay.to_json()) == lay
-    with pytest.raises(LayoutError, match="version 2"):
+    with pytest.raises(LayoutError, match="version 3"):
+        Layout.from_json({"version": 3, "replicas": []})
+    with pytest.raises(LayoutError, match="num_layers=None: must be an integer"):  # version 2: compact, checked
         Layout.from_json({"version": 2, "replicas": []})
 
 

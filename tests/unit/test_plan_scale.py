@@ -7,6 +7,8 @@ import json
 import re
 
 from elastor_ds.cli import main as cli_main
+from elastor_ds.layout import Layout
+from elastor_ds.layout.compact_plan import decode
 from elastor_ds.plan import Cluster, CostModel, ModelSpec, TrainingSpec, plan
 
 LLAMA70 = ModelSpec(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
@@ -58,6 +60,11 @@ def test_table_stays_short_at_16k_gpus_and_json_keeps_every_device(capsys):
     assert "16,381 GPUs on 2,048 nodes (2,047 x 8, 1 x 5)" in out
     assert cli_main(FLAGS70 + ["--gpus-per-node", gpus, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    names = [d for r in doc["replicas"] for s in r["stages"] for d in s["devices"]]
-    assert len(names) + len(doc["unused_devices"]) == 16381 == len(set(names) | set(doc["unused_devices"]))
+    assert doc["version"] == 2  # above 4,096 GPUs: replica groups and device ranges (layout/compact_plan.py)
+    lay = Layout.from_json(doc)
+    names = [d for r in lay.replicas for s in r.stages for d in s.devices]
+    cp = decode(doc)
+    table = cp.device_names()
+    unused = [table[p] for p in cp.unused.tolist()]
+    assert len(names) + len(unused) == 16381 == len(set(names) | set(unused))
     assert doc["search"]["decision"] and doc["cost_sources"]["layer_time"].startswith("assumed")
