@@ -347,7 +347,9 @@ def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], 
     flat = vals.ravel()
     near = flat[(flat <= exact) & (flat >= exact - 1e-8 * (float(a.max()) + abs(exact)))]
     cap = None
-    for T in (near if near.size == 1 else np.unique(near)):  # ascending; ``exact`` is among them, always feasible
+    # ascending, each once (sorted(set()): np.unique's first call imports numpy.ma, 20-30 ms); ``exact``
+    # is among them, always feasible
+    for T in (near.tolist() if near.size == 1 else sorted(set(near.tolist()))):
         t = take(T)
         if t.min() >= 1 and t.sum() >= L:
             cap = t
