@@ -115,7 +115,7 @@ def _table(nodes: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
                 raise LayoutError(f"plan document {where}: GPU ids {list(ids)[:8]} must be ascending, distinct, at "
                                   f"most {MAX_GPUS_PER_NODE}")
         else:
-            ids = tuple(range(_int(e[1], f"{where} GPU count", 0, MAX_GPUS_PER_NODE)))
+            ids = _IDS[_int(e[1], f"{where} GPU count", 0, MAX_GPUS_PER_NODE)]
         names.append(e[0])
         gpus.append(ids)
         total += len(ids)
@@ -163,8 +163,13 @@ def decode(doc: Mapping[str, Any]) -> CompactPlan:
     L = _int(doc.get("num_layers"), "num_layers", 1, 1 << 16)
     names, gpus = _table(doc.get("nodes"))
     n_dev = sum(len(g) for g in gpus)
-    node_of = np.repeat(np.arange(len(names), dtype=np.int64), [len(g) for g in gpus])
-    gpu_of = np.asarray([g for gs in gpus for g in gs], dtype=np.int64)
+    sizes = np.asarray([len(g) for g in gpus], dtype=np.int64)
+    node_of = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
+    starts = np.cumsum(sizes) - sizes
+    gpu_of = np.arange(n_dev, dtype=np.int64) - np.repeat(starts, sizes)  # ids 0..k-1 on every node ...
+    for i, ids in enumerate(gpus):
+        if ids is not _IDS[len(ids)]:  # ... but where the table lists them
+            gpu_of[starts[i]:starts[i] + len(ids)] = ids
     groups: list[ReplicaGroup] = []
     seen = np.zeros(n_dev, dtype=np.int64)
     total = 0

@@ -21,7 +21,8 @@ Pure: no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from itertools import chain, repeat
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -90,6 +91,14 @@ class PlanReplica:
             object.__setattr__(self, "_shape", k)
         return k
 
+    @staticmethod
+    def of(stages: tuple[PlanStage, ...], micro_batches: int, shape: tuple) -> "PlanReplica":
+        """``PlanReplica(stages, micro_batches)`` whose :meth:`shape_key` the caller already knows
+        (a reader of a 131,072-GPU document makes tens of thousands of replicas)."""
+        r = object.__new__(PlanReplica)
+        object.__setattr__(r, "__dict__", {"stages": stages, "micro_batches": micro_batches, "_shape": shape})
+        return r
+
     def with_micro_batches(self, m: int) -> "PlanReplica":
         """The same stages with ``m`` micro-batches (its shape key carried over)."""
         r = PlanReplica(self.stages, m)
@@ -129,19 +138,27 @@ class Plan:
             object.__setattr__(self, "_priced", v)
         return v
 
-    def replicas_by_node(self) -> dict[int, list[int]]:
-        """Node index -> the indices of the replicas with a stage on it, ascending (-1: replicas
-        with a stage across nodes). Made once per plan (a loaded plan gets it while it is read)."""
+    def replicas_on(self, nodes: Iterable[int]) -> list[int]:
+        """The indices of the replicas with a stage on one of ``nodes`` (node indices; -1: a
+        stage across nodes), ascending. An index of (node, replica) pairs sorted by node, made once
+        per plan (a loaded plan gets it while it is read)."""
         v = self.__dict__.get("_by_node")
         if v is None:
-            v = {}
+            ns, rs = [], []
             for i, r in enumerate(self.replicas):
                 for s in r.stages:
-                    lst = v.setdefault(s.node, [])
-                    if not lst or lst[-1] != i:
-                        lst.append(i)
+                    ns.append(s.node)
+                    rs.append(i)
+            a, b = np.asarray(ns, dtype=np.int64), np.asarray(rs, dtype=np.int64)
+            order = np.argsort(a, kind="stable")
+            v = (a[order], b[order])
             object.__setattr__(self, "_by_node", v)
-        return v
+        keys, idx = v
+        out: set[int] = set()
+        for n in nodes:
+            lo, hi = np.searchsorted(keys, n, "left"), np.searchsorted(keys, n, "right")
+            out.update(idx[lo:hi].tolist())
+        return sorted(out)
 
     def holder_nodes(self) -> tuple[dict[tuple[int, int], int], int, int]:
         """Where the holders of each layer range sit: per stage layer range, the node every stage
@@ -403,7 +420,6 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
     # Layout.from_json's checks (layers, TP degrees, ranks), made here without building the layout
     reps = []
     shapes: dict[tuple, tuple] = {}
-    by_node: dict[int, list[int]] = {}  # Plan.replicas_by_node, made on the way
     ranks: list[int] = []
     for ri, rj in enumerate(doc["replicas"]):
         stages = []
@@ -430,11 +446,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
                 ranks.extend(rk)
             else:
                 ranks.extend(range(len(ranks), len(ranks) + tp))
-            st = PlanStage(tp, (first, last), devs)
-            lst = by_node.setdefault(st.node, [])
-            if not lst or lst[-1] != ri:
-                lst.append(ri)
-            stages.append(st)
+            stages.append(PlanStage(tp, (first, last), devs))
         if expect != L:
             raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {L}")
         rep = PlanReplica(tuple(stages), int(rj["micro_batches"]))
@@ -450,7 +462,6 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise ConfigError("previous plan: a device is listed twice")
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(L, tuple(reps), unused, kind)
-    object.__setattr__(plan, "_by_node", by_node)
     per: dict[int, list[Device]] = {}
     for d in known.values():
         per.setdefault(d.node, []).append(d)
@@ -474,61 +485,76 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     index = cluster.node_index()
     n_now = len(cluster.nodes)
     gone: dict[str, int] = {}
-    new_device = tuple.__new__
-    devices: list[Device] = []
-    speed_of: list[float] = []
-    node_idx = np.empty(len(cp.node_names), dtype=np.int64)
+    names, gpus = cp.node_names, cp.node_gpus
+    sizes = [len(g) for g in gpus]
+    nis: list[int | None] = list(map(index.get, names))  # table node -> node index now (by name)
+    speed_at = np.ones(cp.num_devices, dtype=float)
     old_nodes: dict[int, Node] = {}
-    for t, (name, ids) in enumerate(zip(cp.node_names, cp.node_gpus)):
-        ni = index.get(name)
-        if ni is None:
-            ni = gone.setdefault(name, n_now + len(gone))
-            sp: Sequence[float] = [1.0] * len(ids)
+    ones = {k: (1.0,) * k for k in set(sizes)}
+    start = 0
+    for t, ni in enumerate(nis):
+        ids, k = gpus[t], sizes[t]
+        if ni is None:  # a node the cluster no longer has: numbered after its nodes, speed 1
+            ni = nis[t] = gone.setdefault(names[t], n_now + len(gone))
+            old_nodes[ni] = Node(names[t], ids, ones[k])
         else:
             nd = cluster.nodes[ni]
-            sp = [1.0] * len(ids) if nd.speeds == nd.speeds[:1] * len(nd.speeds) and (not nd.speeds or
-                                                                                        nd.speeds[0] == 1.0) \
-                else [dict(zip(nd.gpus, nd.speeds)).get(g, 1.0) for g in ids]
-        node_idx[t] = ni
-        devices.extend([new_device(Device, (ni, name, g, v)) for g, v in zip(ids, sp)])
-        speed_of.extend(sp)
-        if ni < n_now and cluster.nodes[ni].gpus == ids:  # unchanged node: the cluster's own (speeds as read)
-            old_nodes[ni] = cluster.nodes[ni]
-        else:
-            old_nodes[ni] = Node(name, ids, tuple(sp))
+            if nd.gpus == ids:  # unchanged GPUs: the cluster's own node (its speeds)
+                old_nodes[ni] = nd
+                if nd.speeds != ones[k]:
+                    speed_at[start:start + k] = nd.speeds
+            else:
+                table = dict(zip(nd.gpus, nd.speeds))
+                sp = tuple(table.get(g, 1.0) for g in ids)
+                speed_at[start:start + k] = sp
+                old_nodes[ni] = Node(names[t], ids, sp)
+        start += k
+    node_idx = np.asarray(nis, dtype=np.int64)
+    # every device of the table at once: (node index now, node name, GPU id, speed)
+    devices: list[Device] = list(map(tuple.__new__, repeat(Device), zip(
+        np.repeat(node_idx, sizes).tolist(), chain.from_iterable(map(repeat, names, sizes)), cp.gpu_of.tolist(),
+        speed_at.tolist())))
     node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
-    speed_at = np.asarray(speed_of, dtype=float)
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
-    by_node: dict[int, list[int]] = {}
-    of_group = PlanStage.of_group
+    stage_nodes: list[np.ndarray] = []   # (node, replica) of every stage, for Plan.replicas_on
+    stage_reps: list[np.ndarray] = []
+    of_group, of_replica = PlanStage.of_group, PlanReplica.of
     for g in cp.groups:
-        S = len(g.stages)
-        rows = [s.positions.tolist() for s in g.stages]
-        lo = np.stack([node_at[s.positions].min(axis=1) for s in g.stages], axis=1)
-        hi = np.stack([node_at[s.positions].max(axis=1) for s in g.stages], axis=1)
-        node_m = np.where(lo == hi, lo, -1)                                     # (count, S)
-        pace_m = np.stack([speed_at[s.positions].min(axis=1) for s in g.stages], axis=1)
+        # column by column (stage j of every replica of the group), then zipped into replicas
+        node_m = np.empty((g.count, len(g.stages)), dtype=np.int64)
+        pace_m = np.empty((g.count, len(g.stages)), dtype=float)
+        cols = []
+        for j, s in enumerate(g.stages):
+            pos = s.positions
+            nodes = node_at[pos]
+            lo, hi = nodes.min(axis=1), nodes.max(axis=1)
+            node_m[:, j] = np.where(lo == hi, lo, -1)
+            pace_m[:, j] = speed_at[pos].min(axis=1)
+            if s.tp == 1:
+                devs = [(devices[p],) for p in pos[:, 0].tolist()]
+            elif bool((np.diff(pos, axis=1) == 1).all()):  # consecutive: a slice of the table
+                tp = s.tp
+                devs = [tuple(devices[p:p + tp]) for p in pos[:, 0].tolist()]
+            else:
+                devs = [tuple([devices[p] for p in row]) for row in pos.tolist()]
+            cols.append(list(map(of_group, repeat(s.tp), repeat(s.layers), devs, pace_m[:, j].tolist(),
+                                 node_m[:, j].tolist())))
         flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
-        nodes_l, paces_l, flags_l = node_m.tolist(), pace_m.tolist(), flags_m.tolist()
         keys: dict[tuple, tuple] = {}
-        for t in range(g.count):
-            nl, pl_ = nodes_l[t], paces_l[t]
-            stages = tuple([of_group(s.tp, s.layers, tuple([devices[p] for p in rows[j][t]]), pl_[j], nl[j])
-                            for j, s in enumerate(g.stages)])
-            rep = PlanReplica(stages, g.micro_batches)
-            ck = (tuple(pl_), tuple(flags_l[t]))
+        sks = []
+        for ck in zip(map(tuple, pace_m.tolist()), map(tuple, flags_m.tolist())):
             sk = keys.get(ck)
             if sk is None:
-                sk = (tuple((s.tp, s.layers, v) for s, v in zip(g.stages, pl_)), tuple(flags_l[t]))
+                sk = (tuple((s.tp, s.layers, v) for s, v in zip(g.stages, ck[0])), ck[1])
                 sk = keys[ck] = shapes.setdefault(sk, sk)
-            object.__setattr__(rep, "_shape", sk)
-            ri = len(reps)
-            for n in (nl if S > 1 else nl[:1]):
-                lst = by_node.setdefault(n, [])
-                if not lst or lst[-1] != ri:
-                    lst.append(ri)
-            reps.append(rep)
+            sks.append(sk)
+        stage_nodes.append(node_m.ravel())
+        stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + g.count, dtype=np.int64), len(g.stages)))
+        reps.extend(map(of_replica, zip(*cols), repeat(g.micro_batches), sks))
+    nodes_flat, reps_flat = np.concatenate(stage_nodes), np.concatenate(stage_reps)
+    order = np.argsort(nodes_flat, kind="stable")
+    by_node = (nodes_flat[order], reps_flat[order])
     unused = tuple(devices[p] for p in cp.unused.tolist())
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(cp.num_layers, tuple(reps), unused, kind)

@@ -139,9 +139,8 @@ class _Replanner:
         # previous plans number nodes like the previous cluster; changed ones by their index
         hit_nodes = {old_index[n] for n in changed if n in old_index}
         reps = self.prev.replicas
-        by_node = self.prev.replicas_by_node()
-        hit = {i for n in hit_nodes for i in by_node.get(n, ())}
-        for i in by_node.get(-1, ()):  # a stage across nodes: its devices' nodes by name
+        hit = set(self.prev.replicas_on(hit_nodes))
+        for i in self.prev.replicas_on((-1,)):  # a stage across nodes: its devices' nodes by name
             if any(d.node_name in changed for s in reps[i].stages for d in s.devices):
                 hit.add(i)
         damaged = [reps[i] for i in sorted(hit)]
