@@ -406,6 +406,57 @@ def lost_rows(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
+
+
+def _share(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def goal_table(doc: dict) -> str:
+    """The memory tier's goals (issue 23) as a Markdown table of this run's ratios: wall overheads
+    from the paired runs (medians; means beside them) and the CPU shares of an iteration (training
+    thread, background writer, peer-copy thread), which are steadier than wall time here."""
+    rows = ["| measure | this run | goal | met? |", "|---|---|---|---|"]
+
+    def met(x, goal):
+        return "-" if x is None else ("yes" if x <= goal else "no")
+    ov = doc.get("overhead")
+    if ov and ov.get("paired_in_one_run"):
+        p = ov["paired_in_one_run"]
+        rows.append(f"| snapshot every iteration, bench row ({ov['trainer_procs']} ranks, one node): step overhead, "
+                    f"median (mean; median of block pairs) | {_pct(p['step_overhead'])} ({_pct(p['step_overhead_of_means'])}; "
+                    f"{_pct(p['step_overhead_median_of_block_pairs'])}) | <= 2 % | {met(p['step_overhead'], 0.02)} |")
+        rows.append(f"| the same: training-thread share / writer CPU share of an iteration; process CPU added "
+                    f"(all threads) | {_share(ov['median_snapshot_training_thread_over_iter'])} / "
+                    f"{_share(ov['median_snapshot_writer_cpu_over_iter'])}; "
+                    f"{_share(p.get('process_cpu_added_over_iter'))} | | |")
+    pr = doc.get("peer")
+    if pr:
+        only = pr["snapshots_only"]
+        rows.append(f"| snapshot every iteration, two nodes (1 rank each): step overhead, median (mean); process CPU "
+                    f"added | {_pct(only['step_overhead'])} ({_pct(only['step_overhead_of_means'])}); "
+                    f"{_share(only.get('process_cpu_added_over_iter'))} | <= 2 % | {met(only['step_overhead'], 0.02)} |")
+        for key, label, goal in (("every_snapshot", "a peer copy of every snapshot", 0.10),
+                                 *((k[len("peer_copy_adds_"):], f"a peer copy every {k.rsplit('_', 1)[-1]} snapshots", 0.05)
+                                   for k in pr if k.startswith("peer_copy_adds_every_") and k != "peer_copy_adds_every_snapshot")):
+            add = pr[f"peer_copy_adds_{key}"]
+            run = pr["peer_copy_every_snapshot" if key == "every_snapshot" else f"peer_copy_{key}"]
+            rows.append(f"| {label}: adds to the step, median (mean); that run's overhead | {_pct(add['median'])} "
+                        f"({_pct(add['mean'])}); {_pct(run['step_overhead'])} | <= {100 * goal:.0f} % | "
+                        f"{met(add['median'], goal)} (mean: {met(add['mean'], goal)}) |")
+            rows.append(f"| {label}: process CPU added (all threads, snapshot + copy); copy-thread CPU per snapshot "
+                        f"(per copy); training thread / writer, of an iteration | "
+                        f"{_share(run.get('process_cpu_added_over_iter'))} (means "
+                        f"{_share(run.get('process_cpu_added_over_iter_of_means'))}); "
+                        f"{_share(run['peer_copy_cpu_per_snapshot_over_iter'])} "
+                        f"({_share(run['peer_copy_cpu_per_copy_over_iter'])}); "
+                        f"{_share(run['snapshot_training_thread_over_iter'])} / "
+                        f"{_share(run['snapshot_writer_cpu_over_iter'])} | | |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="restore,overhead,lost", help="comma-separated: restore (includes memory), "
@@ -444,6 +495,8 @@ def main() -> int:
         doc["lost"] = lost_rows(args)
         print(json.dumps({"lost": doc["lost"]}, indent=1), flush=True)
     doc["load_average_end"] = os.getloadavg()
+    if "overhead" in rows or "peer" in rows:
+        print(f"\nload average {doc['load_average']} -> {doc['load_average_end']}\n" + goal_table(doc), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -25,7 +25,8 @@ Metrics file (``--metrics-file``, JSONL, written by rank 0, one record per itera
 contract for readers such as the demo table (keys may be added, never removed):
 
     iteration, lm_loss (global batch mean), consumed_samples, lr, layout (short description),
-    world_size, iter_time_s (measured), time (unix), save_stall_s (iterations that saved),
+    world_size, iter_time_s (measured), process_cpu_s (CPU time of all this rank's threads during the
+    iteration), time (unix), save_stall_s (iterations that saved),
     with memory snapshots (iterations that took one): snapshot_stall_s (the copy), snapshot_hook_s
       (the training thread's whole snapshot time), snapshot_wait_s (waiting for the previous one),
       snapshot_writer_cpu_s (the background writer's CPU for the previous one), snapshots_dropped
@@ -688,6 +689,7 @@ def _main(argv: list[str] | None = None) -> int:
         for it in range(start, last):
             injected_fault(f"iteration-{it + 1}", rank)   # dies as it starts iteration it + 1 (1-based)
             t0 = time.perf_counter()
+            c0 = time.process_time()   # every thread of this process (writer, peer copy, gloo's I/O)
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
             mem = engine.elastor.memory if engine.elastor else None
             n_snaps = len(mem.stats) if mem is not None else 0
@@ -697,6 +699,7 @@ def _main(argv: list[str] | None = None) -> int:
                 prof.begin(it)
             loss = float(engine.train_batch(it_data))
             dt = time.perf_counter() - t0
+            cpu_dt = time.process_time() - c0
             state_all = None
             if it == min(start + 1, last - 1):  # the second iteration: the optimizer's state exists
                 state_all = [None] * world
@@ -757,7 +760,7 @@ def _main(argv: list[str] | None = None) -> int:
             if mfile:
                 rec = {"iteration": it + 1, "lm_loss": loss, "consumed_samples": (it + 1) * gbs,
                        "lr": float(sched.get_last_lr()[0]) if sched else args.lr, "layout": layout.describe(),
-                       "world_size": world, "iter_time_s": dt, "time": time.time()}
+                       "world_size": world, "iter_time_s": dt, "process_cpu_s": cpu_dt, "time": time.time()}
                 if saved:
                     rec["save_stall_s"] = stall
                 if snapped:

@@ -32,3 +32,14 @@ def test_paired_overhead_skips_warm_up_and_names_a_missing_kind():
         paired_overhead([{"iteration": i, "iter_time_s": 1.0} for i in range(1, 9)], block=4, skip=0)
     with pytest.raises(ValueError, match="block=0"):
         paired_overhead(_records(), block=0)
+
+
+def test_process_cpu_added_hand_computed():
+    recs = _records()
+    for r in recs:   # with: 0.5 s of CPU (5 6 7 13 14 15); without: 0.4 (1 2 3 9 10 11); neither: 9
+        i = r["iteration"]
+        r["process_cpu_s"] = 0.5 if i in (5, 6, 7, 13, 14, 15) else 0.4 if i in (1, 2, 3, 9, 10, 11) else 9.0
+    r = paired_overhead(recs, block=4, skip=0)
+    assert r["process_cpu_added_over_iter"] == pytest.approx((0.5 - 0.4) / 1.0)
+    assert r["process_cpu_added_over_iter_of_means"] == pytest.approx((0.5 - 0.4) / (5.8 / 6))
+    assert paired_overhead(_records(), block=4, skip=0)["process_cpu_added_over_iter"] is None   # not recorded
