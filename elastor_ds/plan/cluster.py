@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -195,11 +196,11 @@ class Cluster:
 
     @cached_property
     def num_gpus(self) -> int:
-        return sum(len(n.gpus) for n in self.nodes)
+        return sum(map(len, map(_GPUS, self.nodes)))
 
     @cached_property
     def max_gpus_per_node(self) -> int:
-        return max((len(n.gpus) for n in self.nodes), default=0)
+        return max(map(len, map(_GPUS, self.nodes)), default=0)
 
     def describe(self) -> str:
         """``"131,071 GPUs on 16,384 nodes (16,383 x 8, 1 x 7), 80 GB each"``: per-node counts summarised."""
@@ -209,6 +210,7 @@ class Cluster:
                 f"{self.gpu_memory_gb:g} GB each" + (f", {slow:,} with non-nominal speed" if slow else ""))
 
 
+_GPUS = operator.attrgetter("gpus")
 _new_device = tuple.__new__  # Device's fields without NamedTuple.__new__'s keyword handling
 _IDS = {k: tuple(range(k)) for k in range(MAX_GPUS_PER_NODE + 1)}
 _ONES = {k: (1.0,) * k for k in range(MAX_GPUS_PER_NODE + 1)}

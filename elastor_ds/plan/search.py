@@ -40,6 +40,7 @@ import heapq
 import itertools
 import logging
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -47,6 +48,7 @@ import numpy as np
 
 from ..errors import PlanningError
 from .cluster import Cluster, Device
+from .comm_cost import CollectiveKind
 from .cost import HETERO_MAX_ZERO, GiB, CostBreakdown, CostModel
 from .lazy_plan import place_lazily
 from .plan_doc import Plan, PlanReplica, PlanStage
@@ -358,11 +360,13 @@ def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], 
         raise AssertionError(f"split_layers_parametric: bound {exact} not feasible")
     counts = [1] * S
     rem = L - S
+    capl = cap.tolist()
     for j in range(S - 1, -1, -1):  # fill from the back (later stages keep fewer activations)
-        add = min(int(cap[j]) - 1, rem)
+        add = min(capl[j] - 1, rem)
         counts[j] += add
         rem -= add
-    slow = max(c * a[j] + e[j] for j, c in enumerate(counts))
+    al, el = a.tolist(), e.tolist()  # Python floats: the same products and sums as numpy's
+    slow = max(c * al[j] + el[j] for j, c in enumerate(counts))
     return float(slow), tuple(counts)
 
 
@@ -438,7 +442,8 @@ class Planner:
         self.node_gpus = self.cluster.max_gpus_per_node
         self.large = self.cluster.num_gpus > self.LARGE_GPUS
         self.stats = {"candidates": 0, "replica_subproblems": 0, "splits": 0, "groupings": 0}
-        self.single_node = sum(1 for n in cluster_nodes(self.cluster) if n) <= 1
+        self.single_node = sum(1 for _ in itertools.islice(filter(None, map(len, map(_gpus, self.cluster.nodes))),
+                                                   2)) <= 1
         # nodes by type: the multiset of their GPU speeds (fastest first); the cost model sees a
         # node only through it, so groupings and class counts are worked out once per type
         self._types_cache: dict[tuple[float, ...], list[int]] | None = None
@@ -501,7 +506,13 @@ class Planner:
         ``tps`` (once per ``tps``)."""
         v = self._extra_cache.get(tps)
         if v is None:
-            v = self._extra_cache[tps] = tuple(self.cost.stage_extra_time(tps, j) for j in range(len(tps)))
+            c = self.cost
+            if c.measured(CollectiveKind.P2P) is None and c.measured(CollectiveKind.TP_ALL_REDUCE) is None:
+                # nothing measured: only the first stage's embedding (stage_extra_time gives 0.0 for the rest)
+                v = (c.stage_extra_time(tps, 0),) + (0.0,) * (len(tps) - 1)
+            else:
+                v = tuple(c.stage_extra_time(tps, j) for j in range(len(tps)))
+            self._extra_cache[tps] = v
         return v
 
     def _max_layers(self, tp: int, pos: int, S: int, R: int, zero: int | None = None) -> int:
@@ -1088,6 +1099,9 @@ def _type_classes(speeds_desc: tuple[float, ...], parts: Sequence[int], large_fa
         out.append((p, speeds_desc[i + p - 1]))
         i += p
     return out
+
+
+_gpus = operator.attrgetter("gpus")
 
 
 def cluster_nodes(cluster: Cluster) -> list[int]:
