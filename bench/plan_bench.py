@@ -62,13 +62,16 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     re-plan from the previous plan (no full search beside it) and the full search on the new cluster."""
     from elastor_ds.plan.replan import replan
     from elastor_ds.plan import plan_document
-    from elastor_ds.plan.plan_doc import plan_from_document
+    from elastor_ds.plan.plan_doc import COMPACT_ABOVE_GPUS, plan_from_document
     model, tp = MODELS[model_name]
     tr = TrainingSpec(1, gbs, nominal_tp=tp)
     old = failed_cluster(nodes, 8, 0)
     # the previous plan as a relaunched trainer or `elastor plan --from-plan` has it: read back from
-    # its JSON document (nothing cached from the search that made it)
-    text = json.dumps(plan_document(plan(CostModel(model, tr, old)), tr.num_micro_batches, 1))
+    # its JSON document as `elastor plan --json` writes it (version 2 above COMPACT_ABOVE_GPUS GPUs;
+    # nothing cached from the search that made it)
+    compact = old.num_gpus > COMPACT_ABOVE_GPUS
+    text = json.dumps(plan_document(plan(CostModel(model, tr, old)), tr.num_micro_batches, 1, compact=compact),
+                      separators=(",", ":") if compact else None)
     rng = random.Random(seed)
     counts = [8] * nodes
     if loss == "node":
@@ -87,6 +90,11 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     t0, c0 = time.perf_counter(), time.process_time()
     res = replan(cost, prev, prev_cluster, full_search_below=0)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    # a re-shaped plan is priced before its devices are made (LazyPlan); what reading them costs
+    # (the document, the table, a trainer's placement) is paid here once
+    c0 = time.process_time()
+    res.best.plan.replicas
+    place_cpu = time.process_time() - c0
     import tracemalloc  # a second re-plan from a fresh copy, for its peak Python heap
     prev, prev_cluster = plan_from_document(json.loads(text), new)
     tracemalloc.start()
@@ -98,7 +106,9 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     full = plan(cost)
     ft, fc = time.perf_counter() - t1, time.process_time() - c1
     return {"gpus": nodes * 8, "loss": loss, "model": model_name, "M": gbs, "seconds": dt, "cpu_s": dc,
-            "load_seconds": lt, "load_cpu_s": lc, "parse_cpu_s": pc, "doc_mb": len(text) / 2**20, "replan_peak_mb": peak, "full_seconds": ft, "full_cpu_s": fc,
+            "load_seconds": lt, "load_cpu_s": lc, "parse_cpu_s": pc, "doc_mb": len(text) / 2**20,
+            "doc_version": 2 if compact else 1, "place_cpu_s": place_cpu, "replan_peak_mb": peak,
+            "full_seconds": ft, "full_cpu_s": fc,
             "how": f"{res.search_stats.get('replan', '')}: {res.search_stats.get('path', '')}",
             "ratio": res.best.cost.iteration_time_s / full.best.cost.iteration_time_s}
 
@@ -231,13 +241,15 @@ def planner_rows(quick: bool) -> None:
 def replan_rows(quick: bool) -> None:
     print("\n## Re-plan from the previous plan vs a full search (same cluster, one subprocess per case)\n")
     print("The previous plan is read back from its JSON document first, as a relaunched trainer or `elastor plan "
-          "--from-plan` has it: 'parse' is `json.loads` of the document (its size in MB), 'load' the plan and "
-          "cluster made from the parsed document (`plan_from_document`: devices and the layout checks); "
-          "'parse + load + re-plan' is the recovery path's planning from a file.\n")
-    print("| GPUs before | lost | model | micro-batches | doc MB | parse CPU s | load CPU s | re-plan wall s | "
-          "re-plan CPU s | parse + load + re-plan CPU s | re-plan peak heap MB | full search wall s | "
+          "--from-plan` has it, in the version `elastor plan --json` writes at that size (v2, replica groups and "
+          "device ranges, above 4,096 GPUs): 'parse' is `json.loads` of the document (its size in MB), 'load' the "
+          "plan and cluster made from the parsed document (`plan_from_document`: devices and every check); "
+          "'parse + load + re-plan' is the recovery path's planning from a file. 'devices CPU s': making the "
+          "chosen plan's devices afterwards (a re-shaped plan is priced before they are made).\n")
+    print("| GPUs before | lost | model | micro-batches | doc | doc MB | parse CPU s | load CPU s | re-plan wall s | "
+          "re-plan CPU s | parse + load + re-plan CPU s | devices CPU s | re-plan peak heap MB | full search wall s | "
           "full search CPU s | re-plan / full search (iteration time) | re-plan path |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rcases = [("70B", 128, "1", 1024), ("70B", 128, "8", 1024), ("70B", 128, "node", 1024), ("7B", 128, "4", 1024)]
     if not quick:
         rcases += [("70B", 16384, "1", 16384), ("70B", 16384, "8", 16384), ("70B", 16384, "node", 16384),
@@ -245,9 +257,10 @@ def replan_rows(quick: bool) -> None:
     for name, nodes, loss, gbs in rcases:
         r = in_subprocess("replan_case", name, nodes, loss, gbs)
         lost = "1 node" if loss == "node" else f"{loss} GPU" + ("s" if loss != "1" else "")
-        print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | {r['doc_mb']:.1f} | {r['parse_cpu_s']:.2f} | "
-              f"{r['load_cpu_s']:.2f} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | "
-              f"{r['parse_cpu_s'] + r['load_cpu_s'] + r['cpu_s']:.2f} | {r['replan_peak_mb']:.1f} | "
+        print(f"| {r['gpus']:,} | {lost} | {r['model']} | {r['M']} | v{r['doc_version']} | {r['doc_mb']:.2f} | "
+              f"{r['parse_cpu_s']:.3f} | {r['load_cpu_s']:.3f} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | "
+              f"{r['parse_cpu_s'] + r['load_cpu_s'] + r['cpu_s']:.2f} | {r['place_cpu_s']:.3f} | "
+              f"{r['replan_peak_mb']:.1f} | "
               f"{r['full_seconds']:.2f} | {r['full_cpu_s']:.2f} | {r['ratio']:.4f} | {r['how']} |", flush=True)
 
 
