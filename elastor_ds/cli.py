@@ -7,6 +7,7 @@ parser whose ``func`` attribute takes the parsed args and returns the exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except ElastorError as e:
         log.error("%s", _one_line(e))
         return 2 if isinstance(e, (ConfigError, CheckpointNotFoundError)) else 1   # usage: a wrong path or value
+    except BrokenPipeError:  # `elastor plan ... | head`: the reader left; stop quietly, as a shell tool does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush finds no pipe
+        return 141
     except OSError as e:  # a full disk, a permission, a vanished file: a runtime failure, not a bug
         log.error("%s: %s", type(e).__name__, _one_line(e))
         return 1
