@@ -169,3 +169,34 @@ def test_previous_plan_document_checked_like_a_layout():
         with pytest.raises(ConfigError, match="previous plan: malformed plan document") as e:
             plan_from_document(doc, cl)
         assert want in str(e.value), (change, str(e.value))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounded_reshape_ladder_finds_the_same_best_candidates(seed, monkeypatch):
+    """The re-shape's ladder of replica counts (above RESHAPE_SEARCH_MAX GPUs; forced here on 2,048)
+    skips counts whose lower bound exceeds the second-best estimate: the two best candidates are
+    those of the full ladder."""
+    import elastor_ds.plan.replan as rp
+    monkeypatch.setattr(rp, "RESHAPE_SEARCH_MAX", 0)
+    rng = random.Random(seed)
+    name = rng.choice(["7B", "70B"])
+    model, tp = MODELS[name]
+    tr = TrainingSpec(1, 256 * rng.choice([1, 2, 4]), nominal_tp=tp)
+    before = named_cluster([8] * 256, [f"n{i}" for i in range(256)])
+    prev = plan(CostModel(model, tr, before)).best.plan
+    after = named_cluster(*random_loss(rng, 256))
+
+    def top2():  # noqa: ANN202
+        r = rp._Replanner(CostModel(model, tr, after), prev, before, changed_nodes(before, after))
+        kept, damaged, _ = r._split_replicas()
+        return [(cd.estimate, cd.num_replicas, [(s.order, s.counts, m, n) for s, m, n in cd.kinds])
+                for cd in r._reshape(kept, damaged)[:2]]
+
+    bounded = top2()
+
+    def every(self, pool, Rs, done, tried):  # noqa: ANN001, ANN202
+        tried.update(Rs)
+        return self.planner._lpt_replicas(pool, 0, list(Rs))
+
+    monkeypatch.setattr(rp._Replanner, "_bounded_lpt", every)
+    assert bounded == top2()
