@@ -455,14 +455,20 @@ class Planner:
     @property
     def _types(self) -> dict[tuple[float, ...], list[int]]:
         if self._types_cache is None:
+            # nodes by the identity of their speeds tuple first (nodes made alike share one), then
+            # those tuples by type; each type's nodes ascending, types in order of their first node
+            by_id: dict[int, tuple[tuple[float, ...], list[int]]] = {}
+            for i, sp in enumerate(map(_speeds, self.cluster.nodes)):
+                e = by_id.get(id(sp))
+                if e is None:
+                    e = by_id[id(sp)] = (sp, [])
+                e[1].append(i)
+            merged: dict[tuple[float, ...], list[list[int]]] = {}
+            for sp, idx in by_id.values():  # in order of first node
+                merged.setdefault(tuple(sorted(sp, reverse=True)), []).append(idx)
             types: dict[tuple[float, ...], list[int]] = {}
-            seen: dict[tuple[float, ...], tuple[float, ...]] = {}  # speeds -> their type (nodes share them)
-            for i, n in enumerate(self.cluster.nodes):
-                sp = n.speeds
-                key = seen.get(sp)
-                if key is None:
-                    key = seen[sp] = tuple(sorted(sp, reverse=True))
-                types.setdefault(key, []).append(i)
+            for key, lists in sorted(merged.items(), key=lambda kv: kv[1][0][0]):
+                types[key] = lists[0] if len(lists) == 1 else sorted(i for lst in lists for i in lst)
             self._types_cache = types
         return self._types_cache
 
@@ -1102,6 +1108,7 @@ def _type_classes(speeds_desc: tuple[float, ...], parts: Sequence[int], large_fa
 
 
 _gpus = operator.attrgetter("gpus")
+_speeds = operator.attrgetter("speeds")
 
 
 def cluster_nodes(cluster: Cluster) -> list[int]:
