@@ -13,7 +13,9 @@ Save (``save``), one in flight at a time:
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
    With a storage that stages in place (:class:`~.storage.TmpfsStorage`: memory snapshots) the
    staging buffer is the rank's data file itself, mapped: a retired file is renamed into the temp
-   dir, its header written, the regions copied into its pages.
+   dir, its header written, the regions copied into its pages; CPU shards are copied in pieces of
+   256 KiB and each piece's block CRCs are taken while it is in cache (one pass over the bytes
+   instead of the copy's plus the writer's).
 4. Background writer thread (one per engine, fed one save at a time): stream the buffer to
    ``data_<rank>.safetensors`` in the temp step dir through the storage (a durable one fsyncs),
    write the rank's state file (staged in place: only the CRCs, the block-CRC table and the state
@@ -171,6 +173,7 @@ class _Job:
     staged: "Optional[StagedFile]" = None    # staged in place: the data file the snapshot went into
     header_crc: int = 0
     local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
+    block_tables: Optional[list] = None   # staged in place: block CRCs taken during the copy (else the writer's)
 
 
 class CheckpointEngine:
@@ -277,7 +280,9 @@ class CheckpointEngine:
             except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
                 job.local_error = e
             if job.staged is not None:
-                spans = self.staging.snapshot(items, shards, buf=job.staged.data, defer=self.defer_device_copies)
+                spans = self.staging.snapshot(items, shards, buf=job.staged.data, defer=self.defer_device_copies,
+                                              block_crcs=self.block_size)
+                job.block_tables = self.staging.block_tables
         elif not stale:
             # column tiles of a box are copied as the box (one memcpy) and tiled by the writer
             spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
@@ -387,7 +392,8 @@ class CheckpointEngine:
                 self.staging.wait_device()
                 outcome = ("ok", write_staged_rank_files(rank, items, job.staged.data.numpy(), spans, job.staged.path,
                                                          job.staged.header_len, job.header_crc, rank_state,
-                                                         self.storage, block_size=self.block_size, lean=True))
+                                                         self.storage, block_size=self.block_size, lean=True,
+                                                         block_tables=job.block_tables))
             else:
                 self.staging.wait_device()
                 buf = self.staging.buf

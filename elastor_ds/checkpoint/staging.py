@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..layout.region import Region
+from .crc import crc32
 from .planning.save_plan import WriteItem
 from .shards import TensorShard, region_view
 
@@ -61,6 +62,7 @@ class _CopyProgram:
         self.items, self.shards, self.buf, self.whole_boxes = items, shards, buf, whole_boxes
         self.tensors = [sh.tensor for sh in shards]
         self.copies: list[tuple[np.ndarray, np.ndarray]] = []
+        self.copy_pos: list[int] = []   # each copy's first byte in the buffer (copies run in buffer order)
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.spans: list[tuple[int, ...]] = []
         self.total = sum(i.nbytes for i in items)
@@ -69,6 +71,7 @@ class _CopyProgram:
         def close() -> None:
             if run and run[4]:
                 self.copies.append((buf[run[3]:run[3] + run[4]].numpy(), _byte_run(run[0], run[4]).numpy()))
+                self.copy_pos.append(run[3])
             run.clear()
 
         def copy(src: torch.Tensor, pos: int, n: int, sizes: Sequence[int]) -> None:
@@ -82,6 +85,7 @@ class _CopyProgram:
             elif n and src.dim() == 2 and src.stride(1) == 1:
                 close()   # a column tile: one memcpy per row (numpy, byte views of the strided source)
                 self.copies.append((buf[pos:pos + n].numpy().reshape(src.shape[0], -1), src.view(torch.uint8).numpy()))
+                self.copy_pos.append(pos)
             elif n:
                 close()   # any other strides: torch's strided copy (dtypes numpy lacks, e.g. bfloat16)
                 self.strided.append((buf[pos:pos + n].view(src.dtype).view(tuple(sizes)), src))
@@ -122,6 +126,62 @@ class _CopyProgram:
                 and all(sh.tensor is t for sh, t in zip(shards, self.tensors)))
 
 
+class BlockCrcs:
+    """The cumulative block CRCs of a buffer's spans, fed with its bytes in buffer order (right
+    after they are copied, while they are in cache). ``spans``: contiguous ``(offset, nbytes)`` in
+    buffer order; :meth:`result` gives :func:`~.fileformat.cumulative_crcs` of each span (the CRC
+    of the span's bytes up to every block end, the last at the span's end; ``[0]`` when empty)."""
+
+    def __init__(self, spans: Sequence[tuple[int, ...]], block_size: int, data: memoryview):
+        self.spans = [(int(sp[0]), int(sp[1])) for sp in spans]
+        self.bs = int(block_size)
+        self.mv = data
+        self.tables: list[list[int]] = [[] for _ in self.spans]
+        self.k = 0
+        self.pos = self.spans[0][0] if self.spans else 0
+        self.c = 0
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self.k < len(self.spans) and self.spans[self.k][1] == 0:
+            self.tables[self.k] = [0]
+            self.k += 1
+
+    def feed(self, end: int) -> None:
+        """The bytes up to buffer offset ``end`` are final."""
+        spans, bs, mv = self.spans, self.bs, self.mv
+        pos, c = self.pos, self.c
+        while pos < end and self.k < len(spans):
+            start, n = spans[self.k]
+            span_end = start + n
+            stop = min(end, span_end)
+            table = self.tables[self.k]
+            boundary = start + ((pos - start) // bs + 1) * bs   # the end of the block pos is in
+            if boundary <= stop:
+                c = crc32(mv[pos:boundary], c)   # the rest of the open block
+                table.append(c)
+                last = start + (stop - start) // bs * bs         # whole blocks after it, up to stop
+                for i in range(boundary, last, bs):
+                    c = crc32(mv[i:i + bs], c)
+                    table.append(c)
+                pos = max(boundary, last)
+            if pos < stop:                                         # a block left open at stop
+                c = crc32(mv[pos:stop], c)
+                pos = stop
+            if pos == span_end:
+                if not table or (pos - start) % bs:                # the span's last, short block
+                    table.append(c)
+                self.k += 1
+                c = 0
+                self._skip_empty()
+        self.pos, self.c = pos, c
+
+    def result(self) -> list[list[int]]:
+        if self.k != len(self.spans):
+            raise AssertionError(f"block CRCs: {self.k} of {len(self.spans)} spans fed")
+        return self.tables
+
+
 class StagingBuffer:
     """The rank's staging memory and the snapshot copy into it.
 
@@ -145,6 +205,7 @@ class StagingBuffer:
         self._program: _CopyProgram | None = None   # the last one used
         self._programs: list[_CopyProgram] = []
         self.pending = None   # CUDA event of copies not yet known to be complete (defer=True)
+        self.block_tables: list[list[int]] | None = None   # the last snapshot's block CRCs (block_crcs=)
 
     @property
     def capacity(self) -> int:
@@ -171,14 +232,25 @@ class StagingBuffer:
         if self._program is not None and self._program.buf is buf:
             self._program = None
 
+    # the copy runs in pieces of this many bytes when block CRCs are taken on the way (each piece is
+    # checksummed while it is in cache: one pass over memory instead of the copy's plus the writer's)
+    CRC_PIECE = 256 * 1024
+
     def snapshot(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor | None = None,
-                 defer: bool = False, whole_boxes: bool = False) -> list[tuple[int, ...]]:
+                 defer: bool = False, whole_boxes: bool = False,
+                 block_crcs: int | None = None) -> list[tuple[int, ...]]:
         """Copy every item's bytes into the buffer in file order; return (offset, nbytes) per item.
 
         ``whole_boxes`` (CPU shards): the column tiles of one box are copied as the box, row-major,
         and each tile's span is ``(offset, nbytes, rows, row stride)``: its rows of ``nbytes //
         rows`` bytes, ``row stride`` apart (the writer streams them in file order, row by row);
-        for a destination that is the file itself (staged in place) leave it False."""
+        for a destination that is the file itself (staged in place) leave it False.
+
+        ``block_crcs`` (a block size; CPU shards, ``whole_boxes`` False): also take each span's
+        cumulative block CRCs of the bytes just copied into the buffer, piece by piece while they
+        are in cache; they are left in :attr:`block_tables` (None when this copy could not take
+        them, e.g. device shards or copies out of buffer order: the writer then reads the buffer)."""
+        self.block_tables: list[list[int]] | None = None
         prog = (next((p for p in self._programs if p.valid_for(items, shards, buf, whole_boxes)), None)
                 if buf is not None else None)
         total = prog.total if prog is not None else sum(i.nbytes for i in items)
@@ -194,6 +266,9 @@ class StagingBuffer:
                 prog = _CopyProgram(items, shards, buf, whole_boxes)
                 self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
             self._program = prog
+            if block_crcs and not whole_boxes and not prog.strided:
+                self.block_tables = self._copy_with_crcs(prog, buf, block_crcs)
+                return list(prog.spans)
             for dst, src in prog.copies:
                 np.copyto(dst, src)
             for dst_t, src_t in prog.strided:
@@ -234,6 +309,23 @@ class StagingBuffer:
             else:
                 ev.synchronize()
         return spans
+
+    def _copy_with_crcs(self, prog: _CopyProgram, buf: torch.Tensor, block_size: int) -> list[list[int]]:
+        """Run ``prog`` in buffer order, in pieces, feeding each piece's bytes to the block CRCs."""
+        crcs = BlockCrcs(prog.spans, block_size, memoryview(buf.numpy()))
+        piece = self.CRC_PIECE
+        for (dst, src), pos in zip(prog.copies, prog.copy_pos):
+            if dst.ndim != 1:   # a column tile's rows: one strided copy, then its bytes
+                np.copyto(dst, src)
+                crcs.feed(pos + dst.size)
+                continue
+            n = dst.shape[0]
+            for a in range(0, n, piece):
+                b = min(n, a + piece)
+                np.copyto(dst[a:b], src[a:b])
+                crcs.feed(pos + b)
+        crcs.feed(prog.total)
+        return crcs.result()
 
     def wait_device(self) -> None:
         """Block until the deferred device-to-host copies have landed (before reading the bytes)."""

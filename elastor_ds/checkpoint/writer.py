@@ -60,18 +60,27 @@ def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any]
 
 def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, spans: Sequence[tuple[int, int]],
                             path: str, header_len: int, header_crc: int, rank_state: Optional[Mapping[str, Any]],
-                            storage: "StorageWriter", block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
+                            storage: "StorageWriter", block_size: int = BLOCK_SIZE, lean: bool = False,
+                            block_tables: Optional[Sequence[Sequence[int]]] = None) -> dict:
     """The same for a data file that is already in place (:mod:`.file_staging`: ``data`` is its
     mapped data section, filled by the snapshot): only the checksums, the table and the state
     file are left to do. Returns what :func:`write_rank_files` returns; ``lean``: the chunk CRCs
-    instead of the chunk list (for rank 0's :class:`ManifestTemplate`)."""
+    instead of the chunk list (for rank 0's :class:`ManifestTemplate`). ``block_tables``: each
+    span's cumulative block CRCs when the snapshot copy took them (:class:`~.staging.BlockCrcs`);
+    otherwise they are computed here from ``data``."""
     mv = memoryview(data).cast("B")
     crcs: list[int] = []
     blocks: list[list[int]] = []
     crc = header_crc
-    for pos, n in spans:
-        # a chunk of one block (most of a small model's) is one CRC call, no per-block loop
-        cum = [crc32(mv[pos:pos + n])] if n <= block_size else cumulative_crcs(mv[pos:pos + n], block_size)
+    if block_tables is not None and len(block_tables) != len(spans):
+        raise ValueError(f"{len(block_tables)} block-CRC tables for {len(spans)} chunks")
+    for k, (pos, n) in enumerate(spans):
+        if block_tables is not None:
+            cum = list(block_tables[k])
+        elif n <= block_size:   # a chunk of one block (most of a small model's): one CRC call, no loop
+            cum = [crc32(mv[pos:pos + n])]
+        else:
+            cum = cumulative_crcs(mv[pos:pos + n], block_size)
         blocks.append(cum)
         crcs.append(cum[-1])
         crc = crc32_combine(crc, cum[-1], n)
