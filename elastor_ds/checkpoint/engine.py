@@ -160,6 +160,7 @@ class CommitInfo:
     step_dir: str               # this root's committed step dir
     tmp_dir: str                # the save's temp dir (this rank's files are there until it is renamed)
     files: dict                 # this rank's files: name (relative to the step dir) -> (size, crc32)
+    mapped: dict = field(default_factory=dict)   # name -> this rank's mapped bytes of that file (staged in place)
 
 
 @dataclass
@@ -454,8 +455,11 @@ class CheckpointEngine:
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
                 if self.after_commit and outcome[0] == "ok":
+                    staged = job.staged
+                    mapped = ({os.path.basename(staged.path): staged.whole}
+                              if staged is not None and staged.whole is not None else {})
                     info = CommitInfo(job.step, os.path.join(self.root, os.path.basename(result[1])), tmp_dir,
-                                      dict(outcome[1]["files"]))
+                                      dict(outcome[1]["files"]), mapped)
                     for fn in self.after_commit:
                         try:
                             fn(info)

@@ -59,6 +59,7 @@ class StagedFile:
     header_len: int
     data: torch.Tensor         # uint8, the data section's bytes, in the file's pages
     key: tuple[int, int]       # (st_dev, st_ino)
+    whole: Optional[torch.Tensor] = None   # uint8, the whole file (header included), in the same mapping
 
 
 class FileStaging:
@@ -112,7 +113,7 @@ class FileStaging:
         if m.data is None or m.data_off != len(header):
             m.data, m.data_off = m.tensor[len(header):size], len(header)
         self._evict(keep=key)
-        return StagedFile(path, len(header), m.data, key)
+        return StagedFile(path, len(header), m.data, key, m.tensor[:size])
 
     def release(self, staged: StagedFile) -> None:
         """Drop the mapping of a file that is gone (its save failed or was dropped and its temp dir

@@ -58,7 +58,7 @@ def attach(checkpointer: Any, timeout_s: float = 600.0) -> Optional[PeerCopier]:
         if not mem.cfg.copies_step(int(info.step)):   # a peer-copy interval longer than the snapshots'
             return
         files = [PeerFile(rel, int(size), int(crc)) for rel, (size, crc) in sorted(info.files.items())]
-        copier.submit(info.step_dir, files, search_dirs=[info.tmp_dir])
+        copier.submit(info.step_dir, files, search_dirs=[info.tmp_dir], mapped=info.mapped)
 
     mem.ckpt.after_commit.append(peer_copy)
     mem.peer_copier = copier

@@ -94,12 +94,18 @@ class PeerCopyStats:
 class _Open:
     """A file of this rank's snapshot, held open (mapped) from submit() until it is sent."""
 
-    def __init__(self, dirs: Sequence[str], f: PeerFile):
+    def __init__(self, dirs: Sequence[str], f: PeerFile, mapped: Optional[object] = None):
         """``dirs``: where the file may be, in order (a save's temp dir, then its committed dir: a
-        directory rename between the two looks is atomic, so one of them has it)."""
+        directory rename between the two looks is atomic, so one of them has it). ``mapped``: the
+        file's bytes as the writer mapped them (a uint8 tensor, kept mapped: no page is faulted in
+        again to send it), used when its size is the file's."""
         import torch
         self.file = f
         self.tensor = None
+        if mapped is not None and getattr(mapped, "numel", lambda: -1)() == f.size:
+            self.tensor = mapped
+            dirs = ()
+        size = f.size
         for i, d in enumerate(dirs):
             path = safe_join(d, f.relpath, what="snapshot file", allow_subdirs=True)
             try:
@@ -253,10 +259,13 @@ class PeerCopier:
         return PeerCopier(transport, procs_per_node, snapshot_dir, origin, peer_copies, key, scheme)
 
     # ------------------------------------------------------------------ API
-    def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = ()) -> PeerCopyStats:
+    def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = (),
+               mapped: Optional[dict] = None) -> PeerCopyStats:
         """Start the copy of snapshot ``step_dir`` (this rank's ``files``) in the background.
         Every rank calls it for every snapshot, in the same order. ``search_dirs``: where to look
-        for the files before ``step_dir`` (the save's temp dir, not yet renamed on this node)."""
+        for the files before ``step_dir`` (the save's temp dir, not yet renamed on this node).
+        ``mapped``: name -> the file's bytes as its writer keeps them mapped (sent from there; the
+        writer reuses that file only after this copy is done: the next copy's submit waits for it)."""
         t0 = time.perf_counter()
         self.wait()
         wait_s = time.perf_counter() - t0
@@ -266,7 +275,7 @@ class PeerCopier:
         st = PeerCopyStats(self.seq, step_name, wait_s=wait_s)
         self.stats.append(st)
         try:
-            opened = [_Open(dirs, f) for f in files] if self.sends else []
+            opened = [_Open(dirs, f, (mapped or {}).get(f.relpath)) for f in files] if self.sends else []
         except Exception as e:  # noqa: BLE001 - sent as an empty, failed copy so the receiver does not hang
             log.warning("peer copy of %s: cannot open this rank's files: %s", step_name, e)
             st.error = f"{type(e).__name__}: {e}"
