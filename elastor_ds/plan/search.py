@@ -1185,21 +1185,29 @@ def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict,
     zero = (0,) * len(classes)
     kinds: dict[tuple[int, ...], int] = {zero: R}
     rank: dict[tuple[int, ...], tuple[float, int]] = {zero: (0.0, 0)}  # (load, GPUs) of a composition
+    # the least (rank, composition) first: a heap of the compositions held, stale entries skipped
+    heap: list[tuple[tuple[float, int], tuple[int, ...]]] = [((0.0, 0), zero)]
     for ci, (k, n) in enumerate(zip(classes, counts)):
         add, gpus = cap[k], k[0]
         while n > 0:
-            comp = min(kinds, key=lambda x: (rank[x], x)) if len(kinds) > 1 else next(iter(kinds))
+            while heap[0][1] not in kinds:
+                heapq.heappop(heap)
+            comp = heap[0][1]
             avail = kinds[comp]
             take = min(avail, n)
             n -= take
             if take == avail:
                 del kinds[comp]
+                heapq.heappop(heap)
             else:
                 kinds[comp] = avail - take
             new = comp[:ci] + (comp[ci] + 1,) + comp[ci + 1:]
             load, g = rank[comp]
-            rank[new] = (load + add, g + gpus)
-            kinds[new] = kinds.get(new, 0) + take
+            r_new = rank[new] = (load + add, g + gpus)
+            had = kinds.get(new, 0)
+            if not had:
+                heapq.heappush(heap, (r_new, new))
+            kinds[new] = had + take
     out = []
     for comp, n in kinds.items():
         if not any(comp):
