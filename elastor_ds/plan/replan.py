@@ -329,35 +329,20 @@ class _Replanner:
     def _bounded_lpt(self, pool, Rs: Sequence[int], done: dict, tried: set[int]) -> dict:  # noqa: ANN001
         """:meth:`~.search.Planner._lpt_replicas` of ``pool`` for the replica counts ``Rs`` (in that
         order in the result), skipping a count whose candidate cannot be among the two best estimates
-        (with ``done``'s). The bound, from the replica signatures LPT makes (cheap) before their
-        stage orders and layer splits (the cost): a replica of ``S`` groups has a stage of at least
-        ``ceil(L / S)`` layers, so its slowest stage takes at least that many layers' time of its
-        fastest class, and at least one layer plus the output layer of any of its classes; with
-        those slowest stages, the exact micro-batch assignment (:func:`~.search.assign_micro_batches`,
-        whose optimum only grows with the stage times) bounds the pipeline from below, and the
-        gradient sync, transfers and embedding only add. Each count tried is added to ``tried``; a
-        skipped candidate is estimated above the second best, so the best, the two best and the order
-        of the rest are as without the bound."""
-        pl, c = self.planner, self.cost
-        L, M = c.model.num_layers, self.M
+        (with ``done``'s): its lower bound (:meth:`~.search.Planner.lpt_bound`, from the replica
+        signatures LPT makes, before their stage orders and layer splits) is above the second best.
+        Each count tried is added to ``tried``; a skipped candidate is estimated above the second
+        best, so the best, the two best and the order of the rest are as without the bound."""
+        pl = self.planner
         classes, counts, cap = pl._lpt_order(pool)
-        per = {k: c.layer_time(k[0]) / k[1] for k in classes}
-        last = {k: per[k] + c.head_time(k[0]) / k[1] for k in classes}
         best = sorted(cd.estimate for cd in done.values() if cd is not None)[:2]
         got: dict[int, Candidate | None] = {}
         near = len(self.prev.replicas)  # the previous plan's count first: a good second best early
         for R in sorted(Rs, key=lambda R: (abs(R - near), R)):
             tried.add(R)
             reps = _bulk_lpt(classes, counts, cap, R)
-            if len(best) == 2 and all(len(sig) <= L for sig, _ in reps):
-                kinds = []
-                for sig, n in reps:
-                    o = max(-(-L // len(sig)) * min(per[k] for k in sig), min(last[k] for k in sig))
-                    kinds.append((o, (len(sig) - 1) * o, n))
-                mbs = assign_micro_batches(kinds, M)
-                if mbs is not None and \
-                        max(o * lst[0][0] + b for (o, b, _), lst in zip(kinds, mbs)) * (1 - 1e-9) > best[1]:
-                    continue
+            if len(best) == 2 and pl.lpt_bound(reps) * (1 - 1e-9) > best[1]:
+                continue
             cd = pl._candidate(reps, pool, (0, R))
             got[R] = cd
             if cd is not None:

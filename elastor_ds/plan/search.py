@@ -746,8 +746,14 @@ class Planner:
                         per.setdefault(g.key, []).append(np.asarray([i], dtype=np.int64))
         return {k: np.sort(np.concatenate(v), kind="stable") for k, v in per.items()}
 
-    def heterogeneous_candidates(self, keep: Callable[[GroupPool], bool] | None = None) -> list[Candidate]:
-        """Candidates of every grouping (or of those ``keep`` accepts), unplaced."""
+    def heterogeneous_candidates(self, keep: Callable[[GroupPool], bool] | None = None,
+                                 prune_keep: int = 0) -> list[Candidate]:
+        """Candidates of every grouping (or of those ``keep`` accepts), unplaced. ``prune_keep`` > 0:
+        the coarse pass skips a replica count whose lower bound (:meth:`lpt_bound`) exceeds the
+        ``prune_keep``-th best estimate so far; :attr:`prune_bar` is then the final such estimate
+        (every skipped candidate is estimated above it), and the caller must check that what it
+        takes from the result lies at or below it (:meth:`heterogeneous_plans` does)."""
+        self.prune_bar, self.pruned = math.inf, 0
         cands: list[Candidate] = []
         pools = self.groupings()
         self.stats["groupings"] = len(pools)
@@ -763,17 +769,82 @@ class Planner:
         # ones: every grouping on a coarse ladder, then the best few groupings on the full one;
         # both refined around their best replica counts
         coarse = self.cluster.num_gpus > 64
-        first = {gi: self._lpt_replicas(pool, gi, self._replica_counts(pool, coarse=coarse)) for gi, pool in big}
+        counts_of = {gi: self._replica_counts(pool, coarse=coarse) for gi, pool in big}
+        if coarse and prune_keep > 0:
+            first = self._coarse_pruned(big, counts_of, prune_keep)
+        else:
+            first = {gi: self._lpt_replicas(pool, gi, counts_of[gi]) for gi, pool in big}
         ranked = sorted((min((cd.estimate for cd in lst.values() if cd is not None), default=math.inf), gi)
                         for gi, lst in first.items())
+        if self.pruned and ranked[:3][-1][0] > self.prune_bar:
+            # a grouping whose best count was skipped might rank among the best three: no skipping
+            return self.heterogeneous_candidates(keep, 0)
         pools_by = dict(big)
         for _, gi in (ranked[:3] if coarse else ranked):
             pool, done = pools_by[gi], first[gi]
+            if len(done) < len(counts_of[gi]):  # counts skipped above: made now, in the ladder's order
+                made = self._lpt_replicas(pool, gi, [R for R in counts_of[gi] if R not in done])
+                whole = {R: done[R] if R in done else made[R] for R in counts_of[gi]}
+                done.clear()
+                done.update(whole)
             done.update(self._lpt_replicas(pool, gi, [R for R in self._replica_counts(pool, coarse=False)
                                                       if R not in done]))
             self._refine(pool, gi, done)
         cands.extend(cd for lst in first.values() for cd in lst.values() if cd is not None)
         return cands
+
+    def _coarse_pruned(self, big: Sequence[tuple[int, GroupPool]], counts_of: dict[int, list[int]],
+                       keep: int) -> dict[int, dict[int, Candidate | None]]:
+        """The coarse pass of :meth:`heterogeneous_candidates`, skipping the counts whose bound
+        exceeds the ``keep``-th best estimate so far (they are left out of the result)."""
+        worst: list[float] = []  # the keep best estimates so far, negated (a max-heap)
+        first: dict[int, dict[int, Candidate | None]] = {}
+        for gi, pool in big:
+            classes, counts, cap = self._lpt_order(pool)
+            got: dict[int, Candidate | None] = {}
+            for R in counts_of[gi]:
+                reps = _bulk_lpt(classes, counts, cap, R)
+                if len(worst) >= keep and self.lpt_bound(reps) * (1 - 1e-9) > -worst[0]:
+                    self.pruned += 1
+                    continue
+                cd = got[R] = self._candidate(reps, pool, (gi, R))
+                if cd is not None:
+                    heapq.heappush(worst, -cd.estimate)
+                    if len(worst) > keep:
+                        heapq.heappop(worst)
+            first[gi] = got
+        self.prune_bar = -worst[0] if len(worst) >= keep else math.inf
+        return first
+
+    def lpt_bound(self, reps: Sequence[tuple[tuple[ClassKey, ...], int]]) -> float:
+        """A lower bound of the estimate of the candidate made of replica signatures ``reps``
+        (:meth:`_candidate`), without their stage orders and layer splits: a replica of ``S``
+        groups has a stage of at least ``ceil(L / S)`` layers, so its slowest stage takes at least
+        that many layers' time of its fastest class, and at least one layer plus the output layer of
+        any of its classes; with those slowest stages the exact micro-batch assignment
+        (:func:`assign_micro_batches`, whose optimum only grows with the stage times) bounds the
+        pipeline from below, and the gradient sync, transfers and embedding only add. 0 when a
+        signature has more groups than layers or the replicas outnumber the micro-batches (no
+        candidate then)."""
+        c, L = self.cost, self.L
+        per = self.__dict__.setdefault("_per_class", {})
+        kinds = []
+        for sig, n in reps:
+            if len(sig) > L:
+                return 0.0
+            lo, last = math.inf, math.inf
+            for k in sig:
+                v = per.get(k)
+                if v is None:
+                    a = c.layer_time(k[0]) / k[1]
+                    v = per[k] = (a, a + c.head_time(k[0]) / k[1])
+                lo, last = min(lo, v[0]), min(last, v[1])
+            o = max(-(-L // len(sig)) * lo, last)
+            kinds.append((o, (len(sig) - 1) * o, n))
+        mbs = assign_micro_batches(kinds, self.M)
+        if mbs is None:
+            return 0.0
+        return max(o * lst[0][0] + b for (o, b, _), lst in zip(kinds, mbs))
 
     def _exhaustive_replicas(self, pool: GroupPool, gi: int) -> Iterator[Candidate]:
         classes, counts = pool.classes, pool.counts
@@ -1052,16 +1123,30 @@ class Planner:
         return scored
 
     def heterogeneous_plans(self) -> list[ScoredPlan]:
-        cands = self.heterogeneous_candidates()
-        cands.sort(key=lambda cd: (cd.estimate, cd.num_replicas, _cand_tie(cd)))
         if self.cluster.num_gpus <= 64:
             n_exact = max(32, 2 * self.top_k)
         else:
             n_exact = max(3, self.top_k) if self.large else max(6, self.top_k)
+        # the coarse pass skips counts that cannot be among the best 8 x n_exact estimates; when
+        # the candidates placed here reach past that bar (duplicates, infeasible plans), the
+        # search runs again without skipping, so the result is the same either way
+        cands = self.heterogeneous_candidates(prune_keep=8 * n_exact)
+        scored, reached = self._place_best_few(cands, n_exact)
+        if self.pruned and reached > self.prune_bar:
+            scored, _ = self._place_best_few(self.heterogeneous_candidates(), n_exact)
+        scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
+        return scored
+
+    def _place_best_few(self, cands: list[Candidate], n_exact: int) -> tuple[list[ScoredPlan], float]:
+        """The first ``n_exact`` distinct feasible plans of ``cands`` by estimate, placed and priced;
+        and the estimate of the last candidate looked at (inf when all were)."""
+        cands.sort(key=lambda cd: (cd.estimate, cd.num_replicas, _cand_tie(cd)))
         scored, seen = [], set()
+        reached = math.inf
         for cd in cands:
             if len(scored) >= n_exact:
                 break
+            reached = cd.estimate
             pl, cost = self.place_best(cd)
             key = tuple((r.micro_batches, tuple((st.layers, st.devices) for st in r.stages)) for r in pl.replicas)
             if key in seen:
@@ -1069,8 +1154,9 @@ class Planner:
             seen.add(key)
             if cost.feasible:
                 scored.append(ScoredPlan(pl, cost))
-        scored.sort(key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
-        return scored
+        else:
+            reached = math.inf if len(scored) < n_exact else reached
+        return scored, reached
 
 
 def _split(per: Sequence[float], extra: Sequence[float], mx: Sequence[int], L: int):  # noqa: ANN202
