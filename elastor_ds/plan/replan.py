@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from typing import Sequence
 
@@ -43,6 +44,7 @@ from .search import (Candidate, ClassKey, Group, Planner, PlanResult, ReplicaSol
                      _geometric, assign_micro_batches, carve, gc_paused, greedy_parts, plan)
 
 log = logging.getLogger(__name__)
+_NAME = operator.attrgetter("name")
 
 MAX_CHANGED_NODES = 64      # a larger change is planned from scratch
 EXACT = 3                   # candidates priced exactly (1 above Planner.LARGE_GPUS GPUs)
@@ -131,13 +133,23 @@ class _Replanner:
     def _split_replicas(self) -> tuple[list[PlanReplica], list[PlanReplica], set[str]]:
         changed = self.changed
         new_index = self.cluster.node_index()
-        old_names = [n.name for n in self.old.nodes]
-        new_names = [n.name for n in self.cluster.nodes]
+        old_names = list(map(_NAME, self.old.nodes))
+        new_names = list(map(_NAME, self.cluster.nodes))
         k = min(len(old_names), len(new_names))  # nodes keep their index unless one before them went
         same_numbering = old_names[:k] == new_names[:k] and not any(n in new_index for n in old_names[k:])
-        old_index = self.old.node_index()
         # previous plans number nodes like the previous cluster; changed ones by their index
-        hit_nodes = {old_index[n] for n in changed if n in old_index}
+        if same_numbering:  # a name's index is the same in both (the previous cluster's extra nodes follow)
+            tail = {n: k + j for j, n in enumerate(old_names[k:])}
+            hit_nodes = set()
+            for n in changed:
+                i = new_index.get(n)
+                if i is not None and i < k:
+                    hit_nodes.add(i)
+                elif n in tail:
+                    hit_nodes.add(tail[n])
+        else:
+            old_index = self.old.node_index()
+            hit_nodes = {old_index[n] for n in changed if n in old_index}
         reps = self.prev.replicas
         hit = set(self.prev.replicas_on(hit_nodes))
         for i in self.prev.replicas_on((-1,)):  # a stage across nodes: its devices' nodes by name
