@@ -45,6 +45,16 @@ COLS = 8192
 PIECE = 32 << 20
 
 
+def read_into(f, mv: memoryview) -> None:
+    """Fill ``mv`` from the unbuffered file ``f`` in PIECE-sized reads (stops early at end of file)."""
+    p = 0
+    while p < len(mv):
+        n = f.readinto(mv[p:p + PIECE])
+        if not n:
+            break
+        p += n
+
+
 def evict(path: str) -> None:
     """Drop ``path`` from the page cache: all caches when root may (cold reads), else fadvise."""
     os.sync()
@@ -135,12 +145,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     def read_floor() -> float:
         t0 = time.perf_counter()
         with open(fpath, "rb", buffering=0) as f:
-            p = 0
-            while p < len(wmv):
-                n = f.readinto(wmv[p:p + PIECE])
-                if not n:
-                    break
-                p += n
+            read_into(f, wmv)
         return time.perf_counter() - t0
     res["read_s"] = read_floor()
     # the floor of a read from memory (tmpfs, a memory snapshot): the kernel's copy out of the page cache
@@ -281,13 +286,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         t0 = time.perf_counter()
         with open(fpath, "rb", buffering=0) as f:
             for d in dst:   # dst holds exactly the rank's bytes
-                mv = memoryview(d.numpy()).cast("B")
-                p = 0
-                while p < len(mv):
-                    n = f.readinto(mv[p:p + PIECE])
-                    if not n:
-                        break
-                    p += n
+                read_into(f, memoryview(d.numpy()).cast("B"))
         return time.perf_counter() - t0
     floor_before = cold_read_floor()
     for d in dst:
