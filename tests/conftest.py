@@ -1,5 +1,9 @@
+import contextlib
+import fcntl
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -54,6 +58,56 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA (gpu tier)"))
 
 
+# Tests marked ``exclusive`` compare a measured wall time with a prediction made for an otherwise idle
+# machine (the demo's predicted vs measured iteration time). Under pytest-xdist such a test waits for the
+# running tests to finish and no test starts until it ends: a readers-writer lock of two flock files in
+# one private folder per run (a "gate" that a waiting exclusive test holds so that it is not starved,
+# and the "room", shared by ordinary tests, exclusive for the timing test).
+_LOCK_DIR_KEY = "elastor_test_lock_dir"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):   # pytest-xdist's controller, once per worker
+    config = node.config
+    if getattr(config, "_elastor_lock_dir", None) is None:
+        config._elastor_lock_dir = tempfile.mkdtemp(prefix="elastor-tests-")   # mode 0700, ours
+    node.workerinput[_LOCK_DIR_KEY] = config._elastor_lock_dir
+
+
+def pytest_unconfigure(config):
+    lock_dir = getattr(config, "_elastor_lock_dir", None)
+    if lock_dir:
+        shutil.rmtree(lock_dir, ignore_errors=True)   # the folder made above, holding our two lock files
+
+
+@contextlib.contextmanager
+def _run_lock(lock_dir: str, exclusive: bool):
+    def open_lock(name: str) -> int:
+        return os.open(os.path.join(lock_dir, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+    gate, room = open_lock("gate"), open_lock("room")
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(room, fcntl.LOCK_EX)   # holds the gate too, until the test ends
+        else:
+            fcntl.flock(room, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        for fd in (room, gate):   # unlock first: a process the test forked may still hold a copy of the fd
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    lock_dir = getattr(item.config, "workerinput", {}).get(_LOCK_DIR_KEY)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with _run_lock(lock_dir, exclusive) if lock_dir else contextlib.nullcontext(), _cpu_log(item.nodeid):
+        yield
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 1 MiB tmpfs mounted at ``tmp_path / "tiny"`` (a real full disk for ENOSPC paths); skipped
@@ -76,17 +130,21 @@ def tiny_tmpfs(tmp_path):
 # process plus the children it reaped). CPU / wall near 2 on this 2-core machine means the test is
 # compute-bound; near 0 means it waits (timeouts, sleeps), which running tests side by side can hide.
 _CPU_LOG = os.environ.get("ELASTOR_TEST_CPU_LOG")
-if _CPU_LOG:
-    import resource
-    import time as _time
 
-    def _cpu() -> float:
+
+@contextlib.contextmanager
+def _cpu_log(nodeid: str):
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
         s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):
-        t0, c0 = _time.monotonic(), _cpu()
-        yield
-        with open(_CPU_LOG, "a") as f:
-            f.write(f"{_time.monotonic() - t0:.2f}\t{_cpu() - c0:.2f}\t{item.nodeid}\n")
+    t0, c0 = time.monotonic(), cpu()
+    yield
+    with open(_CPU_LOG, "a") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\t{cpu() - c0:.2f}\t{nodeid}\n")

@@ -23,7 +23,8 @@ EVENT_KINDS = {"start", "rendezvous", "launch", "worker_started", "restore", "in
                "probe", "decision", "scale_up_requested", "scale_up", "membership", "preempt_requested",
                "preempted", "finished", "stopped", "recovery", "standby"}
 
-pytestmark = pytest.mark.timeout(600)
+# the predicted vs measured check is for an otherwise idle machine: no other test runs beside it
+pytestmark = [pytest.mark.timeout(600), pytest.mark.exclusive]
 
 
 def _lines(path: str) -> list[dict]:
