@@ -30,7 +30,8 @@ def tier_of(path: str) -> str:
 
 # Under pytest-xdist (scripts/test.sh runs the full suite on 2 workers) the longest waits go first so
 # that the short tests fill the end: the netns tier (one worker, one group: fixed namespace names),
-# then e2e, faults, dist, unit. A stable sort: the order within a tier stays the files' order.
+# then e2e, faults, dist, unit, and the tests marked ``exclusive`` (below) at the very end. A stable sort:
+# the order within a tier stays the files' order.
 XDIST_ORDER = ("netns", "e2e", "faults", "dist", "gpu", "unsorted", "unit")
 
 
@@ -45,8 +46,9 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     config._elastor_collected_tiers = sorted({tier_of(str(item.fspath)) for item in items})
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: XDIST_ORDER.index(tier_of(str(item.fspath))))
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # exclusive tests last: they then wait for short unit tests only
+        items.sort(key=lambda item: len(XDIST_ORDER) if item.get_closest_marker("exclusive")
+                   else XDIST_ORDER.index(tier_of(str(item.fspath))))
     for item in items:
         tier = tier_of(str(item.fspath))
         item.add_marker(getattr(pytest.mark, tier))
