@@ -25,7 +25,12 @@ _SUBCOMMAND_MODULES = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit 2 (subcommand parsers inherit this class)."""
+    """Usage errors as one line on stderr, exit 2 (subcommand parsers inherit this class). Flags are
+    never abbreviated: ``elastor plan --gpus 8`` is an error, not ``--gpus-per-node 8``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,32 @@
+"""``elastor`` never expands an abbreviated flag: argparse's default would read ``--gpus 8`` as
+``--gpus-per-node 8`` (and ``--mod`` as whatever flag it prefixes) without a word."""
+from __future__ import annotations
+
+import pytest
+
+from elastor_ds.cli import main
+
+PLAN = ["plan", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def test_a_prefix_of_a_flag_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(PLAN + ["--gpus-per-node", "4", "--gpus", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --gpus 8" in err and "Traceback" not in err
+
+
+def test_the_whole_flag_still_works(capsys):
+    assert main(PLAN + ["--gpus-per-node", "4"]) == 0
+    assert "plan" in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize("argv, flag", [(["run", "--nproc", "2", "x.py"], "--nproc"),
+                                        (["verify", "--no-check", "d"], "--no-check")])
+def test_subcommands_refuse_prefixes_too(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
