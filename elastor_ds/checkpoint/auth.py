@@ -11,11 +11,11 @@ that only the job's processes know:
 - the controller hands the workers the file's *path* (``ELASTOR_JOB_SECRET_FILE``), never the
   secret: not in the environment, not in the rendezvous store, not in a path; each worker reads
   and checks the file itself;
-- requests to a snapshot server carry a MAC over (method, path, range, nonce, time); responses a
-  MAC over (the request's nonce, status, range, file size, body); peer copies one MAC per file
-  over (origin, step, name, bytes): GMAC (AES-256-GCM, a random nonce per file) under a key derived
-  for that use, ~10x faster than HMAC-SHA256 on the bytes of every copied snapshot; HMAC-SHA256
-  where the ``cryptography`` package is missing.
+- requests to a snapshot server carry an HMAC-SHA256 over (method, path, range, nonce, time);
+  responses a MAC over (the request's nonce, status, range, file size, body) and peer copies one
+  MAC per file over (origin, step, name, bytes): GMAC (AES-256-GCM, a random nonce per message)
+  under a key derived for each use, ~10x faster than HMAC-SHA256 on the bytes of every snapshot
+  sent; HMAC-SHA256 where the ``cryptography`` package is missing (a receiver checks either).
 
 Stdlib (no torch), plus ``cryptography`` for GMAC when it is installed.
 """
@@ -30,7 +30,8 @@ from typing import Any, Iterable, Optional
 from ..elastic.protocol import ENV_JOB_SECRET_FILE, LaunchContext, launch_context
 from ..errors import ConfigError
 
-__all__ = ["ENV_JOB_SECRET_FILE", "load_key", "job_key", "request_mac", "response_mac", "file_mac", "FileMac",
+__all__ = ["ENV_JOB_SECRET_FILE", "load_key", "job_key", "request_mac", "response_mac", "response_mac_matches",
+           "file_mac", "FileMac",
            "GMAC_AVAILABLE", "MIN_SECRET",
            "new_key_file_hint"]
 
@@ -89,12 +90,6 @@ def request_mac(key: bytes, method: str, path: str, rng: str, nonce: str, when: 
     return hmac.new(key, b"req\n" + _fields(method, path, rng, nonce, when), hashlib.sha256).hexdigest()
 
 
-def response_mac(key: bytes, nonce: str, status: int, rng: str, size: str, body: Iterable) -> str:
-    """MAC of a response to the request with ``nonce``; ``body``: its bytes, in pieces."""
-    h = hmac.new(key, b"resp\n" + _fields(nonce, status, rng, size), hashlib.sha256)
-    for piece in body:
-        h.update(piece)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- peer-copied files
@@ -114,18 +109,17 @@ GMAC_AVAILABLE = _Cipher is not None
 _GMAC_LABEL = b"elastor-ds peer-copy gmac v1"
 _GMAC_PREFIX = "g1."
 _MAC_PIECE = 1 << 20
-_gmac_keys: dict[bytes, bytes] = {}
+_gmac_keys: dict[tuple[bytes, bytes], bytes] = {}
 
 
-class FileMac:
-    """Incremental keyed digest of one peer-copied file: ``update`` with its bytes in order, then
-    :meth:`hexdigest` (the sender's tag) or :meth:`matches` (the receiver's check, constant time).
-    ``tag``: the sender's tag (receiver; its scheme and nonce are taken from it); None: a new tag
-    (sender; GMAC unless ``scheme`` is "hmac" or GMAC is unavailable)."""
+class _KeyedMac:
+    """Incremental keyed digest of one message (``head``, then the bytes given to ``update`` in
+    order): :meth:`hexdigest` (the sender's tag) or :meth:`matches` (the receiver's check, constant
+    time). ``tag``: the sender's tag (receiver; its scheme and nonce are taken from it); None: a new
+    tag (sender; GMAC unless ``scheme`` is "hmac" or GMAC is unavailable). ``label``: what the GMAC
+    key is derived for (one key per use)."""
 
-    def __init__(self, key: bytes, origin: str, step: str, relpath: str, tag: Optional[str] = None,
-                 scheme: str = "gmac"):
-        head = b"peer\n" + _fields(origin, step, relpath)
+    def __init__(self, key: bytes, label: bytes, head: bytes, tag: Optional[str] = None, scheme: str = "gmac"):
         self.nonce: Optional[bytes] = None
         if tag is not None:
             scheme = "gmac" if tag.startswith(_GMAC_PREFIX) else "hmac"
@@ -142,9 +136,9 @@ class FileMac:
         if scheme == "hmac":
             self._h = hmac.new(key, head, hashlib.sha256)
         elif GMAC_AVAILABLE and self.nonce and len(self.nonce) == 12:
-            gk = _gmac_keys.get(key)
+            gk = _gmac_keys.get((key, label))
             if gk is None:
-                gk = _gmac_keys[key] = hmac.new(key, _GMAC_LABEL, hashlib.sha256).digest()
+                gk = _gmac_keys[(key, label)] = hmac.new(key, label, hashlib.sha256).digest()
             self._enc = _Cipher(_algorithms.AES(gk), _modes.GCM(self.nonce)).encryptor()
             self._enc.authenticate_additional_data(head)
         # else: a GMAC tag this process cannot check (no cryptography, or a malformed nonce): never matches
@@ -172,9 +166,48 @@ class FileMac:
         return hmac.compare_digest(self.hexdigest(), tag)
 
 
+class FileMac(_KeyedMac):
+    """The keyed digest of one peer-copied file, over (origin, step, name) and its bytes."""
+
+    def __init__(self, key: bytes, origin: str, step: str, relpath: str, tag: Optional[str] = None,
+                 scheme: str = "gmac"):
+        super().__init__(key, _GMAC_LABEL, b"peer\n" + _fields(origin, step, relpath), tag, scheme)
+
+
 def file_mac(key: bytes, origin: str, step: str, relpath: str, data, scheme: str = "gmac") -> str:
     """Keyed digest of one peer-copied file (``data``: a bytes-like object): GMAC with a fresh
     nonce (``g1.<nonce>.<tag>``) or, with ``scheme`` "hmac" or without GMAC, HMAC-SHA256 (hex)."""
     m = FileMac(key, origin, step, relpath, scheme=scheme)
     m.update(data)
     return m.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- server responses
+# A snapshot server's answer to one request: (the request's nonce, status, Content-Range, file size,
+# body). The body of a file range is up to MAX_RANGE bytes of a snapshot, MAC'd by the server and
+# again by the client, so it takes GMAC like a peer copy, under its own derived key and with its
+# own random nonce per response; a client checks a GMAC or an HMAC-SHA256 tag.
+_RESP_GMAC_LABEL = b"elastor-ds snapshot-response gmac v1"
+
+
+def _response(key: bytes, nonce: str, status: int, rng: str, size: str, tag: Optional[str], scheme: str) -> "_KeyedMac":
+    return _KeyedMac(key, _RESP_GMAC_LABEL, b"resp\n" + _fields(nonce, status, rng, size), tag, scheme)
+
+
+def response_mac(key: bytes, nonce: str, status: int, rng: str, size: str, body: Iterable,
+                 scheme: str = "gmac") -> str:
+    """Tag of a response to the request with ``nonce`` (server); ``body``: its bytes, in pieces.
+    GMAC with a fresh nonce (``g1.<nonce>.<tag>``) or, with ``scheme`` "hmac" or without GMAC,
+    HMAC-SHA256 (hex)."""
+    m = _response(key, nonce, status, rng, size, None, scheme)
+    for piece in body:
+        m.update(piece)
+    return m.hexdigest()
+
+
+def response_mac_matches(key: bytes, nonce: str, status: int, rng: str, size: str, body: Iterable, tag: str) -> bool:
+    """Whether ``tag`` (GMAC or HMAC-SHA256) authenticates this response (client; constant time)."""
+    m = _response(key, nonce, status, rng, size, tag, "gmac")
+    for piece in body:
+        m.update(piece)
+    return m.matches(tag)

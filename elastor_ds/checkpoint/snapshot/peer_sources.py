@@ -20,7 +20,6 @@ Stdlib only (no torch).
 """
 from __future__ import annotations
 
-import hmac
 import http.client
 import json
 import logging
@@ -33,7 +32,7 @@ from typing import Optional, Sequence
 
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, launch_context
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..auth import job_key, request_mac, response_mac
+from ..auth import job_key, request_mac, response_mac_matches
 from ..paths import safe_join
 from ..fileformat import pread_into
 
@@ -198,9 +197,8 @@ class RemoteSource:
 
     def _verified(self, r: http.client.HTTPResponse, nonce: str, body_pieces) -> None:
         got = r.getheader("X-Elastor-Auth") or ""
-        want = response_mac(self.key, nonce, r.status, r.getheader("Content-Range") or "",
-                            r.getheader("X-File-Size") or "", body_pieces)
-        if not hmac.compare_digest(got, want):
+        if not response_mac_matches(self.key, nonce, r.status, r.getheader("Content-Range") or "",
+                                    r.getheader("X-File-Size") or "", body_pieces, got):
             self._drop()
             raise CorruptCheckpointError(f"{self.name}: the answer failed its authentication (not from this job's "
                                          f"server, or changed on the way)")

@@ -22,7 +22,8 @@ hex), ``X-Elastor-Time`` (unix seconds, within :data:`CLOCK_SKEW_S`) and ``X-Ela
 (HMAC-SHA256 under the job key over method, path, ``Range``, nonce and time); a nonce is accepted
 once. Anything else is ``401`` and the connection is closed. Every answer to an authenticated
 request carries ``X-Elastor-Auth`` over the nonce, status, ``Content-Range``, ``X-File-Size`` and
-the body, so the client also knows the bytes came from this server unchanged.
+the body (GMAC under a key derived for responses, a random nonce each; HMAC-SHA256 without the
+``cryptography`` package), so the client also knows the bytes came from this server unchanged.
 
 Bounds: at most :data:`MAX_CONNECTIONS` connections (more get ``503`` and are closed at once); a
 request head of at most :data:`MAX_HEAD` bytes (``431``) that must arrive within
