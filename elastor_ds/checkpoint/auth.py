@@ -112,6 +112,18 @@ _MAC_PIECE = 1 << 20
 _gmac_keys: dict[tuple[bytes, bytes], bytes] = {}
 
 
+def _tag_nonce(tag: str) -> bytes:
+    """The 12-byte nonce of a well-formed GMAC tag ``g1.<24 hex>.<32 hex>``; b"" for anything else
+    (a tag from the wire: never an exception)."""
+    parts = tag.split(".")
+    if len(parts) != 3 or len(parts[1]) != 24 or len(parts[2]) != 32:
+        return b""
+    try:
+        return bytes.fromhex(parts[1])
+    except ValueError:
+        return b""
+
+
 class _KeyedMac:
     """Incremental keyed digest of one message (``head``, then the bytes given to ``update`` in
     order): :meth:`hexdigest` (the sender's tag) or :meth:`matches` (the receiver's check, constant
@@ -124,8 +136,7 @@ class _KeyedMac:
         if tag is not None:
             scheme = "gmac" if tag.startswith(_GMAC_PREFIX) else "hmac"
             if scheme == "gmac":
-                parts = tag.split(".")
-                self.nonce = bytes.fromhex(parts[1]) if len(parts) == 3 and len(parts[1]) == 24 else b""
+                self.nonce = _tag_nonce(tag)
         elif scheme == "gmac" and GMAC_AVAILABLE:
             self.nonce = os.urandom(12)
         else:
@@ -161,8 +172,8 @@ class _KeyedMac:
         return f"{_GMAC_PREFIX}{self.nonce.hex()}.{self._enc.tag.hex()}"   # type: ignore[union-attr]
 
     def matches(self, tag: str) -> bool:
-        if self._h is None and self._enc is None:
-            return False
+        if (self._h is None and self._enc is None) or not isinstance(tag, str) or not tag.isascii():
+            return False   # compare_digest refuses non-ASCII text: a tag from the wire fails, never raises
         return hmac.compare_digest(self.hexdigest(), tag)
 
 

@@ -71,6 +71,9 @@ def test_answer_tags_are_fresh_and_not_peer_copy_tags():
     assert a.split(".")[1] != b.split(".")[1] and _ok(a) and _ok(b)
     assert not _ok(f"g1.{'0' * 24}.{a.split('.')[2]}")   # the same tag under another nonce
     assert not _ok(a[:-1]) and not _ok("") and not _ok("g1..")
+    # a malformed tag from the wire is a failed check, never an exception
+    assert not _ok("g1." + "zz" * 12 + "." + "0" * 32) and not _ok("g1." + "0" * 24 + "." + "zz" * 16)
+    assert not _ok("g1." + "0" * 24 + ".." + "0" * 31) and not _ok("\u00e9" * 40)
     # a tag made with the peer-copy key over the very same bytes (same nonce) is refused: one key per use
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     copy_key = hmac.new(KEY, b"elastor-ds peer-copy gmac v1", hashlib.sha256).digest()
