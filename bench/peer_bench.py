@@ -14,7 +14,8 @@ memcpy of the same bytes.
 Part 2 (one process): read a ``--mib`` MiB chunk file through the real chunk sources: another
 node's server on localhost (:class:`RemoteSource`, 8 MiB ranges, as the reader issues them), a
 peer copy held on this node's tmpfs, and storage (a file under ``--storage-dir``) cold (evicted from
-the page cache with posix_fadvise DONTNEED before each read) and warm.
+the page cache with posix_fadvise DONTNEED before each read) and warm; and the floor of the remote
+read: the same bytes sent with ``sendfile`` over one loopback TCP connection (no HTTP, MAC or CRC).
 """
 from __future__ import annotations
 
@@ -140,6 +141,40 @@ def _read_all(src, rel: str, size: int, piece: int = 8 << 20) -> float:
     return time.perf_counter() - t0
 
 
+def _loopback_floor(path: str, size: int) -> float:
+    """The floor of a read from another node's memory here: the file's bytes sent from the page
+    cache (``sendfile``) by another thread over one loopback TCP connection into a buffer; no HTTP,
+    no MAC, no CRC. Seconds from connecting to the last byte received."""
+    import socket
+    import threading
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn, open(path, "rb") as f:
+            sent = 0
+            while sent < size:
+                sent += os.sendfile(conn.fileno(), f.fileno(), sent, size - sent)
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    buf = bytearray(size)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        got = 0
+        while got < size:
+            n = c.recv_into(mv[got:], size - got)
+            if not n:
+                raise RuntimeError(f"loopback floor: connection closed after {got} of {size} bytes")
+            got += n
+    dt = time.perf_counter() - t0
+    th.join()
+    lsock.close()
+    return dt
+
+
 def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
     from elastor_ds.checkpoint.snapshot.peer_sources import PeerCopySource, RemoteSource
     from elastor_ds.checkpoint.sources import DirSource
@@ -163,11 +198,13 @@ def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
         with open(os.path.join(shm, "peer", "other", step, "COMPLETE"), "w") as f:
             json.dump({"files": {rel: len(body)}}, f)
         spath = os.path.join(sto, step, rel)
-        times: dict[str, list[float]] = {"remote": [], "peer_local": [], "storage_cold": [], "storage_warm": []}
+        times: dict[str, list[float]] = {"remote": [], "loopback_floor": [], "peer_local": [], "storage_cold": [],
+                                         "storage_warm": []}
         key = os.urandom(32)   # the job key (authenticated requests and answers)
         with SnapshotServer(shm, key) as srv:
             for _ in range(reps):
                 times["remote"].append(_read_all(RemoteSource(srv.address, step, key), rel, len(body)))
+                times["loopback_floor"].append(_loopback_floor(os.path.join(shm, "local", step, rel), len(body)))
                 times["peer_local"].append(_read_all(PeerCopySource(shm, step), rel, len(body)))
                 fd = os.open(spath, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -180,7 +217,9 @@ def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"seconds": med, "remote_over_storage_cold": med["remote"] / med["storage_cold"],
             "remote_over_storage_warm": med["remote"] / med["storage_warm"],
-            "remote_over_peer_local": med["remote"] / med["peer_local"], "bytes": len(body)}
+            "remote_over_peer_local": med["remote"] / med["peer_local"],
+            "remote_over_loopback_floor": med["remote"] / med["loopback_floor"],
+            "gb_per_s": {k: len(body) / 1e9 / v for k, v in med.items()}, "bytes": len(body)}
 
 
 def main() -> int:
