@@ -175,8 +175,18 @@ def _run_node_loss(tmp_path, corrupt: bool):
     a = Node(tmp_path, "A", 2, port, iters, peer_copies=1, save_interval=1)
     b = Node(tmp_path, "B", 1, port, iters, peer_copies=1, save_interval=1)
     try:
-        s, peer_dir = wait_until(lambda: _copy_ready(a, b, want_storage=True), [a, b], 240,
-                            "a step with a complete peer copy and a storage checkpoint")
+        for _ in range(20):   # freeze B (no snapshot or save can commit without it) at a ready step
+            wait_until(lambda: _copy_ready(a, b, want_storage=True), [a, b], 240,
+                       "a step with a complete peer copy and a storage checkpoint")
+            _signal_node(b, signal.SIGSTOP)
+            time.sleep(1.0)   # an in-flight commit of A's next snapshot lands now, or cannot happen
+            hit = _copy_ready(a, b, want_storage=True)   # A's newest snapshot, not the one seen before
+            if hit is not None:
+                break
+            _signal_node(b, signal.SIGCONT)
+        else:
+            raise AssertionError("never froze node B with A's newest snapshot copied and durable")
+        s, peer_dir = hit
         if corrupt:
             data = sorted(f for f in os.listdir(peer_dir) if f.endswith(".safetensors"))
             assert data, os.listdir(peer_dir)
