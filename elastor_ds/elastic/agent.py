@@ -315,7 +315,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         return self._stop_job(reason)
 
     def _observe(self, wg) -> list[WorkerOutcome]:
-        outs = []
+        rows = []
         now = time.time()
         for lr, h in sorted(self._handlers().items()):
             rc = h.proc.poll()
@@ -325,6 +325,15 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                 if t_hb is not None and now - t_hb > self.cfg.hang_timeout:
                     hung = True
                     stopped = _proc_state(h.proc.pid) in ("T", "t")
+            rows.append([lr, h, rc, hung, stopped])
+        if any(r[3] for r in rows):
+            # a hang: every rank waits on every other, so whichever beat last is a few ms apart; a
+            # stopped worker is hung whatever its last beat (it cannot move, the others wait on it)
+            for r in rows:
+                if r[2] is None and not r[3] and _proc_state(r[1].proc.pid) in ("T", "t"):
+                    r[3] = r[4] = True
+        outs = []
+        for lr, h, rc, hung, stopped in rows:
             dev = self.devices[lr] if lr < len(self.devices) else lr
             outs.append(WorkerOutcome(local_rank=lr, device=dev, global_rank=wg.workers[lr].global_rank, exitcode=rc,
                                       hung=hung, stopped=stopped, stop_signalled=self._stopping is not None))
