@@ -90,8 +90,6 @@ def request_mac(key: bytes, method: str, path: str, rng: str, nonce: str, when: 
     return hmac.new(key, b"req\n" + _fields(method, path, rng, nonce, when), hashlib.sha256).hexdigest()
 
 
-
-
 # ---------------------------------------------------------------------------------------------- peer-copied files
 # A peer copy moves a whole snapshot per step, so its MAC runs over every byte twice (sender and
 # receiver). HMAC-SHA256 runs at ~0.4-1 GB/s here (18-45 ms per 17 MiB); GMAC (AES-256-GCM with the
