@@ -273,7 +273,14 @@ class Layout:
                 for i, r in enumerate(self.replicas))
 
     def fingerprint(self) -> str:
-        return hashlib.sha1(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        """A short hash of :meth:`to_json`: equal for equal layouts (ranks and devices included)."""
+        return json_fingerprint(self.to_json())
+
+
+def json_fingerprint(layout_json: Mapping[str, Any]) -> str:
+    """The fingerprint of a layout given as :meth:`Layout.to_json` writes it (key order free);
+    ``Plan.layout_fingerprint`` hashes a plan's layout this way without building the Layout."""
+    return hashlib.sha1(json.dumps(layout_json, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def balanced_boundaries(num_layers: int, pp: int) -> list[int]:

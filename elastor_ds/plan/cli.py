@@ -200,10 +200,10 @@ def run(args: argparse.Namespace) -> int:
     doc["zero_stage"] = cost.plan_zero_stage(result.best.plan)  # what the plan runs with (priced so)
     if args.json:
         if doc["num_usable_gpus"] <= 4096:
-            json.dump(doc, sys.stdout, indent=1, sort_keys=False)
-        else:  # json's C encoder (indentation takes the pure-Python one: seconds for 131,072 GPUs)
-            json.dump(doc, sys.stdout, separators=(",", ":"), sort_keys=False)
-        sys.stdout.write("\n")
+            text = json.dumps(doc, indent=1, sort_keys=False)
+        else:  # json's C encoder: only json.dumps without indentation uses it (json.dump never does)
+            text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
+        sys.stdout.write(text + "\n")
     else:
         print(format_table(doc, cost, full=args.full))
     return 0

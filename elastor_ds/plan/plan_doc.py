@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
-from ..layout.layout import PLAN_FORMAT_VERSION, Layout
+from ..layout.layout import PLAN_FORMAT_VERSION, Layout, json_fingerprint
 from .cluster import Cluster, Device
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
@@ -192,6 +192,12 @@ class Plan:
 
     def rank_of(self) -> dict[Device, int]:
         return {d: i for i, d in enumerate(self.used_devices())}
+
+    def layout_fingerprint(self) -> str:
+        """``Layout.from_json(document).fingerprint()`` of this plan's document, hashed straight from
+        the replicas: the same value without expanding and checking a Layout of every rank."""
+        return json_fingerprint({"version": PLAN_FORMAT_VERSION, "num_layers": self.num_layers,
+                                 "num_gpus": self.num_gpus, "replicas": self.replicas_json()})
 
     def describe(self) -> str:
         """Short text, e.g. ``(mb16)[tp1:0-6|tp4:6-32] (mb16)[tp2:0-32]``; consecutive identical
@@ -642,5 +648,5 @@ def plan_document(result: Any, num_micro_batches: int, micro_batch_size: int,
                             "predicted_iteration_time_s": a.cost.iteration_time_s} for a in result.alternatives]
     if inputs is not None:
         doc["inputs"] = inputs
-    doc["fingerprint"] = Layout.from_json(doc).fingerprint()  # the layout of the replicas just written
+    doc["fingerprint"] = best.plan.layout_fingerprint()  # the layout of the replicas just written
     return doc

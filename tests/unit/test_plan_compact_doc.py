@@ -37,6 +37,8 @@ def test_compact_document_is_the_same_plan(seed):
     v2 = json.loads(json.dumps(plan_document(res, 256, 1, compact=True)))
     assert v2["version"] == 2 and "replicas" not in v2 and len(json.dumps(v2)) < len(json.dumps(v1))
     assert v1["fingerprint"] == v2["fingerprint"]
+    # the document's fingerprint (hashed from the plan) is what the Layout read from it hashes to
+    assert v1["fingerprint"] == Layout.from_json(v1).fingerprint() == Layout.from_json(v2).fingerprint()
     assert Layout.from_json(v1).to_json() == Layout.from_json(v2).to_json()
     for k in ("predicted_iteration_time_s", "description", "kind", "num_gpus"):
         assert v1[k] == v2[k]

@@ -44,6 +44,7 @@ def test_lazy_placement_prices_and_places_like_the_eager_one(seed):
         assert not lazy.is_placed  # priced and described without its devices
         assert lazy.replicas == eager.replicas and lazy.unused == eager.unused and lazy == eager
         assert lazy.is_placed
+        assert lazy.layout_fingerprint() == eager.to_layout().fingerprint()
 
 
 def test_lazy_placement_raises_like_place_when_a_class_runs_out():
