@@ -3,7 +3,8 @@
 Every rank holds a Shard(0) half (by rows) of each global fp32 tensor. Phases, per rank (each phase
 frees what the previous one allocated, so a rank holds at most its state + one more copy):
   floors  memcpy of this rank's bytes into a warm buffer (all ranks at once, median of 5);
-          sequential write + fsync (median of measurements interleaved with the saves); cold read
+          sequential write + fsync, buffered and O_DIRECT, the faster of the two (median of
+          measurements interleaved with the saves); cold read
   elastor stall per save (steady state, warm staging buffer), time to durable, the writer's CPU
           time, the compute slowdown while the writer runs, peak host memory; then (staging freed)
           load with reshard to a Shard(1) (column) layout, every byte CRC-checked
@@ -38,6 +39,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from elastor_ds.checkpoint.engine import CheckpointEngine  # noqa: E402
 from elastor_ds.checkpoint.shards import TensorShard  # noqa: E402
+from elastor_ds.checkpoint.storage.posix import PosixStorage  # noqa: E402
 from elastor_ds.comm import TorchComm  # noqa: E402
 from elastor_ds.layout.region import Region  # noqa: E402
 
@@ -98,9 +100,14 @@ def reset_peak() -> None:
 def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    # one rank per core share, as torchrun runs workers (it sets OMP_NUM_THREADS=1 for nproc > 1):
+    # ranks whose intra-op threads outnumber the cores make every timing of compute noise
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     torch.manual_seed(rank)
     ntensors = args.tensors
-    wfloors: list[float] = []
+    wfloors: list[float] = []     # per measurement: the faster of the buffered and the O_DIRECT write
+    wfloors_buffered: list[float] = []
+    wfloors_direct: list[float] = []
     rows_local = args.mib_per_rank * 2**20 // 4 // COLS // ntensors
     rows = rows_local * world
     base_rss = rss_mib()[0]
@@ -138,7 +145,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
                 f.write(wmv[i:i + PIECE])
             os.fsync(f.fileno())
         return time.perf_counter() - t0
-    wfloors.append(write_floor())
+    floor_pair(write_floor(), direct_write_floor(fpath, nbytes, dist), wfloors, wfloors_buffered, wfloors_direct)
     dist.barrier()
     evict(fpath)
     dist.barrier()
@@ -154,7 +161,8 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     # ---- elastor save
     comm = TorchComm.create(900)
     root = os.path.join(tmp, "elastor")
-    eng = CheckpointEngine(root, comm, keep=2, **({} if args.writer_nice is None else {"writer_nice": args.writer_nice}))
+    eng = CheckpointEngine(root, comm, keep=2, storage=PosixStorage(root, direct_io=not args.buffered_writer),
+                           **({} if args.writer_nice is None else {"writer_nice": args.writer_nice}))
     shards = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_local, 0), (rows_local, COLS)), t)
               for i, t in enumerate(local)]
     stalls, durables, writes, snaps, plans, cpus, memcpys = [], [], [], [], [], [], []
@@ -197,7 +205,9 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         st = eng.save(step, shards)
         st_cpu = time.thread_time() - c0
         done = eng.wait()
-        wfloors.append(write_floor_from(fpath, local, dist))  # the floor, between saves (disk speed drifts)
+        # the floor, between saves (disk speed drifts)
+        floor_pair(write_floor_from(fpath, local, dist), direct_write_floor(fpath, nbytes, dist), wfloors,
+                   wfloors_buffered, wfloors_direct)
         if step > 1:  # steady state: the staging buffer is warm
             stalls.append(st.stall_s + st.plan_s)
             snaps.append(st.stall_s)
@@ -252,6 +262,8 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     res["elastor_stall_s"] = statistics.median(stalls)
     res["elastor_stalls_s"] = stalls
     res["write_s"] = statistics.median(wfloors)
+    res["write_buffered_s"] = statistics.median(wfloors_buffered)
+    res["write_direct_s"] = statistics.median(wfloors_direct)
     res["memcpy_interleaved_s"] = statistics.median(memcpys) if memcpys else res["memcpy_s"]
     res["elastor_durable_s"] = statistics.median(durables)
     res["elastor_write_s"] = statistics.median(writes)
@@ -374,6 +386,47 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     dist.destroy_process_group()
 
 
+def floor_pair(buffered: float, direct: float | None, both: list, bufs: list, directs: list) -> None:
+    """One write-floor measurement: the faster way to put the bytes on the disk, buffered (write +
+    fsync through the page cache) or O_DIRECT (where the file system takes it)."""
+    bufs.append(buffered)
+    if direct is not None:
+        directs.append(direct)
+    both.append(min(buffered, direct) if direct is not None else buffered)
+
+
+_ALIGNED: list = []
+
+
+def direct_write_floor(fpath: str, nbytes: int, dist) -> float | None:
+    """Sequential O_DIRECT write + fsync of ``nbytes`` (rounded up to 4 KiB) from one aligned 32 MiB
+    buffer of random bytes, written over and over: the disk's own write floor, no page cache.
+    None where the file system refuses O_DIRECT."""
+    import mmap
+    if not _ALIGNED:
+        m = mmap.mmap(-1, PIECE)
+        m.write(os.urandom(PIECE))
+        _ALIGNED.append(m)
+    buf = memoryview(_ALIGNED[0])
+    dist.barrier()
+    try:
+        fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return None
+    try:
+        t0 = time.perf_counter()
+        left = nbytes + (-nbytes) % 4096
+        while left:
+            n = os.write(fd, buf[:min(left, PIECE)])
+            left -= n
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def write_floor_from(fpath: str, tensors, dist) -> float:
     """Sequential write + fsync of the rank's bytes (its tensors in turn, 32 MiB writes)."""
     dist.barrier()
@@ -403,7 +456,8 @@ def report(path: str) -> bool:
     staging = rs[0]["elastor_staging_bytes"]
     need_frac = rs[0]["elastor_load_bytes_needed"] / rs[0]["bytes"]
     print(f"\nworld={len(rs)} ranks, {mib:.0f} MiB per rank (fp32), tensors={d['args']['tensors']}, "
-          f"saves={d['args']['saves']}, dcp saves={d['args']['dcp_saves']}, writer nice="
+          f"saves={d['args']['saves']}, dcp saves={d['args']['dcp_saves']}, "
+          f"{'buffered' if d['args'].get('buffered_writer') else 'O_DIRECT'} writer, writer nice="
           f"{d['args'].get('writer_nice') if d['args'].get('writer_nice') is not None else 'default'}; the slowest rank of each figure; "
           f"ratios are measured in this run\n")
     # what the save phase adds to the process holding its state, plus the state, over state + staging
@@ -420,6 +474,8 @@ def report(path: str) -> bool:
          worst("elastor_plan_agree_s") / worst("memcpy_interleaved_s")),
         ("persist: write floor / time to durable", "persist", worst("write_s") / worst("elastor_durable_s")),
         ("  write + fsync of its file / write floor", None, worst("elastor_write_s") / worst("write_s")),
+        ("  write floor: buffered write + fsync / O_DIRECT write + fsync", None,
+         worst("write_buffered_s") / worst("write_direct_s") if all(r.get("write_direct_s") for r in rs) else None),
         ("  writer CPU seconds per GiB written", None, worst("elastor_writer_cpu_s") / (rs[0]["bytes"] / 2**30)),
         ("load with reshard / cold-read floor of the bytes needed", "load",
          worst("elastor_load_s") / (worst("read_s") * need_frac)),
@@ -450,7 +506,7 @@ def report(path: str) -> bool:
     all_met = True
     for name, goal, v in rows:
         if goal is None:
-            print(f"  {name:<64} {v:7.2f}")
+            print(f"  {name:<64} {v:7.2f}" if v is not None else f"  {name:<64}     n/a")
             continue
         op, bound = GOALS[goal]
         met = v <= bound if op == "<=" else v >= bound
@@ -473,6 +529,8 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--dcp-saves", type=int, default=3, help="DCP saves of each kind (0: no DCP phase)")
     ap.add_argument("--slowdown-reps", type=int, default=2, help="saves measured for the compute slowdown")
+    ap.add_argument("--buffered-writer", action="store_true",
+                    help="write the data files through the page cache (PosixStorage(direct_io=False)), for an A/B")
     ap.add_argument("--writer-nice", type=int, default=None, help="the engine's writer_nice (default: its default)")
     ap.add_argument("--slowdown-window", type=float, default=3.0,
                     help="compute for at most this many seconds of each of those saves")

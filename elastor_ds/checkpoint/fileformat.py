@@ -201,23 +201,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
         t = threading.Thread(target=flush, name="elastor-fsync", daemon=True) if fsync else None
         if t is not None:
             t.start()
-        crc = crc32(header)
-        for mv in mvs:
-            if block_crcs is not None:
-                cum = runs_cumulative_crcs(mv, block_size) if isinstance(mv, RowRuns) else cumulative_crcs(mv, block_size)
-                block_crcs.append(cum)
-                c = cum[-1]
-            elif isinstance(mv, RowRuns):
-                c = 0
-                for r in range(mv.rows):
-                    c = crc32(mv.row(r), c)
-            else:
-                c = 0
-                for i in range(0, len(mv), WRITE_BLOCK):
-                    c = crc32(mv[i:i + WRITE_BLOCK], c)
-            if chunk_crcs is not None:
-                chunk_crcs.append(c)
-            crc = crc32_combine(crc, c, len(mv))
+        crc = stream_crcs(header, mvs, chunk_crcs, block_crcs, block_size)
         if t is not None:
             t.join()
             if err:
@@ -225,6 +209,31 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
     finally:
         os.close(fd)
     return size, crc
+
+
+def stream_crcs(header: bytes, mvs: Sequence["memoryview | RowRuns"], chunk_crcs: list[int] | None,
+                block_crcs: list[list[int]] | None, block_size: int) -> int:
+    """The CRCs of a data file written as ``header`` then ``mvs``: each buffer's cumulative block
+    CRCs (appended to ``block_crcs``) and its CRC (appended to ``chunk_crcs``); returns the file's
+    CRC, combined from the buffers' (:func:`crc32_combine`)."""
+    crc = crc32(header)
+    for mv in mvs:
+        if block_crcs is not None:
+            cum = runs_cumulative_crcs(mv, block_size) if isinstance(mv, RowRuns) else cumulative_crcs(mv, block_size)
+            block_crcs.append(cum)
+            c = cum[-1]
+        elif isinstance(mv, RowRuns):
+            c = 0
+            for r in range(mv.rows):
+                c = crc32(mv.row(r), c)
+        else:
+            c = 0
+            for i in range(0, len(mv), WRITE_BLOCK):
+                c = crc32(mv[i:i + WRITE_BLOCK], c)
+        if chunk_crcs is not None:
+            chunk_crcs.append(c)
+        crc = crc32_combine(crc, c, len(mv))
+    return crc
 
 
 # The CRC of a small block (< 5 KiB) runs with the GIL held, so a loop of them in a background

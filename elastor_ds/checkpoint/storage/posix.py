@@ -5,6 +5,9 @@ Every data file, CRC table and rank state file is fsynced before the writer repo
 renames it into the temp step dir, renames that to ``step_<N>`` and fsyncs the root, then moves
 ``latest`` the same way. ``sync=False`` keeps the renames (atomic) and drops the fsyncs (a benchmark
 of the write path, or storage that is thrown away); :attr:`Capabilities.durable` then says False.
+Data files are written with ``O_DIRECT`` (:mod:`~elastor_ds.checkpoint.direct_write`: no page-cache
+copy, a fraction of the CPU) where the file system allows it; ``direct_io=False`` writes them
+through the page cache.
 
 The read half (also the tmpfs backend's) reads the step directory through
 :class:`~elastor_ds.checkpoint.sources.DirSource`.
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from ...comm.collectives import Comm
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError
 from .. import commit as commit_mod
+from ..direct_write import write_stream_direct
 from ..fileformat import write_all, write_stream
 from ..planning.manifest import Manifest
 from ..sources import STORAGE, ChunkSource, DirSource
@@ -30,9 +34,10 @@ if TYPE_CHECKING:
 class PosixStorage(Storage):
     """A checkpoint root on a posix file system (see the module docstring)."""
 
-    def __init__(self, root: str, *, sync: bool = True):
+    def __init__(self, root: str, *, sync: bool = True, direct_io: bool = True):
         self.root = os.path.abspath(root)
         self.sync = bool(sync)
+        self.direct_io = bool(direct_io)
         self.caps = Capabilities(durable=self.sync, node_local=False, stages_in_place=False)
         self.keep = 1
 
@@ -48,8 +53,9 @@ class PosixStorage(Storage):
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
                         block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return write_stream(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
-                            block_size=block_size)
+        write = write_stream_direct if self.direct_io else write_stream
+        return write(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
+                     block_size=block_size)
 
     def write_file(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -1,0 +1,110 @@
+"""Data files written with O_DIRECT (elastor_ds.checkpoint.direct_write): the same bytes and the same
+CRC lists as the buffered writer, whatever the sizes (pieces straddled, column tiles with rows cut
+by a bounce buffer, a tail that is not a multiple of 4 KiB), the safetensors library reads them,
+and a file system that refuses O_DIRECT gets the buffered file. Real files under pytest's tmp_path
+(a disk file system here; /dev/shm as well, which accepts O_DIRECT on Linux >= 6.6)."""
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from elastor_ds.checkpoint import direct_write
+from elastor_ds.checkpoint.direct_write import write_stream_direct
+from elastor_ds.checkpoint.fileformat import EntrySpec, RowRuns, build_header, write_stream
+
+
+def cases(rng: np.random.Generator):
+    """(header, buffers) of a data file: whole buffers and column tiles of a row-major box."""
+    box = rng.integers(0, 256, size=(37, 1000), dtype=np.uint8)   # 37 rows of 1,000 bytes
+    flat = memoryview(box.reshape(-1))
+    tile = RowRuns(flat, 300, 37, 450, 1000)                       # columns 300..750 of every row
+    sizes = [1, 4095, 4096, 4097, 70_001, 0, 5 * 4096 + 3]
+    bufs = [memoryview(rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()) for n in sizes]
+    items = bufs[:3] + [tile] + bufs[3:] + [RowRuns(flat, 0, 37, 1000, 1000)]
+    entries = [EntrySpec(f"t{i}", "uint8", (len(b),), len(b)) for i, b in enumerate(items)]
+    header, _ = build_header(entries, {"format": "elastor"})
+    return header, items, box
+
+
+@pytest.mark.parametrize("piece", [4096, 3 * 4096, 1 << 20])
+@pytest.mark.parametrize("folder", ["tmp", "shm"])
+def test_same_bytes_and_crcs_as_the_buffered_writer(tmp_path, monkeypatch, piece, folder):
+    monkeypatch.setattr(direct_write, "PIECE", piece)   # small bounce buffers: every straddle happens
+    monkeypatch.setattr(direct_write, "_COPY", 5000)
+    if folder == "shm":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        import tempfile
+        base = tempfile.mkdtemp(dir="/dev/shm")
+    else:
+        base = str(tmp_path)
+    try:
+        header, items, box = cases(np.random.default_rng(piece))
+        a, b = os.path.join(base, "direct.safetensors"), os.path.join(base, "buffered.safetensors")
+        ca, ba, cb, bb = [], [], [], []
+        got = write_stream_direct(a, header, items, chunk_crcs=ca, block_crcs=ba, block_size=4096)
+        want = write_stream(b, header, items, chunk_crcs=cb, block_crcs=bb, block_size=4096)
+        raw = open(a, "rb").read()
+        assert raw == open(b, "rb").read()
+        assert got == want and got == (len(raw), zlib.crc32(raw))   # hand check: the file's own CRC
+        assert ca == cb and ba == bb
+        # independent oracle: the safetensors library's reader
+        t = load_file(a)
+        assert bytes(t["t3"]) == box[:, 300:750].tobytes() and bytes(t["t8"]) == box.tobytes()
+        assert direct_write._device_of(base) not in direct_write._unsupported
+    finally:
+        if folder == "shm":
+            import shutil
+            shutil.rmtree(base)
+
+
+def test_a_file_system_that_refuses_o_direct_gets_the_buffered_file(tmp_path, monkeypatch):
+    """EINVAL on the first O_DIRECT write (what XFS on odd sectors or some FUSE file systems answer):
+    the file is written through the page cache from the start; the refusal is remembered."""
+    real_write = os.write
+    calls = []
+
+    def refusing(fd, data):   # noqa: ANN001
+        if fcntl_flags(fd) & os.O_DIRECT:
+            calls.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "write", refusing)
+    monkeypatch.setattr(direct_write, "_unsupported", set())
+    header, items, _ = cases(np.random.default_rng(1))
+    p, q = str(tmp_path / "a"), str(tmp_path / "b")
+    got = write_stream_direct(p, header, items)
+    monkeypatch.setattr(os, "write", real_write)
+    want = write_stream(q, header, items)
+    assert calls and got == want and open(p, "rb").read() == open(q, "rb").read()
+    assert direct_write._unsupported == {os.stat(tmp_path).st_dev}
+
+
+def test_a_failing_disk_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    """ENOSPC after the first piece is written: raised, never hidden by the buffered path."""
+    real_write = os.write
+    n = [0]
+
+    def filling(fd, data):   # noqa: ANN001
+        if fcntl_flags(fd) & os.O_DIRECT:
+            n[0] += 1
+            if n[0] > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "write", filling)
+    monkeypatch.setattr(direct_write, "PIECE", 4096)
+    monkeypatch.setattr(direct_write, "_unsupported", set())
+    header, items, _ = cases(np.random.default_rng(2))
+    with pytest.raises(OSError) as ei:
+        write_stream_direct(str(tmp_path / "a"), header, items)
+    assert ei.value.errno == errno.ENOSPC and direct_write._unsupported == set()
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
