@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = logging.getLogger("elastor")
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()   # a reader that left shows here (BrokenPipeError), not in the exit's flush
+        return code
     except ElastorError as e:
         log.error("%s", _one_line(e))
         return 2 if isinstance(e, (ConfigError, CheckpointNotFoundError)) else 1   # usage: a wrong path or value

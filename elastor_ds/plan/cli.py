@@ -203,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
             text = json.dumps(doc, indent=1, sort_keys=False)
         else:  # json's C encoder: only json.dumps without indentation uses it (json.dump never does)
             text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
-        sys.stdout.write(text + "\n")
+        for i in range(0, len(text), 1 << 16):   # in pieces: one huge write hides a reader that left (CPython)
+            sys.stdout.write(text[i:i + (1 << 16)])
+        sys.stdout.write("\n")
     else:
         print(format_table(doc, cost, full=args.full))
     return 0
