@@ -33,6 +33,7 @@ from ..errors import CheckpointError, ConfigError, IncompleteCheckpointError, Ra
 from ..layout import Layout
 from . import commit as commit_mod
 from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, SaveStats, VerifyMode
+from .storage.posix import PosixStorage
 from .planning.manifest import Manifest
 from .settings import CheckpointConfig, MemorySnapshotConfig, save_due
 
@@ -108,7 +109,8 @@ class CheckpointSession:
         # main-thread agreement (policy, load) gets its own group: the background writer runs
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group
         self.policy_comm = policy_comm if policy_comm is not None else TorchComm.create(cfg.timeout_s)
-        self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save)
+        self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
+                                     storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io))
         self.last_save_step: Optional[int] = None
         self.last_save_time = time.monotonic()
         self.stats: list[SaveStats] = []

@@ -40,6 +40,7 @@ class CheckpointConfig:
     on_save_checkpoint: bool = True  # engine.save_checkpoint() also writes an elastor checkpoint
     deepspeed_native: bool = True    # engine.save_checkpoint() still writes DeepSpeed's own files
     timeout_s: float = 600.0         # timeout of the checkpoint process group
+    direct_io: bool = True           # data files written with O_DIRECT where the file system takes it
 
     @property
     def periodic(self) -> bool:
@@ -72,7 +73,7 @@ class MemorySnapshotConfig:
 _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
-              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s"}
+              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s", "direct_io": "direct_io"}
 _MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes")
 
 
@@ -146,7 +147,8 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
         kw["timeout_s"] = _float(f"{where}.timeout_s", d["timeout_s"], 1.0, '"timeout_s": 600')
         if kw["timeout_s"] <= 0:
             raise ConfigError(f"{where}.timeout_s: must be > 0, got {d['timeout_s']!r}")
-    for key in ("async", "verify_on_load", "fallback_to_previous", "on_save_checkpoint", "deepspeed_native"):
+    for key in ("async", "verify_on_load", "fallback_to_previous", "on_save_checkpoint", "deepspeed_native",
+                "direct_io"):
         if key in d:
             kw[_CKPT_KEYS[key]] = _bool(f"{where}.{key}", d[key])
     if "load" in d:

@@ -22,6 +22,24 @@ def test_defaults():
     c = parse_elastor_section({"checkpoint": {"dir": "x"}}).checkpoint
     assert (c.interval_steps, c.min_interval_s, c.async_save, c.keep, c.load) == (0, 0.0, True, 2, "latest")
     assert c.verify_on_load and c.fallback_to_previous and not c.periodic
+    assert c.direct_io   # data files written with O_DIRECT where the file system takes it
+
+
+class _NoFence:
+    """The one TrainerState call a session makes when it is built."""
+
+    def fence_optimizer(self):
+        return None
+
+
+def test_direct_io_can_be_turned_off_and_reaches_the_storage(tmp_path):
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    for value in (False, True):
+        c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / str(value)), "direct_io": value}}).checkpoint
+        assert c.direct_io is value
+        s = CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+        assert s.ckpt.storage.direct_io is value
 
 
 @pytest.mark.parametrize("section, words", [
@@ -34,6 +52,7 @@ def test_defaults():
     ({"checkpoint": {"dir": "d", "min_interval_s": "10"}}, ["min_interval_s", "'10'"]),
     ({"checkpoint": {"dir": "d", "keep": 0}}, ["keep", ">= 1", "never deleted"]),
     ({"checkpoint": {"dir": "d", "async": "yes"}}, ["async", "true or false"]),
+    ({"checkpoint": {"dir": "d", "direct_io": "no"}}, ["direct_io", "true or false"]),
     ({"checkpoint": {"dir": ""}}, ["dir", "non-empty"]),
     ({"checkpoint": {"dir": "d", "load": 3}}, ["load", "latest"]),
     ({"checkpoint": "/ckpt"}, ["elastor.checkpoint", "expected an object"]),
