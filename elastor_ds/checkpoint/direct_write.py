@@ -16,7 +16,7 @@ next one fills; a second helper computes the CRCs from the source buffers meanwh
 to the 4 KiB alignment ``O_DIRECT`` needs and the file is cut back to its size with
 ``ftruncate``; then ``fsync`` (with ``fsync=True``) makes size and data durable.
 
-Fallback: a file system without ``O_DIRECT`` (tmpfs, some FUSE and network file systems) refuses
+Fallback: a file system without ``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE file systems) refuses
 the open or the first write with ``EINVAL``; the file is then written by the buffered
 :func:`~.fileformat.write_stream` from the start. Any other error is raised.
 """

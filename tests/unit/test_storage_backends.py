@@ -256,6 +256,8 @@ def test_capabilities_of_the_two_backends(tmp_path):
     assert PosixStorage(str(tmp_path)).caps == Capabilities(durable=True, node_local=False, stages_in_place=False)
     assert TmpfsStorage(str(tmp_path)).caps == Capabilities(durable=False, node_local=True, stages_in_place=True)
     assert TmpfsStorage(str(tmp_path), stage_in_place=False).caps.stages_in_place is False
+    # O_DIRECT for data files on storage only: on tmpfs it would add a copy and save nothing
+    assert PosixStorage(str(tmp_path)).direct_io and not TmpfsStorage(str(tmp_path)).direct_io
 
 
 def test_the_engine_and_the_writer_leave_file_system_effects_to_the_storage():

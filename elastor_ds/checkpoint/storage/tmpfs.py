@@ -39,7 +39,9 @@ class TmpfsStorage(PosixStorage):
     def __init__(self, root: str, *, stage_in_place: bool = True, pin: Optional[bool] = None):
         """``pin`` (default: CUDA present): page-lock the mapped files, so device-to-host copies into
         them are DMA."""
-        super().__init__(root, sync=False)
+        # written through the page cache: on tmpfs the page cache is the storage, and O_DIRECT would
+        # only add the copy into a bounce buffer
+        super().__init__(root, sync=False, direct_io=False)
         self.caps = Capabilities(durable=False, node_local=True, stages_in_place=bool(stage_in_place))
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.recycle_dir = os.path.join(self.root, RECYCLE_DIR)
