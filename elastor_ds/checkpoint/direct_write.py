@@ -8,10 +8,14 @@ cache the most) and ran at 0.12-1.0 GB/s; the same bytes written with ``O_DIRECT
 CPU at 1.3-1.4 GB/s (bench/results/2026-12-02-direct-io.md). A checkpoint is written once and
 read back rarely, so caching its pages buys nothing.
 
-How: the calling thread copies the header and every buffer (a memoryview, or a column tile's
-:class:`~.fileformat.RowRuns`) into one of two page-aligned bounce buffers of :data:`PIECE` bytes
-(numpy copies, which release the GIL); a helper thread writes each full bounce buffer while the
-next one fills; a second helper computes the CRCs from the source buffers meanwhile
+How: a buffer whose bytes sit at the same offset modulo 4 KiB in memory as in the file (the
+page-aligned staging buffer behind a header padded to a page, :data:`~.fileformat.DATA_ALIGN`)
+is written straight from where it is, in :data:`DIRECT_CHUNK` pieces, apart from the few bytes
+before its first aligned file offset and after its last. Everything else -- the header, a column
+tile's :class:`~.fileformat.RowRuns`, a buffer that is not so aligned -- is copied into one of two
+page-aligned bounce buffers of :data:`PIECE` bytes (numpy copies, which release the GIL). A helper
+thread performs the writes in file order, each full bounce buffer while the next one fills; a
+second helper computes the CRCs from the source buffers meanwhile
 (:func:`~.fileformat.stream_crcs`, the buffered path's own). The last piece is padded with zeros
 to the 4 KiB alignment ``O_DIRECT`` needs and the file is cut back to its size with
 ``ftruncate``; then ``fsync`` (with ``fsync=True``) makes size and data durable.
@@ -40,6 +44,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096            # O_DIRECT: buffer address, length and file offset in multiples of this
 PIECE = 8 * 1024 * 1024  # bytes per bounce buffer (a multiple of ALIGN)
 _COPY = 1024 * 1024      # bytes per copy call
+DIRECT_CHUNK = 32 * 1024 * 1024   # bytes per write straight from a caller's buffer
+MIN_DIRECT = 256 * 1024  # a shorter aligned buffer is copied (one write saved is not worth the call)
 
 _unsupported: set[int] = set()   # st_dev of file systems that refused O_DIRECT (not tried again)
 
@@ -121,7 +127,7 @@ def _write_all_direct(fd: int, header: bytes, mvs: list) -> int:
     b = _Bounce(fd)
     try:
         b.put_flat(np.frombuffer(header, dtype=np.uint8))
-        for mv in mvs:
+        for mv in _coalesce(mvs):
             if isinstance(mv, RowRuns):
                 b.put_runs(mv)
             elif len(mv):
@@ -132,6 +138,40 @@ def _write_all_direct(fd: int, header: bytes, mvs: list) -> int:
         return total
     finally:
         b.close()
+
+
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
+
+
+def _coalesce(mvs: list) -> list:
+    """``mvs`` with each run of flat buffers that follow one another in the memory of one exporting
+    object (the items of one staging buffer, in file order) merged into one buffer, so that a run
+    is written in a few large writes rather than one or more per item."""
+    out: list = []
+    end = -1   # the address just past the last flat buffer in ``out``
+    for mv in mvs:
+        if isinstance(mv, RowRuns) or not len(mv):
+            out.append(mv)
+            end = -1
+            continue
+        addr = _address(mv)
+        prev = out[-1] if out else None
+        if end == addr and isinstance(prev, memoryview) and prev.obj is mv.obj:
+            try:
+                whole = memoryview(mv.obj).cast("B")
+            except TypeError:   # not a C-contiguous exporter: leave the two apart
+                whole = None
+            if whole is not None:
+                base = _address(whole)
+                a = _address(prev) - base
+                if 0 <= a and addr + len(mv) - base <= len(whole):
+                    out[-1] = whole[a:addr + len(mv) - base]
+                    end = addr + len(mv)
+                    continue
+        out.append(mv)
+        end = addr + len(mv)
+    return out
 
 
 class _Bounce:
@@ -158,10 +198,10 @@ class _Bounce:
             item = self.full.get()
             if item is None:
                 return
-            i, n = item
+            i, src = item
             if not self.err:
                 try:
-                    mv = memoryview(self.bufs[i])[:n]
+                    mv = memoryview(self.bufs[i])[:src] if i >= 0 else src
                     while len(mv):
                         k = os.write(self.fd, mv)
                         if k % ALIGN and k != len(mv):
@@ -170,7 +210,8 @@ class _Bounce:
                         self.written += k
                 except BaseException as e:  # noqa: BLE001 - reported to the producer
                     self.err.append(e)
-            self.free.put(i)
+            if i >= 0:
+                self.free.put(i)
 
     def _raise(self) -> None:
         e = self.err[0]
@@ -189,6 +230,31 @@ class _Bounce:
         return PIECE - self.pos
 
     def put_flat(self, src: np.ndarray) -> None:
+        n = len(src)
+        if n >= MIN_DIRECT and (src.__array_interface__["data"][0] - self.total) % ALIGN == 0:
+            self._put_direct(src)
+        else:
+            self._copy(src)
+
+    def _put_direct(self, src: np.ndarray) -> None:
+        """``src`` whose address is congruent to its file offset modulo ALIGN: its bytes up to the
+        next aligned file offset through the bounce buffer, then every whole ALIGN block written
+        from ``src`` itself, the rest through the bounce buffer again."""
+        k = (-self.total) % ALIGN
+        self._copy(src[:k])
+        m = (len(src) - k) // ALIGN * ALIGN
+        if self.pos:   # the filled part of the bounce buffer (a multiple of ALIGN) goes first
+            self.full.put((self.cur, self.pos))
+            self.cur = self.free.get()
+            self.pos = 0
+            if self.err:
+                self._raise()
+        for a in range(k, k + m, DIRECT_CHUNK):
+            self.full.put((-1, memoryview(src[a:min(a + DIRECT_CHUNK, k + m)])))
+        self.total += m
+        self._copy(src[k + m:])
+
+    def _copy(self, src: np.ndarray) -> None:
         a, n = 0, len(src)
         while a < n:
             k = min(self.room(), n - a, _COPY)
@@ -210,7 +276,7 @@ class _Bounce:
         while r < runs.rows:
             fit = self.room() // w
             if fit == 0:
-                self.put_flat(src[r])
+                self._copy(src[r])
                 r += 1
                 continue
             k = min(fit, runs.rows - r, per)

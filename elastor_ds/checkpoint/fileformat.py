@@ -4,7 +4,8 @@ Where files go and how durable they are is the storage backend's business
 (:mod:`elastor_ds.checkpoint.storage`); these helpers take a ``sync``/``fsync`` argument from it.
 
 Files are standard safetensors (8-byte little-endian header length, JSON header padded with
-spaces to a multiple of 8, then the raw tensor bytes), readable by the ``safetensors`` library.
+spaces to a multiple of 8 -- of 4 KiB in checkpoint data files, which lets the ``O_DIRECT`` writer
+send the page-aligned staging buffer to the disk without a copy -- then the raw tensor bytes), readable by the ``safetensors`` library.
 We write the format ourselves instead of calling ``safetensors.torch.save_file`` because that
 function first copies every tensor into a new bytes object: double host memory and an extra
 memcpy. Here the header is computed from the save plan and the bytes stream straight from the
@@ -29,6 +30,7 @@ from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
 from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
 
 WRITE_BLOCK = 32 * 1024 * 1024
+DATA_ALIGN = 4096   # a checkpoint data file's data section starts at a multiple of this (a page)
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,15 @@ class EntrySpec:
     nbytes: int
 
 
-def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """The padded header bytes and each entry's offset relative to the data section."""
+def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None = None,
+                 align: int = 8) -> tuple[bytes, list[int]]:
+    """The padded header bytes and each entry's offset relative to the data section.
+
+    The JSON is padded with spaces so that the data section starts at a multiple of ``align``
+    bytes (8, as safetensors pads; :data:`DATA_ALIGN` for checkpoint data files, so that an
+    ``O_DIRECT`` writer can send a page-aligned staging buffer straight to the disk)."""
+    if align < 8 or align % 8:
+        raise ValueError(f"header alignment {align} is not a positive multiple of 8")
     hdr: dict = {}
     if metadata:
         hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -51,7 +60,7 @@ def build_header(entries: Sequence[EntrySpec], metadata: dict[str, str] | None =
         offs.append(pos)
         pos += e.nbytes
     text = json.dumps(hdr, separators=(",", ":")).encode()
-    text += b" " * (-(len(text)) % 8)
+    text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text, offs
 
 

@@ -29,6 +29,8 @@ from .shards import TensorShard, region_view
 
 log = logging.getLogger(__name__)
 
+PAGE = 4096   # the staging buffer's alignment
+
 
 def _byte_run(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``nbytes`` bytes of ``t``'s storage from ``t``'s first element, as a uint8 tensor."""
@@ -216,7 +218,11 @@ class StagingBuffer:
             log.debug("allocating %d-byte staging buffer (pinned=%s)", nbytes, self.pin)
             self._programs = [p for p in self._programs if p.buf is not self.buf]
             self.buf = None
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
+            # page-aligned (the data section of a file starts at a page too, fileformat.DATA_ALIGN):
+            # the O_DIRECT writer then sends the buffer to the disk as it is, with no bounce copy
+            raw = torch.empty(max(nbytes, 1) + PAGE - 1, dtype=torch.uint8, pin_memory=self.pin)
+            off = (-raw.data_ptr()) % PAGE
+            buf = raw[off:off + max(nbytes, 1)]
             buf.zero_()  # pre-fault every page now, not during the first save's stall
             self.buf = buf
         return self.buf

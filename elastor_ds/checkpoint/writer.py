@@ -20,7 +20,7 @@ from ..layout.region import Region
 from .planning.manifest import BLOCK_SIZE, BlockTable, Chunk, FileEntry, Manifest, TensorEntry, crc_table_name
 from .planning.save_plan import SavePlan, WriteItem
 from .crc import crc32, crc32_combine
-from .fileformat import EntrySpec, build_header, crc_table_bytes, cumulative_crcs
+from .fileformat import DATA_ALIGN, EntrySpec, build_header, crc_table_bytes, cumulative_crcs
 
 if TYPE_CHECKING:
     from .storage.base import StorageWriter
@@ -39,7 +39,7 @@ def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]
     """The safetensors header of ``rank``'s data file for ``items`` and each item's offset in its
     data section (a pure function of the plan: rank 0 can compute every rank's)."""
     entries = [EntrySpec(chunk_key(it.name, it.region), it.dtype, it.region.sizes, it.nbytes) for it in items]
-    return build_header(entries, {"format": "elastor", "writer_rank": str(rank)})
+    return build_header(entries, {"format": "elastor", "writer_rank": str(rank)}, align=DATA_ALIGN)
 
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
