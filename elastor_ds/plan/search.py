@@ -1020,9 +1020,9 @@ class Planner:
         return plan
 
     def place_lazy(self, cand: Candidate) -> Plan:
-        """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made (by
-        positions in one pass per stage column, :func:`~.lazy_plan.place_columns`) when first read
-        (:class:`~.lazy_plan.LazyPlan`)."""
+        """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made when first
+        read (:class:`~.lazy_plan.LazyPlan`), from the pool's device positions per class
+        (:meth:`GroupPool.class_positions`) one stage column at a time (:func:`~.lazy_plan.place_columns`)."""
         pool = cand.pool
         return place_lazily(self.L, [(s.order, s.counts, m, n) for s, m, n in cand.kinds], pool.class_nodes(),
                             lambda: pool.class_positions(self._devices), self.cluster)
