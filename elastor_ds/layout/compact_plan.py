@@ -94,6 +94,9 @@ def _list(v: Any, where: str) -> list:
 
 
 def _table(nodes: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    fast = _counts_table(nodes)
+    if fast is not None:
+        return fast
     names: list[str] = []
     gpus: list[tuple[int, ...]] = []
     total = 0
@@ -124,6 +127,23 @@ def _table(nodes: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
     if len(set(names)) != len(names):
         raise LayoutError("plan document nodes: node names must be distinct")
     return tuple(names), tuple(gpus)
+
+
+def _counts_table(nodes: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None:
+    """:func:`_table` of a table whose every entry is ``[name, GPU count]`` (what the writer makes
+    of nodes with GPUs 0..k-1), checked with C-level passes over the entries; None when some entry
+    is of another form (or wrong: :func:`_table` checks it one by one and names it)."""
+    if type(nodes) is not list or not nodes or set(map(type, nodes)) != {list} or set(map(len, nodes)) != {2}:
+        return None
+    names, counts = zip(*nodes)
+    if set(map(type, names)) != {str} or not all(names) or set(map(type, counts)) != {int} or \
+            min(counts) < 0 or max(counts) > MAX_GPUS_PER_NODE:
+        return None
+    if sum(counts) > MAX_DEVICES:
+        raise LayoutError(f"plan document nodes: more than {MAX_DEVICES:,} devices")
+    if len(set(names)) != len(names):
+        raise LayoutError("plan document nodes: node names must be distinct")
+    return names, tuple(map(_IDS.__getitem__, counts))
 
 
 def _positions(spec: Any, tp: int, count: int, n_dev: int, where: str) -> np.ndarray:

@@ -1,24 +1,30 @@
-"""A placed plan priced before its devices are made (:class:`LazyPlan`).
+"""A placed plan priced before its devices are made (:class:`LazyPlan`), and the placement that
+makes them from device positions (:func:`place_columns`).
 
 Placement (:meth:`~.search.Planner.place`) gives every stage slot a TP group: slots in (first
 layer, replica) order take the groups of their class in node order. What the cost model reads of
 the result is only the node of every slot (whether neighbouring stages share a node, whether the
 holders of a layer range share one). :func:`place_lazily` works that out with one integer array
 per replica kind, from the node of every group of each class, and returns a :class:`LazyPlan`
-that :meth:`~.cost.CostModel.evaluate` prices from it; its replicas and devices (one object per
-GPU: 131,072 of them at the largest scale) are made by the eager placement the first time
-someone reads them, so the same plan as the eager one.
+that :meth:`~.cost.CostModel.evaluate` prices from it. Its replicas and devices (one object per
+GPU: 131,072 of them at the largest scale) are made the first time someone reads them, by
+:func:`place_columns`: the same slot assignment applied to the groups' device positions (one
+integer array per class, no group objects), one stage column (stage ``j`` of every replica of a
+kind) at a time, each TP group a slice of the cluster's device tuple. The same plan as the eager
+placement, field by field (``tests/unit/test_plan_lazy.py``).
 
 Pure: no torch, torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .plan_doc import Plan, PlanReplica
-from .cluster import Device
+from .cluster import Cluster, Device
+from .gcpause import gc_paused
+from .plan_doc import Plan, PlanReplica, PlanStage
 
 ClassKey = tuple[int, float]  # (tp, pace) of a TP group
 KindSpec = tuple[tuple[ClassKey, ...], tuple[int, ...], int, int]  # (stage classes, layers per stage, mbs, count)
@@ -41,7 +47,8 @@ class LazyPlan(Plan):
         d = self.__dict__
         p = d.get("_plan")
         if p is None:
-            p = d["_plan"] = d["_make"]()
+            with gc_paused():  # tens of thousands of stages: no young-generation collections between them
+                p = d["_plan"] = d["_make"]()
             if p.kind != self.kind or len(p.replicas) != len(d["_priced"]):  # pragma: no cover - a bug
                 raise AssertionError("lazy placement: the placed plan differs from the priced one")
         return p
@@ -82,20 +89,23 @@ class LazyPlan(Plan):
 
 
 def place_lazily(num_layers: int, kinds: Sequence[KindSpec], class_nodes: Mapping[ClassKey, np.ndarray],
-                 make: Callable[[], Plan]) -> LazyPlan:
+                 class_positions: Callable[[], Mapping[ClassKey, np.ndarray]], cluster: Cluster) -> LazyPlan:
     """The plan :meth:`~.search.Planner.place` makes of replica ``kinds`` (in order: stage classes,
     layers per stage, micro-batches, how many replicas) on groups whose nodes per class, in node
-    order, are ``class_nodes``; ``make`` is that eager placement. Raises :class:`IndexError` as
-    ``place`` does when a class runs out of groups."""
+    order, are ``class_nodes`` and whose devices are ``class_positions()`` (per class, one row of
+    positions in ``cluster.device_tuple()`` per group, same order; called when the devices are
+    first read). Raises :class:`IndexError` as ``place`` does when a class runs out of groups."""
     # slots in (first layer, replica, stage) order, a kind's replicas as one block (as place does)
     blocks: dict[int, list[tuple[int, int, int, ClassKey]]] = {}
     mats: list[np.ndarray] = []
+    starts: list[list[int]] = []  # per kind and stage: the index of its first group in its class
     for q, (order, counts, _, n) in enumerate(kinds):
         first = 0
         for j, (k, cnt) in enumerate(zip(order, counts)):
             blocks.setdefault(first, []).append((q, n, j, k))
             first += cnt
         mats.append(np.empty((n, len(order)), dtype=np.int64))
+        starts.append([0] * len(order))
     idx: dict[ClassKey, int] = {}
     for first in sorted(blocks):
         for q, n, j, k in blocks[first]:
@@ -105,6 +115,7 @@ def place_lazily(num_layers: int, kinds: Sequence[KindSpec], class_nodes: Mappin
             if i0 + n > have:
                 raise IndexError(f"placement: {n} groups of class {k} wanted, {have - i0} left")
             mats[q][:, j] = arr[i0:i0 + n]  # type: ignore[index]
+            starts[q][j] = i0
             idx[k] = i0 + n
     priced: list[tuple[int, tuple]] = []
     by_range: dict[tuple[int, int], int] = {}
@@ -147,4 +158,46 @@ def place_lazily(num_layers: int, kinds: Sequence[KindSpec], class_nodes: Mappin
     dims = (dims_shape[0][0], len(dims_shape), R) if grid and dims_shape is not None else None
     kind = "uniform" if dims is not None and len(mbs) == 1 else "heterogeneous"
     holders = (by_range, -1 if ends[0] is None else ends[0], -1 if ends[1] is None else ends[1])
+
+    def make() -> Plan:
+        return place_columns(num_layers, kind, kinds, starts, mats, priced, class_positions(),
+                             cluster.device_tuple())
+
     return LazyPlan(num_layers, kind, priced, holders, dims, gpus, make)
+
+
+def place_columns(num_layers: int, kind: str, kinds: Sequence[KindSpec], starts: Sequence[Sequence[int]],
+                  nodes: Sequence[np.ndarray], priced: Sequence[tuple[int, tuple]],
+                  class_positions: Mapping[ClassKey, np.ndarray], devices: tuple[Device, ...]) -> Plan:
+    """The placed plan: stage ``j`` of replica ``t`` of kind ``q`` on group ``starts[q][j] + t`` of
+    its class (rows of ``class_positions``: positions in ``devices``), on node ``nodes[q][t, j]``;
+    the replicas' shape keys are ``priced``'s (:meth:`~.plan_doc.Plan.priced_replicas`); the
+    groups of the pool no slot takes are the unused devices, in device order."""
+    of_group, of_replica = PlanStage.of_group, PlanReplica.of
+    reps: list[PlanReplica] = []
+    taken: list[np.ndarray] = []
+    r0 = 0
+    for (order, _, m, n), first, node_m in zip(kinds, starts, nodes):
+        if n == 0:
+            continue
+        shape = priced[r0][1][0]  # (tp, layers, pace) per stage
+        cols = []
+        for j, (k, i0) in enumerate(zip(order, first)):
+            rows = class_positions[k][i0:i0 + n]
+            taken.append(rows.ravel())
+            tp = k[0]
+            if tp == 1 or bool((np.diff(rows, axis=1) == 1).all()):  # consecutive: a slice of the tuple
+                devs = [devices[p:p + tp] for p in rows[:, 0].tolist()]
+            else:
+                devs = [tuple([devices[p] for p in row]) for row in rows.tolist()]
+            cols.append(list(map(of_group, repeat(tp), repeat(shape[j][1]), devs, repeat(k[1]),
+                                 node_m[:, j].tolist())))
+        reps.extend(map(of_replica, zip(*cols), repeat(m), [key for _, key in priced[r0:r0 + n]]))
+        r0 += n
+    left = np.zeros(len(devices), dtype=bool)
+    for rows in class_positions.values():
+        left[rows.ravel()] = True
+    if taken:
+        left[np.concatenate(taken)] = False
+    unused = tuple(map(devices.__getitem__, np.flatnonzero(left).tolist()))
+    return Plan(num_layers, tuple(reps), unused, kind)

@@ -21,8 +21,8 @@ Pure: no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from typing import Any, Iterable, Mapping, Sequence
+from itertools import chain, islice, repeat
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from ..errors import ConfigError, LayoutError
 from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout, json_fingerprint
 from .cluster import Cluster, Device
+from .gcpause import gc_paused
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
 
@@ -375,7 +376,6 @@ def plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     ``i`` of both is ``cluster.nodes[i]`` by name; nodes the document names that ``cluster`` no
     longer has follow. Speeds come from ``cluster`` (1.0 on nodes it no longer has). Raises
     :class:`ConfigError` on a malformed document."""
-    from .search import gc_paused
     try:
         with gc_paused():
             return _plan_from_document(doc, cluster)
@@ -497,6 +497,8 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     speed_at = np.ones(cp.num_devices, dtype=float)
     old_nodes: dict[int, Node] = {}
     ones = {k: (1.0,) * k for k in set(sizes)}
+    starts_now = cluster.node_starts()
+    own: list[int] = [-1] * len(names)  # per table node: its first device in cluster.device_tuple() if unchanged
     start = 0
     for t, ni in enumerate(nis):
         ids, k = gpus[t], sizes[t]
@@ -507,6 +509,7 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
             nd = cluster.nodes[ni]
             if nd.gpus == ids:  # unchanged GPUs: the cluster's own node (its speeds)
                 old_nodes[ni] = nd
+                own[t] = starts_now[ni]
                 if nd.speeds != ones[k]:
                     speed_at[start:start + k] = nd.speeds
             else:
@@ -516,10 +519,20 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
                 old_nodes[ni] = Node(names[t], ids, sp)
         start += k
     node_idx = np.asarray(nis, dtype=np.int64)
-    # every device of the table at once: (node index now, node name, GPU id, speed)
-    devices: list[Device] = list(map(tuple.__new__, repeat(Device), zip(
-        np.repeat(node_idx, sizes).tolist(), chain.from_iterable(map(repeat, names, sizes)), cp.gpu_of.tolist(),
-        speed_at.tolist())))
+    # the devices of the table: on unchanged nodes the cluster's own (the same values: node index
+    # now, name, GPU id, speed), shared with its device tuple, which the re-plan's placement reads;
+    # on the other nodes made at once from the table's arrays: (node index now, node name, GPU id, speed)
+    have = cluster.device_tuple()
+    fresh_nodes = [t for t, o in enumerate(own) if o < 0]
+    made: Iterator[Device] = iter(())
+    if fresh_nodes:
+        fresh = np.repeat(np.asarray(own, dtype=np.int64) < 0, sizes)
+        made = map(tuple.__new__, repeat(Device), zip(
+            np.repeat(node_idx, sizes)[fresh].tolist(),
+            chain.from_iterable(repeat(names[t], sizes[t]) for t in fresh_nodes), cp.gpu_of[fresh].tolist(),
+            speed_at[fresh].tolist()))
+    devices: tuple[Device, ...] = tuple(chain.from_iterable(
+        [have[o:o + k] if o >= 0 else tuple(islice(made, k)) for o, k in zip(own, sizes)]))
     node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
@@ -541,7 +554,7 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
                 devs = [(devices[p],) for p in pos[:, 0].tolist()]
             elif bool((np.diff(pos, axis=1) == 1).all()):  # consecutive: a slice of the table
                 tp = s.tp
-                devs = [tuple(devices[p:p + tp]) for p in pos[:, 0].tolist()]
+                devs = [devices[p:p + tp] for p in pos[:, 0].tolist()]
             else:
                 devs = [tuple([devices[p] for p in row]) for row in pos.tolist()]
             cols.append(list(map(of_group, repeat(s.tp), repeat(s.layers), devs, pace_m[:, j].tolist(),

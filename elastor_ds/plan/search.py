@@ -34,8 +34,6 @@ Pure: no torch, torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import itertools
 import logging
@@ -50,6 +48,7 @@ from ..errors import PlanningError
 from .cluster import Cluster, Device
 from .comm_cost import CollectiveKind
 from .cost import HETERO_MAX_ZERO, GiB, CostBreakdown, CostModel
+from .gcpause import gc_paused
 from .lazy_plan import place_lazily
 from .plan_doc import Plan, PlanReplica, PlanStage
 from .scored import ScoredPlan
@@ -98,11 +97,14 @@ class GroupPool:
     prices class counts; only the candidates it places need the groups themselves."""
 
     def __init__(self, make: "Callable[[], list[Group]]", classes: Sequence[ClassKey], counts: Sequence[int],
-                 key: tuple, nodes: "Callable[[], dict[ClassKey, np.ndarray]] | None" = None) -> None:
+                 key: tuple, nodes: "Callable[[], dict[ClassKey, np.ndarray]] | None" = None,
+                 positions: "Callable[[], dict[ClassKey, np.ndarray]] | None" = None) -> None:
         self._make = make
         self._nodes = nodes
+        self._positions = positions
         self._groups: tuple[Group, ...] | None = None
         self._class_nodes: dict[ClassKey, np.ndarray] | None = None
+        self._class_positions: dict[ClassKey, np.ndarray] | None = None
         self.classes, self.counts, self.key = tuple(classes), tuple(counts), key
 
     def class_nodes(self) -> dict[ClassKey, np.ndarray]:
@@ -117,6 +119,21 @@ class GroupPool:
                     per.setdefault(g.key, []).append(g.node)
                 self._class_nodes = {k: np.asarray(v, dtype=np.int64) for k, v in per.items()}
         return self._class_nodes
+
+    def class_positions(self, devices: Sequence[Device]) -> dict[ClassKey, np.ndarray]:
+        """Per class, the devices of each of its groups in node order (the rows of :meth:`groups`
+        of that class) as positions in ``devices`` (the cluster's :meth:`~.cluster.Cluster.device_tuple`):
+        a (groups, tp) integer array; without making the groups when the pool knows how."""
+        if self._class_positions is None:
+            if self._positions is not None and self._groups is None:
+                self._class_positions = self._positions()
+            else:
+                at = {(d.node, d.local_id): i for i, d in enumerate(devices)}
+                per: dict[ClassKey, list[list[int]]] = {}
+                for g in self.groups:
+                    per.setdefault(g.key, []).append([at[(d.node, d.local_id)] for d in g.devices])
+                self._class_positions = {k: np.asarray(v, dtype=np.int64) for k, v in per.items()}
+        return self._class_positions
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -167,28 +184,6 @@ class PlanResult:
 
     def num_usable(self) -> int:
         return len(self.usable) if self.usable or self.cluster is None else self.cluster.num_gpus
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: planning at 131,072 GPUs allocates millions of small
-    acyclic objects, and each full collection would walk all of them (pauses of a large fraction
-    of a second). Reference counting still frees everything. What survives (the plan: a few
-    hundred thousand objects at 131,072 GPUs) is moved to the oldest generation on the way out
-    (``gc.freeze`` then ``gc.unfreeze``: two list splices) instead of being walked by the young
-    generation's next collection (about a fifth of a re-plan's time there); the next full
-    collection sees it like any long-lived object. Skipped when the process has frozen objects of
-    its own (``unfreeze`` would release them)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 # ---- step 1: TP groups ------------------------------------------------------------------------
@@ -693,7 +688,8 @@ class Planner:
                     classes = sorted(tally, key=lambda k: (-k[0], -k[1]))
                     out.append(GroupPool(lambda p=parts, lf=large_fast: self._carve_all(p, lf), classes,
                                          [tally[k] for k in classes], sig,
-                                         lambda p=parts, lf=large_fast: self._class_nodes(p, lf)))
+                                         lambda p=parts, lf=large_fast: self._class_nodes(p, lf),
+                                         lambda p=parts, lf=large_fast: self._class_positions(p, lf)))
         return out
 
     def _carve_all(self, parts: dict, large_fast: bool) -> list[Group]:
@@ -745,6 +741,40 @@ class Planner:
                     for g in carve(per_node[i], parts[t], large_fast):
                         per.setdefault(g.key, []).append(np.asarray([i], dtype=np.int64))
         return {k: np.sort(np.concatenate(v), kind="stable") for k, v in per.items()}
+
+    def _class_positions(self, parts: dict, large_fast: bool) -> dict[ClassKey, np.ndarray]:
+        """:meth:`GroupPool.class_positions` of the grouping :meth:`_carve_all` cuts: the groups of
+        a node of one speed are the same position ranges on every node of its type (one array
+        expression per type and class); nodes of mixed speeds are cut one by one."""
+        starts = np.asarray(self.cluster.node_starts(), dtype=np.int64)
+        per: dict[ClassKey, list[np.ndarray]] = {}
+        for t, nodes in self._types.items():
+            if not t:
+                continue
+            pt = parts[t]
+            if t[0] == t[-1]:  # _carve_all's cut: groups at offsets a..b-1 on every node of the type
+                offsets: dict[int, list[int]] = {}
+                a = 0
+                for q in sorted(pt, reverse=large_fast):
+                    offsets.setdefault(q, []).append(a)
+                    a += q
+                base = starts[np.asarray(nodes, dtype=np.int64)]
+                for q, offs in offsets.items():
+                    rows = base[:, None, None] + np.asarray(offs, dtype=np.int64)[None, :, None] + \
+                        np.arange(q, dtype=np.int64)[None, None, :]
+                    per.setdefault((q, t[0]), []).append(rows.reshape(-1, q))
+            else:
+                per_node = self.per_node()
+                for i in nodes:
+                    at = {d.local_id: int(starts[i]) + x for x, d in enumerate(per_node[i])}
+                    for g in carve(per_node[i], pt, large_fast):
+                        per.setdefault(g.key, []).append(np.asarray([[at[d.local_id] for d in g.devices]],
+                                                                    dtype=np.int64))
+        out: dict[ClassKey, np.ndarray] = {}
+        for k, v in per.items():  # node order = device order (positions number the devices node by node)
+            rows = np.concatenate(v)
+            out[k] = rows[np.argsort(rows[:, 0], kind="stable")]
+        return out
 
     def heterogeneous_candidates(self, keep: Callable[[GroupPool], bool] | None = None,
                                  prune_keep: int = 0) -> list[Candidate]:
@@ -990,10 +1020,12 @@ class Planner:
         return plan
 
     def place_lazy(self, cand: Candidate) -> Plan:
-        """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made (by
-        :meth:`place`) when first read (:class:`~.lazy_plan.LazyPlan`)."""
-        return place_lazily(self.L, [(s.order, s.counts, m, n) for s, m, n in cand.kinds], cand.pool.class_nodes(),
-                            lambda: self.place(cand))
+        """:meth:`place`'s plan, priced from the nodes of its slots; its devices are made when first
+        read (:class:`~.lazy_plan.LazyPlan`), from the pool's device positions per class
+        (:meth:`GroupPool.class_positions`) one stage column at a time (:func:`~.lazy_plan.place_columns`)."""
+        pool = cand.pool
+        return place_lazily(self.L, [(s.order, s.counts, m, n) for s, m, n in cand.kinds], pool.class_nodes(),
+                            lambda: pool.class_positions(self._devices), self.cluster)
 
     def _unused(self, replicas: Sequence[PlanReplica]) -> tuple[Device, ...]:
         devices = self._devices

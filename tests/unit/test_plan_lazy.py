@@ -58,3 +58,100 @@ def test_lazy_placement_raises_like_place_when_a_class_runs_out():
             pl.place_lazy(bad)
         with pytest.raises(IndexError):
             pl.place(bad)
+
+
+# ---- the devices of a lazily placed plan against a brute-force oracle ------------------------------
+def oracle_devices(cl: Cluster) -> tuple:
+    """Every usable GPU as a Device, node by node, GPU ids ascending, one at a time."""
+    from elastor_ds.plan.cluster import Device
+    return tuple(Device(i, n.name, g, s) for i, n in enumerate(cl.nodes) for g, s in sorted(zip(n.gpus, n.speeds)))
+
+
+def oracle_placement(pl: Planner, cd) -> tuple[list, tuple]:  # noqa: ANN001
+    """The replicas and unused devices of candidate ``cd`` placed by brute force from the pool's
+    groups (Group objects, cut node by node): every slot (first layer, kind, replica) in that order
+    takes the next group of its class in (node, first GPU id) order; the plan's stages made by the
+    plain constructors (pace and node worked out from the devices)."""
+    from elastor_ds.plan.plan_doc import PlanReplica, PlanStage
+    by_class: dict = {}
+    for g in sorted(cd.pool.groups, key=lambda g: (g.node, min(d.local_id for d in g.devices))):
+        by_class.setdefault((g.tp, min(d.speed for d in g.devices)), []).append(g)
+    slots = []
+    for q, (sol, m, n) in enumerate(cd.kinds):
+        first = 0
+        for j, (k, cnt) in enumerate(zip(sol.order, sol.counts)):
+            slots.extend(((first, q, t, j), k, (first, first + cnt)) for t in range(n))
+            first += cnt
+    nxt = {k: 0 for k in by_class}
+    taken = {}
+    for key, k, lay in sorted(slots):
+        g = by_class[k][nxt[k]]
+        nxt[k] += 1
+        taken[(key[1], key[2], key[3])] = (k[0], lay, tuple(sorted(g.devices, key=lambda d: d.local_id)))
+    reps = []
+    for q, (sol, m, n) in enumerate(cd.kinds):
+        for t in range(n):
+            reps.append(PlanReplica(tuple(PlanStage(*taken[(q, t, j)]) for j in range(len(sol.order))), m))
+    used = {d for r in reps for s in r.stages for d in s.devices}
+    return reps, tuple(d for d in oracle_devices(pl.cluster) if d not in used)
+
+
+def big_cluster(seed: int) -> Cluster:
+    """Up to ~1,000 GPUs: full nodes, nodes with lost GPUs (ids not 0..k-1), empty nodes,
+    stragglers on some nodes and whole slow nodes (a node type of one speed below 1)."""
+    rng = random.Random(1000 + seed)
+    nodes = []
+    for i in range(rng.choice([12, 33, 70, 125])):
+        gpus = sorted(rng.sample(range(8), rng.choice([8, 8, 8, 8, 7, 6, 4, 0])))
+        r = rng.random()
+        speed = {str(g): 0.5 for g in gpus} if r < 0.08 else \
+            {str(g): rng.choice([0.5, 0.75]) for g in gpus if rng.random() < 0.1} if r < 0.3 else {}
+        nodes.append({"name": f"h{i}", "gpus": gpus, "speed": speed})
+    return Cluster.from_dict({"nodes": nodes})
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lazy_devices_equal_a_brute_force_placement(seed):
+    cl = big_cluster(seed) if seed % 2 else cluster(seed)
+    assert cl.device_tuple() == oracle_devices(cl)
+    starts = cl.node_starts()
+    assert [cl.device_tuple()[a:a + len(n.gpus)] for a, n in zip(starts, cl.nodes)] == \
+        [tuple(d for d in oracle_devices(cl) if d.node == i) for i in range(len(cl.nodes))]
+    cost = CostModel(MODEL, TrainingSpec(1, 1024, nominal_tp=8 if seed % 3 == 0 else 4), cl)
+    pl = Planner(cost)
+    cands = sorted(pl.heterogeneous_candidates(), key=lambda cd: (cd.estimate, cd.num_replicas))
+    rng = random.Random(seed)
+    picked = cands[:4] + rng.sample(cands[4:], min(4, len(cands[4:])))
+    kinds = set()
+    for cd in picked:
+        lazy = pl.place_lazy(cd)
+        # the pool's positions (vectorised per node type) are those of its groups, in the same order
+        fast = cd.pool.class_positions(cl.device_tuple())
+        at = {d: i for i, d in enumerate(cl.device_tuple())}
+        by_groups: dict = {}
+        for g in cd.pool.groups:
+            by_groups.setdefault(g.key, []).append([at[d] for d in g.devices])
+        assert {k: v.tolist() for k, v in fast.items()} == by_groups
+        assert {k: v.tolist() for k, v in cd.pool.class_nodes().items()} == \
+            {k: [cl.device_tuple()[r[0]].node for r in v] for k, v in by_groups.items()}
+        reps, unused = oracle_placement(pl, cd)
+        assert not lazy.is_placed
+        assert lazy.replicas == tuple(reps) and lazy.unused == unused
+        for a, b in zip(lazy.replicas, reps):
+            assert a.shape_key() == b.shape_key() and a.micro_batches == b.micro_batches
+            assert [(s.speed, s.node) for s in a.stages] == [(s.speed, s.node) for s in b.stages]
+        assert lazy.replicas == pl.place(cd).replicas and lazy.kind == pl.place(cd).kind
+        assert sorted(lazy.used_devices() + list(lazy.unused)) == sorted(cl.device_tuple())
+        kinds.add(lazy.kind)
+    assert "heterogeneous" in kinds or len(picked) < 2
+
+
+def test_lazy_devices_of_a_small_pool_come_from_its_groups():
+    """Pools of at most Planner.SMALL_GROUPS GPUs carry groups only: positions come from them."""
+    cl = Cluster.from_dict({"nodes": [{"name": "a", "gpus": [0, 2, 3, 5, 7], "speed": {"3": 0.5}},
+                                      {"name": "b", "gpus": [1, 4]}]})
+    pl = Planner(CostModel(MODEL, TrainingSpec(1, 64, nominal_tp=4), cl))
+    for cd in pl.heterogeneous_candidates()[:6]:
+        lazy = pl.place_lazy(cd)
+        reps, unused = oracle_placement(pl, cd)
+        assert lazy.replicas == tuple(reps) and lazy.unused == unused and lazy == pl.place(cd)
