@@ -38,6 +38,7 @@ import numpy as np
 
 from .fileformat import RowRuns, stream_crcs, write_stream
 from .planning.manifest import BLOCK_SIZE
+from .writer_sched import thread_target
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview 
             crc_out.append(stream_crcs(header, mvs, c_chunks, c_blocks, block_size))
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             crc_out.append(e)
-    ct = threading.Thread(target=checksums, name="elastor-crc", daemon=True)
+    ct = threading.Thread(target=thread_target(checksums), name="elastor-crc", daemon=True)
     ct.start()
     try:
         try:
@@ -190,7 +191,7 @@ class _Bounce:
         self.total = 0
         self.cur = self.free.get()
         self.pos = 0
-        self.thread = threading.Thread(target=self._writer, name="elastor-direct-write", daemon=True)
+        self.thread = threading.Thread(target=thread_target(self._writer), name="elastor-direct-write", daemon=True)
         self.thread.start()
 
     def _writer(self) -> None:

@@ -32,8 +32,9 @@ default, ``tmpfs`` for memory snapshots); the engine branches on its typed
 Why a thread and not a process: the writer's time goes to ``os.write``/``zlib.crc32`` calls that
 release the GIL; a thread reads the staging buffer without copying it into shared memory, and a
 process would double host memory or need shared-memory staging. So that training keeps its core,
-the writer thread runs at a lower OS priority (``writer_nice``, Linux) and its loops of small-block
-CRCs (which hold the GIL) pause every MiB to hand the GIL over (:mod:`.fileformat`).
+the writer thread runs at a lower OS priority (``writer_nice``, Linux), by default only on cycles
+training leaves idle until the training loop waits for it (:mod:`.writer_sched`), and its loops of
+small-block CRCs (which hold the GIL) pause every MiB to hand the GIL over (:mod:`.fileformat`).
 ``bench/ckpt_bench.py`` measures the training slowdown while the thread writes.
 
 Column tiles (:func:`~.planning.save_plan.column_tiles`) cost the stall nothing: the snapshot copies
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from .settings import DEFAULT_KEEP, DEFAULT_WRITER_NICE
+from .writer_sched import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterPriority, WriterSched
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
@@ -88,18 +90,6 @@ DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, FormatVersionE
 
 
 
-def _lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's nice value by ``increment`` (at most 19). Linux treats each thread
-    as a task with its own nice value (``setpriority`` on its native id); threads it starts
-    inherit it. Elsewhere, or when refused, the thread keeps its priority (logged)."""
-    try:
-        tid = threading.get_native_id()
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
-    except (AttributeError, OSError) as e:
-        log.debug("checkpoint writer keeps its priority (setpriority refused: %s)", e)
-
-
 @dataclass
 class SaveStats:
     step: int
@@ -112,6 +102,8 @@ class SaveStats:
     committed_dir: Optional[str] = None
     wait_s: float = 0.0       # save() blocked on the previous save before starting this one
     writer_cpu_s: float = 0.0  # CPU time of the background writer (write, CRCs, commit) for this save
+    # why the writer left idle-only scheduling during this save ("wait", "deadline"), or None
+    writer_escalated: Optional[str] = None
     dropped: bool = False     # optimistic_plan: a rank's shard metadata changed; nothing was committed
 
 
@@ -182,7 +174,8 @@ class CheckpointEngine:
 
     def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = DEFAULT_KEEP,
                  async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE,
-                 writer_nice: int = DEFAULT_WRITER_NICE):
+                 writer_nice: int = DEFAULT_WRITER_NICE, writer_sched: "WriterSched | str" = DEFAULT_WRITER_SCHED,
+                 writer_deadline_s: float = DEFAULT_WRITER_DEADLINE_S):
         """``storage``: where the files go and how a step commits (:mod:`.storage`; default
         :class:`~.storage.PosixStorage` at ``root``: shared storage, fsynced). A node-local
         :class:`~.storage.TmpfsStorage` makes the constructor collective (one all-gather).
@@ -190,7 +183,10 @@ class CheckpointEngine:
         save-planning choice for snapshots every step, not a storage one).
         ``block_size``: bytes per block CRC of the data files (readers take it from the manifest).
         ``writer_nice``: added to the background writer thread's nice value (Linux; 0 leaves it as
-        the training thread's), so its work yields the core to training."""
+        the training thread's), so its work yields the core to training.
+        ``writer_sched``: ``"idle"`` (default) runs the writer under ``SCHED_IDLE`` until the
+        training loop waits for it or ``writer_deadline_s`` seconds pass; ``"nice"`` keeps it at
+        its nice value throughout (:mod:`.writer_sched`)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         if block_size < 1:
@@ -198,6 +194,11 @@ class CheckpointEngine:
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice={writer_nice}: must be 0..19 (added to the writer thread's nice value)")
         self.writer_nice = int(writer_nice)
+        try:
+            self.writer_priority = WriterPriority(writer_sched, self.writer_nice, writer_deadline_s)
+        except ValueError as e:   # an unknown policy name or a deadline <= 0
+            raise ValueError(f"writer_sched={writer_sched!r}, writer_deadline_s={writer_deadline_s!r}: {e} "
+                             f"(policies: {', '.join(w.value for w in WriterSched)})") from None
         self.root = os.path.abspath(root)
         self.storage: Storage = storage if storage is not None else PosixStorage(self.root)
         mismatch = check_root(self.storage, self.root)
@@ -321,6 +322,8 @@ class CheckpointEngine:
         job = self._job
         if job is None:
             return None
+        if not job.done.is_set():
+            self.writer_priority.urgent("wait")   # the training loop waits: no more idle-only cycles
         job.done.wait()
         self._job = None
         self.last_stats = job.stats
@@ -356,16 +359,19 @@ class CheckpointEngine:
                                             daemon=True)
             self._thread.start()
         assert self._queue is not None
+        self.writer_priority.begin()
         self._queue.put(args)
 
     def _writer_loop(self, q: "queue.SimpleQueue") -> None:
-        if self.writer_nice:
-            _lower_thread_priority(self.writer_nice)
-        while True:
-            args = q.get()
-            if args is None:
-                return
-            self._write_and_commit(*args)
+        self.writer_priority.enter(nice=True)
+        try:
+            while True:
+                args = q.get()
+                if args is None:
+                    return
+                self._write_and_commit(*args)
+        finally:
+            self.writer_priority.leave()
 
     def _stop_writer(self) -> None:
         t, q = self._thread, self._queue
@@ -476,6 +482,7 @@ class CheckpointEngine:
                 self.staging.forget(job.staged.data)
                 self.storage.release_staged(job.staged)   # its temp dir is gone: do not keep its pages mapped
             stats.writer_cpu_s = time.thread_time() - cpu0
+            stats.writer_escalated = self.writer_priority.end() if self.async_save else None
             job.done.set()
 
     # file staging: outcomes and the commit result as fixed-size int rows (one all-gather, one

@@ -28,6 +28,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from .paths import open_regular
 from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
 from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
+from .writer_sched import thread_target
 
 WRITE_BLOCK = 32 * 1024 * 1024
 DATA_ALIGN = 4096   # a checkpoint data file's data section starts at a multiple of this (a page)
@@ -207,7 +208,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
                 os.fsync(fd)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 err.append(e)
-        t = threading.Thread(target=flush, name="elastor-fsync", daemon=True) if fsync else None
+        t = threading.Thread(target=thread_target(flush), name="elastor-fsync", daemon=True) if fsync else None
         if t is not None:
             t.start()
         crc = stream_crcs(header, mvs, chunk_crcs, block_crcs, block_size)

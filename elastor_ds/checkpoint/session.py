@@ -110,7 +110,8 @@ class CheckpointSession:
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group
         self.policy_comm = policy_comm if policy_comm is not None else TorchComm.create(cfg.timeout_s)
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
-                                     storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io))
+                                     storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io),
+                                     writer_sched=cfg.writer_sched, writer_deadline_s=cfg.writer_deadline_s)
         self.last_save_step: Optional[int] = None
         self.last_save_time = time.monotonic()
         self.stats: list[SaveStats] = []

@@ -11,6 +11,7 @@ S = 0 disables periodic saves (an explicit save still writes one).
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import os
 from dataclasses import dataclass
@@ -27,6 +28,20 @@ DEFAULT_KEEP = 2   # committed checkpoints kept: the one place this default is w
 DEFAULT_WRITER_NICE = 10
 
 
+class WriterSched(str, enum.Enum):
+    """The checkpoint writer's CPU policy while the training loop does not wait for it
+    (:mod:`.writer_sched`)."""
+
+    IDLE = "idle"   # SCHED_IDLE: only cycles no other thread wants; normal priority once waited for
+    NICE = "nice"   # its nice value throughout (the behaviour before 2026-12-02)
+
+
+DEFAULT_WRITER_SCHED = WriterSched.IDLE
+# at the latest this long after a save starts, an idle-scheduled writer runs at its normal priority:
+# a trainer that keeps every core busy delays a save by at most this much
+DEFAULT_WRITER_DEADLINE_S = 5.0
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str
@@ -41,6 +56,8 @@ class CheckpointConfig:
     deepspeed_native: bool = True    # engine.save_checkpoint() still writes DeepSpeed's own files
     timeout_s: float = 600.0         # timeout of the checkpoint process group
     direct_io: bool = True           # data files written with O_DIRECT where the file system takes it
+    writer_sched: WriterSched = DEFAULT_WRITER_SCHED   # the writer's CPU policy until waited for
+    writer_deadline_s: float = DEFAULT_WRITER_DEADLINE_S
 
     @property
     def periodic(self) -> bool:
@@ -73,7 +90,8 @@ class MemorySnapshotConfig:
 _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s": "min_interval_s",
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
-              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s", "direct_io": "direct_io"}
+              "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s", "direct_io": "direct_io",
+              "writer_sched": "writer_sched", "writer_deadline_s": "writer_deadline_s"}
 _MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes")
 
 
@@ -151,6 +169,19 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
                 "direct_io"):
         if key in d:
             kw[_CKPT_KEYS[key]] = _bool(f"{where}.{key}", d[key])
+    if "writer_sched" in d:
+        v = d["writer_sched"]
+        names = ", ".join(f'"{w.value}"' for w in WriterSched)
+        if not isinstance(v, str) or v not in {w.value for w in WriterSched}:
+            raise ConfigError(f"{where}.writer_sched: expected one of {names}, got {v!r}; e.g. "
+                              f'"writer_sched": "idle" (the writer runs on idle cycles until training waits for it)')
+        kw["writer_sched"] = WriterSched(v)
+    if "writer_deadline_s" in d:
+        kw["writer_deadline_s"] = _float(f"{where}.writer_deadline_s", d["writer_deadline_s"], 0.0,
+                                         '"writer_deadline_s": 5')
+        if kw["writer_deadline_s"] <= 0:
+            raise ConfigError(f"{where}.writer_deadline_s: must be > 0, got {d['writer_deadline_s']!r}; "
+                              f'e.g. "writer_deadline_s": 5')
     if "load" in d:
         load = _str(f"{where}.load", d["load"], '"load": "latest" (or "none", or a step directory)')
         kw["load"] = load

@@ -23,6 +23,7 @@ def test_defaults():
     assert (c.interval_steps, c.min_interval_s, c.async_save, c.keep, c.load) == (0, 0.0, True, 2, "latest")
     assert c.verify_on_load and c.fallback_to_previous and not c.periodic
     assert c.direct_io   # data files written with O_DIRECT where the file system takes it
+    assert c.writer_sched == "idle" and c.writer_deadline_s == 5.0
 
 
 class _NoFence:
@@ -42,6 +43,17 @@ def test_direct_io_can_be_turned_off_and_reaches_the_storage(tmp_path):
         assert s.ckpt.storage.direct_io is value
 
 
+def test_the_writer_schedule_reaches_the_engine(tmp_path):
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    for sched, deadline in (("nice", 2.5), ("idle", 30)):
+        c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / sched), "writer_sched": sched,
+                                                  "writer_deadline_s": deadline}}).checkpoint
+        s = CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+        prio = s.ckpt.writer_priority
+        assert (prio.sched.value, prio.deadline_s) == (sched, float(deadline))
+
+
 @pytest.mark.parametrize("section, words", [
     ({"checkpont": {}}, ["checkpont", "did you mean 'checkpoint'"]),
     ({"checkpoint": {"dir": "d", "intervl_steps": 3}}, ["intervl_steps", "interval_steps"]),
@@ -53,6 +65,9 @@ def test_direct_io_can_be_turned_off_and_reaches_the_storage(tmp_path):
     ({"checkpoint": {"dir": "d", "keep": 0}}, ["keep", ">= 1", "never deleted"]),
     ({"checkpoint": {"dir": "d", "async": "yes"}}, ["async", "true or false"]),
     ({"checkpoint": {"dir": "d", "direct_io": "no"}}, ["direct_io", "true or false"]),
+    ({"checkpoint": {"dir": "d", "writer_sched": "fast"}}, ["writer_sched", '"idle", "nice"', "'fast'"]),
+    ({"checkpoint": {"dir": "d", "writer_deadline_s": 0}}, ["writer_deadline_s", "> 0"]),
+    ({"checkpoint": {"dir": "d", "writer_deadline_s": "5"}}, ["writer_deadline_s", "'5'"]),
     ({"checkpoint": {"dir": ""}}, ["dir", "non-empty"]),
     ({"checkpoint": {"dir": "d", "load": 3}}, ["load", "latest"]),
     ({"checkpoint": "/ckpt"}, ["elastor.checkpoint", "expected an object"]),

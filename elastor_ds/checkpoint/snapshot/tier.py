@@ -32,6 +32,7 @@ from .. import commit as commit_mod
 from .. import CheckpointEngine, SaveStats
 from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
 from ..storage.tmpfs import TmpfsStorage
+from ..writer_sched import WriterSched
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
 from ...errors import ConfigError
 from ..settings import MemorySnapshotConfig
@@ -81,10 +82,11 @@ class MemoryTier:
         # optimistic_plan: no plan-agreement collective on the training thread per snapshot (a rank
         # whose shards changed makes that one snapshot be dropped everywhere; the next one re-plans)
         # TmpfsStorage: node-local, no fsync, snapshots staged straight into each rank's mapped data file
-        # writer_nice=0: a snapshot every step must finish within the step (its writer only checksums
+        # writer_nice=0, sched "nice": a snapshot every step must finish within the step (its writer only checksums
         # 64 KiB blocks, which release the GIL); a lowered priority is not measured for it (issue 23)
         self.ckpt = CheckpointEngine(self.root, comm, TmpfsStorage(self.root), keep=mcfg.keep, async_save=True,
-                                     optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE, writer_nice=0)
+                                     optimistic_plan=True, block_size=SNAPSHOT_BLOCK_SIZE, writer_nice=0,
+                                     writer_sched=WriterSched.NICE)
         self.last_step: Optional[int] = None
         self.stats: list[SaveStats] = []
         self.budget: Optional[dict[str, Any]] = None

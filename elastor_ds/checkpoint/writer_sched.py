@@ -1,0 +1,167 @@
+"""How the background checkpoint writer shares the CPU with training: on the cycles training leaves
+idle while nobody waits for it, at its normal (niced) priority as soon as someone does.
+
+Why: a writer thread at nice +10..19 still takes the core from the training thread in slices
+(the kernel's fair scheduler owes a niced thread its share when it wakes). On the development VM,
+with two ranks computing on two cores, each training thread spent 11-31 % of a write waiting on its
+core's run queue behind the niced writer and its helpers, whose own CPU was a few percent of that
+time (``bench/results/2026-12-02-writer-sched.md``). Under ``SCHED_IDLE`` (Linux, per thread,
+allowed without privileges) a waking training thread preempts the writer at once: the same runs
+showed 1 % run-queue wait.
+
+The price: a ``SCHED_IDLE`` writer makes no progress while every core is busy. So the writer is
+*escalated* back to ``SCHED_OTHER`` (keeping its nice value) when the training loop waits for it
+(:meth:`WriterPriority.urgent`: ``wait()``, a save behind an unfinished one, ``finalize()``) and
+at the latest ``deadline_s`` seconds after a save starts (a timer thread at normal priority), so a
+save is never starved for longer than that. A GPU job's host cores are mostly idle, so there the
+writer finishes at full speed without ever being escalated.
+
+Threads the writer starts (the ``O_DIRECT`` writer, the CRC helper, the fsync helper) inherit its
+policy from the kernel; they enter the writer's group (:func:`thread_target`) so that an escalation
+reaches them too. Elsewhere than Linux, or where the kernel refuses, threads keep the priority they
+have (logged once at debug level).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+from .settings import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterSched
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WriterPriority", "WriterSched", "thread_target", "DEFAULT_WRITER_SCHED", "DEFAULT_WRITER_DEADLINE_S"]
+
+
+_local = threading.local()   # .group: the WriterPriority whose thread this is
+_warned: list[bool] = []
+
+
+def _set_policy(tid: int, idle: bool) -> bool:
+    policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+        return True
+    except OSError as e:   # ESRCH: the thread has ended; EPERM: refused (kept as it is)
+        if not _warned:
+            _warned.append(True)
+            log.debug("checkpoint writer thread %d keeps its scheduling policy (%s)", tid, e)
+        return False
+
+
+def _add_nice(tid: int, increment: int) -> None:
+    if not increment:
+        return
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
+    except (AttributeError, OSError) as e:
+        log.debug("checkpoint writer keeps its priority (setpriority refused: %s)", e)
+
+
+class WriterPriority:
+    """The scheduling of one engine's writer thread and the helpers it starts."""
+
+    def __init__(self, sched: "WriterSched | str" = DEFAULT_WRITER_SCHED, nice: int = 0,
+                 deadline_s: float = DEFAULT_WRITER_DEADLINE_S):
+        self.sched = WriterSched(sched)
+        if not deadline_s > 0:
+            raise ValueError(f"writer deadline_s={deadline_s}: must be > 0 seconds")
+        self.nice = int(nice)
+        self.deadline_s = float(deadline_s)
+        self._lock = threading.Lock()
+        self._tids: set[int] = set()
+        self._background = False   # True while a save runs that nobody waits for
+        self._timer: Optional[threading.Timer] = None
+        self._escalated: "str | bool" = False
+        self.escalations = 0       # how many saves were escalated (by a wait or the deadline)
+
+    def enter(self, nice: bool = False) -> None:
+        """Called first by every thread of the group (``nice``: the writer thread itself, which
+        also lowers its nice value once; helpers inherit it)."""
+        tid = threading.get_native_id()
+        _local.group = self
+        if nice:
+            _add_nice(tid, self.nice)
+        with self._lock:
+            self._tids.add(tid)
+            idle = self._background and self.sched is WriterSched.IDLE
+        # the kernel gave a new thread its creator's policy; set it from the state in case it changed
+        if self.sched is WriterSched.IDLE:
+            _set_policy(tid, idle)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._tids.discard(threading.get_native_id())
+        _local.group = None
+
+    def begin(self) -> None:
+        """A save was handed to the writer: background priority until :meth:`urgent` or the deadline."""
+        if self.sched is not WriterSched.IDLE:
+            return
+        with self._lock:
+            self._background = True
+            self._escalated = False
+            self._cancel_timer()
+            self._timer = threading.Timer(self.deadline_s, self.urgent, kwargs={"why": "deadline"})
+            self._timer.daemon = True
+            self._timer.name = "elastor-writer-deadline"
+            self._timer.start()
+            tids = list(self._tids)
+        for t in tids:
+            _set_policy(t, True)
+
+    def urgent(self, why: str = "wait") -> None:
+        """Someone waits for the save (or its deadline passed): normal priority until the next save."""
+        if self.sched is not WriterSched.IDLE:
+            return
+        with self._lock:
+            if not self._background:
+                return
+            self._background = False
+            self._escalated = why
+            self.escalations += 1
+            if why != "deadline":
+                self._cancel_timer()
+            tids = list(self._tids)
+        log.debug("checkpoint writer escalated to normal priority (%s)", why)
+        for t in tids:
+            _set_policy(t, False)
+
+    def end(self) -> Optional[str]:
+        """The save finished: nothing to escalate any more. Returns why it was escalated (``"wait"``,
+        ``"deadline"``), or None when it finished in the background (or the policy is ``nice``)."""
+        with self._lock:
+            why, self._escalated = self._escalated, False
+            self._background = False
+            self._cancel_timer()
+            return why or None
+
+    def background(self) -> bool:
+        with self._lock:
+            return self._background
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def thread_target(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped to run in the calling thread's writer group, if it has one (a helper thread
+    of the writer: an escalation of the writer reaches it)."""
+    group: Optional[WriterPriority] = getattr(_local, "group", None)
+    if group is None:
+        return fn
+
+    def run(*a: Any, **k: Any) -> Any:
+        group.enter()
+        try:
+            return fn(*a, **k)
+        finally:
+            group.leave()
+    return run

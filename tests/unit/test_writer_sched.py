@@ -1,0 +1,175 @@
+"""The checkpoint writer's scheduling (elastor_ds.checkpoint.writer_sched): under SCHED_IDLE while a
+save runs that nobody waits for, back to SCHED_OTHER when the training loop waits or the deadline
+passes, helpers included; read back from the kernel (``os.sched_getscheduler`` of each thread).
+The engine cases starve the writer for real: a child process pinned to one CPU next to a busy
+process of normal priority, so an idle-scheduled writer gets no cycles until it is escalated."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from elastor_ds.checkpoint.settings import WriterSched
+from elastor_ds.checkpoint.writer_sched import WriterPriority, thread_target
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"),
+                                reason="SCHED_IDLE is Linux's; elsewhere the writer keeps its priority")
+
+
+def policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+class Group:
+    """A writer thread of ``prio`` and one helper it started, both parked until released."""
+
+    def __init__(self, prio: WriterPriority):
+        self.prio, self.tids, self.go = prio, {}, threading.Event()
+        ready = threading.Barrier(3)
+
+        def helper():
+            self.tids["helper"] = threading.get_native_id()
+            ready.wait()
+            self.go.wait()
+
+        def writer():
+            prio.enter(nice=True)
+            self.tids["writer"] = threading.get_native_id()
+            h = threading.Thread(target=thread_target(helper))
+            h.start()
+            ready.wait()
+            self.go.wait()
+            h.join()
+            prio.leave()
+        self.thread = threading.Thread(target=writer)
+        self.thread.start()
+        ready.wait()
+
+    def policies(self) -> tuple[int, int]:
+        time.sleep(0.05)   # the helper registers itself right after it starts
+        return policy(self.tids["writer"]), policy(self.tids["helper"])
+
+    def close(self) -> None:
+        self.go.set()
+        self.thread.join()
+
+
+def test_idle_while_nobody_waits_normal_once_someone_does():
+    prio = WriterPriority(WriterSched.IDLE, nice=3, deadline_s=60)
+    g = Group(prio)
+    try:
+        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)        # between saves
+        assert os.getpriority(os.PRIO_PROCESS, g.tids["writer"]) >= 3  # the nice value was added
+        prio.begin()
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)          # the helper follows the writer
+        prio.urgent("wait")
+        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+        assert prio.end() == "wait"
+        prio.begin()
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+        assert prio.end() is None                                       # finished in the background
+        assert prio.escalations == 1
+    finally:
+        g.close()
+
+
+def test_the_deadline_escalates_without_a_wait():
+    prio = WriterPriority("idle", deadline_s=0.2)
+    g = Group(prio)
+    try:
+        prio.begin()
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+        time.sleep(0.5)
+        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+        assert prio.end() == "deadline"
+    finally:
+        g.close()
+
+
+def test_nice_policy_never_uses_sched_idle():
+    prio = WriterPriority("nice", deadline_s=0.1)
+    g = Group(prio)
+    try:
+        prio.begin()
+        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+        time.sleep(0.2)
+        assert prio.end() is None and prio.escalations == 0
+    finally:
+        g.close()
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="fast"):
+        WriterPriority("fast")
+    with pytest.raises(ValueError, match="deadline_s=0"):
+        WriterPriority("idle", deadline_s=0)
+
+
+CHILD = textwrap.dedent("""
+    import json, os, subprocess, sys, tempfile, time, torch
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.checkpoint.storage import PosixStorage
+    from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.comm.collectives import LocalComm
+    from elastor_ds.layout.region import Region
+    sched, deadline, waits, root = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "wait", sys.argv[4]
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    busy = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d})\\nwhile True: pass" % cpu])
+    try:
+        time.sleep(0.3)
+        torch.manual_seed(0)
+        ts = [torch.randn(512, 4096) for _ in range(4)]   # 32 MiB in column tiles: ~0.1 s of writer CPU
+        shards = [TensorShard(f"t{i}", (512, 4096), Region((0, 0), (512, 4096)), t) for i, t in enumerate(ts)]
+        eng = CheckpointEngine(root, LocalComm(), storage=PosixStorage(root), writer_sched=sched,
+                               writer_deadline_s=deadline)
+        t0 = time.perf_counter()
+        eng.save(1, shards)
+        if waits:
+            st = eng.wait()
+        else:
+            while not eng.local_idle() and time.perf_counter() - t0 < 60:
+                time.sleep(0.01)
+            st = eng.wait()
+        took = time.perf_counter() - t0
+    finally:
+        busy.kill()
+        busy.wait()
+    out = [torch.zeros(512, 4096) for _ in range(4)]
+    CheckpointEngine(root).load(None, [TensorShard(f"t{i}", (512, 4096), Region((0, 0), (512, 4096)), o)
+                                       for i, o in enumerate(out)])
+    print(json.dumps({"escalated": st.writer_escalated, "took": took,
+                      "equal": all(torch.equal(a, b) for a, b in zip(ts, out))}))
+""")
+
+
+def run_child(tmp_path, sched: str, deadline: float, wait: str) -> dict:
+    root = tmp_path / f"{sched}-{wait}"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", CHILD, sched, str(deadline), wait, str(root)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_starved_writer_is_escalated_at_its_deadline(tmp_path):
+    """One CPU, a busy process beside the trainer: the idle-scheduled writer makes no progress, the
+    deadline (1.5 s) hands it its normal priority, the save completes and loads back bit for bit."""
+    r = run_child(tmp_path, "idle", 1.5, "poll")
+    assert r["escalated"] == "deadline" and r["took"] >= 1.5 and r["equal"], r
+
+
+def test_a_wait_escalates_at_once(tmp_path):
+    r = run_child(tmp_path, "idle", 30.0, "wait")
+    assert r["escalated"] == "wait" and r["took"] < 15 and r["equal"], r
+
+
+def test_a_nice_writer_is_never_escalated(tmp_path):
+    r = run_child(tmp_path, "nice", 1.0, "poll")
+    assert r["escalated"] is None and r["equal"], r
