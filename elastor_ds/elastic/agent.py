@@ -29,6 +29,7 @@ trained) unless ``--no-standby``; the rendezvous, ranks, environment and logs st
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -59,6 +60,13 @@ from .standby_main import DEFAULT_PRELOAD
 log = logging.getLogger("elastor.run")
 __all__ = ["ElastorAgent", "RendezvousError", "RunConfig", "build_agent", "node_name", "store_lost_reason",
            "store_unreachable"]
+
+
+def register_stack_dump() -> None:
+    """SIGUSR2 makes ``elastor run`` write every thread's stack to its stderr and carry on (to see
+    where a controller that stopped reacting waits: a rendezvous call, a store, a worker)."""
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
 
 @dataclass
@@ -163,6 +171,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def install_signal_handlers(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(s, self._on_signal)
+        register_stack_dump()
 
     # ------------------------------------------------------------------ torch elastic hooks
     def _rendezvous(self, worker_group) -> None:

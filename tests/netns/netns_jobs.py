@@ -175,7 +175,20 @@ def after_detection(survivor: NodeJob, lost: NodeJob, timeout: float = 60) -> tu
             assert step is not None, "no complete peer copy on the survivor"
             return fail, step, snapshot_files(survivor, lost, step)
         time.sleep(0.02)
-    raise AssertionError(f"the survivor did not detect the loss in {timeout} s:\n{survivor.output()[-6000:]}")
+    dump_stacks(survivor)
+    raise AssertionError(f"the survivor did not detect the loss in {timeout} s:\n{survivor.output()[-12000:]}")
+
+
+def dump_stacks(job: "NodeJob") -> None:
+    """Ask a controller that stopped reacting where its threads wait (SIGUSR2: every thread's stack
+    to its output, which the failure message then shows)."""
+    import signal
+    if job.proc.poll() is None:
+        try:
+            os.kill(job.proc.pid, signal.SIGUSR2)
+            time.sleep(1.0)
+        except OSError:
+            pass
 
 
 def check_recovery(survivor: NodeJob, lost: NodeJob, step: int, t_fault: float, world_after: int,
