@@ -79,27 +79,19 @@ def test_idle_while_nobody_waits_normal_once_someone_does():
         g.close()
 
 
-def test_the_deadline_escalates_without_a_wait():
-    prio = WriterPriority("idle", deadline_s=0.2)
+@pytest.mark.parametrize("sched, during, after, why", [
+    ("idle", os.SCHED_IDLE, os.SCHED_OTHER, "deadline"),   # the deadline escalates without a wait
+    ("nice", os.SCHED_OTHER, os.SCHED_OTHER, None),         # "nice" never uses SCHED_IDLE
+])
+def test_past_the_deadline(sched, during, after, why):
+    prio = WriterPriority(sched, deadline_s=0.2)
     g = Group(prio)
     try:
         prio.begin()
-        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+        assert g.policies() == (during, during)
         time.sleep(0.5)
-        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
-        assert prio.end() == "deadline"
-    finally:
-        g.close()
-
-
-def test_nice_policy_never_uses_sched_idle():
-    prio = WriterPriority("nice", deadline_s=0.1)
-    g = Group(prio)
-    try:
-        prio.begin()
-        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
-        time.sleep(0.2)
-        assert prio.end() is None and prio.escalations == 0
+        assert g.policies() == (after, after)
+        assert prio.end() == why and prio.escalations == (1 if why else 0)
     finally:
         g.close()
 
