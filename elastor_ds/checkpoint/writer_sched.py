@@ -87,12 +87,11 @@ class WriterPriority:
         _local.group = self
         if nice:
             _add_nice(tid, self.nice)
-        with self._lock:
+        with self._lock:   # policy changes under the lock: the kernel's state follows ours in order
             self._tids.add(tid)
-            idle = self._background and self.sched is WriterSched.IDLE
-        # the kernel gave a new thread its creator's policy; set it from the state in case it changed
-        if self.sched is WriterSched.IDLE:
-            _set_policy(tid, idle)
+            # the kernel gave a new thread its creator's policy; set it from the state in case it changed
+            if self.sched is WriterSched.IDLE:
+                _set_policy(tid, self._background)
 
     def leave(self) -> None:
         with self._lock:
@@ -111,9 +110,8 @@ class WriterPriority:
             self._timer.daemon = True
             self._timer.name = "elastor-writer-deadline"
             self._timer.start()
-            tids = list(self._tids)
-        for t in tids:
-            _set_policy(t, True)
+            for t in self._tids:
+                _set_policy(t, True)
 
     def urgent(self, why: str = "wait") -> None:
         """Someone waits for the save (or its deadline passed): normal priority until the next save."""
@@ -127,10 +125,9 @@ class WriterPriority:
             self.escalations += 1
             if why != "deadline":
                 self._cancel_timer()
-            tids = list(self._tids)
+            for t in self._tids:
+                _set_policy(t, False)
         log.debug("checkpoint writer escalated to normal priority (%s)", why)
-        for t in tids:
-            _set_policy(t, False)
 
     def end(self) -> Optional[str]:
         """The save finished: nothing to escalate any more. Returns why it was escalated (``"wait"``,
