@@ -78,7 +78,7 @@ class NodeJob:
 
     def __init__(self, bed: Testbed, name: str, tmp, endpoint: str, nproc: int, iters: int, extra_conf: str = "",
                  rdzv_backend: str = "c10d", keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS, standby: bool = True):
-        self.bed, self.name = bed, name
+        self.bed, self.name, self.iters = bed, name, iters
         self.addr = bed.node(name).addr
         self.snapdir = f"/dev/shm/{bed.prefix}{name}"
         self.events = str(tmp / f"{name}_events.jsonl")
@@ -154,6 +154,15 @@ def data_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
+def still_training(job: NodeJob) -> None:
+    """Right before a fault: the job has iterations left, so the fault hits a running job (a test
+    whose job already finished would check nothing)."""
+    recs = read_jsonl(job.metrics) if os.path.exists(job.metrics) else []
+    last = recs[-1]["iteration"] if recs else 0
+    assert last < job.iters - 1, (f"the job reached iteration {last} of {job.iters} before the fault was injected; "
+                                  f"give the test more iterations")
+
+
 def strike_point(survivor: NodeJob, lost: NodeJob, nodes) -> int:
     """Wait for a step >= 3 whose peer copy (lost -> survivor) is complete."""
     def ready():
@@ -199,11 +208,11 @@ def check_recovery(survivor: NodeJob, lost: NodeJob, step: int, t_fault: float, 
     recs = read_jsonl(survivor.metrics)
     before = [r for r in recs if r["time"] <= t_fault]
     assert before and {r["world_size"] for r in before} == {3}
-    assert recs[-1]["world_size"] == world_after and recs[-1]["iteration"] == ITERS
+    assert recs[-1]["world_size"] == world_after and recs[-1]["iteration"] == survivor.iters, recs[-1]
     # the iterations the old world logged after the step resumed from run again, each with the loss
     # it had then (the step is read from the survivor's disk at detection, not from our events)
     last_before = max(r["iteration"] for r in recs if r["world_size"] == 3)
-    reruns = assert_losses_reproduce(recs, ITERS, reruns=last_before - step)
+    reruns = assert_losses_reproduce(recs, survivor.iters, reruns=last_before - step)
     started = [e for e in survivor.event_list() if e.get("event") == "worker_started"]
     assert started[-1]["resumed_from"] == step, (started[-1], step)
     rest = [e for e in survivor.event_list() if e.get("event") == "restore"][-1]

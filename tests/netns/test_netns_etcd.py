@@ -16,7 +16,7 @@ import pytest
 
 from elastor_ds.testing.etcd_cluster import EtcdCluster, etcd_unavailable
 from netns_jobs import (ITERS, KEEP_ALIVE_S, NodeJob, after_detection, check_recovery, final_manifest,
-                        no_process_left, restore_bytes, strike_point)
+                        no_process_left, restore_bytes, still_training, strike_point)
 
 pytestmark = pytest.mark.timeout(300)
 ETCD_REQUEST_TIMEOUT_S = 5 + 2 * 1.0   # etcd: 5 s + 2 election timeouts (EtcdCluster: --election-timeout 1000)
@@ -24,6 +24,9 @@ ETCD_REQUEST_TIMEOUT_S = 5 + 2 * 1.0   # etcd: 5 s + 2 election timeouts (EtcdCl
 # on a loaded 2-core CI machine, where the other tiers' 4-beat bound (fence after 3 s) fenced the
 # survivor itself. This test gives the election room: 8 beats (lost after 8 s, fence after 7 s).
 ETCD_KEEP_ALIVE_ATTEMPTS = 8
+# moving etcd's leader takes seconds under the suite's load: in ci44 the 12-iteration job had
+# finished before node 0 was killed, so this test runs twice as many iterations
+ETCD_ITERS = 2 * ITERS
 ETCD_LIVENESS_TIMEOUT_S = KEEP_ALIVE_S * ETCD_KEEP_ALIVE_ATTEMPTS
 
 
@@ -44,14 +47,15 @@ def test_etcd_rendezvous_survives_losing_node0(bed_factory, tmp_path):
     bed = bed_factory(["n0", "n1", "e2"])
     cluster = EtcdCluster(bed, ["n0", "n1", "e2"], str(tmp_path / "etcd"))
     cluster.wait_healthy()
-    big = NodeJob(bed, "n0", tmp_path, cluster.endpoint, nproc=2, iters=ITERS, rdzv_backend="etcd-v2",
+    big = NodeJob(bed, "n0", tmp_path, cluster.endpoint, nproc=2, iters=ETCD_ITERS, rdzv_backend="etcd-v2",
                   keep_alive_attempts=ETCD_KEEP_ALIVE_ATTEMPTS)
-    small = NodeJob(bed, "n1", tmp_path, cluster.endpoint, nproc=1, iters=ITERS, rdzv_backend="etcd-v2",
+    small = NodeJob(bed, "n1", tmp_path, cluster.endpoint, nproc=1, iters=ETCD_ITERS, rdzv_backend="etcd-v2",
                     keep_alive_attempts=ETCD_KEEP_ALIVE_ATTEMPTS)
     strike_point(small, big, [big, small])
     launch = big.first("launch")
     assert launch is not None and launch["node_rank"] == 0 and launch["global_ranks"] == [0, 1], launch
     cluster.move_leader("n0")       # the hardest case: node 0's member leads etcd when node 0 is lost
+    still_training(small)
     t_fault = time.time()
     killed = bed.kill_node("n0")
     small.note_injected("node 0 lost whole (controller, workers and its etcd member SIGKILLed)", t_fault)
