@@ -376,6 +376,7 @@ class CheckpointEngine:
     def _stop_writer(self) -> None:
         t, q = self._thread, self._queue
         self._thread = self._queue = None
+        self.writer_priority.close()
         if t is not None and q is not None and t.is_alive():
             q.put(None)
             if t is not threading.current_thread():

@@ -12,8 +12,8 @@ showed 1 % run-queue wait.
 The price: a ``SCHED_IDLE`` writer makes no progress while every core is busy. So the writer is
 *escalated* back to ``SCHED_OTHER`` (keeping its nice value) when the training loop waits for it
 (:meth:`WriterPriority.urgent`: ``wait()``, a save behind an unfinished one, ``finalize()``) and
-at the latest ``deadline_s`` seconds after a save starts (a timer thread at normal priority), so a
-save is never starved for longer than that. A GPU job's host cores are mostly idle, so there the
+at the latest ``deadline_s`` seconds after a save starts (one watcher thread per engine, at normal
+priority), so a save is never starved for longer than that. A GPU job's host cores are mostly idle, so there the
 writer finishes at full speed without ever being escalated.
 
 Threads the writer starts (the ``O_DIRECT`` writer, the CRC helper, the fsync helper) inherit its
@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from .settings import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterSched
@@ -73,10 +74,11 @@ class WriterPriority:
             raise ValueError(f"writer deadline_s={deadline_s}: must be > 0 seconds")
         self.nice = int(nice)
         self.deadline_s = float(deadline_s)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()   # guards the state below; notified when a deadline moves
         self._tids: set[int] = set()
         self._background = False   # True while a save runs that nobody waits for
-        self._timer: Optional[threading.Timer] = None
+        self._deadline = 0.0       # time.monotonic() when the current background save is escalated
+        self._watcher: Optional[threading.Thread] = None   # one per group, started with the first save
         self._escalated: "str | bool" = False
         self.escalations = 0       # how many saves were escalated (by a wait or the deadline)
 
@@ -99,34 +101,57 @@ class WriterPriority:
         _local.group = None
 
     def begin(self) -> None:
-        """A save was handed to the writer: background priority until :meth:`urgent` or the deadline."""
+        """A save was handed to the writer: background priority until :meth:`urgent` or the deadline.
+        On the training thread: a notify, no thread start (the watcher is started once)."""
         if self.sched is not WriterSched.IDLE:
             return
         with self._lock:
             self._background = True
             self._escalated = False
-            self._cancel_timer()
-            self._timer = threading.Timer(self.deadline_s, self.urgent, kwargs={"why": "deadline"})
-            self._timer.daemon = True
-            self._timer.name = "elastor-writer-deadline"
-            self._timer.start()
+            self._deadline = time.monotonic() + self.deadline_s
             for t in self._tids:
                 _set_policy(t, True)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="elastor-writer-deadline", daemon=True)
+                self._watcher.start()
+            self._lock.notify()
+
+    def _watch(self) -> None:
+        """Escalate a background save whose deadline has passed (sleeps while none runs)."""
+        me = threading.current_thread()
+        with self._lock:
+            while self._watcher is me:
+                if not self._background:
+                    self._lock.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._lock.wait(left)
+                    continue
+                self._escalate("deadline")
+
+    def close(self) -> None:
+        """Stop the watcher (the engine's writer stopped); the next :meth:`begin` starts a new one."""
+        with self._lock:
+            self._watcher = None
+            self._lock.notify_all()
 
     def urgent(self, why: str = "wait") -> None:
-        """Someone waits for the save (or its deadline passed): normal priority until the next save."""
+        """Someone waits for the save: normal priority until the next save."""
         if self.sched is not WriterSched.IDLE:
             return
         with self._lock:
-            if not self._background:
-                return
-            self._background = False
-            self._escalated = why
-            self.escalations += 1
-            if why != "deadline":
-                self._cancel_timer()
-            for t in self._tids:
-                _set_policy(t, False)
+            self._escalate(why)
+
+    def _escalate(self, why: str) -> None:
+        """(Lock held.) The background save, if any, back to normal priority."""
+        if not self._background:
+            return
+        self._background = False
+        self._escalated = why
+        self.escalations += 1
+        for t in self._tids:
+            _set_policy(t, False)
         log.debug("checkpoint writer escalated to normal priority (%s)", why)
 
     def end(self) -> Optional[str]:
@@ -135,17 +160,7 @@ class WriterPriority:
         with self._lock:
             why, self._escalated = self._escalated, False
             self._background = False
-            self._cancel_timer()
             return why or None
-
-    def background(self) -> bool:
-        with self._lock:
-            return self._background
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 def thread_target(fn: Callable[..., Any]) -> Callable[..., Any]:

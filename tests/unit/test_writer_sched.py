@@ -92,6 +92,16 @@ def test_past_the_deadline(sched, during, after, why):
         time.sleep(0.5)
         assert g.policies() == (after, after)
         assert prio.end() == why and prio.escalations == (1 if why else 0)
+        prio.begin()   # the next save gets its own deadline from the same watcher thread
+        assert g.policies() == (during, during)
+        time.sleep(0.5)
+        assert g.policies() == (after, after) and prio.end() == why
+        watcher = prio._watcher
+        prio.close()
+        if watcher is not None:
+            watcher.join(2)
+            assert not watcher.is_alive()
+        assert sched == "nice" or watcher is not None
     finally:
         g.close()
 
