@@ -163,12 +163,15 @@ def still_training(job: NodeJob) -> None:
                                   f"give the test more iterations")
 
 
-def strike_point(survivor: NodeJob, lost: NodeJob, nodes) -> int:
-    """Wait for a step >= 3 whose peer copy (lost -> survivor) is complete."""
+def strike_point(survivor: NodeJob, lost: NodeJob, nodes, after: int = 2) -> int:
+    """Wait for a step > ``after`` whose peer copy (lost -> survivor) is complete; returns as soon
+    as the copy is, so a fault injected right after hits the longest stretch in which the survivor's
+    newest snapshot has its peer copy (until its next snapshot commits). A test that does something
+    slow between this and its fault calls it again with ``after`` = the step it returned."""
     def ready():
         s = restorable_step(survivor, lost)
-        return s if s is not None and s >= 3 else None
-    return wait_until(ready, nodes, 240, "a step with a complete peer copy")
+        return s if s is not None and s > after else None
+    return wait_until(ready, nodes, 240, f"a step > {after} with a complete peer copy")
 
 
 def after_detection(survivor: NodeJob, lost: NodeJob, timeout: float = 60) -> tuple[dict, int, dict]:
