@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096            # O_DIRECT: buffer address, length and file offset in multiples of this
 PIECE = 8 * 1024 * 1024  # bytes per bounce buffer (a multiple of ALIGN)
+NBUF = 3                 # bounce buffers per file
 _COPY = 1024 * 1024      # bytes per copy call
 DIRECT_CHUNK = 32 * 1024 * 1024   # bytes per write straight from a caller's buffer
 MIN_DIRECT = 256 * 1024  # a shorter aligned buffer is copied (one write saved is not worth the call)
@@ -175,12 +176,29 @@ def _coalesce(mvs: list) -> list:
     return out
 
 
+def private_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned private anonymous memory, backed by huge pages where the kernel allows
+    (``MADV_HUGEPAGE``; transparent huge pages in "madvise" mode). An ``O_DIRECT`` write from 4 KiB
+    pages carries one segment per page; from 2 MiB pages far fewer, and it ran about 1.4x faster
+    on the development VM (32 MiB writes: 0.12-0.14 s per 256 MiB against 0.16-0.21 s from
+    Python's default shared anonymous mapping, bench/results/2026-12-02-huge-pages.md)."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    m = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    advise = getattr(m, "madvise", None)
+    if advise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            advise(mmap.MADV_HUGEPAGE)
+        except OSError:   # a kernel without transparent huge pages: 4 KiB pages, still correct
+            pass
+    return m
+
+
 class _Bounce:
     """Two page-aligned bounce buffers: the caller fills one while a helper thread writes the other."""
 
     def __init__(self, fd: int):
         self.fd = fd
-        self.bufs = [mmap.mmap(-1, PIECE) for _ in range(2)]
+        self.bufs = [private_buffer(PIECE) for _ in range(NBUF)]
         self.arrs = [np.frombuffer(m, dtype=np.uint8) for m in self.bufs]
         self.free: "queue.Queue[int]" = queue.Queue()
         self.full: "queue.Queue[tuple[int, int] | None]" = queue.Queue()

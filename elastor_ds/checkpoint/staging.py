@@ -16,7 +16,9 @@ destination.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from typing import Sequence
 
 import numpy as np
@@ -30,6 +32,27 @@ from .shards import TensorShard, region_view
 log = logging.getLogger(__name__)
 
 PAGE = 4096   # the staging buffer's alignment
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(addr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages behind ``[addr, addr + nbytes)`` (``madvise(MADV_HUGEPAGE)``
+    on the whole pages inside it), before its pages are first touched. Fewer, larger pages make
+    the snapshot copy's TLB misses and an ``O_DIRECT`` write's segments fewer. False where the
+    platform or kernel has no such advice (nothing changes then)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
+        return False
+    start = addr + (-addr) % PAGE
+    end = (addr + nbytes) // PAGE * PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), int(advice)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _byte_run(t: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -223,6 +246,8 @@ class StagingBuffer:
             raw = torch.empty(max(nbytes, 1) + PAGE - 1, dtype=torch.uint8, pin_memory=self.pin)
             off = (-raw.data_ptr()) % PAGE
             buf = raw[off:off + max(nbytes, 1)]
+            if not self.pin:   # (pinned memory is the CUDA allocator's)
+                advise_huge_pages(buf.data_ptr(), buf.numel())
             buf.zero_()  # pre-fault every page now, not during the first save's stall
             self.buf = buf
         return self.buf

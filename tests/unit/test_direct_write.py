@@ -199,3 +199,42 @@ def test_the_staging_buffer_and_the_data_section_start_on_a_page():
     assert len(header) % 4096 == 0 and offs == [0]
     n = int.from_bytes(header[:8], "little")
     assert header[8:8 + n].rstrip(b" ").endswith(b"}") and set(header[8:8 + n][-10:]) == {ord(" ")}
+
+
+def _vma_flags(addr: int) -> list[str]:
+    """The kernel's ``VmFlags`` of the mapping that holds ``addr`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_advisable() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_advisable(), reason="this kernel has no transparent huge pages to advise")
+def test_bounce_and_staging_buffers_are_private_and_advised_huge_pages():
+    """The buffers an O_DIRECT write comes from are private anonymous memory advised to use huge
+    pages (``hg`` in the kernel's VmFlags) and not shared memory (``sh``): a shared anonymous map
+    is shmem, which MADV_HUGEPAGE does not back with huge pages here, and O_DIRECT writes from
+    4 KiB pages ran about 1.4x slower on the development VM."""
+    import ctypes
+    from elastor_ds.checkpoint.staging import StagingBuffer
+    m = direct_write.private_buffer(direct_write.PIECE)
+    flags = _vma_flags(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    assert "hg" in flags and "sh" not in flags, flags
+    s = StagingBuffer(pin_memory=False)
+    buf = s.ensure(8 << 20)
+    flags = _vma_flags(buf.data_ptr() + (4 << 20))
+    assert "hg" in flags, flags
