@@ -32,11 +32,11 @@ import mmap
 import os
 import queue
 import threading
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
-from .fileformat import RowRuns, buffer_end, stream_crcs, write_stream
+from .fileformat import RowRuns, stream_crcs, write_stream
 from .planning.manifest import BLOCK_SIZE
 from .writer_sched import thread_target
 
@@ -58,39 +58,39 @@ class _Refused(Exception):
 
 def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview | RowRuns"], fsync: bool = True,
                         chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
-                        block_size: int = BLOCK_SIZE, ready: "Callable[[int], None] | None" = None) -> tuple[int, int]:
-    """:func:`~.fileformat.write_stream` (same file, same return value, same CRC lists, same
-    ``ready``) with ``O_DIRECT`` where the file system allows it (see the module docstring)."""
+                        block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """:func:`~.fileformat.write_stream` (same file, same return value, same CRC lists) with
+    ``O_DIRECT`` where the file system allows it (see the module docstring)."""
     mvs = [b if isinstance(b, RowRuns) else memoryview(b).cast("B") for b in buffers]
     dev = _device_of(os.path.dirname(path) or ".")
     if dev in _unsupported or not hasattr(os, "O_DIRECT"):
         return write_stream(path, header, mvs, fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
-                            block_size=block_size, ready=ready)
+                            block_size=block_size)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size, ready)
+        return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size)
     crc_out: list = []
     c_chunks: list[int] = []
     c_blocks: list[list[int]] | None = [] if block_crcs is not None else None
 
     def checksums() -> None:
         try:
-            crc_out.append(stream_crcs(header, mvs, c_chunks, c_blocks, block_size, ready))
+            crc_out.append(stream_crcs(header, mvs, c_chunks, c_blocks, block_size))
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             crc_out.append(e)
     ct = threading.Thread(target=thread_target(checksums), name="elastor-crc", daemon=True)
     ct.start()
     try:
         try:
-            size = _write_all_direct(fd, header, mvs, ready)
+            size = _write_all_direct(fd, header, mvs)
         except _Refused:
             os.close(fd)
             fd = -1
             ct.join()
-            return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size, ready)
+            return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size)
         if fsync:
             os.fsync(fd)
     finally:
@@ -114,19 +114,19 @@ def _device_of(folder: str) -> int:
 
 
 def _fall_back(dev: int, path: str, header: bytes, mvs: list, fsync: bool, chunk_crcs: list[int] | None,
-               block_crcs: list[list[int]] | None, block_size: int, ready=None) -> tuple[int, int]:
+               block_crcs: list[list[int]] | None, block_size: int) -> tuple[int, int]:
     if dev not in _unsupported:
         log.info("O_DIRECT is not supported under %s; checkpoint data files there are written through the "
                  "page cache", os.path.dirname(path))
         _unsupported.add(dev)
     return write_stream(path, header, mvs, fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
-                        block_size=block_size, ready=ready)
+                        block_size=block_size)
 
 
-def _write_all_direct(fd: int, header: bytes, mvs: list, ready=None) -> int:
+def _write_all_direct(fd: int, header: bytes, mvs: list) -> int:
     """Copy ``header`` and ``mvs`` through two bounce buffers to ``fd`` (opened O_DIRECT); cut the
     file to its size. Returns the size. Raises :class:`_Refused` when the first write gets EINVAL."""
-    b = _Bounce(fd, ready)
+    b = _Bounce(fd)
     try:
         b.put_flat(np.frombuffer(header, dtype=np.uint8))
         for mv in _coalesce(mvs):
@@ -140,13 +140,6 @@ def _write_all_direct(fd: int, header: bytes, mvs: list, ready=None) -> int:
         return total
     finally:
         b.close()
-
-
-def _end(a: "np.ndarray | memoryview") -> int:
-    """The address just past a contiguous buffer's last byte."""
-    if isinstance(a, memoryview):
-        a = np.frombuffer(a, dtype=np.uint8)
-    return int(a.__array_interface__["data"][0]) + a.nbytes
 
 
 def _address(mv: memoryview) -> int:
@@ -203,9 +196,8 @@ def private_buffer(nbytes: int) -> mmap.mmap:
 class _Bounce:
     """Two page-aligned bounce buffers: the caller fills one while a helper thread writes the other."""
 
-    def __init__(self, fd: int, ready=None):
+    def __init__(self, fd: int):
         self.fd = fd
-        self.ready = ready   # wait until the source bytes below an address are final (a copy may be filling them)
         self.bufs = [private_buffer(PIECE) for _ in range(NBUF)]
         self.arrs = [np.frombuffer(m, dtype=np.uint8) for m in self.bufs]
         self.free: "queue.Queue[int]" = queue.Queue()
@@ -228,8 +220,6 @@ class _Bounce:
             i, src = item
             if not self.err:
                 try:
-                    if i < 0 and self.ready is not None:
-                        self.ready(_end(src))
                     mv = memoryview(self.bufs[i])[:src] if i >= 0 else src
                     while len(mv):
                         k = os.write(self.fd, mv)
@@ -287,8 +277,6 @@ class _Bounce:
         a, n = 0, len(src)
         while a < n:
             k = min(self.room(), n - a, _COPY)
-            if self.ready is not None:
-                self.ready(_end(src[a:a + k]))
             self.arrs[self.cur][self.pos:self.pos + k] = src[a:a + k]
             self.pos += k
             self.total += k
@@ -300,8 +288,6 @@ class _Bounce:
         w = runs.width
         if runs.rows == 0 or w == 0:
             return
-        if self.ready is not None:   # a box is copied whole: wait for all of it once
-            self.ready(buffer_end(runs))
         src = np.ndarray((runs.rows, w), dtype=np.uint8, buffer=runs.base, offset=runs.offset,
                          strides=(runs.stride, 1))
         r = 0

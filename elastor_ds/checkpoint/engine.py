@@ -74,7 +74,7 @@ from .shards import TensorShard, dtype_name
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
-from .staging import StageProgress, StagingBuffer
+from .staging import StagingBuffer
 from .state import to_jsonable
 from .storage import PosixStorage, Storage
 from .storage.base import check_root
@@ -167,7 +167,6 @@ class _Job:
     header_crc: int = 0
     local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
     block_tables: Optional[list] = None   # staged in place: block CRCs taken during the copy (else the writer's)
-    progress: "Optional[StageProgress]" = None   # the snapshot copy the writer follows (started before it ends)
 
 
 class CheckpointEngine:
@@ -277,14 +276,7 @@ class CheckpointEngine:
         items = plan.items[rank] if not stale else []
         job = _Job(step, t0=t0, stale=stale)
         spans: list[tuple[int, int]] = []
-        prog = None
-        if not stale and not self.in_place and self.async_save and self.storage.streams_while_staging:
-            # the writer starts now and follows the copy (StageProgress): durable sooner by the copy
-            prog = self.staging.prepare(items, shards)
-        if prog is not None:
-            spans = list(prog.spans)
-            job.progress = StageProgress(prog.buf.data_ptr(), prog.total)
-        elif not stale and self.in_place:
+        if not stale and self.in_place:
             try:
                 job.staged, job.header_crc = self._take_file(items, tmp_dir)
             except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
@@ -304,11 +296,7 @@ class CheckpointEngine:
         args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
         self._saves += 1
         self._job = job
-        if prog is not None and job.progress is not None:
-            self._submit(args)
-            self.staging.run(prog, job.progress)   # raises after telling the writer (it fails the save)
-            stats.stall_s = time.perf_counter() - t1
-        elif self.async_save:
+        if self.async_save:
             self._submit(args)
         else:
             self._write_and_commit(*args)
@@ -420,9 +408,8 @@ class CheckpointEngine:
                 base = memoryview(buf.numpy()) if buf is not None else None
                 views = [base[sp[0]:sp[0] + sp[1]] if len(sp) == 2 else RowRuns(base, sp[0], sp[2], sp[1] // sp[2], sp[3])
                          for sp in spans] if base is not None else []
-                ready = job.progress.wait_addr if job.progress is not None else None
                 outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
-                                                  block_size=self.block_size, ready=ready))
+                                                  block_size=self.block_size))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)

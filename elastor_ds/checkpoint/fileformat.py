@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from .paths import open_regular
@@ -83,24 +83,6 @@ class RowRuns:
     def row(self, r: int) -> memoryview:
         a = self.offset + r * self.stride
         return self.base[a:a + self.width]
-
-
-def address(mv: memoryview) -> int:
-    """The address of ``mv``'s first byte (0 for an empty buffer)."""
-    if not len(mv):
-        return 0
-    import numpy as np
-    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0])
-
-
-def buffer_end(b: "memoryview | RowRuns") -> int:
-    """The address just past the last byte a writer reads from ``b`` (0 for an empty buffer): what
-    it waits for while a snapshot copy is still filling the staging buffer (``ready``)."""
-    if isinstance(b, RowRuns):
-        if not b.rows or not b.width:
-            return 0
-        return address(b.base) + b.offset + (b.rows - 1) * b.stride + b.width
-    return address(b) + len(b) if len(b) else 0
 
 
 IOV_MAX = 1024
@@ -185,7 +167,7 @@ def _writeback_starter():
 
 def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRuns"], fsync: bool = True,
                  chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
-                 block_size: int = BLOCK_SIZE, ready: "Callable[[int], None] | None" = None) -> tuple[int, int]:
+                 block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """Write ``header`` then each buffer; return (size, crc32 of the whole file).
 
     1. Write everything (into the page cache); with ``fsync``, every ~32 MiB written is handed to
@@ -195,8 +177,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
     3. One pass over each buffer gives its cumulative CRC32 at every ``block_size`` boundary
        (appended to ``block_crcs`` when given; the last one is the buffer's CRC, appended to
        ``chunk_crcs``); the file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`).
-    ``ready``: called with :func:`buffer_end` of each buffer before it is read (a snapshot copy may
-    still be filling them). Raises OSError on failure."""
+    Raises OSError on failure."""
     mvs = [b if isinstance(b, RowRuns) else memoryview(b).cast("B") for b in buffers]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     start = _writeback_starter() if fsync else None
@@ -212,8 +193,6 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
                 start(fd, kicked, size - kicked)
                 kicked = size
         for mv in mvs:
-            if ready is not None:
-                ready(buffer_end(mv))
             if isinstance(mv, RowRuns):
                 write_runs(fd, mv)
                 wrote(len(mv))
@@ -243,15 +222,12 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
 
 
 def stream_crcs(header: bytes, mvs: Sequence["memoryview | RowRuns"], chunk_crcs: list[int] | None,
-                block_crcs: list[list[int]] | None, block_size: int,
-                ready: "Callable[[int], None] | None" = None) -> int:
+                block_crcs: list[list[int]] | None, block_size: int) -> int:
     """The CRCs of a data file written as ``header`` then ``mvs``: each buffer's cumulative block
     CRCs (appended to ``block_crcs``) and its CRC (appended to ``chunk_crcs``); returns the file's
-    CRC, combined from the buffers' (:func:`crc32_combine`). ``ready``: as :func:`write_stream`'s."""
+    CRC, combined from the buffers' (:func:`crc32_combine`)."""
     crc = crc32(header)
     for mv in mvs:
-        if ready is not None:
-            ready(buffer_end(mv))
         if block_crcs is not None:
             cum = runs_cumulative_crcs(mv, block_size) if isinstance(mv, RowRuns) else cumulative_crcs(mv, block_size)
             block_crcs.append(cum)

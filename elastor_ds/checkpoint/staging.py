@@ -19,14 +19,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import threading
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..layout.region import Region
-from ..errors import CheckpointError
 from .crc import crc32
 from .planning.save_plan import WriteItem
 from .shards import TensorShard, region_view
@@ -209,45 +207,6 @@ class BlockCrcs:
         return self.tables
 
 
-class StageProgress:
-    """How far a snapshot copy has filled the staging buffer, for a writer that starts before the
-    copy ends (the copy runs in buffer order, which is file order). The copy calls :meth:`advance`
-    with each offset up to which the bytes are final, then :meth:`finish`, or :meth:`fail`; the
-    writer calls :meth:`wait_addr` before it reads bytes of the buffer."""
-
-    def __init__(self, base_addr: int, total: int):
-        self.base = int(base_addr)
-        self.total = int(total)
-        self.done = 0
-        self.error: BaseException | None = None
-        self._cv = threading.Condition()
-
-    def advance(self, pos: int) -> None:
-        with self._cv:
-            self.done = pos
-            self._cv.notify_all()
-
-    def finish(self) -> None:
-        self.advance(self.total)
-
-    def fail(self, error: BaseException) -> None:
-        with self._cv:
-            self.error = error
-            self._cv.notify_all()
-
-    def wait_addr(self, end_addr: int) -> None:
-        """Block until every byte of the buffer below address ``end_addr`` is final; raises
-        :class:`~elastor_ds.errors.CheckpointError` when the copy failed."""
-        need = min(end_addr - self.base, self.total)
-        if self.done >= need:   # (an int read: no lock on the common path)
-            return
-        with self._cv:
-            while self.done < need and self.error is None:
-                self._cv.wait()
-            if self.error is not None and self.done < need:
-                raise CheckpointError(f"the snapshot copy into the staging buffer failed: {self.error}") from self.error
-
-
 class StagingBuffer:
     """The rank's staging memory and the snapshot copy into it.
 
@@ -381,47 +340,6 @@ class StagingBuffer:
             else:
                 ev.synchronize()
         return spans
-
-    def prepare(self, items: Sequence[WriteItem], shards: Sequence[TensorShard]) -> "_CopyProgram | None":
-        """The copy program of a snapshot whose writer may start before the copy ends: CPU shards
-        copied in buffer order (tiles as whole boxes, as ``snapshot(whole_boxes=True)`` does) into
-        this buffer. None where that does not hold (device shards, strided copies done by torch
-        after the others): the caller then copies with :meth:`snapshot` first."""
-        if not items or any(sh.tensor.is_cuda for sh in shards):
-            return None
-        total = sum(i.nbytes for i in items)
-        buf = self.ensure(total)
-        prog = next((p for p in self._programs if p.valid_for(items, shards, buf, True)), None)
-        if prog is None:
-            prog = _CopyProgram(items, shards, buf, True)
-            self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
-        if prog.strided:
-            return None
-        self._program = prog
-        return prog
-
-    # a copy longer than this is done in pieces of it, each announced to the writer when it is final
-    PIPE_PIECE = 32 * 1024 * 1024
-
-    def run(self, prog: "_CopyProgram", progress: StageProgress) -> None:
-        """Run ``prog`` (from :meth:`prepare`) in buffer order, announcing each piece to
-        ``progress``; a failure is announced too (the writer stops) and raised."""
-        piece = self.PIPE_PIECE
-        try:
-            for (dst, src), pos in zip(prog.copies, prog.copy_pos):
-                if dst.ndim != 1:   # a column tile's rows: one strided copy
-                    np.copyto(dst, src)
-                    progress.advance(pos + dst.size)
-                    continue
-                n = dst.shape[0]
-                for a in range(0, n, piece):
-                    b = min(n, a + piece)
-                    np.copyto(dst[a:b], src[a:b])
-                    progress.advance(pos + b)
-            progress.finish()
-        except BaseException as e:
-            progress.fail(e)
-            raise
 
     def _copy_with_crcs(self, prog: _CopyProgram, buf: torch.Tensor, block_size: int) -> list[list[int]]:
         """Run ``prog`` in buffer order, in pieces, feeding each piece's bytes to the block CRCs."""

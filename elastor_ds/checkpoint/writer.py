@@ -14,7 +14,7 @@ import json
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from ..layout.region import Region
 from .planning.manifest import BLOCK_SIZE, BlockTable, Chunk, FileEntry, Manifest, TensorEntry, crc_table_name
@@ -44,18 +44,16 @@ def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
                      rank_state: Optional[Mapping[str, Any]], storage: "StorageWriter",
-                     block_size: int = BLOCK_SIZE, ready: Optional[Callable[[int], None]] = None) -> dict:
+                     block_size: int = BLOCK_SIZE) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
     table and its state file into ``tmp_dir`` through ``storage`` (as durable as it is); return
-    what the manifest needs (plain data, sent to rank 0). ``ready``: the views are still being
-    filled (a storage with ``streams_while_staging`` only; see its ``write_data_file``)."""
+    what the manifest needs (plain data, sent to rank 0)."""
     fname = data_file_name(rank)
     header, rel = rank_header(rank, items)
     crcs: list[int] = []
     blocks: list[list[int]] = []
     size, crc = storage.write_data_file(os.path.join(tmp_dir, fname), header, views, chunk_crcs=crcs,
-                                        block_crcs=blocks, block_size=block_size,
-                                        **({"ready": ready} if ready is not None else {}))
+                                        block_crcs=blocks, block_size=block_size)
     return _finish_rank_files(rank, items, tmp_dir, fname, len(header), rel, crcs, blocks, size, crc, rank_state,
                               storage, block_size)
 

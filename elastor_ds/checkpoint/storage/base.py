@@ -73,17 +73,11 @@ class StorageWriter(abc.ABC):
     def temp_dir(self, step: int, nonce: str) -> str:
         """The directory this save's files go to before the commit (the same on every rank)."""
 
-    # write_data_file takes ``ready`` (a callable: wait until the staging buffer is final below an
-    # address), so the engine may start the write while the snapshot copy is still filling it
-    streams_while_staging: bool = False
-
     @abc.abstractmethod
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
                         block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         """Write ``header`` then each buffer to ``path`` (making its directory); append each buffer's
-        cumulative block CRCs and CRC; return (size, crc32 of the file). Raises OSError. A backend
-        with :attr:`streams_while_staging` also takes ``ready=`` and calls it with
-        :func:`~..fileformat.buffer_end` of every buffer before it reads that buffer's bytes."""
+        cumulative block CRCs and CRC; return (size, crc32 of the file). Raises OSError."""
 
     @abc.abstractmethod
     def write_file(self, path: str, data: bytes) -> None:

@@ -50,14 +50,12 @@ class PosixStorage(Storage):
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))
 
-    streams_while_staging = True
-
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
-                        block_crcs: list[list[int]], block_size: int, ready=None) -> tuple[int, int]:
+                        block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write = write_stream_direct if self.direct_io else write_stream
         return write(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
-                     block_size=block_size, ready=ready)
+                     block_size=block_size)
 
     def write_file(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
