@@ -72,15 +72,18 @@ def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
 
 def _kill_during_save(job, rank: int, world: int, timeout: float = 120) -> int | None:
     """SIGKILL ``rank`` while a save of the ``world``-process run is in flight (a ``.tmp_step_N_*``
-    directory exists); returns N, or None when no in-flight save was seen (then it kills anyway)."""
+    directory of a step that run reached: a temp dir an earlier launch left behind does not count);
+    returns N, or None when no in-flight save was seen (then it kills anyway)."""
     t_end = time.time() + timeout
     while time.time() < t_end:
         recs = job.records()
         if recs and recs[-1]["world_size"] == world and os.path.isdir(job.ckpt):
-            tmp = [d for d in os.listdir(job.ckpt) if d.startswith(".tmp_step_")]
-            if tmp:
+            first = next(r["iteration"] for r in reversed(recs) if "plan" in r)   # this launch's first
+            steps = [int(d[len(".tmp_step_"):].split("_")[0]) for d in os.listdir(job.ckpt) if d.startswith(".tmp_step_")]
+            steps = [n for n in steps if n >= first]
+            if steps:
                 job.signal_worker(rank, signal.SIGKILL)
-                return int(tmp[0][len(".tmp_step_"):].split("_")[0])
+                return steps[0]
         if job.proc.poll() is not None:
             raise AssertionError(job.output()[-5000:])
         time.sleep(0.002)

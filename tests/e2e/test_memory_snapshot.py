@@ -147,30 +147,34 @@ def _kill_at(job: Job, iteration: int, rank: int) -> int:
 
 
 def test_kill_worker_restores_from_local_memory_under_new_layout(tmp_path, snap_dir):
-    """Killed at iteration 5 of 6, 3 -> 2 processes (PP3 -> the planner's 2-process plan): the restart reads every byte from this
+    """Killed at iteration 7 of 12, 3 -> 2 processes (PP3 -> the planner's 2-process plan): the restart reads every byte from this
     node's memory snapshot, none from storage (which holds an older step), and loses at most one
-    iteration; the controller removes the snapshot directory at the end."""
-    job = MemJob(tmp_path, nproc=3, iters=6, save_interval=3, snap_dir=snap_dir, ctl_args=["--on-failure", "shrink"])
+    iteration; the controller removes the snapshot directory at the end. (12 iterations, storage
+    every 6: with 6 and a kill at 5, a fast machine had finished the last iteration before the
+    SIGKILL landed, and the relaunch had nothing left to run.)"""
+    job = MemJob(tmp_path, nproc=3, iters=12, save_interval=6, snap_dir=snap_dir, ctl_args=["--on-failure", "shrink"])
     try:
-        job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 5 and job.latest(job.ckpt) == 3,
-                     what="iteration 5 with storage's step 3 committed")
+        job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 7 and job.latest(job.ckpt) == 6,
+                     what="iteration 7 with storage's step 6 committed")
         # storage unreadable, not only unread by our counters: its committed data files are removed
-        step3 = os.path.join(job.ckpt, "step_000000003")
-        removed = [os.path.join(step3, f) for f in os.listdir(step3) if f.endswith(".safetensors")]
+        step6 = os.path.join(job.ckpt, "step_000000006")
+        removed = [os.path.join(step6, f) for f in os.listdir(step6) if f.endswith(".safetensors")]
         assert removed
         for f in removed:
             os.unlink(f)
-        last = _kill_at(job, 5, rank=1)
+        last = _kill_at(job, 7, rank=1)
+        # the fault hit a running job: its last iteration (and storage's step 12) still ahead
+        assert last < 11, f"iteration {last} of 12 was logged before the SIGKILL; give the test more iterations"
         assert job.wait(240) == 0, job.output()[-4000:]
     finally:
         job.kill()
-    check_reruns(job.records(), job.event_list(), 6, at_least=0)   # memory: <= 1 iteration (asserted below)
+    check_reruns(job.records(), job.event_list(), 12, at_least=0)   # memory: <= 1 iteration (asserted below)
     mem = [r for r in job.restores() if r["tier"] == "memory"]
     assert len(mem) == 1, job.restores()
     r = mem[0]
     assert r["bytes"].get("storage", 0) == 0 and r["bytes"]["local-memory"] > 0, r
     assert r["step"] >= last - 1, (last, r)                  # lost work <= 1 iteration
-    assert r["step"] > 3                                      # newer than storage's step 3
+    assert r["step"] > 6                                      # newer than storage's step 6
     launches = [e for e in job.event_list() if e.get("event") == "launch"]
     assert [e["world_size"] for e in launches] == [3, 2]
     assert not os.path.exists(snap_dir)                       # removed when the job ended

@@ -129,17 +129,23 @@ def resumed_steps(events: list[dict]) -> list[int]:
 def expected_reruns(recs: list[dict], resumed: list[int]) -> int:
     """Iterations a run must have re-run: for each relaunch (its first record carries the plan), the
     iterations logged before it after the step it resumed from (``resumed``: from the events, what
-    the trainer reported, not from the records)."""
-    total, high, k = 0, 0, 0
+    the trainer reported, not from the records), up to where that launch itself got (a launch
+    killed in its turn re-runs only the iterations it reached). Each launch's iterations must be
+    contiguous from its resume step."""
+    launches: list[list[int]] = []       # each launch's iterations, in record order
     for i, r in enumerate(recs):
-        it = r["iteration"]
-        if i > 0 and "plan" in r:            # the first record of a relaunch
-            assert k < len(resumed), f"more launches in the records than relaunches in the events ({resumed})"
-            assert it == resumed[k] + 1, f"relaunch {k} logged iteration {it} first but reported step {resumed[k]}"
-            total += high - resumed[k]
-            k += 1
-        high = max(high, it)
-    assert k == len(resumed), f"{k} relaunches in the records, {len(resumed)} in the events"
+        if i == 0 or "plan" in r:            # the first record of a launch
+            launches.append([])
+        launches[-1].append(r["iteration"])
+    assert len(launches) - 1 == len(resumed), f"{len(launches) - 1} relaunches in the records, {len(resumed)} in the events"
+    total, high = 0, 0
+    for k, its in enumerate(launches):
+        if k > 0:
+            r0 = resumed[k - 1]
+            assert its[0] == r0 + 1, f"relaunch {k - 1} logged iteration {its[0]} first but reported step {r0}"
+            total += max(0, min(high, its[-1]) - r0)
+        assert its == list(range(its[0], its[0] + len(its))), f"launch {k} logged iterations {its}, not contiguous"
+        high = max(high, its[-1])
     return total
 
 
