@@ -21,8 +21,11 @@ Pure: no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain, islice, repeat
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from itertools import accumulate, chain, compress, repeat
+from operator import and_, attrgetter, eq, is_, lt, not_
+from types import SimpleNamespace
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +36,10 @@ from .cluster import Cluster, Device
 from .gcpause import gc_paused
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
+_GPUS, _SPEEDS = attrgetter("gpus"), attrgetter("speeds")
+_ONES = {k: (1.0,) * k for k in range(65)}  # a node's speeds when all its GPUs run at speed 1
+_NO_NODE = SimpleNamespace(gpus=None, speeds=None)  # stands for a node the cluster does not have
+_new_object, _set_attr = object.__new__, object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,18 @@ class PlanStage:
                                             "node": node})
         return st
 
+    @staticmethod
+    def column(tp: int, layers: tuple[int, int], devices: Iterable[tuple[Device, ...]], speeds: Iterable[float],
+               nodes: Iterable[int]) -> list["PlanStage"]:
+        """``[PlanStage.of_group(tp, layers, d, s, n) for d, s, n in zip(devices, speeds, nodes)]``
+        (stage ``j`` of every replica of a group), with C-level passes instead of a call per stage:
+        a reader of a 131,072-GPU document makes tens of thousands of them."""
+        fields = [{"tp": tp, "layers": layers, "devices": d, "speed": s, "node": n}
+                  for d, s, n in zip(devices, speeds, nodes)]
+        out = list(map(_new_object, repeat(PlanStage, len(fields))))
+        deque(map(_set_attr, out, repeat("__dict__"), fields), 0)
+        return out
+
 
 @dataclass(frozen=True)
 class PlanReplica:
@@ -99,6 +118,15 @@ class PlanReplica:
         r = object.__new__(PlanReplica)
         object.__setattr__(r, "__dict__", {"stages": stages, "micro_batches": micro_batches, "_shape": shape})
         return r
+
+    @staticmethod
+    def many(stages: Iterable[tuple[PlanStage, ...]], micro_batches: int, shapes: Sequence[tuple]) -> list["PlanReplica"]:
+        """``[PlanReplica.of(st, micro_batches, k) for st, k in zip(stages, shapes)]`` with C-level
+        passes instead of a call per replica."""
+        fields = [{"stages": st, "micro_batches": micro_batches, "_shape": k} for st, k in zip(stages, shapes)]
+        out = list(map(_new_object, repeat(PlanReplica, len(fields))))
+        deque(map(_set_attr, out, repeat("__dict__"), fields), 0)
+        return out
 
     def with_micro_batches(self, m: int) -> "PlanReplica":
         """The same stages with ``m`` micro-batches (its shape key carried over)."""
@@ -488,57 +516,66 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     devices one by one."""
     from .cluster import Node
     cp = decode(doc)
-    index = cluster.node_index()
-    n_now = len(cluster.nodes)
-    gone: dict[str, int] = {}
+    now = cluster.nodes
+    n_now = len(now)
     names, gpus = cp.node_names, cp.node_gpus
-    sizes = [len(g) for g in gpus]
-    nis: list[int | None] = list(map(index.get, names))  # table node -> node index now (by name)
+    n_tab = len(names)
+    sizes = list(map(len, gpus))
+    first = list(accumulate(sizes, initial=0))  # per table node: its first position (and one past the last)
+    # Per table node, with C-level passes: its index now (by name; n_now where the cluster has no
+    # such node), the cluster's node of that name, whether that node has the table's GPU ids
+    # (then its devices are the cluster's own) and all of them at speed 1. Only the other nodes
+    # (changed, gone, slowed: a few after a failure) are looked at one by one.
+    nis: list[int] = list(map(cluster.node_index().get, names, repeat(n_now)))
+    have_node = list(map((now + (_NO_NODE,)).__getitem__, nis))
+    same = list(map(eq, map(_GPUS, have_node), gpus))
+    plain = list(map(eq, map(_SPEEDS, have_node), map(_ONES.__getitem__, sizes)))
+    old_nodes: list[Node | None] = [None] * n_now  # the cluster the document was made for, numbered like now
+    named = list(map(lt, nis, repeat(n_now)))
+    deque(map(old_nodes.__setitem__, compress(nis, named), compress(have_node, named)), 0)
     speed_at = np.ones(cp.num_devices, dtype=float)
-    old_nodes: dict[int, Node] = {}
-    ones = {k: (1.0,) * k for k in set(sizes)}
-    starts_now = cluster.node_starts()
-    own: list[int] = [-1] * len(names)  # per table node: its first device in cluster.device_tuple() if unchanged
-    start = 0
-    for t, ni in enumerate(nis):
-        ids, k = gpus[t], sizes[t]
-        if ni is None:  # a node the cluster no longer has: numbered after its nodes, speed 1
-            ni = nis[t] = gone.setdefault(names[t], n_now + len(gone))
-            old_nodes[ni] = Node(names[t], ids, ones[k])
+    gone: list[Node] = []  # nodes the cluster no longer has: numbered after its nodes, speed 1
+    fresh: dict[int, tuple[Device, ...]] = {}  # table node -> its devices, where not the cluster's own
+    new_device = tuple.__new__
+    for t in compress(range(n_tab), map(not_, map(and_, same, plain))):
+        ids, k, a = gpus[t], sizes[t], first[t]
+        nd = have_node[t]
+        if same[t]:  # the cluster's own node and devices, some GPU not at speed 1
+            speed_at[a:a + k] = nd.speeds
+            continue
+        if nis[t] == n_now:
+            ni = nis[t] = n_now + len(gone)
+            sp = _ONES[k]
+            gone.append(Node(names[t], ids, sp))
         else:
-            nd = cluster.nodes[ni]
-            if nd.gpus == ids:  # unchanged GPUs: the cluster's own node (its speeds)
-                old_nodes[ni] = nd
-                own[t] = starts_now[ni]
-                if nd.speeds != ones[k]:
-                    speed_at[start:start + k] = nd.speeds
-            else:
-                table = dict(zip(nd.gpus, nd.speeds))
-                sp = tuple(table.get(g, 1.0) for g in ids)
-                speed_at[start:start + k] = sp
-                old_nodes[ni] = Node(names[t], ids, sp)
-        start += k
+            ni = nis[t]
+            table = dict(zip(nd.gpus, nd.speeds))
+            sp = tuple(table.get(g, 1.0) for g in ids)
+            old_nodes[ni] = Node(names[t], ids, sp)
+            speed_at[a:a + k] = sp
+        fresh[t] = tuple(map(new_device, repeat(Device), zip(repeat(ni), repeat(names[t]), ids, sp)))
+    empty: tuple = ()
+    for i in compress(range(n_now), map(is_, old_nodes, repeat(None))):  # nodes the document does not name
+        old_nodes[i] = Node(now[i].name, empty, empty)
     node_idx = np.asarray(nis, dtype=np.int64)
-    # the devices of the table: on unchanged nodes the cluster's own (the same values: node index
-    # now, name, GPU id, speed), shared with its device tuple, which the re-plan's placement reads;
-    # on the other nodes made at once from the table's arrays: (node index now, node name, GPU id, speed)
+    # the devices of the table, in runs of table nodes whose devices are consecutive in the
+    # cluster's device tuple (all of it when nothing changed): slices of that tuple, shared with
+    # it (the re-plan's placement reads it); the other nodes' devices made above
     have = cluster.device_tuple()
-    fresh_nodes = [t for t, o in enumerate(own) if o < 0]
-    made: Iterator[Device] = iter(())
-    if fresh_nodes:
-        fresh = np.repeat(np.asarray(own, dtype=np.int64) < 0, sizes)
-        made = map(tuple.__new__, repeat(Device), zip(
-            np.repeat(node_idx, sizes)[fresh].tolist(),
-            chain.from_iterable(repeat(names[t], sizes[t]) for t in fresh_nodes), cp.gpu_of[fresh].tolist(),
-            speed_at[fresh].tolist()))
-    devices: tuple[Device, ...] = tuple(chain.from_iterable(
-        [have[o:o + k] if o >= 0 else tuple(islice(made, k)) for o, k in zip(own, sizes)]))
+    size_a = np.asarray(sizes, dtype=np.int64)
+    own = np.where(np.asarray(same, dtype=bool), np.asarray(cluster.node_starts() + [0], dtype=np.int64)[
+        np.minimum(node_idx, n_now)], -1)
+    cut = np.flatnonzero((own[1:] < 0) | (own[:-1] < 0) | (own[1:] != own[:-1] + size_a[:-1])) + 1
+    bounds = [0] + cut.tolist() + [n_tab]
+    pieces = [have[o:o + first[b] - first[a]] if o >= 0 else fresh[a]
+              for a, b, o in zip(bounds, bounds[1:], own[bounds[:-1]].tolist())]
+    devices: tuple[Device, ...] = pieces[0] if len(pieces) == 1 else tuple(chain.from_iterable(pieces))
     node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
     stage_nodes: list[np.ndarray] = []   # (node, replica) of every stage, for Plan.replicas_on
     stage_reps: list[np.ndarray] = []
-    of_group, of_replica = PlanStage.of_group, PlanReplica.of
+    column = PlanStage.column
     for g in cp.groups:
         # column by column (stage j of every replica of the group), then zipped into replicas
         node_m = np.empty((g.count, len(g.stages)), dtype=np.int64)
@@ -557,20 +594,21 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
                 devs = [devices[p:p + tp] for p in pos[:, 0].tolist()]
             else:
                 devs = [tuple([devices[p] for p in row]) for row in pos.tolist()]
-            cols.append(list(map(of_group, repeat(s.tp), repeat(s.layers), devs, pace_m[:, j].tolist(),
-                                 node_m[:, j].tolist())))
+            cols.append(column(s.tp, s.layers, devs, pace_m[:, j].tolist(), node_m[:, j].tolist()))
         flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
-        keys: dict[tuple, tuple] = {}
-        sks = []
-        for ck in zip(map(tuple, pace_m.tolist()), map(tuple, flags_m.tolist())):
-            sk = keys.get(ck)
-            if sk is None:
-                sk = (tuple((s.tp, s.layers, v) for s, v in zip(g.stages, ck[0])), ck[1])
-                sk = keys[ck] = shapes.setdefault(sk, sk)
-            sks.append(sk)
+        # each replica's shape key (paces, whether neighbouring stages share a node): one object
+        # per distinct row of (paces, flags), found by np.unique rather than replica by replica
+        _, first_row, inverse = np.unique(np.concatenate([pace_m, flags_m], axis=1), axis=0, return_index=True,
+                                          return_inverse=True)
+        keys = []
+        for r in first_row.tolist():
+            sk = (tuple([(s.tp, s.layers, v) for s, v in zip(g.stages, pace_m[r].tolist())]),
+                  tuple(flags_m[r].tolist()))
+            keys.append(shapes.setdefault(sk, sk))
+        sks = list(map(keys.__getitem__, inverse.reshape(-1).tolist()))
         stage_nodes.append(node_m.ravel())
         stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + g.count, dtype=np.int64), len(g.stages)))
-        reps.extend(map(of_replica, zip(*cols), repeat(g.micro_batches), sks))
+        reps.extend(PlanReplica.many(zip(*cols), g.micro_batches, sks))
     nodes_flat, reps_flat = np.concatenate(stage_nodes), np.concatenate(stage_reps)
     order = np.argsort(nodes_flat, kind="stable")
     by_node = (nodes_flat[order], reps_flat[order])
@@ -578,10 +616,7 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(cp.num_layers, tuple(reps), unused, kind)
     object.__setattr__(plan, "_by_node", by_node)
-    empty: tuple = ()
-    nodes = [old_nodes.get(i) or Node(cluster.nodes[i].name, empty, empty) for i in range(n_now)]
-    nodes.extend(old_nodes[i] for i in sorted(gone.values()))
-    old = Cluster(tuple(nodes), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
+    old = Cluster(tuple(old_nodes) + tuple(gone), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
                   cluster.inter_node_bandwidth_gbs)
     return plan, old
 
