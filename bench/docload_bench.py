@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: an A/B run picks the tree
 
 from elastor_ds.plan import Cluster, CostModel, TrainingSpec, plan  # noqa: E402
 
@@ -64,7 +64,8 @@ def run(d: Path, case: str, with_replan: bool) -> dict:
     c0 = time.process_time()
     prev, prev_cluster = plan_from_document(doc, new)
     lc = time.process_time() - c0
-    out = {"case": case, "parse_cpu_s": pc, "load_cpu_s": lc}
+    import elastor_ds
+    out = {"case": case, "tree": str(Path(elastor_ds.__file__).parents[1]), "parse_cpu_s": pc, "load_cpu_s": lc}
     if with_replan:
         from elastor_ds.plan.replan import replan
         c0 = time.process_time()

@@ -21,6 +21,7 @@ Pure: no torch.distributed, deepspeed or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from bisect import bisect_right
 from collections import deque
 from itertools import accumulate, chain, compress, repeat
 from operator import and_, attrgetter, eq, is_, lt, not_
@@ -96,8 +97,21 @@ class PlanReplica:
     stages: tuple[PlanStage, ...]
     micro_batches: int
 
+    def __getattr__(self, name: str) -> Any:
+        # A replica of a loaded plan document (plan_from_document, version 2) is made without its
+        # stages: they are made the first time they are read, from its replica group's arrays
+        # (_GroupStages), the same values as made at once. Only a missing attribute comes here.
+        if name == "stages":
+            lazy = self.__dict__.get("_lazy")
+            if lazy is not None:
+                return lazy[0].stages_for(self, lazy[1])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def num_gpus(self) -> int:
+        k = self.__dict__.get("_shape")
+        if k is not None:  # (tp, layers, speed) per stage: without making the stages of a loaded replica
+            return sum([t for t, _, _ in k[0]])
         return sum(s.tp for s in self.stages)
 
     def shape_key(self) -> tuple:
@@ -129,11 +143,102 @@ class PlanReplica:
         return out
 
     def with_micro_batches(self, m: int) -> "PlanReplica":
-        """The same stages with ``m`` micro-batches (its shape key carried over)."""
+        """The same stages with ``m`` micro-batches (its shape key carried over; a loaded replica's
+        stages still made when first read)."""
+        d = self.__dict__
+        if "stages" not in d:
+            r = object.__new__(PlanReplica)
+            object.__setattr__(r, "__dict__", {"micro_batches": m, "_shape": d["_shape"], "_lazy": d["_lazy"]})
+            return r
         r = PlanReplica(self.stages, m)
         if "_shape" in self.__dict__:
             object.__setattr__(r, "_shape", self.__dict__["_shape"])
         return r
+
+
+class _DeviceTable:
+    """The devices of a loaded document's table by position, without a tuple of all of them:
+    ``runs`` of positions, each ``(first position, source tuple, offset)``: position ``p`` of the
+    run is ``source[offset + p - first]`` (a slice of the cluster's device tuple, or the devices
+    made for a changed node); ``n`` positions in all."""
+
+    def __init__(self, runs: list[tuple[int, tuple[Device, ...], int]], n: int) -> None:
+        self.runs = runs
+        self.firsts = [r[0] for r in runs] + [n]
+        self._all: tuple[Device, ...] | None = None
+
+    def at(self, p: int) -> Device:
+        a, src, off = self.runs[bisect_right(self.firsts, p) - 1]
+        return src[off + p - a]
+
+    def slice(self, p: int, q: int) -> tuple[Device, ...]:
+        """The devices at positions ``p`` to ``q - 1``."""
+        k = bisect_right(self.firsts, p) - 1
+        a, src, off = self.runs[k]
+        if q <= self.firsts[k + 1]:
+            return src[off + p - a:off + q - a]
+        return tuple(map(self.at, range(p, q)))
+
+    def all(self) -> tuple[Device, ...]:
+        """Every device, by position (made once)."""
+        d = self._all
+        if d is None:
+            parts = [src[off:off + b - a] for (a, src, off), b in zip(self.runs, self.firsts[1:])]
+            d = self._all = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
+        return d
+
+
+class _GroupStages:
+    """The stages of the replicas of one replica group of a loaded version-2 document, made when a
+    replica's :attr:`PlanReplica.stages` is first read: per stage its TP degree and layers, per
+    replica and stage the first device position (``rows[j]``: all positions, for a stage whose TP
+    groups are not consecutive positions), pace and node, and the devices of the table. Replica by
+    replica while few are read (the re-plan reads a handful); after :attr:`BULK` of them, the
+    stages of the whole group at once, column by column (a reader of every replica then pays what
+    a loader making them at once pays)."""
+
+    BULK = 32
+
+    def __init__(self, specs: tuple[tuple[int, tuple[int, int]], ...], devices: _DeviceTable,
+                 firsts: np.ndarray, rows: list[np.ndarray | None], paces: np.ndarray, nodes: np.ndarray) -> None:
+        self.specs, self.devices, self.rows = specs, devices, rows
+        self.arrays = (firsts, paces, nodes)
+        self.replicas: list[PlanReplica] = []  # the group's replicas, in order (set by the loader)
+        self.made = 0
+        self.all_made = False
+
+    def stages_for(self, rep: PlanReplica, i: int) -> tuple[PlanStage, ...]:
+        """Replica ``i``'s stages, stored on ``rep`` (replica ``i`` or a copy of it with other
+        micro-batches)."""
+        self.made += 1
+        if self.made > self.BULK and not self.all_made:
+            self.all_made = True
+            self._make_all()
+            got = rep.__dict__.get("stages")
+            if got is not None:
+                return got
+        f, p, n = (a[i].tolist() for a in self.arrays)
+        dev = self.devices
+        st = tuple([PlanStage.of_group(tp, lay, dev.slice(f[j], f[j] + tp) if self.rows[j] is None
+                                       else tuple(map(dev.at, self.rows[j][i].tolist())), p[j], n[j])
+                    for j, (tp, lay) in enumerate(self.specs)])
+        rep.__dict__["stages"] = st
+        return st
+
+    def _make_all(self) -> None:
+        """The stages of every replica of the group not made yet, column by column."""
+        firsts, paces, nodes = self.arrays
+        dev = self.devices.all()
+        cols = []
+        for j, (tp, lay) in enumerate(self.specs):
+            rows = self.rows[j]
+            if rows is None:
+                devs = [dev[a:a + tp] for a in firsts[:, j].tolist()]
+            else:
+                devs = [tuple(map(dev.__getitem__, r)) for r in rows.tolist()]
+            cols.append(PlanStage.column(tp, lay, devs, paces[:, j].tolist(), nodes[:, j].tolist()))
+        for r, st in zip(self.replicas, zip(*cols)):
+            r.__dict__.setdefault("stages", st)
 
 
 @dataclass(frozen=True)
@@ -526,13 +631,20 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     # such node), the cluster's node of that name, whether that node has the table's GPU ids
     # (then its devices are the cluster's own) and all of them at speed 1. Only the other nodes
     # (changed, gone, slowed: a few after a failure) are looked at one by one.
-    nis: list[int] = list(map(cluster.node_index().get, names, repeat(n_now)))
-    have_node = list(map((now + (_NO_NODE,)).__getitem__, nis))
+    index = cluster.node_index()
+    in_order = n_tab == n_now and names == tuple(index)  # the cluster's nodes in its order (a failed node stays listed)
+    if in_order:
+        nis: list[int] = list(range(n_now))
+        have_node: list[Any] = list(now)
+        old_nodes: list[Node | None] = list(now)  # the cluster the document was made for, numbered like now
+    else:
+        nis = list(map(index.get, names, repeat(n_now)))
+        have_node = list(map((now + (_NO_NODE,)).__getitem__, nis))
+        old_nodes = [None] * n_now
+        named = list(map(lt, nis, repeat(n_now)))
+        deque(map(old_nodes.__setitem__, compress(nis, named), compress(have_node, named)), 0)
     same = list(map(eq, map(_GPUS, have_node), gpus))
     plain = list(map(eq, map(_SPEEDS, have_node), map(_ONES.__getitem__, sizes)))
-    old_nodes: list[Node | None] = [None] * n_now  # the cluster the document was made for, numbered like now
-    named = list(map(lt, nis, repeat(n_now)))
-    deque(map(old_nodes.__setitem__, compress(nis, named), compress(have_node, named)), 0)
     speed_at = np.ones(cp.num_devices, dtype=float)
     gone: list[Node] = []  # nodes the cluster no longer has: numbered after its nodes, speed 1
     fresh: dict[int, tuple[Device, ...]] = {}  # table node -> its devices, where not the cluster's own
@@ -555,46 +667,48 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
             speed_at[a:a + k] = sp
         fresh[t] = tuple(map(new_device, repeat(Device), zip(repeat(ni), repeat(names[t]), ids, sp)))
     empty: tuple = ()
-    for i in compress(range(n_now), map(is_, old_nodes, repeat(None))):  # nodes the document does not name
-        old_nodes[i] = Node(now[i].name, empty, empty)
+    if not in_order:
+        for i in compress(range(n_now), map(is_, old_nodes, repeat(None))):  # nodes the document does not name
+            old_nodes[i] = Node(now[i].name, empty, empty)
     node_idx = np.asarray(nis, dtype=np.int64)
-    # the devices of the table, in runs of table nodes whose devices are consecutive in the
-    # cluster's device tuple (all of it when nothing changed): slices of that tuple, shared with
-    # it (the re-plan's placement reads it); the other nodes' devices made above
+    # the devices of the table as runs of positions: table nodes whose devices are consecutive in
+    # the cluster's device tuple (all of it when nothing changed) are a slice of that tuple, shared
+    # with it (the re-plan's placement reads it); the other nodes' devices were made above
     have = cluster.device_tuple()
-    size_a = np.asarray(sizes, dtype=np.int64)
-    own = np.where(np.asarray(same, dtype=bool), np.asarray(cluster.node_starts() + [0], dtype=np.int64)[
-        np.minimum(node_idx, n_now)], -1)
-    cut = np.flatnonzero((own[1:] < 0) | (own[:-1] < 0) | (own[1:] != own[:-1] + size_a[:-1])) + 1
-    bounds = [0] + cut.tolist() + [n_tab]
-    pieces = [have[o:o + first[b] - first[a]] if o >= 0 else fresh[a]
-              for a, b, o in zip(bounds, bounds[1:], own[bounds[:-1]].tolist())]
-    devices: tuple[Device, ...] = pieces[0] if len(pieces) == 1 else tuple(chain.from_iterable(pieces))
+    starts_now = cluster.node_starts()
+    if in_order:  # runs: the stretches between the nodes made above
+        cuts = sorted(fresh)
+        bounds = sorted({0, n_tab, *cuts, *(t + 1 for t in cuts)})
+    else:
+        size_a = np.asarray(sizes, dtype=np.int64)
+        own_a = np.where(np.asarray(same, dtype=bool), np.asarray(starts_now + [0], dtype=np.int64)[
+            np.minimum(node_idx, n_now)], -1)
+        cut = np.flatnonzero((own_a[1:] < 0) | (own_a[:-1] < 0) | (own_a[1:] != own_a[:-1] + size_a[:-1])) + 1
+        bounds = [0] + cut.tolist() + [n_tab]
+    runs = [(first[a], fresh[a], 0) if a in fresh else (first[a], have, starts_now[nis[a]]) for a in bounds[:-1]]
+    devices = _DeviceTable(runs, first[n_tab])
     node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
     stage_nodes: list[np.ndarray] = []   # (node, replica) of every stage, for Plan.replicas_on
     stage_reps: list[np.ndarray] = []
-    column = PlanStage.column
     for g in cp.groups:
-        # column by column (stage j of every replica of the group), then zipped into replicas
-        node_m = np.empty((g.count, len(g.stages)), dtype=np.int64)
-        pace_m = np.empty((g.count, len(g.stages)), dtype=float)
-        cols = []
+        # stage by stage (stage j of every replica of the group): node, pace and first device
+        # position of every replica's stage; the stages themselves are made when first read
+        S, n = len(g.stages), g.count
+        node_m = np.empty((n, S), dtype=np.int64)
+        pace_m = np.empty((n, S), dtype=float)
+        first_m = np.empty((n, S), dtype=np.int64)
+        rows: list[np.ndarray | None] = []
         for j, s in enumerate(g.stages):
             pos = s.positions
             nodes = node_at[pos]
             lo, hi = nodes.min(axis=1), nodes.max(axis=1)
             node_m[:, j] = np.where(lo == hi, lo, -1)
             pace_m[:, j] = speed_at[pos].min(axis=1)
-            if s.tp == 1:
-                devs = [(devices[p],) for p in pos[:, 0].tolist()]
-            elif bool((np.diff(pos, axis=1) == 1).all()):  # consecutive: a slice of the table
-                tp = s.tp
-                devs = [devices[p:p + tp] for p in pos[:, 0].tolist()]
-            else:
-                devs = [tuple([devices[p] for p in row]) for row in pos.tolist()]
-            cols.append(column(s.tp, s.layers, devs, pace_m[:, j].tolist(), node_m[:, j].tolist()))
+            first_m[:, j] = pos[:, 0]
+            # consecutive positions: a slice of the table; else the positions one by one
+            rows.append(None if s.tp == 1 or bool((np.diff(pos, axis=1) == 1).all()) else pos)
         flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
         # each replica's shape key (paces, whether neighbouring stages share a node): one object
         # per distinct row of (paces, flags), found by np.unique rather than replica by replica
@@ -607,12 +721,17 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
             keys.append(shapes.setdefault(sk, sk))
         sks = list(map(keys.__getitem__, inverse.reshape(-1).tolist()))
         stage_nodes.append(node_m.ravel())
-        stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + g.count, dtype=np.int64), len(g.stages)))
-        reps.extend(PlanReplica.many(zip(*cols), g.micro_batches, sks))
+        stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + n, dtype=np.int64), S))
+        gs = _GroupStages(tuple((s.tp, s.layers) for s in g.stages), devices, first_m, rows, pace_m, node_m)
+        fields = [{"micro_batches": g.micro_batches, "_shape": k, "_lazy": lz} for k, lz in zip(sks, zip(repeat(gs), range(n)))]
+        made = list(map(_new_object, repeat(PlanReplica, n)))
+        deque(map(_set_attr, made, repeat("__dict__"), fields), 0)
+        gs.replicas = made
+        reps.extend(made)
     nodes_flat, reps_flat = np.concatenate(stage_nodes), np.concatenate(stage_reps)
     order = np.argsort(nodes_flat, kind="stable")
     by_node = (nodes_flat[order], reps_flat[order])
-    unused = tuple(devices[p] for p in cp.unused.tolist())
+    unused = tuple(map(devices.at, cp.unused.tolist()))
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(cp.num_layers, tuple(reps), unused, kind)
     object.__setattr__(plan, "_by_node", by_node)
