@@ -4,6 +4,8 @@
 
     python bench/docload_bench.py gen DIR                 # the documents and clusters (full searches)
     python bench/docload_bench.py time DIR CASE [--replan] # one run: prints a JSON line
+    python bench/docload_bench.py ab DIR CASE N OLD_TREE NEW_TREE [--replan]
+                                # N runs of each tree, alternating, one process each: min (median)
     python bench/docload_bench.py profile DIR CASE         # cProfile of the load
 
 CASE: ``70B-1``, ``70B-node``, ``7B-1``, ``7B-node`` (model, what the cluster lost).
@@ -72,6 +74,11 @@ def run(d: Path, case: str, with_replan: bool) -> dict:
         res = replan(cost, prev, prev_cluster, full_search_below=0)
         out["replan_cpu_s"] = time.process_time() - c0
         out["iteration_time_s"] = res.best.cost.iteration_time_s
+        # afterwards, what a reader of the chosen plan's every device pays (a re-shaped plan's devices
+        # and a loaded replica's stages are made when first read)
+        c0 = time.process_time()
+        out["devices"] = sum(len(s.devices) for r in res.best.plan.replicas for s in r.stages)
+        out["read_all_cpu_s"] = time.process_time() - c0
         out["how"] = f"{res.search_stats.get('replan', '')}: {res.search_stats.get('path', '')}"
     return out
 
@@ -89,10 +96,35 @@ def profile(d: Path, case: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
+def ab(d: Path, case: str, n: int, trees: list[str], with_replan: bool) -> None:
+    import os
+    import statistics
+    import subprocess
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(n):
+        for t in trees:
+            env = dict(os.environ, PYTHONPATH=t)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "time", str(d), case] + (["--replan"] if with_replan
+                                                                                           else [])
+            r = json.loads(subprocess.run(cmd, env=env, cwd=t, check=True, capture_output=True, text=True).stdout)
+            assert Path(r["tree"]) == Path(t).resolve(), (r["tree"], t)
+            runs[t].append(r)
+    keys = ["parse_cpu_s", "load_cpu_s"] + (["replan_cpu_s", "total", "read_all_cpu_s"] if with_replan else [])
+    for t in trees:
+        for r in runs[t]:
+            r["total"] = r["parse_cpu_s"] + r["load_cpu_s"] + r.get("replan_cpu_s", 0.0)
+        cells = [f"{min(r[k] for r in runs[t]):.4f} ({statistics.median(r[k] for r in runs[t]):.4f})" for k in keys]
+        extra = f" | {runs[t][0].get('how', '')}, {runs[t][0].get('iteration_time_s', '')}" if with_replan else ""
+        print(f"| {case} | {t} | {n} | " + " | ".join(cells) + extra + " |")
+    print(json.dumps(runs), file=sys.stderr)
+
+
 if __name__ == "__main__":
     cmd, d = sys.argv[1], Path(sys.argv[2])
     if cmd == "gen":
         gen(d)
+    elif cmd == "ab":
+        ab(d, sys.argv[3], int(sys.argv[4]), sys.argv[5:7], "--replan" in sys.argv)
     elif cmd == "time":
         print(json.dumps(run(d, sys.argv[3], "--replan" in sys.argv)))
     else:

@@ -12,6 +12,9 @@ Document (version 1)::
 Version 2 (``compact=True``, what ``elastor plan --json`` writes above :data:`COMPACT_ABOVE_GPUS`
 GPUs) carries the same plan as replica groups and device ranges
 (:mod:`~elastor_ds.layout.compact_plan`); :func:`plan_from_document` and ``Layout.from_json`` read both.
+A plan read from version 2 is made per replica group: the replicas with their shape keys and the
+index of stages by node at once, each replica's stages (and their devices) the first time they are
+read, from its group's arrays (the re-plan reads a handful; ``tests/unit/test_plan_doc_load.py``).
 
 Ranks number the used devices in canonical device order (node by node, GPU id ascending), so a
 launcher that starts one process per used device in that order gets rank ``i`` on ``ranks[i]``.
@@ -20,9 +23,9 @@ Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from bisect import bisect_right
 from collections import deque
+from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, repeat
 from operator import and_, attrgetter, eq, is_, lt, not_
 from types import SimpleNamespace
@@ -33,12 +36,13 @@ import numpy as np
 from ..errors import ConfigError, LayoutError
 from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout, json_fingerprint
+from .cluster import _ONES as _NODE_ONES
 from .cluster import Cluster, Device
 from .gcpause import gc_paused
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
 _GPUS, _SPEEDS = attrgetter("gpus"), attrgetter("speeds")
-_ONES = {k: (1.0,) * k for k in range(65)}  # a node's speeds when all its GPUs run at speed 1
+_ONES = _NODE_ONES  # a node's speeds when all its GPUs run at speed 1 (a Node's default: equal item by item by identity)
 _NO_NODE = SimpleNamespace(gpus=None, speeds=None)  # stands for a node the cluster does not have
 _new_object, _set_attr = object.__new__, object.__setattr__
 
@@ -133,15 +137,6 @@ class PlanReplica:
         object.__setattr__(r, "__dict__", {"stages": stages, "micro_batches": micro_batches, "_shape": shape})
         return r
 
-    @staticmethod
-    def many(stages: Iterable[tuple[PlanStage, ...]], micro_batches: int, shapes: Sequence[tuple]) -> list["PlanReplica"]:
-        """``[PlanReplica.of(st, micro_batches, k) for st, k in zip(stages, shapes)]`` with C-level
-        passes instead of a call per replica."""
-        fields = [{"stages": st, "micro_batches": micro_batches, "_shape": k} for st, k in zip(stages, shapes)]
-        out = list(map(_new_object, repeat(PlanReplica, len(fields))))
-        deque(map(_set_attr, out, repeat("__dict__"), fields), 0)
-        return out
-
     def with_micro_batches(self, m: int) -> "PlanReplica":
         """The same stages with ``m`` micro-batches (its shape key carried over; a loaded replica's
         stages still made when first read)."""
@@ -208,21 +203,25 @@ class _GroupStages:
         self.all_made = False
 
     def stages_for(self, rep: PlanReplica, i: int) -> tuple[PlanStage, ...]:
-        """Replica ``i``'s stages, stored on ``rep`` (replica ``i`` or a copy of it with other
-        micro-batches)."""
-        self.made += 1
-        if self.made > self.BULK and not self.all_made:
-            self.all_made = True
-            self._make_all()
-            got = rep.__dict__.get("stages")
-            if got is not None:
-                return got
-        f, p, n = (a[i].tolist() for a in self.arrays)
-        dev = self.devices
-        st = tuple([PlanStage.of_group(tp, lay, dev.slice(f[j], f[j] + tp) if self.rows[j] is None
-                                       else tuple(map(dev.at, self.rows[j][i].tolist())), p[j], n[j])
-                    for j, (tp, lay) in enumerate(self.specs)])
-        rep.__dict__["stages"] = st
+        """Replica ``i``'s stages, stored on it and on ``rep`` (replica ``i`` or a copy of it with
+        other micro-batches: both hold the same tuple, as copies of a made replica do)."""
+        orig = self.replicas[i]
+        st = orig.__dict__.get("stages")
+        if st is None:
+            self.made += 1
+            if self.made > self.BULK and not self.all_made:
+                self.all_made = True
+                self._make_all()
+                st = orig.__dict__["stages"]
+            else:
+                f, p, n = (a[i].tolist() for a in self.arrays)
+                dev = self.devices
+                st = tuple([PlanStage.of_group(tp, lay, dev.slice(f[j], f[j] + tp) if self.rows[j] is None
+                                               else tuple(map(dev.at, self.rows[j][i].tolist())), p[j], n[j])
+                            for j, (tp, lay) in enumerate(self.specs)])
+                st = orig.__dict__.setdefault("stages", st)
+        if rep is not orig:
+            rep.__dict__["stages"] = st
         return st
 
     def _make_all(self) -> None:
@@ -618,7 +617,10 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     """:func:`plan_from_document` of a version-2 document: checked by
     :func:`~elastor_ds.layout.compact_plan.decode`, then one pass over the replica groups; the
     node and pace of every stage and each replica's shape key come from arrays, not from the
-    devices one by one."""
+    devices one by one. The table's nodes are compared with the cluster's in C-level passes (only
+    the changed, gone and slowed ones one by one), its devices are runs of slices of the cluster's
+    device tuple (:class:`_DeviceTable`), and each replica's stages are made when first read
+    (:class:`_GroupStages`): work per node and per replica group, not per GPU or stage."""
     from .cluster import Node
     cp = decode(doc)
     now = cluster.nodes
@@ -687,7 +689,9 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
         bounds = [0] + cut.tolist() + [n_tab]
     runs = [(first[a], fresh[a], 0) if a in fresh else (first[a], have, starts_now[nis[a]]) for a in bounds[:-1]]
     devices = _DeviceTable(runs, first[n_tab])
-    node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
+    node_of = cp.node_of                   # position -> table node (ascending)
+    node_at = node_idx[node_of]            # position -> node index in the cluster now
+    all_one = not bool((speed_at != 1.0).any())  # every device at speed 1: every pace 1
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
     stage_nodes: list[np.ndarray] = []   # (node, replica) of every stage, for Plan.replicas_on
@@ -702,28 +706,37 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
         rows: list[np.ndarray | None] = []
         for j, s in enumerate(g.stages):
             pos = s.positions
-            nodes = node_at[pos]
-            lo, hi = nodes.min(axis=1), nodes.max(axis=1)
-            node_m[:, j] = np.where(lo == hi, lo, -1)
-            pace_m[:, j] = speed_at[pos].min(axis=1)
-            first_m[:, j] = pos[:, 0]
-            # consecutive positions: a slice of the table; else the positions one by one
-            rows.append(None if s.tp == 1 or bool((np.diff(pos, axis=1) == 1).all()) else pos)
+            first_m[:, j] = f0 = pos[:, 0]
+            if s.tp == 1 or bool((np.diff(pos, axis=1) == 1).all()):  # consecutive positions: a slice of the table
+                rows.append(None)
+                # the table lists devices node by node: one node iff the first and last are on it
+                node_m[:, j] = np.where(node_of[f0] == node_of[pos[:, -1]], node_at[f0], -1)
+            else:  # positions one by one
+                rows.append(pos)
+                nodes = node_at[pos]
+                lo, hi = nodes.min(axis=1), nodes.max(axis=1)
+                node_m[:, j] = np.where(lo == hi, lo, -1)
+            pace_m[:, j] = 1.0 if all_one else speed_at[pos].min(axis=1)
         flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
         # each replica's shape key (paces, whether neighbouring stages share a node): one object
         # per distinct row of (paces, flags), found by np.unique rather than replica by replica
-        _, first_row, inverse = np.unique(np.concatenate([pace_m, flags_m], axis=1), axis=0, return_index=True,
-                                          return_inverse=True)
+        both = np.concatenate([pace_m, flags_m], axis=1)
+        if bool((both == both[0]).all()):
+            first_row, inverse = [0], None
+        else:
+            _, fr, inverse = np.unique(both, axis=0, return_index=True, return_inverse=True)
+            first_row = fr.tolist()
         keys = []
-        for r in first_row.tolist():
+        for r in first_row:
             sk = (tuple([(s.tp, s.layers, v) for s, v in zip(g.stages, pace_m[r].tolist())]),
                   tuple(flags_m[r].tolist()))
             keys.append(shapes.setdefault(sk, sk))
-        sks = list(map(keys.__getitem__, inverse.reshape(-1).tolist()))
+        sks = [keys[0]] * n if inverse is None else list(map(keys.__getitem__, inverse.reshape(-1).tolist()))
         stage_nodes.append(node_m.ravel())
         stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + n, dtype=np.int64), S))
         gs = _GroupStages(tuple((s.tp, s.layers) for s in g.stages), devices, first_m, rows, pace_m, node_m)
-        fields = [{"micro_batches": g.micro_batches, "_shape": k, "_lazy": lz} for k, lz in zip(sks, zip(repeat(gs), range(n)))]
+        fields = [{"micro_batches": g.micro_batches, "_shape": k, "_lazy": lz}
+                  for k, lz in zip(sks, zip(repeat(gs), range(n)))]
         made = list(map(_new_object, repeat(PlanReplica, n)))
         deque(map(_set_attr, made, repeat("__dict__"), fields), 0)
         gs.replicas = made
