@@ -42,7 +42,7 @@ from .gcpause import gc_paused
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
 _GPUS, _SPEEDS = attrgetter("gpus"), attrgetter("speeds")
-_ONES = _NODE_ONES  # a node's speeds when all its GPUs run at speed 1 (a Node's default: equal item by item by identity)
+_ONES = _NODE_ONES  # speeds of a node whose GPUs all run at speed 1 (a Node's default: identical items)
 _NO_NODE = SimpleNamespace(gpus=None, speeds=None)  # stands for a node the cluster does not have
 _new_object, _set_attr = object.__new__, object.__setattr__
 
