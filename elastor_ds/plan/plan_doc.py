@@ -111,6 +111,13 @@ class PlanReplica:
                 return lazy[0].stages_for(self, lazy[1])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled or copied replica carries its stages, not its group's arrays
+        d = dict(self.__dict__)
+        if d.pop("_lazy", None) is not None:
+            d["stages"] = self.stages
+        return d
+
     @property
     def num_gpus(self) -> int:
         k = self.__dict__.get("_shape")

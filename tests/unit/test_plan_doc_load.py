@@ -152,6 +152,8 @@ def test_a_loaded_replica_before_and_after_its_stages_are_made():
     with pytest.raises(AttributeError, match="no_such_field"):
         r.no_such_field  # noqa: B018
     q = pickle.loads(pickle.dumps(r))
+    assert "_lazy" not in q.__dict__ and "_lazy" not in copy.deepcopy(r).__dict__
     assert q == r and hash(q) == hash(r) and copy.deepcopy(r) == r and "stages" in r.__dict__
+    assert q.shape_key() == r.shape_key() and q.num_gpus == r.num_gpus
     assert repr(r).startswith("PlanReplica(stages=(PlanStage(")
     assert p.replicas[1].with_micro_batches(3).stages == p.replicas[1].stages
