@@ -161,31 +161,46 @@ class PlanReplica:
 class _DeviceTable:
     """The devices of a loaded document's table by position, without a tuple of all of them:
     ``runs`` of positions, each ``(first position, source tuple, offset)``: position ``p`` of the
-    run is ``source[offset + p - first]`` (a slice of the cluster's device tuple, or the devices
-    made for a changed node); ``n`` positions in all."""
+    run is ``source[offset + p - first]``, source None standing for ``cluster.device_tuple()``,
+    else the devices made for a changed node; ``n`` positions in all. While the cluster has not
+    made its device tuple (a cluster made for the recovery has not), devices on its runs are made
+    from the arrays (node index now, node name, GPU id, speed by position): the same values."""
 
-    def __init__(self, runs: list[tuple[int, tuple[Device, ...], int]], n: int) -> None:
+    def __init__(self, runs: list[tuple[int, tuple[Device, ...] | None, int]], n: int, cluster: Cluster,
+                 node_at: np.ndarray, node_of: np.ndarray, names: Sequence[str], gpu_of: np.ndarray,
+                 speed_at: np.ndarray) -> None:
         self.runs = runs
         self.firsts = [r[0] for r in runs] + [n]
+        self.cluster = cluster
+        self.arrays = (node_at, node_of, names, gpu_of, speed_at)
         self._all: tuple[Device, ...] | None = None
 
-    def at(self, p: int) -> Device:
-        a, src, off = self.runs[bisect_right(self.firsts, p) - 1]
-        return src[off + p - a]
+    def make(self, idx: Any) -> tuple[Device, ...]:
+        """The devices at positions ``idx`` (a slice or an integer array), made from the arrays."""
+        node_at, node_of, names, gpu_of, speed_at = self.arrays
+        return tuple(map(tuple.__new__, repeat(Device), zip(
+            node_at[idx].tolist(), map(names.__getitem__, node_of[idx].tolist()), gpu_of[idx].tolist(),
+            speed_at[idx].tolist())))
 
     def slice(self, p: int, q: int) -> tuple[Device, ...]:
         """The devices at positions ``p`` to ``q - 1``."""
         k = bisect_right(self.firsts, p) - 1
         a, src, off = self.runs[k]
         if q <= self.firsts[k + 1]:
+            if src is None:
+                src = self.cluster.__dict__.get("_devices")  # Cluster.device_tuple's, if made
+                if src is None:
+                    return self.make(slice(p, q))
             return src[off + p - a:off + q - a]
-        return tuple(map(self.at, range(p, q)))
+        return tuple(chain.from_iterable(self.slice(i, i + 1) for i in range(p, q)))
 
     def all(self) -> tuple[Device, ...]:
-        """Every device, by position (made once)."""
+        """Every device, by position (made once; the cluster's device tuple shared)."""
         d = self._all
         if d is None:
-            parts = [src[off:off + b - a] for (a, src, off), b in zip(self.runs, self.firsts[1:])]
+            have = self.cluster.device_tuple()
+            parts = [(have if src is None else src)[off:off + b - a] for (a, src, off), b in zip(self.runs,
+                                                                                              self.firsts[1:])]
             d = self._all = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
         return d
 
@@ -224,7 +239,7 @@ class _GroupStages:
                 f, p, n = (a[i].tolist() for a in self.arrays)
                 dev = self.devices
                 st = tuple([PlanStage.of_group(tp, lay, dev.slice(f[j], f[j] + tp) if self.rows[j] is None
-                                               else tuple(map(dev.at, self.rows[j][i].tolist())), p[j], n[j])
+                                               else dev.make(self.rows[j][i]), p[j], n[j])
                             for j, (tp, lay) in enumerate(self.specs)])
                 st = orig.__dict__.setdefault("stages", st)
         if rep is not orig:
@@ -683,7 +698,6 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     # the devices of the table as runs of positions: table nodes whose devices are consecutive in
     # the cluster's device tuple (all of it when nothing changed) are a slice of that tuple, shared
     # with it (the re-plan's placement reads it); the other nodes' devices were made above
-    have = cluster.device_tuple()
     starts_now = cluster.node_starts()
     if in_order:  # runs: the stretches between the nodes made above
         cuts = sorted(fresh)
@@ -694,10 +708,10 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
             np.minimum(node_idx, n_now)], -1)
         cut = np.flatnonzero((own_a[1:] < 0) | (own_a[:-1] < 0) | (own_a[1:] != own_a[:-1] + size_a[:-1])) + 1
         bounds = [0] + cut.tolist() + [n_tab]
-    runs = [(first[a], fresh[a], 0) if a in fresh else (first[a], have, starts_now[nis[a]]) for a in bounds[:-1]]
-    devices = _DeviceTable(runs, first[n_tab])
+    runs = [(first[a], fresh[a], 0) if a in fresh else (first[a], None, starts_now[nis[a]]) for a in bounds[:-1]]
     node_of = cp.node_of                   # position -> table node (ascending)
     node_at = node_idx[node_of]            # position -> node index in the cluster now
+    devices = _DeviceTable(runs, first[n_tab], cluster, node_at, node_of, names, cp.gpu_of, speed_at)
     all_one = not bool((speed_at != 1.0).any())  # every device at speed 1: every pace 1
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
@@ -751,7 +765,8 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     nodes_flat, reps_flat = np.concatenate(stage_nodes), np.concatenate(stage_reps)
     order = np.argsort(nodes_flat, kind="stable")
     by_node = (nodes_flat[order], reps_flat[order])
-    unused = tuple(map(devices.at, cp.unused.tolist()))
+    # the unused devices (a few): made from the arrays, the same values as the cluster's own
+    unused = devices.make(cp.unused)
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(cp.num_layers, tuple(reps), unused, kind)
     object.__setattr__(plan, "_by_node", by_node)

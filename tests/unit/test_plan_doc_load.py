@@ -145,9 +145,16 @@ def test_hand_made_documents_stages_across_runs_and_positions_one_by_one():
 def test_a_loaded_replica_before_and_after_its_stages_are_made():
     res = plan(CostModel(MODEL, TrainingSpec(1, 64, nominal_tp=4), Cluster.from_gpus_per_node([8] * 6)))
     doc = json.loads(json.dumps(plan_document(res, 64, 1, compact=True)))
-    p, _ = plan_from_document(doc, Cluster.from_gpus_per_node([8] * 6))
+    now = Cluster.from_gpus_per_node([8] * 6)
+    p, _ = plan_from_document(doc, now)
     r = p.replicas[0]
     assert "stages" not in r.__dict__
+    # a stage read before the cluster made its device tuple: devices made from the table's arrays,
+    # equal to the cluster's own (which the load did not make: the re-plan does not need them)
+    got = p.replicas[1].stages
+    assert "_devices" not in now.__dict__
+    own = set(now.device_tuple())
+    assert all(d in own for s in got for d in s.devices)
     assert getattr(r, "no_such_field", None) is None
     with pytest.raises(AttributeError, match="no_such_field"):
         r.no_such_field  # noqa: B018
