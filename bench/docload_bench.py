@@ -3,12 +3,15 @@
 (:func:`~elastor_ds.plan.replan.replan`), CPU seconds, one process per run.
 
     python bench/docload_bench.py gen DIR                 # the documents and clusters (full searches)
-    python bench/docload_bench.py time DIR CASE [--replan] # one run: prints a JSON line
-    python bench/docload_bench.py ab DIR CASE N OLD_TREE NEW_TREE [--replan]
+    python bench/docload_bench.py time DIR CASE [--replan] [--fresh-cluster]  # one run: a JSON line
+    python bench/docload_bench.py ab DIR CASE N OLD_TREE NEW_TREE [--replan] [--fresh-cluster]
                                 # N runs of each tree, alternating, one process each: min (median)
     python bench/docload_bench.py profile DIR CASE         # cProfile of the load
 
-CASE: ``70B-1``, ``70B-node``, ``7B-1``, ``7B-node`` (model, what the cluster lost).
+CASE: ``70B-1``, ``70B-node``, ``7B-1``, ``7B-node`` (model, what the cluster lost). The cluster
+after the loss is made before the clocks start, with its device tuple unless ``--fresh-cluster``
+(as a recovering process has it, and as ``plan_bench.replan_case`` times the load). With
+``--replan``, 'read_all': reading every stage's devices of the chosen plan afterwards.
 """
 from __future__ import annotations
 
@@ -48,18 +51,19 @@ def gen(out: Path) -> None:
         (out / f"{case}.cluster.json").write_text(json.dumps(counts))
 
 
-def inputs(d: Path, case: str):  # noqa: ANN201
+def inputs(d: Path, case: str, fresh: bool = False):  # noqa: ANN201
     model_name, _ = CASES[case]
     text = (d / f"{model_name}.json").read_text()
     new = Cluster.from_gpus_per_node(json.loads((d / f"{case}.cluster.json").read_text()))
-    new.device_tuple()  # the cluster is an input: made before the clock starts
+    if not fresh:  # the cluster's devices are an input: made before the clock starts
+        new.device_tuple()
     model, tp = MODELS[model_name]
     return text, new, CostModel(model, TrainingSpec(1, GBS, nominal_tp=tp), new)
 
 
-def run(d: Path, case: str, with_replan: bool) -> dict:
+def run(d: Path, case: str, with_replan: bool, fresh: bool = False) -> dict:
     from elastor_ds.plan.plan_doc import plan_from_document
-    text, new, cost = inputs(d, case)
+    text, new, cost = inputs(d, case, fresh)
     c0 = time.process_time()
     doc = json.loads(text)
     pc = time.process_time() - c0
@@ -96,7 +100,8 @@ def profile(d: Path, case: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
-def ab(d: Path, case: str, n: int, trees: list[str], with_replan: bool) -> None:
+def ab(d: Path, case: str, n: int, trees: list[str], flags: list[str]) -> None:
+    with_replan = "--replan" in flags
     import os
     import statistics
     import subprocess
@@ -104,8 +109,7 @@ def ab(d: Path, case: str, n: int, trees: list[str], with_replan: bool) -> None:
     for _ in range(n):
         for t in trees:
             env = dict(os.environ, PYTHONPATH=t)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "time", str(d), case] + (["--replan"] if with_replan
-                                                                                           else [])
+            cmd = [sys.executable, str(Path(__file__).resolve()), "time", str(d), case] + flags
             r = json.loads(subprocess.run(cmd, env=env, cwd=t, check=True, capture_output=True, text=True).stdout)
             assert Path(r["tree"]) == Path(t).resolve(), (r["tree"], t)
             runs[t].append(r)
@@ -124,8 +128,9 @@ if __name__ == "__main__":
     if cmd == "gen":
         gen(d)
     elif cmd == "ab":
-        ab(d, sys.argv[3], int(sys.argv[4]), sys.argv[5:7], "--replan" in sys.argv)
+        ab(d, sys.argv[3], int(sys.argv[4]), sys.argv[5:7], [f for f in ("--replan", "--fresh-cluster")
+                                                               if f in sys.argv])
     elif cmd == "time":
-        print(json.dumps(run(d, sys.argv[3], "--replan" in sys.argv)))
+        print(json.dumps(run(d, sys.argv[3], "--replan" in sys.argv, "--fresh-cluster" in sys.argv)))
     else:
         profile(d, sys.argv[3])
