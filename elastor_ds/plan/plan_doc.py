@@ -696,8 +696,8 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
             old_nodes[i] = Node(now[i].name, empty, empty)
     node_idx = np.asarray(nis, dtype=np.int64)
     # the devices of the table as runs of positions: table nodes whose devices are consecutive in
-    # the cluster's device tuple (all of it when nothing changed) are a slice of that tuple, shared
-    # with it (the re-plan's placement reads it); the other nodes' devices were made above
+    # the cluster's device tuple (all of it when nothing changed) are a slice of that tuple (shared
+    # with it once the cluster has made it), the other nodes' devices were made above
     starts_now = cluster.node_starts()
     if in_order:  # runs: the stretches between the nodes made above
         cuts = sorted(fresh)
