@@ -90,10 +90,11 @@ def replan_case(model_name: str, nodes: int, loss: str, gbs: int, seed: int = 0)
     t0, c0 = time.perf_counter(), time.process_time()
     res = replan(cost, prev, prev_cluster, full_search_below=0)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
-    # a re-shaped plan is priced before its devices are made (LazyPlan); what reading them costs
-    # (the document, the table, a trainer's placement) is paid here once
+    # a re-shaped plan is priced before its devices are made (LazyPlan), and a replica read from a
+    # version-2 document makes its stages when they are first read; what reading every stage's
+    # devices costs (the document, the table, a trainer's placement) is paid here once
     c0 = time.process_time()
-    res.best.plan.replicas
+    sum(len(s.devices) for r in res.best.plan.replicas for s in r.stages)
     place_cpu = time.process_time() - c0
     import tracemalloc  # a second re-plan from a fresh copy, for its peak Python heap
     prev, prev_cluster = plan_from_document(json.loads(text), new)
@@ -245,7 +246,8 @@ def replan_rows(quick: bool) -> None:
           "device ranges, above 4,096 GPUs): 'parse' is `json.loads` of the document (its size in MB), 'load' the "
           "plan and cluster made from the parsed document (`plan_from_document`: devices and every check); "
           "'parse + load + re-plan' is the recovery path's planning from a file. 'devices CPU s': making the "
-          "chosen plan's devices afterwards (a re-shaped plan is priced before they are made).\n")
+          "chosen plan's devices and stages afterwards (a re-shaped plan is priced before they are made; a "
+          "replica read from the document makes its stages when they are first read).\n")
     print("| GPUs before | lost | model | micro-batches | doc | doc MB | parse CPU s | load CPU s | re-plan wall s | "
           "re-plan CPU s | parse + load + re-plan CPU s | devices CPU s | re-plan peak heap MB | full search wall s | "
           "full search CPU s | re-plan / full search (iteration time) | re-plan path |")

@@ -26,6 +26,8 @@ value; :func:`encode_devices` and :func:`segments` make the fields. Pure: numpy 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -182,16 +184,17 @@ def decode(doc: Mapping[str, Any]) -> CompactPlan:
         raise LayoutError(f"plan document version {doc.get('version')!r}: expected {COMPACT_FORMAT_VERSION}")
     L = _int(doc.get("num_layers"), "num_layers", 1, 1 << 16)
     names, gpus = _table(doc.get("nodes"))
-    n_dev = sum(len(g) for g in gpus)
-    sizes = np.asarray([len(g) for g in gpus], dtype=np.int64)
+    size_l = list(map(len, gpus))
+    n_dev = sum(size_l)
+    sizes = np.asarray(size_l, dtype=np.int64)
     node_of = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
     starts = np.cumsum(sizes) - sizes
     gpu_of = np.arange(n_dev, dtype=np.int64) - np.repeat(starts, sizes)  # ids 0..k-1 on every node ...
-    for i, ids in enumerate(gpus):
-        if ids is not _IDS[len(ids)]:  # ... but where the table lists them
-            gpu_of[starts[i]:starts[i] + len(ids)] = ids
+    for i in compress(range(len(gpus)), map(is_not, gpus, map(_IDS.__getitem__, size_l))):
+        ids = gpus[i]  # ... but where the table lists them
+        gpu_of[starts[i]:starts[i] + len(ids)] = ids
     groups: list[ReplicaGroup] = []
-    seen = np.zeros(n_dev, dtype=np.int64)
+    placed: list[np.ndarray] = []  # every stage's positions: counted once at the end
     total = 0
     for gi, gj in enumerate(_list(doc.get("replica_groups"), "replica_groups")):
         w = f"replica_groups[{gi}]"
@@ -219,7 +222,7 @@ def decode(doc: Mapping[str, Any]) -> CompactPlan:
                 raise LayoutError(f"plan document {ws}: the replica groups use more devices than the {n_dev:,} of "
                                   f"'nodes'")
             pos = _positions(sj.get("devices"), tp, count, n_dev, ws + ".devices")
-            np.add.at(seen, pos.ravel(), 1)
+            placed.append(pos.ravel())
             stages.append(GroupStage(tp, (a, b), pos))
         if expect != L:
             raise LayoutError(f"plan document {w}: its stages cover layers [0, {expect}), the model has {L}")
@@ -233,7 +236,8 @@ def decode(doc: Mapping[str, Any]) -> CompactPlan:
             raise LayoutError(f"plan document unused_devices: lists {n_unused:,} devices; 'nodes' has {n_dev:,}, the "
                               f"replica groups use {total:,}")
         unused = _positions(doc["unused_devices"], 1, n_unused, n_dev, "unused_devices").ravel()
-    np.add.at(seen, unused, 1)
+    placed.append(unused)
+    seen = np.bincount(np.concatenate(placed), minlength=n_dev)  # how often each position is placed
     bad = np.flatnonzero(seen > 1)  # a device placed twice first, then one placed nowhere
     if not len(bad):
         bad = np.flatnonzero(seen != 1)

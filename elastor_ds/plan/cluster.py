@@ -83,11 +83,11 @@ class Cluster:
                 raise ConfigError(f"{k}={v!r}: must be a finite number > 0")
         if len(self.nodes) > MAX_NODES:
             raise ConfigError(f"{len(self.nodes):,} nodes; at most {MAX_NODES:,} are supported")
-        names = [n.name for n in self.nodes]
+        names = list(map(_NAME, self.nodes))
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})[:5] if len(names) < 4096 else "some"
             raise ConfigError(f"node names must be distinct (repeated: {dup})")
-        n = sum(len(nd.gpus) for nd in self.nodes)
+        n = sum(map(len, map(_GPUS, self.nodes)))
         if n > MAX_GPUS:
             raise ConfigError(f"{n:,} usable GPUs; at most {MAX_GPUS:,} are supported")
 

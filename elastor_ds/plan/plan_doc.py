@@ -12,6 +12,9 @@ Document (version 1)::
 Version 2 (``compact=True``, what ``elastor plan --json`` writes above :data:`COMPACT_ABOVE_GPUS`
 GPUs) carries the same plan as replica groups and device ranges
 (:mod:`~elastor_ds.layout.compact_plan`); :func:`plan_from_document` and ``Layout.from_json`` read both.
+A plan read from version 2 is made per replica group: the replicas with their shape keys and the
+index of stages by node at once, each replica's stages (and their devices) the first time they are
+read, from its group's arrays (the re-plan reads a handful; ``tests/unit/test_plan_doc_load.py``).
 
 Ranks number the used devices in canonical device order (node by node, GPU id ascending), so a
 launcher that starts one process per used device in that order gets rank ``i`` on ``ranks[i]``.
@@ -20,19 +23,28 @@ Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain, islice, repeat
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from itertools import accumulate, chain, compress, repeat
+from operator import and_, attrgetter, eq, is_, lt, not_
+from types import SimpleNamespace
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
 from ..layout.layout import PLAN_FORMAT_VERSION, Layout, json_fingerprint
+from .cluster import _ONES as _NODE_ONES
 from .cluster import Cluster, Device
 from .gcpause import gc_paused
 
 COMPACT_ABOVE_GPUS = 4096  # `elastor plan --json` writes version 2 above this many usable GPUs
+_GPUS, _SPEEDS = attrgetter("gpus"), attrgetter("speeds")
+_ONES = _NODE_ONES  # speeds of a node whose GPUs all run at speed 1 (a Node's default: identical items)
+_NO_NODE = SimpleNamespace(gpus=None, speeds=None)  # stands for a node the cluster does not have
+_new_object, _set_attr = object.__new__, object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -71,14 +83,46 @@ class PlanStage:
                                             "node": node})
         return st
 
+    @staticmethod
+    def column(tp: int, layers: tuple[int, int], devices: Iterable[tuple[Device, ...]], speeds: Iterable[float],
+               nodes: Iterable[int]) -> list["PlanStage"]:
+        """``[PlanStage.of_group(tp, layers, d, s, n) for d, s, n in zip(devices, speeds, nodes)]``
+        (stage ``j`` of every replica of a group), with C-level passes instead of a call per stage:
+        a reader of a 131,072-GPU document makes tens of thousands of them."""
+        fields = [{"tp": tp, "layers": layers, "devices": d, "speed": s, "node": n}
+                  for d, s, n in zip(devices, speeds, nodes)]
+        out = list(map(_new_object, repeat(PlanStage, len(fields))))
+        deque(map(_set_attr, out, repeat("__dict__"), fields), 0)
+        return out
+
 
 @dataclass(frozen=True)
 class PlanReplica:
     stages: tuple[PlanStage, ...]
     micro_batches: int
 
+    def __getattr__(self, name: str) -> Any:
+        # A replica of a loaded plan document (plan_from_document, version 2) is made without its
+        # stages: they are made the first time they are read, from its replica group's arrays
+        # (_GroupStages), the same values as made at once. Only a missing attribute comes here.
+        if name == "stages":
+            lazy = self.__dict__.get("_lazy")
+            if lazy is not None:
+                return lazy[0].stages_for(self, lazy[1])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled or copied replica carries its stages, not its group's arrays
+        d = dict(self.__dict__)
+        if d.pop("_lazy", None) is not None:
+            d["stages"] = self.stages
+        return d
+
     @property
     def num_gpus(self) -> int:
+        k = self.__dict__.get("_shape")
+        if k is not None:  # (tp, layers, speed) per stage: without making the stages of a loaded replica
+            return sum([t for t, _, _ in k[0]])
         return sum(s.tp for s in self.stages)
 
     def shape_key(self) -> tuple:
@@ -101,11 +145,121 @@ class PlanReplica:
         return r
 
     def with_micro_batches(self, m: int) -> "PlanReplica":
-        """The same stages with ``m`` micro-batches (its shape key carried over)."""
+        """The same stages with ``m`` micro-batches (its shape key carried over; a loaded replica's
+        stages still made when first read)."""
+        d = self.__dict__
+        if "stages" not in d:
+            r = object.__new__(PlanReplica)
+            object.__setattr__(r, "__dict__", {"micro_batches": m, "_shape": d["_shape"], "_lazy": d["_lazy"]})
+            return r
         r = PlanReplica(self.stages, m)
         if "_shape" in self.__dict__:
             object.__setattr__(r, "_shape", self.__dict__["_shape"])
         return r
+
+
+class _DeviceTable:
+    """The devices of a loaded document's table by position, without a tuple of all of them:
+    ``runs`` of positions, each ``(first position, source tuple, offset)``: position ``p`` of the
+    run is ``source[offset + p - first]``, source None standing for ``cluster.device_tuple()``,
+    else the devices made for a changed node; ``n`` positions in all. While the cluster has not
+    made its device tuple (a cluster made for the recovery has not), devices on its runs are made
+    from the arrays (node index now, node name, GPU id, speed by position): the same values."""
+
+    def __init__(self, runs: list[tuple[int, tuple[Device, ...] | None, int]], n: int, cluster: Cluster,
+                 node_at: np.ndarray, node_of: np.ndarray, names: Sequence[str], gpu_of: np.ndarray,
+                 speed_at: np.ndarray) -> None:
+        self.runs = runs
+        self.firsts = [r[0] for r in runs] + [n]
+        self.cluster = cluster
+        self.arrays = (node_at, node_of, names, gpu_of, speed_at)
+        self._all: tuple[Device, ...] | None = None
+
+    def make(self, idx: Any) -> tuple[Device, ...]:
+        """The devices at positions ``idx`` (a slice or an integer array), made from the arrays."""
+        node_at, node_of, names, gpu_of, speed_at = self.arrays
+        return tuple(map(tuple.__new__, repeat(Device), zip(
+            node_at[idx].tolist(), map(names.__getitem__, node_of[idx].tolist()), gpu_of[idx].tolist(),
+            speed_at[idx].tolist())))
+
+    def slice(self, p: int, q: int) -> tuple[Device, ...]:
+        """The devices at positions ``p`` to ``q - 1``."""
+        k = bisect_right(self.firsts, p) - 1
+        a, src, off = self.runs[k]
+        if q <= self.firsts[k + 1]:
+            if src is None:
+                src = self.cluster.__dict__.get("_devices")  # Cluster.device_tuple's, if made
+                if src is None:
+                    return self.make(slice(p, q))
+            return src[off + p - a:off + q - a]
+        return tuple(chain.from_iterable(self.slice(i, i + 1) for i in range(p, q)))
+
+    def all(self) -> tuple[Device, ...]:
+        """Every device, by position (made once; the cluster's device tuple shared)."""
+        d = self._all
+        if d is None:
+            have = self.cluster.device_tuple()
+            parts = [(have if src is None else src)[off:off + b - a] for (a, src, off), b in zip(self.runs,
+                                                                                              self.firsts[1:])]
+            d = self._all = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
+        return d
+
+
+class _GroupStages:
+    """The stages of the replicas of one replica group of a loaded version-2 document, made when a
+    replica's :attr:`PlanReplica.stages` is first read: per stage its TP degree and layers, per
+    replica and stage the first device position (``rows[j]``: all positions, for a stage whose TP
+    groups are not consecutive positions), pace and node, and the devices of the table. Replica by
+    replica while few are read (the re-plan reads a handful); after :attr:`BULK` of them, the
+    stages of the whole group at once, column by column (a reader of every replica then pays what
+    a loader making them at once pays)."""
+
+    BULK = 32
+
+    def __init__(self, specs: tuple[tuple[int, tuple[int, int]], ...], devices: _DeviceTable,
+                 firsts: np.ndarray, rows: list[np.ndarray | None], paces: np.ndarray, nodes: np.ndarray) -> None:
+        self.specs, self.devices, self.rows = specs, devices, rows
+        self.arrays = (firsts, paces, nodes)
+        self.replicas: list[PlanReplica] = []  # the group's replicas, in order (set by the loader)
+        self.made = 0
+        self.all_made = False
+
+    def stages_for(self, rep: PlanReplica, i: int) -> tuple[PlanStage, ...]:
+        """Replica ``i``'s stages, stored on it and on ``rep`` (replica ``i`` or a copy of it with
+        other micro-batches: both hold the same tuple, as copies of a made replica do)."""
+        orig = self.replicas[i]
+        st = orig.__dict__.get("stages")
+        if st is None:
+            self.made += 1
+            if self.made > self.BULK and not self.all_made:
+                self.all_made = True
+                self._make_all()
+                st = orig.__dict__["stages"]
+            else:
+                f, p, n = (a[i].tolist() for a in self.arrays)
+                dev = self.devices
+                st = tuple([PlanStage.of_group(tp, lay, dev.slice(f[j], f[j] + tp) if self.rows[j] is None
+                                               else dev.make(self.rows[j][i]), p[j], n[j])
+                            for j, (tp, lay) in enumerate(self.specs)])
+                st = orig.__dict__.setdefault("stages", st)
+        if rep is not orig:
+            rep.__dict__["stages"] = st
+        return st
+
+    def _make_all(self) -> None:
+        """The stages of every replica of the group not made yet, column by column."""
+        firsts, paces, nodes = self.arrays
+        dev = self.devices.all()
+        cols = []
+        for j, (tp, lay) in enumerate(self.specs):
+            rows = self.rows[j]
+            if rows is None:
+                devs = [dev[a:a + tp] for a in firsts[:, j].tolist()]
+            else:
+                devs = [tuple(map(dev.__getitem__, r)) for r in rows.tolist()]
+            cols.append(PlanStage.column(tp, lay, devs, paces[:, j].tolist(), nodes[:, j].tolist()))
+        for r, st in zip(self.replicas, zip(*cols)):
+            r.__dict__.setdefault("stages", st)
 
 
 @dataclass(frozen=True)
@@ -485,103 +639,138 @@ def _plan_from_compact(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
     """:func:`plan_from_document` of a version-2 document: checked by
     :func:`~elastor_ds.layout.compact_plan.decode`, then one pass over the replica groups; the
     node and pace of every stage and each replica's shape key come from arrays, not from the
-    devices one by one."""
+    devices one by one. The table's nodes are compared with the cluster's in C-level passes (only
+    the changed, gone and slowed ones one by one), its devices are runs of slices of the cluster's
+    device tuple (:class:`_DeviceTable`), and each replica's stages are made when first read
+    (:class:`_GroupStages`): work per node and per replica group, not per GPU or stage."""
     from .cluster import Node
     cp = decode(doc)
-    index = cluster.node_index()
-    n_now = len(cluster.nodes)
-    gone: dict[str, int] = {}
+    now = cluster.nodes
+    n_now = len(now)
     names, gpus = cp.node_names, cp.node_gpus
-    sizes = [len(g) for g in gpus]
-    nis: list[int | None] = list(map(index.get, names))  # table node -> node index now (by name)
+    n_tab = len(names)
+    sizes = list(map(len, gpus))
+    first = list(accumulate(sizes, initial=0))  # per table node: its first position (and one past the last)
+    # Per table node, with C-level passes: its index now (by name; n_now where the cluster has no
+    # such node), the cluster's node of that name, whether that node has the table's GPU ids
+    # (then its devices are the cluster's own) and all of them at speed 1. Only the other nodes
+    # (changed, gone, slowed: a few after a failure) are looked at one by one.
+    index = cluster.node_index()
+    in_order = n_tab == n_now and names == tuple(index)  # the cluster's nodes in its order (a failed node stays listed)
+    if in_order:
+        nis: list[int] = list(range(n_now))
+        have_node: list[Any] = list(now)
+        old_nodes: list[Node | None] = list(now)  # the cluster the document was made for, numbered like now
+    else:
+        nis = list(map(index.get, names, repeat(n_now)))
+        have_node = list(map((now + (_NO_NODE,)).__getitem__, nis))
+        old_nodes = [None] * n_now
+        named = list(map(lt, nis, repeat(n_now)))
+        deque(map(old_nodes.__setitem__, compress(nis, named), compress(have_node, named)), 0)
+    same = list(map(eq, map(_GPUS, have_node), gpus))
+    plain = list(map(eq, map(_SPEEDS, have_node), map(_ONES.__getitem__, sizes)))
     speed_at = np.ones(cp.num_devices, dtype=float)
-    old_nodes: dict[int, Node] = {}
-    ones = {k: (1.0,) * k for k in set(sizes)}
-    starts_now = cluster.node_starts()
-    own: list[int] = [-1] * len(names)  # per table node: its first device in cluster.device_tuple() if unchanged
-    start = 0
-    for t, ni in enumerate(nis):
-        ids, k = gpus[t], sizes[t]
-        if ni is None:  # a node the cluster no longer has: numbered after its nodes, speed 1
-            ni = nis[t] = gone.setdefault(names[t], n_now + len(gone))
-            old_nodes[ni] = Node(names[t], ids, ones[k])
+    gone: list[Node] = []  # nodes the cluster no longer has: numbered after its nodes, speed 1
+    fresh: dict[int, tuple[Device, ...]] = {}  # table node -> its devices, where not the cluster's own
+    new_device = tuple.__new__
+    for t in compress(range(n_tab), map(not_, map(and_, same, plain))):
+        ids, k, a = gpus[t], sizes[t], first[t]
+        nd = have_node[t]
+        if same[t]:  # the cluster's own node and devices, some GPU not at speed 1
+            speed_at[a:a + k] = nd.speeds
+            continue
+        if nis[t] == n_now:
+            ni = nis[t] = n_now + len(gone)
+            sp = _ONES[k]
+            gone.append(Node(names[t], ids, sp))
         else:
-            nd = cluster.nodes[ni]
-            if nd.gpus == ids:  # unchanged GPUs: the cluster's own node (its speeds)
-                old_nodes[ni] = nd
-                own[t] = starts_now[ni]
-                if nd.speeds != ones[k]:
-                    speed_at[start:start + k] = nd.speeds
-            else:
-                table = dict(zip(nd.gpus, nd.speeds))
-                sp = tuple(table.get(g, 1.0) for g in ids)
-                speed_at[start:start + k] = sp
-                old_nodes[ni] = Node(names[t], ids, sp)
-        start += k
+            ni = nis[t]
+            table = dict(zip(nd.gpus, nd.speeds))
+            sp = tuple(table.get(g, 1.0) for g in ids)
+            old_nodes[ni] = Node(names[t], ids, sp)
+            speed_at[a:a + k] = sp
+        fresh[t] = tuple(map(new_device, repeat(Device), zip(repeat(ni), repeat(names[t]), ids, sp)))
+    empty: tuple = ()
+    if not in_order:
+        for i in compress(range(n_now), map(is_, old_nodes, repeat(None))):  # nodes the document does not name
+            old_nodes[i] = Node(now[i].name, empty, empty)
     node_idx = np.asarray(nis, dtype=np.int64)
-    # the devices of the table: on unchanged nodes the cluster's own (the same values: node index
-    # now, name, GPU id, speed), shared with its device tuple, which the re-plan's placement reads;
-    # on the other nodes made at once from the table's arrays: (node index now, node name, GPU id, speed)
-    have = cluster.device_tuple()
-    fresh_nodes = [t for t, o in enumerate(own) if o < 0]
-    made: Iterator[Device] = iter(())
-    if fresh_nodes:
-        fresh = np.repeat(np.asarray(own, dtype=np.int64) < 0, sizes)
-        made = map(tuple.__new__, repeat(Device), zip(
-            np.repeat(node_idx, sizes)[fresh].tolist(),
-            chain.from_iterable(repeat(names[t], sizes[t]) for t in fresh_nodes), cp.gpu_of[fresh].tolist(),
-            speed_at[fresh].tolist()))
-    devices: tuple[Device, ...] = tuple(chain.from_iterable(
-        [have[o:o + k] if o >= 0 else tuple(islice(made, k)) for o, k in zip(own, sizes)]))
-    node_at = node_idx[cp.node_of]         # position -> node index in the cluster now
+    # the devices of the table as runs of positions: table nodes whose devices are consecutive in
+    # the cluster's device tuple (all of it when nothing changed) are a slice of that tuple (shared
+    # with it once the cluster has made it), the other nodes' devices were made above
+    starts_now = cluster.node_starts()
+    if in_order:  # runs: the stretches between the nodes made above
+        cuts = sorted(fresh)
+        bounds = sorted({0, n_tab, *cuts, *(t + 1 for t in cuts)})
+    else:
+        size_a = np.asarray(sizes, dtype=np.int64)
+        own_a = np.where(np.asarray(same, dtype=bool), np.asarray(starts_now + [0], dtype=np.int64)[
+            np.minimum(node_idx, n_now)], -1)
+        cut = np.flatnonzero((own_a[1:] < 0) | (own_a[:-1] < 0) | (own_a[1:] != own_a[:-1] + size_a[:-1])) + 1
+        bounds = [0] + cut.tolist() + [n_tab]
+    runs = [(first[a], fresh[a], 0) if a in fresh else (first[a], None, starts_now[nis[a]]) for a in bounds[:-1]]
+    node_of = cp.node_of                   # position -> table node (ascending)
+    node_at = node_idx[node_of]            # position -> node index in the cluster now
+    devices = _DeviceTable(runs, first[n_tab], cluster, node_at, node_of, names, cp.gpu_of, speed_at)
+    all_one = not bool((speed_at != 1.0).any())  # every device at speed 1: every pace 1
     reps: list[PlanReplica] = []
     shapes: dict[tuple, tuple] = {}
     stage_nodes: list[np.ndarray] = []   # (node, replica) of every stage, for Plan.replicas_on
     stage_reps: list[np.ndarray] = []
-    of_group, of_replica = PlanStage.of_group, PlanReplica.of
     for g in cp.groups:
-        # column by column (stage j of every replica of the group), then zipped into replicas
-        node_m = np.empty((g.count, len(g.stages)), dtype=np.int64)
-        pace_m = np.empty((g.count, len(g.stages)), dtype=float)
-        cols = []
+        # stage by stage (stage j of every replica of the group): node, pace and first device
+        # position of every replica's stage; the stages themselves are made when first read
+        S, n = len(g.stages), g.count
+        node_m = np.empty((n, S), dtype=np.int64)
+        pace_m = np.empty((n, S), dtype=float)
+        first_m = np.empty((n, S), dtype=np.int64)
+        rows: list[np.ndarray | None] = []
         for j, s in enumerate(g.stages):
             pos = s.positions
-            nodes = node_at[pos]
-            lo, hi = nodes.min(axis=1), nodes.max(axis=1)
-            node_m[:, j] = np.where(lo == hi, lo, -1)
-            pace_m[:, j] = speed_at[pos].min(axis=1)
-            if s.tp == 1:
-                devs = [(devices[p],) for p in pos[:, 0].tolist()]
-            elif bool((np.diff(pos, axis=1) == 1).all()):  # consecutive: a slice of the table
-                tp = s.tp
-                devs = [devices[p:p + tp] for p in pos[:, 0].tolist()]
-            else:
-                devs = [tuple([devices[p] for p in row]) for row in pos.tolist()]
-            cols.append(list(map(of_group, repeat(s.tp), repeat(s.layers), devs, pace_m[:, j].tolist(),
-                                 node_m[:, j].tolist())))
+            first_m[:, j] = f0 = pos[:, 0]
+            if s.tp == 1 or bool((np.diff(pos, axis=1) == 1).all()):  # consecutive positions: a slice of the table
+                rows.append(None)
+                # the table lists devices node by node: one node iff the first and last are on it
+                node_m[:, j] = np.where(node_of[f0] == node_of[pos[:, -1]], node_at[f0], -1)
+            else:  # positions one by one
+                rows.append(pos)
+                nodes = node_at[pos]
+                lo, hi = nodes.min(axis=1), nodes.max(axis=1)
+                node_m[:, j] = np.where(lo == hi, lo, -1)
+            pace_m[:, j] = 1.0 if all_one else speed_at[pos].min(axis=1)
         flags_m = (node_m[:, :-1] == node_m[:, 1:]) & (node_m[:, 1:] != -1)
-        keys: dict[tuple, tuple] = {}
-        sks = []
-        for ck in zip(map(tuple, pace_m.tolist()), map(tuple, flags_m.tolist())):
-            sk = keys.get(ck)
-            if sk is None:
-                sk = (tuple((s.tp, s.layers, v) for s, v in zip(g.stages, ck[0])), ck[1])
-                sk = keys[ck] = shapes.setdefault(sk, sk)
-            sks.append(sk)
+        # each replica's shape key (paces, whether neighbouring stages share a node): one object
+        # per distinct row of (paces, flags), found by np.unique rather than replica by replica
+        both = np.concatenate([pace_m, flags_m], axis=1)
+        if bool((both == both[0]).all()):
+            first_row, inverse = [0], None
+        else:
+            _, fr, inverse = np.unique(both, axis=0, return_index=True, return_inverse=True)
+            first_row = fr.tolist()
+        keys = []
+        for r in first_row:
+            sk = (tuple([(s.tp, s.layers, v) for s, v in zip(g.stages, pace_m[r].tolist())]),
+                  tuple(flags_m[r].tolist()))
+            keys.append(shapes.setdefault(sk, sk))
+        sks = [keys[0]] * n if inverse is None else list(map(keys.__getitem__, inverse.reshape(-1).tolist()))
         stage_nodes.append(node_m.ravel())
-        stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + g.count, dtype=np.int64), len(g.stages)))
-        reps.extend(map(of_replica, zip(*cols), repeat(g.micro_batches), sks))
+        stage_reps.append(np.repeat(np.arange(len(reps), len(reps) + n, dtype=np.int64), S))
+        gs = _GroupStages(tuple((s.tp, s.layers) for s in g.stages), devices, first_m, rows, pace_m, node_m)
+        fields = [{"micro_batches": g.micro_batches, "_shape": k, "_lazy": lz}
+                  for k, lz in zip(sks, zip(repeat(gs), range(n)))]
+        made = list(map(_new_object, repeat(PlanReplica, n)))
+        deque(map(_set_attr, made, repeat("__dict__"), fields), 0)
+        gs.replicas = made
+        reps.extend(made)
     nodes_flat, reps_flat = np.concatenate(stage_nodes), np.concatenate(stage_reps)
     order = np.argsort(nodes_flat, kind="stable")
     by_node = (nodes_flat[order], reps_flat[order])
-    unused = tuple(devices[p] for p in cp.unused.tolist())
+    # the unused devices (a few): made from the arrays, the same values as the cluster's own
+    unused = devices.make(cp.unused)
     kind = "uniform" if doc.get("kind") == "uniform" else "heterogeneous"
     plan = Plan(cp.num_layers, tuple(reps), unused, kind)
     object.__setattr__(plan, "_by_node", by_node)
-    empty: tuple = ()
-    nodes = [old_nodes.get(i) or Node(cluster.nodes[i].name, empty, empty) for i in range(n_now)]
-    nodes.extend(old_nodes[i] for i in sorted(gone.values()))
-    old = Cluster(tuple(nodes), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
+    old = Cluster(tuple(old_nodes) + tuple(gone), cluster.gpu_memory_gb, cluster.intra_node_bandwidth_gbs,
                   cluster.inter_node_bandwidth_gbs)
     return plan, old
 
