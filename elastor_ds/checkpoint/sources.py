@@ -48,51 +48,6 @@ class ChunkSource(Protocol):
     def has(self, relpath: str, size: int) -> bool:
         """The complete file ``relpath`` of ``size`` bytes is here."""
 
-    def _direct_fd(self, relpath: str) -> Optional[int]:
-        """A second, ``O_DIRECT`` descriptor of the file :meth:`_fd` opened and checked (reopened
-        through ``/proc/self/fd``: the same inode, no second path lookup); None where the file
-        system refuses ``O_DIRECT`` (then this source reads through the page cache only)."""
-        fd = self._direct_fds.get(relpath)
-        if fd is not None:
-            return fd
-        base = self._fd(relpath)
-        try:
-            fd = os.open(f"/proc/self/fd/{base}", os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            self.direct_ok = False
-            return None
-        a, b = os.fstat(fd), os.fstat(base)
-        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):   # (cannot happen: the same open file)
-            os.close(fd)
-            self.direct_ok = False
-            return None
-        self._direct_fds[relpath] = fd
-        return fd
-
-    def read_direct(self, relpath: str, offset: int, view: memoryview) -> Optional[int]:
-        """Read into ``view`` from ``offset`` with ``O_DIRECT`` (``offset``, ``len(view)`` and the
-        view's address 4 KiB-aligned: the caller's job); returns the bytes read (fewer at the end of
-        the file), or None when ``O_DIRECT`` is not available here (read with :meth:`read_into`)."""
-        if not self.direct_ok:
-            return None
-        fd = self._direct_fd(relpath)
-        if fd is None:
-            return None
-        got = 0
-        try:
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n == 0:
-                    break
-                got += n
-        except OSError as e:
-            if e.errno != errno.EINVAL or got:
-                raise
-            self.direct_ok = False   # refused after all (e.g. an alignment the file system wants larger)
-            return None
-        self.bytes_read += got
-        return got
-
     def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` (back to back) from byte ``offset`` of ``relpath``; raise on a short read."""
 
