@@ -441,6 +441,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                 codes = {o.exitcode for o in outs}
                 stop_s = time.monotonic() - self._stopping.t0 if self._stopping else 0.0
                 if codes == {0}:
+                    if self.beacon is not None:
+                        self.beacon.disarm()   # done: waiting at the exit barrier is no reason to fence
                     self._close_context()
                     if self._stopping is not None and self._stopping.kind == "preempt":
                         self.events.emit(EventKind.PREEMPTED, stop_s=stop_s)

@@ -92,6 +92,7 @@ class Beacon:
         self._last_ok = time.monotonic()
         self.fenced_at: Optional[float] = None   # monotonic time of the fence
         self._stop = threading.Event()
+        self._disarmed = False
         self._threads: list[threading.Thread] = []
 
     def retarget(self, store, node_rank: int) -> None:
@@ -108,6 +109,13 @@ class Beacon:
     def silence(self) -> None:
         """Stop beating (the node leaves); the watchdog stops too."""
         self._stop.set()
+
+    def disarm(self) -> None:
+        """Keep beating, but never fence from now on: this node's workers have all exited 0 (there
+        is nothing left to kill, and what they committed stands) while it waits for the other
+        nodes at the exit barrier. ci51: a node whose store contact stalled for 3 s there logged
+        a fence after its job had finished."""
+        self._disarmed = True
 
     def _beat(self) -> None:
         """One beat, given up after one interval: a request that hangs (an etcd write in flight when
@@ -136,7 +144,7 @@ class Beacon:
     def _watch_loop(self) -> None:
         while not self._stop.wait(min(0.1, self.cfg.interval / 4)):
             silent = time.monotonic() - self._last_ok
-            if self.fenced_at is None and silent > self.cfg.fence_after:
+            if self.fenced_at is None and not self._disarmed and silent > self.cfg.fence_after:
                 self.fenced_at = time.monotonic()
                 try:
                     self.on_fence(silent)

@@ -152,3 +152,22 @@ def test_a_rendezvous_against_a_vanished_store_reads_as_store_lost():
     msg = store_lost_reason(cfg, info.value, "it has no workers left")
     assert msg.startswith(f"lost contact with the rendezvous store at {endpoint} (")
     assert "--rdzv-conf is_host=0" in msg and "etcd-v2" in msg
+
+
+def test_a_disarmed_beacon_keeps_beating_and_never_fences():
+    """After the node's workers all exited 0 (``disarm``), a store that stops answering while the
+    node waits at the exit barrier does not fence it; beats go on while the store answers."""
+    store = _Store()
+    fences: list[float] = []
+    cfg = LivenessConfig(interval=0.1, timeout=0.4)
+    beacon = Beacon(cfg, fences.append)
+    beacon.retarget(store, 1)
+    time.sleep(0.25)
+    beacon.disarm()
+    n = store.values["elastor/alive/1"]
+    time.sleep(0.25)
+    assert store.values["elastor/alive/1"] > n         # still beating
+    store.dead.set()
+    time.sleep(cfg.fence_after + 0.5)                   # silent well past the fence bound
+    assert not beacon.fenced and fences == []
+    beacon.silence()
