@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from .crc import crc32
+from .direct_write import private_buffer
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TensorMismatchError
 from .planning.load_plan import Check, LoadPlan, ReadOp, Request, plan_load
 from .planning.manifest import DTYPE_SIZES, Manifest
@@ -154,9 +155,14 @@ class _Reader:
         prefetch = getattr(src, "prefetch", None)
         read_direct = getattr(src, "read_direct", None) if getattr(src, "direct_ok", False) else None
 
-        def goes_direct(op: ReadOp) -> bool:
+        # each read's destination views when it lands straight in the destinations (None: staged),
+        # found once (the prefetch below asks about later reads too)
+        dviews = [_direct_views(op, self.targets) if op.repeat == 1 else None for op in ops]
+
+        def goes_direct(k: int) -> bool:
+            op = ops[k]
             return (read_direct is not None and op.repeat == 1 and op.length >= DIRECT_MIN
-                    and _direct_views(op, self.targets) is None)
+                    and dviews[k] is None)
         ahead = 0   # ops[:ahead] have been announced to the source
         try:
             for i, op in enumerate(ops):
@@ -165,7 +171,7 @@ class _Reader:
                     # (not those read with O_DIRECT: the page cache would read their bytes twice)
                     ahead = max(ahead, i + 1)
                     while ahead < len(ops) and sum(o.length for o in ops[i + 1:ahead]) < PREFETCH_BYTES:
-                        if ops[ahead].repeat == 1 and not goes_direct(ops[ahead]):
+                        if ops[ahead].repeat == 1 and not goes_direct(ahead):
                             prefetch(ops[ahead].file, ops[ahead].offset, ops[ahead].length)
                         ahead += 1
                 if op.repeat > 1:
@@ -174,12 +180,12 @@ class _Reader:
                         pending = None
                     self._strided(src, op)
                     continue
-                direct = _direct_views(op, self.targets)
+                direct = dviews[i]
                 job = None
                 if direct is not None:
                     src.read_into(op.file, op.offset, direct)
                     job = (op, direct, None)
-                elif goes_direct(op):
+                elif goes_direct(i):
                     job = self._read_direct(read_direct, op, astages, i % 2)
                 if job is None and direct is None:
                     k = i % 2
@@ -208,7 +214,6 @@ class _Reader:
         a = op.offset - op.offset % ALIGN
         e = -(-(op.offset + op.length) // ALIGN) * ALIGN
         if astages[k] is None or astages[k][0].numel() < e - a:
-            from .direct_write import private_buffer
             m = private_buffer(e - a)
             astages[k] = (torch.frombuffer(m, dtype=torch.uint8), memoryview(m))
         t, mv = astages[k]
