@@ -31,7 +31,9 @@ def kinds(events):
 
 
 def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
-    iters = 14
+    # 24 iterations: with 14, a fast machine (ci53) ran the last 5 at world 3 before the scale-up
+    # took effect, and the job finished without the third launch
+    iters = 24
     # rank 3 SIGKILLs itself as it starts iteration 6 (its peers are inside it): a signal from
     # outside raced the save at 6 and could cost 0 iterations
     job = Job(tmp_path, nproc=4, iters=iters, save_interval=3, ctl_args=["--on-failure", "shrink"],
@@ -40,6 +42,8 @@ def test_kill_mid_iteration_shrinks_then_scales_back_up(tmp_path):
         recs = job.wait_for(lambda r: len(r) > 0 and r[-1]["world_size"] == 3 and
                             sum(1 for x in r if x["world_size"] == 3) >= 3, what="3 iterations on 3 processes")
         os.kill(job.proc.pid, signal.SIGUSR1)            # the operator: the device is back
+        # the signal reached a job with iterations left (else the scale-up below checks nothing)
+        assert recs[-1]["iteration"] < iters - 4, f"iteration {recs[-1]['iteration']} of {iters} before the scale-up"
         assert job.wait() == 0, job.output()[-5000:]
     finally:
         job.kill()
