@@ -534,6 +534,21 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:  # corrupt / incomplete checkpoint (every rank says which file): exit 1
         print(f"pretrain_gpt.py: checkpoint error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        _close_process_groups()
+
+
+def _close_process_groups() -> None:
+    """Tear the process groups down before the interpreter exits: left to C++ static destructors at
+    exit, gloo's threads could abort the process ("terminate called without an active exception",
+    exit -6: ci54, after an exit-2 config error) and hide the exit code the user should see."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - exiting anyway; the exit code is the one that matters
+        log.debug("destroy_process_group at exit: %s", e)
 
 
 def _main(argv: list[str] | None = None) -> int:

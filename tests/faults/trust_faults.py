@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -49,9 +48,11 @@ def _proc(argv: list[str], timeout_s: float, env: dict, cwd: str) -> Outcome:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+    if helpers not in sys.path:   # run as a script (fault_campaign.py), not under pytest
+        sys.path.insert(0, helpers)
+    from dist_utils import free_port   # below the ephemeral range, unique within the run
+    return free_port()
 
 
 def _latest_step(root: str):

@@ -9,10 +9,48 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
+# Ports for the stores tests start. A port the kernel picked with bind(0) lies in its ephemeral range,
+# which every outgoing connection also draws from (gloo opens dozens per collective group): between
+# the pick and the store's bind, another test's connection could take it (ci54: EADDRINUSE). Ports
+# below that range are never handed out by the kernel; each xdist worker gets its own slice of them,
+# so two tests of one run never pick the same port, and a bind check skips one in use elsewhere.
+_SLICE = 1500
+_next: dict[str, int] = {}
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range, unique within this test run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 10000 + index * _SLICE
+    if base + _SLICE > _ephemeral_low():   # no room below the range: let the kernel pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    start = _next.get(worker, os.getpid() % _SLICE)
+    for k in range(_SLICE):
+        port = base + (start + k) % _SLICE
+        if _bindable(port):
+            _next[worker] = (start + k + 1) % _SLICE
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _SLICE - 1}")
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
