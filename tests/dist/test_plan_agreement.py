@@ -1,0 +1,68 @@
+"""The save-plan agreement runs beside the snapshot copy (``CheckpointEngine.save``): a rank whose
+shards match the cached plan copies under it while the ranks agree in a helper thread. On two gloo
+ranks with POSIX storage: saves with unchanged shards take that path and commit exactly; a save
+where only ONE rank's shards changed is planned again and copied again on the rank that had
+speculated, and commits the new shards bit for bit (nothing dropped)."""
+from __future__ import annotations
+
+import torch
+
+from dist_utils import run_world
+from elastor_ds.checkpoint import commit as commit_mod
+from elastor_ds.checkpoint import engine as engine_mod
+from elastor_ds.checkpoint.engine import CheckpointEngine
+from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.comm import TorchComm
+from elastor_ds.layout.region import Region
+
+
+def _rows(rank: int, t: torch.Tensor) -> TensorShard:
+    return TensorShard("w", (8, 6), Region((rank * 4, 0), (4, 6)), t)
+
+
+def _worker(rank: int, world: int, root: str) -> None:
+    made = []
+    real = engine_mod._Agreement
+
+    class Spy(real):
+        def __init__(self, comm):
+            made.append(1)
+            super().__init__(comm)
+    engine_mod._Agreement = Spy
+    comm = TorchComm.create(60)
+    eng = CheckpointEngine(root, comm, keep=5)
+    w = torch.full((4, 6), float(rank + 1))
+    b = torch.arange(4096.0)   # replicated: the plan has one rank write it
+    st = eng.save(1, [_rows(rank, w), full_shard("b", b)])
+    eng.wait()
+    assert not st.plan_cached and made == []            # the first save plans (no cached plan)
+    (writer,) = [r for r, its in enumerate(eng._plan.items) if any(i.name == "b" for i in its)]
+    st = eng.save(2, [_rows(rank, w * 10), full_shard("b", b * 10)])
+    eng.wait()
+    assert st.plan_cached and made == [1]               # cached plan, agreed beside the copy
+    # the rank that wrote "b" drops it: the other rank's shards are unchanged, so it copies under
+    # the old plan beside the agreement, learns the plan changed, and must copy again (now with "b")
+    mine = [_rows(rank, w * 100)] + ([] if rank == writer else [full_shard("b", b * 100)])
+    st = eng.save(3, mine)
+    eng.wait()
+    assert not st.plan_cached and not st.dropped
+    assert len(made) == (1 if rank == writer else 2)    # the writer knew its shards changed
+    st = eng.save(4, [_rows(rank, w * 1000)] + mine[1:])
+    eng.wait()
+    assert st.plan_cached and len(made) == (2 if rank == writer else 3)
+    comm.barrier()
+    for step, scale in ((2, 10.0), (3, 100.0)):
+        out, ob = torch.zeros(8, 6), torch.zeros(4096)
+        res = eng.load(f"{root}/{commit_mod.step_dirname(step)}", [full_shard("w", out), full_shard("b", ob)])
+        assert res.step == step
+        assert torch.equal(out[:4], torch.full((4, 6), scale)) and torch.equal(out[4:], torch.full((4, 6), 2 * scale))
+        assert torch.equal(ob, b * scale), (step, ob[:4])
+    eng.finalize()
+    comm.close()
+    engine_mod._Agreement = real
+
+
+def test_the_plan_agreement_runs_beside_the_copy_and_a_change_on_one_rank_replans(tmp_path):
+    root = str(tmp_path / "ck")
+    run_world(_worker, 2, root, timeout_s=90)
+    assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2, 3, 4]
