@@ -81,6 +81,10 @@ class _Reader:
         self.tables: dict[str, tuple[int, list[int]]] = {}
         self.table_bytes = 0
         self.src: ChunkSource = self.sources[-1]   # the source of the file being read
+        # staging for reads that do not land in their destinations, kept for every file of the load
+        # (two each: one read while the other's bytes are checked and copied)
+        self.stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.astages: list = [None, None]   # page-aligned, for O_DIRECT reads: (tensor, memoryview)
 
     def _holders(self, fname: str) -> list[ChunkSource]:
         fe = self.man.files.get(fname)
@@ -149,8 +153,7 @@ class _Reader:
         copied in a helper thread, the next read runs here (reads, zlib.crc32 and torch copies
         release the GIL); two staging buffers."""
         self.src = src
-        stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        astages: list = [None, None]   # page-aligned staging for O_DIRECT reads: (tensor, memoryview)
+        stages, astages = self.stages, self.astages   # the previous file's jobs are done (it waited)
         pending = None
         prefetch = getattr(src, "prefetch", None)
         read_direct = getattr(src, "read_direct", None) if getattr(src, "direct_ok", False) else None
