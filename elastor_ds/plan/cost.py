@@ -70,7 +70,7 @@ GiB = float(1 << 30)
 HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
 GB = 1e9  # bandwidths are in GB/s
 PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives", "embedding_time_s",
-                  "step_time_s")
+                  "step_time_s", "cores_per_node")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,8 @@ class Profile:
     # measured by a running trainer (absent: 0, the analytical model's GPU-default behaviour):
     embedding_time_s: Mapping[int, float] = field(default_factory=dict)  # first stage's non-layer s per micro-batch
     step_time_s: float | None = None  # per iteration: optimizer step, gradient reduce, schedule bookkeeping
+    # CPU runs: the cores a node's processes share (absent: a device per process, as with GPUs)
+    cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_time_s:
@@ -131,6 +133,9 @@ class Profile:
         if self.step_time_s is not None and (not isinstance(self.step_time_s, (int, float)) or
                                              not (self.step_time_s >= 0) or not math.isfinite(self.step_time_s)):
             raise ConfigError(f"profile step_time_s={self.step_time_s!r}: seconds per iteration >= 0 required")
+        if self.cores_per_node is not None and (isinstance(self.cores_per_node, bool) or
+                                                not isinstance(self.cores_per_node, int) or self.cores_per_node < 1):
+            raise ConfigError(f"profile cores_per_node={self.cores_per_node!r}: a whole number of cores >= 1 required")
         if not isinstance(self.layer_time_includes_tp_comm, bool):
             raise ConfigError(f"profile layer_time_includes_tp_comm={self.layer_time_includes_tp_comm!r}: must be "
                               f"true or false")
@@ -145,7 +150,7 @@ class Profile:
         present = {"layer_time_s": bool(self.layer_time_s), "head_time_s": bool(self.head_time_s),
                    "activation_bytes_per_layer": bool(self.activation_bytes_per_layer),
                    "collectives": self.collectives is not None, "embedding_time_s": bool(self.embedding_time_s),
-                   "step_time_s": self.step_time_s is not None}
+                   "step_time_s": self.step_time_s is not None, "cores_per_node": self.cores_per_node is not None}
         if not present.get(table):
             return None
         return self.sources.get(table, "measured (the profile does not say how)")
@@ -173,6 +178,9 @@ class Profile:
         src = d.get("sources") or {}
         if not isinstance(src, Mapping):
             raise ConfigError(f"profile sources: expected a mapping of table -> text, got {type(src).__name__}")
+        cores = d.get("cores_per_node")
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)):
+            raise ConfigError(f"profile cores_per_node={cores!r}: expected a whole number of cores")
         step = d.get("step_time_s")
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
             raise ConfigError(f"profile step_time_s={step!r}: expected seconds per iteration (a number)")
@@ -180,7 +188,7 @@ class Profile:
                        d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")),
                        CommProfile.from_dict(coll) if coll is not None else None,
                        d.get("layer_time_includes_tp_comm", True), dict(src), tbl("embedding_time_s"),
-                       None if step is None else float(step))
+                       None if step is None else float(step), cores)
 
     @staticmethod
     def load(path: str | Path) -> "Profile":
@@ -204,6 +212,8 @@ class Profile:
             out["embedding_time_s"] = {str(k): v for k, v in sorted(self.embedding_time_s.items())}
         if self.step_time_s is not None:
             out["step_time_s"] = self.step_time_s
+        if self.cores_per_node is not None:
+            out["cores_per_node"] = self.cores_per_node
         if self.sources:
             out["sources"] = dict(self.sources)
         return out
@@ -265,6 +275,7 @@ class CostModel:
         self.model, self.training, self.cluster = model, training, cluster
         self.params = params or CostParams()
         self.profile = profile
+        self._procs_per_node: int | None = None   # made on first use (bubble_share)
         self._lt: dict[int, float] = {}
         self._ht: dict[int, float] = {}
         if profile is not None:
@@ -310,6 +321,9 @@ class CostModel:
             out["embedding_time"] = f"{prof.source('embedding_time_s')} (per micro-batch, first stage)"
         if prof is not None and prof.step_time_s is not None:
             out["step_time"] = f"{prof.source('step_time_s')} (per iteration)"
+        if prof is not None and prof.cores_per_node is not None:
+            out["bubble"] = (f"{prof.source('cores_per_node')}: {prof.cores_per_node} cores per node; where a node's "
+                             f"processes outnumber them, a stage idle in the fill/drain bubble yields its core")
         out["memory"] = ((prof.source("activation_bytes_per_layer") + " (activations); ")  # type: ignore[union-attr]
                          if prof is not None and prof.activation_bytes_per_layer else "") + \
             (f"assumed: analytical (weights, gradients, optimizer state, activations with flash attention, "
@@ -625,8 +639,28 @@ class CostModel:
         mems = tuple(self.stage_memory(t, b - a, j, S, R, z) for j, (t, (a, b), _) in enumerate(shape))
         slow = max(times)
         p2p = sum(self.fill_drain_p2p(same) for same in same_node)
-        compute, bubble = rep.micro_batches * slow, (S - 1) * slow
+        compute, bubble = rep.micro_batches * slow, (S - 1) * slow * self.bubble_share(sum(tps))
         return ReplicaCost(rep.micro_batches, times, mems, slow, compute, bubble, p2p, compute + bubble + p2p)
+
+    def bubble_share(self, procs: int) -> float:
+        """The part of the fill/drain bubble a replica of ``procs`` processes pays for.
+
+        1 with a device per process. Where a node's processes share fewer cores (a CPU run whose
+        profile says ``cores_per_node``), the measured stage times are those of P processes on C
+        cores, each running at C/P of a core. During the bubble the idle half of this replica's
+        processes (on average over fill and drain) leave their cores to the busy ones, which then
+        run at min(1, C / busy) of a core. The bubble then costs max(C/P, busy/P) of a steady
+        slot, with busy = P - procs/2."""
+        cores = self.profile.cores_per_node if self.profile is not None else None
+        if cores is None:
+            return 1.0
+        per_node = self._procs_per_node
+        if per_node is None:
+            per_node = self._procs_per_node = max((len(n.gpus) for n in self.cluster.nodes), default=1)
+        if per_node <= cores:
+            return 1.0
+        busy = per_node - min(procs, per_node) / 2.0
+        return max(cores / per_node, busy / per_node)
 
     @staticmethod
     def is_grid(plan: Plan) -> bool:

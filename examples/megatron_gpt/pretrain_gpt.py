@@ -749,6 +749,10 @@ def _main(argv: list[str] | None = None) -> int:
                                                                 "this width's TP all-reduce and p2p as the job ran "
                                                                 "them")
                 layer_profile.apply_in_situ(doc)
+                if not cuda:   # CPU processes share the node's cores: the cost model's bubble needs it
+                    doc["cores_per_node"] = len(os.sched_getaffinity(0))
+                    doc.setdefault("sources", {})["cores_per_node"] = (
+                        "measured: the CPUs this node's trainer processes may run on (sched_getaffinity)")
                 if first_window:
                     plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                     plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")

@@ -492,3 +492,50 @@ def test_parametric_split_agrees_with_dynamic_program():
         if a is not None:
             assert b[0] == pytest.approx(a[0]) and sum(b[1]) == L
             assert all(1 <= n <= m for n, m in zip(b[1], mx))
+
+
+def test_bubble_on_shared_cores_hand_computed():
+    """A CPU profile's ``cores_per_node``: where a node's processes outnumber its cores, a stage
+    idle in the fill/drain bubble yields its core. Replica 0 below has 3 processes (TP1 + TP2) on a
+    node of 4 processes: on 2 cores the busy processes in its bubble are 4 - 3/2 = 2.5, so the bubble
+    costs max(2/4, 2.5/4) = 0.625 of a steady slot; with 4 cores (one per process), or no
+    ``cores_per_node`` (GPUs), all of it. A single-stage replica has no bubble either way."""
+    cl = Cluster.from_gpus_per_node("4", gpu_memory_gb=40)
+    p = Plan(4, (PlanReplica((stage(cl, 1, (0, 2), ["node0:0"]), stage(cl, 2, (2, 4), ["node0:1", "node0:2"])), 3),
+                 PlanReplica((stage(cl, 1, (0, 4), ["node0:3"]),), 2)))
+    p2p = 2 * (1024 * 1024 * 2) / 150e9
+    model = ModelSpec(num_layers=4, hidden_size=H, num_attention_heads=8, seq_length=S_LEN, vocab_size=V)
+    training = TrainingSpec(1, 5, nominal_tp=2)
+    times = {}
+    for cores in (None, 4, 2):
+        prof = Profile({1: 1.0, 2: 0.6}, {1: 0.5, 2: 0.3}, cores_per_node=cores)
+        c = CostModel(model, training, cl, CostParams(memory_overhead_gb=0.0), prof).evaluate(p)
+        times[cores] = (c.replicas[0].bubble_s, c.replicas[0].time_s, c.replicas[1].time_s)
+    assert times[None] == pytest.approx((2.0, 8.0 + p2p, 9.0))
+    assert times[4] == times[None]
+    assert times[2] == pytest.approx((1.25, 3 * 2.0 + 1.25 + p2p, 9.0))
+    # a single replica of all 4 processes (TP2 + TP2): half of them busy in its bubble, on 2 cores
+    # they run at full speed: the bubble costs max(2/4, 2/4) = half
+    grid = Plan(4, (PlanReplica((stage(cl, 2, (0, 2), ["node0:0", "node0:1"]),
+                                 stage(cl, 2, (2, 4), ["node0:2", "node0:3"])), 5),))
+    prof = Profile({1: 1.0, 2: 0.6}, {1: 0.5, 2: 0.3}, cores_per_node=2)
+    full = CostModel(model, training, cl, CostParams(memory_overhead_gb=0.0),
+                     Profile({1: 1.0, 2: 0.6}, {1: 0.5, 2: 0.3})).evaluate(grid).replicas[0]
+    shared = CostModel(model, training, cl, CostParams(memory_overhead_gb=0.0), prof).evaluate(grid).replicas[0]
+    assert full.bubble_s == pytest.approx(full.slowest_stage_s) and shared.bubble_s == pytest.approx(full.bubble_s / 2)
+    assert shared.compute_s == pytest.approx(full.compute_s)
+
+
+def test_profile_cores_per_node_round_trips_and_bad_values_are_named():
+    d = {"layer_time_s": {"1": 0.5}, "cores_per_node": 2,
+         "sources": {"cores_per_node": "measured: sched_getaffinity"}}
+    prof = Profile.from_dict(d)
+    assert prof.cores_per_node == 2 and prof.to_dict()["cores_per_node"] == 2
+    assert Profile.from_dict(prof.to_dict()) == prof
+    cost = CostModel(ModelSpec(num_layers=4, hidden_size=H, num_attention_heads=8, seq_length=S_LEN, vocab_size=V),
+                     TrainingSpec(1, 5), Cluster.from_gpus_per_node("4"), profile=prof)
+    assert cost.sources()["bubble"].startswith("measured: sched_getaffinity: 2 cores per node")
+    assert "cores_per_node" not in Profile.from_dict({"layer_time_s": {"1": 0.5}}).to_dict()
+    for bad in (0, -1, True, "2", 2.5):
+        with pytest.raises(ConfigError, match="cores_per_node"):
+            Profile.from_dict({"layer_time_s": {"1": 0.5}, "cores_per_node": bad})
