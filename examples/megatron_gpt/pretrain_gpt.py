@@ -750,7 +750,8 @@ def _main(argv: list[str] | None = None) -> int:
                                                                 "them")
                 layer_profile.apply_in_situ(doc)
                 if not cuda:   # CPU processes share the node's cores: the cost model's bubble needs it
-                    doc["cores_per_node"] = len(os.sched_getaffinity(0))
+                    aff = getattr(os, "sched_getaffinity", None)   # Linux; elsewhere all of the machine's
+                    doc["cores_per_node"] = len(aff(0)) if aff else (os.cpu_count() or 1)
                     doc.setdefault("sources", {})["cores_per_node"] = (
                         "measured: the CPUs this node's trainer processes may run on (sched_getaffinity)")
                 if first_window:
