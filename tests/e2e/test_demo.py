@@ -101,7 +101,7 @@ def test_demo_restores_from_memory_after_the_kill(tmp_path):
 
     # predictions users can trust (issue 21): every launch's plan has the trainer's predicted
     # iteration time within a factor of the median it then measured (below; issue 21's goal is 25 %:
-    # met by 38 of 42 launches in 14 idle runs, every 4-process one,
+    # met by 41 of 45 launches in 15 idle runs, every 4-process one,
     # bench/results/2026-12-02-idle-machine.md; not asserted until it holds every run). Raw metrics
     # lines: a launch starts
     # at the record carrying "plan"; its first two iterations are the warm-up (the trainer's profile
