@@ -71,12 +71,18 @@ class _Store:
         return str(self.values[key]).encode()
 
 
-def test_beacon_beats_and_fences_itself_when_the_store_goes_silent():
+def _beating_node():
+    """A beacon of node 1 beating into a fake store every 0.1 s (timeout 0.4 s), recording its fences."""
     store = _Store()
     fences: list[float] = []
     cfg = LivenessConfig(interval=0.1, timeout=0.4)
     beacon = Beacon(cfg, fences.append)
     beacon.retarget(store, 1)
+    return store, fences, cfg, beacon
+
+
+def test_beacon_beats_and_fences_itself_when_the_store_goes_silent():
+    store, fences, cfg, beacon = _beating_node()
     time.sleep(0.35)
     assert store.values["elastor/alive/1"] >= 3 and not beacon.fenced
     book = PeerBook(cfg.timeout)
@@ -157,11 +163,7 @@ def test_a_rendezvous_against_a_vanished_store_reads_as_store_lost():
 def test_a_disarmed_beacon_keeps_beating_and_never_fences():
     """After the node's workers all exited 0 (``disarm``), a store that stops answering while the
     node waits at the exit barrier does not fence it; beats go on while the store answers."""
-    store = _Store()
-    fences: list[float] = []
-    cfg = LivenessConfig(interval=0.1, timeout=0.4)
-    beacon = Beacon(cfg, fences.append)
-    beacon.retarget(store, 1)
+    store, fences, cfg, beacon = _beating_node()
     time.sleep(0.25)
     beacon.disarm()
     n = store.values["elastor/alive/1"]
