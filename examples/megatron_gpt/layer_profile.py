@@ -191,15 +191,22 @@ def _med(v: list[float]) -> Optional[float]:
 
 
 def median_iteration(ranks: list[dict]) -> list[dict]:
-    """Every rank's counters of one timed iteration: the median one by rank 0's wall time (ranks
-    step together), so a burst of other processes' work in part of the window does not enter."""
+    """Every rank's counters of a typical timed iteration: each counter's median over the rank's
+    timed iterations, so a burst of other processes' work in a few of them does not enter."""
     its = ranks[0].get("per_iter") or []
     if not its or any(len(r.get("per_iter") or []) != len(its) for r in ranks):
         return ranks
-    k = sorted(range(len(its)), key=lambda i: its[i]["iter_s"])[(len(its) - 1) // 2]
-    return [dict(r, iters=1, iter_s=[r["per_iter"][k]["iter_s"]], **{f: r["per_iter"][k][f] for f in
-                                                                    ("layer_s", "ar_in", "ar_out", "instr")})
-            for r in ranks]
+    out = []
+    for r in ranks:
+        per = r["per_iter"]
+        keys = sorted({k for p in per for k in p["instr"]})
+        instr = {k: [statistics.median(p["instr"].get(k, [0.0, 0])[0] for p in per),
+                     statistics.median(p["instr"].get(k, [0.0, 0])[1] for p in per)] for k in keys}
+        out.append(dict(r, iters=1, iter_s=[statistics.median(p["iter_s"] for p in per)],
+                        layer_s=statistics.median(p["layer_s"] for p in per),
+                        ar_in=[statistics.median(p["ar_in"][i] for p in per) for i in (0, 1)],
+                        ar_out=[statistics.median(p["ar_out"][i] for p in per) for i in (0, 1)], instr=instr))
+    return out
 
 
 def in_situ_terms(ranks: list[dict]) -> dict:
@@ -225,6 +232,7 @@ def in_situ_terms(ranks: list[dict]) -> dict:
       backward, load, send and receive instructions and the gradient reduce (which the cost model
       prices from the collectives): optimizer step, loss aggregation, the checkpoint hooks.
     """
+    reduce_s = grad_reduce_seconds(ranks)
     ranks = median_iteration(ranks)
     emb: dict[int, list[float]] = {}
     head: dict[int, list[float]] = {}
@@ -276,8 +284,44 @@ def in_situ_terms(ranks: list[dict]) -> dict:
         out["sources"]["step_time_s"] = (f"{how}, median over ranks, iteration wall time outside the pipeline "
                                          f"passes, transfers and gradient reduce")
     out["in_situ"] = {"tp_all_reduce_s": {str(t): a[2] / a[3] for t, a in sorted(lay.items()) if a[3] and t > 1},
-                      "p2p_s": _med(send) / 2 if send else None}
+                      "p2p_s": _med(send) / 2 if send else None, "grad_reduce_s": reduce_s}
     return out
+
+
+def grad_reduce_seconds(ranks: list[dict]) -> Optional[float]:
+    """The gradient reduce as the job ran it: per timed iteration, the least ``ReduceGrads`` time
+    over the ranks that reduce (the rank that arrives last waits for nobody: its time is the
+    collectives' own), median over the iterations; None when no rank reduced."""
+    per = [r.get("per_iter") or [] for r in ranks]
+    n = min((len(p) for p in per), default=0)
+    mins = []
+    for k in range(n):
+        got = [p[k]["instr"]["ReduceGrads"][0] for p in per if p[k]["instr"].get("ReduceGrads", [0.0, 0])[1]]
+        if got:
+            mins.append(min(got))
+    return statistics.median(mins) if mins else None
+
+
+SYNC_KINDS = ("dp_all_reduce", "reduce_scatter", "all_gather")
+
+
+def scale_sync(doc: dict, measured_s: float, model_s: float, iterations: int) -> Optional[float]:
+    """Scale the calibration's gradient-sync collectives (``SYNC_KINDS``, every group size) by
+    ``measured_s / model_s``: the gradient reduce as the job ran it (:func:`grad_reduce_seconds`)
+    over the cost model's price of the same sync from the calibration, which ran each collective
+    three times on otherwise idle ranks. Returns the factor (None when either is not positive)."""
+    coll = doc.get("collectives")
+    if not coll or not (measured_s > 0 and model_s > 0):
+        return None
+    f = measured_s / model_s
+    for kind in SYNC_KINDS:
+        for ab in (coll.get(kind) or {}).values():
+            ab["latency_s"] *= f
+            ab["s_per_byte"] *= f
+    doc.setdefault("sources", {})["collectives"] = (
+        doc["sources"].get("collectives", "measured") + f"; gradient sync x{f:.3g}: the job's own gradient reduce "
+        f"(least over ranks, median of {iterations} iterations) over the calibration's price of it")[:300]
+    return f
 
 
 def scale_widths(doc: dict, micro: dict) -> None:
@@ -303,17 +347,18 @@ def scale_widths(doc: dict, micro: dict) -> None:
         doc["sources"][key] = text[:300]
 
 
-def apply_in_situ(doc: dict) -> None:
+def apply_in_situ(doc: dict) -> dict:
     """Replace the calibration's TP all-reduce at the widths the job ran and its p2p with the calls
     as the job ran them (waits for peers included), and drop the working field."""
     ins = doc.pop("in_situ", None) or {}
     coll = doc.get("collectives")
     if coll is None:
-        return
+        return ins
     for t, v in (ins.get("tp_all_reduce_s") or {}).items():
         coll.setdefault("tp_all_reduce", {})[t] = {"latency_s": v, "s_per_byte": 0.0}
     if ins.get("p2p_s") is not None:
         coll["p2p"] = {"2": {"latency_s": ins["p2p_s"], "s_per_byte": 0.0}}
+    return ins
 
 
 def _cuda() -> bool:

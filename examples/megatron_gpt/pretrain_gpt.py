@@ -748,12 +748,16 @@ def _main(argv: list[str] | None = None) -> int:
                                                                 "of this job's groups of 2-4 ranks, 3 repetitions; "
                                                                 "this width's TP all-reduce and p2p as the job ran "
                                                                 "them")
-                layer_profile.apply_in_situ(doc)
+                ins = layer_profile.apply_in_situ(doc)
                 if not cuda:   # CPU processes share the node's cores: the cost model's bubble needs it
                     aff = getattr(os, "sched_getaffinity", None)   # Linux; elsewhere all of the machine's
                     doc["cores_per_node"] = len(aff(0)) if aff else (os.cpu_count() or 1)
                     doc.setdefault("sources", {})["cores_per_node"] = (
                         "measured: the CPUs this node's trainer processes may run on (sched_getaffinity)")
+                # the gradient sync as this job ran it: the calibration's sync collectives scaled to it
+                if ins.get("grad_reduce_s") and price_layout(args, world, layout, doc) is not None:
+                    layer_profile.scale_sync(doc, ins["grad_reduce_s"], args.last_breakdown["sync"],
+                                             prof.last - first_timed + 1)
                 if first_window:
                     plan_info["profile_comm_s"] = time.perf_counter() - t_comm
                     plan_info["predicted_iter_s_at_launch"] = plan_info.get("predicted_iter_s")

@@ -49,8 +49,8 @@ def _tensor_bytes(step_dir: str) -> int:
 def test_demo_restores_from_memory_after_the_kill(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, DEMO, "--out", str(out), "--train-iters", "40", "--fail-at", "16",
-                        "--return-after", "8", "--save-interval", "20"],
+    p = subprocess.run([sys.executable, DEMO, "--out", str(out), "--train-iters", "52", "--fail-at", "16",
+                        "--return-after", "20", "--save-interval", "20"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     events = _lines(str(out / "events.jsonl"))
@@ -97,16 +97,16 @@ def test_demo_restores_from_memory_after_the_kill(tmp_path):
     assert summary["snapshots"] == sum(1 for m in metrics if "snapshot_stall_s" in m) > 0
     assert f"restored step {resumed} from memory" in p.stdout
     assert f"lost {lost} iteration(s) (at most 1 with a memory snapshot every 1)" in p.stdout
-    assert max(m["iteration"] for m in metrics) == 40
+    assert max(m["iteration"] for m in metrics) == 52
 
     # predictions users can trust (issue 21): every launch's plan has the trainer's predicted
-    # iteration time within a factor of the median it then measured (below; issue 21's goal is 25 %:
-    # met by 41 of 45 launches in 15 idle runs, every 4-process one,
-    # bench/results/2026-12-02-idle-machine.md; not asserted until it holds every run). Raw metrics
-    # lines: a launch starts
+    # iteration time within 25 % of the median it then measured. Raw metrics lines: a launch starts
     # at the record carrying "plan"; its first two iterations are the warm-up (the trainer's profile
     # leaves them out too); the prediction is the launch's last record's, priced by the cost model
-    # from the profile the launch measured (layer, embedding/head, TP all-reduce, p2p, step times)
+    # from the profile the launch measured (layer, embedding/head, TP all-reduce, p2p, gradient
+    # reduce, step times). The 3-process phase runs 20 iterations (the README's job: 50), so its
+    # profile has three windows: with one (8 iterations) it missed 25 % in 4 of 15 idle runs
+    # (bench/results/2026-12-02-predictions-3proc.md)
     launches: list[list[dict]] = []
     for m in metrics:
         if "plan" in m or not launches:
@@ -126,17 +126,9 @@ def test_demo_restores_from_memory_after_the_kill(tmp_path):
         assert ph["median_iteration_s"] == pytest.approx(measured) and ph["plan"]["predicted_iter_s"] == predicted
     print("predicted/measured per launch:", ratios)
     # on the old trainer (plan priced by the analytical model) the 3-process launch predicted 0.025 of
-    # its measured time; bench/results/2026-12-01-predictions.md has every run's ratios.
-    # The TP2 x PP2 launches (4 processes) have stayed within 0.95-1.34 on the idle machine, 0.89-1.16
-    # since the cost model prices the bubble on shared cores: factor 1.5.
-    # The planned 3-process launch is checked against a factor 2: its plans (three single-stage
-    # replicas with 2, 1, 1 micro-batches, or a 2-stage and a 1-stage replica) run 3 processes on 2
-    # cores, and the in-situ model, which pools a width's layer time over ranks that share the cores
-    # unevenly, has priced them 0.62-1.80x their measured median on the idle machine (ci40: 0.623;
-    # run d1: 1.80) -- issue 21 stays open on it. A factor 2 still catches the old 40x error.
-    four = [r for w, _, r in ratios if w == 4]
-    three = [r for w, _, r in ratios if w == 3]
-    assert all(2 / 3 <= r <= 1.5 for r in four) and all(0.5 <= r <= 2.0 for r in three), ratios
+    # its measured time; bench/results/2026-12-01-predictions.md has every run's ratios, and
+    # 2026-12-02-predictions-3proc.md this test's on the idle machine
+    assert all(0.75 <= r <= 1.25 for _, _, r in ratios), ratios
     # the best uniform alternative of the planned launch: same world, same profile, idle count stated
     planned = launches[1][-1]
     assert planned["plan_source"] == "auto" and planned["uniform_plan"]

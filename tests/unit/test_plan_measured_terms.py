@@ -72,17 +72,67 @@ def test_in_situ_terms_by_hand():
     assert two["in_situ"]["tp_all_reduce_s"] == {"2": pytest.approx(0.005)}     # none at TP 1
 
 
-def test_terms_come_from_the_median_iteration_of_the_window():
-    # three timed iterations; the second (0.2 s) is the median by wall time: only its counters count
+def test_terms_are_each_counters_median_over_the_timed_iterations():
+    # three timed iterations, a burst in a different counter in each (layers in the first, the
+    # forward in the second, the backward in the third): each counter's own median counts, so no
+    # burst enters. (The counters of the median iteration by wall time, the second, would give a
+    # head time of (0.4 + 0.04 - 0.08) / 4 = 0.09 and a step time of 0.)
     its = [{"iter_s": t, "layer_s": ls, "ar_in": [0.0, 0], "ar_out": [0.0, 0],
-            "instr": {"ForwardPass": [f, 4], "BackwardPass": [f, 4]}} for t, ls, f in
-           ((0.9, 0.6, 0.4), (0.2, 0.08, 0.05), (0.1, 0.04, 0.03))]
+            "instr": {"ForwardPass": [f, 4], "BackwardPass": [b, 4]}} for t, ls, f, b in
+           ((0.9, 0.6, 0.05, 0.05), (0.2, 0.08, 0.4, 0.04), (0.1, 0.04, 0.03, 0.3))]
     r = _rank(True, True, 2, 0.72, [0.0, 0], [0.0, 0], {}, [0.9, 0.2, 0.1], tp=1)
     r.update(per_iter=its, iters=3)
     out = layer_profile.in_situ_terms([r])
     assert out["layer_time_s"]["1"] == pytest.approx(0.08 / (2 * 4))       # not 0.72 / (2 x 4 x 3)
-    assert out["head_time_s"]["1"] == pytest.approx((0.1 - 0.08) / 4)
-    assert out["step_time_s"] == pytest.approx(0.2 - 0.1)
+    # medians: forward 0.05, backward 0.05, layers 0.08, wall 0.2
+    assert out["head_time_s"]["1"] == pytest.approx((0.05 + 0.05 - 0.08) / 4)
+    assert out["step_time_s"] == pytest.approx(0.2 - (0.05 + 0.05))
+
+
+def _reducing(red_s):
+    return [{"iter_s": 0.1, "layer_s": 0.01, "ar_in": [0.0, 0], "ar_out": [0.0, 0],
+             "instr": {"ForwardPass": [0.02, 2], "ReduceGrads": [s, 1]}} for s in red_s]
+
+
+def test_the_gradient_reduce_as_the_job_ran_it_is_the_least_over_ranks_median_over_iterations():
+    r0 = _rank(True, True, 2, 0.0, [0.0, 0], [0.0, 0], {}, [0.1] * 3, tp=1)
+    r1 = dict(r0)
+    r2 = dict(r0)
+    r0["per_iter"] = _reducing([0.010, 0.030, 0.002])
+    r1["per_iter"] = _reducing([0.020, 0.004, 0.050])
+    # a rank that does not reduce (no ReduceGrads call) is left out, though its 0 s is the least
+    r2["per_iter"] = [dict(p, instr={"ForwardPass": [0.02, 2]}) for p in _reducing([0.0] * 3)]
+    # per iteration the least: 0.010, 0.004, 0.002; their median 0.004
+    assert layer_profile.grad_reduce_seconds([r0, r1, r2]) == pytest.approx(0.004)
+    assert layer_profile.in_situ_terms([r0, r1, r2])["in_situ"]["grad_reduce_s"] == pytest.approx(0.004)
+    assert layer_profile.grad_reduce_seconds([r2]) is None
+
+
+def test_the_calibrations_gradient_sync_is_scaled_to_the_jobs_own():
+    coll = {"dp_all_reduce": {"2": {"latency_s": 0.001, "s_per_byte": 1e-9}},
+            "reduce_scatter": {"2": {"latency_s": 0.002, "s_per_byte": 2e-9}},
+            "tp_all_reduce": {"2": {"latency_s": 0.5, "s_per_byte": 0.0}}}
+    doc = {"layer_time_s": {"1": 0.01}, "head_time_s": {"1": 0.004}, "collectives": coll,
+           "sources": {"collectives": "measured: calibration"}}
+    cl = Cluster.from_gpus_per_node([2])
+    d = cl.devices()
+    dp2 = Plan(4, tuple(PlanReplica((PlanStage(1, (0, 4), (d[i],)),), 2) for i in range(2)), (), "uniform")
+    before = CostModel(MODEL, TRAIN, cl, profile=Profile.from_dict(doc)).sync_time(dp2)
+    # the model's price of the sync: one all-reduce of every gradient (fp32) over 2 ranks
+    grads = 4 * CostModel(MODEL, TRAIN, cl).stage_params(1, 4, 0, 1)
+    assert before == pytest.approx(0.001 + 1e-9 * grads)
+    assert layer_profile.scale_sync(doc, 3 * before, before, 15) == pytest.approx(3.0)
+    assert doc["collectives"]["dp_all_reduce"]["2"] == {"latency_s": pytest.approx(0.003),
+                                                        "s_per_byte": pytest.approx(3e-9)}
+    assert doc["collectives"]["reduce_scatter"]["2"] == {"latency_s": pytest.approx(0.006),
+                                                         "s_per_byte": pytest.approx(6e-9)}
+    assert doc["collectives"]["tp_all_reduce"]["2"] == {"latency_s": 0.5, "s_per_byte": 0.0}   # not a sync
+    assert "gradient sync x3" in doc["sources"]["collectives"] and "15 iterations" in doc["sources"]["collectives"]
+    after = CostModel(MODEL, TRAIN, cl, profile=Profile.from_dict(doc)).sync_time(dp2)
+    assert after == pytest.approx(3 * before)
+    # nothing to scale against: left as it is
+    assert layer_profile.scale_sync(doc, 0.01, 0.0, 15) is None
+    assert doc["collectives"]["dp_all_reduce"]["2"]["latency_s"] == pytest.approx(0.003)
 
 
 def _plan(cluster):
