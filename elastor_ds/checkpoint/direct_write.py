@@ -1,4 +1,4 @@
-"""Writing a data file with ``O_DIRECT``: the bytes go from two aligned bounce buffers to the disk
+"""Writing a data file with ``O_DIRECT``: the bytes go from aligned bounce buffers to the disk
 without passing through the page cache.
 
 Why: a buffered ``write`` copies every byte into the page cache, and the kernel pays for finding,
@@ -12,10 +12,10 @@ How: a buffer whose bytes sit at the same offset modulo 4 KiB in memory as in th
 page-aligned staging buffer behind a header padded to a page, :data:`~.fileformat.DATA_ALIGN`)
 is written straight from where it is, in :data:`DIRECT_CHUNK` pieces, apart from the few bytes
 before its first aligned file offset and after its last. Everything else -- the header, a column
-tile's :class:`~.fileformat.RowRuns`, a buffer that is not so aligned -- is copied into one of two
-page-aligned bounce buffers of :data:`PIECE` bytes (numpy copies, which release the GIL). A helper
-thread performs the writes in file order, each full bounce buffer while the next one fills; a
-second helper computes the CRCs from the source buffers meanwhile
+tile's :class:`~.fileformat.RowRuns`, a buffer that is not so aligned -- is copied into one of
+:data:`NBUF` page-aligned bounce buffers of :data:`PIECE` bytes (numpy copies, which release the
+GIL). A helper thread performs the writes in file order, each full bounce buffer while the next
+one fills; a second helper computes the CRCs from the source buffers meanwhile
 (:func:`~.fileformat.stream_crcs`, the buffered path's own). The last piece is padded with zeros
 to the 4 KiB alignment ``O_DIRECT`` needs and the file is cut back to its size with
 ``ftruncate``; then ``fsync`` (with ``fsync=True``) makes size and data durable.
@@ -43,7 +43,10 @@ from .writer_sched import thread_target
 log = logging.getLogger(__name__)
 
 ALIGN = 4096            # O_DIRECT: buffer address, length and file offset in multiples of this
-PIECE = 8 * 1024 * 1024  # bytes per bounce buffer (a multiple of ALIGN)
+# bytes per bounce buffer (a multiple of ALIGN). 4 MiB: three runs of bench/ckpt_bench.py alternated with
+# 8 MiB wrote no slower (write / floor 1.03-1.09 against 1.09-1.12) with 12 MiB less at the peak
+# (bench/results/2026-12-02-bounce-buffers.md)
+PIECE = 4 * 1024 * 1024
 NBUF = 3                 # bounce buffers per file
 _COPY = 1024 * 1024      # bytes per copy call
 DIRECT_CHUNK = 32 * 1024 * 1024   # bytes per write straight from a caller's buffer
@@ -124,7 +127,7 @@ def _fall_back(dev: int, path: str, header: bytes, mvs: list, fsync: bool, chunk
 
 
 def _write_all_direct(fd: int, header: bytes, mvs: list) -> int:
-    """Copy ``header`` and ``mvs`` through two bounce buffers to ``fd`` (opened O_DIRECT); cut the
+    """Copy ``header`` and ``mvs`` through the bounce buffers to ``fd`` (opened O_DIRECT); cut the
     file to its size. Returns the size. Raises :class:`_Refused` when the first write gets EINVAL."""
     b = _Bounce(fd)
     try:
@@ -194,7 +197,7 @@ def private_buffer(nbytes: int) -> mmap.mmap:
 
 
 class _Bounce:
-    """Two page-aligned bounce buffers: the caller fills one while a helper thread writes the other."""
+    """NBUF page-aligned bounce buffers: the caller fills one while a helper thread writes the others."""
 
     def __init__(self, fd: int):
         self.fd = fd
