@@ -178,9 +178,6 @@ class Profile:
         src = d.get("sources") or {}
         if not isinstance(src, Mapping):
             raise ConfigError(f"profile sources: expected a mapping of table -> text, got {type(src).__name__}")
-        cores = d.get("cores_per_node")
-        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)):
-            raise ConfigError(f"profile cores_per_node={cores!r}: expected a whole number of cores")
         step = d.get("step_time_s")
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
             raise ConfigError(f"profile step_time_s={step!r}: expected seconds per iteration (a number)")
@@ -188,7 +185,7 @@ class Profile:
                        d.get("micro_batch_size"), d.get("seq_length"), str(d.get("device", "")),
                        CommProfile.from_dict(coll) if coll is not None else None,
                        d.get("layer_time_includes_tp_comm", True), dict(src), tbl("embedding_time_s"),
-                       None if step is None else float(step), cores)
+                       None if step is None else float(step), d.get("cores_per_node"))
 
     @staticmethod
     def load(path: str | Path) -> "Profile":
