@@ -216,7 +216,13 @@ def response_mac(key: bytes, nonce: str, status: int, rng: str, size: str, body:
 
 def response_mac_matches(key: bytes, nonce: str, status: int, rng: str, size: str, body: Iterable, tag: str) -> bool:
     """Whether ``tag`` (GMAC or HMAC-SHA256) authenticates this response (client; constant time)."""
-    m = _response(key, nonce, status, rng, size, tag, "gmac")
+    m = response_checker(key, nonce, status, rng, size, tag)
     for piece in body:
         m.update(piece)
     return m.matches(tag)
+
+
+def response_checker(key: bytes, nonce: str, status: int, rng: str, size: str, tag: str) -> "_KeyedMac":
+    """The client's incremental check of a response whose header carried ``tag``: ``update`` it with
+    each piece of the body as it arrives (while the piece is in cache), then ``matches(tag)``."""
+    return _response(key, nonce, status, rng, size, tag, "gmac")

@@ -12,7 +12,10 @@ short or unreachable file.
 - :class:`RemoteSource` (``remote:<host:port>``): another node's
   :class:`~elastor_ds.checkpoint.snapshot.server.SnapshotServer`: its committed ``local/<step>`` and
   its complete peer copies, read with signed HTTP range requests whose answers carry a MAC under the
-  job key (:mod:`.auth`; one keep-alive connection per thread).
+  job key (:mod:`.auth`), checked piece by piece as the bytes arrive. The reader's ``prefetch`` hints
+  send the next request ahead on a second keep-alive connection, so the server authenticates it and
+  MACs its bytes while the current answer arrives (per thread at most three connections: direct
+  requests, the answer being read, the request ahead).
 - :func:`node_sources`: the list for a restore, nearest first: peer copies here, then each other
   live node's server in ``ELASTOR_SNAPSHOT_PEERS`` order.
 
@@ -20,6 +23,7 @@ Stdlib only (no torch).
 """
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import logging
@@ -32,7 +36,7 @@ from typing import Optional, Sequence
 
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, launch_context
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..auth import job_key, request_mac, response_mac_matches
+from ..auth import job_key, request_mac, response_checker, response_mac_matches
 from ..paths import safe_join
 from ..fileformat import pread_into
 
@@ -45,6 +49,11 @@ COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
 LOCAL_DIR = "local"
 MAX_RANGE = 16 << 20       # bytes per request to a snapshot server (the server refuses more: 416)
+# requests sent ahead of the read that runs (the reader's ``prefetch`` hints), each on its own
+# keep-alive connection: the server authenticates and MACs the next range while this one arrives
+MAX_AHEAD = 1
+MAX_HINTS = 64             # announced reads remembered per thread
+_RECV_PIECE = 1 << 20      # the answer's MAC is checked piece by piece as the bytes arrive (in cache)
 
 
 def _views_len(views: Sequence[memoryview]) -> int:
@@ -146,6 +155,7 @@ class RemoteSource:
         self._index: Optional[dict] = None
         self._where: dict[str, str] = {}
         self._down = False
+        self._ahead_conns: list[http.client.HTTPConnection] = []   # every ahead connection (any thread): closed by close()
 
     # --------------------------------------------------------------- HTTP
     def _conn(self) -> http.client.HTTPConnection:
@@ -160,18 +170,23 @@ class RemoteSource:
             c.close()
             self._local.conn = None
 
+    def _headers(self, method: str, path: str, rng: str) -> tuple[dict, str]:
+        """A signed request's headers (a fresh nonce) and the nonce."""
+        nonce = secrets.token_hex(16)
+        when = str(int(time.time()))
+        headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when,
+                   "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when)}
+        if rng:
+            headers["Range"] = rng
+        return headers, nonce
+
     def _request(self, method: str, path: str, rng: str = "") -> tuple[http.client.HTTPResponse, str]:
         """(response, nonce) of a signed request; retried on a dropped connection or a busy server."""
         deadline = time.monotonic() + self.busy_wait_s
         delay = 0.05
         reused = getattr(self._local, "conn", None) is not None
         while True:
-            nonce = secrets.token_hex(16)
-            when = str(int(time.time()))
-            headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when,
-                       "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when)}
-            if rng:
-                headers["Range"] = rng
+            headers, nonce = self._headers(method, path, rng)
             c = self._conn()
             try:
                 c.request(method, path, headers=headers)
@@ -255,39 +270,151 @@ class RemoteSource:
             raise IncompleteCheckpointError(f"{self.name}: holds no copy of {relpath!r} of {self.step_name}")
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
         n = sum(len(v) for v in flat)
-        pos = 0
-        while pos < n:
-            k = min(MAX_RANGE, n - pos)
-            self._read_piece(cand, offset + pos, _window(flat, pos, k))
-            pos += k
+        pieces = [(cand, offset + p, min(MAX_RANGE, n - p)) for p in range(0, n, MAX_RANGE)]
+        if len(pieces) > 1:   # this read's later pieces go ahead of the announced reads
+            hints, mine = self._hints(), set(pieces)
+            kept = [k for k in hints if k not in mine]
+            hints.clear()
+            hints.extend([k for k in pieces[1:] if k not in self._ahead()] + kept)
+        for key in pieces:
+            self._read_piece(key, _window(flat, key[1] - offset, key[2]))
         with self._lock:
             self.bytes_read += n
 
-    def _read_piece(self, cand: str, offset: int, views: list[memoryview]) -> None:
-        n = sum(len(v) for v in views)
+    # --------------------------------------------------------------- requests sent ahead
+    def _ahead(self) -> dict:
+        """This thread's requests sent ahead: (file, offset, length) -> (connection, nonce), in order."""
+        got = getattr(self._local, "ahead", None)
+        if got is None:
+            got = self._local.ahead = {}
+            self._local.idle = []
+            self._local.hints = collections.deque()
+        return got
+
+    def _hints(self) -> "collections.deque":
+        self._ahead()
+        return self._local.hints
+
+    def prefetch(self, relpath: str, offset: int, length: int) -> None:
+        """A hint (the reader announces its next reads, in order): their requests are sent early, at
+        most :data:`MAX_AHEAD` at a time, each on another keep-alive connection, so the server
+        authenticates the next request, MACs its bytes and starts sending while the read that runs
+        now arrives. Hints beyond :data:`MAX_HINTS` are dropped (those reads then ask for themselves)."""
+        cand = self._where.get(relpath)
+        if cand is None or length <= 0 or self._down:
+            return
+        hints = self._hints()
+        for p in range(0, length, MAX_RANGE):
+            if len(hints) >= MAX_HINTS:
+                break
+            hints.append((cand, offset + p, min(MAX_RANGE, length - p)))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send announced requests until :data:`MAX_AHEAD` are out."""
+        ahead, hints, idle = self._ahead(), self._local.hints, self._local.idle
+        last = getattr(self._local, "last", None)   # the read that runs (or ran) last
+        while hints and len(ahead) < MAX_AHEAD:
+            key = hints.popleft()
+            if key in ahead or (last is not None and key[0] == last[0] and key[1] <= last[1]):
+                continue
+            cand, offset, n = key
+            c = idle.pop() if idle else None
+            if c is None:
+                c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+                with self._lock:
+                    self._ahead_conns.append(c)
+            path = "/f/" + urllib.parse.quote(cand)
+            headers, nonce = self._headers("GET", path, f"bytes={offset}-{offset + n - 1}")
+            try:
+                c.request("GET", path, headers=headers)
+            except (http.client.HTTPException, OSError):
+                c.close()
+                return
+            ahead[key] = (c, nonce)
+
+    def _take_ahead(self, key: tuple) -> Optional[tuple]:
+        """The request sent ahead for exactly this read (removed), or None; then the next announced
+        ones go out. Requests and hints for another file, or for this file at or before this offset,
+        are stale (their reads went elsewhere): closed and dropped."""
+        ahead, hints = self._ahead(), self._local.hints
+
+        def stale(k: tuple) -> bool:
+            return k != key and (k[0] != key[0] or k[1] <= key[1])
+        for k in [k for k in ahead if stale(k)]:
+            ahead.pop(k)[0].close()
+        if any(stale(k) for k in hints):
+            kept = [k for k in hints if not stale(k)]
+            hints.clear()
+            hints.extend(kept)
+        got = ahead.pop(key, None)
+        self._local.last = key
+        self._pump()
+        return got
+
+    def _read_piece(self, key: tuple, views: list[memoryview]) -> None:
+        cand, offset, n = key
+        rng = f"bytes={offset}-{offset + n - 1}"
+        pre = self._take_ahead(key)
+        r = None
+        conn: Optional[http.client.HTTPConnection] = None
+        if pre is not None:
+            conn, nonce = pre
+            try:
+                r = conn.getresponse()
+                if r.status == 503:   # busy when it was sent: ask again, with the retries of _request
+                    r.read(1 << 16)
+                    conn.close()
+                    r = conn = None
+            except (http.client.HTTPException, OSError):
+                conn.close()
+                r = conn = None
+        drop = conn.close if conn is not None else self._drop
         try:
-            r, nonce = self._request("GET", "/f/" + urllib.parse.quote(cand), f"bytes={offset}-{offset + n - 1}")
+            if r is None:
+                r, nonce = self._request("GET", "/f/" + urllib.parse.quote(cand), rng)
             if r.status != 206 or r.getheader("Content-Length") != str(n):
                 r.read(1 << 16)
-                self._drop()
+                drop()
                 raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
                                                 f" with {r.getheader('Content-Length')} bytes")
+            tag = r.getheader("X-Elastor-Auth") or ""
+            check = response_checker(self.key, nonce, r.status, r.getheader("Content-Range") or "",
+                                     r.getheader("X-File-Size") or "", tag)
             got = 0
             for mv in views:
                 at = 0
                 while at < len(mv):
-                    k = r.readinto(mv[at:])
+                    piece = mv[at:at + _RECV_PIECE]
+                    k = r.readinto(piece)
                     if not k:
                         raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
+                    check.update(piece[:k])
                     at += k
                     got += k
-            self._verified(r, nonce, views)
+            if not check.matches(tag):
+                drop()
+                raise CorruptCheckpointError(f"{self.name}: the answer failed its authentication (not from this "
+                                             f"job's server, or changed on the way)")
         except (http.client.HTTPException, OSError) as e:
-            self._drop()
+            drop()
             raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
+        if conn is not None:   # the answer was read whole: the connection can carry the next request ahead
+            if r.will_close:
+                conn.close()
+            else:
+                self._local.idle.append(conn)
 
     def close(self) -> None:
         self._drop()
+        for c, _ in self._ahead().values():
+            c.close()
+        self._ahead().clear()
+        self._hints().clear()
+        with self._lock:
+            conns, self._ahead_conns = self._ahead_conns, []
+        for c in conns:
+            c.close()
 
 
 def _window(views: Sequence[memoryview], start: int, length: int) -> list[memoryview]:

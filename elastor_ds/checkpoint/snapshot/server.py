@@ -196,6 +196,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(SEND_TIMEOUT_S)
+        try:   # an answer's last short segment must not wait for the client's delayed ACK (Nagle)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
         self._nonce = ""
         self._first = True
         self.command, self.path, self.requestline, self.request_version = "", "", "", "HTTP/1.1"
