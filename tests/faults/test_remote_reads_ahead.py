@@ -96,10 +96,10 @@ def test_announced_reads_in_order_across_pieces_and_files(tmp_path, monkeypatch)
         src.close()
 
 
-def test_reads_ahead_use_a_bounded_set_of_connections(tmp_path, monkeypatch):
-    """Per thread: the connection of direct requests, the one whose answer is being read, the one
-    carrying the request ahead; every one kept alive across reads (a new connection per request
-    would be a new TCP handshake and a new server thread each time)."""
+def test_reads_ahead_use_two_connections_per_thread(tmp_path, monkeypatch):
+    """A reading thread keeps two keep-alive connections (the answer being read, the request ahead),
+    not one per request (a new TCP handshake and server thread each time) nor three (the server
+    holds 32 for every node's readers)."""
     monkeypatch.setattr(peer_sources, "MAX_RANGE", 128 << 10)
     root, a, _ = _node(tmp_path)
     with SnapshotServer(root, KEY) as srv:
@@ -117,7 +117,7 @@ def test_reads_ahead_use_a_bounded_set_of_connections(tmp_path, monkeypatch):
             out = bytearray(256 << 10)
             src.read_into(A, off, [memoryview(out)])
             assert bytes(out) == a[off:off + len(out)]
-        assert len(accepted) <= 2 + peer_sources.MAX_AHEAD, accepted
+        assert len(accepted) <= 1 + peer_sources.MAX_AHEAD, accepted
         src.close()
 
 
@@ -231,3 +231,23 @@ def test_server_answers_without_nagle_delay(tmp_path):
             (conn,) = list(srv._srv._deadlines)
             # set by the handler's setup, in its own thread, after the server registered the socket
             assert _wait_for(lambda: conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, 5.0)
+
+
+def test_a_server_at_its_connection_limit_still_serves_a_reader_that_sends_ahead(tmp_path):
+    """One slot: the request sent ahead is refused (503); the reader frees its slot, stops sending
+    ahead and reads everything on one connection, promptly."""
+    root, a, _ = _node(tmp_path)
+    with SnapshotServer(root, KEY, max_connections=1) as srv:
+        src = RemoteSource(srv.address, STEP, KEY, busy_wait_s=10)
+        assert src.has(A, len(a))
+        t0 = time.monotonic()
+        piece = 256 << 10
+        for off in range(0, 2 << 20, piece):
+            for nxt in range(off + piece, min(off + 4 * piece, 2 << 20), piece):
+                src.prefetch(A, nxt, piece)
+            out = bytearray(piece)
+            src.read_into(A, off, [memoryview(out)])
+            assert bytes(out) == a[off:off + piece]
+        assert time.monotonic() - t0 < 8, "the reader waited on its own request ahead"
+        assert srv.busy_refused >= 1
+        src.close()

@@ -14,8 +14,8 @@ short or unreachable file.
   its complete peer copies, read with signed HTTP range requests whose answers carry a MAC under the
   job key (:mod:`.auth`), checked piece by piece as the bytes arrive. The reader's ``prefetch`` hints
   send the next request ahead on a second keep-alive connection, so the server authenticates it and
-  MACs its bytes while the current answer arrives (per thread at most three connections: direct
-  requests, the answer being read, the request ahead).
+  MACs its bytes while the current answer arrives (a reading thread keeps two connections to the
+  server: the answer being read, the request ahead).
 - :func:`node_sources`: the list for a restore, nearest first: peer copies here, then each other
   live node's server in ``ELASTOR_SNAPSHOT_PEERS`` order.
 
@@ -195,6 +195,9 @@ class RemoteSource:
                     return r, nonce
                 r.read()
                 self._drop()
+                # the server is at its connection limit: free the slots this thread holds for requests
+                # sent ahead, and send none from now on (they would compete with this one)
+                self._stop_ahead()
             except (ConnectionRefusedError, TimeoutError):   # the node is down: no waiting
                 self._drop()
                 raise
@@ -271,7 +274,7 @@ class RemoteSource:
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
         n = sum(len(v) for v in flat)
         pieces = [(cand, offset + p, min(MAX_RANGE, n - p)) for p in range(0, n, MAX_RANGE)]
-        if len(pieces) > 1:   # this read's later pieces go ahead of the announced reads
+        if len(pieces) > 1 and not getattr(self._local, "no_ahead", False):   # its later pieces go first
             hints, mine = self._hints(), set(pieces)
             kept = [k for k in hints if k not in mine]
             hints.clear()
@@ -295,13 +298,25 @@ class RemoteSource:
         self._ahead()
         return self._local.hints
 
+    def _stop_ahead(self) -> None:
+        """Close this thread's requests sent ahead and their connections; no more hints taken."""
+        ahead = self._ahead()
+        for c, _ in ahead.values():
+            c.close()
+        for c in self._local.idle:
+            c.close()
+        ahead.clear()
+        self._local.idle.clear()
+        self._local.hints.clear()
+        self._local.no_ahead = True
+
     def prefetch(self, relpath: str, offset: int, length: int) -> None:
         """A hint (the reader announces its next reads, in order): their requests are sent early, at
         most :data:`MAX_AHEAD` at a time, each on another keep-alive connection, so the server
         authenticates the next request, MACs its bytes and starts sending while the read that runs
         now arrives. Hints beyond :data:`MAX_HINTS` are dropped (those reads then ask for themselves)."""
         cand = self._where.get(relpath)
-        if cand is None or length <= 0 or self._down:
+        if cand is None or length <= 0 or self._down or getattr(self._local, "no_ahead", False):
             return
         hints = self._hints()
         for p in range(0, length, MAX_RANGE):
@@ -319,10 +334,15 @@ class RemoteSource:
             if key in ahead or (last is not None and key[0] == last[0] and key[1] <= last[1]):
                 continue
             cand, offset, n = key
-            c = idle.pop() if idle else None
+            c = idle.pop() if idle else getattr(self._local, "conn", None)
             if c is None:
                 c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-                with self._lock:
+            elif c is getattr(self._local, "conn", None):
+                # the direct requests' connection is idle between requests: it carries this one (the
+                # thread keeps two connections to the server, not three; a direct request makes a new one)
+                self._local.conn = None
+            with self._lock:
+                if c not in self._ahead_conns:
                     self._ahead_conns.append(c)
             path = "/f/" + urllib.parse.quote(cand)
             headers, nonce = self._headers("GET", path, f"bytes={offset}-{offset + n - 1}")
@@ -362,10 +382,11 @@ class RemoteSource:
             conn, nonce = pre
             try:
                 r = conn.getresponse()
-                if r.status == 503:   # busy when it was sent: ask again, with the retries of _request
+                if r.status == 503:   # busy when it was sent: ask again (with _request's retries), no more ahead
                     r.read(1 << 16)
                     conn.close()
                     r = conn = None
+                    self._stop_ahead()
             except (http.client.HTTPException, OSError):
                 conn.close()
                 r = conn = None
@@ -400,10 +421,14 @@ class RemoteSource:
             drop()
             raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
         if conn is not None:   # the answer was read whole: the connection can carry the next request ahead
-            if r.will_close:
+            idle = self._local.idle
+            if r.will_close or len(idle) >= MAX_AHEAD:
                 conn.close()
+                with self._lock:
+                    if conn in self._ahead_conns:
+                        self._ahead_conns.remove(conn)
             else:
-                self._local.idle.append(conn)
+                idle.append(conn)
 
     def close(self) -> None:
         self._drop()
