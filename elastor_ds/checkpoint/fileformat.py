@@ -364,18 +364,19 @@ def pread_into(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
     """Fill ``bufs`` (in order) from ``offset``; raises on a short read."""
     want = sum(len(b) for b in bufs)
     got = 0
-    bufs = list(bufs)
-    while bufs:
-        n = os.preadv(fd, bufs[:1024], offset + got)
+    bufs = [b for b in bufs if len(b)]
+    i = 0   # bufs[:i] are full (an index, not pop(0): thousands of row views would make it quadratic)
+    while i < len(bufs):
+        n = os.preadv(fd, bufs[i:i + 1024], offset + got)
         if n == 0:
             raise CorruptCheckpointError(f"short read: file ended after {got} of {want} bytes at offset {offset}")
         got += n
-        # drop fully-read buffers, trim a partial one
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
+        # skip fully-read buffers, trim a partial one
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
         if n:
-            bufs[0] = bufs[0][n:]
+            bufs[i] = bufs[i][n:]
 
 
 def fsync_dir(path: str) -> None:
