@@ -6,6 +6,7 @@ answered before any read asks for it, and never twice); a byte flipped on the wi
 written here (the answer's MAC, not the reader's CRC, must catch it)."""
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -250,4 +251,45 @@ def test_a_server_at_its_connection_limit_still_serves_a_reader_that_sends_ahead
             assert bytes(out) == a[off:off + piece]
         assert time.monotonic() - t0 < 8, "the reader waited on its own request ahead"
         assert srv.busy_refused >= 1
+        src.close()
+
+
+def test_random_hints_and_reads_from_threads_against_a_crowded_server(tmp_path, monkeypatch):
+    """Three threads share one source, each announcing and reading random ranges (reads that were
+    announced, reads that were not, hints never read, other files), against a server with four
+    connection slots: every read returns the file's bytes, promptly."""
+    monkeypatch.setattr(peer_sources, "MAX_RANGE", 96 << 10)
+    root, a, b = _node(tmp_path, size=1 << 20)
+    files = {A: a, B: b}
+    with SnapshotServer(root, KEY, max_connections=4) as srv:
+        src = RemoteSource(srv.address, STEP, KEY, busy_wait_s=20)
+        assert src.has(A, len(a)) and src.has(B, len(b))
+        errors: list = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(40):
+                    name = rng.choice([A, B])
+                    size = len(files[name])
+                    n = rng.randrange(1, 300_000)
+                    off = rng.randrange(0, size - n)
+                    for _ in range(rng.randrange(0, 4)):   # hints: some for this read, some not
+                        hn = rng.randrange(1, 300_000)
+                        ho = off if rng.random() < 0.3 else rng.randrange(0, size - hn)
+                        src.prefetch(rng.choice([name, name, A, B]), ho, hn)
+                    out = bytearray(n)
+                    cut = rng.randrange(0, n + 1)
+                    src.read_into(name, off, [memoryview(out)[:cut], memoryview(out)[cut:]])
+                    if bytes(out) != files[name][off:off + n]:
+                        errors.append(f"seed {seed}: {name} at {off}+{n} differs")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"seed {seed}: {type(e).__name__}: {e}")
+        t0 = time.monotonic()
+        ts = [threading.Thread(target=worker, args=(s,)) for s in (1, 2, 3)]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+        assert not any(t.is_alive() for t in ts), "a reader hung"
+        assert not errors, errors
+        assert time.monotonic() - t0 < 45
         src.close()
