@@ -298,13 +298,20 @@ class RemoteSource:
         self._ahead()
         return self._local.hints
 
+    def _discard(self, c: http.client.HTTPConnection) -> None:
+        """Close a connection used for requests ahead and forget it (close() closes the rest)."""
+        c.close()
+        with self._lock:
+            if c in self._ahead_conns:
+                self._ahead_conns.remove(c)
+
     def _stop_ahead(self) -> None:
         """Close this thread's requests sent ahead and their connections; no more hints taken."""
         ahead = self._ahead()
         for c, _ in ahead.values():
-            c.close()
+            self._discard(c)
         for c in self._local.idle:
-            c.close()
+            self._discard(c)
         ahead.clear()
         self._local.idle.clear()
         self._local.hints.clear()
@@ -349,7 +356,7 @@ class RemoteSource:
             try:
                 c.request("GET", path, headers=headers)
             except (http.client.HTTPException, OSError):
-                c.close()
+                self._discard(c)
                 return
             ahead[key] = (c, nonce)
 
@@ -362,7 +369,7 @@ class RemoteSource:
         def stale(k: tuple) -> bool:
             return k != key and (k[0] != key[0] or k[1] <= key[1])
         for k in [k for k in ahead if stale(k)]:
-            ahead.pop(k)[0].close()
+            self._discard(ahead.pop(k)[0])
         if any(stale(k) for k in hints):
             kept = [k for k in hints if not stale(k)]
             hints.clear()
@@ -384,13 +391,14 @@ class RemoteSource:
                 r = conn.getresponse()
                 if r.status == 503:   # busy when it was sent: ask again (with _request's retries), no more ahead
                     r.read(1 << 16)
-                    conn.close()
+                    self._discard(conn)
                     r = conn = None
                     self._stop_ahead()
             except (http.client.HTTPException, OSError):
-                conn.close()
+                self._discard(conn)
                 r = conn = None
-        drop = conn.close if conn is not None else self._drop
+        ahead_conn = conn
+        drop = (lambda: self._discard(ahead_conn)) if ahead_conn is not None else self._drop
         try:
             if r is None:
                 r, nonce = self._request("GET", "/f/" + urllib.parse.quote(cand), rng)
@@ -423,10 +431,7 @@ class RemoteSource:
         if conn is not None:   # the answer was read whole: the connection can carry the next request ahead
             idle = self._local.idle
             if r.will_close or len(idle) >= MAX_AHEAD:
-                conn.close()
-                with self._lock:
-                    if conn in self._ahead_conns:
-                        self._ahead_conns.remove(conn)
+                self._discard(conn)
             else:
                 idle.append(conn)
 
