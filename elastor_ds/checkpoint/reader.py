@@ -85,6 +85,7 @@ class _Reader:
         # (two each: one read while the other's bytes are checked and copied)
         self.stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.astages: list = [None, None]   # page-aligned, for O_DIRECT reads: (tensor, memoryview)
+        self._tables: list = []   # futures of the CRC tables loading on the verify thread
 
     def _holders(self, fname: str) -> list[ChunkSource]:
         fe = self.man.files.get(fname)
@@ -112,9 +113,6 @@ class _Reader:
             if not self._holders(fname):                                   # what needs fixing, not its table
                 raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
                                                 f"({', '.join(s.name for s in self.sources)})")
-        if self.check:
-            for table, (lo, hi) in self.lplan.table_ranges().items():
-                self._load_table(table, lo, hi)
         groups: list[list[ReadOp]] = []
         for op in self.lplan.reads:
             if groups and groups[-1][0].file == op.file:
@@ -125,6 +123,16 @@ class _Reader:
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="elastor-verify")
         try:
+            if self.check:
+                tables = self.lplan.table_ranges().items()
+                if all(getattr(s, "thread_safe", False) for s in self.sources):
+                    # on the verify thread, beside the first data reads: it runs them before the
+                    # first check that needs them (one worker, in order); the main thread's own
+                    # checks (strided reads) wait for them
+                    self._tables = [pool.submit(self._load_table, t, lo, hi) for t, (lo, hi) in tables]
+                else:
+                    for t, (lo, hi) in tables:
+                        self._load_table(t, lo, hi)
             for ops in groups:
                 fname = ops[0].file
                 holders = self._holders(fname)
@@ -145,8 +153,21 @@ class _Reader:
                             raise
                         log.warning("%s: the copy in %s failed (%s); reading it from %s instead", fname,
                                     describe_source(src, fname), e, describe_source(holders[i + 1], fname))
+            self._tables_loaded()
+        except _TablesFailed as e:   # a CRC table's own error, not the data file's that was being read
+            raise e.error from None
         finally:
             pool.shutdown(wait=True)
+
+    def _tables_loaded(self) -> None:
+        """Wait for the CRC tables loading on the verify thread; raise their error (wrapped, so that
+        the data file being read is not blamed and read again from another source)."""
+        if self._tables:
+            for f in self._tables:
+                err = f.exception()
+                if err is not None:
+                    raise _TablesFailed(err)
+            self._tables = []
 
     def _run_file(self, pool, src: ChunkSource, ops: Sequence[ReadOp]) -> None:
         """Every read of one file from ``src``. Pipelined: while one read's bytes are checked and
@@ -186,6 +207,9 @@ class _Reader:
                 direct = dviews[i]
                 job = None
                 if direct is not None:
+                    # into the destinations: not before the tables are known good (a load that
+                    # fails on a forged table leaves no byte of that file in the destinations)
+                    self._tables_loaded()
                     src.read_into(op.file, op.offset, direct)
                     job = (op, direct, None)
                 elif goes_direct(i):
@@ -232,6 +256,7 @@ class _Reader:
 
     def _finish(self, op: ReadOp, views: Sequence[memoryview], buf: Optional[torch.Tensor]) -> None:
         """Check a read's bytes, then (staged reads) copy them into the destinations."""
+        self._tables_loaded()
         self._verify(op, views, 0)
         if buf is None:
             return
@@ -282,6 +307,7 @@ class _Reader:
     def _strided(self, src: ChunkSource, op: ReadOp) -> None:
         """One pread per outer row, straight into the destination rows when they are contiguous and
         the run is exactly the needed bytes; every run verified."""
+        self._tables_loaded()
         (c,) = op.copies
         t = self.targets[c.target]
         v = region_view(t, c.dst)
@@ -304,6 +330,14 @@ class _Reader:
             src.read_into(op.file, op.offset + k * op.stride, [bmv])
             self._verify(op, [bmv], k)
             v[k].copy_(piece)
+
+
+class _TablesFailed(Exception):
+    """A CRC table failed to load on the verify thread (``error``: why)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _entries(data: bytes) -> list[int]:

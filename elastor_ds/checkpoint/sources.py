@@ -13,7 +13,9 @@ A source is any object with ``name``, ``bytes_read``, ``has(relpath, size)`` and
 ``read_into(relpath, offset, views)``, optionally ``prefetch(relpath, offset, length)`` (a hint
 that a read of those bytes comes next) and ``where(relpath)`` (where the file is, for
 messages: ``local memory /dev/shm/...``, ``peer 10.0.0.2:4567 (local/step_.../data_00000...)``,
-``storage /ckpt/...``; :func:`describe_source`); ``relpath`` is the manifest's name, resolved inside the
+``storage /ckpt/...``; :func:`describe_source`) and ``thread_safe`` (True when two threads may read
+through it at once: the reader then loads the CRC tables beside the first data reads; a source
+without it is used from one thread at a time); ``relpath`` is the manifest's name, resolved inside the
 source's directory with :func:`~.paths.safe_join` (never a name out of it). This module has the
 directory sources (a step directory on tmpfs or on storage); ``elastor_ds.checkpoint`` users
 build lists with :func:`dir_source` / :func:`storage_source_for`.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
@@ -56,7 +59,10 @@ class DirSource:
     """The files of one step directory on a local file system (tmpfs or storage).
 
     ``files``: when given, only these names are served (e.g. the storage files that are byte for
-    byte the ones a memory snapshot's manifest describes)."""
+    byte the ones a memory snapshot's manifest describes). Thread-safe: descriptors are opened
+    and the byte count kept under a lock."""
+
+    thread_safe = True
 
     def __init__(self, step_dir: str, name: str = STORAGE, files: Optional[Iterable[str]] = None):
         self.step_dir = os.path.abspath(step_dir)
@@ -65,6 +71,7 @@ class DirSource:
         self.files = None if files is None else frozenset(files)
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int] = {}
+        self._lock = threading.Lock()
         # O_DIRECT reads (read_direct) from storage only: the disk's DMA into the reader's aligned
         # buffers, no page cache (a memory snapshot on tmpfs is a copy either way)
         self.direct_ok = name == STORAGE and hasattr(os, "O_DIRECT")
@@ -91,6 +98,14 @@ class DirSource:
     def _fd(self, relpath: str) -> int:
         fd = self._fds.get(relpath)
         if fd is None:
+            with self._lock:
+                fd = self._base_fd(relpath)
+        return fd
+
+    def _base_fd(self, relpath: str) -> int:
+        """The file's descriptor, opened once (under the lock)."""
+        fd = self._fds.get(relpath)
+        if fd is None:
             try:
                 fd = self._fds[relpath] = open_regular(self.path(relpath))   # a planted FIFO never blocks
             except FileNotFoundError:
@@ -114,7 +129,15 @@ class DirSource:
         fd = self._direct_fds.get(relpath)
         if fd is not None:
             return fd
-        base = self._fd(relpath)
+        with self._lock:
+            return self._open_direct(relpath)
+
+    def _open_direct(self, relpath: str) -> Optional[int]:
+        """:meth:`_direct_fd` under the lock."""
+        fd = self._direct_fds.get(relpath)
+        if fd is not None:
+            return fd
+        base = self._base_fd(relpath)
         try:
             fd = os.open(f"/proc/self/fd/{base}", os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
         except OSError:
@@ -149,7 +172,8 @@ class DirSource:
                 raise
             self.direct_ok = False   # refused after all (e.g. an alignment the file system wants larger)
             return None
-        self.bytes_read += got
+        with self._lock:
+            self.bytes_read += got
         return got
 
     def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
@@ -158,13 +182,17 @@ class DirSource:
             pread_into(fd, views, offset)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{self.step_dir}/{relpath}: {e} (source {self.name})") from None
-        self.bytes_read += sum(len(v) for v in views)
+        n = sum(len(v) for v in views)
+        with self._lock:
+            self.bytes_read += n
 
     def close(self) -> None:
-        for fd in [*self._fds.values(), *self._direct_fds.values()]:
+        with self._lock:
+            fds = [*self._fds.values(), *self._direct_fds.values()]
+            self._fds.clear()
+            self._direct_fds.clear()
+        for fd in fds:
             os.close(fd)
-        self._fds.clear()
-        self._direct_fds.clear()
 
 
 def describe_source(src: ChunkSource, relpath: str) -> str:

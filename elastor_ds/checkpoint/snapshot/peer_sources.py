@@ -64,6 +64,7 @@ class PeerCopySource:
     """Peer copies of other nodes' chunk files held in this node's snapshot directory."""
 
     name = "peer-memory"
+    thread_safe = True
 
     def __init__(self, snapshot_dir: str, step_name: str):
         self.root = os.path.join(snapshot_dir, PEER_DIR)
@@ -135,6 +136,8 @@ class RemoteSource:
     Every request is signed with the job key and every answer's MAC is checked before its bytes are
     used (:mod:`.auth`); reads go in pieces of at most :data:`MAX_RANGE` bytes. A busy server
     (``503``) or a dropped connection is retried for up to ``busy_wait_s``."""
+
+    thread_safe = True
 
     def __init__(self, address: str, step_name: str, key: bytes, timeout_s: float = 30.0, busy_wait_s: float = 30.0):
         host, _, port = address.rpartition(":")
