@@ -8,6 +8,7 @@ Pure: no torch, no I/O.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -20,10 +21,14 @@ class Region:
     sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.offsets) != len(self.sizes):
-            raise ValueError(f"Region rank mismatch: offsets={self.offsets} sizes={self.sizes}")
-        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
-            raise ValueError(f"Region with negative offsets/sizes: {self.offsets} {self.sizes}")
+        offs, sizes = self.offsets, self.sizes
+        if len(offs) != len(sizes):
+            raise ValueError(f"Region rank mismatch: offsets={offs} sizes={sizes}")
+        if offs and (min(offs) < 0 or min(sizes) < 0):
+            raise ValueError(f"Region with negative offsets/sizes: {offs} {sizes}")
+        # the ends, computed once (the planners ask for them in every intersection); not a field:
+        # equality, ordering, hashing and repr stay those of (offsets, sizes)
+        object.__setattr__(self, "_ends", tuple(map(operator.add, offs, sizes)))
 
     @staticmethod
     def full(shape: Sequence[int]) -> "Region":
@@ -35,7 +40,7 @@ class Region:
 
     @property
     def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+        return self._ends
 
     @property
     def numel(self) -> int:
@@ -53,7 +58,7 @@ class Region:
         if self.ndim != other.ndim:
             raise ValueError(f"cannot intersect regions of rank {self.ndim} and {other.ndim}")
         offs, sizes = [], []
-        for a0, a1, b0, b1 in zip(self.offsets, self.ends, other.offsets, other.ends):
+        for a0, a1, b0, b1 in zip(self.offsets, self._ends, other.offsets, other._ends):
             lo, hi = max(a0, b0), min(a1, b1)
             if hi <= lo:
                 return None
@@ -65,7 +70,7 @@ class Region:
 
     def contains(self, other: "Region") -> bool:
         return all(a0 <= b0 and b1 <= a1 for a0, a1, b0, b1 in
-                   zip(self.offsets, self.ends, other.offsets, other.ends))
+                   zip(self.offsets, self._ends, other.offsets, other._ends))
 
     def relative_to(self, outer: "Region") -> "Region":
         """This region expressed in the coordinates of ``outer`` (which must contain it)."""

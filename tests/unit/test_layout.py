@@ -26,6 +26,25 @@ def test_region_intersect_and_flat_ranges():
         flat_range_to_regions((3, 4), 0, 13)
 
 
+def test_region_ends_are_kept_but_identity_is_offsets_and_sizes():
+    import copy
+    import dataclasses
+    import pickle
+    a, b = Region((2, 3), (4, 5)), Region((2, 3), (4, 5))
+    assert a.ends == (6, 8) and Region((), ()).ends == ()
+    assert a == b and hash(a) == hash(b) and not a < b and repr(a) == "Region(offsets=(2, 3), sizes=(4, 5))"
+    assert sorted([Region((1,), (9,)), Region((0,), (3,))]) == [Region((0,), (3,)), Region((1,), (9,))]
+    for c in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a), dataclasses.replace(a, sizes=(1, 1))):
+        assert c.ends == tuple(o + s for o, s in zip(c.offsets, c.sizes))
+    assert dataclasses.astuple(a) == ((2, 3), (4, 5))
+    with pytest.raises(ValueError, match="negative"):
+        Region((0, -1), (1, 1))
+    with pytest.raises(ValueError, match="negative"):
+        Region((0, 0), (1, -1))
+    with pytest.raises(ValueError, match="rank mismatch"):
+        Region((0,), (1, 1))
+
+
 def test_uniform_rank_order_matches_deepspeed_and_megatron():
     lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=8)
     # rank = pp*(dp*tp) + dp*tp + tp

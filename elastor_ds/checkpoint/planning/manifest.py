@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from ...errors import FormatVersionError, ManifestError
 from ...layout.region import Region
@@ -315,6 +315,67 @@ def _parse(d: Any, where: str) -> Manifest:
                     created_unix=float(created), format_version=ver)
 
 
+def _ints(s: Any) -> bool:
+    """A list of non-negative ints (not bools)."""
+    return type(s) is list and all(type(x) is int and x >= 0 for x in s)
+
+
+def _hex32(v: Any) -> Optional[int]:
+    """:meth:`_V.hex32` without the message: the value, or None when it is not 8 hex digits."""
+    if not isinstance(v, str) or len(v) != 8:
+        return None
+    try:
+        return int(v, 16)
+    except ValueError:
+        return None
+
+
+def _chunk_fast(c: Any, shape: tuple[int, ...], itemsize: int, files: Mapping[str, FileEntry]) -> Optional[Chunk]:
+    """A chunk entry that passes every check of :func:`_parse_tensor`'s loop, parsed without
+    building the messages; None when any check fails (the caller then names the failure)."""
+    if type(c) is not dict:
+        return None
+    fname = c.get("file")
+    fe = files.get(fname) if type(fname) is str else None
+    if fe is None or not is_plain_name(fname):
+        return None
+    key = c.get("key", "")
+    reg = c.get("region")
+    if type(key) is not str or type(reg) is not list or len(reg) != 2:
+        return None
+    offs, sizes = reg
+    if not (_ints(offs) and _ints(sizes) and len(offs) == len(shape) == len(sizes)):
+        return None
+    if any(o + n > e for o, n, e in zip(offs, sizes, shape)):
+        return None
+    off, length = c.get("offset"), c.get("length")
+    if type(off) is not int or type(length) is not int or off < 0 or length < 0:
+        return None
+    region = Region(tuple(offs), tuple(sizes))
+    if length != region.numel * itemsize or off + length > fe.size:
+        return None
+    crc = None
+    if c.get("crc32") is not None:
+        crc = _hex32(c["crc32"])
+        if crc is None:
+            return None
+    blocks = None
+    b = c.get("blocks")
+    if b is not None:
+        if type(b) is not dict:
+            return None
+        bsize, table, index = b.get("size"), b.get("table"), b.get("index")
+        if type(bsize) is not int or bsize < 1 or type(index) is not int or index < 0:
+            return None
+        tfe = files.get(table) if type(table) is str else None
+        if tfe is None or not is_plain_name(table):
+            return None
+        blocks = BlockTable(bsize, table, index)
+        if (index + blocks.count(length)) * CRC_ENTRY_BYTES > tfe.size:
+            return None
+    return Chunk(fname, key, region, off, length, crc, blocks)
+
+
 def _shape(v: _V, s: Any, path: str) -> tuple[int, ...]:
     if not isinstance(s, list):
         raise v.fail(path, "a list of non-negative integers", s)
@@ -334,8 +395,14 @@ def _parse_tensor(v: _V, name: str, t: Any, files: Mapping[str, FileEntry]) -> T
     if not isinstance(raw, list):
         raise v.fail(p + ".chunks", "a list", raw)
     full = Region.full(shape)
+    itemsize = DTYPE_SIZES[dtype]
     chunks = []
     for i, c in enumerate(raw):
+        ok = _chunk_fast(c, shape, itemsize, files)
+        if ok is not None:
+            chunks.append(ok)
+            continue
+        # something is off: the same checks again, naming the field and the value that fail
         cp = f"{p}.chunks[{i}]"
         c = v.obj(c, cp)
         fname = v.req(c, "file", cp)
