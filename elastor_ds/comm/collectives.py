@@ -187,46 +187,59 @@ class _Liveness:
                 log.warning("elastor heartbeat %s did not stop within %.0f s", self.tag, self.liveness_s + 5.0)
 
     def arrive(self, what: str) -> None:
-        """Wait until every rank reached this point of the group's collective sequence."""
+        """Wait until every rank reached this point of the group's collective sequence.
+
+        Each rank marks its arrival (a key of its own, read only to name the missing ranks in an
+        error) and counts itself in (``add``); the rank that completes the count sets one "done"
+        key, which the others poll. A poll is one store round trip reading one key. The pause
+        between polls grows with the time already waited (an eighth of it, 1 ms to 50 ms), so a
+        rank notices the last arrival within about 12 % of its wait: a pause that doubled each
+        time made a rank that waited 38 ms notice after 66 ms, and every peer waited that long in
+        the collective after it (the end of a resharded load, bench/results/2026-12-03-load-fixed-costs.md)."""
         self._seq += 1
         base = f"elastor/{self.tag}/arrive/{self._seq}"
         keys = [f"{base}/{r}" for r in range(self.world)]
+        done = f"{base}/done"
         try:
             self._store.set(keys[self.rank], b"1")
+            arrived = int(self._store.add(f"{base}/n", 1))
             if self._seq > 2:
-                self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/{self.rank}")
+                old = f"elastor/{self.tag}/arrive/{self._seq - 2}"
+                self._store.delete_key(f"{old}/{self.rank}")
+                if arrived >= self.world:   # every rank is past sequence - 2: its shared keys go
+                    self._store.delete_key(f"{old}/n")
+                    self._store.delete_key(f"{old}/done")
+            if arrived >= self.world:
+                self._store.set(done, b"1")
+                return
             seen: dict[int, tuple[int, float]] = {}
-            pause = 0.001
-            # peers' heartbeats are read every hb_every s, not every poll: a poll is one store round
-            # trip, reading all heartbeats world - 1 more (each also costs the store's host CPU)
+            # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
+            # is world - 1 more round trips (each also costs the store's host CPU)
             hb_every = min(0.25, self.liveness_s / 20)
-            next_hb = time.monotonic() + hb_every
-            while not self._store.check(keys):
+            start = time.monotonic()
+            next_hb = start + hb_every
+            while not self._store.check([done]):
                 now = time.monotonic()
-                if now < next_hb:
-                    time.sleep(pause)
-                    pause = min(0.05, pause * 2)
-                    continue
-                next_hb = now + hb_every
-                dead = []
-                for r in range(self.world):
-                    if r == self.rank:
-                        continue
-                    beat = int(self._store.add(self._hb_key(r), 0))
-                    prev = seen.get(r)
-                    if prev is None or prev[0] != beat:
-                        seen[r] = (beat, now)
-                    elif now - prev[1] > self.liveness_s:
-                        dead.append(r)
-                if dead:
-                    missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
-                    raise PeerFailedError(
-                        f"{what}: rank(s) {dead} stopped answering (no heartbeat for {self.liveness_s:g} s: killed, "
-                        f"hung or stopped); ranks {missing} never reached this collective",
-                        [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s") for r in dead],
-                        what)
-                time.sleep(pause)
-                pause = min(0.05, pause * 2)
+                if now >= next_hb:
+                    next_hb = now + hb_every
+                    dead = []
+                    for r in range(self.world):
+                        if r == self.rank:
+                            continue
+                        beat = int(self._store.add(self._hb_key(r), 0))
+                        prev = seen.get(r)
+                        if prev is None or prev[0] != beat:
+                            seen[r] = (beat, now)
+                        elif now - prev[1] > self.liveness_s:
+                            dead.append(r)
+                    if dead:
+                        missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                        raise PeerFailedError(
+                            f"{what}: rank(s) {dead} stopped answering (no heartbeat for {self.liveness_s:g} s: "
+                            f"killed, hung or stopped); ranks {missing} never reached this collective",
+                            [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s")
+                             for r in dead], what)
+                time.sleep(min(0.05, max(0.001, (now - start) / 8)))
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable

@@ -1,0 +1,99 @@
+"""The checkpoint group's arrival barrier (``collectives._Liveness.arrive``): a rank that waited
+notices the last arrival soon after it (an eighth of its wait, 1 ms at least), every arrival of a
+long sequence completes with random skews, the store keeps a bounded number of arrival keys, and a
+peer that never arrives and stops beating is named.
+
+The ranks are two threads, each with its own ``_Liveness`` on one in-process store (torch's
+``HashStore``); times are the test's own clock."""
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastor_ds.comm import collectives as C
+from elastor_ds.errors import PeerFailedError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+def _pair(store, liveness_s: float = 5.0):
+    return [C._Liveness(None, "t", r, 2, liveness_s, shared_store=store) for r in range(2)]
+
+
+def _close(lvs):
+    for lv in lvs:
+        lv.close()
+
+
+def test_a_waiting_rank_notices_the_last_arrival_within_an_eighth_of_its_wait():
+    lvs = _pair(dist.HashStore())
+    late = []
+    try:
+        for skew in (0.035, 0.035, 0.035, 0.120, 0.120):
+            t_late = []
+
+            def second():
+                time.sleep(skew)
+                t_late.append(time.monotonic())
+                lvs[1].arrive("test")
+            th = threading.Thread(target=second)
+            t0 = time.monotonic()
+            th.start()
+            lvs[0].arrive("test")
+            back = time.monotonic()
+            th.join()
+            assert back >= t_late[0]
+            late.append((skew, back - t_late[0]))
+    finally:
+        _close(lvs)
+    # a doubling pause (1, 2, 4, ... ms) noticed a 35 ms wait after 63 ms (28 ms late) and a
+    # 120 ms wait after 163 ms (43 ms late)
+    for skew in (0.035, 0.120):
+        lag = statistics.median(l for s, l in late if s == skew)
+        assert lag < max(0.001, skew / 8) + 0.008, late
+
+
+def test_a_long_sequence_with_random_skews_completes_and_keeps_few_keys():
+    store = dist.HashStore()
+    lvs = _pair(store)
+    rng = random.Random(5)
+    skews = [[rng.choice((0, 0, 0.0005, 0.002, 0.006)) for _ in range(300)] for _ in range(2)]
+    errors = []
+
+    def run(r):
+        try:
+            for s in skews[r]:
+                time.sleep(s)
+                lvs[r].arrive("seq")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    try:
+        ths = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in ths)
+        assert lvs[0]._seq == lvs[1]._seq == 300
+        # per sequence number 4 keys (2 ranks, the count, done); the two newest kept + 2 heartbeats
+        assert store.num_keys() <= 2 * 4 + 2 + 2, store.num_keys()
+    finally:
+        _close(lvs)
+
+
+def test_a_peer_that_never_arrives_and_stops_beating_is_named():
+    store = dist.HashStore()
+    lvs = _pair(store, liveness_s=0.6)
+    lvs[1].close()   # its heartbeat stops; it never arrives
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailedError, match=r"rank\(s\) \[1\] stopped answering.*ranks \[1\] never reached"):
+            lvs[0].arrive("the test's collective")
+        assert time.monotonic() - t0 < 0.6 + 1.0
+    finally:
+        _close(lvs)
