@@ -189,28 +189,25 @@ class _Liveness:
     def arrive(self, what: str) -> None:
         """Wait until every rank reached this point of the group's collective sequence.
 
-        Each rank marks its arrival (a key of its own, read only to name the missing ranks in an
-        error) and counts itself in (``add``); the rank that completes the count sets one "done"
-        key, which the others poll. A poll is one store round trip reading one key. The pause
-        between polls grows with the time already waited (an eighth of it, 1 ms to 50 ms), so a
-        rank notices the last arrival within about 12 % of its wait: a pause that doubled each
-        time made a rank that waited 38 ms notice after 66 ms, and every peer waited that long in
-        the collective after it (the end of a resharded load, bench/results/2026-12-03-load-fixed-costs.md)."""
+        Each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
+        that finds them all (the last to arrive, perhaps others too) sets one "done" key, which
+        the others poll: a poll is one store round trip reading one key, whatever the world size.
+        The pause between polls grows with the time already waited (an eighth of it, 1 ms to
+        50 ms), so a rank notices the last arrival within about 12 % of its wait: a pause that
+        doubled each time made a rank that waited 38 ms notice after 66 ms, and its peer waited
+        that long in the all-reduce that ends every load (bench/results/2026-12-03-load-fixed-costs.md)."""
         self._seq += 1
         base = f"elastor/{self.tag}/arrive/{self._seq}"
         keys = [f"{base}/{r}" for r in range(self.world)]
         done = f"{base}/done"
         try:
             self._store.set(keys[self.rank], b"1")
-            arrived = int(self._store.add(f"{base}/n", 1))
             if self._seq > 2:
-                old = f"elastor/{self.tag}/arrive/{self._seq - 2}"
-                self._store.delete_key(f"{old}/{self.rank}")
-                if arrived >= self.world:   # every rank is past sequence - 2: its shared keys go
-                    self._store.delete_key(f"{old}/n")
-                    self._store.delete_key(f"{old}/done")
-            if arrived >= self.world:
+                self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/{self.rank}")
+            if self._store.check(keys):   # every rank is here (and past sequence - 2: its done key goes)
                 self._store.set(done, b"1")
+                if self._seq > 2:
+                    self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/done")
                 return
             seen: dict[int, tuple[int, float]] = {}
             # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
