@@ -438,6 +438,11 @@ class CheckpointEngine:
         assert stats is not None
         what = f"checkpoint save of step {job.step}"
         cpu0 = time.thread_time()
+        # CRCs and sizes as int rows (one all-gather, one broadcast) and rank 0's manifest from
+        # the plan's template, where the comm has int collectives: on storage saves the object
+        # collectives and the manifest built and printed anew took 8-10 ms between the last write
+        # and durable (bench/results/2026-12-03-load-fixed-costs.md)
+        lean = self.in_place or getattr(self.writer_comm, "all_gather_ints", None) is not None
         outcome: Any
         try:
             tw = time.perf_counter()
@@ -458,13 +463,12 @@ class CheckpointEngine:
                 views = [base[sp[0]:sp[0] + sp[1]] if len(sp) == 2 else RowRuns(base, sp[0], sp[2], sp[1] // sp[2], sp[3])
                          for sp in spans] if base is not None else []
                 outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
-                                                  block_size=self.block_size))
+                                                  block_size=self.block_size, lean=lean))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
-            lean = self.in_place
             outcomes = self._gather_lean(outcome, plan) if lean else self.writer_comm.all_gather_object(outcome)
             failures = [o[1] for o in outcomes if o[0] == "error"]
             stale = [o[1] for o in outcomes if o[0] == "stale"]

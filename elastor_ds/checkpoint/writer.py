@@ -44,10 +44,11 @@ def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
                      rank_state: Optional[Mapping[str, Any]], storage: "StorageWriter",
-                     block_size: int = BLOCK_SIZE) -> dict:
+                     block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
     table and its state file into ``tmp_dir`` through ``storage`` (as durable as it is); return
-    what the manifest needs (plain data, sent to rank 0)."""
+    what the manifest needs (plain data, sent to rank 0); ``lean``: the chunk CRCs instead of the
+    chunk list (for rank 0's :class:`ManifestTemplate`)."""
     fname = data_file_name(rank)
     header, rel = rank_header(rank, items)
     crcs: list[int] = []
@@ -55,7 +56,7 @@ def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any]
     size, crc = storage.write_data_file(os.path.join(tmp_dir, fname), header, views, chunk_crcs=crcs,
                                         block_crcs=blocks, block_size=block_size)
     return _finish_rank_files(rank, items, tmp_dir, fname, len(header), rel, crcs, blocks, size, crc, rank_state,
-                              storage, block_size)
+                              storage, block_size, lean)
 
 
 def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, spans: Sequence[tuple[int, int]],
@@ -135,10 +136,11 @@ def build_manifest(step: int, plan: SavePlan, results: Sequence[dict], extra: An
 class ManifestTemplate:
     """Rank 0's manifest of one save plan, rendered again for every save that reuses the plan.
 
-    Memory snapshots save the same plan every step: everything in the manifest but the CRCs, the
-    step and the JSON state is the same each time, and it is a pure function of the plan and the
+    Saves reuse their plan (memory snapshots every step): everything in the manifest but the CRCs,
+    the step and the JSON state is the same each time, and it is a pure function of the plan and the
     block size (:func:`rank_header` gives every rank's offsets). So ranks send only their CRCs
-    (``write_staged_rank_files(..., lean=True)``) and rank 0 fills them into this document and serialises it once. The
+    (``write_staged_rank_files`` / ``write_rank_files`` with ``lean=True``) and rank 0 fills them
+    into this document and serialises it once. The
     text equals what :func:`build_manifest` then ``Manifest.dumps(compact=True)`` give for the
     same results (``tests/dist/test_snapshot_fast_path.py`` checks it).
     """
