@@ -132,9 +132,10 @@ class _Liveness:
     never a long hang."""
 
     def __init__(self, address: Optional[tuple[str, int]], tag: str, rank: int, world_size: int,
-                 liveness_s: float, shared_store: Any = None):
+                 liveness_s: float, shared_store: Any = None, poll_share: float = 1 / 8):
         self.address, self.tag, self.rank, self.world = address, tag, rank, world_size
         self.liveness_s = liveness_s
+        self.poll_share = poll_share   # the pause between polls, as a share of the time waited so far
         self._timeout = datetime.timedelta(seconds=max(1.0, liveness_s))
         self._shared = shared_store  # a server-less store (FileStore, HashStore): used directly
         self._owner = _default_store() if address is not None else None
@@ -192,10 +193,13 @@ class _Liveness:
         Each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
         that finds them all (the last to arrive, perhaps others too) sets one "done" key, which
         the others poll: a poll is one store round trip reading one key, whatever the world size.
-        The pause between polls grows with the time already waited (an eighth of it, 1 ms to
-        50 ms), so a rank notices the last arrival within about 12 % of its wait: a pause that
-        doubled each time made a rank that waited 38 ms notice after 66 ms, and its peer waited
-        that long in the all-reduce that ends every load (bench/results/2026-12-03-load-fixed-costs.md)."""
+        The pause between polls grows with the time already waited (``poll_share`` of it, 1 ms to
+        50 ms). With the default eighth a rank notices the last arrival within about 12 % of its
+        wait: a pause that doubled each time made a rank that waited 38 ms notice after 66 ms, and
+        its peer waited that long in the all-reduce that ends every load
+        (bench/results/2026-12-03-load-fixed-costs.md). The background writer's group polls at a
+        share of 1 (about the doubling pause): its waits delay no training step, and each poll
+        costs CPU that a snapshot every iteration takes from training."""
         self._seq += 1
         base = f"elastor/{self.tag}/arrive/{self._seq}"
         keys = [f"{base}/{r}" for r in range(self.world)]
@@ -236,7 +240,7 @@ class _Liveness:
                             f"killed, hung or stopped); ranks {missing} never reached this collective",
                             [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s")
                              for r in dead], what)
-                time.sleep(min(0.05, max(0.001, (now - start) / 8)))
+                time.sleep(min(0.05, max(0.001, (now - start) * self.poll_share)))
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
@@ -315,7 +319,7 @@ class TorchComm:
         if world > 1:
             address, shared = _store_for_liveness()
             liveness = _Liveness(address, box[0], rank, world, live, shared)
-            writer_liveness = _Liveness(address, box[0] + "w", rank, world, live, shared)
+            writer_liveness = _Liveness(address, box[0] + "w", rank, world, live, shared, poll_share=1.0)
         return TorchComm(group, rank, world, timeout_s=timeout_s, writer_group=writer, liveness=liveness,
                          writer_liveness=writer_liveness)
 

@@ -97,3 +97,45 @@ def test_a_peer_that_never_arrives_and_stops_beating_is_named():
         assert time.monotonic() - t0 < 0.6 + 1.0
     finally:
         _close(lvs)
+
+
+class _Counting:
+    """The store, counting the polls (``check``) of each thread."""
+
+    def __init__(self, store):
+        self.store = store
+        self.checks: dict[str, int] = {}
+
+    def check(self, keys):
+        name = threading.current_thread().name
+        self.checks[name] = self.checks.get(name, 0) + 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_the_writer_groups_share_polls_about_as_the_doubling_pause_did():
+    """poll_share 1 (the background writer's groups): polls at about 1, 2, 4, 8, 16, 32 ms; the
+    default eighth polls about three times as often over a 60 ms wait, and notices sooner."""
+    counts, lags = {}, {}
+    for share in (1 / 8, 1.0):
+        store = _Counting(dist.HashStore())
+        lvs = [C._Liveness(None, "t", r, 2, 5.0, shared_store=store, poll_share=share) for r in range(2)]
+        try:
+            t_late = []
+
+            def second():
+                time.sleep(0.060)
+                t_late.append(time.monotonic())
+                lvs[1].arrive("test")
+            th = threading.Thread(target=second, name="late")
+            th.start()
+            lvs[0].arrive("test")
+            lags[share] = time.monotonic() - t_late[0]
+            th.join()
+            counts[share] = store.checks[threading.current_thread().name]
+        finally:
+            _close(lvs)
+    assert 5 <= counts[1.0] <= 11 and counts[1 / 8] >= 2 * counts[1.0], counts
+    assert lags[1 / 8] < 0.060 / 8 + 0.008, lags
