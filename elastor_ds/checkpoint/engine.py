@@ -695,26 +695,39 @@ class CheckpointEngine:
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
                                       f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
                                       f"to skip missing tensors")
-        import json
-        from .sources import bytes_by_source, close_all, read_file
+        from .sources import DirSource, bytes_by_source, close_all, read_file
         srcs = [self.storage.source(step_dir)] if sources is None else list(sources(step_dir, man))
         if not srcs:
             raise IncompleteCheckpointError(f"{step_dir}: no source to read the checkpoint from")
         try:
+            sf = man.rank_state_files.get(self.comm.rank)
+            fe = man.files.get(sf) if sf else None
+            if fe is not None and sources is None and isinstance(srcs[0], DirSource):
+                # a hint: the kernel reads the small state file while the data reads run (it was
+                # one more cold read after them)
+                srcs[0].prefetch(sf, 0, fe.size)
             lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=mode is not VerifyMode.NONE,
                                 sources=srcs)
             rank_state = None
-            sf = man.rank_state_files.get(self.comm.rank)
             if sf:
-                fe = man.files.get(sf)
-                if sources is None or fe is None:
-                    rank_state = json.loads(self.storage.read_text(step_dir, sf))
-                else:
+                if fe is None:
+                    rank_state = _rank_state(self.storage.read_text(step_dir, sf).encode("utf-8"), step_dir, sf)
+                else:   # checked against the manifest's CRC32, from a regular file, whatever the source
                     data, _ = read_file(srcs, sf, fe.size, fe.crc32, what="rank state")
-                    rank_state = json.loads(data.decode("utf-8"))
+                    rank_state = _rank_state(data, step_dir, sf)
         finally:
             close_all(srcs)
         by_source = bytes_by_source(srcs)
         read = sum(by_source.values())   # measured: the reads plus the whole CRC tables they were checked with
         return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, read, lplan.bytes_needed,
                           time.perf_counter() - t0, bytes_by_source=by_source)
+
+
+def _rank_state(data: bytes, step_dir: str, name: str) -> Any:
+    """A rank state file's JSON; bytes that are not JSON are a corrupt checkpoint."""
+    import json
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{step_dir}/{name}: rank state is not JSON ({e}); the checkpoint is "
+                                     f"corrupt") from None

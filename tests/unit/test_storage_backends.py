@@ -198,9 +198,10 @@ def test_the_engine_drives_a_new_backend_through_the_interface_only(tmp_path):
                             "retain"]
     del st.calls[:]
     back = torch.zeros(*SHAPE)
-    eng.load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), back)])
-    assert torch.equal(back, t)
-    assert st.calls == ["resolve", "read_manifest", "check_files", "source", "read_text"]
+    res = eng.load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), back)])
+    assert torch.equal(back, t) and res.rank_state == {"seed": 1}
+    # the rank state comes through the step's source too (checked against the manifest's CRC32)
+    assert st.calls == ["resolve", "read_manifest", "check_files", "source"]
     eng.finalize()
     assert st.calls[-1] == "close"
 
