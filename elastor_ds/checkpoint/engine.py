@@ -701,7 +701,7 @@ class CheckpointEngine:
             raise IncompleteCheckpointError(f"{step_dir}: no source to read the checkpoint from")
         try:
             sf = man.rank_state_files.get(self.comm.rank)
-            fe = man.files.get(sf) if sf else None
+            fe = man.files[sf] if sf else None   # the manifest's schema: every rank state file is in files
             if fe is not None and sources is None and isinstance(srcs[0], DirSource):
                 # a hint: the kernel reads the small state file while the data reads run (it was
                 # one more cold read after them)
@@ -709,12 +709,9 @@ class CheckpointEngine:
             lplan = read_shards(step_dir, man, shards_found, allow_cast, check_crc=mode is not VerifyMode.NONE,
                                 sources=srcs)
             rank_state = None
-            if sf:
-                if fe is None:
-                    rank_state = _rank_state(self.storage.read_text(step_dir, sf).encode("utf-8"), step_dir, sf)
-                else:   # checked against the manifest's CRC32, from a regular file, whatever the source
-                    data, _ = read_file(srcs, sf, fe.size, fe.crc32, what="rank state")
-                    rank_state = _rank_state(data, step_dir, sf)
+            if fe is not None:   # checked against the manifest's CRC32, from a regular file, whatever the source
+                data, _ = read_file(srcs, sf, fe.size, fe.crc32, what="rank state")
+                rank_state = _rank_state(data, step_dir, sf)
         finally:
             close_all(srcs)
         by_source = bytes_by_source(srcs)

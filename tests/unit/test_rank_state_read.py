@@ -5,7 +5,10 @@ no check: an edited state loaded silently).
 Oracle: the state saved (kept here), and the bytes the test edits itself."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -49,14 +52,21 @@ def test_an_edited_rank_state_that_is_still_json_is_refused(tmp_path):
         _load(root)
 
 
-def test_a_rank_state_that_is_not_json_is_a_corrupt_checkpoint_not_a_traceback(tmp_path, monkeypatch):
+def test_a_rank_state_that_is_not_json_is_a_corrupt_checkpoint_not_a_traceback(tmp_path):
     root = str(tmp_path / "ck")
     path = _save(root, {"seed": 1})
-    # the attacker also fixed the manifest's CRC: the bytes pass the check and are still not JSON
-    from elastor_ds.checkpoint import sources as sources_mod
-    real = sources_mod.read_file
-    monkeypatch.setattr(sources_mod, "read_file", lambda *a, **k: (b"\xff{not json", "storage")
-                        if a[1].startswith("rank_state/") else real(*a, **k))
+    # an attacker writes bytes that are not JSON and fixes the manifest to match them: the file's
+    # size and CRC32 (zlib), and the manifest's own SHA-256 (its canonical text, by hand)
+    bad = b"\xff{not json"
+    with open(path, "wb") as f:
+        f.write(bad)
+    mpath = os.path.join(os.path.dirname(os.path.dirname(path)), "manifest.json")
+    doc = json.load(open(mpath))
+    doc["files"]["rank_state/rank_00000.json"].update(size=len(bad), crc32=f"{zlib.crc32(bad):08x}")
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    doc["checksum"] = "sha256:" + hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
     with pytest.raises(CorruptCheckpointError, match="rank state is not JSON"):
         _load(root)
-    assert os.path.exists(path)
