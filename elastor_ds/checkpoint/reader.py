@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .crc import crc32
@@ -27,6 +28,12 @@ from .sources import STORAGE, ChunkSource, DirSource, close_all, describe_source
 
 log = logging.getLogger(__name__)
 
+# a staged read from a source in memory (``in_memory``: tmpfs, peer copies held here) into CPU
+# destinations is read, checked and copied in pieces of about this size, each while it is in the
+# core's cache. 1 MiB: two ranks loading 256 MiB each from tmpfs took 1.6-1.7x the cached-read
+# floor with 1-2 MiB pieces, 1.8-2.1x with 512 KiB and 2.0-2.2x with 256 KiB (Python per piece),
+# against 2.4-2.5x for whole 8 MiB reads (bench/results/2026-12-03-memory-loads.md)
+MEMORY_PIECE = 1 << 20
 PREFETCH_BYTES = 32 << 20   # reads announced to a source ahead of the one running (``prefetch``)
 # a staged read at least this long from a source with ``read_direct`` (storage) uses O_DIRECT: the
 # disk's DMA into an aligned buffer, no page cache; O_DIRECT read 1.1-4.9x faster than a buffered
@@ -86,6 +93,7 @@ class _Reader:
         self.stages = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.astages: list = [None, None]   # page-aligned, for O_DIRECT reads: (tensor, memoryview)
         self._tables: list = []   # futures of the CRC tables loading on the verify thread
+        self.pstage: Optional[torch.Tensor] = None   # the piece buffer of reads from memory (_pieces)
 
     def _holders(self, fname: str) -> list[ChunkSource]:
         fe = self.man.files.get(fname)
@@ -178,6 +186,7 @@ class _Reader:
         pending = None
         prefetch = getattr(src, "prefetch", None)
         read_direct = getattr(src, "read_direct", None) if getattr(src, "direct_ok", False) else None
+        piecewise = bool(getattr(src, "in_memory", False))
 
         # each read's destination views when it lands straight in the destinations (None: staged),
         # found once (the prefetch below asks about later reads too)
@@ -205,6 +214,15 @@ class _Reader:
                     self._strided(src, op)
                     continue
                 direct = dviews[i]
+                if direct is None and piecewise and all(self.targets[c.target].device.type == "cpu" for c in op.copies):
+                    cuts = _piece_cuts(op, MEMORY_PIECE)
+                    if cuts is not None:
+                        # from memory: read, check and copy each cache-sized piece on this thread
+                        if pending is not None:
+                            p, pending = pending, None
+                            p.result()
+                        self._pieces(src, op, cuts)
+                        continue
                 job = None
                 if direct is not None:
                     # into the destinations: not before the tables are known good (a load that
@@ -253,6 +271,89 @@ class _Reader:
                                          f"{a + n} bytes, {op.offset + op.length} needed")
         buf = t[lo:lo + op.length]
         return (op, [memoryview(buf.numpy())], buf)
+
+    def _pieces(self, src: ChunkSource, op: ReadOp, cuts: Sequence[int]) -> None:
+        """A staged read from memory in pieces (``cuts``: :func:`_piece_cuts`): each piece is read
+        into one small buffer, its blocks checked and its rows copied into the destinations while
+        it is in this core's cache (one pass over memory for the read and one for the copy, where
+        a whole read staged in a large buffer went to memory three times: read, check, copy)."""
+        self._tables_loaded()
+        size = max(b - a for a, b in zip(cuts, cuts[1:]))
+        if self.pstage is None or self.pstage.numel() < size:
+            self.pstage = torch.empty(size, dtype=torch.uint8)
+        pbuf = self.pstage
+        pnp = pbuf.numpy()
+        pmv = memoryview(pnp)
+        checks = [(chk.offset - op.offset, chk.offset - op.offset + chk.length, chk) for chk in op.checks] \
+            if self.check else []
+        # per copy: its byte range in the read, its row pitch there, and a copier of rows r0..r1 from
+        # the piece buffer placed at byte ``a`` of the read
+        copies = [(c.buf_offset, c.buf_offset + _span_bytes(c), c.src_strides[0] * c.itemsize if c.sizes else 0,
+                   _row_copier(c, self.targets[c.target], pbuf, pnp)) for c in op.copies]
+        checks.sort(key=lambda t: t[0])
+        copies.sort(key=lambda t: t[0])
+        name, base = op.file, op.offset
+        ck = cp = 0   # the first check / copy not yet done with (both lists sorted by start)
+        for a, b in zip(cuts, cuts[1:]):
+            mv = pmv[:b - a]
+            src.read_into(name, base + a, [mv])
+            for j in range(ck, len(checks)):
+                cs, ce, chk = checks[j]
+                if cs >= b:
+                    break
+                if ce > a:
+                    self._verify_part(op, chk, mv, a, max(cs, a), min(ce, b))
+            while ck < len(checks) and checks[ck][1] <= b:
+                ck += 1
+            for j in range(cp, len(copies)):
+                s0, e0, row, copy = copies[j]
+                if s0 >= b:
+                    break
+                if e0 > a:
+                    if s0 >= a and e0 <= b:
+                        copy(a, 0, None)
+                    else:   # a cut copy: its rows in this piece
+                        copy(a, (max(s0, a) - s0) // row, -(-(min(e0, b) - s0) // row))
+            while cp < len(copies) and copies[cp][1] <= b:
+                cp += 1
+
+    def _verify_part(self, op: ReadOp, chk: Check, mv: memoryview, a: int, lo: int, hi: int) -> None:
+        """Check the blocks of ``chk`` in bytes ``lo..hi`` of the read (``mv`` holds its bytes from
+        ``a``); ``lo`` and ``hi`` are the check's own ends or block ends in it (:func:`_piece_cuts`)."""
+        cs = chk.offset - op.offset
+        if chk.table is None:
+            if lo != cs or hi != cs + chk.length:
+                raise AssertionError("a whole-chunk check cut into pieces")
+            seed, want = 0, chk.crc
+        else:
+            j0 = (lo - cs) // chk.block_size
+            j1 = -(-(hi - cs) // chk.block_size)
+            first = chk.first + j0
+            seed = self._entry(chk.table, chk.base + first - 1) if first > 0 else 0
+            want = self._entry(chk.table, chk.base + chk.first + j1 - 1)
+        got = crc32(mv[lo - a:hi - a], seed)
+        if got != want:
+            self._fail_part(chk, op, mv, a, lo, hi, got, want)
+
+    def _fail_part(self, chk: Check, op: ReadOp, mv: memoryview, a: int, lo: int, hi: int, got: int, want) -> None:
+        """Raise for a failed :meth:`_verify_part`, naming the first bad block."""
+        cs = chk.offset - op.offset
+        where = f"bytes {op.offset + lo}..{op.offset + hi - 1}"
+        if chk.table is not None:
+            j0 = (lo - cs) // chk.block_size
+            first = chk.first + j0
+            seed = self._entry(chk.table, chk.base + first - 1) if first > 0 else 0
+            for b in range(lo, hi, chk.block_size):
+                e = min(hi, b + chk.block_size)
+                c = crc32(mv[b - a:e - a], seed)
+                idx = chk.base + chk.first + (b - cs) // chk.block_size
+                if c != self._entry(chk.table, idx):
+                    where = f"the {chk.block_size}-byte block at byte {op.offset + b}"
+                    break
+                seed = c
+        raise CorruptCheckpointError(
+            f"{describe_source(self.src, chk.file)}: tensor {chk.tensor!r}: {where} fails its CRC32 check (read "
+            f"{got:08x}, the manifest says {want:08x}); this copy is corrupt")
 
     def _finish(self, op: ReadOp, views: Sequence[memoryview], buf: Optional[torch.Tensor]) -> None:
         """Check a read's bytes, then (staged reads) copy them into the destinations."""
@@ -330,6 +431,102 @@ class _Reader:
             src.read_into(op.file, op.offset + k * op.stride, [bmv])
             self._verify(op, [bmv], k)
             v[k].copy_(piece)
+
+
+# element size -> (torch, numpy) integer dtypes of that size: a byte-exact copy of any dtype, bf16 too
+_SAME_SIZE_INT = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+                  8: (torch.int64, np.int64)}
+
+
+def _row_copier(c, target: torch.Tensor, pbuf: torch.Tensor, pnp: "np.ndarray"):
+    """``copy(a, r0, r1)``: rows ``r0..r1`` (outer index; ``r1`` None: all) of copy ``c`` from the
+    piece buffer (``pbuf``, its numpy view ``pnp``) holding the read's bytes from byte ``a``, into
+    their box of ``target``. A byte-exact numpy copy where the dtypes match on the CPU (1.3-1.6x
+    faster than torch's ``copy_`` of these strided row blocks here), else torch's."""
+    dst = region_view(target, c.dst)
+    sizes = list(c.sizes)
+    nrows = sizes[0] if sizes else 1
+    same = _SAME_SIZE_INT.get(c.itemsize) if dtype_name(target.dtype) == c.dtype and target.device.type == "cpu" \
+        else None
+    if same is not None and sizes:
+        dnp = dst.view(same[0]).numpy()
+        sdt = np.dtype(same[1])
+        bstrides = [st * c.itemsize for st in c.src_strides]
+        row = bstrides[0]
+        rest = sizes[1:]
+
+        def copy(a: int, r0: int, r1: Optional[int]) -> None:
+            r1 = nrows if r1 is None else min(nrows, r1)
+            np.copyto(dnp[r0:r1], np.ndarray([r1 - r0, *rest], sdt, pnp, c.buf_offset + r0 * row - a, bstrides))
+        return copy
+
+    def copy_t(a: int, r0: int, r1: Optional[int]) -> None:
+        r1 = nrows if r1 is None else min(nrows, r1)
+        sz = [r1 - r0, *sizes[1:]] if sizes else []
+        start = c.buf_offset + (r0 * c.src_strides[0] * c.itemsize if sizes else 0)
+        n = (sum((k - 1) * st for k, st in zip(sz, c.src_strides)) + 1) * c.itemsize
+        raw = pbuf[start - a:start - a + n]
+        (dst.narrow(0, r0, r1 - r0) if sizes else dst).copy_(
+            raw.view(_torch_dtype(c.dtype)).as_strided(sz, c.src_strides))
+    return copy_t
+
+
+def _piece_cuts(op: ReadOp, piece: int) -> Optional[list[int]]:
+    """Where to cut a staged read into pieces of about ``piece`` bytes, as offsets in the read from
+    0 to its length; None when it is short or no cut fits. A cut may fall inside a check only at
+    one of its block ends (a whole-chunk check of format 1: never), and inside a copy only at the
+    start of one of its rows (outer index), so each piece's blocks are checked and its rows copied
+    on their own."""
+    if op.repeat != 1 or op.length < 2 * piece:
+        return None
+    rules = []   # (start, end, step): a cut strictly inside [start, end) must be start + k * step
+    for chk in op.checks:
+        s0 = chk.offset - op.offset
+        rules.append((s0, s0 + chk.length, chk.block_size if chk.table is not None else 0))
+    for c in op.copies:
+        step = c.src_strides[0] * c.itemsize if c.sizes and c.sizes[0] > 1 else 0
+        rules.append((c.buf_offset, c.buf_offset + _span_bytes(c), step))
+    rules.sort()
+
+    def ok(p: int) -> bool:
+        return all(p <= s0 or p >= e or (st and (p - s0) % st == 0) for s0, e, st in rules)
+
+    def grid(q: int, down: bool) -> Optional[int]:
+        """The nearest cut from ``q`` (included) downwards or upwards on the grid of the coarsest
+        rule over ``q``, strictly between the last cut and the end; None when there is none near."""
+        inside = [(s0, e, st) for s0, e, st in rules if s0 < q < e]
+        whole = [(s0, e) for s0, e, st in inside if st == 0]
+        if whole:   # inside a unit that cannot be cut: its start, or its end
+            q = max(s0 for s0, _ in whole) if down else max(e for _, e in whole)
+            return q if cuts[-1] < q < op.length and ok(q) else None
+        s0, _, st = max(inside, key=lambda t: t[2]) if inside else (q, 0, 1)
+        start = q
+        q -= (q - s0) % st
+        if not down and q < start:
+            q += st
+        for _ in range(_CUT_TRIES):
+            if not cuts[-1] < q < op.length:
+                return None
+            if ok(q):
+                return q
+            q += -st if down else st
+        return None
+
+    cuts = [0]
+    while op.length - cuts[-1] >= 2 * piece:
+        target = cuts[-1] + piece
+        below, above = grid(target, True), grid(target, False)
+        p = below if below is not None and (below - cuts[-1] >= piece // 2 or above is None) else above
+        if p is None:
+            break
+        cuts.append(p)
+    if len(cuts) == 1:
+        return None
+    cuts.append(op.length)
+    return cuts
+
+
+_CUT_TRIES = 64   # grid points tried each way around a piece's target
 
 
 class _TablesFailed(Exception):

@@ -15,7 +15,9 @@ that a read of those bytes comes next) and ``where(relpath)`` (where the file is
 messages: ``local memory /dev/shm/...``, ``peer 10.0.0.2:4567 (local/step_.../data_00000...)``,
 ``storage /ckpt/...``; :func:`describe_source`) and ``thread_safe`` (True when two threads may read
 through it at once: the reader then loads the CRC tables beside the first data reads; a source
-without it is used from one thread at a time); ``relpath`` is the manifest's name, resolved inside the
+without it is used from one thread at a time) and ``in_memory`` (True when its reads are copies
+out of this node's memory, e.g. tmpfs: the reader then reads, checks and copies a staged read in
+cache-sized pieces on one thread instead of staging it whole); ``relpath`` is the manifest's name, resolved inside the
 source's directory with :func:`~.paths.safe_join` (never a name out of it). This module has the
 directory sources (a step directory on tmpfs or on storage); ``elastor_ds.checkpoint`` users
 build lists with :func:`dir_source` / :func:`storage_source_for`.
@@ -75,6 +77,8 @@ class DirSource:
         # O_DIRECT reads (read_direct) from storage only: the disk's DMA into the reader's aligned
         # buffers, no page cache (a memory snapshot on tmpfs is a copy either way)
         self.direct_ok = name == STORAGE and hasattr(os, "O_DIRECT")
+        # reads are copies out of memory (a snapshot on tmpfs): the reader takes them in cache-sized pieces
+        self.in_memory = name != STORAGE
 
     def __repr__(self) -> str:
         return f"DirSource({self.name!r}, {self.step_dir!r})"

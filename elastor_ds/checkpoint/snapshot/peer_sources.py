@@ -65,6 +65,7 @@ class PeerCopySource:
 
     name = "peer-memory"
     thread_safe = True
+    in_memory = True   # files on this node's tmpfs: the reader takes them in cache-sized pieces
 
     def __init__(self, snapshot_dir: str, step_name: str):
         self.root = os.path.join(snapshot_dir, PEER_DIR)
