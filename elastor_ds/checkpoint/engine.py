@@ -3,11 +3,12 @@
 Save (``save``), one in flight at a time:
 1. Wait for the previous save; if it failed on any rank, raise :class:`AsyncSaveError` here, on
    every rank.
-2. Agree on the save plan: one tiny all-reduce says whether every rank's shard metadata still
-   matches the cached plan; if so reuse it, else all-gather the metadata and compute the plan
+2. Agree on the save plan: one ``all_equal`` (on a group with liveness checks, through the
+   arrival marks in the store; else one tiny all-reduce) says whether every rank's shard metadata
+   still matches the cached plan; if so reuse it, else all-gather the metadata and compute the plan
    (:func:`plan_save`: deduplicated, balanced, identical on every rank). When this rank's own
    metadata matches (CPU shards, a storage that does not stage in place), step 3's copy runs under
-   the cached plan while the all-reduce runs in a helper thread, so the stall is the longer of the
+   the cached plan while the agreement runs in a helper thread, so the stall is the longer of the
    two, not their sum; if another rank's metadata changed, the copy is done again under the new
    plan (bench: the agreement, mostly the wait for the slowest rank, was 0.18 of the memcpy floor
    on top of the copy at 2 x 256 MiB). With ``optimistic_plan``

@@ -174,6 +174,17 @@ class _Liveness:
                 log.debug("elastor heartbeat stopped: %s", e)
                 return
 
+    def _get_all(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys`` (all present), in one round trip where the store can."""
+        multi = getattr(self._store, "multi_get", None)
+        if multi is not None:
+            try:
+                return [bytes(v) for v in multi(keys)]
+            except (NotImplementedError, RuntimeError) as e:   # a store without it: one get each
+                if "not implemented" not in str(e).lower() and not isinstance(e, NotImplementedError):
+                    raise
+        return [bytes(self._store.get(k)) for k in keys]
+
     def close(self) -> None:
         """Stop the heartbeat and wait until its thread has left the store client (at most about
         ``liveness_s``, the client's timeout). Also run for every heartbeat at interpreter exit:
@@ -187,8 +198,12 @@ class _Liveness:
             if self._thread.is_alive():  # pragma: no cover - a store call stuck past its own timeout
                 log.warning("elastor heartbeat %s did not stop within %.0f s", self.tag, self.liveness_s + 5.0)
 
-    def arrive(self, what: str) -> None:
-        """Wait until every rank reached this point of the group's collective sequence.
+    def arrive(self, what: str, value: Optional[bytes] = None) -> bool:
+        """Wait until every rank reached this point of the group's collective sequence. With
+        ``value`` (bytes), also agree on it: True on every rank iff every rank passed the same
+        bytes (each rank's mark holds its value; a rank that finds every mark reads them all and
+        writes the verdict into the "done" key, which the others read once they see it). Without
+        ``value``: True.
 
         Each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
         that finds them all (the last to arrive, perhaps others too) sets one "done" key, which
@@ -205,14 +220,18 @@ class _Liveness:
         keys = [f"{base}/{r}" for r in range(self.world)]
         done = f"{base}/done"
         try:
-            self._store.set(keys[self.rank], b"1")
+            self._store.set(keys[self.rank], b"1" if value is None else b"v" + value)
             if self._seq > 2:
                 self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/{self.rank}")
             if self._store.check(keys):   # every rank is here (and past sequence - 2: its done key goes)
-                self._store.set(done, b"1")
+                verdict = b"1"
+                if value is not None:
+                    marks = self._get_all(keys)
+                    verdict = b"1" if all(m == marks[0] for m in marks) else b"0"
+                self._store.set(done, verdict)
                 if self._seq > 2:
                     self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/done")
-                return
+                return verdict == b"1"
             seen: dict[int, tuple[int, float]] = {}
             # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
             # is world - 1 more round trips (each also costs the store's host CPU)
@@ -241,6 +260,8 @@ class _Liveness:
                             [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s")
                              for r in dead], what)
                 time.sleep(min(0.05, max(0.001, (now - start) * self.poll_share)))
+            # (a done key goes only when every rank has reached sequence + 2: this rank has not)
+            return True if value is None else bytes(self._store.get(done)) == b"1"
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
@@ -398,8 +419,13 @@ class TorchComm:
         return t.tolist()
 
     def all_equal(self, value: int) -> bool:
-        """True on every rank iff every rank passed the same 62-bit ``value`` (one tiny all-reduce,
-        much cheaper than an object all-gather)."""
+        """True on every rank iff every rank passed the same ``value``. With liveness checks (more
+        than one rank) the values travel with the arrival marks in the store and no gloo operation
+        runs: the all-reduce after the arrival cost a load 1-1.5 ms on each of its two agreements
+        (bench/results/2026-12-03-memory-loads.md). Otherwise one tiny all-reduce of the value's
+        62 low bits."""
+        if self.liveness is not None:
+            return self.liveness.arrive("all_equal", str(int(value)).encode())
         import torch
         import torch.distributed as dist
 
@@ -425,7 +451,7 @@ def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> T:
         local = e
         status = ("error", RankFailure.of(comm.rank, e).to_wire())
         result = None
-    # every rank ok (the usual case): one tiny all-reduce; the outcomes are gathered only when some
+    # every rank ok (the usual case): one all_equal; the outcomes are gathered only when some
     # rank failed (every rank reaches the same answer, so all of them gather then)
     all_equal = getattr(comm, "all_equal", None)
     if all_equal is not None and comm.world_size > 1 and all_equal(int(local is None)) and local is None:

@@ -1,4 +1,4 @@
-"""``agree`` on two gloo ranks: every rank ok costs one tiny all-reduce and returns each rank's own
+"""``agree`` on two gloo ranks: every rank ok costs one ``all_equal`` and returns each rank's own
 result; one rank failing (or both) raises the same typed error, naming the failing ranks, on both."""
 from __future__ import annotations
 
