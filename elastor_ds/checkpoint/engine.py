@@ -637,16 +637,20 @@ class CheckpointEngine:
         back to the next one when its bytes fail their checks (default: the step dir's own files).
         With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
         mode = VerifyMode(verify_checksums)
-        opened = path if isinstance(path, OpenCheckpoint) else self.open(path, fallback=fallback)
-        fallback = opened.fallback
-        todo: list[tuple[str, Optional[Manifest]]] = [(opened.step_dir, opened.manifest)]
-        todo += [(c, None) for c in opened.older]
-        last_err: Optional[BaseException] = opened.error
+        todo: list[tuple[str, Optional[Manifest]]]
+        if isinstance(path, OpenCheckpoint):
+            fallback, fell_back, last_err = path.fallback, path.fell_back, path.error
+            todo = [(path.step_dir, path.manifest), *[(c, None) for c in path.older]]
+        else:
+            # one agreement per checkpoint tried, with the manifest read inside it (open()'s own
+            # agreement on the manifest first was one more collective on every load)
+            fell_back, last_err = False, None
+            todo = [(c, None) for c in self._load_candidates(os.path.abspath(path or self.root), fallback)]
         for i, (step_dir, man) in enumerate(todo):
             try:
                 res = agree(self.comm, lambda: self._load_from(step_dir, man, shards, strict, allow_cast, mode, sources),
                             what=f"load of {step_dir}")
-                res.fell_back = opened.fell_back or i > 0
+                res.fell_back = fell_back or i > 0
                 if res.fell_back:
                     log.warning("loaded the older checkpoint %s after the newer one failed: %s", step_dir, last_err)
                 return res
