@@ -31,6 +31,7 @@ from elastor_ds.checkpoint.planning.load_plan import Request, plan_load
 from elastor_ds.checkpoint.planning.manifest import DTYPE_SIZES, SNAPSHOT_BLOCK_SIZE
 from elastor_ds.checkpoint.reader import read_shards
 from elastor_ds.checkpoint.shards import TensorShard
+from elastor_ds.checkpoint.snapshot.peer_sources import COMPLETE, PEER_DIR, PeerCopySource
 from elastor_ds.checkpoint.sources import LOCAL_MEMORY, STORAGE, DirSource
 from elastor_ds.errors import CorruptCheckpointError
 from elastor_ds.layout.region import Region
@@ -168,6 +169,33 @@ def test_row_halves_from_memory_land_straight_in_the_destinations(tmp_path, monk
     assert min(op.length for op in ops) >= 2 * 16 * KIB   # long enough to be cut, were they staged
     assert sorted(src.lengths) == sorted(op.length for op in ops)
     src.close()
+
+
+def test_peer_copies_held_here_are_read_in_pieces(tmp_path, monkeypatch):
+    """A peer copy held in this node's snapshot directory (``PeerCopySource``) is memory too."""
+    monkeypatch.setattr(reader_mod, "MEMORY_PIECE", 64 * KIB)
+    ts = {n: t for n, t in _tensors().items() if n in ("w32", "u8")}   # tiled: a cut fits every block
+    step = _save(str(tmp_path / "ck"), ts, SNAPSHOT_BLOCK_SIZE)
+    held = tmp_path / "snap" / PEER_DIR / "node1" / os.path.basename(step)
+    shutil.copytree(step, held)
+    (held / COMPLETE).write_text("")
+
+    class Counting(PeerCopySource):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.lengths: list[int] = []
+
+        def read_into(self, relpath, offset, views):
+            if relpath.endswith(".safetensors"):
+                self.lengths.append(sum(len(v) for v in views))
+            return super().read_into(relpath, offset, views)
+    src = Counting(str(tmp_path / "snap"), os.path.basename(step))
+    got = _load(step, ts, 1, [src])
+    for name, t in ts.items():
+        assert torch.equal(got[name].view(torch.uint8), _expect(t, 1).view(torch.uint8)), name
+    assert src.bytes_read > 0 and max(src.lengths) <= 2 * 64 * KIB + SNAPSHOT_BLOCK_SIZE
+    # w32's column half alone is 4 MiB: in pieces, that is dozens of reads
+    assert len(src.lengths) > 32
 
 
 def test_storage_sources_keep_whole_reads(tmp_path, monkeypatch):
