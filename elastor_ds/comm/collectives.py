@@ -198,14 +198,12 @@ class _Liveness:
             if self._thread.is_alive():  # pragma: no cover - a store call stuck past its own timeout
                 log.warning("elastor heartbeat %s did not stop within %.0f s", self.tag, self.liveness_s + 5.0)
 
-    def arrive(self, what: str, value: Optional[bytes] = None, src: Optional[int] = None) -> Optional[bytes]:
-        """Wait until every rank reached this point of the group's collective sequence.
-
-        With ``value`` (bytes), each rank's mark holds its value, and a rank that finds every mark
-        reads them all and writes a verdict into the "done" key, which the others read once they
-        see it. The verdict, returned on every rank, is rank ``src``'s value (a broadcast), or
-        without ``src`` ``b"1"`` when every rank passed the same bytes and ``b"0"`` otherwise.
-        Without ``value``: None.
+    def arrive(self, what: str, value: Optional[bytes] = None) -> bool:
+        """Wait until every rank reached this point of the group's collective sequence. With
+        ``value`` (bytes), also agree on it: True on every rank iff every rank passed the same
+        bytes (each rank's mark holds its value; a rank that finds every mark reads them all and
+        writes the verdict into the "done" key, which the others read once they see it). Without
+        ``value``: True.
 
         Each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
         that finds them all (the last to arrive, perhaps others too) sets one "done" key, which
@@ -229,14 +227,11 @@ class _Liveness:
                 verdict = b"1"
                 if value is not None:
                     marks = self._get_all(keys)
-                    if src is not None:
-                        verdict = marks[src][1:]
-                    else:
-                        verdict = b"1" if all(m == marks[0] for m in marks) else b"0"
-                self._store.set(done, b"d" + verdict)
+                    verdict = b"1" if all(m == marks[0] for m in marks) else b"0"
+                self._store.set(done, verdict)
                 if self._seq > 2:
                     self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/done")
-                return None if value is None else verdict
+                return verdict == b"1"
             seen: dict[int, tuple[int, float]] = {}
             # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
             # is world - 1 more round trips (each also costs the store's host CPU)
@@ -266,7 +261,7 @@ class _Liveness:
                              for r in dead], what)
                 time.sleep(min(0.05, max(0.001, (now - start) * self.poll_share)))
             # (a done key goes only when every rank has reached sequence + 2: this rank has not)
-            return None if value is None else bytes(self._store.get(done))[1:]
+            return True if value is None else bytes(self._store.get(done)) == b"1"
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
@@ -302,9 +297,6 @@ def _store_for_liveness() -> tuple[Optional[tuple[str, int]], Any]:
     if base is None and "MASTER_PORT" in os.environ:  # pragma: no cover - torchrun agent store
         return (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])), None
     return None, dist.PrefixStore("elastor_liveness/", st)
-
-
-STORE_INTS = 16   # broadcast_ints of at most this many values goes through the store
 
 
 class TorchComm:
@@ -418,14 +410,7 @@ class TorchComm:
         return [rows[r * width:(r + 1) * width] for r in range(self.world_size)]
 
     def broadcast_ints(self, values: list[int], src: int = 0) -> list[int]:
-        """``values`` of rank ``src`` (every rank passes a list of the same length). A few values
-        (at most :data:`STORE_INTS`) on a group with liveness checks travel with the arrival
-        marks in the store, with no gloo operation (the background writer broadcasts one commit
-        code per save); more go through a gloo broadcast."""
-        if self.liveness is not None and len(values) <= STORE_INTS:
-            got = self.liveness.arrive("broadcast_ints", ",".join(str(int(v)) for v in values).encode(), src)
-            assert got is not None
-            return [int(v) for v in got.decode().split(",")] if got else []
+        """``values`` of rank ``src`` (every rank passes a list of the same length)."""
         import torch
         import torch.distributed as dist
 
@@ -440,7 +425,7 @@ class TorchComm:
         (bench/results/2026-12-03-memory-loads.md). Otherwise one tiny all-reduce of the value's
         62 low bits."""
         if self.liveness is not None:
-            return self.liveness.arrive("all_equal", str(int(value)).encode()) == b"1"
+            return self.liveness.arrive("all_equal", str(int(value)).encode())
         import torch
         import torch.distributed as dist
 
