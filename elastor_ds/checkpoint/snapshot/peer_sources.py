@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, launch_context
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..auth import job_key, request_mac, response_checker, response_mac_matches
-from ..paths import safe_join
+from ..paths import open_regular, safe_join
 from ..fileformat import pread_into
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class PeerCopySource:
         self.bytes_read = 0
         self._dirs: Optional[list[str]] = None
         self._where: dict[str, str] = {}
+        self._fds: dict[str, tuple[int, int]] = {}   # relpath -> (descriptor, size), opened once
         self._lock = threading.Lock()
 
     def _complete_dirs(self) -> list[str]:
@@ -115,20 +116,42 @@ class PeerCopySource:
                 self._where[relpath] = p
         return p is not None
 
+    def _fd(self, relpath: str) -> tuple[int, int]:
+        """The held copy's descriptor and size, opened once (a regular file only): a read from
+        memory in 1 MiB pieces paid an open, a stat and a close per piece (a 256 MiB load took
+        1.5x as long as from this node's own snapshot)."""
+        got = self._fds.get(relpath)
+        if got is not None:
+            return got
+        with self._lock:
+            got = self._fds.get(relpath)
+            if got is None:
+                p = self._where.get(relpath)
+                if p is None:
+                    raise IncompleteCheckpointError(f"{self.name}: no complete peer copy of {relpath!r} of "
+                                                    f"{self.step_name}")
+                try:
+                    fd = open_regular(p)
+                except FileNotFoundError:
+                    raise IncompleteCheckpointError(f"{p}: the peer copy is gone") from None
+                got = self._fds[relpath] = (fd, os.fstat(fd).st_size)
+        return got
+
     def read_into(self, relpath: str, offset: int, views: Sequence[memoryview]) -> None:
-        p = self._where.get(relpath)
-        if p is None:
-            raise IncompleteCheckpointError(f"{self.name}: no complete peer copy of {relpath!r} of {self.step_name}")
+        fd, size = self._fd(relpath)
         n = _views_len(views)
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            if os.fstat(fd).st_size < offset + n:
-                raise IncompleteCheckpointError(f"{p}: shorter than {offset + n} bytes")
-            pread_into(fd, views, offset)
-        finally:
-            os.close(fd)
+        if size < offset + n:
+            raise IncompleteCheckpointError(f"{self._where.get(relpath)}: shorter than {offset + n} bytes")
+        pread_into(fd, views, offset)
         with self._lock:
             self.bytes_read += n
+
+    def close(self) -> None:
+        with self._lock:
+            fds = [fd for fd, _ in self._fds.values()]
+            self._fds.clear()
+        for fd in fds:
+            os.close(fd)
 
 
 class RemoteSource:
