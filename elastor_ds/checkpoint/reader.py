@@ -450,7 +450,7 @@ def _row_copier(c, target: torch.Tensor, pbuf: torch.Tensor, pnp: "np.ndarray"):
     same = _SAME_SIZE_INT.get(c.itemsize) if dtype_name(target.dtype) == c.dtype and target.device.type == "cpu" \
         else None
     if same is not None and sizes:
-        dnp = dst.view(same[0]).numpy()
+        dnp = dst.detach().view(same[0]).numpy()   # (a parameter that requires grad is filled in place too)
         sdt = np.dtype(same[1])
         bstrides = [st * c.itemsize for st in c.src_strides]
         row = bstrides[0]
@@ -596,7 +596,7 @@ def _direct_views(op: ReadOp, targets: Sequence[torch.Tensor]) -> Optional[list[
         v = region_view(t, c.dst)
         if not v.is_contiguous():
             return None
-        views.append(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
+        views.append(memoryview(v.detach().reshape(-1).view(torch.uint8).numpy()))
         pos += c.nbytes
     if pos != op.length:
         return None

@@ -152,6 +152,25 @@ def test_memory_loads_in_pieces_are_bit_exact(tmp_path, monkeypatch, block_size,
     src.close()
 
 
+def test_pieces_cast_and_fill_parameters(tmp_path, monkeypatch):
+    """Through the piece path: a bfloat16 checkpoint into float32 destinations (``allow_cast``,
+    torch's converting copy), and destinations that are parameters requiring grad."""
+    monkeypatch.setattr(reader_mod, "MEMORY_PIECE", 32 * KIB)
+    ts = {n: t for n, t in _tensors().items() if n in ("bf16", "w32")}
+    step = _save(str(tmp_path / "ck"), ts, 4 * KIB)
+    man = commit_mod.read_manifest(step)
+    cast = torch.full((256, 4096), float("nan"))                               # bf16 [256, 8192] -> fp32
+    param = torch.nn.Parameter(torch.full((512, 2048), float("nan")))          # fp32, requires grad
+    src = _Counting(step)
+    read_shards(step, man, [TensorShard("bf16", (256, 8192), Region((0, 4096), (256, 4096)), cast),
+                            TensorShard("w32", (512, 4096), Region((0, 2048), (512, 2048)), param)],
+                allow_cast=True, sources=[src])
+    src.close()
+    assert torch.equal(cast, ts["bf16"][:, 4096:].float())
+    assert torch.equal(param.detach(), ts["w32"][:, 2048:]) and param.requires_grad
+    assert max(src.lengths) < 2 * 32 * KIB + 4 * KIB   # read in pieces
+
+
 def test_row_halves_from_memory_land_straight_in_the_destinations(tmp_path, monkeypatch):
     """Row halves saved, row halves loaded: each read lands in its destination as it is (no piece
     buffer to pass through), one read per planned read."""
