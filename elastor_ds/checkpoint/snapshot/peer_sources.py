@@ -117,9 +117,8 @@ class PeerCopySource:
         return p is not None
 
     def _fd(self, relpath: str) -> tuple[int, int]:
-        """The held copy's descriptor and size, opened once (a regular file only): a read from
-        memory in 1 MiB pieces paid an open, a stat and a close per piece (a 256 MiB load took
-        1.5x as long as from this node's own snapshot)."""
+        """The held copy's descriptor and size, opened once per load (a regular file only), not an
+        open, a stat and a close for each of the reader's 1 MiB pieces."""
         got = self._fds.get(relpath)
         if got is not None:
             return got
