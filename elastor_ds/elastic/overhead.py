@@ -1,4 +1,6 @@
-"""The step overhead of memory snapshots, measured within one run (pure: trainer metric records in, numbers out).
+"""What background checkpoint work costs training steps, measured within one run (pure: trainer
+metric records in, numbers out): memory snapshots (:func:`paired_overhead`) and the storage
+writer (:func:`writer_effect`).
 
 The trainer's ``--elastor-memory-snapshot-ab-blocks B`` pauses snapshots in every other block of
 ``B`` iterations. An iteration is "with" when it took a snapshot while the previous one's writer
@@ -56,3 +58,50 @@ def paired_overhead(records: Iterable[Mapping[str, Any]], block: int, skip: int 
             "step_overhead": mw / mo - 1, "step_overhead_of_means": aw / ao - 1,
             "step_overhead_median_of_block_pairs": statistics.median(pairs) if pairs else None,
             "block_pair_overheads": pairs}
+
+
+def writer_effect(records: Iterable[Mapping[str, Any]], skip: int) -> dict[str, Any]:
+    """The storage writer's cost to training in one run of the trainer saving asynchronously every
+    few iterations. ``records``: its metrics lines (``iteration``, ``iter_time_s``, ``save_stall_s`` on
+    the iterations that saved, ``storage_writer_busy``: the writer was still writing an earlier save
+    when the iteration started, ``prev_save_durable_s`` / ``prev_save_writer_cpu_s`` on a saving
+    iteration: the save before it, from its call to its commit / the writer thread's CPU); the
+    first ``skip`` iterations are warm-up.
+
+    "Writing" iterations started while the writer wrote and did not save; "idle" ones did neither.
+    ``write_s`` of a save: its call-to-commit time minus its stall (the writer's wall time, which
+    the training overlaps). The writing iterations after one save took ``extra`` seconds more than
+    the idle median in all; in ``write_s`` of wall time the training thread then did the work of
+    ``write_s - extra`` idle seconds, so the compute rate while the writer writes, as idle time
+    over time taken, is ``write_s / (write_s - extra)`` (``compute_while_writing_over_idle``: the
+    median over saves; the issue-23 goal is <= 1.3). Also the median iteration ratio, the save
+    stall and the writer's CPU per save, each over the median idle iteration."""
+    recs = sorted((r for r in records if r["iteration"] > skip), key=lambda r: r["iteration"])
+    idle = [r["iter_time_s"] for r in recs if r.get("save_stall_s") is None and r.get("storage_writer_busy") is False]
+    writing = [r["iter_time_s"] for r in recs if r.get("save_stall_s") is None and r.get("storage_writer_busy")]
+    if not idle or not writing:
+        raise ValueError(f"no {'idle' if not idle else 'writing'} iterations among {len(recs)} records: run more "
+                         f"iterations, with --save-interval of 3 or more (records need storage_writer_busy)")
+    base = statistics.median(idle)
+    per_save: list[float] = []
+    write_s: list[float] = []
+    stalls = [r["save_stall_s"] for r in recs if r.get("save_stall_s") is not None]
+    cpu = [r["prev_save_writer_cpu_s"] for r in recs if r.get("prev_save_writer_cpu_s") is not None]
+    saves = [k for k, r in enumerate(recs) if r.get("save_stall_s") is not None]
+    for a, b in zip(saves, saves[1:]):   # save a's writer, the iterations until save b (which reports a's times)
+        durable = recs[b].get("prev_save_durable_s")
+        if durable is None:
+            continue
+        w = durable - recs[a]["save_stall_s"]
+        extra = sum(r["iter_time_s"] - base for r in recs[a + 1:b] if r.get("storage_writer_busy"))
+        write_s.append(w)
+        per_save.append(w / (w - extra) if w > extra else float("inf"))
+    return {"iterations_writing": len(writing), "iterations_idle": len(idle), "saves_measured": len(per_save),
+            "median_iter_s_idle": base, "median_iter_s_writing": statistics.median(writing),
+            "iter_writing_over_idle": statistics.median(writing) / base,
+            "compute_while_writing_over_idle": statistics.median(per_save) if per_save else None,
+            "per_save_compute_while_writing_over_idle": per_save,
+            "median_write_s": statistics.median(write_s) if write_s else None,
+            "write_s_over_iter": statistics.median(write_s) / base if write_s else None,
+            "save_stall_over_iter": statistics.median(stalls) / base if stalls else None,
+            "writer_cpu_over_iter": statistics.median(cpu) / base if cpu else None}

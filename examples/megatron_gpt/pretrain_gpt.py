@@ -26,7 +26,9 @@ contract for readers such as the demo table (keys may be added, never removed):
 
     iteration, lm_loss (global batch mean), consumed_samples, lr, layout (short description),
     world_size, iter_time_s (measured), process_cpu_s (CPU time of all this rank's threads during the
-    iteration), time (unix), save_stall_s (iterations that saved),
+    iteration), time (unix), save_stall_s (iterations that saved), and on them prev_save_durable_s /
+    prev_save_writer_cpu_s (the save before: from its call to its commit / its writer thread's CPU),
+    storage_writer_busy (with --save-interval: the storage writer was still writing as the iteration began),
     with memory snapshots (iterations that took one): snapshot_stall_s (the copy), snapshot_hook_s
       (the training thread's whole snapshot time), snapshot_wait_s (waiting for the previous one),
       snapshot_writer_cpu_s (the background writer's CPU for the previous one), snapshots_dropped
@@ -706,6 +708,8 @@ def _main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             c0 = time.process_time()   # every thread of this process (writer, peer copy, gloo's I/O)
             n_saves = len(engine.elastor.stats) if engine.elastor else 0
+            # the storage writer still writing an earlier save as this iteration starts: it overlaps it
+            writing = engine.elastor is not None and not engine.elastor.ckpt.local_idle()
             mem = engine.elastor.memory if engine.elastor else None
             n_snaps = len(mem.stats) if mem is not None else 0
             if mem is not None and args.elastor_memory_snapshot_ab_blocks > 0:   # step it + 1 is saved after it
@@ -787,6 +791,12 @@ def _main(argv: list[str] | None = None) -> int:
                        "world_size": world, "iter_time_s": dt, "process_cpu_s": cpu_dt, "time": time.time()}
                 if saved:
                     rec["save_stall_s"] = stall
+                    if len(engine.elastor.stats) > 1:   # the save before this one has finished (this one waited)
+                        prev = engine.elastor.stats[-2]
+                        rec["prev_save_durable_s"] = prev.durable_s
+                        rec["prev_save_writer_cpu_s"] = prev.writer_cpu_s
+                if engine.elastor is not None and args.save_interval > 0:
+                    rec["storage_writer_busy"] = writing
                 if snapped:
                     rec["snapshot_stall_s"] = mem.stats[-1].stall_s
                     # the training thread's whole share (shard list, plan, waiting for the previous
