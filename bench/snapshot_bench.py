@@ -18,6 +18,11 @@ Rows (ratios are within this run):
             command differ by up to ~15 % here (placement, drift), so the row also times one run of
             ``--paired-iters`` iterations whose snapshots pause in every other ``--block``: with vs
             without on the same processes (``paired_in_one_run``, the figure for the goal).
+  writer    the storage writer's cost to training (issue 23: <= 1.3x the idle compute time while
+            it writes): the example trainer (``--writer-hidden``, ~270 MiB per rank at 1024) saving to
+            ``--storage`` asynchronously every ``--writer-save-every`` iterations, no snapshots; the
+            iterations that start while the writer writes against the idle ones of the same run,
+            turned into the compute rate while it writes (see ``writer_effect``).
   lost      ``elastor run`` on the example trainer, a worker SIGKILLed at iteration ``--kill-at``:
             iterations lost (last logged before the kill - step resumed from) with memory snapshots
             every iteration vs storage checkpoints every ``--storage-interval`` only.
@@ -45,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
-from elastor_ds.elastic.overhead import paired_overhead  # noqa: E402
+from elastor_ds.elastic.overhead import paired_overhead, writer_effect  # noqa: E402
 from elastor_ds.checkpoint.snapshot.tier import tree_bytes  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
@@ -201,13 +206,15 @@ def _env(extra=None) -> dict:
                 **(extra or {}))
 
 
-def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_blocks: int = 0) -> list[dict]:
+def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_blocks: int = 0, hidden: int = 0,
+           save_interval: int = 0, skip: int = 3) -> list[dict]:
     metrics = os.path.join(work, f"{name}.jsonl")
     snap = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.trainer_procs}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", TRAINER, *MODEL, "--hidden-size",
-           str(args.hidden), "--train-iters", str(iters or args.iters), "--save", os.path.join(work, f"{name}_ckpt"),
-           "--save-interval", "0", "--profile-iters", "0", "--metrics-file", metrics]
+           str(hidden or args.hidden), "--train-iters", str(iters or args.iters), "--save",
+           os.path.join(work, f"{name}_ckpt"), "--save-interval", str(save_interval), "--profile-iters", "0",
+           "--metrics-file", metrics]
     if snapshots:
         cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
     if ab_blocks:
@@ -218,7 +225,7 @@ def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_block
             raise RuntimeError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
     finally:
         shutil.rmtree(snap, ignore_errors=True)
-    return [r for r in read_jsonl(metrics) if r["iteration"] > 3]
+    return [r for r in read_jsonl(metrics) if r["iteration"] > skip]
 
 
 def _paired(args, work: str) -> dict:
@@ -266,6 +273,28 @@ def overhead_rows(args) -> dict:
                 "median_snapshot_stall_over_iter": share("snapshot_stall_s"),
                 "median_snapshot_training_thread_over_iter": share("snapshot_hook_s"),
                 "median_snapshot_writer_cpu_over_iter": share("snapshot_writer_cpu_s")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def writer_rows(args) -> dict:
+    """The storage writer's cost to training: the example trainer (``--writer-hidden``, no
+    snapshots) saving to storage asynchronously every ``--writer-save-every`` iterations, with the
+    engine's default writer policy (O_DIRECT, idle-priority with its deadline). Iterations that
+    start while the writer writes against those that neither save nor overlap a write, in the same
+    run (:func:`elastor_ds.elastic.overhead.writer_effect`); the first save's cycle is warm-up (its
+    stall allocates the staging buffer)."""
+    work = tempfile.mkdtemp(prefix="snapshot_bench_writer_", dir=args.storage)
+    try:
+        every = args.writer_save_every
+        recs = _train(args, work, "writer", False, iters=args.writer_iters, hidden=args.writer_hidden,
+                      save_interval=every, skip=0)
+        ckpt = os.path.join(work, "writer_ckpt")
+        steps = sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) if os.path.isdir(ckpt) else []
+        size = tree_bytes(os.path.join(ckpt, steps[-1])) if steps else 0
+        return {"hidden": args.writer_hidden, "save_every": every, "iters": args.writer_iters,
+                "trainer_procs": args.trainer_procs, "checkpoint_bytes": size,
+                **writer_effect(recs, skip=every + 1)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -432,6 +461,17 @@ def goal_table(doc: dict) -> str:
                     f"(all threads) | {_share(ov['median_snapshot_training_thread_over_iter'])} / "
                     f"{_share(ov['median_snapshot_writer_cpu_over_iter'])}; "
                     f"{_share(p.get('process_cpu_added_over_iter'))} | | |")
+    wr = doc.get("writer")
+    if wr:
+        c = wr["compute_while_writing_over_idle"]
+        rows.append(f"| storage writer (example trainer, hidden {wr['hidden']}, a save every {wr['save_every']} "
+                    f"iterations, {wr['checkpoint_bytes'] / 2**20:.0f} MiB per checkpoint): compute while it writes / "
+                    f"idle, median of {wr['saves_measured']} saves | {'-' if c is None else f'{c:.2f}'} | <= 1.3 | "
+                    f"{'-' if c is None else ('yes' if c <= 1.3 else 'no')} |")
+        rows.append(f"| the same: iteration that overlaps the write / idle iteration; the write's wall time, save "
+                    f"stall, writer CPU per save, each over an idle iteration | {wr['iter_writing_over_idle']:.3f}; "
+                    f"{_share(wr['write_s_over_iter'])}, {_share(wr['save_stall_over_iter'])}, "
+                    f"{_share(wr['writer_cpu_over_iter'])} | | |")
     pr = doc.get("peer")
     if pr:
         only = pr["snapshots_only"]
@@ -460,7 +500,7 @@ def goal_table(doc: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="restore,overhead,lost", help="comma-separated: restore (includes memory), "
-                   "overhead, peer, lost")
+                   "overhead, peer, writer, lost")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--mib-per-rank", type=int, default=64)
     p.add_argument("--tensors", type=int, default=4)
@@ -475,6 +515,10 @@ def main() -> int:
     p.add_argument("--block", type=int, default=4, help="overhead row: iterations per block in that run")
     p.add_argument("--peer-copy-interval", type=int, default=8, help="peer row: the copy interval of its third run "
                    "(also its block length, so each block with snapshots holds one copy)")
+    p.add_argument("--writer-hidden", type=int, default=1024, help="writer row: the trainer's hidden size (1024: "
+                   "about 270 MiB of checkpoint per rank with 2 ranks)")
+    p.add_argument("--writer-save-every", type=int, default=4, help="writer row: iterations between storage saves")
+    p.add_argument("--writer-iters", type=int, default=30, help="writer row: iterations of its one run")
     p.add_argument("--kill-at", type=int, default=7)
     p.add_argument("--storage-interval", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))
@@ -491,11 +535,14 @@ def main() -> int:
     if "peer" in rows:
         doc["peer"] = peer_rows(args)
         print(json.dumps({"peer": doc["peer"]}, indent=1), flush=True)
+    if "writer" in rows:
+        doc["writer"] = writer_rows(args)
+        print(json.dumps({"writer": doc["writer"]}, indent=1), flush=True)
     if "lost" in rows:
         doc["lost"] = lost_rows(args)
         print(json.dumps({"lost": doc["lost"]}, indent=1), flush=True)
     doc["load_average_end"] = os.getloadavg()
-    if "overhead" in rows or "peer" in rows:
+    if "overhead" in rows or "peer" in rows or "writer" in rows:
         print(f"\nload average {doc['load_average']} -> {doc['load_average_end']}\n" + goal_table(doc), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
