@@ -16,6 +16,7 @@ destination.
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import mmap
@@ -161,7 +162,7 @@ class BlockCrcs:
         self.spans = [(int(sp[0]), int(sp[1])) for sp in spans]
         self.bs = int(block_size)
         self.mv = data
-        self.tables: list[list[int]] = [[] for _ in self.spans]
+        self.tables: list = [array.array("I") for _ in self.spans]   # uint32 entries (see cumulative_crcs)
         self.k = 0
         self.pos = self.spans[0][0] if self.spans else 0
         self.c = 0
@@ -169,7 +170,7 @@ class BlockCrcs:
 
     def _skip_empty(self) -> None:
         while self.k < len(self.spans) and self.spans[self.k][1] == 0:
-            self.tables[self.k] = [0]
+            self.tables[self.k] = array.array("I", [0])
             self.k += 1
 
     def feed(self, end: int) -> None:
@@ -201,7 +202,7 @@ class BlockCrcs:
                 self._skip_empty()
         self.pos, self.c = pos, c
 
-    def result(self) -> list[list[int]]:
+    def result(self) -> list:
         if self.k != len(self.spans):
             raise AssertionError(f"block CRCs: {self.k} of {len(self.spans)} spans fed")
         return self.tables

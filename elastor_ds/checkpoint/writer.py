@@ -77,7 +77,7 @@ def write_staged_rank_files(rank: int, items: Sequence[WriteItem], data: Any, sp
         raise ValueError(f"{len(block_tables)} block-CRC tables for {len(spans)} chunks")
     for k, (pos, n) in enumerate(spans):
         if block_tables is not None:
-            cum = list(block_tables[k])
+            cum = block_tables[k]
         elif n <= block_size:   # a chunk of one block (most of a small model's): one CRC call, no loop
             cum = [crc32(mv[pos:pos + n])]
         else:
