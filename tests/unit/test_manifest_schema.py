@@ -100,3 +100,38 @@ def test_cli_process_exit_code_and_message(good):
         with open(path, "w") as f:
             f.write(text)
     assert cli_main(["verify", root]) == 0
+
+
+_FILE_CASES = {"json_list", "size_type", "files_absolute"}   # faults in what files_of reads
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_files_of_checks_what_it_reads_like_a_full_parse(good, case):
+    """``Manifest.files_of`` (a peer-copy receiver's file list) raises the full parse's error for
+    a fault in the document or its files, and skips the tensors: their faults are not its to see."""
+    from elastor_ds.checkpoint.planning.manifest import Manifest
+    _, _, text = good
+    fn, msg = CASES[case]
+    bad = json.dumps(_rechecksum(fn(json.loads(text))))
+    if case in _FILE_CASES:
+        with pytest.raises(ManifestError) as ei:
+            Manifest.files_of(bad, where="m")
+        assert msg in str(ei.value) and "invalid manifest" in str(ei.value), str(ei.value)
+    else:
+        assert Manifest.files_of(bad, where="m") == Manifest.loads(text).files
+
+
+def test_files_of_refuses_a_changed_document_an_unknown_version_and_non_json(good):
+    from elastor_ds.checkpoint.planning.manifest import Manifest
+    from elastor_ds.errors import FormatVersionError
+    _, _, text = good
+    files = Manifest.files_of(text, where="m")
+    assert files == Manifest.loads(text).files and set(files) == {"data_00000.safetensors", "data_00000.crc32"}
+    d = json.loads(text)
+    d["files"]["data_00000.safetensors"]["size"] += 1          # not re-checksummed: a corrupt document
+    with pytest.raises(ManifestError, match="checksum"):
+        Manifest.files_of(json.dumps(d), where="m")
+    with pytest.raises(FormatVersionError, match="not readable"):
+        Manifest.files_of(json.dumps(_rechecksum({**json.loads(text), "format_version": 99})), where="m")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.files_of(text[:-5], where="m")

@@ -180,11 +180,20 @@ class Manifest:
 
     @staticmethod
     def loads(text: str, where: str = "") -> "Manifest":
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where or 'manifest'}: not valid JSON ({e}); the manifest is corrupt") from None
-        return _parse(d, where or "manifest")
+        return _parse(_json(text, where or "manifest"), where or "manifest")
+
+    @staticmethod
+    def files_of(text: str, where: str = "") -> dict[str, "FileEntry"]:
+        """Only the ``files`` of a manifest document, with the same checks as :meth:`loads` on what
+        it reads (format, readable version, the document checksum, each file entry), without the
+        tensors: a peer-copy receiver reads its own node's manifest of every copied snapshot for
+        the file list alone, and the tensors were ~90 % of a full parse (2.1-2.7 ms for the
+        example trainer's 84 tensors, growing with the model)."""
+        where = where or "manifest"
+        v = _V(where)
+        d = v.obj(_json(text, where), "document")
+        _check_document(v, d, where)
+        return _files(v, d)
 
     @property
     def total_bytes(self) -> int:
@@ -261,9 +270,15 @@ class _V:
         return v
 
 
-def _parse(d: Any, where: str) -> Manifest:
-    v = _V(where)
-    d = v.obj(d, "document")
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e}); the manifest is corrupt") from None
+
+
+def _check_document(v: "_V", d: Mapping[str, Any], where: str) -> int:
+    """The document's format, a readable version and (version 2 on) its checksum; the version."""
     if d.get("format") != FORMAT_NAME:
         raise ManifestError(f"{where}: not an elastor manifest (format={d.get('format')!r})")
     ver = d.get("format_version")
@@ -278,6 +293,26 @@ def _parse(d: Any, where: str) -> Manifest:
         if got != want:
             raise ManifestError(f"{where}: manifest checksum {got[:23]}... does not match its content "
                                 f"({want[:23]}...); the manifest is corrupt")
+    return ver
+
+
+def _files(v: "_V", d: Mapping[str, Any]) -> dict[str, "FileEntry"]:
+    files: dict[str, FileEntry] = {}
+    for name, fe in v.obj(v.req(d, "files", "files"), "files").items():
+        p = f"files[{name!r}]"
+        if not is_relative_subpath(name):
+            raise v.fail(p, "a file name inside the step directory", name)
+        fe = v.obj(fe, p)
+        files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
+                                v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
+                                v.int_(fe.get("writer_rank", -1), p + ".writer_rank", -1))
+    return files
+
+
+def _parse(d: Any, where: str) -> Manifest:
+    v = _V(where)
+    d = v.obj(d, "document")
+    ver = _check_document(v, d, where)
     step = v.int_(v.req(d, "step", "step"), "step")
     world = v.int_(d.get("world_size", 1), "world_size", 1)
     created = d.get("created_unix", 0.0)
@@ -295,15 +330,7 @@ def _parse(d: Any, where: str) -> Manifest:
         if not is_relative_subpath(name):
             raise v.fail(f"rank_state_files[{k}]", "a relative path inside the step directory", name)
         rank_state_files[int(k)] = name
-    files: dict[str, FileEntry] = {}
-    for name, fe in v.obj(v.req(d, "files", "files"), "files").items():
-        p = f"files[{name!r}]"
-        if not is_relative_subpath(name):
-            raise v.fail(p, "a file name inside the step directory", name)
-        fe = v.obj(fe, p)
-        files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
-                                v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
-                                v.int_(fe.get("writer_rank", -1), p + ".writer_rank", -1))
+    files = _files(v, d)
     for k, name in rank_state_files.items():
         if name not in files:
             raise v.fail(f"rank_state_files[{k}]", "a file listed in 'files'", name)

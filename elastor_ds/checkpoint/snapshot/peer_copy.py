@@ -138,11 +138,11 @@ def _allowed_files(fd: int, step_name: str) -> dict:
         with os.fdopen(fd, "rb") as f:
             raw = f.read(256 << 20)
         from ..planning.manifest import Manifest
-        man = Manifest.loads(raw.decode("utf-8"), where=f"manifest of {step_name}")
+        files = Manifest.files_of(raw.decode("utf-8"), where=f"manifest of {step_name}")   # checked; no tensors
     except Exception as e:  # noqa: BLE001 - no trustworthy list: nothing is received
         log.warning("peer copy of %s: this node's manifest is unreadable (%s); not receiving copies", step_name, e)
         return {}
-    return {n: (fe.size, fe.crc32, fe.writer_rank) for n, fe in man.files.items()}
+    return {n: (fe.size, fe.crc32, fe.writer_rank) for n, fe in files.items()}
 
 
 def _check_budget(incoming: list, snapshot_dir: str) -> None:

@@ -132,8 +132,7 @@ class _Listings:
         from ..planning.manifest import Manifest
 
         def parse(raw: bytes, where: str) -> dict[str, int]:
-            man = Manifest.loads(raw.decode("utf-8"), where=where)
-            return {n: fe.size for n, fe in man.files.items()}
+            return {n: fe.size for n, fe in Manifest.files_of(raw.decode("utf-8"), where=where).items()}
         return self._record(os.path.join(self.root, "local", step, MANIFEST), parse)
 
     def peer(self, origin: str, step: str) -> Optional[dict[str, int]]:
