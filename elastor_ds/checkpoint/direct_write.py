@@ -43,10 +43,14 @@ from .writer_sched import thread_target
 log = logging.getLogger(__name__)
 
 ALIGN = 4096            # O_DIRECT: buffer address, length and file offset in multiples of this
-# bytes per bounce buffer (a multiple of ALIGN). 4 MiB: three runs of bench/ckpt_bench.py alternated with
-# 8 MiB wrote no slower (write / floor 1.03-1.09 against 1.09-1.12) with 12 MiB less at the peak
-# (bench/results/2026-12-02-bounce-buffers.md)
-PIECE = 4 * 1024 * 1024
+# bytes per bounce buffer (a multiple of ALIGN). 2 MiB, one huge page each (Linux aligns an anonymous
+# mapping of a multiple of 2 MiB to a huge-page boundary): six runs of bench/ckpt_bench.py alternated
+# with 4 MiB wrote as fast (write / floor 0.91-1.26, mean 1.12, against 1.00-1.22, mean 1.12) with
+# 6 MiB less at the peak (peak / (state + staging) 1.019-1.023 against 1.031-1.032 at 256 MiB per
+# rank); two 2 MiB buffers wrote slower (1.18-1.38), 1 MiB and 512 KiB buffers (4 KiB pages) too
+# (1.35-1.64) (bench/results/2026-12-03-bounce-pieces-and-snapshot-cpu.md; 8 -> 4 MiB:
+# bench/results/2026-12-02-bounce-buffers.md)
+PIECE = 2 * 1024 * 1024
 NBUF = 3                 # bounce buffers per file
 _COPY = 1024 * 1024      # bytes per copy call
 DIRECT_CHUNK = 32 * 1024 * 1024   # bytes per write straight from a caller's buffer
