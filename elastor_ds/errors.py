@@ -38,6 +38,11 @@ class CorruptCheckpointError(CheckpointError):
     """A data file's checksum or size does not match the manifest."""
 
 
+class UnreadableCheckpointError(CheckpointError, PermissionError):
+    """This process may not read a checkpoint's directory or file (permissions): nothing is known
+    to be wrong with the checkpoint itself."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint names a path outside its directory, or needs unpickling that was not trusted."""
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..cli_types import positive_int
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError
 from . import commit as commit_mod
 
 log = logging.getLogger("elastor")
@@ -93,6 +93,9 @@ def cmd_verify(args) -> int:
         if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError):   # a typo, or not a checkpoint
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if isinstance(e, UnreadableCheckpointError):   # nothing known to be wrong with the checkpoint
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
         return 1
     from .verify import verify  # torch-free CLI start: heavy modules load on use

@@ -53,7 +53,8 @@ import time
 import uuid
 from typing import Optional
 
-from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                      UnreadableCheckpointError, UnsafeCheckpointError)
 from .planning.manifest import MANIFEST_NAME, Manifest
 from .paths import not_a_checkpoint, read_regular_text, safe_join
 from .fileformat import atomic_write_text, fsync_dir
@@ -94,6 +95,18 @@ def is_committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
 
+def _check_readable(path: str) -> None:
+    """A directory this process may not enter reads as "no manifest" to ``os.path.isfile``: say what
+    it is instead, so nobody takes a good checkpoint for an uncommitted save."""
+    try:
+        os.stat(os.path.join(path, MANIFEST_NAME))
+    except PermissionError:
+        raise UnreadableCheckpointError(f"permission denied reading {path}: fix its permissions or run as a user "
+                                        f"who may read it (the checkpoint in it is not known to be bad)") from None
+    except OSError:
+        pass
+
+
 def list_committed(root: str) -> list[tuple[int, str]]:
     """(step, path) of committed checkpoints under ``root``, oldest first."""
     out = []
@@ -110,9 +123,13 @@ def list_committed(root: str) -> list[tuple[int, str]]:
 
 def _latest_name(root: str) -> Optional[str]:
     try:
-        name = read_regular_text(os.path.join(root, LATEST), 4096).strip()
+        name = read_regular_text(os.path.join(root, LATEST), 4096, nofollow=True).strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except PermissionError:
+        _check_readable(root)
+        raise UnreadableCheckpointError(f"permission denied reading {root}/{LATEST}: fix its permissions, or load "
+                                        f"a step dir directly") from None
     except (OSError, UnicodeDecodeError) as e:
         raise IncompleteCheckpointError(f"{root}/{LATEST} is unreadable ({e}); load a step dir directly") from None
     return name or None
@@ -141,10 +158,12 @@ def resolve(path: str) -> str:
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not os.path.isdir(path):
         raise not_a_checkpoint(path)
+    _check_readable(path)
     if is_committed(path):
         return path
     latest = read_latest(path)
     if latest is not None:
+        _check_readable(latest)
         if not is_committed(latest):
             raise IncompleteCheckpointError(f"{path}/latest points to {latest}, which has no {MANIFEST_NAME}: "
                                             f"it was never committed; use an older step dir or fallback")
@@ -174,12 +193,20 @@ def check_manifest_paths(step_dir: str, man: Manifest) -> None:
 def read_manifest(step_dir: str) -> Manifest:
     p = os.path.join(step_dir, MANIFEST_NAME)
     try:
-        text = read_regular_text(p, MAX_MANIFEST_BYTES)
+        text = read_regular_text(p, MAX_MANIFEST_BYTES, nofollow=True)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{step_dir} has no {MANIFEST_NAME}: it was never committed") from None
+    except PermissionError:
+        raise UnreadableCheckpointError(f"permission denied reading {p}: fix its permissions or run as a user who "
+                                        f"may read it") from None
     except (OSError, UnicodeDecodeError) as e:
         raise IncompleteCheckpointError(f"{p} is unreadable ({e})") from None
     man = Manifest.loads(text, where=p)
+    named = step_of(os.path.basename(os.path.normpath(step_dir)))
+    if named is not None and named != man.step:
+        raise CorruptCheckpointError(f"{p} says step {man.step}, but its directory is named for step {named}: "
+                                     f"renamed by hand or crafted; refusing it (rename the directory "
+                                     f"{step_dirname(man.step)} if the manifest is right)")
     check_manifest_paths(step_dir, man)
     return man
 

@@ -10,6 +10,7 @@ Pure path logic plus ``os.path.realpath``; no torch.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -74,11 +75,20 @@ def overlap(a: str, b: str) -> bool:
     return inside(a, b) or inside(b, a)
 
 
-def open_regular(path: str) -> int:
+def open_regular(path: str, nofollow: bool = False) -> int:
     """A read-only descriptor of ``path`` when it is a regular file. Opened non-blocking, so a FIFO,
     a device or a socket planted in a checkpoint never blocks the reader; refused with
-    :class:`~elastor_ds.errors.UnsafeCheckpointError` (FileNotFoundError passes through)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    :class:`~elastor_ds.errors.UnsafeCheckpointError` (FileNotFoundError passes through).
+    ``nofollow``: a symlink at ``path`` itself is refused too (the fixed names a checkpoint writes
+    as regular files: ``manifest.json``, ``latest``)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (os.O_NOFOLLOW if nofollow else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if nofollow and e.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(f"{path} is a symbolic link; a checkpoint writes it as a regular file, so "
+                                        f"it is corrupt or crafted (refusing it)") from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -91,10 +101,13 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def read_regular_text(path: str, limit: int) -> str:
-    """The text of regular file ``path`` (see :func:`open_regular`), at most ``limit`` bytes."""
-    fd = open_regular(path)
+def read_regular_text(path: str, limit: int, nofollow: bool = False) -> str:
+    """The text of regular file ``path`` (see :func:`open_regular`), at most ``limit`` bytes: a
+    larger file is refused before any of it is read."""
+    fd = open_regular(path, nofollow=nofollow)
     with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise UnsafeCheckpointError(f"{path} is larger than {limit} bytes; refusing it (corrupt or crafted)")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise UnsafeCheckpointError(f"{path} is larger than {limit} bytes; refusing it (corrupt or crafted)")

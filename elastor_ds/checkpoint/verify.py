@@ -13,11 +13,11 @@ from typing import Iterable, Optional
 
 from tqdm import tqdm
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout.region import Region
 from .commit import read_manifest
 from .planning.manifest import Manifest
-from .fileformat import file_crc32, read_header
+from .fileformat import CODE_DTYPES, file_crc32, read_header
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,33 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.where}: {self.what}"
+
+
+def check_header(header: object, data_len: int, path: str) -> None:
+    """A safetensors header that the safetensors library itself would open: a JSON object whose
+    entries (other than ``__metadata__``, a str -> str map) each give a known dtype, a shape of
+    non-negative ints and ``data_offsets`` inside the data section. Raises CorruptCheckpointError."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: safetensors header {what}; the file is corrupt")
+    if not isinstance(header, dict):
+        raise bad("is not a JSON object")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in entry.items()):
+                raise bad("has a __metadata__ that is not a map of strings")
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"entry {key[:80]!r} is not {{dtype, shape, data_offsets}}")
+        shape, offs = entry["shape"], entry["data_offsets"]
+        if entry["dtype"] not in CODE_DTYPES:
+            raise bad(f"entry {key[:80]!r} has an unknown dtype {str(entry['dtype'])[:20]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"entry {key[:80]!r} has a malformed shape")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1] <= data_len):
+            raise bad(f"entry {key[:80]!r} has data_offsets {str(offs)[:40]} outside the data section "
+                      f"of {data_len} bytes")
 
 
 def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]] = None,
@@ -40,24 +67,29 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
     for name in tqdm(names, desc="verify", unit="file", disable=not progress):
         fe = man.files[name]
         path = os.path.join(step_dir, name)
-        if not os.path.isfile(path):
-            problems.append(Problem(path, "file is missing" if not os.path.lexists(path) else
-                                    "is a FIFO" if stat.S_ISFIFO(os.lstat(path).st_mode) else "is not a regular file"))
-            continue
-        size = os.path.getsize(path)
-        if size != fe.size:
-            problems.append(Problem(path, f"size {size} bytes, manifest says {fe.size} (truncated or overwritten)"))
-            continue
-        if name.endswith(".safetensors"):
-            try:
-                read_header(path)
-            except CheckpointError as e:
-                problems.append(Problem(path, str(e)))
+        try:
+            if not os.path.isfile(path):
+                problems.append(Problem(path, "file is missing" if not os.path.lexists(path) else
+                                        "is a FIFO" if stat.S_ISFIFO(os.lstat(path).st_mode) else
+                                        "is not a regular file"))
                 continue
-        if checksums:
-            _, crc = file_crc32(path)
-            if crc != fe.crc32:
-                problems.append(Problem(path, f"CRC32 {crc:08x} != manifest {fe.crc32:08x} (corrupt data)"))
+            size = os.path.getsize(path)
+            if size != fe.size:
+                problems.append(Problem(path, f"size {size} bytes, manifest says {fe.size} (truncated or overwritten)"))
+                continue
+            if name.endswith(".safetensors"):
+                try:
+                    header, data_start = read_header(path)
+                    check_header(header, size - data_start, path)
+                except CheckpointError as e:
+                    problems.append(Problem(path, str(e)))
+                    continue
+            if checksums:
+                _, crc = file_crc32(path)
+                if crc != fe.crc32:
+                    problems.append(Problem(path, f"CRC32 {crc:08x} != manifest {fe.crc32:08x} (corrupt data)"))
+        except OSError as e:   # a permission, an I/O error: this file's problem, the others are still checked
+            problems.append(Problem(path, f"unreadable ({e.strerror or e})"))
     if files is None:
         for t in man.tensors.values():
             covered = 0

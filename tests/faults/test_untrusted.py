@@ -203,3 +203,89 @@ def test_convert_tp_zero_exits_2(ckpt, tmp_path):
     assert_one_line_failure(elastor("convert", root, str(tmp_path / "m"), "--to", "megatron",
                                     "--tensor-model-parallel-size", "0"), 2, "--tensor-model-parallel-size")
     assert not os.path.exists(tmp_path / "m")
+
+
+# ---------------------------------------------------------------- fixed names, sizes, permissions
+def test_symlinked_manifest_and_latest_are_refused_without_reading_their_target(ckpt, tmp_path):
+    """``manifest.json`` and ``latest`` are written as regular files: a symlink at either is
+    refused (O_NOFOLLOW), even one to a valid manifest, and the target's text is not echoed."""
+    root, step_dir, _, _ = ckpt
+    outside = tmp_path / "outside" / "manifest.json"
+    shutil.move(os.path.join(step_dir, "manifest.json"), outside)
+    os.symlink(outside, os.path.join(step_dir, "manifest.json"))
+    assert_one_line_failure(elastor("verify", root), 1, "symbolic link")
+    assert_one_line_failure(elastor("inspect", step_dir), 1, "symbolic link")
+    shutil.move(str(outside), os.path.join(step_dir, "manifest.json"))   # back: the checkpoint is good again
+    assert elastor("verify", root).returncode == 0
+    marker = tmp_path / "outside" / "private.txt"
+    marker.write_text("step_000000003 THE-PRIVATE-TEXT")
+    os.unlink(os.path.join(root, "latest"))
+    os.symlink(marker, os.path.join(root, "latest"))
+    p = elastor("verify", root)
+    assert_one_line_failure(p, 1, "symbolic link")
+    assert "PRIVATE" not in p.stderr + p.stdout
+
+
+def test_oversized_manifest_is_refused_before_it_is_read(ckpt):
+    """A sparse 2 GiB manifest: refused from its size, the reader's memory stays small."""
+    root, step_dir, _, _ = ckpt
+    os.truncate(os.path.join(step_dir, "manifest.json"), 2 ** 31)
+    code = ("import resource, sys; from elastor_ds.cli import main; rc = main(['verify', sys.argv[1]]); "
+            "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert p.returncode == 1 and "larger than" in p.stderr, p.stderr
+    rss_kib = int(p.stdout.split("MAXRSS")[1])
+    assert rss_kib < 512 * 1024, rss_kib   # reading the file first took ~1 GiB
+
+
+def test_manifest_step_must_match_its_directory(ckpt, tmp_path):
+    root, step_dir, _, _ = ckpt
+    _edit_manifest(step_dir, lambda m: m.update(step=4))
+    assert_one_line_failure(elastor("verify", root), 1, "step 4", "step 3")
+    dst = str(tmp_path / "cons")
+    assert_one_line_failure(elastor("convert", root, dst, "--to", "consolidated", "--no-progress"), 1, "step 4")
+    assert not os.path.exists(dst)
+
+
+def test_no_checksums_verify_checks_the_safetensors_header(ckpt):
+    """``--no-checksums`` checks sizes and headers: a header the safetensors library cannot open
+    (a renamed key, same length, so the size still matches) is reported."""
+    from safetensors import safe_open
+    root, step_dir, data, _ = ckpt
+    path = os.path.join(step_dir, data)
+    raw = bytearray(open(path, "rb").read())
+    i = raw.index(b'"data_offsets"')
+    raw[i + 1:i + 2] = b"X"
+    with open(path, "r+b") as f:
+        f.write(raw)
+    with pytest.raises(Exception):
+        safe_open(path, "pt")   # the oracle: safetensors itself refuses it
+    assert_one_line_failure(elastor("verify", "--no-checksums", root), 1, "safetensors header")
+
+
+def _as_user_without_dac(argv: list[str]) -> subprocess.CompletedProcess:
+    """The CLI as root without the capabilities that bypass file permissions (as any other user)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop CAP_DAC_OVERRIDE")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner",
+                           sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_unreadable_step_dir_is_a_permission_error_not_an_uncommitted_save(ckpt):
+    root, step_dir, data, _ = ckpt
+    os.chmod(step_dir, 0)
+    try:
+        p = _as_user_without_dac(["verify", root])
+        assert_one_line_failure(p, 1, "permission denied")
+        assert "never committed" not in p.stderr and "CORRUPT" not in p.stderr
+        assert_one_line_failure(_as_user_without_dac(["verify", step_dir]), 1, "permission denied")
+    finally:
+        os.chmod(step_dir, 0o700)
+    os.chmod(os.path.join(step_dir, data), 0)
+    p = _as_user_without_dac(["verify", root])
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"CORRUPT: {os.path.join(step_dir, data)}: unreadable (Permission denied)" in p.stderr, p.stderr
+    assert "1 problem(s)" in p.stderr
