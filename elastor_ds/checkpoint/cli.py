@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..cli_types import positive_int
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                      UnreadableCheckpointError)
 from . import commit as commit_mod
 
 log = logging.getLogger("elastor")
@@ -110,6 +111,19 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _check_export_source(src: str) -> None:
+    """Every exporter allocates whole tensors of the manifest's shapes: check, from the manifest
+    alone, that the chunks cover them before any is allocated (a crafted shape of 10^18 elements
+    must not claim the node's memory)."""
+    from .verify import coverage_problems
+    step_dir = commit_mod.resolve(src)
+    bad = coverage_problems(commit_mod.read_manifest(step_dir))
+    if bad:
+        more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
+        raise CorruptCheckpointError(f"{step_dir}: {bad[0]}{more}; nothing was written (`elastor verify` lists every "
+                                     f"problem)")
+
+
 def cmd_convert(args) -> int:
     src_f, dst_f = args.src_format, args.dst_format
     progress = not args.no_progress
@@ -126,11 +140,16 @@ def cmd_convert(args) -> int:
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ConfigError(f"source and destination are both {args.src}; choose a new destination")
     commit_mod.check_outside_checkpoints(args.dst, args.src)
+    parent = os.path.dirname(os.path.abspath(args.dst))
+    if not os.path.isdir(parent):   # like cp: a typo in the destination does not create a tree
+        raise ConfigError(f"the destination's parent directory {parent} does not exist; create it first "
+                          f"(mkdir -p {parent}) or fix the path {args.dst}")
     # refuse a non-empty destination before any work (the writers check again when they commit)
     if importing:
         commit_mod.check_import_destination(args.dst, None, args.force)
     else:
         commit_mod.check_empty_destination(os.path.abspath(args.dst))
+        _check_export_source(args.src)
     from .convert import from_consolidated, to_consolidated
     if src_f == "elastor" and dst_f == "consolidated":
         out = to_consolidated(args.src, args.dst, progress=progress)

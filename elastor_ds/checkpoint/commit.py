@@ -373,11 +373,26 @@ class DirCommit(AtomicCommit):
             raise CheckpointError(f"commit of {self.path} already {'finalized' if self.finalized else 'aborted'}")
         check_empty_destination(self.final)  # someone may have written there meanwhile
         if os.path.isdir(self.final):
+            _take_over_mode(self.final, self.path)
             os.rmdir(self.final)  # empty (checked); fails rather than delete anything else
         os.rename(self.path, self.final)
         self.finalized = True
         fsync_dir(os.path.dirname(self.final))
         return self.final
+
+
+def _take_over_mode(dst: str, tmp: str) -> None:
+    """The user's empty destination directory is replaced by ``tmp``: give ``tmp`` its mode bits
+    (a private 0700 directory stays private) and its group; where the group cannot be kept (not
+    a member), the group's permission bits are dropped rather than granted to another group."""
+    st = os.stat(dst, follow_symlinks=False)
+    mode = st.st_mode & 0o7777
+    if os.stat(tmp).st_gid != st.st_gid:
+        try:
+            os.chown(tmp, -1, st.st_gid)
+        except OSError:
+            mode &= ~(0o070 | 0o2000)
+    os.chmod(tmp, mode)
 
 
 def _is_checkpoint_dir(path: str) -> bool:

@@ -102,13 +102,19 @@ class _Reader:
             raise CorruptCheckpointError(f"{self.step_dir}: the manifest has no entry for file {fname!r}")
         return [s for s in self.sources if s.has(fname, fe.size)]
 
+    def _not_held(self, fname: str, what: str) -> IncompleteCheckpointError:
+        """No source holds the complete file: say what each has instead (missing, truncated, ...)."""
+        size = self.man.files[fname].size
+        why = "; ".join(f"{s.name}: {s.absence(fname, size)}" if hasattr(s, "absence") else s.name
+                        for s in self.sources)
+        return IncompleteCheckpointError(f"{self.step_dir}/{fname}: {what} is not complete in any source ({why})")
+
     def _load_table(self, table: str, lo: int, hi: int) -> None:
         """Entries ``lo..hi`` of a CRC table, from the first source whose *whole* table matches the
         manifest's CRC32 of that file (the last or only source too: a table is the link between
         the manifest and the data, so an entry recomputed over edited bytes is refused here)."""
         if not self._holders(table):
-            raise IncompleteCheckpointError(f"{self.step_dir}/{table}: block-CRC table is missing from every "
-                                            f"source ({', '.join(s.name for s in self.sources)})")
+            raise self._not_held(table, "block-CRC table")
         fe = self.man.files[table]
         data, _ = read_file(self.sources, table, fe.size, fe.crc32, what="block-CRC table")
         if (hi + 1) * 4 > len(data):
@@ -120,8 +126,7 @@ class _Reader:
     def run(self) -> None:
         for fname in dict.fromkeys(op.file for op in self.lplan.reads):   # a missing file first: it is
             if not self._holders(fname):                                   # what needs fixing, not its table
-                raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
-                                                f"({', '.join(s.name for s in self.sources)})")
+                raise self._not_held(fname, "data file")
         groups: list[list[ReadOp]] = []
         for op in self.lplan.reads:
             if groups and groups[-1][0].file == op.file:
@@ -146,8 +151,7 @@ class _Reader:
                 fname = ops[0].file
                 holders = self._holders(fname)
                 if not holders:
-                    raise IncompleteCheckpointError(f"{self.step_dir}/{fname}: data file is missing from every source "
-                                                    f"({', '.join(s.name for s in self.sources)})")
+                    raise self._not_held(fname, "data file")
                 if len(self.sources) > 1 and holders[0] is self.sources[-1] and holders[0].name == STORAGE:
                     # a memory restore with storage as the last resort: no memory copy of this file
                     # (e.g. the node that held it was lost before its peer copy completed)

@@ -99,6 +99,23 @@ class DirSource:
         except (CheckpointError, OSError):
             return False
 
+    def absence(self, relpath: str, size: int) -> str:
+        """Why :meth:`has` is False for ``relpath`` (for an error message)."""
+        if self.files is not None and relpath not in self.files:
+            return "not among the files it serves"
+        try:
+            p = self.path(relpath)
+            if not os.path.lexists(p):
+                return "missing"
+            if not os.path.isfile(p):
+                return "not a regular file"
+            got = os.path.getsize(p)
+            return f"{got} bytes, the manifest says {size} (truncated or overwritten)" if got != size else "present"
+        except CheckpointError as e:
+            return str(e)
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+
     def _fd(self, relpath: str) -> int:
         fd = self._fds.get(relpath)
         if fd is None:

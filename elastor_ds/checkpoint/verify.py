@@ -91,17 +91,26 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
         except OSError as e:   # a permission, an I/O error: this file's problem, the others are still checked
             problems.append(Problem(path, f"unreadable ({e.strerror or e})"))
     if files is None:
-        for t in man.tensors.values():
-            covered = 0
-            for ch in t.chunks:
-                if ch.file not in man.files:
-                    problems.append(Problem(t.name, f"chunk refers to unknown file {ch.file}"))
-                elif ch.offset + ch.length > man.files[ch.file].size:
-                    problems.append(Problem(t.name, f"chunk {ch.region} lies beyond the end of {ch.file}"))
-                if not Region.full(t.shape).contains(ch.region):
-                    problems.append(Problem(t.name, f"chunk {ch.region} outside shape {t.shape}"))
-                covered += ch.region.numel
-            numel = Region.full(t.shape).numel
-            if covered != numel:
-                problems.append(Problem(t.name, f"chunks cover {covered} of {numel} elements"))
+        problems += coverage_problems(man)
+    return problems
+
+
+def coverage_problems(man: Manifest, names: Optional[Iterable[str]] = None) -> list[Problem]:
+    """Manifest-only checks of tensors ``names`` (default all): every chunk names a listed file,
+    lies inside it and inside its tensor's shape, and the chunks cover the tensor's elements."""
+    problems: list[Problem] = []
+    for name in (man.tensors if names is None else names):
+        t = man.tensors[name]
+        covered = 0
+        for ch in t.chunks:
+            if ch.file not in man.files:
+                problems.append(Problem(t.name, f"chunk refers to unknown file {ch.file}"))
+            elif ch.offset + ch.length > man.files[ch.file].size:
+                problems.append(Problem(t.name, f"chunk {ch.region} lies beyond the end of {ch.file}"))
+            if not Region.full(t.shape).contains(ch.region):
+                problems.append(Problem(t.name, f"chunk {ch.region} outside shape {t.shape}"))
+            covered += ch.region.numel
+        numel = Region.full(t.shape).numel
+        if covered != numel:
+            problems.append(Problem(t.name, f"chunks cover {covered} of {numel} elements"))
     return problems

@@ -114,6 +114,7 @@ def test_escaping_tensor_names_are_refused_on_export_and_import(tmp_path):
     finally:
         cv.check_tensor_name = orig
     dst = str(tmp_path / "a" / "b" / "uni")
+    os.makedirs(os.path.dirname(dst))   # the parents exist: an escape would have somewhere to land
     assert_one_line_failure(elastor("convert", src, dst, "--to", "deepspeed-universal", "--no-progress"), 1,
                             "escaped.weight")
     escaped = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if "escaped" in f]
@@ -289,3 +290,40 @@ def test_unreadable_step_dir_is_a_permission_error_not_an_uncommitted_save(ckpt)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert f"CORRUPT: {os.path.join(step_dir, data)}: unreadable (Permission denied)" in p.stderr, p.stderr
     assert "1 problem(s)" in p.stderr
+
+
+@pytest.mark.parametrize("to", ["consolidated", "deepspeed-universal", "megatron"])
+def test_export_checks_chunk_coverage_before_allocating(ckpt, tmp_path, to):
+    """A crafted shape (10^18 elements) is refused from the manifest before any exporter
+    allocates it: one line naming the tensor, exit 1, nothing written."""
+    root, step_dir, _, _ = ckpt
+    def grow(m):
+        m["tensors"]["a"]["shape"] = [10 ** 17, 8]
+    _edit_manifest(step_dir, grow)
+    dst = str(tmp_path / f"out_{to}")
+    p = elastor("convert", root, dst, "--to", to, "--no-progress")
+    assert_one_line_failure(p, 1, "chunks cover 128 of 800000000000000000 elements", "nothing was written")
+    assert "allocate" not in p.stderr and not os.path.exists(dst)
+
+
+def test_export_of_a_truncated_file_says_truncated(ckpt, tmp_path):
+    root, step_dir, data, _ = ckpt
+    size = os.path.getsize(os.path.join(step_dir, data))
+    os.truncate(os.path.join(step_dir, data), size - 100)
+    p = elastor("convert", root, str(tmp_path / "out"), "--to", "consolidated", "--no-progress")
+    assert_one_line_failure(p, 1, data, f"{size - 100} bytes, the manifest says {size} (truncated")
+
+
+def test_export_needs_an_existing_parent_and_keeps_an_empty_destinations_mode(ckpt, tmp_path):
+    root, _, _, _ = ckpt
+    missing = tmp_path / "no" / "such" / "out"
+    assert_one_line_failure(elastor("convert", root, str(missing), "--to", "consolidated"), 2,
+                            "parent directory", "does not exist")
+    assert not (tmp_path / "no").exists()
+    priv = tmp_path / "priv"
+    priv.mkdir()
+    os.chmod(priv, 0o2700)   # a private directory prepared for the exported weights (setgid too)
+    p = elastor("convert", root, str(priv), "--to", "consolidated", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert os.stat(priv).st_mode & 0o7777 == 0o2700
+    assert sorted(os.listdir(priv)) == ["elastor_metadata.json", "model.safetensors"]
