@@ -327,3 +327,25 @@ def test_export_needs_an_existing_parent_and_keeps_an_empty_destinations_mode(ck
     assert p.returncode == 0, p.stderr
     assert os.stat(priv).st_mode & 0o7777 == 0o2700
     assert sorted(os.listdir(priv)) == ["elastor_metadata.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["tensor", "file"])
+def test_control_characters_in_names_are_refused_not_printed(ckpt, where):
+    """A tensor or file name carrying a terminal escape (clear screen, window title) is refused by
+    the manifest schema; no raw escape reaches the user's terminal."""
+    root, step_dir, data, _ = ckpt
+    evil = "x\x1b[2J\x1b]0;pwned\x07y"
+
+    def edit(m):
+        if where == "tensor":
+            m["tensors"][evil] = m["tensors"].pop("a")
+        else:
+            m["files"][evil] = m["files"].pop(data)
+            for t in m["tensors"].values():
+                for ch in t["chunks"]:
+                    ch["file"] = evil
+    _edit_manifest(step_dir, edit)
+    for cmd in (["verify", root], ["inspect", root], ["verify", "--no-checksums", root]):
+        p = elastor(*cmd)
+        assert_one_line_failure(p, 1, "control characters")
+        assert "\x1b" not in p.stdout + p.stderr and "\x07" not in p.stdout + p.stderr

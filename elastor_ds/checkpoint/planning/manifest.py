@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -218,6 +219,15 @@ def dumps_compact_with_checksum(d: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ schema
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def has_control_chars(name: str) -> bool:
+    """``name`` holds a control character (an escape sequence printed by ``inspect`` or ``verify``
+    would act on the user's terminal): refused in every tensor and file name a manifest gives."""
+    return _CONTROL.search(name) is not None
+
+
 def is_plain_name(name: Any) -> bool:
     """A file name that stays in its directory: not empty, no separators, not '.' or '..', no NUL."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
@@ -300,8 +310,8 @@ def _files(v: "_V", d: Mapping[str, Any]) -> dict[str, "FileEntry"]:
     files: dict[str, FileEntry] = {}
     for name, fe in v.obj(v.req(d, "files", "files"), "files").items():
         p = f"files[{name!r}]"
-        if not is_relative_subpath(name):
-            raise v.fail(p, "a file name inside the step directory", name)
+        if not is_relative_subpath(name) or has_control_chars(name):
+            raise v.fail(p, "a file name inside the step directory, without control characters", name)
         fe = v.obj(fe, p)
         files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
                                 v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
@@ -327,7 +337,7 @@ def _parse(d: Any, where: str) -> Manifest:
     for k, name in rsf_raw.items():
         if not (isinstance(k, str) and k.isdigit()):
             raise v.fail("rank_state_files key", "a rank number", k)
-        if not is_relative_subpath(name):
+        if not is_relative_subpath(name) or has_control_chars(name):
             raise v.fail(f"rank_state_files[{k}]", "a relative path inside the step directory", name)
         rank_state_files[int(k)] = name
     files = _files(v, d)
@@ -336,6 +346,8 @@ def _parse(d: Any, where: str) -> Manifest:
             raise v.fail(f"rank_state_files[{k}]", "a file listed in 'files'", name)
     tensors: dict[str, TensorEntry] = {}
     for name, t in v.obj(v.req(d, "tensors", "tensors"), "tensors").items():
+        if not name or has_control_chars(name):
+            raise v.fail("tensors", "tensor names that are non-empty and without control characters", name)
         tensors[name] = _parse_tensor(v, name, t, files)
     return Manifest(step=step, tensors=tensors, files=files, layout=d.get("layout"), model=d.get("model"),
                     extra=extra, rank_state_files=rank_state_files, world_size=world,
