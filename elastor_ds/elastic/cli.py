@@ -200,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
         nproc = int(npn)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc}: must be >= 1")
+    cap = max(64, 4 * (os.cpu_count() or 1), n_gpu)
+    if nproc > cap:   # a typo (80 for 8, 100000) would fork that many workers and their log folders
+        raise ConfigError(f"--nproc-per-node {nproc}: more than {cap} processes on one node (the bound here: 64 or "
+                          f"4 per CPU core, whichever is larger); give at most {cap}, usually one per GPU")
     if args.standalone or not endpoint:
         if hi > 1 and not args.standalone:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--rdzv-conf", "read_timeout=-5"], "--rdzv-conf read_timeout=-5: expected a number of seconds > 0"),
     (["--rdzv-conf", "jion_timeout=5"], "--rdzv-conf jion_timeout=5: unknown option 'jion_timeout'"),
     (["--log-dir", "/proc/x"], "--log-dir /proc/x: cannot create it"),
+    (["--nproc-per-node", "100000"], "--nproc-per-node 100000: more than 64 processes on one node"),
     (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400"],
      "--rdzv-endpoint 'no-such-host.invalid:29400': host 'no-such-host.invalid' does not resolve"),
     (["--nnodes", "2", "--rdzv-endpoint", "node0:99999"], "port 99999 is outside 1..65535"),
@@ -44,6 +45,7 @@ def test_bad_launcher_values_exit_2_naming_the_flag(tmp_path, flags, message):
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert message in p.stderr and "Traceback" not in p.stderr and "unexpected" not in p.stderr, p.stderr[-2000:]
     assert not marker.exists()                              # nothing was launched
+    assert not (tmp_path / "elastor_logs").exists()         # nor a log folder made
     assert time.monotonic() - t0 < 60
 
 
