@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 
 def positive_int(text: str) -> int:
@@ -36,3 +37,19 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (0 typically means "off")."""
     return _finite_float(text, allow_zero=True)
+
+
+def bounded_float(lo: float, hi: float) -> Callable[[str], float]:
+    """A finite number in ``lo..hi`` (hardware figures: outside a sane range the cost model's
+    arithmetic overflows or its answer is meaningless)."""
+    def parse(text: str) -> float:
+        v = positive_float(text)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: give {_num(lo)} to {_num(hi)}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1 and x == int(x) else f"{x:g}"

@@ -17,10 +17,10 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..cli_types import positive_float
+from ..cli_types import bounded_float
 from ..errors import ConfigError, PlanningError
-from .cluster import Cluster
-from .cost import CostModel, CostParams, GiB, Profile
+from .cluster import HARDWARE_RANGES, Cluster
+from .cost import GPU_TFLOPS_RANGE, CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
 from .plan_doc import COMPACT_ABOVE_GPUS, device_ranges, plan_document, plan_from_document
 from .search import PlanResult, plan
@@ -96,10 +96,14 @@ def register(subparsers: Any) -> None:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--gpus-per-node", help="usable GPUs per node, e.g. 8,8,8,7")
     src.add_argument("--cluster", help="cluster YAML/JSON file (see elastor_ds.plan.cluster)")
-    c.add_argument("--gpu-memory-gb", type=positive_float, default=None, help="default 80 (or the file's)")
-    c.add_argument("--intra-node-bandwidth-gbs", type=positive_float, default=None, help="per GPU, GB/s (default 150)")
-    c.add_argument("--inter-node-bandwidth-gbs", type=positive_float, default=None, help="per GPU, GB/s (default 25)")
-    c.add_argument("--gpu-tflops", type=positive_float, default=CostParams.gpu_tflops, help="achieved TFLOP/s per GPU")
+    c.add_argument("--gpu-memory-gb", type=bounded_float(*HARDWARE_RANGES["gpu_memory_gb"]), default=None,
+                   help="default 80 (or the file's)")
+    c.add_argument("--intra-node-bandwidth-gbs", type=bounded_float(*HARDWARE_RANGES["intra_node_bandwidth_gbs"]),
+                   default=None, help="per GPU, GB/s (default 150)")
+    c.add_argument("--inter-node-bandwidth-gbs", type=bounded_float(*HARDWARE_RANGES["inter_node_bandwidth_gbs"]),
+                   default=None, help="per GPU, GB/s (default 25)")
+    c.add_argument("--gpu-tflops", type=bounded_float(*GPU_TFLOPS_RANGE), default=CostParams.gpu_tflops,
+                   help="achieved TFLOP/s per GPU")
     s = p.add_argument_group("search")
     s.add_argument("--profile", help="per-layer time profile JSON (elastor_ds.plan.profile)")
     s.add_argument("--top-k", type=bounded_int("--top-k"), default=3, help="alternatives to list")
@@ -137,6 +141,8 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
         cluster = Cluster.from_file(args.cluster, **kw)
     else:
         cluster = Cluster.from_gpus_per_node(args.gpus_per_node, **{k: v for k, v in kw.items() if v is not None})
+        if not any(n.gpus for n in cluster.nodes):   # a flag value that cannot mean anything: a usage error
+            raise ConfigError(f"--gpus-per-node {args.gpus_per_node!r} lists no GPU; give at least one, e.g. 8 or 8,8,8,7")
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 1")
     profile = Profile.load(args.profile) if args.profile else None

@@ -69,6 +69,12 @@ class Node:
             raise ConfigError(f"node {self.name}: relative speeds {list(self.speeds)} must be > 0")
 
 
+# the plausible range of each hardware figure (per GPU): outside it the cost model's arithmetic
+# overflows or its predictions are meaningless (the flags and cluster files are checked against it)
+HARDWARE_RANGES = {"gpu_memory_gb": (0.1, 1e9), "intra_node_bandwidth_gbs": (0.001, 1e12),
+                   "inter_node_bandwidth_gbs": (0.001, 1e12)}
+
+
 @dataclass(frozen=True)
 class Cluster:
     nodes: tuple[Node, ...]
@@ -77,10 +83,12 @@ class Cluster:
     inter_node_bandwidth_gbs: float = 25.0
 
     def __post_init__(self) -> None:
-        for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
+        for k, (lo, hi) in HARDWARE_RANGES.items():
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{k}={v!r}: must be a finite number > 0")
+            if not lo <= v <= hi:
+                raise ConfigError(f"{k}={v!r}: out of range, give {lo:g} to {hi:,g}")
         if len(self.nodes) > MAX_NODES:
             raise ConfigError(f"{len(self.nodes):,} nodes; at most {MAX_NODES:,} are supported")
         names = list(map(_NAME, self.nodes))
@@ -97,7 +105,10 @@ class Cluster:
         """``"8,8,8,7"`` -> nodes ``node0..node3`` with GPUs ``0..k-1`` usable."""
         if isinstance(spec, str):
             try:
-                counts = [int(x) for x in spec.replace(" ", "").split(",") if x != ""]
+                fields = spec.replace(" ", "").split(",")
+                if fields and fields[-1] == "" and len(fields) > 1:
+                    fields.pop()   # a trailing comma
+                counts = [int(x) for x in fields]   # an empty field ("8,,8") is a typo, not a node dropped
             except ValueError:
                 raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7") from None
             if not counts:

@@ -73,6 +73,9 @@ PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "
                   "step_time_s", "cores_per_node")
 
 
+GPU_TFLOPS_RANGE = (0.001, 1e9)   # achieved TFLOP/s per GPU that the cost model accepts
+
+
 @dataclass(frozen=True)
 class CostParams:
     """Hardware and safety constants of the analytical model."""
@@ -83,7 +86,10 @@ class CostParams:
     tp_collective_latency_s: float = 20e-6
 
     def __post_init__(self) -> None:
-        if self.gpu_tflops <= 0 or not (0 <= self.memory_safety_margin < 1) or self.memory_overhead_gb < 0:
+        if not (GPU_TFLOPS_RANGE[0] <= self.gpu_tflops <= GPU_TFLOPS_RANGE[1]):
+            raise ConfigError(f"gpu_tflops={self.gpu_tflops!r}: out of range, give {GPU_TFLOPS_RANGE[0]:g} to "
+                              f"{GPU_TFLOPS_RANGE[1]:,g}")
+        if not (0 <= self.memory_safety_margin < 1) or self.memory_overhead_gb < 0:
             raise ConfigError(f"invalid cost parameters {self}")
 
 

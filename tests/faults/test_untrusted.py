@@ -188,7 +188,14 @@ def test_dcp_metadata_payload_is_refused(tmp_path):
 
 @pytest.mark.parametrize("flag,value", [("--gpu-memory-gb", "nan"), ("--gpu-tflops", "inf"),
                                         ("--inter-node-bandwidth-gbs", "-1"), ("--num-layers", "0"),
-                                        ("--micro-batch-size", "-2"), ("--gpus-per-node", ",")])
+                                        ("--micro-batch-size", "-2"), ("--gpus-per-node", ","),
+                                        # out of the cost model's range (these crashed with ZeroDivisionError /
+                                        # "cannot convert float NaN", or printed 1e299 s plans with exit 0)
+                                        ("--gpu-tflops", "1e300"), ("--gpu-memory-gb", "1e300"),
+                                        ("--intra-node-bandwidth-gbs", "1e-300"), ("--gpu-tflops", "1e-300"),
+                                        # an empty field is a typo, not a node dropped; no GPU at all
+                                        ("--gpus-per-node", "8,,8"), ("--gpus-per-node", "0"),
+                                        ("--gpus-per-node", "0,0")])
 def test_malformed_plan_flags_exit_2_in_one_line(flag, value):
     argv = ["plan", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
             "--vocab-size", "1000", "--micro-batch-size", "1", "--global-batch-size", "8", "--gpus-per-node", "2,2"]

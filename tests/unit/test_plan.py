@@ -446,8 +446,8 @@ def test_cli_model_does_not_fit(capsys):
 
 
 def test_cli_zero_gpus_and_bad_tp(capsys):
-    assert cli_main(BASE + ["--gpus-per-node", "0,0"]) == 1
-    assert "no usable GPUs" in capsys.readouterr().err
+    assert cli_main(BASE + ["--gpus-per-node", "0,0"]) == 2   # a flag value that lists no GPU: a usage error
+    assert "lists no GPU" in capsys.readouterr().err
     args = list(BASE)
     args[args.index("--tensor-model-parallel-size") + 1] = "3"
     assert cli_main(args + ["--gpus-per-node", "8"]) == 2
