@@ -214,3 +214,28 @@ def test_planted_events_symlink_is_not_written_through(tmp_path, nobody):
                        cwd=str(tmp_path))
     assert victim.read_text() == "precious\n", "the controller appended events through the planted symlink"
     assert p.returncode == 2 and str(link) in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_log_dir_owned_by_another_user_is_refused(tmp_path, nobody):
+    """A ``--log-dir`` owned by another user, mode 0755 (no sticky bit): its owner may rename or
+    replace what the controller makes there, whatever the mode says. Exit 2 naming it, before
+    any worker starts or any folder is made in it."""
+    uid, _ = nobody
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, uid, -1)
+    os.chmod(theirs, 0o755)
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--log-dir", str(theirs), "--snapshot-dir", str(tmp_path / "snap"),
+                        str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 2 and f"owned by uid {uid}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert os.listdir(theirs) == [] and not marker.exists()
+    os.chmod(theirs, 0o1755)   # the same folder with the sticky bit: accepted, the run completes
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--log-dir", str(theirs), "--snapshot-dir", str(tmp_path / "snap"),
+                        str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0 and marker.exists(), p.stderr[-2000:]
