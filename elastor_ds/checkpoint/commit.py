@@ -365,7 +365,10 @@ class DirCommit(AtomicCommit):
         parent = os.path.dirname(final)
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{nonce or uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp, exist_ok=nonce is not None)
+        try:
+            os.makedirs(tmp, exist_ok=nonce is not None)
+        except OSError as e:   # name what the user asked for, not our temporary name beside it
+            raise OSError(e.errno, f"cannot create {final}: {e.strerror or e} (in {parent})") from e
         return cls(final, tmp)
 
     def finalize(self) -> str:

@@ -87,6 +87,16 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
         t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
         read_shards(step_dir, man, [full_shard(name, t)])
         return t
+    try:
+        _write_consolidated(dst, step_dir, man, groups, get, progress)
+    except OSError as e:   # a full disk, a permission: name the destination, not only the errno
+        raise OSError(e.errno, f"{e.strerror or e} (exporting {step_dir} to {dst})") from e
+    log.info("wrote consolidated checkpoint of step %d to %s", man.step, dst)
+    return dst
+
+
+def _write_consolidated(dst: str, step_dir: str, man: Manifest, groups: Mapping[str, list], get: Callable,
+                        progress: bool) -> None:
     with commit_mod.DirCommit.create(dst) as out:
         for fname, ns in groups.items():
             if ns:
@@ -98,8 +108,6 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
         with open(os.path.join(out.path, META_FILE), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
         out.finalize()
-    log.info("wrote consolidated checkpoint of step %d to %s", man.step, dst)
-    return dst
 
 
 def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
@@ -114,6 +122,22 @@ def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], s
     commit_mod.check_import_destination(root, step, force)
     for n in names:
         check_tensor_name(n)
+    made_root = not os.path.lexists(root)
+    try:
+        return _write_single(root, step, names, shapes, dtypes, get, extra, model, layout, progress)
+    except OSError as e:   # a full disk, a permission: name the destination, not only the errno
+        raise OSError(e.errno, f"{e.strerror or e} (importing into {root})") from e
+    finally:
+        if made_root and not os.path.exists(os.path.join(root, commit_mod.LATEST)):
+            try:
+                os.rmdir(root)   # it was made for this import, which failed: only if empty (nothing else deleted)
+            except OSError:
+                pass
+
+
+def _write_single(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
+                  dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor], extra: Optional[Mapping[str, Any]],
+                  model: Any, layout: Any, progress: bool) -> str:
     fname = "data_00000.safetensors"
     with commit_mod.StepCommit.create(root, step, f"import{os.getpid()}", latest=commit_mod.LatestPolicy.FORWARD) as c:
         info, size, crc = _stream_tensors(os.path.join(c.path, fname), names, shapes, dtypes, get, progress)

@@ -356,3 +356,30 @@ def test_control_characters_in_names_are_refused_not_printed(ckpt, where):
         p = elastor(*cmd)
         assert_one_line_failure(p, 1, "control characters")
         assert "\x1b" not in p.stdout + p.stderr and "\x07" not in p.stdout + p.stderr
+
+
+def test_full_disk_import_and_export_leave_nothing_and_name_the_destination(tmp_path):
+    """A 64 KiB tmpfs fills during an import and an export of 128 KiB of tensors: exit 1, the
+    message names the destination, and nothing is left there (an import's root it made is
+    removed again)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs: needs root (CI runs as root)")
+    from safetensors.torch import save_file
+    cons = tmp_path / "cons"
+    cons.mkdir()
+    save_file({"w": torch.arange(32768, dtype=torch.float32)}, str(cons / "model.safetensors"))
+    src = str(tmp_path / "el")
+    assert elastor("convert", str(cons), src, "--from", "consolidated", "--no-progress").returncode == 0
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        imp, exp = str(small / "imp"), str(small / "exp")
+        p = elastor("convert", str(cons), imp, "--from", "consolidated", "--no-progress")
+        assert_one_line_failure(p, 1, "No space left on device", f"importing into {imp}")
+        p = elastor("convert", src, exp, "--to", "consolidated", "--no-progress")
+        assert_one_line_failure(p, 1, "No space left on device", exp)
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
