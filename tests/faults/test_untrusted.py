@@ -383,3 +383,23 @@ def test_full_disk_import_and_export_leave_nothing_and_name_the_destination(tmp_
         assert os.listdir(small) == []
     finally:
         subprocess.run(["umount", "-l", str(small)])
+
+
+@pytest.mark.parametrize("fmt,make,words", [
+    ("deepspeed", "file", ["is not a directory"]),
+    ("deepspeed", "dangling-latest", ["names tag 'global_step5'", "does not exist"]),
+    ("deepspeed", "empty", ["not a DeepSpeed checkpoint"]),
+    ("megatron", "empty", ["neither a torch_dist checkpoint"]),
+    ("megatron", "file", ["neither a torch_dist checkpoint"]),
+])
+def test_import_sources_that_are_not_checkpoints_exit_2_naming_why(tmp_path, fmt, make, words):
+    src = tmp_path / "src"
+    if make == "file":
+        src.write_text("x")
+    else:
+        src.mkdir()
+        if make == "dangling-latest":
+            (src / "latest").write_text("global_step5\n")
+    dst = tmp_path / "dst"
+    assert_one_line_failure(elastor("convert", str(src), str(dst), "--from", fmt, "--no-progress"), 2, *words)
+    assert not dst.exists()

@@ -64,11 +64,18 @@ def resolve_step_dir(src: str) -> str:
     """``src`` or, for a save dir with a ``latest`` file, the tag directory it names."""
     src = os.path.abspath(src)
     if not os.path.isdir(src):
-        raise CheckpointNotFoundError(f"{src} does not exist")
+        raise CheckpointNotFoundError(f"{src} does not exist" if not os.path.lexists(src) else
+                                      f"{src} is not a directory: give a DeepSpeed save dir (with 'latest') or a "
+                                      f"tag dir (with mp_rank_*_model_states.pt)")
     latest = os.path.join(src, "latest")
     if not glob.glob(os.path.join(src, "mp_rank_*_model_states.pt")) and os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
-            return safe_join(src, f.read(4096).strip(), what=f"{latest} tag")
+            tag = f.read(4096).strip()
+        path = safe_join(src, tag, what=f"{latest} tag")
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"{latest} names tag {tag[:80]!r}, but {path} does not exist; give the tag "
+                                          f"dir of a save that is there")
+        return path
     return src
 
 

@@ -46,7 +46,7 @@ from ...checkpoint.convert import write_single_writer_checkpoint
 from ...checkpoint.reader import read_shards
 from ...checkpoint.paths import safe_join
 from ...checkpoint.shards import dtype_name, full_shard
-from ...errors import CheckpointError, ConfigError
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
@@ -101,7 +101,7 @@ def detect_format(src: str) -> str:
         return "torch_dist"
     if os.path.isdir(d) and any(_MP_RE.match(x) for x in os.listdir(d)):
         return "legacy"
-    raise CheckpointError(f"{src}: neither a torch_dist checkpoint (metadata.json) nor a legacy one "
+    raise CheckpointNotFoundError(f"{src}: neither a torch_dist checkpoint (metadata.json) nor a legacy one "
                           f"(mp_rank_* dirs) in {d}; point at a Megatron checkpoint root with {TRACKER} "
                           f"or at an iter_* directory")
 
