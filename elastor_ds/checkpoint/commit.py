@@ -153,6 +153,8 @@ def read_latest(root: str) -> Optional[str]:
 
 def resolve(path: str) -> str:
     """A committed step directory from ``path`` (a step dir, or a root with ``latest``)."""
+    if not path:   # os.path.abspath("") would be the current directory
+        raise CheckpointNotFoundError("the checkpoint path is empty; give a checkpoint root or a step dir")
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
@@ -437,7 +439,10 @@ def check_empty_destination(dst: str) -> None:
     from ..errors import DestinationNotEmptyError
     if not os.path.lexists(dst):
         return
-    if not os.path.isdir(dst) or os.path.islink(dst):
+    if os.path.islink(dst):
+        raise DestinationNotEmptyError(f"destination {dst} is a symbolic link (not followed); choose a new path or "
+                                       f"the directory it points to")
+    if not os.path.isdir(dst):
         raise DestinationNotEmptyError(f"destination {dst} exists and is not a directory; choose a new path")
     if os.listdir(dst):
         raise DestinationNotEmptyError(f"destination {dst} exists and is not empty; choose a new or empty directory "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from typing import Any, Callable
 
@@ -152,17 +153,23 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
 def read_previous(path: str, cluster: Cluster):  # noqa: ANN201
     """The previous plan document at ``path`` -> (Plan, the cluster it was made for)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         raise ConfigError(f"--from-plan {path}: cannot open ({e.strerror}); give the file `elastor plan --json` "
                           f"wrote") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):   # /dev/zero, a FIFO, a directory: never read
+        os.close(fd)
+        raise ConfigError(f"--from-plan {path}: not a regular file; give the file `elastor plan --json` wrote")
     try:
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            size = st.st_size
             if size > MAX_PLAN_FILE_BYTES:
                 raise ConfigError(f"--from-plan {path}: {size:,} bytes; a plan document is at most "
                                   f"{MAX_PLAN_FILE_BYTES:,}")
             doc = json.loads(f.read(MAX_PLAN_FILE_BYTES + 1))
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"--from-plan {path}: not a JSON plan document ({e})") from None
     return plan_from_document(doc, cluster)
