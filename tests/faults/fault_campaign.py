@@ -121,6 +121,10 @@ def forked(fn: Callable[[], int], timeout_s: float = 60.0, uid: Optional[int] = 
 
 
 def cli(argv: list[str], timeout_s: float = 120.0, uid: Optional[int] = None) -> Outcome:
+    if len(argv) > 2 and argv[0] == "convert" and not str(argv[2]).startswith("-"):
+        # as a user would: the destination's parent exists (convert creates no parents: exit 2), so
+        # each trial reaches the fault it injects
+        os.makedirs(os.path.dirname(os.path.abspath(str(argv[2]))), exist_ok=True)
     def run() -> int:
         from elastor_ds.cli import main
         return main([str(a) for a in argv])
