@@ -115,16 +115,26 @@ def _int(where: str, v: Any, lo: int, example: str, hi: int = MAX_STEPS) -> int:
 
 
 def _dir(where: str, v: Any, example: str) -> str:
-    """A directory setting: ``~`` expanded; the file-system root (or a path that resolves to it) refused."""
+    """A directory setting: ``~`` expanded; the file-system root (or a path that resolves to it)
+    refused, and so are surrounding spaces (``" /ckpt "`` would be a relative path named " ") and
+    control characters (a NUL, a newline)."""
     p = os.path.expanduser(_str(where, v, example))
+    if p != p.strip() or any(ord(c) < 32 or ord(c) == 127 for c in p):
+        raise ConfigError(f"{where}: {v!r} has surrounding spaces or control characters; write the path alone, "
+                          f"e.g. {example}")
     if os.path.normpath(os.path.abspath(p)) == os.sep:
         raise ConfigError(f"{where}: {v!r} is the root directory; name a directory of its own, e.g. {example}")
     return p
 
 
-def _float(where: str, v: Any, lo: float, example: str) -> float:
+MAX_SECONDS = 7 * 86400      # a timeout or interval in seconds: a week is beyond any save or collective
+
+
+def _float(where: str, v: Any, lo: float, example: str, hi: float = MAX_SECONDS) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
         raise ConfigError(f"{where}: expected a finite number >= {lo}, got {v!r}; e.g. {example}")
+    if v > hi:
+        raise ConfigError(f"{where}: {v!r} is too large (at most {hi:g}); e.g. {example}")
     return float(v)
 
 
@@ -184,8 +194,25 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
                               f'e.g. "writer_deadline_s": 5')
     if "load" in d:
         load = _str(f"{where}.load", d["load"], '"load": "latest" (or "none", or a step directory)')
-        kw["load"] = load
+        kw["load"] = _load_value(f"{where}.load", load)
     return CheckpointConfig(**kw)
+
+
+_LOAD_WORDS = ("latest", "none")
+
+
+def _load_value(where: str, v: str) -> str:
+    """``"latest"``, ``"none"`` or a path. A word that is not a path but reads like one of the two
+    (``"Latest"``, ``"lastest"``, ``"None"``) is a typo, not a directory named so."""
+    if v in _LOAD_WORDS:
+        return v
+    pathlike = os.sep in v or v.startswith((".", "~"))
+    close = difflib.get_close_matches(v.lower(), _LOAD_WORDS, n=1, cutoff=0.6)
+    if not pathlike and (v.lower() in _LOAD_WORDS or v.lower() == "null" or close):
+        word = close[0] if close else "none"
+        raise ConfigError(f"{where}: {v!r} is neither \"latest\" nor \"none\" nor a path; did you mean {word!r}? (a "
+                          f"directory in the current one is written \"./{v}\")")
+    return v
 
 
 def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> MemorySnapshotConfig:
@@ -213,6 +240,10 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
         if every % snap:
             raise ConfigError(f"{where}.peer_copy_interval_steps: {every} is not a multiple of the snapshot interval "
                               f"{snap} (only snapshots can be copied); use e.g. {snap * max(1, round(every / snap))}")
+        if every // snap + 1 > MAX_KEEP:   # a node keeps every snapshot between two copies
+            raise ConfigError(f"{where}.peer_copy_interval_steps: {every} is too large: a node would keep "
+                              f"{every // snap + 1} snapshots between two copies (at most {MAX_KEEP}); use at most "
+                              f"{(MAX_KEEP - 1) * snap}")
         kw["peer_copy_interval_steps"] = every
     cfg = MemorySnapshotConfig(**kw)
     need = cfg.keep_for_copies()

@@ -71,6 +71,20 @@ def test_the_writer_schedule_reaches_the_engine(tmp_path):
     ({"checkpoint": {"dir": ""}}, ["dir", "non-empty"]),
     ({"checkpoint": {"dir": "d", "load": 3}}, ["load", "latest"]),
     ({"checkpoint": "/ckpt"}, ["elastor.checkpoint", "expected an object"]),
+    # a path with spaces around it became a directory named " " in the working directory; a NUL
+    # failed later with a bare ValueError
+    ({"checkpoint": {"dir": " /ckpt/run1 "}}, ["elastor.checkpoint.dir", "surrounding spaces"]),
+    ({"checkpoint": {"dir": "/ckpt/a\x00b"}}, ["elastor.checkpoint.dir", "control characters"]),
+    # typos of the two words were taken as relative paths ("/cwd/lastest does not exist")
+    ({"checkpoint": {"dir": "d", "load": "lastest"}}, ["elastor.checkpoint.load", "did you mean 'latest'"]),
+    ({"checkpoint": {"dir": "d", "load": "Latest"}}, ["did you mean 'latest'"]),
+    ({"checkpoint": {"dir": "d", "load": "None"}}, ["did you mean 'none'", "./None"]),
+    # accepted, then an OverflowError at initialize / in the writer's deadline thread
+    ({"checkpoint": {"dir": "d", "timeout_s": 1e300}}, ["timeout_s", "too large", "604800"]),
+    ({"checkpoint": {"dir": "d", "writer_deadline_s": 1e300}}, ["writer_deadline_s", "too large"]),
+    # derived keep of 10^9 snapshots: the budget error then suggested a keep the keep rule refused
+    ({"checkpoint": {"dir": "d"}, "memory_snapshot": {"interval_steps": 1, "peer_copy_interval_steps": 10 ** 9}},
+     ["peer_copy_interval_steps", "at most 999"]),
     ({"plan": 5}, ["elastor.plan", "auto"]),
     ({"plan": {"stages": []}}, ["elastor.plan", "replicas"]),
     ("on", ["elastor", "expected an object"]),
