@@ -81,20 +81,21 @@ log = logging.getLogger("pretrain_gpt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from elastor_ds.cli_types import positive_int   # sizes of 0 divided by zero deep in the set-up (exit 1)
     p = argparse.ArgumentParser(description="GPT pretraining with elastor (megatron-core layers, DeepSpeed pipeline)")
     a = p.add_argument
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--num-layers", type=int, default=4)
-    a("--hidden-size", type=int, default=64)
-    a("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden (2/3 of that with --swiglu)")
-    a("--num-attention-heads", type=int, default=4)
-    a("--num-query-groups", type=int, default=None, help="grouped-query attention (default: = heads)")
-    a("--seq-length", type=int, default=64)
-    a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    a("--micro-batch-size", type=int, default=2)
-    a("--global-batch-size", type=int, default=8)
-    a("--train-iters", type=int, default=100)
+    a("--tensor-model-parallel-size", type=positive_int, default=1)
+    a("--pipeline-model-parallel-size", type=positive_int, default=1)
+    a("--num-layers", type=positive_int, default=4)
+    a("--hidden-size", type=positive_int, default=64)
+    a("--ffn-hidden-size", type=positive_int, default=None, help="default: 4 * hidden (2/3 of that with --swiglu)")
+    a("--num-attention-heads", type=positive_int, default=4)
+    a("--num-query-groups", type=positive_int, default=None, help="grouped-query attention (default: = heads)")
+    a("--seq-length", type=positive_int, default=64)
+    a("--max-position-embeddings", type=positive_int, default=None, help="default: --seq-length")
+    a("--micro-batch-size", type=positive_int, default=2)
+    a("--global-batch-size", type=positive_int, default=8)
+    a("--train-iters", type=positive_int, default=100)
     a("--lr", type=float, default=3e-3)
     a("--min-lr", type=float, default=3e-4)
     a("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
@@ -118,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--elastor-memory-snapshot-ab-blocks", type=int, default=0, metavar="B",
       help="benchmarking: pause memory snapshots in every other block of B iterations, so one run times "
            "iterations with and without them on the same processes (bench/snapshot_bench.py; 0: off)")
-    a("--log-interval", type=int, default=10)
+    a("--log-interval", type=positive_int, default=10)
     a("--eval-interval", type=int, default=0, help="iterations between held-out evaluations (0: off)")
     a("--zero-stage", type=int, choices=[0, 1], default=None,
       help="default: 1 (under a heterogeneous plan the optimizer state of each block is sharded among the ranks "
@@ -483,11 +484,26 @@ def lr_lambda(args: argparse.Namespace):
     return f
 
 
+def _read_ds_config(path: str) -> dict:
+    """The --deepspeed_config file, or a usage error (exit 2) naming it: missing, unreadable, not a
+    JSON object."""
+    from elastor_ds.errors import ConfigError
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--deepspeed_config {path}: holds a {type(cfg).__name__}, expected a JSON object")
+    return cfg
+
+
 def ds_config(args: argparse.Namespace, d: dict) -> dict:
     cfg: dict = {}
     if args.deepspeed_config:
-        with open(args.deepspeed_config) as f:
-            cfg = json.load(f)
+        cfg = _read_ds_config(args.deepspeed_config)
     cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
     if not d["hetero"]:  # heterogeneous: each replica's own micro-batches (set by the runtime)
         cfg.setdefault("gradient_accumulation_steps", d["gas"])

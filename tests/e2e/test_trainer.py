@@ -78,3 +78,23 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
     assert set(b) <= set(a) and "decoder.layers.3.mlp.linear_fc1.weight" in b
     for k in b:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--micro-batch-size", "0"], "argument --micro-batch-size: 0 must be >= 1"),
+    (["--log-interval", "0"], "argument --log-interval: 0 must be >= 1"),
+    (["--num-attention-heads", "0"], "argument --num-attention-heads: 0 must be >= 1"),
+    (["--deepspeed_config", "{tmp}/nope.json"], "--deepspeed_config {tmp}/nope.json: cannot read it"),
+    (["--deepspeed_config", "{tmp}/bad.json"], "--deepspeed_config {tmp}/bad.json: not valid JSON"),
+    (["--save", "{tmp}/afile"], "checkpoint directory {tmp}/afile is a file, not a directory"),
+], ids=["mbs0", "log-interval0", "heads0", "ds-config-missing", "ds-config-not-json", "save-is-a-file"])
+def test_user_errors_exit_2_in_one_line_on_every_rank(tmp_path, flags, msg):
+    """These divided by zero, or raised FileExistsError / FileNotFoundError / JSONDecodeError with
+    a traceback (exit 1, which `elastor run` retried until --max-restarts ran out)."""
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "afile").write_text("x")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    p = torchrun(2, *flags, "--train-iters", "2", check=False, timeout=180)
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert msg.format(tmp=tmp_path) in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert (tmp_path / "afile").read_text() == "x"

@@ -166,3 +166,20 @@ def check_root(storage: Storage, root: str) -> Optional[str]:
         return (f"storage {storage!r} is rooted at {storage.root}, the engine at {root}; construct the storage "
                 f"with the engine's root")
     return None
+
+
+def make_root(root: str, what: str = "checkpoint directory") -> None:
+    """``mkdir -p root``, or :class:`~elastor_ds.errors.ConfigError` naming the path and the fix
+    when it is a file, lies under one, or cannot be made (a user's path, not an internal error)."""
+    from ...errors import ConfigError
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise ConfigError(f"{what} {root} is a file, not a directory; give the path of a directory (it is created "
+                          f"when absent)")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except NotADirectoryError:
+        raise ConfigError(f"{what} {root}: a component of the path is a file, not a directory; give a directory "
+                          f"path") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {root}: cannot create it ({e.strerror or e}); give a directory you may "
+                          f"write") from None

@@ -25,7 +25,7 @@ from ..direct_write import write_stream_direct
 from ..fileformat import write_all, write_stream
 from ..planning.manifest import Manifest
 from ..sources import STORAGE, ChunkSource, DirSource
-from .base import Capabilities, Storage
+from .base import Capabilities, Storage, make_root
 
 if TYPE_CHECKING:
     from ..verify import Problem
@@ -44,8 +44,10 @@ class PosixStorage(Storage):
     # ------------------------------------------------------------------ write
     def set_up(self, comm: Comm, keep: int) -> None:
         self.keep = keep
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):   # every rank: the same typed error
+            make_root(self.root)
         if comm.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+            make_root(self.root)
 
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))

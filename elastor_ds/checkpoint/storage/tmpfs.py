@@ -27,7 +27,7 @@ from ...comm.collectives import Comm
 from .. import commit as commit_mod
 from ..snapshot.file_staging import FileStaging, StagedFile
 from ..writer import data_file_name
-from .base import Capabilities
+from .base import Capabilities, make_root
 from .posix import PosixStorage
 
 RECYCLE_DIR = ".recycle"
@@ -62,7 +62,7 @@ class TmpfsStorage(PosixStorage):
     def set_up(self, comm: Comm, keep: int) -> None:
         """Collective (one all-gather of (host, real path of the root))."""
         self.keep = keep
-        os.makedirs(self.root, exist_ok=True)
+        make_root(self.root, "memory snapshot directory")
         key = (socket.gethostname(), os.path.realpath(self.root))
         keys = comm.all_gather_object(key)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
