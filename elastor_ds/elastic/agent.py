@@ -522,12 +522,16 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                                  "stopped": o.stopped} for o in failed])
         log.warning("failure: %s", ", ".join(
             f"rank {o.global_rank} (device {o.device}) {o.cause.value}"
-            + (f" {o.signal_name()}" if o.signal else f" exit {o.exitcode}" if o.exitcode is not None else "")
+            + (f" ({o.signal_name()})" if o.signal else f" (code {o.exitcode})" if o.exitcode is not None else "")
             for o in failed))
         errors = {o.local_rank: self._worker_error(o.local_rank) for o in failed if o.cause.value == "rejected"}
         dur = self._kill_all()
         self.events.emit(EventKind.TEARDOWN, duration_s=dur)
         if preempting:
+            if all(o.signal in (signal.SIGTERM, signal.SIGINT) for o in failed):
+                return self._stop_job("preempted: the workers ended on the stop signal without a checkpoint (the "
+                                      "script has no elastor hooks, ElasticWorker, or had not attached them yet); "
+                                      "the newest committed checkpoint is the previous one")
             return self._stop_job("a worker failed while checkpointing for preemption; the newest committed "
                                   "checkpoint is the previous one")
         probe_ok = None

@@ -140,8 +140,9 @@ def decide_after_failure(policy: OnFailure, book: DeviceBook, outcomes: list[Wor
     rejected = [o for o in failed if o.cause is Cause.REJECTED]
     if rejected and len(rejected) == len(failed):
         return Decision(Action.STOP, reason=f"the trainer rejected the launched world (exit code {EXIT_USAGE} on "
-                                            f"local ranks {[o.local_rank for o in rejected]}): the usable devices "
-                                            f"cannot run the model; see the worker's error above")
+                                            f"local ranks {[o.local_rank for o in rejected]}): a usage error (a flag, a config, a "
+                                            f"plan) or a world the model cannot run on; see the worker's error "
+                                            f"above")
     if collateral_of is None and restarts_used >= max_restarts:
         return Decision(Action.STOP, reason=f"--max-restarts {max_restarts} exhausted ({restarts_used} relaunches "
                                             f"after failures); raise --max-restarts to keep going")

@@ -321,3 +321,18 @@ def procs_per_node(env: Optional[Mapping[str, str]] = None) -> list[int]:
 def node_of_rank(procs: list[int] | tuple[int, ...]) -> list[int]:
     """Node index of every global rank, for processes per node ``procs`` (ranks fill node 0 first)."""
     return [n for n, k in enumerate(procs) for _ in range(k)]
+
+
+_HOOKS_EXPECTED = False
+
+
+def expect_worker_hooks() -> None:
+    """A trainer that attaches its ``ElasticWorker`` only after a long set-up (Megatron-LM's
+    train()) calls this first: a stop request then waits for its agree_stop, instead of ending a
+    process that has no hooks (yet) on the signal itself (``worker._on_signal``)."""
+    global _HOOKS_EXPECTED
+    _HOOKS_EXPECTED = True
+
+
+def worker_hooks_expected() -> bool:
+    return _HOOKS_EXPECTED

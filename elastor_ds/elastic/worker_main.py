@@ -32,6 +32,10 @@ def run_script(argv: list[str]) -> None:
         print("usage: python -m elastor_ds.elastic.worker_main SCRIPT [ARGS...]", file=sys.stderr)
         sys.exit(2)
     script = argv[0]
+    if not os.path.isfile(script):   # deleted or moved since the launch: no relaunch can help (exit 2)
+        print(f"elastor worker: the training script {script} no longer exists (deleted or moved after elastor run "
+              f"started); restore it and start the job again", file=sys.stderr)
+        _exit_now(2)
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:

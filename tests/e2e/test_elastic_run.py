@@ -367,3 +367,48 @@ def test_standby_that_loaded_cuda_is_used_only_for_the_same_devices(tmp_path):
     assert pool.take("0,1,2") is b
     b.retire()
     pool.close()
+
+
+def _plain_run(tmp_path, script: str, *ctl: str) -> subprocess.Popen:
+    path = tmp_path / "plain.py"
+    path.write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", "2", "--no-standby",
+                             "--events", str(tmp_path / "ev.jsonl"), *ctl, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), env=env, start_new_session=True)
+
+
+def test_sigint_to_a_script_without_hooks_ends_it_at_once(tmp_path):
+    """A plain script (no ElasticWorker) never reads a stop request: it waited the whole
+    --shutdown-timeout, then was SIGKILLed. Now it ends on the signal, as under torchrun."""
+    marker = tmp_path / "started"
+    p = _plain_run(tmp_path, f"import os, time\nopen({str(marker)!r} + os.environ['RANK'], 'w').close()\n"
+                             "while True:\n    time.sleep(1)\n", "--shutdown-timeout", "120")
+    try:
+        t_end = time.time() + 120
+        while not all(os.path.exists(f"{marker}{r}") for r in (0, 1)) and time.time() < t_end:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        os.kill(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert time.monotonic() - t0 < 30, "waited for --shutdown-timeout"
+    assert p.returncode == 1 and "ended on the stop signal without a checkpoint" in out, out[-3000:]
+
+
+def test_a_script_deleted_after_start_is_not_retried(tmp_path):
+    """Rank 0 deletes the script and every rank exits 1: the relaunch finds no script and exits 2
+    (a usage error, not retried), instead of spending every restart on a runpy traceback."""
+    mark = str(tmp_path / "up")
+    # rank 0 deletes the script once both ranks run it (so the first launch fails with exit 1 alone)
+    p = _plain_run(tmp_path, f"import os, sys, time\nopen({mark!r} + os.environ['RANK'], 'w').close()\n"
+                             f"while not all(os.path.exists({mark!r} + r) for r in '01'):\n    time.sleep(0.05)\n"
+                             "if os.environ['RANK'] == '0':\n    os.remove(__file__)\n"
+                             "time.sleep(0.5)\nsys.exit(1)\n", "--max-restarts", "3")
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 1, out[-3000:]
+    assert "no longer exists" in out and "--max-restarts 3 exhausted" not in out, out[-3000:]
+    ev = [json.loads(line) for line in open(tmp_path / "ev.jsonl")]
+    assert [e["event"] for e in ev].count("launch") == 2, [(e["event"], e.get("reason")) for e in ev]

@@ -55,12 +55,15 @@ def _end(loop, it, save):
     return elastic.iteration_end(loop, it, "model", "optimizer", "scheduler", 1.0, save)
 
 
-def test_not_under_elastor_run_only_snapshots(launched):
+def test_not_under_elastor_run_only_snapshots(launched, monkeypatch):
     loop = elastic.attach(None, _args(), 10)
     assert loop.worker is None and loop.rank == 0
     saved = []
     assert _end(loop, 11, lambda: saved.append(11)) is None
-    worker_mod._on_signal(signal.SIGTERM, None)   # no worker: not ours to act on
+    # a stop request recorded (as in a process that has hooks elsewhere; one without any ends on the
+    # signal itself, see worker._on_signal): the loop has no worker, so it is not ours to act on
+    monkeypatch.setattr(worker_mod, "_hooked", True)
+    worker_mod._on_signal(signal.SIGTERM, None)
     assert _end(loop, 12, lambda: saved.append(12)) is None
     assert saved == [] and launched.calls == ["snapshot? 11", "snapshot? 12"]
     assert not launched.events.exists() and not os.listdir(launched.hb)
@@ -119,3 +122,20 @@ def test_decode_losses_undoes_megatron_lms_first_two_iteration_mean():
     assert got[11] == 4.068249 and got[13] == 4.0
     assert abs(got[12] - 4.103861) < 2e-6
     assert decode_losses({}) == {} and decode_losses({5: 1.5}) == {5: 1.5}
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["no-hooks", "hooks-expected"])
+def test_a_stop_signal_ends_a_process_without_hooks_and_waits_for_expected_ones(expect):
+    """worker_main's handlers in a process that never attaches an ElasticWorker: SIGTERM ends it as
+    the signal would (it waited for --shutdown-timeout before). A trainer that attaches late
+    (Megatron-LM's train(), after check_parallel_state) keeps the request for its agree_stop."""
+    import subprocess
+    import sys
+    code = ("import os, signal\nfrom elastor_ds.elastic import protocol, worker\nworker.install_signal_handlers()\n"
+            + ("protocol.expect_worker_hooks()\n" if expect else "")
+            + "os.kill(os.getpid(), signal.SIGTERM)\nprint('requested', worker.requested().name)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if expect:
+        assert p.returncode == 0 and "requested PREEMPT" in p.stdout, p.stderr
+    else:
+        assert p.returncode == -signal.SIGTERM and "requested" not in p.stdout, (p.returncode, p.stdout, p.stderr)

@@ -51,7 +51,7 @@ def node_dir(mcfg: MemorySnapshotConfig) -> str:
     if not d:
         raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
                           f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
-                          "\"/dev/shm/<job>\"}}}} (one directory per node, in memory)")
+                          "\"/dev/shm/<job>\"}} (one directory per node, in memory)")
     return os.path.abspath(d)
 
 

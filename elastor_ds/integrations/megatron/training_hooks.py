@@ -232,6 +232,8 @@ def check_parallel_state(args: Any) -> None:
     """After megatron's parallel init: this rank's (tp, dp, pp) is where the plan puts it."""
     from megatron.core import parallel_state as ps
 
+    from ...elastic.protocol import expect_worker_hooks
+    expect_worker_hooks()   # train() attaches them after the set-up: a stop request waits for it
     layout = plan_layout(args)
     if layout is None:
         return
