@@ -44,6 +44,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from ..checkpoint import private_dir
 from ..errors import ConfigError
 from .protocol import ENV_SNAPSHOT_DIR
 
@@ -72,62 +73,23 @@ def default_path(rdzv_id: str) -> str:
     return os.path.join(base, f"elastor-{clean}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
+SETTING = "--snapshot-dir"
+
+
 def _refuse(p: str, why: str, fix: str = "name a new directory (on /dev/shm for memory speed)") -> ConfigError:
-    return ConfigError(f"--snapshot-dir {p}: {why}; {fix}")
+    return private_dir.refuse(SETTING, p, why, fix)
 
 
 def check_components(p: str) -> None:
-    """Every existing component of ``p`` (not ``p`` itself) is owned by root or this user; a symlink
-    only when one of them owns it; no directory may be written by others without the sticky bit."""
-    me = os.getuid()
-    parts = os.path.abspath(p).split(os.sep)[1:-1]
-    cur = os.sep
-    for i, name in enumerate([""] + parts):
-        cur = os.path.join(cur, name) if name else cur
-        try:
-            st = os.lstat(cur)
-        except FileNotFoundError:
-            return   # the rest is created by us (0700)
-        except OSError as e:
-            raise _refuse(p, f"cannot inspect {cur} ({e.strerror})") from None
-        if st.st_uid not in (0, me):
-            raise _refuse(p, f"{cur} belongs to uid {st.st_uid}, another user who could replace what we create there",
-                          "name a directory under folders owned by you or root")
-        if stat_mod.S_ISLNK(st.st_mode):
-            continue   # a link of root's or ours: its target's folders are checked through realpath below
-        if not stat_mod.S_ISDIR(st.st_mode):
-            raise _refuse(p, f"{cur} is not a directory")
-        if st.st_mode & (stat_mod.S_IWOTH | stat_mod.S_IWGRP) and not st.st_mode & stat_mod.S_ISVTX:
-            raise _refuse(p, f"{cur} may be written by other users (mode {stat_mod.S_IMODE(st.st_mode):04o}, no sticky "
-                          f"bit)", "name a directory under folders only you (or root) can write")
-    real = os.path.realpath(os.path.dirname(os.path.abspath(p)))
-    if real != os.path.dirname(os.path.abspath(p)):
-        check_components(os.path.join(real, os.path.basename(p)))
+    private_dir.check_components(p, SETTING)
 
 
 def _check_private(p: str) -> os.stat_result:
-    st = os.lstat(p)
-    if stat_mod.S_ISLNK(st.st_mode):
-        raise _refuse(p, "is a symlink (never followed)")
-    if not stat_mod.S_ISDIR(st.st_mode):
-        raise _refuse(p, "exists and is not a directory")
-    if st.st_uid != os.getuid():
-        raise _refuse(p, f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): another user may have planted it")
-    if st.st_mode & 0o077:
-        raise _refuse(p, f"other users may enter it (mode {stat_mod.S_IMODE(st.st_mode):04o}) and read the snapshots "
-                         f"(model weights)", f"run chmod 700 {p}, or name a new directory")
-    return st
+    return private_dir.check_private(p, SETTING)
 
 
 def _mkdir_private(p: str) -> bool:
-    """``mkdir(p, 0700)``; False when ``p`` already exists."""
-    try:
-        os.mkdir(p, 0o700)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as e:
-        raise _refuse(p, f"cannot create it ({e.strerror})", "name a writable directory, e.g. under /dev/shm") from None
+    return private_dir.mkdir_private(p, SETTING)
 
 
 def prepare(path: Optional[str], rdzv_id: str) -> SnapshotDir:

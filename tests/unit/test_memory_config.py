@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 
 import pytest
 
@@ -126,3 +127,28 @@ def test_restore_candidates_are_common_steps_not_older_than_storage():
     assert restore_candidates([[5, 6, 7], [5, 6, 8]], 7) == []          # storage is newer than the common steps
     assert restore_candidates([[3], []], -1) == []                      # one node holds nothing
     assert restore_candidates([], -1) == []
+
+
+def test_a_configured_snapshot_dir_is_checked_as_elastor_run_checks_its_own(tmp_path):
+    """``"memory_snapshot": {"dir": ...}`` without ``elastor run``: a symlink, a directory others may
+    enter, /dev/shm itself, or one under a folder others may write were all accepted (snapshots
+    written through the link, ``local/`` left in /dev/shm). A new path is made 0700."""
+    from elastor_ds.checkpoint.settings import MemorySnapshotConfig
+    from elastor_ds.checkpoint.snapshot.tier import node_dir
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    for d, words in [(tmp_path / "link", "is a symlink"), (open_dir, "other users may enter it (mode 0755)"),
+                     ("/dev/shm", "other users may enter it"), (shared / "snap", "may be written by other users")]:
+        with pytest.raises(ConfigError, match=re.escape(f"elastor.memory_snapshot.dir {d}: ") + ".*" + re.escape(words)):
+            node_dir(MemorySnapshotConfig(dir=str(d)))
+    assert not (shared / "snap").exists() and os.listdir(real) == []
+    fresh = tmp_path / "a" / "b" / "snap"
+    assert node_dir(MemorySnapshotConfig(dir=str(fresh))) == str(fresh)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700 and stat.S_IMODE(os.stat(fresh.parent).st_mode) == 0o700

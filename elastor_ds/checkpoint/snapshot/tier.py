@@ -47,7 +47,13 @@ class MemoryBudgetError(ConfigError):
 
 
 def node_dir(mcfg: MemorySnapshotConfig) -> str:
-    d = mcfg.dir or launch_context().snapshot_dir
+    """The node's snapshot directory: ``elastor run``'s (it checked and made it), else the one the
+    config names, checked as ``elastor run`` checks its own: a private real directory of this user
+    (0700, made so when absent) under folders only this user or root can change."""
+    if mcfg.dir:
+        from ..private_dir import ensure_private_dir
+        return ensure_private_dir(mcfg.dir, "elastor.memory_snapshot.dir")
+    d = launch_context().snapshot_dir
     if not d:
         raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
                           f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
