@@ -412,6 +412,20 @@ def _is_checkpoint_dir(path: str) -> bool:
     return latest is not None and bool(_STEP_RE.match(latest) or _TMP_RE.match(latest))
 
 
+def step_dir_holding(path: str) -> Optional[str]:
+    """The checkpoint step directory (committed, or a save in progress) that ``path`` is or lies
+    in, else None: a root there would be deleted with that step by its own run's retention."""
+    a = os.path.realpath(os.path.abspath(path))
+    while True:
+        name = os.path.basename(a)
+        if _STEP_RE.match(name) or name.startswith(TMP_PREFIX) or is_committed(a):
+            return a
+        parent = os.path.dirname(a)
+        if parent == a:
+            return None
+        a = parent
+
+
 def check_outside_checkpoints(dst: str, src: Optional[str] = None) -> None:
     """A conversion's destination must not lie inside a checkpoint (its steps are renamed and
     deleted by commit and retention) nor inside the source, nor hold the source; else

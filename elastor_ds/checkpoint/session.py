@@ -98,6 +98,24 @@ def check_roots_apart(storage: str, snapshots: str) -> None:
                           f"directories, e.g. --save on shared storage and --snapshot-dir on /dev/shm")
 
 
+def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig]) -> None:
+    """Neither root lies in a checkpoint's step directory (that run's retention would delete it
+    with the step), and they do not overlap; checked before either is made."""
+    from ..elastic.protocol import launch_context
+    roots = [("checkpoint directory", storage)]
+    snap = (memory.dir or launch_context().snapshot_dir) if memory is not None else None
+    if snap:
+        roots.append(("memory-snapshot directory", snap))
+    for what, root in roots:
+        step = commit_mod.step_dir_holding(root)
+        if step is not None:
+            raise ConfigError(f"the {what} {os.path.abspath(root)} lies in the checkpoint step directory {step}, which "
+                              f"its run's commits and retention rename and delete; give a directory outside any "
+                              f"checkpoint step (e.g. beside that checkpoint's root)")
+    if snap:
+        check_roots_apart(storage, snap)
+
+
 class CheckpointSession:
     """Collective constructor: every rank of the job, same point."""
 
@@ -105,6 +123,7 @@ class CheckpointSession:
                  *, comm: Any = None, policy_comm: Any = None, memory_comm: Any = None, cross_node: bool = True):
         self.state = state
         self.cfg = cfg
+        check_root_placement(cfg.dir, memory)   # before anything is made on disk
         self.comm = comm if comm is not None else TorchComm.create(cfg.timeout_s)
         # main-thread agreement (policy, load) gets its own group: the background writer runs
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group

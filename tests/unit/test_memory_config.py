@@ -152,3 +152,22 @@ def test_a_configured_snapshot_dir_is_checked_as_elastor_run_checks_its_own(tmp_
     fresh = tmp_path / "a" / "b" / "snap"
     assert node_dir(MemorySnapshotConfig(dir=str(fresh))) == str(fresh)
     assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700 and stat.S_IMODE(os.stat(fresh.parent).st_mode) == 0o700
+
+
+def test_roots_inside_a_checkpoint_step_are_refused_before_anything_is_made(tmp_path):
+    """A checkpoint directory in another run's committed step (its retention would delete it with
+    the step) was accepted: the run wrote ``latest`` and ``step_*`` inside it."""
+    from elastor_ds.checkpoint.session import check_root_placement
+    from elastor_ds.checkpoint.settings import MemorySnapshotConfig
+    step = tmp_path / "other" / "step_000000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    for root in (step, step / "nested"):
+        with pytest.raises(ConfigError, match="lies in the checkpoint step directory .*step_000000002"):
+            check_root_placement(str(root), None)
+    with pytest.raises(ConfigError, match="memory-snapshot directory .* lies in the checkpoint step"):
+        check_root_placement(str(tmp_path / "ck"), MemorySnapshotConfig(dir=str(step / "snap")))
+    with pytest.raises(ConfigError, match="overlap"):
+        check_root_placement(str(tmp_path / "ck"), MemorySnapshotConfig(dir=str(tmp_path / "ck" / "snap")))
+    check_root_placement(str(tmp_path / "other" / "sibling"), MemorySnapshotConfig(dir=str(tmp_path / "snap")))
+    assert sorted(os.listdir(tmp_path)) == ["other"] and not (step / "nested").exists()
