@@ -19,6 +19,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (0 typically means "off")."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
 def _finite_float(text: str, *, allow_zero: bool) -> float:
     try:
         v = float(text)

@@ -81,7 +81,8 @@ log = logging.getLogger("pretrain_gpt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from elastor_ds.cli_types import positive_int   # sizes of 0 divided by zero deep in the set-up (exit 1)
+    # sizes of 0 divided by zero deep in the set-up (exit 1); snapshot flags were named by their config keys
+    from elastor_ds.cli_types import nonnegative_int, positive_int
     p = argparse.ArgumentParser(description="GPT pretraining with elastor (megatron-core layers, DeepSpeed pipeline)")
     a = p.add_argument
     a("--tensor-model-parallel-size", type=positive_int, default=1)
@@ -105,18 +106,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--swiglu", action=argparse.BooleanOptionalAction, default=True, help="gated MLP (linear_fc1 = [gate; up])")
     a("--save", default=None, help="elastor checkpoint directory")
     a("--load", default=None, help="resume from this elastor checkpoint directory (newest committed step)")
-    a("--save-interval", type=int, default=0, help="iterations between asynchronous saves (0: only at the end)")
-    a("--elastor-memory-snapshot-interval", type=int, default=None, metavar="N",
+    a("--save-interval", type=nonnegative_int, default=0, help="iterations between asynchronous saves (0: only at the end)")
+    a("--elastor-memory-snapshot-interval", type=positive_int, default=None, metavar="N",
       help="also snapshot every N iterations into this node's memory (tmpfs; $ELASTOR_SNAPSHOT_DIR from `elastor run`); "
            "a restart restores from memory first, storage only for what no memory holds (needs --save)")
-    a("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
+    a("--elastor-memory-snapshot-peer-copies", type=int, choices=(0, 1), default=None, metavar="K",
       help="copies of each snapshot on other nodes (0 or 1; default 1)")
-    a("--elastor-memory-snapshot-peer-copy-interval", type=int, default=None, metavar="N",
+    a("--elastor-memory-snapshot-peer-copy-interval", type=positive_int, default=None, metavar="N",
       help="copy only every N-th step's snapshot to the next node (a multiple of the snapshot interval; "
            "default: every snapshot); a node then keeps N / interval + 1 snapshots")
-    a("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
+    a("--elastor-memory-snapshot-keep", type=positive_int, default=None, metavar="K",
       help="memory snapshots kept per node (default 1)")
-    a("--elastor-memory-snapshot-ab-blocks", type=int, default=0, metavar="B",
+    a("--elastor-memory-snapshot-ab-blocks", type=nonnegative_int, default=0, metavar="B",
       help="benchmarking: pause memory snapshots in every other block of B iterations, so one run times "
            "iterations with and without them on the same processes (bench/snapshot_bench.py; 0: off)")
     a("--log-interval", type=positive_int, default=10)
@@ -155,13 +156,16 @@ def derive(args: argparse.Namespace, world: int) -> dict:
     groups = args.num_query_groups or H
     boundaries = None
     plan_layout = None
+    if args.elastor_plan is not None and not args.elastor_plan.strip():
+        raise UsageError("--elastor-plan '': empty; give a plan JSON file or 'auto' (or leave the flag out)")
     if args.elastor_plan:
         from elastor_ds.layout import Layout
         if args.elastor_plan == "auto":
             plan_layout = auto_plan(args, world)
         else:
             if not os.path.isfile(args.elastor_plan):
-                raise UsageError(f"--elastor-plan {args.elastor_plan}: no such file (give a plan JSON or 'auto')")
+                what = "is not a file" if os.path.exists(args.elastor_plan) else "no such file"
+                raise UsageError(f"--elastor-plan {args.elastor_plan}: {what} (give a plan JSON or 'auto')")
             try:
                 with open(args.elastor_plan) as f:
                     doc = json.load(f)

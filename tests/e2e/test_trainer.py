@@ -46,6 +46,8 @@ def test_bad_flags_exit_2_with_message():
         (["--pipeline-model-parallel-size", "8", "--num-layers", "4"], 8, "every stage needs a layer"),
         (["--seq-length", "128", "--max-position-embeddings", "64"], 1, "--seq-length 128 > --max-position-embeddings 64"),
         (["--elastor-plan", "/nonexistent.json"], 1, "no such file"),
+        (["--elastor-plan", "/tmp"], 1, "--elastor-plan /tmp: is not a file"),
+        (["--elastor-plan", ""], 1, "--elastor-plan '': empty"),   # was ignored: the flags' layout ran
     ]
     for argv, world, msg in cases:
         args = pretrain_gpt.parse_args(argv)
@@ -83,11 +85,17 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
 @pytest.mark.parametrize("flags, msg", [
     (["--micro-batch-size", "0"], "argument --micro-batch-size: 0 must be >= 1"),
     (["--log-interval", "0"], "argument --log-interval: 0 must be >= 1"),
+    # named by the config key they became ("elastor.memory_snapshot.interval_steps"), after the set-up
+    (["--save", "{tmp}/ck", "--elastor-memory-snapshot-interval", "0"],
+     "argument --elastor-memory-snapshot-interval: 0 must be >= 1"),
+    (["--save-interval", "-3"], "argument --save-interval: -3 must be >= 0"),
+    (["--elastor-memory-snapshot-peer-copies", "2"], "argument --elastor-memory-snapshot-peer-copies: invalid choice"),
     (["--num-attention-heads", "0"], "argument --num-attention-heads: 0 must be >= 1"),
     (["--deepspeed_config", "{tmp}/nope.json"], "--deepspeed_config {tmp}/nope.json: cannot read it"),
     (["--deepspeed_config", "{tmp}/bad.json"], "--deepspeed_config {tmp}/bad.json: not valid JSON"),
     (["--save", "{tmp}/afile"], "checkpoint directory {tmp}/afile is a file, not a directory"),
-], ids=["mbs0", "log-interval0", "heads0", "ds-config-missing", "ds-config-not-json", "save-is-a-file"])
+], ids=["mbs0", "log-interval0", "snap-interval0", "save-interval-neg", "peer-copies2", "heads0",
+         "ds-config-missing", "ds-config-not-json", "save-is-a-file"])
 def test_user_errors_exit_2_in_one_line_on_every_rank(tmp_path, flags, msg):
     """These divided by zero, or raised FileExistsError / FileNotFoundError / JSONDecodeError with
     a traceback (exit 1, which `elastor run` retried until --max-restarts ran out)."""
