@@ -86,6 +86,8 @@ def test_the_writer_schedule_reaches_the_engine(tmp_path):
     ({"checkpoint": {"dir": "d"}, "memory_snapshot": {"interval_steps": 1, "peer_copy_interval_steps": 10 ** 9}},
      ["peer_copy_interval_steps", "at most 999"]),
     ({"plan": 5}, ["elastor.plan", "auto"]),
+    ({"plan": "AUTO"}, ["elastor.plan", "did you mean \"auto\""]),   # was taken as a file name
+    ({"plan": "auto", "model": {"num_layer": 3}}, ["elastor.model", "unknown key 'num_layer'"]),
     ({"plan": {"stages": []}}, ["elastor.plan", "replicas"]),
     ("on", ["elastor", "expected an object"]),
 ])

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-from ...checkpoint.settings import (CheckpointConfig, MemorySnapshotConfig, _check_object, parse_checkpoint,
+from ...checkpoint.settings import (CheckpointConfig, MemorySnapshotConfig, _check_object, _unknown, parse_checkpoint,
                                    parse_memory_snapshot, save_due)
 from ...errors import ConfigError
 
@@ -61,6 +61,8 @@ def parse_plan(v: Any, where: str = f"{SECTION}.plan") -> Union[None, str, Mappi
     if isinstance(v, str):
         if not v.strip():
             raise ConfigError(f"{where}: empty string; use \"auto\", a plan JSON path, or omit the key")
+        if v.strip().lower() == "auto" and v != "auto":   # not a file named so
+            raise ConfigError(f"{where}: {v!r}; did you mean \"auto\"? (a plan file here is written \"./{v}\")")
         return v
     raise ConfigError(f"{where}: expected \"auto\", a path to a plan JSON file or an inline plan object, got "
                       f"{type(v).__name__} {v!r}")
@@ -80,6 +82,13 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
     if model is not None and not isinstance(model, Mapping):
         raise ConfigError(f"{SECTION}.model: expected an object of the planner's model fields (hidden_size, "
                           f"num_attention_heads, seq_length, vocab_size, ...), got {type(model).__name__}")
+    if model is not None:
+        import dataclasses
+        from ...plan.model import ModelSpec
+        fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"num_layers"}   # layers: the module's
+        for k in model:
+            if k not in fields:
+                raise _unknown(f"{SECTION}.model", k, fields)
     profile = section.get("profile")
     if profile is not None and (not isinstance(profile, str) or not profile.strip()):
         raise ConfigError(f"{SECTION}.profile: expected a path to a profile JSON (elastor plan --profile format)")
