@@ -347,7 +347,8 @@ def test_more_than_one_peer_copy_is_refused_with_exit_2(tmp_path, snap_dir):
                         "--metrics-file", str(metrics)],
                        capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
     assert p.returncode == 2, p.stderr[-3000:]
-    assert "memory_snapshot.peer_copies: 2 is not supported; use 0 or 1" in p.stderr, p.stderr[-3000:]
+    assert "argument --elastor-memory-snapshot-peer-copies: invalid choice: 2 (choose from 0, 1)" in p.stderr, \
+        p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert not metrics.exists() and not os.path.exists(tmp_path / "ckpt" / "latest")
 

@@ -85,7 +85,7 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
     if model is not None:
         import dataclasses
         from ...plan.model import ModelSpec
-        fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"num_layers"}   # layers: the module's
+        fields = {f.name for f in dataclasses.fields(ModelSpec)}
         for k in model:
             if k not in fields:
                 raise _unknown(f"{SECTION}.model", k, fields)
