@@ -8,8 +8,7 @@ import os
 import sys
 
 from ..cli_types import positive_int
-from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                      UnreadableCheckpointError)
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError
 from . import commit as commit_mod
 
 log = logging.getLogger("elastor")
@@ -115,13 +114,9 @@ def _check_export_source(src: str) -> None:
     """Every exporter allocates whole tensors of the manifest's shapes: check, from the manifest
     alone, that the chunks cover them before any is allocated (a crafted shape of 10^18 elements
     must not claim the node's memory)."""
-    from .verify import coverage_problems
+    from .verify import require_coverage
     step_dir = commit_mod.resolve(src)
-    bad = coverage_problems(commit_mod.read_manifest(step_dir))
-    if bad:
-        more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
-        raise CorruptCheckpointError(f"{step_dir}: {bad[0]}{more}; nothing was written (`elastor verify` lists every "
-                                     f"problem)")
+    require_coverage(commit_mod.read_manifest(step_dir), step_dir)
 
 
 def cmd_convert(args) -> int:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .settings import DEFAULT_KEEP
 from .crc import crc32
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError
 from ..layout.region import Region
 from . import commit as commit_mod
 from .reader import read_shards
@@ -73,12 +73,8 @@ def to_consolidated(src: str, dst: str, progress: bool = True, names: Optional[I
     step_dir = commit_mod.resolve(src)
     man = commit_mod.read_manifest(step_dir)
     wanted = sorted(man.tensors) if names is None else sorted(names)
-    from .verify import coverage_problems
-    bad = coverage_problems(man, [n for n in wanted if n in man.tensors])
-    if bad:   # before any tensor is allocated: a crafted shape must not claim the node's memory
-        raise CorruptCheckpointError(f"{step_dir}: {bad[0]}" + (f" (and {len(bad) - 1} more problem(s))"
-                                                               if len(bad) > 1 else "") +
-                                     "; `elastor verify` lists them all")
+    from .verify import require_coverage
+    require_coverage(man, step_dir, [n for n in wanted if n in man.tensors])
     groups = {MODEL_FILE: [n for n in wanted if not n.startswith(OPTIM_PREFIX)],
               OPTIM_FILE: [n for n in wanted if n.startswith(OPTIM_PREFIX)]}
 

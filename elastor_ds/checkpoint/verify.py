@@ -114,3 +114,14 @@ def coverage_problems(man: Manifest, names: Optional[Iterable[str]] = None) -> l
         if covered != numel:
             problems.append(Problem(t.name, f"chunks cover {covered} of {numel} elements"))
     return problems
+
+
+def require_coverage(man: Manifest, step_dir: str, names: Optional[Iterable[str]] = None) -> None:
+    """:func:`coverage_problems` as an error (the first problem named): every exporter calls it
+    before it allocates a tensor of the manifest's shapes (a crafted shape of 10^18 elements must
+    not claim the node's memory)."""
+    bad = coverage_problems(man, names)
+    if bad:
+        more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
+        raise CorruptCheckpointError(f"{step_dir}: {bad[0]}{more}; nothing was written (`elastor verify` lists every "
+                                     f"problem)")

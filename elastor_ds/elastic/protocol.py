@@ -327,9 +327,10 @@ _HOOKS_EXPECTED = False
 
 
 def expect_worker_hooks() -> None:
-    """A trainer that attaches its ``ElasticWorker`` only after a long set-up (Megatron-LM's
-    train()) calls this first: a stop request then waits for its agree_stop, instead of ending a
-    process that has no hooks (yet) on the signal itself (``worker._on_signal``)."""
+    """This process reads stop requests (``ElasticWorker.agree_stop``): an ``ElasticWorker`` calls
+    it, and so does a trainer that attaches one only after a long set-up (Megatron-LM's train()).
+    Until then a stop signal ends a process launched by ``worker_main`` as the signal would
+    (``worker._on_signal``)."""
     global _HOOKS_EXPECTED
     _HOOKS_EXPECTED = True
 

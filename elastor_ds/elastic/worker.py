@@ -20,7 +20,8 @@ import signal
 import time
 
 from .events import EventKind, append_line
-from .protocol import LaunchContext, StopCode, heartbeat_path, launch_context, worker_hooks_expected
+from .protocol import (LaunchContext, StopCode, expect_worker_hooks, heartbeat_path, launch_context,
+                       worker_hooks_expected)
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,9 @@ _agreed = StopCode.NONE      # what the ranks agreed on (set by ElasticWorker.ag
 _PR_SET_PDEATHSIG = 1
 
 
-_hooked = False              # an ElasticWorker exists in this process: stop requests are honoured at agree_stop
-
-
 def _on_signal(signum: int, _frame) -> None:
     global _requested
-    if not (_hooked or worker_hooks_expected()) and signum in (signal.SIGTERM, signal.SIGINT):
+    if not worker_hooks_expected() and signum in (signal.SIGTERM, signal.SIGINT):
         # a script without elastor's hooks (or before it attaches them) never reads the request: end
         # it as the signal would, as torchrun's workers end, instead of waiting for --shutdown-timeout
         signal.signal(signum, signal.SIG_DFL)
@@ -73,8 +71,7 @@ class ElasticWorker:
 
     def __init__(self, heartbeat_dir: str | None, events_file: str | None, local_rank: int,
                  context: LaunchContext | None = None):
-        global _hooked
-        _hooked = True
+        expect_worker_hooks()   # this process reads stop requests (agree_stop): a signal no longer ends it
         ctx = launch_context() if context is None else context
         self.context = ctx
         self.heartbeat_file = heartbeat_path(heartbeat_dir, local_rank) if heartbeat_dir else None

@@ -22,6 +22,7 @@ import types
 import pytest
 
 from elastor_ds.elastic import worker as worker_mod
+from elastor_ds.elastic import protocol
 from elastor_ds.elastic.protocol import EXIT_OK, EXIT_RESIZE, StopCode
 from elastor_ds.integrations.megatron import elastic, training_hooks
 from elastor_ds.layout import Layout
@@ -62,7 +63,7 @@ def test_not_under_elastor_run_only_snapshots(launched, monkeypatch):
     assert _end(loop, 11, lambda: saved.append(11)) is None
     # a stop request recorded (as in a process that has hooks elsewhere; one without any ends on the
     # signal itself, see worker._on_signal): the loop has no worker, so it is not ours to act on
-    monkeypatch.setattr(worker_mod, "_hooked", True)
+    monkeypatch.setattr(protocol, "_HOOKS_EXPECTED", True)
     worker_mod._on_signal(signal.SIGTERM, None)
     assert _end(loop, 12, lambda: saved.append(12)) is None
     assert saved == [] and launched.calls == ["snapshot? 11", "snapshot? 12"]

@@ -168,13 +168,16 @@ def check_root(storage: Storage, root: str) -> Optional[str]:
     return None
 
 
-def make_root(root: str, what: str = "checkpoint directory") -> None:
-    """``mkdir -p root``, or :class:`~elastor_ds.errors.ConfigError` naming the path and the fix
-    when it is a file, lies under one, or cannot be made (a user's path, not an internal error)."""
+def make_root(root: str, what: str = "checkpoint directory", create: bool = True) -> None:
+    """``mkdir -p root`` (with ``create``; every rank checks, one creates), or
+    :class:`~elastor_ds.errors.ConfigError` naming the path and the fix when it is a file, lies
+    under one, or cannot be made (a user's path, not an internal error)."""
     from ...errors import ConfigError
     if os.path.lexists(root) and not os.path.isdir(root):
         raise ConfigError(f"{what} {root} is a file, not a directory; give the path of a directory (it is created "
                           f"when absent)")
+    if not create:
+        return
     try:
         os.makedirs(root, exist_ok=True)
     except NotADirectoryError:

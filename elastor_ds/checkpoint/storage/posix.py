@@ -44,10 +44,7 @@ class PosixStorage(Storage):
     # ------------------------------------------------------------------ write
     def set_up(self, comm: Comm, keep: int) -> None:
         self.keep = keep
-        if os.path.lexists(self.root) and not os.path.isdir(self.root):   # every rank: the same typed error
-            make_root(self.root)
-        if comm.rank == 0:
-            make_root(self.root)
+        make_root(self.root, create=comm.rank == 0)   # every rank raises the same typed error for a file
 
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))
