@@ -86,6 +86,14 @@ def _rdzv_conf(text: str) -> dict:
     return parse_rdzv_conf(text)
 
 
+def _check_parent(flag: str, path: "str | None") -> None:
+    """An output file's folder must exist, as for ``tee`` or ``cp``: a typo in it is not a reason
+    to create a tree of folders."""
+    if path and not os.path.isdir(os.path.dirname(path)):
+        raise ConfigError(f"{flag} {path}: the folder {os.path.dirname(path)} does not exist; create it first "
+                          "or name a file in an existing folder")
+
+
 def _check_log_dir(log_dir: str) -> None:
     """``--log-dir`` must be a directory we can create and write (``/proc/x`` is not)."""
     try:
@@ -216,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     base = os.path.splitext(events_path)[0] if events_path else None
     log_dir = os.path.abspath(args.log_dir) if args.log_dir else (f"{base}_logs" if base else os.path.abspath("elastor_logs"))
     plot = args.plot or (f"{base}_timeline.png" if base else None)
+    for flag, path in (("--events", events_path), ("--plot", args.plot and os.path.abspath(args.plot))):
+        _check_parent(flag, path)
     _check_log_dir(log_dir)
     # workers import this package through worker_main: make sure they find this copy of it
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

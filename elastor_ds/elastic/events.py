@@ -60,7 +60,6 @@ class EventLog:
         self.node = node
         self.records: list[dict] = []
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
             if os.path.islink(path):   # never append through a link another user may have planted
                 from ..errors import ConfigError
                 raise ConfigError(f"--events {path}: is a symlink; remove it or name a file in a folder of your own")

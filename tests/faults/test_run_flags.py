@@ -99,3 +99,19 @@ def test_an_endpoint_that_is_not_a_rendezvous_store_fails_in_bounded_time(tmp_pa
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     assert f"--rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store" in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr and elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("flag, name", [("--events", "ev.jsonl"), ("--plot", "t.png")])
+def test_an_output_file_in_a_missing_folder_is_refused_and_no_folder_made(tmp_path, flag, name):
+    """``--events`` / ``--plot`` in a folder that does not exist: exit 2 naming it, as ``tee`` would;
+    before, ``--events /no/such/dir/ev.jsonl`` created the whole tree (and the log folder beside it)."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    target = tmp_path / "no" / "such" / name
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", flag, str(target), str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert f"{flag} {target}: the folder {target.parent} does not exist" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["train.py"]   # nothing created
