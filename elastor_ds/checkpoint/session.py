@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from ..comm import TorchComm
-from ..errors import CheckpointError, ConfigError, IncompleteCheckpointError, RanksFailedError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, RanksFailedError
 from ..layout import Layout
 from . import commit as commit_mod
 from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, SaveStats, VerifyMode
@@ -124,6 +124,21 @@ class CheckpointSession:
         self.state = state
         self.cfg = cfg
         check_root_placement(cfg.dir, memory)   # before anything is made on disk
+        if cfg.load not in ("latest", "none") and not os.path.lexists(cfg.load):
+            raise CheckpointNotFoundError(f"elastor.checkpoint.load: {os.path.abspath(cfg.load)} does not exist; give "
+                                          f"a checkpoint directory or step directory, \"latest\" (the newest under "
+                                          f"{os.path.abspath(cfg.dir)}) or \"none\"")
+        self.memory = None
+        self.ckpt = None
+        try:
+            self._set_up(cfg, memory, comm, policy_comm, memory_comm, cross_node)
+        except BaseException:
+            self.discard_if_unused()   # a job rejected here leaves no empty folders of ours behind
+            raise
+
+    def _set_up(self, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig], comm: Any, policy_comm: Any,
+                memory_comm: Any, cross_node: bool) -> None:
+        state = self.state
         self.comm = comm if comm is not None else TorchComm.create(cfg.timeout_s)
         # main-thread agreement (policy, load) gets its own group: the background writer runs
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group
@@ -141,7 +156,6 @@ class CheckpointSession:
         # sources consulted between this node's memory and storage on a memory restore (peer copies,
         # other nodes' servers): fn(step_dir, manifest) -> [ChunkSource, ...]
         self.extra_memory_sources: list[Callable[[str, Manifest], list]] = []
-        self.memory = None
         if memory is not None:
             from .snapshot.tier import MemoryTier, node_dir
             check_roots_apart(cfg.dir, node_dir(memory))
@@ -155,6 +169,14 @@ class CheckpointSession:
     @property
     def layout(self) -> Layout:
         return self.state.layout()
+
+    def discard_if_unused(self) -> None:
+        """Remove the checkpoint and snapshot folders this rank's set-up created while they are still
+        empty (a job rejected at start-up, e.g. over a bad ``load``); never anything else."""
+        engines = [self.ckpt, getattr(self.memory, "ckpt", None)]
+        for eng in engines:
+            if eng is not None:
+                eng.storage.remove_if_unused()
 
     def _install_device_fence(self) -> bool:
         opt = self.state.fence_optimizer()

@@ -156,3 +156,39 @@ def test_save_policy():
     assert save_due(ref, 5, 4, 10.0, True)
     off = parse_checkpoint({"dir": "d"})
     assert not save_due(off, 100, None, 1e9, True)
+
+
+def test_a_missing_load_path_is_refused_before_any_folder_is_made(tmp_path):
+    """``"load": "<path>"`` that does not exist: CheckpointNotFoundError naming it, and the checkpoint
+    folder (with its missing parents) is not created (QA D8: a rejected job left it behind)."""
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    from elastor_ds.errors import CheckpointNotFoundError
+    c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "a" / "b" / "ck"),
+                                              "load": str(tmp_path / "nope")}}).checkpoint
+    with pytest.raises(CheckpointNotFoundError, match=f"{tmp_path / 'nope'} does not exist"):
+        CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_session_rejected_after_set_up_removes_only_the_empty_folders_it_made(tmp_path):
+    """A load that fails after the storage made its root: ``discard_if_unused`` removes the folders
+    set-up created, while empty, and nothing that was there before or that holds a file."""
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    (tmp_path / "keep").mkdir()
+    c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "keep" / "x" / "ck")}}).checkpoint
+    s = CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+    assert (tmp_path / "keep" / "x" / "ck").is_dir()
+    s.discard_if_unused()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"] and list((tmp_path / "keep").iterdir()) == []
+    # a root that existed, or one that got a file since, stays
+    (tmp_path / "keep" / "ck2").mkdir()
+    c2 = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "keep" / "ck2")}}).checkpoint
+    CheckpointSession(_NoFence(), c2, comm=LocalComm(), policy_comm=LocalComm()).discard_if_unused()  # type: ignore[arg-type]
+    assert (tmp_path / "keep" / "ck2").is_dir()
+    c3 = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "y" / "ck3")}}).checkpoint
+    s3 = CheckpointSession(_NoFence(), c3, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+    (tmp_path / "y" / "note.txt").write_text("user's")
+    s3.discard_if_unused()
+    assert (tmp_path / "y" / "note.txt").read_text() == "user's" and not (tmp_path / "y" / "ck3").exists()

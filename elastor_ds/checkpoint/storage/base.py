@@ -64,6 +64,26 @@ class StorageWriter(abc.ABC):
         """Rank 0 sends the manifest text to the :attr:`commits_copy` ranks."""
         return False
 
+    #: the top-most folder of ``root`` that :meth:`set_up` created on this rank (None: it was there)
+    created: Optional[str] = None
+
+    def remove_if_unused(self) -> None:
+        """Remove the folders :meth:`set_up` created, bottom-up, each only while it is empty (a job
+        rejected after set-up leaves nothing behind; never anything it did not create)."""
+        if not self.created:
+            return
+        d = os.path.abspath(self.root)
+        top = os.path.abspath(self.created)
+        while True:
+            try:
+                os.rmdir(d)
+            except OSError:
+                return
+            if d == top or not d.startswith(top + os.sep):
+                self.created = None
+                return
+            d = os.path.dirname(d)
+
     @abc.abstractmethod
     def set_up(self, comm: Comm, keep: int) -> None:
         """Called once by the engine's constructor, on every rank (collective for some backends);
@@ -168,16 +188,21 @@ def check_root(storage: Storage, root: str) -> Optional[str]:
     return None
 
 
-def make_root(root: str, what: str = "checkpoint directory", create: bool = True) -> None:
+def make_root(root: str, what: str = "checkpoint directory", create: bool = True) -> Optional[str]:
     """``mkdir -p root`` (with ``create``; every rank checks, one creates), or
     :class:`~elastor_ds.errors.ConfigError` naming the path and the fix when it is a file, lies
-    under one, or cannot be made (a user's path, not an internal error)."""
+    under one, or cannot be made (a user's path, not an internal error). Returns the top-most
+    folder this call created, None when ``root`` was there."""
     from ...errors import ConfigError
     if os.path.lexists(root) and not os.path.isdir(root):
         raise ConfigError(f"{what} {root} is a file, not a directory; give the path of a directory (it is created "
                           f"when absent)")
     if not create:
-        return
+        return None
+    top = None
+    d = os.path.abspath(root)
+    while not os.path.lexists(d) and os.path.dirname(d) != d:
+        top, d = d, os.path.dirname(d)
     try:
         os.makedirs(root, exist_ok=True)
     except NotADirectoryError:
@@ -186,3 +211,4 @@ def make_root(root: str, what: str = "checkpoint directory", create: bool = True
     except OSError as e:
         raise ConfigError(f"{what} {root}: cannot create it ({e.strerror or e}); give a directory you may "
                           f"write") from None
+    return top

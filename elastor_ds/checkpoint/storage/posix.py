@@ -44,7 +44,7 @@ class PosixStorage(Storage):
     # ------------------------------------------------------------------ write
     def set_up(self, comm: Comm, keep: int) -> None:
         self.keep = keep
-        make_root(self.root, create=comm.rank == 0)   # every rank raises the same typed error for a file
+        self.created = make_root(self.root, create=comm.rank == 0)   # every rank raises the same typed error for a file
 
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))

@@ -62,7 +62,7 @@ class TmpfsStorage(PosixStorage):
     def set_up(self, comm: Comm, keep: int) -> None:
         """Collective (one all-gather of (host, real path of the root))."""
         self.keep = keep
-        make_root(self.root, "memory snapshot directory")
+        self.created = make_root(self.root, "memory snapshot directory")
         key = (socket.gethostname(), os.path.realpath(self.root))
         keys = comm.all_gather_object(key)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]

@@ -141,7 +141,11 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     if ecfg.checkpoint is not None:
         engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
         if ecfg.checkpoint.load != "none":
-            engine.elastor.load()
+            try:
+                engine.elastor.load()
+            except BaseException:
+                engine.elastor.discard_if_unused()   # a rejected load leaves no empty folders of ours
+                raise
     return engine, optimizer, loader, sched
 
 
