@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import logging
+import warnings
 import os
 import sys
 
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:   # megatron-core's import-time notes (no Transformer Engine / Apex on this host) are not ours
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed", category=UserWarning)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
