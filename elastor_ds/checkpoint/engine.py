@@ -81,7 +81,7 @@ from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
-from .state import to_jsonable
+from .state import resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
 from .storage.base import check_root
 from .writer import ManifestTemplate, build_manifest, data_file_name, rank_header, write_rank_files, write_staged_rank_files
@@ -197,6 +197,7 @@ class _Job:
     header_crc: int = 0
     local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
     block_tables: Optional[list] = None   # staged in place: block CRCs taken during the copy (else the writer's)
+    deferred: bool = False   # extra / rank_state hold DeviceScalars (resolved by the writer)
 
 
 class CheckpointEngine:
@@ -332,8 +333,12 @@ class CheckpointEngine:
         t2 = time.perf_counter()
         stats = job.stats = SaveStats(step, sum(sp[1] for sp in spans), plan_s=t1 - t0, stall_s=t2 - t1,
                                       plan_cached=cached, wait_s=t0 - tw)
-        extra_j = to_jsonable(dict(extra or {}), "extra")
-        rank_j = to_jsonable(dict(rank_state or {}), "rank_state") if rank_state is not None else None
+        # one-element CUDA tensors (a step count, a loss scale) are read by the writer, not here: an
+        # .item() would wait for every kernel queued so far, on every snapshot
+        deferred: list = []
+        extra_j = to_jsonable(dict(extra or {}), "extra", deferred)
+        rank_j = to_jsonable(dict(rank_state or {}), "rank_state", deferred) if rank_state is not None else None
+        job.deferred = bool(deferred)
         args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
         self._saves += 1
         self._job = job
@@ -447,6 +452,8 @@ class CheckpointEngine:
         outcome: Any
         try:
             tw = time.perf_counter()
+            if job.deferred:   # the values of device scalars: wait for their copies here, off the training thread
+                extra, rank_state = resolve_deferred(extra), resolve_deferred(rank_state)
             if job.local_error is not None:
                 raise job.local_error
             if job.stale:

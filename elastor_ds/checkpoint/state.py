@@ -55,21 +55,71 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 _SCALARS = frozenset((bool, int, float, str, type(None)))
 
 
-def to_jsonable(obj: Any, where: str = "state") -> Any:
-    """Recursively convert tensors/numpy/tuples to JSON types; raise TypeError naming the key otherwise."""
+class DeviceScalar:
+    """The value of a one-element CUDA tensor (Adam's ``step``, a loss scale) as it is now, read
+    later by the writer thread: ``.item()`` on the training thread would wait for every kernel
+    queued before it, once per snapshot. The value is copied into pinned host memory behind those
+    kernels (same stream, nothing waits) and an event marks its arrival; :meth:`value` waits for
+    that event only."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, t: torch.Tensor):
+        self._host = torch.empty((), dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t.detach().reshape(()), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def value(self) -> Any:
+        self._event.synchronize()
+        return self._host.item()
+
+
+def scalar(t: torch.Tensor) -> Any:
+    """A one-element tensor's value for a checkpoint's JSON: a CPU tensor's now (a number), a CUDA
+    tensor's later (:class:`DeviceScalar`, resolved by :func:`resolve_deferred` in the writer)."""
+    return DeviceScalar(t) if t.is_cuda else t.item()
+
+
+def resolve_deferred(obj: Any) -> Any:
+    """``obj`` (what :func:`to_jsonable` returned) with every :class:`DeviceScalar` replaced by its
+    value (waits for their copies). Containers without one are returned as they are."""
+    if isinstance(obj, DeviceScalar):
+        return obj.value()
+    if isinstance(obj, dict):
+        return {k: resolve_deferred(v) for k, v in obj.items()}
+    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
+        return [resolve_deferred(v) for v in obj]
+    return obj
+
+
+def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) -> Any:
+    """Recursively convert tensors/numpy/tuples to JSON types; raise TypeError naming the key
+    otherwise. With ``deferred`` (a list), a one-element CUDA tensor becomes a
+    :class:`DeviceScalar` (no device sync here), also appended to ``deferred``; the caller resolves
+    them off the training thread (:func:`resolve_deferred`). Without it, they are read now."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, DeviceScalar):
+        if deferred is None:
+            return obj.value()
+        deferred.append(obj)
+        return obj
     if isinstance(obj, torch.Tensor):
+        if obj.numel() == 1 and obj.is_cuda and deferred is not None:
+            d = DeviceScalar(obj)
+            deferred.append(d)
+            return d
         return obj.item() if obj.numel() == 1 else obj.tolist()
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+        return {str(k): to_jsonable(v, f"{where}.{k}", deferred) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         if _SCALARS.issuperset(map(type, obj)):   # e.g. an RNG state: 600+ ints, no per-item call
             return list(obj)
-        return [to_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [to_jsonable(v, f"{where}[{i}]", deferred) for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
                     f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")

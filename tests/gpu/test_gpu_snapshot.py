@@ -124,3 +124,34 @@ def test_deferred_device_copy_is_ordered_before_the_next_update_by_the_fence(shm
     assert torch.equal(back, want)
     assert torch.equal(x, want * 3.0)
     eng.finalize()
+
+
+def test_cuda_scalars_in_the_state_cost_the_training_thread_no_device_sync(shm_root):
+    """Adam's ``step`` and a loss scale as one-element CUDA tensors in a snapshot's JSON state: the
+    training thread's save() runs under ``set_sync_debug_mode("error")`` (any synchronizing call,
+    e.g. ``.item()``, raises), and the snapshot holds the values as they were at save() even though
+    both tensors change right after it (oracle: the values set before the save)."""
+    eng = CheckpointEngine(shm_root, storage=TmpfsStorage(shm_root), keep=1, optimistic_plan=True)
+    eng.defer_device_copies = True
+    x = torch.randn(1024, 1024, device="cuda")
+    shards = [TensorShard("x", (1024, 1024), Region((0, 0), (1024, 1024)), x)]
+    eng.save(1, shards)   # the first save plans and maps its file (not the path under test)
+    eng.wait()
+    step = torch.tensor(41.0, device="cuda")
+    scale = torch.tensor(65536.0, device="cuda")
+    for _ in range(50):   # queued work the scalars' copies must not wait for on the CPU
+        x.mul_(1.0001)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.save(2, shards, extra={"optimizer": [{"scalars": {"step": {"value": step}}}]},
+                 rank_state={"grad_scaler": [{"scale": scale}]})
+        eng.fence()
+        step.add_(1.0)
+        scale.mul_(0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eng.wait()
+    res = eng.load(None, [TensorShard("x", (1024, 1024), Region((0, 0), (1024, 1024)), torch.zeros_like(x))])
+    assert res.extra["optimizer"][0]["scalars"]["step"]["value"] == 41.0
+    assert res.rank_state == {"grad_scaler": [{"scale": 65536.0}]}
+    eng.finalize()

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat, shards_from_pieces
+from ...checkpoint.state import scalar
 from ...errors import ConfigError
 from ...layout.region import Piece, Region
 from . import overrides
@@ -297,7 +298,8 @@ def optimizer_scalars(engine: Any, groups: Optional[list] = None) -> list[dict[s
         for sp in g.state_params[:1]:
             for k, v in opt.state[sp].items():
                 if isinstance(v, torch.Tensor) and v.numel() == 1 and sp.numel() != 1:
-                    scalars[k] = {"value": v.item(), "tensor": True, "dtype": str(v.dtype).replace("torch.", "")}
+                    # a CUDA step count is read by the engine's writer, not here (no device sync per snapshot)
+                    scalars[k] = {"value": scalar(v), "tensor": True, "dtype": str(v.dtype).replace("torch.", "")}
                 elif isinstance(v, (int, float)):
                     scalars[k] = {"value": v, "tensor": False}
         out.append({"hyper": hyper, "scalars": scalars})

@@ -51,7 +51,7 @@ from ...checkpoint.engine import LoadResult, SaveStats
 from ...checkpoint.session import Collected, CheckpointSession
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig, parse_memory_snapshot
 from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_pieces
-from ...checkpoint.state import capture_rng_state, restore_rng_state
+from ...checkpoint.state import capture_rng_state, restore_rng_state, scalar
 from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
 from ...layout import Layout
 from . import autoplan, overrides
@@ -611,7 +611,8 @@ def _scaler_states(optimizer: Any) -> Optional[list]:
         if sc is None or not hasattr(sc, "state_dict"):
             out.append(None)
             continue
-        out.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in sc.state_dict().items()})
+        # a CUDA scale stays a tensor here: the engine reads it off the training thread (no sync per snapshot)
+        out.append({k: (scalar(v) if torch.is_tensor(v) else v) for k, v in sc.state_dict().items()})
     return out if any(x is not None for x in out) else None
 
 
@@ -692,6 +693,7 @@ class MegatronState:
         self.loaded: dict[str, Any] = {}   # what the last load found (see restore)
         self.load_opts: dict[str, Any] = {}   # per load: no_optim, strict
         self._chosen: dict[str, Any] = {}
+        self._state_everywhere: Any = None   # the optimizer every rank was seen to hold Adam state for
 
     def bind(self, args: Any, model: Any, optimizer: Any, scheduler: Any, iteration: Optional[int] = None,
              flops: Optional[float] = None, non_persistent: bool = False) -> "MegatronState":
@@ -740,9 +742,13 @@ class MegatronState:
         if view is not None and not view.has_state():
             _warn_once("nostate", "elastor: optimizer has no state yet (no step taken); saving weights only")
             view = None
-        # every rank must agree (a DistributedOptimizer rank may own no element of a parameter)
-        if not all(self.comm.all_gather_object(view is not None)):
-            view = None
+        # every rank must agree (a DistributedOptimizer rank may own no element of a parameter); asked
+        # until every rank has state: Adam state, once there, stays (no collective per snapshot after that)
+        if self._state_everywhere is not optimizer:   # the same answer on every rank: all ask, or none does
+            if all(self.comm.all_gather_object(view is not None)):
+                self._state_everywhere = optimizer
+            else:
+                view = None
         shards = _shards(chunk, cfg, self.layout(), self.comm.rank, view, for_load=False, with_main=True)
         sched = self.scheduler
         extra = {
