@@ -57,9 +57,9 @@ def advise_huge_pages(addr: int, nbytes: int) -> bool:
 
 
 def _byte_run(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``nbytes`` bytes of ``t``'s storage from ``t``'s first element, as a uint8 tensor."""
+    """``nbytes`` bytes of ``t``'s storage from ``t``'s first element, as a uint8 tensor (on ``t``'s device)."""
     st = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8).set_(st, t.data_ptr() - st.data_ptr(), (nbytes,))
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, t.data_ptr() - st.data_ptr(), (nbytes,))
 
 
 def _tile_run_end(items: Sequence[WriteItem], i: int) -> int:
@@ -82,6 +82,8 @@ def _tile_run_end(items: Sequence[WriteItem], i: int) -> int:
 
 class _CopyProgram:
     """The CPU copies of one (items, shards, buffer): (destination array, source array) pairs."""
+
+    device = False
 
     def __init__(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor,
                  whole_boxes: bool = False):
@@ -150,6 +152,49 @@ class _CopyProgram:
         return (items is self.items and shards is self.shards and buf is self.buf and whole_boxes == self.whole_boxes
                 and len(shards) == len(self.tensors)
                 and all(sh.tensor is t for sh, t in zip(shards, self.tensors)))
+
+
+class _DeviceCopyProgram(_CopyProgram):
+    """The device-to-host copies of one (items, device shards, pinned buffer), as torch tensor
+    pairs: items adjacent in one device storage and in the buffer (a ZeRO flat partition's
+    pieces, a DDP bucket's parameters) merged into one ``copy_`` each, any other item copied alone
+    (strided ones through torch's own staging). Built once per plan and reused: without it every
+    snapshot looped over every item in Python, a view and a copy launch each, on the training
+    thread."""
+
+    def __init__(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor):
+        self.items, self.shards, self.buf, self.whole_boxes = items, shards, buf, False
+        self.device = True
+        self.tensors = [sh.tensor for sh in shards]
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (buffer view, source view)
+        self.spans: list[tuple[int, ...]] = []
+        self.total = sum(i.nbytes for i in items)
+        run: list = []   # [src tensor, src storage ptr, src start ptr, dst start, nbytes] of the open run
+
+        def close() -> None:
+            if run and run[4]:
+                self.pairs.append((buf[run[3]:run[3] + run[4]], _byte_run(run[0], run[4])))
+            run.clear()
+
+        pos = 0
+        for it in items:
+            sh = shards[it.shard]
+            src = region_view(sh.tensor, it.region.relative_to(sh.region))
+            n = it.nbytes
+            self.spans.append((pos, n))
+            if n and src.is_contiguous():
+                sid = src.untyped_storage().data_ptr()
+                if (run and run[1] == sid and run[2] + run[4] == src.data_ptr() and run[3] + run[4] == pos
+                        and run[0].device == src.device):
+                    run[4] += n
+                else:
+                    close()
+                    run.extend([src, sid, src.data_ptr(), pos, n])
+            elif n:
+                close()
+                self.pairs.append((buf[pos:pos + n].view(src.dtype).view(tuple(it.region.sizes)), src))
+            pos += n
+        close()
 
 
 class BlockCrcs:
@@ -283,8 +328,8 @@ class StagingBuffer:
         are in cache; they are left in :attr:`block_tables` (None when this copy could not take
         them, e.g. device shards or copies out of buffer order: the writer then reads the buffer)."""
         self.block_tables: list[list[int]] | None = None
-        prog = (next((p for p in self._programs if p.valid_for(items, shards, buf, whole_boxes)), None)
-                if buf is not None else None)
+        prog = (next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, whole_boxes)),
+                     None) if buf is not None else None)
         total = prog.total if prog is not None else sum(i.nbytes for i in items)
         if buf is None:
             buf = self.ensure(total)
@@ -293,7 +338,8 @@ class StagingBuffer:
         self.wait_device()
         if not any(sh.tensor.is_cuda for sh in shards):
             if prog is None:
-                prog = next((p for p in self._programs if p.valid_for(items, shards, buf, whole_boxes)), None)
+                prog = next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, whole_boxes)),
+                            None)
             if prog is None:
                 prog = _CopyProgram(items, shards, buf, whole_boxes)
                 self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
@@ -306,32 +352,23 @@ class StagingBuffer:
             for dst_t, src_t in prog.strided:
                 dst_t.copy_(src_t)
             return list(prog.spans)
-        spans = []
-        pos = 0
-        use_stream = False
-        for it in items:
-            sh = shards[it.shard]
-            src = region_view(sh.tensor, it.region.relative_to(sh.region))
-            n = it.nbytes
-            raw = buf[pos:pos + n]
-            if src.is_cuda:
-                use_stream = True
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream()
-                    self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream):
-                    raw.view(src.dtype).view(it.region.sizes).copy_(src, non_blocking=True)
-            elif src.is_contiguous() and n:
-                # a byte memcpy: numpy's copyto ran at ~11 GB/s here, torch's copy_ into a byte view at 5-7
-                np.copyto(raw.numpy(), src.reshape(-1).view(torch.uint8).numpy())
-            elif n and src.dim() == 2 and src.stride(1) == 1:
-                # a column tile: one memcpy per row (numpy, byte views of the strided source)
-                rows = src.shape[0]
-                np.copyto(raw.numpy().reshape(rows, -1), src.view(torch.uint8).numpy())
-            else:
-                raw.view(src.dtype).view(it.region.sizes).copy_(src)
-            spans.append((pos, n))
-            pos += n
+        dprog = next((p for p in self._programs if p.device and p.valid_for(items, shards, buf)), None)
+        if dprog is None:
+            dprog = _DeviceCopyProgram(items, shards, buf)
+            self._programs = [dprog, *self._programs[:self.MAX_PROGRAMS - 1]]
+        self._program = dprog
+        use_stream = any(src.is_cuda for _, src in dprog.pairs)
+        if use_stream:
+            # a side stream that starts after the work already queued (the values being saved)
+            self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for dst, src in dprog.pairs:
+                    dst.copy_(src, non_blocking=src.is_cuda)   # a CPU shard beside device ones: copied now
+        else:
+            for dst, src in dprog.pairs:
+                dst.copy_(src)
+        spans = list(dprog.spans)
         if use_stream:
             stream, self._stream = self._stream, None
             ev = torch.cuda.Event()

@@ -155,3 +155,25 @@ def test_cuda_scalars_in_the_state_cost_the_training_thread_no_device_sync(shm_r
     assert res.extra["optimizer"][0]["scalars"]["step"]["value"] == 41.0
     assert res.rank_state == {"grad_scaler": [{"scale": 65536.0}]}
     eng.finalize()
+
+
+def test_cuda_shards_of_one_flat_buffer_are_one_copy_and_the_program_is_reused(shm_root):
+    """200 parameters viewing one flat CUDA buffer (a ZeRO partition, a DDP bucket): the snapshot's
+    device-to-host copies merge into one ``copy_``, the program is built once for both saves, and
+    the snapshot restores bit for bit (oracle: the flat buffer)."""
+    from elastor_ds.checkpoint.staging import _DeviceCopyProgram
+    # one reused pinned staging buffer (a memory snapshot's destination is the file of the step)
+    eng = CheckpointEngine(shm_root, storage=PosixStorage(shm_root, sync=False), keep=1)
+    flat = torch.randn(200 * 4096, device="cuda")
+    shards = [TensorShard(f"p{i}", (4096,), Region((0,), (4096,)), flat[i * 4096:(i + 1) * 4096]) for i in range(200)]
+    for step in (1, 2):
+        flat.add_(1.0)
+        eng.save(step, shards)
+        eng.wait()
+    progs = [p for p in eng.staging._programs if isinstance(p, _DeviceCopyProgram)]
+    assert len(progs) == 1 and len(progs[0].pairs) == 1
+    back = torch.zeros_like(flat)
+    eng.load(None, [TensorShard(f"p{i}", (4096,), Region((0,), (4096,)), back[i * 4096:(i + 1) * 4096])
+                    for i in range(200)])
+    assert torch.equal(back, flat)
+    eng.finalize()

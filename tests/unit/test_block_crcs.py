@@ -142,3 +142,34 @@ def test_a_block_table_costs_about_four_bytes_an_entry_while_it_is_built():
         return b.result()[0]
     table, peak = traced(snapshot_copy)
     assert peak < bound and list(table) == want, ("BlockCrcs", peak, bound)
+
+
+def test_the_device_copy_program_merges_adjacent_items_and_copies_every_byte():
+    """The device-to-host copy program (built once per plan; before it, every snapshot of CUDA
+    shards looped over every item in Python on the training thread): items adjacent in one
+    storage and in the buffer become one copy, a column tile and a transposed bfloat16 tensor are
+    copied alone. Run here on CPU tensors (the same torch ``copy_`` calls a GPU runs with
+    ``non_blocking``); oracle: each item's bytes taken from its source tensor directly."""
+    from elastor_ds.checkpoint.planning.save_plan import WriteItem
+    from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.checkpoint.staging import _DeviceCopyProgram
+    from elastor_ds.layout.region import Region
+
+    flat = torch.randn(300_000)                      # a ZeRO flat partition: four parameters in a row
+    views = [flat[:100_000].view(200, 500), flat[100_000:150_000], flat[150_000:250_000].view(100, 1000),
+             flat[250_000:].view(50, 1000)]
+    c = torch.randn(70, 10)[:, 2:7]                  # a column tile
+    d = torch.randn(6, 6).to(torch.bfloat16).t()     # any other strides
+    srcs = [*views, c, d]
+    shards = [TensorShard(f"t{i}", tuple(t.shape), Region.full(tuple(t.shape)), t) for i, t in enumerate(srcs)]
+    items = [WriteItem(f"t{i}", Region.full(tuple(t.shape)), i, str(t.dtype).replace("torch.", ""))
+             for i, t in enumerate(srcs)]
+    buf = torch.zeros(sum(it.nbytes for it in items), dtype=torch.uint8)
+    prog = _DeviceCopyProgram(items, shards, buf)
+    assert len(prog.pairs) == 3                      # the four flat pieces as one copy, c, d
+    for dst, src in prog.pairs:
+        dst.copy_(src)
+    want = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in srcs)
+    assert buf.numpy().tobytes() == want
+    assert [s[1] for s in prog.spans] == [it.nbytes for it in items]
+    assert prog.valid_for(items, shards, buf) and not prog.valid_for(items, list(shards), buf)
