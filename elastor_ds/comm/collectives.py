@@ -140,7 +140,8 @@ class _Liveness:
         self._shared = shared_store  # a server-less store (FileStore, HashStore): used directly
         self._owner = _default_store() if address is not None else None
         self._store = self._client()
-        self._seq = 0
+        self._seq = 0        # arrivals that agree on a value (marks per rank)
+        self._plain = 0      # arrivals without a value (one shared counter)
         self._beat(self._store)  # visible before any collective of this group
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
@@ -215,6 +216,8 @@ class _Liveness:
         (bench/results/2026-12-03-load-fixed-costs.md). The background writer's group polls at a
         share of 1 (about the doubling pause): its waits delay no training step, and each poll
         costs CPU that a snapshot every iteration takes from training."""
+        if value is None:
+            return self._arrive_counted(what)
         self._seq += 1
         base = f"elastor/{self.tag}/arrive/{self._seq}"
         keys = [f"{base}/{r}" for r in range(self.world)]
@@ -232,42 +235,78 @@ class _Liveness:
                 if self._seq > 2:
                     self._store.delete_key(f"elastor/{self.tag}/arrive/{self._seq - 2}/done")
                 return verdict == b"1"
-            seen: dict[int, tuple[int, float]] = {}
-            # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
-            # is world - 1 more round trips (each also costs the store's host CPU)
-            hb_every = min(0.25, self.liveness_s / 20)
-            start = time.monotonic()
-            next_hb = start + hb_every
-            while not self._store.check([done]):
-                now = time.monotonic()
-                if now >= next_hb:
-                    next_hb = now + hb_every
-                    dead = []
-                    for r in range(self.world):
-                        if r == self.rank:
-                            continue
-                        beat = int(self._store.add(self._hb_key(r), 0))
-                        prev = seen.get(r)
-                        if prev is None or prev[0] != beat:
-                            seen[r] = (beat, now)
-                        elif now - prev[1] > self.liveness_s:
-                            dead.append(r)
-                    if dead:
-                        missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
-                        raise PeerFailedError(
-                            f"{what}: rank(s) {dead} stopped answering (no heartbeat for {self.liveness_s:g} s: "
-                            f"killed, hung or stopped); ranks {missing} never reached this collective",
-                            [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s")
-                             for r in dead], what)
-                time.sleep(min(0.05, max(0.001, (now - start) * self.poll_share)))
+            self._wait(what, lambda: self._store.check([done]),
+                       lambda: f"ranks {[r for r, k in enumerate(keys) if not self._store.check([k])]} never reached "
+                               f"this collective")
             # (a done key goes only when every rank has reached sequence + 2: this rank has not)
             return True if value is None else bytes(self._store.get(done)) == b"1"
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
-            raise PeerFailedError(f"{what}: the rendezvous store ({self.address or 'shared'}) did not answer within "
-                                  f"{self.liveness_s:g} s (the process hosting it died or hangs): {e}",
-                                  [RankFailure(-1, type(e).__name__, str(e))], what) from None
+            raise self._store_lost(what, e) from None
+
+    def _arrive_counted(self, what: str) -> bool:
+        """An arrival without a value: one shared counter per group, never reset. The k-th such
+        arrival of the group is complete once the counter reaches ``k * world`` (no rank passes
+        arrival k before every rank reached it, so the counter of arrival k stays within
+        ``((k-1) * world, k * world]`` until it completes). One store round trip for the last rank
+        to arrive, one plus the polls for the others, and no keys to delete: the marks and "done"
+        key of :meth:`arrive` with a value cost 3-5 round trips (each also the store's host CPU)."""
+        self._plain += 1
+        target = self._plain * self.world
+        key = f"elastor/{self.tag}/arrivals"
+        try:
+            got = [int(self._store.add(key, 1))]
+            if got[0] >= target:
+                return True
+
+            def complete() -> bool:
+                got[0] = int(self._store.add(key, 0))
+                return got[0] >= target
+            self._wait(what, complete,
+                       lambda: f"{target - got[0]} of {self.world} ranks never reached this collective")
+            return True
+        except PeerFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself is unreachable
+            raise self._store_lost(what, e) from None
+
+    def _wait(self, what: str, complete: Callable[[], bool], missing: Callable[[], str]) -> None:
+        """Poll ``complete`` (one store round trip) with pauses growing with the wait; raise
+        :class:`PeerFailedError` when a peer's heartbeat stops for ``liveness_s`` (``missing``
+        says who never arrived, for the message)."""
+        seen: dict[int, tuple[int, float]] = {}
+        # peers' heartbeats are read every hb_every s, not every poll: reading all heartbeats
+        # is world - 1 more round trips (each also costs the store's host CPU)
+        hb_every = min(0.25, self.liveness_s / 20)
+        start = time.monotonic()
+        next_hb = start + hb_every
+        while not complete():
+            now = time.monotonic()
+            if now >= next_hb:
+                next_hb = now + hb_every
+                dead = []
+                for r in range(self.world):
+                    if r == self.rank:
+                        continue
+                    beat = int(self._store.add(self._hb_key(r), 0))
+                    prev = seen.get(r)
+                    if prev is None or prev[0] != beat:
+                        seen[r] = (beat, now)
+                    elif now - prev[1] > self.liveness_s:
+                        dead.append(r)
+                if dead:
+                    raise PeerFailedError(
+                        f"{what}: rank(s) {dead} stopped answering (no heartbeat for {self.liveness_s:g} s: "
+                        f"killed, hung or stopped); {missing()}",
+                        [RankFailure(r, "PeerFailedError", f"no heartbeat for {self.liveness_s:g} s")
+                         for r in dead], what)
+            time.sleep(min(0.05, max(0.001, (now - start) * self.poll_share)))
+
+    def _store_lost(self, what: str, e: BaseException) -> PeerFailedError:
+        return PeerFailedError(f"{what}: the rendezvous store ({self.address or 'shared'}) did not answer within "
+                               f"{self.liveness_s:g} s (the process hosting it died or hangs): {e}",
+                               [RankFailure(-1, type(e).__name__, str(e))], what)
 
 
 def _default_store() -> Any:

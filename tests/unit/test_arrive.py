@@ -79,9 +79,55 @@ def test_a_long_sequence_with_random_skews_completes_and_keeps_few_keys():
         for t in ths:
             t.join(60)
         assert not errors and not any(t.is_alive() for t in ths)
-        assert lvs[0]._seq == lvs[1]._seq == 300
-        # per sequence number 3 keys (one per rank, done), the two newest kept, + 2 heartbeats
-        assert store.num_keys() <= 2 * 3 + 2, store.num_keys()
+        assert lvs[0]._plain == lvs[1]._plain == 300
+        # plain arrivals share one counter key: it + 2 heartbeats
+        assert store.num_keys() <= 1 + 2, store.num_keys()
+    finally:
+        _close(lvs)
+
+
+def test_three_ranks_mixing_plain_and_value_arrivals_stay_in_step():
+    """Plain arrivals (one shared counter) and value agreements (marks per rank) interleaved, three
+    ranks with random skews: every arrival completes only once all three reached it (each rank
+    records, when it leaves arrival k, how many ranks had entered it: always 3), the agreements
+    give the right verdicts, and the store keeps a bounded number of keys."""
+    store = dist.HashStore()
+    lvs = [C._Liveness(None, "t3", r, 3, 5.0, shared_store=store) for r in range(3)]
+    rng = random.Random(9)
+    plan = [rng.choice(("plain", "plain", "same", "differ")) for _ in range(200)]
+    skews = [[rng.choice((0, 0, 0.0005, 0.003)) for _ in plan] for _ in range(3)]
+    entered = [[0] * len(plan) for _ in range(1)][0]
+    lock = threading.Lock()
+    seen_at_exit: list[list[int]] = [[], [], []]
+    verdicts: list[list] = [[], [], []]
+    errors = []
+
+    def run(r):
+        try:
+            for k, kind in enumerate(plan):
+                time.sleep(skews[r][k])
+                with lock:
+                    entered[k] += 1
+                if kind == "plain":
+                    lvs[r].arrive("seq")
+                else:
+                    verdicts[r].append(lvs[r].arrive("eq", b"x" if kind == "same" or r else b"y"))
+                with lock:
+                    seen_at_exit[r].append(entered[k])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    try:
+        ths = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in ths)
+        assert all(v == [3] * len(plan) for v in seen_at_exit)
+        want = [k == "same" for k in plan if k != "plain"]
+        assert verdicts[0] == verdicts[1] == verdicts[2] == want
+        # the counter, value arrivals' two newest sequences (3 marks + done each), 3 heartbeats
+        assert store.num_keys() <= 1 + 2 * 4 + 3, store.num_keys()
     finally:
         _close(lvs)
 
@@ -92,7 +138,7 @@ def test_a_peer_that_never_arrives_and_stops_beating_is_named():
     lvs[1].close()   # its heartbeat stops; it never arrives
     try:
         t0 = time.monotonic()
-        with pytest.raises(PeerFailedError, match=r"rank\(s\) \[1\] stopped answering.*ranks \[1\] never reached"):
+        with pytest.raises(PeerFailedError, match=r"rank\(s\) \[1\] stopped answering.*1 of 2 ranks never reached"):
             lvs[0].arrive("the test's collective")
         assert time.monotonic() - t0 < 0.6 + 1.0
     finally:
@@ -106,10 +152,18 @@ class _Counting:
         self.store = store
         self.checks: dict[str, int] = {}
 
-    def check(self, keys):
+    def _count(self) -> None:
         name = threading.current_thread().name
         self.checks[name] = self.checks.get(name, 0) + 1
+
+    def check(self, keys):
+        self._count()
         return self.store.check(keys)
+
+    def add(self, key, amount):   # a plain arrival polls its group's counter with add(key, 0)
+        if amount == 0 and key.endswith("/arrivals"):
+            self._count()
+        return self.store.add(key, amount)
 
     def __getattr__(self, name):
         return getattr(self.store, name)
