@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 import uuid
 
@@ -100,6 +101,12 @@ def _check_log_dir(log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--log-dir {log_dir}: cannot create it ({e.strerror}); give a writable directory") from None
+    lst = os.lstat(log_dir)
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.getuid(), 0):
+        # the default log dir sits beside --events, often in a shared folder: a link another user
+        # planted there would choose where our folders go
+        raise ConfigError(f"--log-dir {log_dir}: is a symlink owned by uid {lst.st_uid}, not by you (planted by another "
+                          f"user?); remove it or give a --log-dir of your own")
     if not os.path.isdir(log_dir) or not os.access(log_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {log_dir}: not a writable directory; give a writable directory")
 
@@ -226,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     plot = args.plot or (f"{base}_timeline.png" if base else None)
     for flag, path in (("--events", events_path), ("--plot", args.plot and os.path.abspath(args.plot))):
         _check_parent(flag, path)
+    if plot and os.path.islink(plot):   # as for --events: never write through a link someone may have planted
+        raise ConfigError(f"--plot {plot}: is a symlink; remove it or name a file in a folder of your own")
     _check_log_dir(log_dir)
     # workers import this package through worker_main: make sure they find this copy of it
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -187,9 +187,37 @@ def timeline_png(events: list[dict], metrics: list[dict], path: str) -> bool:
     ax1.set_title("elastor run: loss and throughput; failures, relaunches and scale-ups marked")
     ax1.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    try:
+        replace_file(path, buf.getvalue())
+    except OSError as e:   # a report, never a reason to fail the run
+        log.warning("could not write the timeline %s: %s", path, e.strerror or e)
+        return False
     return True
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` as a new file: a temp file of our own in the same folder
+    (``O_EXCL | O_NOFOLLOW``), renamed over ``path``. A symlink someone planted at ``path`` is
+    replaced, never followed (``savefig(path)`` wrote through it into the link's target); an
+    entry of another user in a sticky folder makes the rename fail (EPERM), and nothing is written."""
+    import secrets
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_report(events_path: str, png_path: str | None = None) -> tuple[str, str | None]:
@@ -198,7 +226,6 @@ def write_report(events_path: str, png_path: str | None = None) -> tuple[str, st
     table = summary_table(events, metrics)
     png = None
     if png_path:
-        os.makedirs(os.path.dirname(os.path.abspath(png_path)) or ".", exist_ok=True)
         if timeline_png(events, metrics, png_path):
             png = png_path
     return table, png

@@ -115,3 +115,19 @@ def test_an_output_file_in_a_missing_folder_is_refused_and_no_folder_made(tmp_pa
     assert f"{flag} {target}: the folder {target.parent} does not exist" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["train.py"]   # nothing created
+
+
+def test_a_plot_path_that_is_a_symlink_is_refused(tmp_path):
+    """``--plot`` (or its default beside ``--events``) as a symlink: exit 2 at start, as ``--events``
+    is; the link's target is untouched (QA Q9)."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("ORIGINAL")
+    os.symlink(victim, tmp_path / "run_timeline.png")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--events", str(tmp_path / "run.jsonl"),
+                        str(script)], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert f"--plot {tmp_path / 'run_timeline.png'}: is a symlink" in p.stderr and "Traceback" not in p.stderr
+    assert victim.read_text() == "ORIGINAL"

@@ -239,3 +239,28 @@ def test_log_dir_owned_by_another_user_is_refused(tmp_path, nobody):
                         "--no-standby", "--log-dir", str(theirs), "--snapshot-dir", str(tmp_path / "snap"),
                         str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
     assert p.returncode == 0 and marker.exists(), p.stderr[-2000:]
+
+
+def test_default_log_dir_planted_as_a_symlink_by_another_user_is_refused(tmp_path, nobody):
+    """The default log dir sits beside ``--events`` (``<base>_logs``); in a shared sticky folder
+    another user plants it as a symlink to a directory of ours: exit 2 naming the link, nothing
+    created in its target (QA Q10: the controller made its folders there)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    _reachable(str(shared))
+    target = tmp_path / "mine"
+    target.mkdir()
+    uid, gid = nobody
+    link = shared / "run_logs"
+    r = subprocess.run(["/bin/ln", "-s", str(target), str(link)],
+                       preexec_fn=lambda: (os.setgroups([]), os.setgid(gid), os.setuid(uid)))
+    assert r.returncode == 0 and os.lstat(link).st_uid == uid
+    good = tmp_path / "good.py"
+    good.write_text("pass\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--events", str(shared / "run.jsonl"), "--snapshot-dir", str(tmp_path / "snap"),
+                        str(good)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert p.returncode == 2 and f"--log-dir {link}: is a symlink owned by uid {uid}" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and os.listdir(target) == []
