@@ -14,6 +14,7 @@ Returns what ``deepspeed.initialize`` returns.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 from ...errors import ConfigError
@@ -49,6 +50,16 @@ class ElastorEngineMixin:
         ok = True
         ec = self.elastor
         if ec is None or ec.cfg.deepspeed_native:
+            if ec is not None and save_latest and _same_dir(save_dir, ec.cfg.dir):
+                # one folder, two `latest` files: DeepSpeed's tag name would replace elastor's step
+                # pointer (or the other way round, depending on timing), and a resume then refuses it
+                save_latest = False
+                if not getattr(self, "_elastor_warned_latest", False):
+                    self._elastor_warned_latest = True
+                    log.warning("engine.save_checkpoint(%s): this is also the elastor checkpoint directory, whose "
+                                "'latest' names elastor's newest step; DeepSpeed's own files are written there "
+                                "without DeepSpeed's 'latest' (load them with engine.load_checkpoint(dir, "
+                                "tag='global_step<N>')), or give save_checkpoint a directory of its own", save_dir)
             ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,  # type: ignore[misc]
                                          save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         if ec is not None and ec.cfg.on_save_checkpoint:
@@ -56,9 +67,34 @@ class ElastorEngineMixin:
             ec.save()
         return ok
 
+    def load_checkpoint(self, load_dir, tag=None, *args: Any, **kwargs: Any):
+        """DeepSpeed's own loader, for DeepSpeed's own files. Without ``tag``, on a folder whose
+        ``latest`` is elastor's (it names a ``step_<N>`` directory), DeepSpeed would fail deep
+        inside with a bare AssertionError: say what to do instead."""
+        if tag is None and self.elastor is not None:
+            from ...checkpoint import commit as commit_mod
+            try:
+                name = commit_mod.read_latest(os.path.abspath(load_dir))
+            except Exception:  # noqa: BLE001 - not ours to judge: DeepSpeed reads it
+                name = None
+            if name is not None and commit_mod.step_of(os.path.basename(name)) is not None:
+                raise ConfigError(f"engine.load_checkpoint({load_dir}): its 'latest' names the elastor step "
+                                  f"{os.path.basename(name)}, "
+                                  f"not a DeepSpeed tag. elastor restores at initialize (\"elastor\": "
+                                  f"{{\"checkpoint\": {{\"load\": \"latest\"}}}}) or with engine.elastor.load("
+                                  f"{load_dir!r}); for DeepSpeed's own files pass tag='global_step<N>'")
+        return super().load_checkpoint(load_dir, tag, *args, **kwargs)  # type: ignore[misc]
+
     def elastor_client_state(self) -> dict[str, Any]:
         """The client state of the checkpoint resumed from (empty when none)."""
         return dict(self.elastor.state.client_state) if self.elastor is not None else {}
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 _CLASSES: dict[type, type] = {}
