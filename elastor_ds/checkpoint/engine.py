@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import numbers
+import operator
 import os
 import queue
 import threading
@@ -81,7 +83,7 @@ from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .staging import StagingBuffer
-from .state import resolve_deferred, to_jsonable
+from .state import from_jsonable, resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
 from .storage.base import check_root
 from .writer import ManifestTemplate, build_manifest, data_file_name, rank_header, write_rank_files, write_staged_rank_files
@@ -218,6 +220,10 @@ class CheckpointEngine:
         ``writer_sched``: ``"idle"`` (default) runs the writer under ``SCHED_IDLE`` until the
         training loop waits for it or ``writer_deadline_s`` seconds pass; ``"nice"`` keeps it at
         its nice value throughout (:mod:`.writer_sched`)."""
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"CheckpointEngine(root={root!r}): give the checkpoint directory as a path")
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
+            raise TypeError(f"keep={keep!r}: must be an integer >= 1 (committed checkpoints retention keeps)")
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         if block_size < 1:
@@ -277,6 +283,12 @@ class CheckpointEngine:
              rank_state: Optional[Mapping[str, Any]] = None, model: Optional[Mapping[str, Any]] = None,
              layout: Optional[Mapping[str, Any]] = None) -> SaveStats:
         """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit."""
+        step = _check_step(step)
+        if not isinstance(shards, (list, tuple)) or not all(isinstance(s, TensorShard) for s in shards):
+            bad = shards if not isinstance(shards, (list, tuple)) else next(s for s in shards if not isinstance(s, TensorShard))
+            raise TypeError(f"save(step, shards): shards must be a list of TensorShard (got {type(bad).__name__}); "
+                            f"wrap a whole tensor as full_shard(name, tensor), or build TensorShard(name, shape, "
+                            f"region, tensor) for a piece of a global tensor")
         tw = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
@@ -728,8 +740,22 @@ class CheckpointEngine:
             close_all(srcs)
         by_source = bytes_by_source(srcs)
         read = sum(by_source.values())   # measured: the reads plus the whole CRC tables they were checked with
-        return LoadResult(man.step, step_dir, dict(man.extra), rank_state, man, read, lplan.bytes_needed,
+        return LoadResult(man.step, step_dir, from_jsonable(dict(man.extra)), from_jsonable(rank_state), man, read,
+                          lplan.bytes_needed,
                           time.perf_counter() - t0, bytes_by_source=by_source)
+
+
+def _check_step(step: Any) -> int:
+    """A checkpoint step: an integer >= 0 (numpy and torch integers too), as the manifest's schema says."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)   # python, numpy and one-element torch integers
+    except TypeError:
+        raise TypeError(f"step={step!r}: must be an integer >= 0 (the optimizer step or iteration)") from None
+    if step < 0:
+        raise ValueError(f"step={step}: must be >= 0 (the optimizer step or iteration)")
+    return int(step)
 
 
 def _rank_state(data: bytes, step_dir: str, name: str) -> Any:

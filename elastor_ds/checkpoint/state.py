@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import base64
+import math
 import random
 import sys
 from typing import Any
@@ -106,11 +107,33 @@ def resolve_deferred(obj: Any) -> Any:
     """``obj`` (what :func:`to_jsonable` returned) with every :class:`DeviceScalar` replaced by its
     value (waits for their copies). Containers without one are returned as they are."""
     if isinstance(obj, DeviceScalar):
-        return obj.value()
+        v = obj.value()
+        return _float(v) if isinstance(v, float) else v
     if isinstance(obj, dict):
         return {k: resolve_deferred(v) for k, v in obj.items()}
     if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
         return [resolve_deferred(v) for v in obj]
+    return obj
+
+
+#: the JSON form of a float JSON cannot hold: ``{NONFINITE: "inf" | "-inf" | "nan"}`` (``best_val_loss =
+#: float("inf")`` in a DeepSpeed ``client_state`` is common; strict JSON has no such number)
+NONFINITE = "__elastor_float__"
+
+
+def _float(v: float) -> Any:
+    return v if math.isfinite(v) else {NONFINITE: repr(v)}
+
+
+def from_jsonable(obj: Any) -> Any:
+    """``obj`` as read back from a checkpoint's JSON, with the non-finite floats :func:`to_jsonable`
+    encoded restored (containers without one are returned as they are)."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and NONFINITE in obj and obj[NONFINITE] in ("inf", "-inf", "nan"):
+            return float(obj[NONFINITE])
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
+        return [from_jsonable(v) for v in obj]
     return obj
 
 
@@ -119,7 +142,9 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
     otherwise. With ``deferred`` (a list), a one-element CUDA tensor becomes a
     :class:`DeviceScalar` (no device sync here), also appended to ``deferred``; the caller resolves
     them off the training thread (:func:`resolve_deferred`). Without it, they are read now."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if isinstance(obj, float):
+        return _float(obj)
+    if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, DeviceScalar):
         if deferred is None:
@@ -131,16 +156,17 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
             d = DeviceScalar(obj)
             deferred.append(d)
             return d
-        return obj.item() if obj.numel() == 1 else obj.tolist()
+        return to_jsonable(obj.item() if obj.numel() == 1 else obj.tolist(), where)
     if isinstance(obj, np.generic):
-        return obj.item()
+        return to_jsonable(obj.item(), where)
     if isinstance(obj, np.ndarray):
-        return obj.tolist()
+        return to_jsonable(obj.tolist(), where)
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v, f"{where}.{k}", deferred) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        if _SCALARS.issuperset(map(type, obj)):   # e.g. an RNG state: 600+ ints, no per-item call
-            return list(obj)
+        types = set(map(type, obj))
+        if _SCALARS.issuperset(types):   # e.g. an RNG state: 600+ ints, no per-item call
+            return [_float(v) for v in obj] if float in types else list(obj)
         return [to_jsonable(v, f"{where}[{i}]", deferred) for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
                     f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -184,3 +185,64 @@ def test_optimistic_plan_drops_a_save_whose_shards_changed_and_replans(tmp_path)
     out_w, out_v = torch.zeros(4, 5), torch.zeros(3)
     res = eng.load(None, [full_shard("w", out_w), full_shard("v", out_v)])
     assert res.step == 3 and torch.equal(out_w, w * 2) and torch.equal(out_v, torch.ones(3))
+
+
+@pytest.mark.parametrize("step, err, msg", [(-1, ValueError, "step=-1: must be >= 0"),
+                                             ("1", TypeError, "step='1': must be an integer"),
+                                             (1.5, TypeError, "step=1.5: must be an integer"),
+                                             (True, TypeError, "step=True: must be an integer")])
+def test_a_bad_step_is_refused_before_anything_is_written(tmp_path, step, err, msg):
+    """QA Q7: -1 committed ``step_-00000001`` (and made it latest); a str or float step failed in a
+    format call deep inside."""
+    eng = CheckpointEngine(str(tmp_path))
+    with pytest.raises(err, match=msg):
+        eng.save(step, [full_shard("w", torch.ones(4))])
+    assert os.listdir(tmp_path) == []
+    eng.save(np.int64(2), [full_shard("w", torch.ones(4))])   # numpy and torch integers are steps
+    eng.save(torch.tensor(3), [full_shard("w", torch.ones(4))])
+    eng.wait()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000000002", "step_000000003"]
+
+
+@pytest.mark.parametrize("shards", [full_shard("w", torch.ones(4)), [torch.ones(4)], {"w": torch.ones(4)}])
+def test_shards_that_are_not_a_list_of_tensorshard_are_named(tmp_path, shards):
+    eng = CheckpointEngine(str(tmp_path))
+    with pytest.raises(TypeError, match="shards must be a list of TensorShard .*full_shard"):
+        eng.save(1, shards)
+
+
+@pytest.mark.parametrize("name", ["", "a\x1b[31mRED", "tab\there"])
+def test_a_tensor_name_the_reader_would_refuse_is_refused_at_save(tmp_path, name):
+    """QA Q6: these were committed (and became latest), then every load refused the manifest."""
+    from elastor_ds.errors import ShardingError
+    eng = CheckpointEngine(str(tmp_path))
+    with pytest.raises(ShardingError, match="names must be non-empty strings without control characters"):
+        eng.save(1, [full_shard(name, torch.ones(4))])
+    assert not os.path.exists(tmp_path / "latest") and not any(n.startswith("step_") for n in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("kw, msg", [({"keep": "2"}, "keep='2': must be an integer"),
+                                     ({"root": None}, "root=None")])
+def test_constructor_arguments_of_the_wrong_type_are_named(tmp_path, kw, msg):
+    args = {"root": str(tmp_path), **kw}
+    with pytest.raises(TypeError, match=msg):
+        CheckpointEngine(args.pop("root"), **args)
+
+
+def test_non_finite_floats_in_the_json_state_round_trip(tmp_path):
+    """``best_val_loss = float("inf")`` in a DeepSpeed client_state (QA Q5): strict JSON has no such
+    number, and the save failed later in the background ("Out of range float values"), killing
+    training. They are stored tagged and come back as floats. Oracle: the values saved."""
+    import math
+    eng = CheckpointEngine(str(tmp_path))
+    extra = {"client_state": {"best_val_loss": float("inf"), "hist": [1.0, float("nan"), -float("inf")],
+                              "t": torch.tensor([2.0, float("inf")]), "n": np.float32("-inf"), "ok": 0.5}}
+    eng.save(1, [full_shard("w", torch.ones(4))], extra=extra, rank_state={"s": float("nan")})
+    eng.wait()
+    res = eng.load(None, [full_shard("w", torch.zeros(4))])
+    cs = res.extra["client_state"]
+    assert cs["best_val_loss"] == math.inf and cs["n"] == -math.inf and cs["ok"] == 0.5
+    assert cs["hist"][0] == 1.0 and math.isnan(cs["hist"][1]) and cs["hist"][2] == -math.inf
+    assert cs["t"] == [2.0, math.inf] and math.isnan(res.rank_state["s"])
+    with open(os.path.join(commit_mod.resolve(str(tmp_path)), "manifest.json"), encoding="utf-8") as f:
+        assert "Infinity" not in f.read()   # the manifest stays strict JSON

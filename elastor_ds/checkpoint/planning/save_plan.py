@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 from ...errors import ShardingError
 from ...layout.region import Region
-from .manifest import DTYPE_SIZES
+from .manifest import DTYPE_SIZES, has_control_chars
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,10 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]]) -> SavePlan:
     for gid, metas in enumerate(reps):
         rank = groups[gid][0]
         for idx, m in enumerate(metas):
+            if m.name not in tensors and (not isinstance(m.name, str) or not m.name or has_control_chars(m.name)):
+                # the reader's schema refuses these: a checkpoint saved with one could never be loaded
+                raise ShardingError(f"tensor name {m.name!r} (rank {rank}): names must be non-empty strings without "
+                                    f"control characters; rename the shard")
             prev = tensors.setdefault(m.name, (m.shape, m.dtype))
             if prev != (m.shape, m.dtype):
                 raise ShardingError(f"tensor {m.name}: rank {rank} says shape {m.shape} dtype {m.dtype}, another "

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...checkpoint.state import from_jsonable
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.paths import check_tensor_name, safe_join
@@ -251,7 +252,7 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
     under ``dst``; returns the tag dir. Reads tensors in batches of about ``batch_bytes``."""
     step_dir = commit_mod.resolve(src)
     man = commit_mod.read_manifest(step_dir)
-    ex = man.extra
+    ex = from_jsonable(man.extra)   # client_state as saved (an inf best loss too)
     step = int(ex.get("global_steps", man.step))
     tag = f"global_step{step}"
     params = sorted(n[len(st.MODEL):] for n in man.tensors if st.is_model(n))

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...checkpoint.state import from_jsonable
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.convert import write_single_writer_checkpoint
 from ...checkpoint.reader import read_shards
@@ -475,7 +476,7 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                     for pc in pieces:
                         _view(local, pc.local).copy_(_view(full, pc.global_))
                     per_rank[(t, stage)][kind][lname] = local
-    ex = dict(can.man.extra or {})
+    ex = from_jsonable(dict(can.man.extra or {}))
     optim: dict[tuple[int, int], Any] = {}
     if has_opt:
         half = any(per_rank[(0, 0)]["model"][n].dtype in (torch.bfloat16, torch.float16)
