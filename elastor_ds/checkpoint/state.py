@@ -166,7 +166,7 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
     if isinstance(obj, (list, tuple)):
         types = set(map(type, obj))
         if _SCALARS.issuperset(types):   # e.g. an RNG state: 600+ ints, no per-item call
-            return [_float(v) for v in obj] if float in types else list(obj)
+            return [_float(v) if type(v) is float else v for v in obj] if float in types else list(obj)
         return [to_jsonable(v, f"{where}[{i}]", deferred) for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
                     f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")

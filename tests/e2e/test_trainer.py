@@ -72,6 +72,15 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
     cli("convert", src, str(tmp_path / "mlm"), "--to", "megatron", "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2", "--no-progress")
+    # Adam's step travels with the moments (QA Q3: the export wrote step 0 beside moments of step N)
+    import glob
+    from elastor_ds.checkpoint import commit as commit_mod
+    want = commit_mod.read_manifest(commit_mod.resolve(src)).extra["optimizer"][0]["scalars"]["step"]["value"]
+    files = sorted(glob.glob(str(tmp_path / "mlm" / "iter_*" / "mp_rank_*" / "model_optim_rng.pt")))
+    assert len(files) == 4 and want > 0
+    for f in files:
+        steps = {float(v["step"]) for v in torch.load(f, weights_only=False)["optimizer"]["state"].values()}
+        assert steps == {float(want)}, (f, steps, want)
     cli("convert", str(tmp_path / "mlm"), str(tmp_path / "back"), "--from", "megatron", "--no-progress")
     cli("convert", src, str(tmp_path / "c1"), "--to", "consolidated", "--no-progress")
     cli("convert", str(tmp_path / "back"), str(tmp_path / "c2"), "--to", "consolidated", "--no-progress")

@@ -236,7 +236,8 @@ def test_non_finite_floats_in_the_json_state_round_trip(tmp_path):
     import math
     eng = CheckpointEngine(str(tmp_path))
     extra = {"client_state": {"best_val_loss": float("inf"), "hist": [1.0, float("nan"), -float("inf")],
-                              "t": torch.tensor([2.0, float("inf")]), "n": np.float32("-inf"), "ok": 0.5}}
+                              "t": torch.tensor([2.0, float("inf")]), "n": np.float32("-inf"), "ok": 0.5,
+                              "mixed": ["warmup", 3, float("inf"), None]}}
     eng.save(1, [full_shard("w", torch.ones(4))], extra=extra, rank_state={"s": float("nan")})
     eng.wait()
     res = eng.load(None, [full_shard("w", torch.zeros(4))])
@@ -244,5 +245,6 @@ def test_non_finite_floats_in_the_json_state_round_trip(tmp_path):
     assert cs["best_val_loss"] == math.inf and cs["n"] == -math.inf and cs["ok"] == 0.5
     assert cs["hist"][0] == 1.0 and math.isnan(cs["hist"][1]) and cs["hist"][2] == -math.inf
     assert cs["t"] == [2.0, math.inf] and math.isnan(res.rank_state["s"])
+    assert cs["mixed"] == ["warmup", 3, math.inf, None]
     with open(os.path.join(commit_mod.resolve(str(tmp_path)), "manifest.json"), encoding="utf-8") as f:
         assert "Infinity" not in f.read()   # the manifest stays strict JSON

@@ -440,6 +440,22 @@ def legacy_args(cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> argparse.Names
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=it)
 
 
+def _deepspeed_adam_step(extra: dict) -> Optional[float]:
+    """Adam's step count of a checkpoint the DeepSpeed adapter wrote (a megatron-core GPT inside
+    DeepSpeed's engine: the step is a scalar of ``extra["optimizer"]``, not a tensor); None when
+    it records none. Exporting without it wrote step 0 beside moments of step N, so Adam's bias
+    correction was wrong on the first update after a resume."""
+    steps = set()
+    for group in extra.get("optimizer") or []:
+        sc = ((group or {}).get("scalars") or {}).get("step") if isinstance(group, dict) else None
+        if isinstance(sc, dict) and isinstance(sc.get("value"), (int, float)):
+            steps.add(float(sc["value"]))
+    if len(steps) > 1:
+        raise CheckpointError(f"the checkpoint's optimizer groups hold different Adam steps {sorted(steps)}; "
+                              f"Megatron-LM's optimizer keeps one")
+    return steps.pop() if steps else None
+
+
 def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None,
                   optimizer: bool = True) -> str:
     """Write a Megatron-LM legacy checkpoint for TP ``tp`` x PP ``pp`` under ``dst``: weights, and
@@ -481,7 +497,7 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
     if has_opt:
         half = any(per_rank[(0, 0)]["model"][n].dtype in (torch.bfloat16, torch.float16)
                    for n in per_rank[(0, 0)]["model"])
-        step = float(can.get(STEP_NAME).item()) if STEP_NAME in can.man.tensors else None
+        step = float(can.get(STEP_NAME).item()) if STEP_NAME in can.man.tensors else _deepspeed_adam_step(ex)
         scaler = next((x for x in (ex.get("grad_scaler") or []) if x), None)
         for key, kd in per_rank.items():
             params = {n: tuple(kd["model"][n].shape) for n in legacy_optim.param_order(list(kd["model"]))}
