@@ -89,6 +89,23 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
     assert set(b) <= set(a) and "decoder.layers.3.mlp.linear_fc1.weight" in b
     for k in b:
         assert torch.equal(a[k], b[k]), k
+    # torch_dist on a host without CUDA (QA Q2: megatron's writer synchronised CUDA and failed),
+    # through megatron's own dist_checkpointing, and back: the same weights
+    import dataclasses
+    import json
+
+    from elastor_ds.integrations.megatron.specs import GPTSpecConfig
+    model = commit_mod.read_manifest(commit_mod.resolve(src)).model
+    (tmp_path / "gpt.json").write_text(json.dumps({f.name: model[f.name] for f in dataclasses.fields(GPTSpecConfig)}))
+    cli("convert", src, str(tmp_path / "td"), "--to", "megatron", "--megatron-format", "torch_dist",
+        "--tensor-model-parallel-size", "2", "--no-progress")
+    cli("convert", str(tmp_path / "td"), str(tmp_path / "td_back"), "--from", "megatron", "--model-config",
+        str(tmp_path / "gpt.json"), "--no-progress")
+    cli("convert", str(tmp_path / "td_back"), str(tmp_path / "c3"), "--to", "consolidated", "--no-progress")
+    c = load_file(str(tmp_path / "c3" / "model.safetensors"))
+    assert set(c) == set(b)
+    for k in c:
+        assert torch.equal(a[k], c[k]), k
 
 
 @pytest.mark.parametrize("flags, msg", [

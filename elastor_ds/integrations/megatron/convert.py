@@ -51,6 +51,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
+from . import overrides
 from .specs import TE_FUSED_NORMS, GPTSpecConfig, canonical_name, gpt_tensor_specs
 from . import legacy_optim
 from .state import MOMENTS, STEP_NAME
@@ -594,7 +595,8 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
             os.makedirs(tmp_it, exist_ok=True)
         if world > 1:
             dist.barrier()
-        dist_checkpointing.save(sd, tmp_it)
+        with overrides.cpu_sync():   # megatron's writer calls torch.cuda.synchronize() even for host tensors
+            dist_checkpointing.save(sd, tmp_it)
         if rank == 0:
             with open(os.path.join(tmp[0], TRACKER), "w", encoding="utf-8") as f:
                 f.write(str(it))

@@ -109,8 +109,12 @@ TABLE: tuple[Override, ...] = (
         "new_state, device, graph_safe"),
     _mc("megatron.core.pipeline_parallel.schedules:torch", Kind.PATCH, (_SHIM,),
         "the schedules allocate with device='cuda' literals: their torch becomes a proxy mapping CUDA to CPU"),
-    _torch("torch.cuda:current_device", "megatron allocates on torch.cuda.current_device()", ""),
-    _torch("torch.cuda:synchronize", "p2p communication and the async writer synchronise", "device"),
+    Override("torch.cuda:current_device", Kind.PATCH, (_SHIM, _M + "convert.py"),
+             "megatron allocates on torch.cuda.current_device() (also the torch_dist writer's failure flag, "
+             "in a torch_dist export without CUDA: cpu_sync())", "", host="torch"),
+    Override("torch.cuda:synchronize", Kind.PATCH, (_SHIM, _M + "convert.py"),
+             "p2p communication and the async writer synchronise (also: a torch_dist export on a host "
+             "without CUDA, for the duration of dist_checkpointing.save: cpu_sync())", "device", host="torch"),
     _torch("torch.cuda:get_rng_state", "the model-parallel RNG tracker", "device"),
     _torch("torch.cuda:set_rng_state", "the model-parallel RNG tracker", "new_state, device"),
     _torch("torch.cuda:manual_seed", "model_parallel_cuda_manual_seed", "seed"),
@@ -176,6 +180,23 @@ TABLE: tuple[Override, ...] = (
 
 
 # ------------------------------------------------------------------ accessors (the only patching code)
+def cpu_sync():
+    """A ``with`` block for megatron's torch_dist writer on a host without CUDA: it synchronises
+    unconditionally before writing host tensors and puts its failure flag on
+    ``torch.cuda.current_device()``; without CUDA both calls can only raise. Here
+    ``synchronize`` is a no-op and the current device is the CPU for the block's duration; with
+    CUDA nothing changes."""
+    import contextlib
+
+    import torch
+    stack = contextlib.ExitStack()
+    if not torch.cuda.is_available():
+        from ..override_table import patched
+        stack.enter_context(patched(TABLE, "torch.cuda:synchronize", lambda *a, **k: None))
+        stack.enter_context(patched(TABLE, "torch.cuda:current_device", lambda: "cpu"))
+    return stack
+
+
 def patch(path: str, value: Any) -> Any:
     """Set the symbol at ``path`` (a PATCH/WRAP row of :data:`TABLE`) to ``value``; returns the old one."""
     return _patch(TABLE, path, value)
