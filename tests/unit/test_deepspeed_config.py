@@ -192,3 +192,22 @@ def test_a_session_rejected_after_set_up_removes_only_the_empty_folders_it_made(
     (tmp_path / "y" / "note.txt").write_text("user's")
     s3.discard_if_unused()
     assert (tmp_path / "y" / "note.txt").read_text() == "user's" and not (tmp_path / "y" / "ck3").exists()
+
+
+@pytest.mark.parametrize("section, msg", [
+    ({"plan": "auto", "model": {"num_layers": -4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                                "vocab_size": 97}}, "num_layers=-4"),
+    ({"plan": "auto", "model": {"hidden_size": 64}}, "elastor.model: "),
+    ({"plan": "auto", "profile": "/nonexistent/profile.json"}, "elastor.profile: /nonexistent/profile.json is not a file"),
+])
+def test_model_and_profile_values_are_checked_at_parse_time(section, msg):
+    """deepspeed.md: the section is validated once, at initialize (QA Q8: these passed initialize
+    and were refused only when a plan was made)."""
+    with pytest.raises(ConfigError, match=msg):
+        parse_elastor_section(section)
+
+
+def test_a_complete_model_without_num_layers_parses():
+    cfg = parse_elastor_section({"plan": "auto", "model": {"hidden_size": 64, "num_attention_heads": 4,
+                                                           "seq_length": 32, "vocab_size": 97}})
+    assert cfg.model == {"hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 97}

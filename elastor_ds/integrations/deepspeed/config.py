@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional, Union
 
 from ...checkpoint.settings import (CheckpointConfig, MemorySnapshotConfig, _check_object, _unknown, parse_checkpoint,
                                    parse_memory_snapshot, save_due)
-from ...errors import ConfigError
+from ...errors import ConfigError, ElastorError
 
 SECTION = "elastor"
 
@@ -89,9 +89,20 @@ def parse_elastor_section(section: Any) -> ElastorConfig:
         for k in model:
             if k not in fields:
                 raise _unknown(f"{SECTION}.model", k, fields)
+        try:   # the values too, here at initialize, not first when a plan is made (num_layers may come later)
+            ModelSpec(**{"num_layers": 1, **dict(model)})
+        except TypeError as e:
+            missing = sorted(f.name for f in dataclasses.fields(ModelSpec)
+                             if f.default is dataclasses.MISSING and f.name not in model and f.name != "num_layers")
+            raise ConfigError(f"{SECTION}.model: {e}" + (f"; give {', '.join(missing)}" if missing else "")) from None
+        except (ValueError, ElastorError) as e:
+            raise ConfigError(f"{SECTION}.model: {e}") from None
     profile = section.get("profile")
     if profile is not None and (not isinstance(profile, str) or not profile.strip()):
         raise ConfigError(f"{SECTION}.profile: expected a path to a profile JSON (elastor plan --profile format)")
+    if profile is not None and not os.path.isfile(profile):
+        raise ConfigError(f"{SECTION}.profile: {profile} is not a file; give a profile JSON (the file `elastor plan "
+                          f"--profile` reads), or leave the key out to plan from the cost model alone")
     return ElastorConfig(plan=plan, checkpoint=ckpt, memory_snapshot=mem,
                          model=dict(model) if model is not None else None,
                          profile=profile)
