@@ -313,6 +313,9 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
             print(table, flush=True)
             if png:
                 print(f"timeline: {png}", flush=True)
+            elif metrics_file(evs) is None:
+                print("(no metrics file: the iteration columns and the timeline come from the trainer's metrics; "
+                      "the example trainers write one with --metrics-file FILE)", flush=True)
         except Exception as e:  # noqa: BLE001 - the report must not turn a good run into a failure
             log.warning("could not write the report: %s", e)
     if agent.exit_code:

@@ -131,3 +131,15 @@ def test_a_plot_path_that_is_a_symlink_is_refused(tmp_path):
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert f"--plot {tmp_path / 'run_timeline.png'}: is a symlink" in p.stderr and "Traceback" not in p.stderr
     assert victim.read_text() == "ORIGINAL"
+
+
+def test_a_run_without_a_metrics_file_says_why_its_table_is_empty(tmp_path):
+    """QA Q4: the summary table was all dashes, with nothing saying the trainer's metrics file was missing."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--standalone",
+                        "--events", str(tmp_path / "run.jsonl"), str(script)], capture_output=True, text=True,
+                       timeout=180, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "(no metrics file: " in p.stdout and "--metrics-file FILE" in p.stdout, p.stdout[-2000:]
+    assert not (tmp_path / "run_timeline.png").exists()
