@@ -163,7 +163,13 @@ def resolve(path: str) -> str:
     _check_readable(path)
     if is_committed(path):
         return path
-    latest = read_latest(path)
+    try:
+        latest = read_latest(path)
+    except UnsafeCheckpointError:
+        fmt = foreign_format(path)
+        if fmt is None:
+            raise
+        raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint{import_hint(path, fmt)}") from None
     if latest is not None:
         _check_readable(latest)
         if not is_committed(latest):
@@ -177,7 +183,33 @@ def resolve(path: str) -> str:
     if _STEP_RE.match(os.path.basename(path)) or os.path.basename(path).startswith(TMP_PREFIX):
         raise IncompleteCheckpointError(f"{path} has no {MANIFEST_NAME}: the save never committed, so it is not a "
                                         f"checkpoint; load the previous step dir or the root")
-    raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint (no {MANIFEST_NAME}, no 'latest', no step_* dirs)")
+    fmt = foreign_format(path)
+    raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint (no {MANIFEST_NAME}, no 'latest', no step_* dirs)"
+                                  + (import_hint(path, fmt) if fmt else ""))
+
+
+def foreign_format(path: str) -> Optional[str]:
+    """The ``elastor convert --from`` format a directory that is not an elastor checkpoint looks
+    like (from its entries' names only), or None."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return None
+    if {"elastor_metadata.json", "model.safetensors"} <= names:
+        return "consolidated"
+    if "latest_universal" in names:
+        return "deepspeed-universal"
+    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") for n in names) or \
+            "metadata.json" in names and "common.pt" in names:
+        return "megatron"
+    if any(n.startswith("global_step") for n in names) or any(n.endswith("model_states.pt") for n in names):
+        return "deepspeed"
+    return None
+
+
+def import_hint(path: str, fmt: str) -> str:
+    return (f"; it looks like a {fmt} checkpoint: import it once with `elastor convert {path} DST --from {fmt}` "
+            f"and load DST")
 
 
 def check_manifest_paths(step_dir: str, man: Manifest) -> None:

@@ -717,8 +717,9 @@ class CheckpointEngine:
         if strict and len(shards_found) != len(shards):
             missing = next(s.name for s in shards if s.name not in man.tensors)
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
-                                      f"{len(man.tensors)} tensors; see `elastor inspect`); pass strict=False "
-                                      f"to skip missing tensors")
+                                      f"{len(man.tensors)} tensors; see `elastor inspect`): was it saved from "
+                                      f"another model? (CheckpointEngine.load(..., strict=False) skips missing "
+                                      f"tensors)")
         from .sources import DirSource, bytes_by_source, close_all, read_file
         srcs = [self.storage.source(step_dir)] if sources is None else list(sources(step_dir, man))
         if not srcs:

@@ -248,3 +248,30 @@ def test_non_finite_floats_in_the_json_state_round_trip(tmp_path):
     assert cs["mixed"] == ["warmup", 3, math.inf, None]
     with open(os.path.join(commit_mod.resolve(str(tmp_path)), "manifest.json"), encoding="utf-8") as f:
         assert "Infinity" not in f.read()   # the manifest stays strict JSON
+
+
+@pytest.mark.parametrize("fmt, entries", [
+    ("consolidated", {"elastor_metadata.json": "{}", "model.safetensors": ""}),
+    ("deepspeed-universal", {"latest_universal": "global_step4"}),
+    ("megatron", {"latest_checkpointed_iteration.txt": "40"}),
+    ("deepspeed", {"latest": "global_step5", "global_step5/mp_rank_00_model_states.pt": ""}),
+])
+def test_loading_another_format_names_it_and_the_import(tmp_path, fmt, entries):
+    """QA Q12: a "load" pointed at an export said only "holds no elastor checkpoint" (DeepSpeed's own
+    folder: "corrupt or crafted pointer"); it now names the format and the `elastor convert` that
+    imports it."""
+    from elastor_ds.errors import CheckpointNotFoundError
+    for rel, text in entries.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    eng = CheckpointEngine(str(tmp_path / "ours"))
+    with pytest.raises(CheckpointNotFoundError, match=f"looks like a {fmt} checkpoint: import it once with "
+                                                       f"`elastor convert {tmp_path} DST --from {fmt}`"):
+        eng.load(str(tmp_path), [full_shard("w", torch.zeros(4))])
+
+
+def test_a_crafted_latest_in_a_folder_of_no_known_format_is_still_refused_as_unsafe(tmp_path):
+    from elastor_ds.errors import UnsafeCheckpointError
+    (tmp_path / "latest").write_text("../../etc")
+    with pytest.raises(UnsafeCheckpointError, match="corrupt or crafted pointer"):
+        CheckpointEngine(str(tmp_path / "ours")).load(str(tmp_path), [full_shard("w", torch.zeros(4))])
