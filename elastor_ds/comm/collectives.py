@@ -204,9 +204,9 @@ class _Liveness:
         ``value`` (bytes), also agree on it: True on every rank iff every rank passed the same
         bytes (each rank's mark holds its value; a rank that finds every mark reads them all and
         writes the verdict into the "done" key, which the others read once they see it). Without
-        ``value``: True.
+        ``value``: True, through one shared counter (:meth:`_arrive_counted`).
 
-        Each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
+        With a value, each rank marks its arrival (a key of its own) and reads every rank's mark once; a rank
         that finds them all (the last to arrive, perhaps others too) sets one "done" key, which
         the others poll: a poll is one store round trip reading one key, whatever the world size.
         The pause between polls grows with the time already waited (``poll_share`` of it, 1 ms to
@@ -239,7 +239,7 @@ class _Liveness:
                        lambda: f"ranks {[r for r, k in enumerate(keys) if not self._store.check([k])]} never reached "
                                f"this collective")
             # (a done key goes only when every rank has reached sequence + 2: this rank has not)
-            return True if value is None else bytes(self._store.get(done)) == b"1"
+            return bytes(self._store.get(done)) == b"1"
         except PeerFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
