@@ -64,6 +64,15 @@ def nobody():
     return pw.pw_uid, pw.pw_gid
 
 
+def _plant_symlink(nobody, target, link):
+    """``ln -s target link`` run as the other user (the attacker); returns ``link``."""
+    uid, gid = nobody
+    r = subprocess.run(["/bin/ln", "-s", str(target), str(link)],
+                       preexec_fn=lambda: (os.setgroups([]), os.setgid(gid), os.setuid(uid)))
+    assert r.returncode == 0 and os.lstat(link).st_uid == uid
+    return link
+
+
 def _reachable(path: str) -> None:
     """Let other users traverse the folders above ``path`` (pytest's are 0700)."""
     p = os.path.dirname(os.path.abspath(path))
@@ -199,11 +208,7 @@ def test_planted_events_symlink_is_not_written_through(tmp_path, nobody):
     _reachable(str(shared))
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
-    uid, gid = nobody
-    link = shared / "events.jsonl"
-    r = subprocess.run(["/bin/ln", "-s", str(victim), str(link)],
-                       preexec_fn=lambda: (os.setgroups([]), os.setgid(gid), os.setuid(uid)))
-    assert r.returncode == 0 and os.lstat(link).st_uid == uid
+    link = _plant_symlink(nobody, victim, shared / "events.jsonl")
     good = tmp_path / "good.py"
     good.write_text("pass\n")
     logs = tmp_path / "logs"
@@ -251,11 +256,8 @@ def test_default_log_dir_planted_as_a_symlink_by_another_user_is_refused(tmp_pat
     _reachable(str(shared))
     target = tmp_path / "mine"
     target.mkdir()
-    uid, gid = nobody
-    link = shared / "run_logs"
-    r = subprocess.run(["/bin/ln", "-s", str(target), str(link)],
-                       preexec_fn=lambda: (os.setgroups([]), os.setgid(gid), os.setuid(uid)))
-    assert r.returncode == 0 and os.lstat(link).st_uid == uid
+    uid, _ = nobody
+    link = _plant_symlink(nobody, target, shared / "run_logs")
     good = tmp_path / "good.py"
     good.write_text("pass\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
