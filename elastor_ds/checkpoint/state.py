@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import base64
+import binascii
 import math
 import random
 import sys
@@ -134,6 +135,61 @@ def from_jsonable(obj: Any) -> Any:
         return {k: from_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
         return [from_jsonable(v) for v in obj]
+    return obj
+
+
+#: a tensor kept as a tensor in JSON (a DeepSpeed ``client_state``): ``{TENSOR: {"dtype", "shape", "data"}}``
+TENSOR = "__elastor_tensor__"
+#: the largest tensor a JSON state holds this way (bigger ones belong in the checkpoint's shards)
+MAX_JSON_TENSOR_BYTES = 1 << 20
+
+
+def tensors_to_json(obj: Any, where: str) -> Any:
+    """``obj`` with every tensor replaced by its tagged form (dtype, shape, base64 of its bytes), so
+    that :func:`tensors_from_json` gives tensors back where :func:`to_jsonable` would give lists
+    (DeepSpeed's ``load_checkpoint`` returns a ``client_state``'s tensors as tensors). Raises
+    TypeError naming the key for a tensor over :data:`MAX_JSON_TENSOR_BYTES`."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        n = t.numel() * t.element_size()
+        if n > MAX_JSON_TENSOR_BYTES:
+            raise TypeError(f"{where}: a tensor of {n} bytes; the JSON state holds tensors up to "
+                            f"{MAX_JSON_TENSOR_BYTES} bytes: save larger ones as checkpoint shards (TensorShard)")
+        data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if n else b""
+        return {TENSOR: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                         "data": base64.b64encode(data).decode()}}
+    if isinstance(obj, dict):
+        return {k: tensors_to_json(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
+        return [tensors_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    return obj
+
+
+def tensors_from_json(obj: Any) -> Any:
+    """The inverse of :func:`tensors_to_json` on what a checkpoint gives back; a malformed tagged
+    value raises ValueError."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and TENSOR in obj:
+            spec = obj[TENSOR]
+            try:
+                dtype = getattr(torch, spec["dtype"])
+                if not isinstance(dtype, torch.dtype):
+                    raise TypeError
+                shape = tuple(int(x) for x in spec["shape"])
+                raw = base64.b64decode(spec["data"], validate=True)
+            except (AttributeError, KeyError, TypeError, ValueError, binascii.Error):
+                raise ValueError(f"a malformed tensor in the checkpoint's JSON state: {str(spec)[:120]}") from None
+            numel = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if len(raw) != numel * itemsize:
+                raise ValueError(f"a tensor in the checkpoint's JSON state holds {len(raw)} bytes for shape {shape} "
+                                 f"of {spec['dtype']}")
+            if not raw:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        return {k: tensors_from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
+        return [tensors_from_json(v) for v in obj]
     return obj
 
 

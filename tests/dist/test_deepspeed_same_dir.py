@@ -30,7 +30,10 @@ def _worker(rank: int, world: int, ck: str, out: str) -> None:
     it = toy.batches(0, 0, 1, 2, 2)
     for _ in range(3):
         engine.train_batch(it)
-    engine.save_checkpoint(ck, client_state={"epoch": 7})   # DeepSpeed's files + an elastor checkpoint
+    import torch
+    client = {"epoch": 7, "best_val_loss": float("inf"), "seen": torch.arange(5, dtype=torch.int16),
+              "ema": torch.tensor([0.5, -1.25], dtype=torch.bfloat16)}
+    engine.save_checkpoint(ck, client_state=client)   # DeepSpeed's files + an elastor checkpoint
     engine.elastor.wait()
     res: dict = {}
     try:
@@ -52,8 +55,18 @@ def _resume(rank: int, world: int, ck: str, out: str) -> None:
     from ds_scenarios import build
     engine = build(dict(pp=2, dp=1, mb=2, gas=2, zero=1, elastor={"checkpoint": {"dir": ck, "load": "latest"}}))
     if rank == 0:
+        import math
+
+        import torch
+        cs = engine.elastor_client_state()
+        # QA Q5: tensors came back as lists and an inf failed the save; oracle: the values saved above
+        tensors_ok = (isinstance(cs["seen"], torch.Tensor) and cs["seen"].dtype == torch.int16
+                      and torch.equal(cs["seen"], torch.arange(5, dtype=torch.int16))
+                      and cs["ema"].dtype == torch.bfloat16
+                      and torch.equal(cs["ema"], torch.tensor([0.5, -1.25], dtype=torch.bfloat16)))
         with open(out, "w") as f:
-            json.dump({"start": int(engine.global_steps), "client": engine.elastor_client_state()}, f)
+            json.dump({"start": int(engine.global_steps), "epoch": cs["epoch"],
+                       "best_is_inf": cs["best_val_loss"] == math.inf, "tensors_ok": bool(tensors_ok)}, f)
     engine.elastor.finalize()
     dist.barrier()
 
@@ -71,4 +84,4 @@ def test_save_checkpoint_into_the_elastor_dir_keeps_both_loadable(tmp_path):
     run_world(_resume, 2, ck, out, timeout_s=180)
     with open(out) as f:
         got = json.load(f)
-    assert got == {"start": 3, "client": {"epoch": 7}}
+    assert got == {"start": 3, "epoch": 7, "best_is_inf": True, "tensors_ok": True}

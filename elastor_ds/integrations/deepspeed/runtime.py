@@ -19,7 +19,7 @@ from typing import Any, Optional
 from ...checkpoint import LoadResult, Manifest
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
-from ...checkpoint.state import capture_rng_state, restore_rng_state, to_jsonable
+from ...checkpoint.state import capture_rng_state, restore_rng_state, tensors_from_json, tensors_to_json, to_jsonable
 from ...errors import ConfigError
 from ...layout import Layout
 from . import overrides, state as st
@@ -56,6 +56,7 @@ class DeepSpeedState:
     def __init__(self, engine: Any):
         self.engine = engine
         self.client_state: dict[str, Any] = {}
+        self._client_json: Optional[tuple[Any, Any]] = None   # (the client_state dict, its JSON form)
         self._layout = engine_layout(engine)
         self._shards_cache: Optional[tuple[Any, list, list]] = None   # (state_fingerprint, shards, optimizer groups)
 
@@ -113,7 +114,7 @@ class DeepSpeedState:
             "zero_stage": int(eng.zero_optimization_stage()),
             "optimizer": st.optimizer_scalars(eng, groups),
             "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler") if sched is not None else None,
-            "client_state": _jsonable(self.client_state, "client_state"),
+            "client_state": self._client_state_json(),
         }
         import deepspeed
         model = {"framework": "deepspeed", "deepspeed_version": deepspeed.__version__,
@@ -123,6 +124,13 @@ class DeepSpeedState:
             model = {**geo_model, **{k: v for k, v in model.items() if k != "num_layers"},
                      "pipeline_layers": self._layout.num_layers}
         return Collected(shards=shards, extra=extra, rank_state={"rng": capture_rng_state()}, model=model)
+
+    def _client_state_json(self) -> Any:
+        """The client state's JSON, made once per ``save_checkpoint(client_state=...)`` (every
+        snapshot carries it; a CUDA tensor in it would otherwise be copied to the host each time)."""
+        if self._client_json is None or self._client_json[0] is not self.client_state:
+            self._client_json = (self.client_state, _client_json(self.client_state))
+        return self._client_json[1]
 
     def shards_for(self, man: Manifest) -> list:
         """This engine's shards for the checkpoint actually loaded (the engine reads its manifest)."""
@@ -156,7 +164,7 @@ class DeepSpeedState:
                 log.warning("checkpoint has LR scheduler state but the engine has no scheduler: ignored")
             else:
                 eng.lr_scheduler.load_state_dict(ex["lr_scheduler"])
-        self.client_state = dict(ex.get("client_state") or {})
+        self.client_state = tensors_from_json(dict(ex.get("client_state") or {}))
         tbs = ex.get("train_batch_size")
         if tbs is not None and int(tbs) != int(eng.train_batch_size()):
             log.warning("global batch changed from %s to %s samples: the loss curve will not continue exactly",
@@ -172,6 +180,14 @@ def ElastorCheckpointer(engine: Any, cfg: CheckpointConfig, memory: Optional[Mem
                         ) -> CheckpointSession:
     """Collective: the job's checkpoint session over a DeepSpeed engine (``engine.elastor``)."""
     return CheckpointSession(DeepSpeedState(engine), cfg, memory)
+
+
+def _client_json(state: dict[str, Any]) -> Any:
+    """A ``client_state`` as JSON, its tensors kept as tensors (:func:`tensors_to_json`)."""
+    try:
+        return to_jsonable(tensors_to_json(state, "client_state"), "client_state")
+    except TypeError as e:
+        raise ConfigError(f"{e} (elastor stores client_state as JSON in the manifest)") from None
 
 
 def _jsonable(obj: Any, where: str) -> Any:
