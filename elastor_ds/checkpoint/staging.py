@@ -162,9 +162,10 @@ class _DeviceCopyProgram(_CopyProgram):
     snapshot looped over every item in Python, a view and a copy launch each, on the training
     thread."""
 
+    device = True
+
     def __init__(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor):
         self.items, self.shards, self.buf, self.whole_boxes = items, shards, buf, False
-        self.device = True
         self.tensors = [sh.tensor for sh in shards]
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (buffer view, source view)
         self.spans: list[tuple[int, ...]] = []

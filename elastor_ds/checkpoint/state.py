@@ -104,17 +104,32 @@ def scalar(t: torch.Tensor) -> Any:
     return DeviceScalar(t) if t.is_cuda else t.item()
 
 
+_KEEP = object()
+
+
+def _rebuild(obj: Any, node: Any) -> Any:
+    """``obj`` (JSON-like: dicts, lists, leaves) rebuilt with ``node(x)`` in place of every part
+    ``x`` for which it returns something other than ``_KEEP``; lists of plain scalars (an RNG
+    state's 600+ ints) are taken as they are, without a call per item."""
+    out = node(obj)
+    if out is not _KEEP:
+        return out
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, node) for k, v in obj.items()}
+    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
+        return [_rebuild(v, node) for v in obj]
+    return obj
+
+
 def resolve_deferred(obj: Any) -> Any:
     """``obj`` (what :func:`to_jsonable` returned) with every :class:`DeviceScalar` replaced by its
-    value (waits for their copies). Containers without one are returned as they are."""
-    if isinstance(obj, DeviceScalar):
-        v = obj.value()
+    value (waits for their copies)."""
+    def node(x: Any) -> Any:
+        if not isinstance(x, DeviceScalar):
+            return _KEEP
+        v = x.value()
         return _float(v) if isinstance(v, float) else v
-    if isinstance(obj, dict):
-        return {k: resolve_deferred(v) for k, v in obj.items()}
-    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
-        return [resolve_deferred(v) for v in obj]
-    return obj
+    return _rebuild(obj, node)
 
 
 #: the JSON form of a float JSON cannot hold: ``{NONFINITE: "inf" | "-inf" | "nan"}`` (``best_val_loss =
@@ -127,15 +142,16 @@ def _float(v: float) -> Any:
 
 
 def from_jsonable(obj: Any) -> Any:
-    """``obj`` as read back from a checkpoint's JSON, with the non-finite floats :func:`to_jsonable`
-    encoded restored (containers without one are returned as they are)."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and NONFINITE in obj and obj[NONFINITE] in ("inf", "-inf", "nan"):
-            return float(obj[NONFINITE])
-        return {k: from_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
-        return [from_jsonable(v) for v in obj]
-    return obj
+    """``obj`` as read back from a checkpoint's JSON, with what :func:`to_jsonable` and
+    :func:`tensors_to_json` tagged restored: non-finite floats, tensors. A malformed tagged tensor
+    is a :class:`~elastor_ds.errors.CorruptCheckpointError`."""
+    def node(x: Any) -> Any:
+        if not isinstance(x, dict) or len(x) != 1:
+            return _KEEP
+        if x.get(NONFINITE) in ("inf", "-inf", "nan"):
+            return float(x[NONFINITE])
+        return _tensor_from_json(x[TENSOR]) if TENSOR in x else _KEEP
+    return _rebuild(obj, node)
 
 
 #: a tensor kept as a tensor in JSON (a DeepSpeed ``client_state``): ``{TENSOR: {"dtype", "shape", "data"}}``
@@ -146,7 +162,7 @@ MAX_JSON_TENSOR_BYTES = 1 << 20
 
 def tensors_to_json(obj: Any, where: str) -> Any:
     """``obj`` with every tensor replaced by its tagged form (dtype, shape, base64 of its bytes), so
-    that :func:`tensors_from_json` gives tensors back where :func:`to_jsonable` would give lists
+    that :func:`from_jsonable` gives tensors back where :func:`to_jsonable` would give lists
     (DeepSpeed's ``load_checkpoint`` returns a ``client_state``'s tensors as tensors). Raises
     TypeError naming the key for a tensor over :data:`MAX_JSON_TENSOR_BYTES`."""
     if isinstance(obj, torch.Tensor):
@@ -165,32 +181,23 @@ def tensors_to_json(obj: Any, where: str) -> Any:
     return obj
 
 
-def tensors_from_json(obj: Any) -> Any:
-    """The inverse of :func:`tensors_to_json` on what a checkpoint gives back; a malformed tagged
-    value raises ValueError."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and TENSOR in obj:
-            spec = obj[TENSOR]
-            try:
-                dtype = getattr(torch, spec["dtype"])
-                if not isinstance(dtype, torch.dtype):
-                    raise TypeError
-                shape = tuple(int(x) for x in spec["shape"])
-                raw = base64.b64decode(spec["data"], validate=True)
-            except (AttributeError, KeyError, TypeError, ValueError, binascii.Error):
-                raise ValueError(f"a malformed tensor in the checkpoint's JSON state: {str(spec)[:120]}") from None
-            numel = math.prod(shape)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if len(raw) != numel * itemsize:
-                raise ValueError(f"a tensor in the checkpoint's JSON state holds {len(raw)} bytes for shape {shape} "
-                                 f"of {spec['dtype']}")
-            if not raw:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-        return {k: tensors_from_json(v) for k, v in obj.items()}
-    if isinstance(obj, list) and not _SCALARS.issuperset(map(type, obj)):
-        return [tensors_from_json(v) for v in obj]
-    return obj
+def _tensor_from_json(spec: Any) -> torch.Tensor:
+    from ..errors import CorruptCheckpointError
+    try:
+        dtype = getattr(torch, spec["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError
+        shape = tuple(int(x) for x in spec["shape"])
+        raw = base64.b64decode(spec["data"], validate=True)
+    except (AttributeError, KeyError, TypeError, ValueError, binascii.Error):
+        raise CorruptCheckpointError(f"a malformed tensor in the checkpoint's JSON state: {str(spec)[:120]}") from None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if min(shape, default=0) < 0 or len(raw) != math.prod(shape) * itemsize:
+        raise CorruptCheckpointError(f"a tensor in the checkpoint's JSON state holds {len(raw)} bytes for shape "
+                                     f"{shape} of {spec['dtype']}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) -> Any:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...checkpoint.state import from_jsonable, tensors_from_json
+from ...checkpoint.state import from_jsonable
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.paths import check_tensor_name, safe_join
@@ -330,7 +330,7 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
           "skipped_steps": int(ex.get("skipped_steps", 0)), "global_steps": step,
           "global_samples": int(ex.get("global_samples", 0)), "dp_world_size": 1, "mp_world_size": 1,
           "ds_version": deepspeed.__version__, "universal_checkpoint_info": {}}
-    mp.update(tensors_from_json(ex.get("client_state") or {}))
+    mp.update(ex.get("client_state") or {})   # as saved: tensors as tensors (from_jsonable above)
     torch.save(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
     with open(os.path.join(dst, "latest_universal"), "w") as f:
         f.write(tag + "\n")

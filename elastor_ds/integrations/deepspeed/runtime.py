@@ -19,7 +19,7 @@ from typing import Any, Optional
 from ...checkpoint import LoadResult, Manifest
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
-from ...checkpoint.state import capture_rng_state, restore_rng_state, tensors_from_json, tensors_to_json, to_jsonable
+from ...checkpoint.state import capture_rng_state, restore_rng_state, tensors_to_json, to_jsonable
 from ...errors import ConfigError
 from ...layout import Layout
 from . import overrides, state as st
@@ -164,7 +164,7 @@ class DeepSpeedState:
                 log.warning("checkpoint has LR scheduler state but the engine has no scheduler: ignored")
             else:
                 eng.lr_scheduler.load_state_dict(ex["lr_scheduler"])
-        self.client_state = tensors_from_json(dict(ex.get("client_state") or {}))
+        self.client_state = dict(ex.get("client_state") or {})   # tensors and inf restored by the engine's load
         tbs = ex.get("train_batch_size")
         if tbs is not None and int(tbs) != int(eng.train_batch_size()):
             log.warning("global batch changed from %s to %s samples: the loss curve will not continue exactly",
