@@ -264,6 +264,29 @@ def run(args: argparse.Namespace) -> int:
         snapshot_dir.cleanup(snap)
 
 
+def _unreachable(cfg, why: str) -> ConfigError:
+    return ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach the rendezvous store ({why}); check the host "
+                       f"and port (the same on every node), that node 0 is up, and firewalls; the wait is bounded by "
+                       f"--rdzv-conf read_timeout=SECONDS (default 60, two attempts)")
+
+
+def _wait_for_store(cfg) -> None:
+    """c10d, a node that does not host the store: wait for it in Python (torch's C++ client would
+    print stack frames for every failed try), within torch's own bound."""
+    if cfg.rdzv_backend != "c10d" or cfg.rdzv_endpoint in ("", "localhost:0"):
+        return
+    from .rdzv_args import check_endpoint
+    from .store_probe import client_deadline_s, wait_for_store
+    host, port = check_endpoint(cfg.rdzv_endpoint)
+    deadline = client_deadline_s(host, cfg.rdzv_conf)
+    if deadline is None:
+        return
+    why = wait_for_store(host, port, deadline, on_wait=lambda e: log.info(
+        "waiting for the rendezvous store at %s (up to %g s; %s)", cfg.rdzv_endpoint, deadline, e))
+    if why is not None:
+        raise _unreachable(cfg, f"no connection within {deadline:g} s; last: {why}")
+
+
 def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: int, hi: int, nproc: int) -> int:
     from .agent import build_agent
     from .events import EventKind, EventLog
@@ -276,13 +299,11 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
     from .agent import RendezvousError, store_lost_reason, store_unreachable
+    _wait_for_store(cfg)
     try:
         agent = build_agent(cfg, events)
     except RendezvousError as e:   # the store never answered (c10d's connect timeout bounds the wait)
-        raise ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach the rendezvous store "
-                          f"({type(e).__name__}: {e}); check the host and port (the same on every node), that node 0 "
-                          f"is up, and firewalls; the wait is bounded by --rdzv-conf read_timeout=SECONDS "
-                          f"(default 60, two attempts)") from None
+        raise _unreachable(cfg, f"{type(e).__name__}: {e}") from None
     try:
         agent.run()
     except RendezvousError as e:   # closed by another node, timed out, ...: a message, not a traceback

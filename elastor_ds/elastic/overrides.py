@@ -97,6 +97,10 @@ TABLE: tuple[Override, ...] = (
        instance=True),
     _t(_MP + "subprocess_handler:SubprocessHandler._stderr", Kind.READ, (_STANDBY,), "the worker's stderr log file",
        instance=True),
+    # --- the c10d rendezvous backend (store_probe.py)
+    _t("torch.distributed.elastic.rendezvous.utils:_matches_machine_hostname", Kind.CALL, (_E + "store_probe.py",),
+       "whether torch hosts the c10d store on this node (is_host unset): only a client waits for the store in "
+       "Python first", "host", routed=True),
     # --- c10d, read below the elastic floor
     _t("torch.distributed.distributed_c10d:_get_default_store", Kind.CALL, ("elastor_ds/comm/collectives.py",),
        "the default process group's store (liveness beacons, store-based agreement)", ""),
@@ -119,6 +123,12 @@ def local_world_sizes(store: Any, group_world_size: int) -> list[int]:
     from torch.distributed.elastic.agent.server.api import _RoleInstanceInfo
     raw = store.multi_get([f"torchelastic/role_info/{i}" for i in range(group_world_size)])
     return [_RoleInstanceInfo.deserialize(b).local_world_size for b in raw]
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """torch's own rule for "``host`` is this machine" (the c10d backend then hosts the store)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    return bool(_matches_machine_hostname(host))
 
 
 def rendezvous_store(handler: Any) -> Any:

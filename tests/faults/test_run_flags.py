@@ -4,6 +4,7 @@ traceback, nothing started (issue 19: these exited 1 with "unexpected ...", and 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -143,3 +144,60 @@ def test_a_run_without_a_metrics_file_says_why_its_table_is_empty(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "(no metrics file: " in p.stdout and "--metrics-file FILE" in p.stdout, p.stdout[-2000:]
     assert not (tmp_path / "run_timeline.png").exists()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()   # nothing listens there now
+    return port
+
+
+def test_unreachable_store_is_one_line_without_cpp_frames(tmp_path):
+    """A node that is not the store's host and never reaches it (QA round 3, Q11): before, torch's
+    C++ client printed its stack frames ("frame #0: c10::Error...") for every failed try before our
+    one-line error. Now the wait happens in Python first: exit 2, the message, no frames, and the
+    wait is bounded by read_timeout (is_host given: one attempt)."""
+    port = _closed_port()
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--nproc-per-node", "1",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0,read_timeout=2", str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert f"--rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store (no connection within 2 s" \
+        in p.stderr, p.stderr[-3000:]
+    assert "frame #" not in p.stderr and "Traceback" not in p.stderr and "c10d" not in p.stderr, p.stderr[-3000:]
+    assert f"waiting for the rendezvous store at 127.0.0.1:{port}" in p.stderr
+    assert 2 <= elapsed < 40, elapsed
+
+
+def test_a_store_that_comes_up_late_is_waited_for(tmp_path):
+    """The other side of the same wait: the store's host starts 3 s after this node (is_host=0, as
+    with ``store_main``): the node waits in Python, then torch connects without a failed try, and the
+    job runs to exit 0 with no C++ frames on stderr."""
+    port = _closed_port()
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ['RANK'])\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    node = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--nproc-per-node", "1",
+                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0,read_timeout=30",
+                             str(script), str(tmp_path / "ran")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env)
+    time.sleep(3)
+    assert node.poll() is None, node.communicate()
+    store = subprocess.Popen([sys.executable, "-m", "elastor_ds.elastic.store_main", "--host", "127.0.0.1",
+                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        out, err = node.communicate(timeout=120)
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    assert node.returncode == 0, (node.returncode, err[-3000:])
+    assert (tmp_path / "ran").read_text() == "0"
+    assert "waiting for the rendezvous store" in err
+    assert "frame #" not in err and "Traceback" not in err, err[-3000:]
