@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
 def _unreachable(cfg, why: str) -> ConfigError:
     return ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach the rendezvous store ({why}); check the host "
                        f"and port (the same on every node), that node 0 is up, and firewalls; the wait is bounded by "
-                       f"--rdzv-conf read_timeout=SECONDS (default 60, two attempts)")
+                       f"--rdzv-conf read_timeout=SECONDS (twice it; default 60)")
 
 
 def _wait_for_store(cfg) -> None:

@@ -5,8 +5,9 @@ with a dump of C++ stack frames (dozens of ``frame #N`` lines per try) before th
 up. ``elastor run`` promises one line on stderr for a user error. So, before torch builds the
 rendezvous handler, a node that will connect as a client (``--rdzv-conf is_host=0``, or an endpoint
 that is not this machine, decided by torch's own rule) opens plain TCP connections to the endpoint
-until one is accepted or torch's own bound has passed: ``read_timeout`` seconds per attempt, two
-attempts when ``is_host`` is left to torch (it tries the client once more), one when it is given.
+until one is accepted or twice ``read_timeout`` has passed (torch's client, measured with
+``is_host=0,read_timeout=3``, gave up after 7-8 s: its C++ connect loop retries once more after the
+timeout).
 An endpoint that answers is then connected to by torch at once, without warnings; one that never
 does is a :class:`~elastor_ds.errors.ConfigError` naming the endpoint and the fix (exit 2).
 
@@ -34,12 +35,9 @@ def client_deadline_s(host: str, conf: dict, matches_this_machine: Optional[Call
     read_timeout = float(conf.get("read_timeout", DEFAULT_READ_TIMEOUT_S))
     if is_host is True:
         return None
-    if is_host is None:
-        matches = matches_this_machine or overrides.matches_machine_hostname
-        if matches(host):
-            return None   # torch hosts the store here (and falls back to a client only if the port is taken)
-        return 2 * read_timeout
-    return read_timeout
+    if is_host is None and (matches_this_machine or overrides.matches_machine_hostname)(host):
+        return None   # torch hosts the store here (and falls back to a client only if the port is taken)
+    return 2 * read_timeout
 
 
 def wait_for_store(host: str, port: int, deadline_s: float, *, connect: Callable = socket.create_connection,

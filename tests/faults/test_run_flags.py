@@ -158,7 +158,7 @@ def test_unreachable_store_is_one_line_without_cpp_frames(tmp_path):
     """A node that is not the store's host and never reaches it (QA round 3, Q11): before, torch's
     C++ client printed its stack frames ("frame #0: c10::Error...") for every failed try before our
     one-line error. Now the wait happens in Python first: exit 2, the message, no frames, and the
-    wait is bounded by read_timeout (is_host given: one attempt)."""
+    wait is bounded by twice read_timeout."""
     port = _closed_port()
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -169,11 +169,11 @@ def test_unreachable_store_is_one_line_without_cpp_frames(tmp_path):
                        env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
     elapsed = time.monotonic() - t0
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
-    assert f"--rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store (no connection within 2 s" \
+    assert f"--rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store (no connection within 4 s" \
         in p.stderr, p.stderr[-3000:]
     assert "frame #" not in p.stderr and "Traceback" not in p.stderr and "c10d" not in p.stderr, p.stderr[-3000:]
     assert f"waiting for the rendezvous store at 127.0.0.1:{port}" in p.stderr
-    assert 2 <= elapsed < 40, elapsed
+    assert 4 <= elapsed < 40, elapsed
 
 
 def test_a_store_that_comes_up_late_is_waited_for(tmp_path):

@@ -1,6 +1,5 @@
-"""The Python wait for a c10d store this node does not host (elastic/store_probe.py): torch's bound
-(read_timeout per attempt, two attempts when is_host is left to torch) and the connect loop, with a
-fake clock and fake connections."""
+"""The Python wait for a c10d store this node does not host (elastic/store_probe.py): who waits,
+for how long (twice read_timeout), and the connect loop, with a fake clock and fake connections."""
 from __future__ import annotations
 
 import socket
@@ -14,10 +13,10 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("conf, local, want", [
-    ({}, False, 120.0),                                   # torch's default read_timeout 60, tried twice
+    ({}, False, 120.0),                                   # torch's default read_timeout 60, twice
     ({"read_timeout": 5.0}, False, 10.0),
-    ({"is_host": False, "read_timeout": 5.0}, False, 5.0),   # given: one attempt
-    ({"is_host": False}, True, 60.0),                     # given: a client even on its own machine
+    ({"is_host": False, "read_timeout": 5.0}, False, 10.0),
+    ({"is_host": False}, True, 120.0),                    # given: a client even on its own machine
     ({"is_host": True}, False, None),                     # this node hosts the store
     ({}, True, None),                                     # torch decides this machine hosts it
 ])
