@@ -72,13 +72,13 @@ from .writer_sched import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, Write
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
-                      UnsafeCheckpointError, ranks_failed)
+                      ShardingError, UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, plan_save
 from .reader import read_shards
 from .sources import SourcesFor
-from .shards import TensorShard, dtype_name
+from .shards import TensorShard, conflicting_duplicate, dtype_name
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
@@ -314,7 +314,7 @@ class CheckpointEngine:
         else:
             cached = self.comm.all_equal(int(local_same)) and local_same
         if not cached:
-            self._plan_again(key)
+            self._plan_again(key, shards)
         plan = self._plan
         assert plan is not None
         t1 = time.perf_counter()
@@ -324,7 +324,7 @@ class CheckpointEngine:
             spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
             if not agreement.result():   # another rank's shards changed: plan again, copy again
                 cached = False
-                self._plan_again(key)
+                self._plan_again(key, shards)
                 plan = self._plan
                 items = plan.items[rank]
                 spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
@@ -361,11 +361,15 @@ class CheckpointEngine:
             self.wait()
         return stats
 
-    def _plan_again(self, key: tuple) -> None:
-        """Collective: gather every rank's shard metadata and make the save plan (same on every rank)."""
+    def _plan_again(self, key: tuple, shards: Sequence[TensorShard]) -> None:
+        """Collective: gather every rank's shard metadata and make the save plan (same on every rank).
+        A rank's problem with its own shards travels in the gather, so every rank raises it."""
         nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
         metas = [ShardMeta(*k) for k in key]
-        gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce))
+        gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce, conflicting_duplicate(shards)))
+        bad = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
+        if bad:
+            raise ShardingError(f"rank {bad[0][0]}: {bad[0][1]}")
         self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g[0]] for g in gathered])
         self._session = gathered[0][1]
         self._local_key = key

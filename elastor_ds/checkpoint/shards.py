@@ -63,3 +63,19 @@ def shards_from_flat(names: Sequence[str], shapes: Sequence[Sequence[int]],
 def full_shard(name: str, t: torch.Tensor) -> TensorShard:
     """The whole tensor (a replicated or unsharded tensor)."""
     return TensorShard(name, tuple(t.shape), Region.full(t.shape), t)
+
+
+def conflicting_duplicate(shards: Sequence[TensorShard]) -> "str | None":
+    """A message when two shards of one rank claim the same region of one tensor from different
+    memory (the save would keep one of them and drop the other silently); None otherwise. The same
+    view given twice (a tied weight passed under one name twice) is fine."""
+    seen: dict[tuple, TensorShard] = {}
+    for s in shards:
+        first = seen.setdefault((s.name, s.region), s)
+        if first is s:
+            continue
+        a, b = first.tensor, s.tensor
+        if (a.device, a.dtype, a.data_ptr(), a.stride()) != (b.device, b.dtype, b.data_ptr(), b.stride()):
+            return (f"tensor {s.name}: this rank gives region {s.region} twice, from two different tensors; only one "
+                    f"could be saved. Give each tensor a name of its own, or pass the shard once")
+    return None

@@ -293,3 +293,20 @@ def test_json_state_tensors_round_trip_with_dtype_and_shape_and_bad_forms_are_re
                 {"dtype": "float32", "shape": [1], "data": "!!"}, {"dtype": "float32", "shape": [-1, -1], "data": ""}):
         with pytest.raises(CorruptCheckpointError, match="tensor"):
             from_jsonable({"k": [{"__elastor_tensor__": bad}]})
+
+
+def test_one_region_given_twice_from_different_tensors_is_refused(tmp_path):
+    """QA Q7's last point: two shards of one rank with the same name and region but different data
+    were planned as one; the save kept one of them and dropped the other without a word. Now the
+    plan refuses it, naming the tensor; the same view given twice (a tied weight) still saves."""
+    from elastor_ds.errors import ShardingError
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    eng = CheckpointEngine(str(tmp_path))
+    with pytest.raises(ShardingError, match="tensor w: this rank gives region .* twice, from two different tensors"):
+        eng.save(1, [full_shard("w", a), full_shard("w", b)])
+    assert not any(n.startswith("step_") for n in os.listdir(tmp_path))
+    eng.save(2, [full_shard("w", a), full_shard("w", a), full_shard("v", b)])   # one view twice: fine
+    eng.wait()
+    out = torch.zeros(4)
+    eng.load(None, [full_shard("w", out)])
+    assert torch.equal(out, a)
