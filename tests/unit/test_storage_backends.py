@@ -23,7 +23,7 @@ from elastor_ds.checkpoint.shards import TensorShard
 from elastor_ds.checkpoint.sources import ChunkSource
 from elastor_ds.checkpoint.storage import Capabilities, PosixStorage, Storage, TmpfsStorage
 from elastor_ds.comm.collectives import Comm
-from elastor_ds.errors import AsyncSaveError, IncompleteCheckpointError
+from elastor_ds.errors import AsyncSaveError, ConfigError, IncompleteCheckpointError
 from elastor_ds.layout.region import Region
 
 SHAPE = (48, 40)
@@ -287,3 +287,27 @@ def test_the_engine_and_the_writer_leave_file_system_effects_to_the_storage():
                 if any(n == "shutil" or n.endswith("file_staging") for n in names) and node.col_offset == 0:
                     bad.append(f"{mod.__name__}:{node.lineno} imports {names}")
     assert bad == []
+
+
+def test_make_root_counts_only_the_folders_its_own_mkdir_made(tmp_path, monkeypatch):
+    """A folder another process makes between this call's look and its mkdir is not counted as
+    ours (before, the look alone decided, so a rejected start could rmdir another's empty folder)."""
+    from elastor_ds.checkpoint.storage import base
+    real_mkdir = os.mkdir
+    theirs = str(tmp_path / "a")
+
+    def racing_mkdir(path, *a, **k):
+        if path == theirs and not os.path.exists(theirs):
+            real_mkdir(theirs)   # the other process wins the race for a/
+        return real_mkdir(path, *a, **k)
+    monkeypatch.setattr(base.os, "mkdir", racing_mkdir)
+    root = str(tmp_path / "a" / "b" / "c")
+    assert base.make_root(root) == str(tmp_path / "a" / "b")
+    monkeypatch.setattr(base.os, "mkdir", real_mkdir)
+    assert os.path.isdir(root)
+    assert base.make_root(root) is None                  # all there: nothing made
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        (tmp_path / "f").write_text("x")
+        base.make_root(str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match="a component of the path is a file"):
+        base.make_root(str(tmp_path / "f" / "x"))

@@ -199,12 +199,23 @@ def make_root(root: str, what: str = "checkpoint directory", create: bool = True
                           f"when absent)")
     if not create:
         return None
-    top = None
+    missing = []   # the absent folders, top-most last
     d = os.path.abspath(root)
     while not os.path.lexists(d) and os.path.dirname(d) != d:
-        top, d = d, os.path.dirname(d)
+        missing.append(d)
+        d = os.path.dirname(d)
+    top = None   # the top-most folder this call's own mkdir made (one made meanwhile by another process is not)
     try:
-        os.makedirs(root, exist_ok=True)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise NotADirectoryError(d) from None
+                continue
+            if top is None:
+                top = d
+        os.makedirs(root, exist_ok=True)   # raises if root exists as something else meanwhile
     except NotADirectoryError:
         raise ConfigError(f"{what} {root}: a component of the path is a file, not a directory; give a directory "
                           f"path") from None
