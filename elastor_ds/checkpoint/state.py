@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import logging
 import math
 import random
 import sys
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -160,24 +163,30 @@ TENSOR = "__elastor_tensor__"
 MAX_JSON_TENSOR_BYTES = 1 << 20
 
 
-def tensors_to_json(obj: Any, where: str) -> Any:
+def tensors_to_json(obj: Any, where: str, oversize_as_list: bool = False) -> Any:
     """``obj`` with every tensor replaced by its tagged form (dtype, shape, base64 of its bytes), so
     that :func:`from_jsonable` gives tensors back where :func:`to_jsonable` would give lists
     (DeepSpeed's ``load_checkpoint`` returns a ``client_state``'s tensors as tensors). Raises
-    TypeError naming the key for a tensor over :data:`MAX_JSON_TENSOR_BYTES`."""
+    TypeError naming the key for a tensor over :data:`MAX_JSON_TENSOR_BYTES`; with
+    ``oversize_as_list`` (an import of someone's checkpoint) such a tensor is left as it is (the
+    JSON form makes it a list) and a warning names it."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         n = t.numel() * t.element_size()
         if n > MAX_JSON_TENSOR_BYTES:
+            if oversize_as_list:
+                log.warning("%s: a tensor of %d bytes is kept as a list of numbers (tensors up to %d bytes stay "
+                            "tensors in the JSON state)", where, n, MAX_JSON_TENSOR_BYTES)
+                return obj
             raise TypeError(f"{where}: a tensor of {n} bytes; the JSON state holds tensors up to "
                             f"{MAX_JSON_TENSOR_BYTES} bytes: save larger ones as checkpoint shards (TensorShard)")
         data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if n else b""
         return {TENSOR: {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
                          "data": base64.b64encode(data).decode()}}
     if isinstance(obj, dict):
-        return {k: tensors_to_json(v, f"{where}.{k}") for k, v in obj.items()}
+        return {k: tensors_to_json(v, f"{where}.{k}", oversize_as_list) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
-        return [tensors_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [tensors_to_json(v, f"{where}[{i}]", oversize_as_list) for i, v in enumerate(obj)]
     return obj
 
 

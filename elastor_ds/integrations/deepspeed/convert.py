@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...checkpoint.state import from_jsonable
+from ...checkpoint.state import from_jsonable, tensors_to_json
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.paths import check_tensor_name, safe_join
@@ -92,7 +92,7 @@ def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]]) -> dic
         "zero_stage": int((cfg.get("zero_optimization") or {}).get("stage", 0)),
         "optimizer": optimizer,
         "lr_scheduler": mp_sd.get("lr_scheduler"),
-        "client_state": client,
+        "client_state": tensors_to_json(client, "client_state", oversize_as_list=True),   # tensors stay tensors
         "imported_from": "deepspeed",
     }
 

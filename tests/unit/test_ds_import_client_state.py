@@ -1,0 +1,32 @@
+"""``elastor convert --from deepspeed``: a native checkpoint's client_state tensors come back as
+tensors (dtype, shape and bytes), as DeepSpeed's own ``load_checkpoint`` returns them; one over the
+JSON state's tensor limit stays a list of numbers, with a warning naming it, instead of failing the
+import. Oracle: the tensors put in."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from elastor_ds.checkpoint.state import MAX_JSON_TENSOR_BYTES, from_jsonable, to_jsonable
+from elastor_ds.integrations.deepspeed.convert import _engine_extra
+
+pytestmark = pytest.mark.unit
+
+
+def test_client_state_tensors_survive_an_import(caplog):
+    small = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    bf = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    big = torch.zeros(MAX_JSON_TENSOR_BYTES // 4 + 1)
+    mp_sd = {"module": {}, "global_steps": 5, "epoch": 7, "sampler": {"pos": small, "w": [bf, 3]}, "big": big}
+    with caplog.at_level(logging.WARNING):
+        extra = _engine_extra(mp_sd, [])
+    back = from_jsonable(json.loads(json.dumps(to_jsonable(extra, "extra"))))["client_state"]
+    assert back["epoch"] == 7
+    pos, w = back["sampler"]["pos"], back["sampler"]["w"]
+    assert pos.dtype == torch.int16 and torch.equal(pos, small)
+    assert w[0].dtype == torch.bfloat16 and torch.equal(w[0], bf) and w[1] == 3
+    assert isinstance(back["big"], list) and len(back["big"]) == big.numel()
+    assert "client_state.big: a tensor of" in caplog.text and "kept as a list" in caplog.text
