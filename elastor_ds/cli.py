@@ -37,9 +37,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("elastor_ds")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="elastor", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="elastor", description="The elastor command line: checkpoints (inspect, verify, convert), "
+                     "layouts (plan) and elastic runs (run).")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"elastor {_version()}",
+                        help="print the installed elastor_ds version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod_name in _SUBCOMMAND_MODULES:
         try:

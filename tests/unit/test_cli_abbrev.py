@@ -31,3 +31,12 @@ def test_subcommands_refuse_prefixes_too(argv, flag, capsys):
         main(argv)
     assert e.value.code == 2
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version(capsys):
+    """``elastor --version``, as pip-installed tools answer it: the distribution's version, exit 0."""
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"elastor {version('elastor_ds')}"
