@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 from tqdm import tqdm
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..layout.region import Region
+from ..layout.region import Region, first_overlap
 from .commit import read_manifest
 from .planning.manifest import Manifest
 from .fileformat import CODE_DTYPES, file_crc32, read_header
@@ -110,6 +110,10 @@ def coverage_problems(man: Manifest, names: Optional[Iterable[str]] = None) -> l
             if not Region.full(t.shape).contains(ch.region):
                 problems.append(Problem(t.name, f"chunk {ch.region} outside shape {t.shape}"))
             covered += ch.region.numel
+        hit = first_overlap([ch.region for ch in t.chunks])
+        if hit is not None:   # a parsed manifest never has one (its parser refuses it); a built one may
+            problems.append(Problem(t.name, f"chunks {t.chunks[hit[0]].region} and {t.chunks[hit[1]].region} "
+                                            f"overlap"))
         numel = Region.full(t.shape).numel
         if covered != numel:
             problems.append(Problem(t.name, f"chunks cover {covered} of {numel} elements"))

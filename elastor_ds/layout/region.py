@@ -92,6 +92,29 @@ class Region:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
 
 
+def first_overlap(regions: Sequence[Region]) -> "tuple[int, int] | None":
+    """Indices ``(i, j)``, ``i < j``, of two non-empty regions that share an element, or None when
+    they are pairwise disjoint. A sweep along the first dimension: each region is compared only
+    with those whose first-dimension range it meets (column tiles of one row band, not the whole
+    tensor's chunks)."""
+    live = [i for i, r in enumerate(regions) if not r.empty]
+    if len(live) < 2:
+        return None
+    if regions[live[0]].ndim == 0:   # scalars: any two hold the same element
+        return live[0], live[1]
+    live.sort(key=lambda i: regions[i].offsets[0])
+    active: list[int] = []
+    for i in live:
+        r = regions[i]
+        start = r.offsets[0]
+        active = [j for j in active if regions[j].ends[0] > start]
+        for j in active:
+            if r.intersect(regions[j]) is not None:
+                return min(i, j), max(i, j)
+        active.append(i)
+    return None
+
+
 @dataclass(frozen=True)
 class Piece:
     """A part of a rank's *local* tensor and the part of the *global* tensor it holds.

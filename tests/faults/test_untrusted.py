@@ -407,3 +407,31 @@ def test_import_sources_that_are_not_checkpoints_exit_2_naming_why(tmp_path, fmt
     dst = tmp_path / "dst"
     assert_one_line_failure(elastor("convert", str(src), str(dst), "--from", fmt, "--no-progress"), 2, *words)
     assert not dst.exists()
+
+
+def test_overlapping_chunks_that_hide_a_gap_are_refused(tmp_path):
+    """QA round 4, Q4-1: a manifest whose chunk 1 was made a copy of chunk 0 (checksum recomputed)
+    covers as many elements as the good one, so a count passed it: verify said OK, the export wrote
+    uninitialised memory into the uncovered rows and a resume took it. The parser now refuses
+    overlapping chunks: verify and export fail in one line naming the chunks, nothing is written,
+    and a load with fallback takes the step before it. Oracle: the tensors saved."""
+    root = str(tmp_path / "ck")
+    w1, w2 = torch.arange(128.0).reshape(16, 8), -torch.arange(128.0).reshape(16, 8)
+    eng = CheckpointEngine(root, async_save=False)
+    for step, w in ((1, w1), (2, w2)):   # two row halves: two chunks of one tensor
+        eng.save(step, [TensorShard("w", SHAPE, Region((0, 0), (8, 8)), w[:8]),
+                        TensorShard("w", SHAPE, Region((8, 0), (8, 8)), w[8:])])
+    step_dir = os.path.join(root, "step_000000002")
+
+    def dup(m):
+        m["tensors"]["w"]["chunks"][1] = dict(m["tensors"]["w"]["chunks"][0])
+    _edit_manifest(step_dir, dup)
+    assert_one_line_failure(elastor("verify", step_dir), 1, "chunks whose regions do not overlap")
+    dst = str(tmp_path / "out")
+    assert_one_line_failure(elastor("convert", step_dir, dst, "--to", "consolidated", "--no-progress"), 1,
+                            "chunks whose regions do not overlap")
+    assert not os.path.exists(dst)
+    out = torch.zeros(SHAPE)
+    res = CheckpointEngine(root, async_save=False).load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), out)],
+                                                         fallback=True)
+    assert res.step == 1 and torch.equal(out, w1)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ...errors import FormatVersionError, ManifestError
-from ...layout.region import Region
+from ...layout.region import Region, first_overlap
 
 FORMAT_NAME = "elastor"
 FORMAT_VERSION = 2
@@ -483,4 +483,12 @@ def _parse_tensor(v: _V, name: str, t: Any, files: Mapping[str, FileEntry]) -> T
             if (index + blocks.count(length)) * CRC_ENTRY_BYTES > files[table].size:
                 raise v.fail(cp + ".blocks.index", f"entries inside {table} ({files[table].size} bytes)", index)
         chunks.append(Chunk(fname, key, region, off, length, crc, blocks))
+    # chunks never overlap (the save plan cuts overlapping holdings into a grid): an overlap can
+    # hide a gap of the same size from every count of covered elements, and a load or export would
+    # then leave those elements as they were (uninitialised memory in an export)
+    hit = first_overlap([c.region for c in chunks])
+    if hit is not None:
+        i, j = hit
+        raise v.fail(p + ".chunks", "chunks whose regions do not overlap",
+                     f"chunks[{i}] {chunks[i].region} and chunks[{j}] {chunks[j].region}")
     return TensorEntry(name, shape, dtype, tuple(chunks))
