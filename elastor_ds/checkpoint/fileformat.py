@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from .paths import open_regular
 from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
-from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES
+from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES, strict_json
 from .writer_sched import thread_target
 
 WRITE_BLOCK = 32 * 1024 * 1024
@@ -332,8 +332,8 @@ def read_header(path: str) -> tuple[dict, int]:
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: data file is missing") from None
     try:
-        return json.loads(text), 8 + n
-    except json.JSONDecodeError as e:
+        return strict_json(text), 8 + n
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from None
 
 

@@ -435,3 +435,25 @@ def test_overlapping_chunks_that_hide_a_gap_are_refused(tmp_path):
     res = CheckpointEngine(root, async_save=False).load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), out)],
                                                          fallback=True)
     assert res.step == 1 and torch.equal(out, w1)
+
+
+@pytest.mark.parametrize("edit", ['"x":NaN,', '"x":-Infinity,', '"x":1e999,'])
+def test_non_finite_numbers_in_a_manifest_are_a_corrupt_manifest(tmp_path, edit):
+    """QA round 4, Q4-2: ``NaN``, ``Infinity`` or ``1e999`` in a manifest passed the JSON parser and
+    failed in the checksum's ``json.dumps`` as a bare ValueError: "unexpected ValueError" from the
+    CLI, a traceback instead of a fallback on resume. Now they are a ManifestError: one line naming
+    the file from verify, and a load with fallback takes the step before it."""
+    root = str(tmp_path / "ck")
+    eng = CheckpointEngine(root, async_save=False)
+    for step in (1, 2):
+        eng.save(step, [TensorShard("w", SHAPE, Region.full(SHAPE), torch.full(SHAPE, float(step)))])
+    p = os.path.join(root, "step_000000002", "manifest.json")
+    text = open(p).read()
+    assert text.startswith("{")
+    with open(p, "w") as f:
+        f.write("{" + edit + text[1:])
+    assert_one_line_failure(elastor("verify", root), 1, p, "not valid JSON")
+    out = torch.zeros(SHAPE)
+    res = CheckpointEngine(root, async_save=False).load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), out)],
+                                                         fallback=True)
+    assert res.step == 1 and torch.equal(out, torch.full(SHAPE, 1.0))

@@ -280,10 +280,28 @@ class _V:
         return v
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text[:40]} is out of a float's range")
+    return x
+
+
+def strict_json(text: "str | bytes") -> Any:
+    """``json.loads`` of strict JSON: ``NaN``, ``Infinity`` and numbers beyond a float's range
+    (``1e999``) are refused with a ValueError (a writer never emits them: non-finite values are
+    stored tagged), not let through to fail later where nobody expects a float."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
 def _json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+        return strict_json(text)
+    except (ValueError, RecursionError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ManifestError(f"{where}: not valid JSON ({e}); the manifest is corrupt") from None
 
 
