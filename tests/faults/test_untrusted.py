@@ -457,3 +457,28 @@ def test_non_finite_numbers_in_a_manifest_are_a_corrupt_manifest(tmp_path, edit)
     res = CheckpointEngine(root, async_save=False).load(None, [TensorShard("w", SHAPE, Region.full(SHAPE), out)],
                                                          fallback=True)
     assert res.step == 1 and torch.equal(out, torch.full(SHAPE, 1.0))
+
+
+@pytest.mark.parametrize("evil", ["evil\u202eTXT.exe", "a\u200bb", "x\u2066y\u2069", "w\ufeff"])
+def test_invisible_formatting_characters_in_names_are_refused(ckpt, evil):
+    """QA round 4, Q4-7: a right-to-left override or a zero-width space in a tensor name passed the
+    control-character check and reached ``inspect`` raw (a crafted checkpoint could make one name
+    print as another). They are refused as control characters are; a plain non-ASCII name is not."""
+    root, step_dir, _, _ = ckpt
+
+    def edit(m):
+        m["tensors"][evil] = m["tensors"].pop("a")
+    _edit_manifest(step_dir, edit)
+    for cmd in (["inspect", root], ["verify", root]):
+        p = elastor(*cmd)
+        assert_one_line_failure(p, 1, "invisible formatting")
+        assert evil not in p.stdout + p.stderr
+
+
+def test_plain_non_ascii_tensor_names_still_round_trip(tmp_path):
+    root = str(tmp_path / "ck")
+    name = "модель.wéight.层"
+    CheckpointEngine(root, async_save=False).save(1, [TensorShard(name, SHAPE, Region.full(SHAPE), torch.ones(SHAPE))])
+    out = torch.zeros(SHAPE)
+    CheckpointEngine(root, async_save=False).load(None, [TensorShard(name, SHAPE, Region.full(SHAPE), out)])
+    assert torch.equal(out, torch.ones(SHAPE))

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -219,13 +220,20 @@ def dumps_compact_with_checksum(d: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ schema
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# controls (C0, C1), invisible formatting characters (bidirectional overrides and isolates, zero-width
+# spaces and joiners, the byte order mark, ...), line and paragraph separators, lone surrogates
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 
 
 def has_control_chars(name: str) -> bool:
     """``name`` holds a control character (an escape sequence printed by ``inspect`` or ``verify``
-    would act on the user's terminal): refused in every tensor and file name a manifest gives."""
-    return _CONTROL.search(name) is not None
+    would act on the user's terminal) or an invisible formatting one (a right-to-left override or a
+    zero-width space would make a printed name read as another): refused in every tensor and file
+    name a manifest gives."""
+    if name.isascii():   # the usual name: one C-speed scan
+        return _ASCII_CONTROL.search(name) is not None
+    return any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in name)
 
 
 def is_plain_name(name: Any) -> bool:
@@ -329,7 +337,7 @@ def _files(v: "_V", d: Mapping[str, Any]) -> dict[str, "FileEntry"]:
     for name, fe in v.obj(v.req(d, "files", "files"), "files").items():
         p = f"files[{name!r}]"
         if not is_relative_subpath(name) or has_control_chars(name):
-            raise v.fail(p, "a file name inside the step directory, without control characters", name)
+            raise v.fail(p, "a file name inside the step directory, without control characters (or invisible formatting ones)", name)
         fe = v.obj(fe, p)
         files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
                                 v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
@@ -365,7 +373,7 @@ def _parse(d: Any, where: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for name, t in v.obj(v.req(d, "tensors", "tensors"), "tensors").items():
         if not name or has_control_chars(name):
-            raise v.fail("tensors", "tensor names that are non-empty and without control characters", name)
+            raise v.fail("tensors", "tensor names that are non-empty and without control characters (or invisible formatting ones)", name)
         tensors[name] = _parse_tensor(v, name, t, files)
     return Manifest(step=step, tensors=tensors, files=files, layout=d.get("layout"), model=d.get("model"),
                     extra=extra, rank_state_files=rank_state_files, world_size=world,
