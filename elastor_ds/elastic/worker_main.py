@@ -6,7 +6,8 @@ After a stop the ranks agreed on (the checkpoint is durable by then), the proces
 instead of running the interpreter's teardown (seconds with torch, DeepSpeed and gloo loaded): the
 relaunch starts sooner. A failure (an exception, a non-zero exit) exits at once too, with its code:
 a teardown with gloo threads still running can abort the process (SIGABRT), which reads as a device
-fault. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
+fault. An elastor ``ConfigError`` escaping the script (a misspelt ``"elastor"`` config key, say) is
+exit 2, which ``elastor run`` does not retry: every relaunch would fail the same way. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
 """
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def run_script(argv: list[str]) -> None:
         if worker.agreed() or code != 0:
             _exit_now(code)
         raise
-    except BaseException:   # noqa: BLE001 - the worker failed: report it, exit 1, skip the teardown
+    except BaseException as e:   # noqa: BLE001 - the worker failed: report it, exit 1, skip the teardown
+        from elastor_ds.errors import ConfigError
+        if isinstance(e, ConfigError):   # a bad key, flag or value: the same on every relaunch, so exit 2 (not retried)
+            print(f"elastor worker: {type(e).__name__}: {e}", file=sys.stderr)
+            _exit_now(2)
         traceback.print_exc()
         _exit_now(1)
 

@@ -3,6 +3,7 @@ traceback, nothing started (issue 19: these exited 1 with "unexpected ...", and 
 ``--rdzv-endpoint`` retried forever). The controller in a subprocess, as a user runs it."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -201,3 +202,29 @@ def test_a_store_that_comes_up_late_is_waited_for(tmp_path):
     assert (tmp_path / "ran").read_text() == "0"
     assert "waiting for the rendezvous store" in err
     assert "frame #" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_a_config_error_in_the_trainer_is_exit_2_and_not_retried(tmp_path):
+    """QA round 4, Q4-6: a ConfigError escaping a user's script (a misspelt "elastor" key given to
+    eds.initialize) made the worker exit 1, so elastor run relaunched the same deterministic error
+    until --max-restarts ran out (4 launches). Now the worker exits 2 with the message in one line,
+    and elastor run stops after one launch as for any rejected world (docs/elastic.md: exit 1, the
+    worker's message repeated)."""
+    from elastor_ds.elastic.events import EventKind
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'a').write('x')\n"
+                      "from elastor_ds.errors import ConfigError\n"
+                      "raise ConfigError(\"elastor.checkpoint: unknown key 'intervl_steps'\")\n")
+    events = tmp_path / "run.jsonl"
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--standalone",
+                        "--nproc-per-node", "1", "--max-restarts", "3", "--events", str(events), str(script),
+                        str(tmp_path / "launches")], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
+    assert "the trainer rejected the launched world (exit code 2" in p.stderr
+    assert (tmp_path / "launches").read_text() == "x"   # one launch, no relaunch
+    launches = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == EventKind.LAUNCH.value]
+    assert len(launches) == 1
+    logs = "".join(f.read_text(errors="replace") for f in (tmp_path / "elastor_logs").rglob("*") if f.is_file())
+    assert "elastor worker: ConfigError: elastor.checkpoint: unknown key 'intervl_steps'" in logs + p.stderr
+    assert "Traceback" not in logs + p.stderr
