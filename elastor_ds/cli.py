@@ -95,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked (-v)
         sig = getattr(e, "sigval", None)
         if type(e).__name__ == "SignalException" and sig is not None:   # torch elastic's, while workers start
-            log.error("stopped by %s while the workers were starting", getattr(sig, "name", sig))
-            return 128 + int(sig)
+            # a stop before any trainer could checkpoint: exit 1, as for a stop of a script without hooks
+            # (docs/elastic.md); 130 stays "interrupted twice"
+            log.error("stopped by %s while the workers were starting (no checkpoint was taken)",
+                      getattr(sig, "name", sig))
+            return 1
         log.error("unexpected %s: %s (rerun with -v for the traceback)", type(e).__name__, _one_line(e),
                   exc_info=args.verbose)
         return 1
