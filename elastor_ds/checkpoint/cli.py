@@ -153,6 +153,9 @@ def cmd_convert(args) -> int:
     elif importing:
         out = IMPORTERS[src_f](args.src, args.dst, args)
     else:
-        out = EXPORTERS[dst_f](args.src, args.dst, args)
+        try:
+            out = EXPORTERS[dst_f](args.src, args.dst, args)
+        except OSError as e:   # a full disk, a permission: name the destination (the file may be a temp one)
+            raise OSError(e.errno, f"{e.strerror or e} (exporting {args.src} to {args.dst})") from e
     print(f"wrote {out}")
     return 0

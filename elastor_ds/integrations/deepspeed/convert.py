@@ -38,6 +38,7 @@ from ...checkpoint.paths import check_tensor_name, safe_join
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
 from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ..safe_load import load_pt
+from ..pt_save import save_pt
 from ...layout.region import Piece, Region
 from . import state as st
 from .runtime import FORMAT
@@ -293,13 +294,13 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
             key, pname = n[len(st.OPTIM):].split(".", 1)
             pdir = safe_join(zdir, pname, what="parameter name")
             os.makedirs(pdir, exist_ok=True)
-            torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
+            save_pt({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
         for n, t in bufs.items():  # weights of params without an fp32 master (weights-only checkpoints)
             if st.is_model(n):
                 pdir = safe_join(zdir, n[len(st.MODEL):], what="parameter name")
                 if not os.path.isfile(os.path.join(pdir, "fp32.pt")):
                     os.makedirs(pdir, exist_ok=True)
-                    torch.save({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, "fp32.pt"))
+                    save_pt({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, "fp32.pt"))
 
     size = 0
     for p in params:
@@ -315,12 +316,12 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
         flush(batch)
     if step_scalar is not None:
         for p in params:
-            torch.save(torch.tensor(float(step_scalar["value"])), os.path.join(zdir, p, "step.pt"))
+            save_pt(torch.tensor(float(step_scalar["value"])), os.path.join(zdir, p, "step.pt"))
     groups = []
     for g in opt_groups or [{"hyper": {}}]:
         h = {k: (tuple(v) if isinstance(v, list) else v) for k, v in g.get("hyper", {}).items()}
         groups.append(dict(h, params=[0]))
-    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__,
+    save_pt({"param_groups": groups, "ds_version": deepspeed.__version__,
                 "zero_stage": int(ex.get("zero_stage", 1))}, os.path.join(zdir, "optimizer_state.pt"))
     from collections import OrderedDict
     mp = {"module": None, "buffer_names": [], "optimizer": None,
@@ -331,6 +332,6 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
           "global_samples": int(ex.get("global_samples", 0)), "dp_world_size": 1, "mp_world_size": 1,
           "ds_version": deepspeed.__version__, "universal_checkpoint_info": {}}
     mp.update(ex.get("client_state") or {})   # as saved: tensors as tensors (from_jsonable above)
-    torch.save(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
+    save_pt(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
     with open(os.path.join(dst, "latest_universal"), "w") as f:
         f.write(tag + "\n")

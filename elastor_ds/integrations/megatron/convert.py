@@ -51,6 +51,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
+from ..pt_save import save_pt
 from . import overrides
 from .specs import TE_FUSED_NORMS, GPTSpecConfig, canonical_name, gpt_tensor_specs
 from . import legacy_optim
@@ -545,7 +546,7 @@ def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int
                 rank_sd["opt_param_scheduler"] = dict(extra["opt_param_scheduler"])
         if isinstance(extra.get("num_floating_point_operations_so_far"), (int, float)):
             rank_sd["num_floating_point_operations_so_far"] = extra["num_floating_point_operations_so_far"]
-        torch.save(rank_sd, os.path.join(it_dir, name, "model_optim_rng.pt"))
+        save_pt(rank_sd, os.path.join(it_dir, name, "model_optim_rng.pt"))
     with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
         f.write(str(it))
 
