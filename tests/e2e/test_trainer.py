@@ -132,3 +132,17 @@ def test_user_errors_exit_2_in_one_line_on_every_rank(tmp_path, flags, msg):
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     assert msg.format(tmp=tmp_path) in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("flag, value, words", [("--pipeline-model-parallel-size", "99", "the model has 4 layers"),
+                                                ("--tensor-model-parallel-size", "3", "does not divide")])
+def test_export_sizes_the_model_cannot_take_are_usage_errors(reference, tmp_path, flag, value, words):
+    """QA round 4, Q4-9: a pp the model cannot split exited 1 while a bad tp exited 2; both are bad
+    flag values (exit 2, one line naming the flag's value, nothing written)."""
+    dst = tmp_path / "mlm"
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", str(reference / "ck"), str(dst), "--to",
+                        "megatron", flag, value, "--no-progress"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert words in p.stderr and value in p.stderr and "Traceback" not in p.stderr
+    assert not dst.exists()

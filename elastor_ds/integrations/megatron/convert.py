@@ -467,6 +467,9 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
     cfg = can.cfg
     cfg.check_tp(tp)
     it = can.man.step
+    if not 1 <= pp <= cfg.num_layers:   # a flag value, as check_tp's: a usage error (exit 2)
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model has {cfg.num_layers} layers; give 1 to "
+                          f"{cfg.num_layers} stages")
     layout = Layout.uniform(tp, pp, 1, cfg.num_layers)
     bounds = layout.boundaries()
     if pp > 1 and len({b - a for a, b in zip(bounds, bounds[1:])}) > 1:
