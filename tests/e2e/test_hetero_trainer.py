@@ -148,9 +148,14 @@ def test_hetero_plans_reproduce_single_process_and_resume(reference, tmp_path):
     check_state_memory(str(tmp_path / "b.jsonl"), B)
     # hetero A -> uniform TP2 x DP1: resume from A's step 3 given as a step directory, --load without --save
     # (it used to start from scratch: iterations 1-6 instead of 4-6)
-    torchrun(2, "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "ckA" / "step_000000003"),
-             "--metrics-file", str(tmp_path / "u.jsonl"))
+    p = torchrun(2, "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "ckA" / "step_000000003"),
+                 "--metrics-file", str(tmp_path / "u.jsonl"))
     assert_losses(losses(str(tmp_path / "u.jsonl")), ref, range(4, 7))
+    # the manifest records the job's global batch (8 samples = 48 / 6 iterations), not the share of
+    # rank 0's replica (QA round 4, Q4-5: it said 6 and the resume warned of a changed batch)
+    from elastor_ds.checkpoint import commit as commit_mod
+    assert commit_mod.read_manifest(str(tmp_path / "ckA" / "step_000000003")).extra["train_batch_size"] == 8
+    assert "global batch changed" not in p.stderr + p.stdout
 
 
 def test_bad_plans_rejected_with_numbers(tmp_path, monkeypatch):

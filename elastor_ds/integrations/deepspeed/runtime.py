@@ -110,7 +110,7 @@ class DeepSpeedState:
             "global_steps": int(eng.global_steps),
             "global_samples": int(eng.global_samples),
             "skipped_steps": int(getattr(eng, "skipped_steps", 0)),
-            "train_batch_size": int(eng.train_batch_size()),
+            "train_batch_size": _global_batch(eng),
             "zero_stage": int(eng.zero_optimization_stage()),
             "optimizer": st.optimizer_scalars(eng, groups),
             "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler") if sched is not None else None,
@@ -166,14 +166,21 @@ class DeepSpeedState:
                 eng.lr_scheduler.load_state_dict(ex["lr_scheduler"])
         self.client_state = dict(ex.get("client_state") or {})   # tensors and inf restored by the engine's load
         tbs = ex.get("train_batch_size")
-        if tbs is not None and int(tbs) != int(eng.train_batch_size()):
+        if tbs is not None and int(tbs) != _global_batch(eng):
             log.warning("global batch changed from %s to %s samples: the loss curve will not continue exactly",
-                        tbs, eng.train_batch_size())
+                        tbs, _global_batch(eng))
         if same_layout and res.rank_state and "rng" in res.rank_state:
             restore_rng_state(res.rank_state["rng"])
         hook = getattr(eng, "elastor_weights_loaded", None)
         if hook is not None:  # e.g. the heterogeneous runtime's ZeRO-1 shares follow the loaded weights
             hook()
+
+
+def _global_batch(eng: Any) -> int:
+    """Samples per optimizer step over the whole job. A heterogeneous plan's engine is configured for
+    its own replica (``train_batch_size()`` is that replica's share); it knows the job's total."""
+    total = getattr(eng, "elastor_global_batch", None)
+    return int(total) if total else int(eng.train_batch_size())
 
 
 def ElastorCheckpointer(engine: Any, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None
