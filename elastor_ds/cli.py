@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:   # megatron-core's import-time notes (no Transformer Engine / Apex on this host) are not ours
         logging.getLogger("megatron").setLevel(logging.WARNING)
+        logging.getLogger("torch").setLevel(logging.WARNING)   # e.g. "FakeTensor cache stats" at exit
         warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed", category=UserWarning)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

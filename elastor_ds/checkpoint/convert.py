@@ -54,7 +54,7 @@ def _stream_tensors(path: str, names: Sequence[str], shapes: Mapping[str, tuple]
     header, rel = build_header(entries, metadata)
     info: dict[str, tuple[int, int, int]] = {}
     bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=os.path.basename(path),
-               disable=not progress)
+               disable=None if progress else True)   # None: a bar only on a terminal
 
     def gen():
         for e, off in zip(entries, rel):

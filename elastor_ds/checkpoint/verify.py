@@ -64,7 +64,7 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
         return [Problem(step_dir, str(e))]
     problems: list[Problem] = []
     names = sorted(man.files) if files is None else sorted(files)
-    for name in tqdm(names, desc="verify", unit="file", disable=not progress):
+    for name in tqdm(names, desc="verify", unit="file", disable=None if progress else True):
         fe = man.files[name]
         path = os.path.join(step_dir, name)
         try:

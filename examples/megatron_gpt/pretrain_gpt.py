@@ -664,8 +664,8 @@ def _main(argv: list[str] | None = None) -> int:
     gbs = args.global_batch_size
     if rank == 0:
         if rt is not None:
-            log.info("heterogeneous layout %s on %d processes; starting at iteration %d", layout.describe(), world,
-                     start)
+            log.info("%s layout %s on %d processes; starting at iteration %d",
+                     "uniform" if layout.is_uniform() else "heterogeneous", layout.describe(), world, start)
         else:
             log.info("layout %s on %d processes (TP %d x PP %d x DP %d, gas %d); starting at iteration %d",
                      layout.describe(), world, tp, pp, dp, gas, start)
@@ -792,10 +792,11 @@ def _main(argv: list[str] | None = None) -> int:
                 plan_info["predicted_iter_s"] = price_layout(args, world, layout, doc)
                 plan_info["predicted_terms_s"] = getattr(args, "last_breakdown", None)
                 plan_info["predicted_sources"] = source_kinds(getattr(args, "last_sources", None) or {})
-                if rank == 0:
-                    log.info("running plan re-priced with this launch's profile: %.4g s/iter; priced from: %s",
-                             plan_info["predicted_iter_s"] or float("nan"),
-                             "; ".join(f"{k}: {v}" for k, v in (getattr(args, "last_sources", None) or {}).items()))
+                if rank == 0:   # about 2 KB: at INFO for the first window, DEBUG for the later ones
+                    log.log(logging.INFO if first_window else logging.DEBUG,
+                            "running plan re-priced with this launch's profile: %.4g s/iter; priced from: %s",
+                            plan_info["predicted_iter_s"] or float("nan"),
+                            "; ".join(f"{k}: {v}" for k, v in (getattr(args, "last_sources", None) or {}).items()))
                 reprice_alternatives(args, world, plan_info, doc, first_window)
                 # the next window: the profile, the median timed iteration of all windows, follows the
                 # launch past its start-up transients (the controller's standby workers importing,
