@@ -74,7 +74,7 @@ def cmd_inspect(args) -> int:
     print(f"checkpoint  {step_dir}")
     print(f"step        {man.step}")
     print(f"format      elastor v{man.format_version}")
-    print(f"written by  {man.world_size} ranks, layout {layout}")
+    print(f"written by  {_n(man.world_size, 'rank')}, layout {layout}")
     print(f"files       {len(man.files)}, {man.total_bytes / 2**20:.2f} MiB")
     if man.extra:
         print(f"extra       {json.dumps(man.extra)[:200]}")
@@ -83,6 +83,10 @@ def cmd_inspect(args) -> int:
     for n, t in sorted(man.tensors.items()):
         print(f"  {n:<{width}}  {str(list(t.shape)):>16}  {t.dtype:<9} {len(t.chunks):>3} chunks  {t.nbytes:>12,} B")
     return 0
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def cmd_verify(args) -> int:
@@ -105,7 +109,7 @@ def cmd_verify(args) -> int:
             print(f"CORRUPT: {p}", file=sys.stderr)
         print(f"{step_dir}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print(f"OK {step_dir}: step {man.step}, {len(man.files)} files, {len(man.tensors)} tensors, "
+    print(f"OK {step_dir}: step {man.step}, {_n(len(man.files), 'file')}, {_n(len(man.tensors), 'tensor')}, "
           f"{man.total_bytes / 2**20:.2f} MiB, checksums {'skipped' if args.no_checksums else 'match'}")
     return 0
 
