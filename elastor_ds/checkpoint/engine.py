@@ -493,7 +493,7 @@ class CheckpointEngine:
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
-            outcomes = self._gather_lean(outcome, plan) if lean else self.writer_comm.all_gather_object(outcome)
+            outcomes = self._gather_lean(outcome, plan, job.step) if lean else self._gather_objects(outcome, job.step)
             failures = [o[1] for o in outcomes if o[0] == "error"]
             stale = [o[1] for o in outcomes if o[0] == "stale"]
             result: Any = None
@@ -567,30 +567,35 @@ class CheckpointEngine:
     # broadcast, no pickling); errors, rare, then go through the object collectives
     _OK, _STALE, _ERROR = 1, 2, 3
 
-    def _gather_lean(self, outcome: tuple, plan: SavePlan) -> list:
+    def _gather_objects(self, outcome: tuple, step: int) -> list:
+        """Every rank's outcome through the object collective, checked for one step."""
+        got = self.writer_comm.all_gather_object((step, outcome))
+        return _one_step([s for s, _ in got], [o for _, o in got])
+
+    def _gather_lean(self, outcome: tuple, plan: SavePlan, step: int) -> list:
         """Every rank's outcome (``("ok", lean result) | ("stale", rank) | ("error", wire)``) from
-        int rows: status, then for "ok" the chunk count and CRCs, the data file's, the table's and
-        the state file's sizes and CRCs (file names follow from the rank)."""
-        width = 9 + max((len(its) for its in plan.items), default=0)
+        int rows: status and step, then for "ok" the chunk count and CRCs, the data file's, the
+        table's and the state file's sizes and CRCs (file names follow from the rank)."""
+        width = 10 + max((len(its) for its in plan.items), default=0)
         if outcome[0] == "ok":
             res = outcome[1]
             fname = data_file_name(res["rank"])
             files = res["files"]
             st = files.get(res["state"], (0, 0)) if res["state"] else (0, 0)
-            row = [self._OK, len(res["crcs"]), *res["crcs"], *files[fname], *files[crc_table_name(fname)],
+            row = [self._OK, step, len(res["crcs"]), *res["crcs"], *files[fname], *files[crc_table_name(fname)],
                    int(bool(res["state"])), *st]
         else:
-            row = [self._STALE if outcome[0] == "stale" else self._ERROR]
+            row = [self._STALE if outcome[0] == "stale" else self._ERROR, step]
         rows = self.writer_comm.all_gather_ints(row, width)
         if any(r[0] == self._ERROR for r in rows):   # every rank sees it: all take the object route
-            return self.writer_comm.all_gather_object(outcome)
+            return self._gather_objects(outcome, step)
         out: list = []
         for r, row in enumerate(rows):
             if row[0] == self._STALE:
                 out.append(("stale", r))
                 continue
-            n = row[1]
-            crcs, rest = row[2:2 + n], row[2 + n:]
+            n = row[2]
+            crcs, rest = row[3:3 + n], row[3 + n:]
             fname = data_file_name(r)
             files = {fname: (rest[0], rest[1]), crc_table_name(fname): (rest[2], rest[3])}
             state = None
@@ -598,7 +603,7 @@ class CheckpointEngine:
                 state = f"rank_state/rank_{r:05d}.json"
                 files[state] = (rest[5], rest[6])
             out.append(("ok", {"rank": r, "crcs": crcs, "files": files, "state": state}))
-        return out
+        return _one_step([row[1] for row in rows], out)
 
     def _broadcast_lean(self, result: Any, step: int) -> Any:
         """Rank 0's commit result (``("ok", step dir, manifest text or None) | ("stale", ranks) |
@@ -748,6 +753,17 @@ class CheckpointEngine:
         return LoadResult(man.step, step_dir, from_jsonable(dict(man.extra)), from_jsonable(rank_state), man, read,
                           lplan.bytes_needed,
                           time.perf_counter() - t0, bytes_by_source=by_source)
+
+
+def _one_step(steps: Sequence[int], outcomes: list) -> list:
+    """``outcomes``, with rank 0's made an error when the ranks saved different steps in one save
+    (a caller's bug: committing it would publish a step that lacks the other ranks' files)."""
+    if len(set(steps)) <= 1:
+        return outcomes
+    said = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps[:8])) + (", ..." if len(steps) > 8 else "")
+    err = ValueError(f"the ranks saved different steps in one save ({said}); nothing was committed. Every rank "
+                     f"must call save() with the same step")
+    return [("error", RankFailure.of(0, err).to_wire())] + list(outcomes[1:])
 
 
 def _check_step(step: Any) -> int:

@@ -283,3 +283,43 @@ def test_retention_keeps_only_this_jobs_ranks_files_for_reuse(tmp_path):
         eng.wait()
     assert sorted(os.listdir(spare)) == ["data_00000.safetensors"]   # step 2's file, retired by step 3
     eng.finalize()
+
+
+def _different_steps(rank: int, world: int, root: str, kind: str) -> None:
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.errors import AsyncSaveError
+
+    storage = TmpfsStorage(root) if kind == "tmpfs" else None
+    eng = CheckpointEngine(root, TorchComm.create(60, liveness_s=20), storage, keep=2)
+    t = torch.full((64, 64), float(rank))
+    shards = [TensorShard("t", (128, 64), Region((64 * rank, 0), (64, 64)), t)]
+    for step in (1, 2):
+        eng.save(step, shards)
+        eng.wait()
+    eng.save(5 + rank, shards)   # the caller's bug: rank 0 says 5, rank 1 says 6
+    try:
+        eng.wait()
+        raise AssertionError("a save whose ranks disagree on the step was committed")
+    except AsyncSaveError as e:
+        assert "the ranks saved different steps in one save (rank 0: 5, rank 1: 6)" in str(e), str(e)
+    if rank == 0:
+        assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2]
+        assert commit_mod.resolve(root).endswith(commit_mod.step_dirname(2))
+        assert verify(commit_mod.resolve(root)) == []
+    eng.save(7, shards)   # the next agreed save commits
+    eng.wait()
+    back = torch.zeros(128, 64)
+    eng.load(None, [full_shard("t", back)])
+    assert torch.equal(back[:64], torch.zeros(64, 64)) and torch.equal(back[64:], torch.ones(64, 64))
+    eng.finalize()
+
+
+@pytest.mark.parametrize("kind", ["posix", "tmpfs"])
+def test_ranks_that_save_different_steps_commit_nothing(tmp_path, kind):
+    """QA round 5, Q5-1: rank 0 saving step 5 while rank 1 saved step 6 committed step 5 without
+    rank 1's files (they sat in another temp dir), moved ``latest`` to it and told both ranks the
+    save succeeded; retention had dropped a good step. Now the outcome exchange carries each rank's
+    step: an AsyncSaveError naming both steps on every rank, nothing committed, ``latest`` and the
+    good steps kept, and the next agreed save commits and reads back."""
+    from dist_utils import run_world
+    run_world(_different_steps, 2, str(tmp_path / "ck"), kind, timeout_s=120)
