@@ -124,8 +124,7 @@ class Layout:
                 raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {self.num_layers}")
         n = len(seen)
         if sorted(seen) != list(range(n)):
-            missing = sorted(set(range(max(seen) + 1)) - set(seen))
-            raise LayoutError(f"ranks must be 0..{n - 1} without gaps; missing {missing[:8]}")
+            raise LayoutError(f"ranks must be 0..{n - 1} without gaps; missing {first_missing(seen, n)}")
         object.__setattr__(self, "_positions", positions)
 
     # ---- constructors -------------------------------------------------------------------------
@@ -298,3 +297,16 @@ def balanced_boundaries(num_layers: int, pp: int) -> list[int]:
 
 def iter_ranks(layout: Layout) -> Iterable[int]:
     return range(layout.world_size)
+
+
+def first_missing(present: "Iterable[int] | Mapping[int, object]", n: int, k: int = 8) -> list[int]:
+    """The first ``k`` of ``0..n-1`` not in ``present``, in time and memory bounded by ``n`` (a
+    crafted document's rank of 10**15 must not make a set of that size)."""
+    have = present if isinstance(present, (set, frozenset, dict)) else set(present)
+    out: list[int] = []
+    for i in range(n):
+        if i not in have:
+            out.append(i)
+            if len(out) == k:
+                break
+    return out
