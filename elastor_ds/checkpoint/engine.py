@@ -78,7 +78,7 @@ from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, plan_save
 from .reader import read_shards
 from .sources import SourcesFor
-from .shards import TensorShard, conflicting_duplicate, dtype_name
+from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dtype_name
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
@@ -723,6 +723,9 @@ class CheckpointEngine:
                     raise CorruptCheckpointError("; ".join(str(p) for p in problems))
             self.storage.check_files(step_dir, man)
         shards_found = [s for s in shards if s.name in man.tensors]
+        alias = aliased_destinations(shards_found)
+        if alias is not None:   # a caller's error, not a corrupt checkpoint (and no reason to fall back)
+            raise ShardingError(alias)
         if strict and len(shards_found) != len(shards):
             missing = next(s.name for s in shards if s.name not in man.tensors)
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "

@@ -79,3 +79,49 @@ def conflicting_duplicate(shards: Sequence[TensorShard]) -> "str | None":
             return (f"tensor {s.name}: this rank gives region {s.region} twice, from two different tensors; only one "
                     f"could be saved. Give each tensor a name of its own, or pass the shard once")
     return None
+
+
+_EXACT_ALIAS_CHECK = 1 << 16   # elements: strided views this small are compared element by element (< 1 ms)
+
+
+def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
+    """A message when two destination shards of a load share memory (a load writes one, then
+    checks the bytes it wrote while the other overwrites them: it would read as a corrupt
+    checkpoint); None otherwise. Column slices of one tensor interleave without sharing an element
+    and are fine. Views are compared by their byte extents, exactly when both are contiguous; two
+    strided views whose extents meet are compared element by element up to a size bound."""
+    spans: dict[tuple, list] = {}
+    for s in shards:
+        t = s.tensor
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        lo = t.data_ptr()
+        hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((lo, hi, s))
+    for items in spans.values():
+        items.sort(key=lambda x: x[0])
+        active: list = []
+        for lo, hi, s in items:
+            active = [a for a in active if a[1] > lo]
+            for _, _, other in active:
+                if _share_elements(other.tensor, s.tensor):
+                    return (f"destination shards {other.name} {other.region} and {s.name} {s.region} share memory; a "
+                            f"load fills each destination once: give each shard its own tensor (or views that do not "
+                            f"overlap)")
+            active.append((lo, hi, s))
+    return None
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_contiguous() and b.is_contiguous():
+        return True   # contiguous byte ranges that meet
+    if a.numel() > _EXACT_ALIAS_CHECK or b.numel() > _EXACT_ALIAS_CHECK or a.element_size() != b.element_size():
+        return False   # not decided: left to the load (a write over another shard then fails its check)
+    base = min(a.data_ptr(), b.data_ptr())
+
+    def offsets(t: torch.Tensor) -> torch.Tensor:
+        idx = torch.zeros((), dtype=torch.int64) + (t.data_ptr() - base) // t.element_size()
+        for n, st in zip(t.shape, t.stride()):
+            idx = idx.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+        return idx.reshape(-1)
+    return bool(torch.isin(offsets(a), offsets(b)).any())

@@ -310,3 +310,25 @@ def test_one_region_given_twice_from_different_tensors_is_refused(tmp_path):
     out = torch.zeros(4)
     eng.load(None, [full_shard("w", out)])
     assert torch.equal(out, a)
+
+
+def test_destinations_that_share_memory_are_refused_not_called_corrupt(tmp_path):
+    """QA round 5, Q5-3: two destination shards on one buffer (or overlapping views) made the load
+    report the checkpoint corrupt (a CRC mismatch: one write overwrote the other's checked bytes),
+    and with fallback every step was rejected in turn. Now it is a ShardingError naming the shards,
+    no fallback; column slices of one tensor (interleaved, no shared element) still load. Oracle:
+    the tensor saved."""
+    from elastor_ds.errors import ShardingError
+    eng = CheckpointEngine(str(tmp_path))
+    w = torch.randn(4, 8)
+    for step in (1, 2):
+        eng.save(step, [full_shard("a", torch.ones(3)), full_shard("b", torch.zeros(3)), full_shard("w", w)])
+    eng.wait()
+    buf, big = torch.zeros(3), torch.zeros(4)
+    for dests in ([full_shard("a", buf), full_shard("b", buf)], [full_shard("a", big[0:3]), full_shard("b", big[1:4])]):
+        with pytest.raises(ShardingError, match=r"destination shards a \[0:3\] and b \[0:3\] share memory"):
+            eng.load(None, dests, fallback=True, strict=False)
+    out = torch.zeros(4, 8)
+    res = eng.load(None, [TensorShard("w", (4, 8), Region((0, 0), (4, 4)), out[:, :4]),
+                          TensorShard("w", (4, 8), Region((0, 4), (4, 4)), out[:, 4:])], strict=False)
+    assert res.step == 2 and torch.equal(out, w)
