@@ -124,7 +124,7 @@ class Layout:
                 raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {self.num_layers}")
         n = len(seen)
         if sorted(seen) != list(range(n)):
-            raise LayoutError(f"ranks must be 0..{n - 1} without gaps; missing {first_missing(seen, n)}")
+            raise LayoutError(f"ranks must be 0..{n - 1} without gaps; {gap_report(seen, n)}")
         object.__setattr__(self, "_positions", positions)
 
     # ---- constructors -------------------------------------------------------------------------
@@ -310,3 +310,11 @@ def first_missing(present: "Iterable[int] | Mapping[int, object]", n: int, k: in
             if len(out) == k:
                 break
     return out
+
+
+def gap_report(present: "Iterable[int] | Mapping[int, object]", n: int) -> str:
+    """"missing [...]; out of range [...]" for ranks that should be ``0..n-1`` (bounded by ``n``)."""
+    import heapq
+    have = present if isinstance(present, (set, frozenset, dict)) else set(present)
+    beyond = heapq.nsmallest(8, (r for r in have if r >= n))
+    return f"missing {first_missing(have, n)}" + (f"; out of range {beyond}" if beyond else "")

@@ -54,6 +54,7 @@ import math
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -69,6 +70,12 @@ log = logging.getLogger(__name__)
 GiB = float(1 << 30)
 HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
 GB = 1e9  # bandwidths are in GB/s
+# what a profile table's numbers may be: a time between a nanosecond and ~11 days per layer, bytes
+# from 0 to 1 EB (a negative or denormal value planned a model onto 2 GPUs with negative memory, or
+# overflowed the planner: QA round 5, Q5-4 and Q5-6)
+_PROFILE_RANGES = {"activation_bytes_per_layer": (0.0, 1e18, "bytes")}
+_MAX_TP = 1 << 20
+_TP_KEY = re.compile(r"^[1-9][0-9]{0,6}$")
 PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives", "embedding_time_s",
                   "step_time_s", "cores_per_node")
 
@@ -172,12 +179,18 @@ class Profile:
             raw = d.get(key) or {}
             if not isinstance(raw, Mapping):
                 raise ConfigError(f"profile {key}: expected a mapping of TP width -> number, got {type(raw).__name__}")
+            lo, hi, unit = _PROFILE_RANGES.get(key, (1e-9, 1e6, "seconds"))
             out = {}
             for k, v in raw.items():
-                try:
-                    out[int(k)] = float(v)
-                except (TypeError, ValueError):
-                    raise ConfigError(f"profile {key}.{k}={v!r}: expected an integer TP width and a number") from None
+                if not (isinstance(k, str) and _TP_KEY.match(k)):
+                    raise ConfigError(f"profile {key}: key {str(k)[:40]!r} is not a TP width (a whole number 1 to "
+                                      f"{_MAX_TP:,} in ASCII digits)")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                    raise ConfigError(f"profile {key}.{k}={str(v)[:40]}: expected {unit} from {lo:g} to {hi:g}; "
+                                      f"measure it again or drop the entry")
+                if int(k) > _MAX_TP:
+                    raise ConfigError(f"profile {key}: TP width {k} is above {_MAX_TP:,}")
+                out[int(k)] = float(v)
             return out
 
         coll = d.get("collectives")
@@ -197,7 +210,7 @@ class Profile:
     def load(path: str | Path) -> "Profile":
         try:
             return Profile.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"cannot read profile {path}: {type(e).__name__}: {e}") from None

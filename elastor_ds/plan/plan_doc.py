@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..layout.compact_plan import COMPACT_FORMAT_VERSION, decode, encode_devices, fold_runs, segments
-from ..layout.layout import PLAN_FORMAT_VERSION, Layout, first_missing, json_fingerprint
+from ..layout.layout import PLAN_FORMAT_VERSION, Layout, gap_report, json_fingerprint
 from .cluster import _ONES as _NODE_ONES
 from .cluster import Cluster, Device
 from .gcpause import gc_paused
@@ -784,7 +784,7 @@ def _bad_ranks(ranks: list[int]) -> None:
         if r in seen:
             raise LayoutError(f"rank {r} appears twice: every rank holds one place")
         seen.add(r)
-    raise LayoutError(f"ranks must be 0..{len(seen) - 1} without gaps; missing {first_missing(seen, len(seen))}")
+    raise LayoutError(f"ranks must be 0..{len(seen) - 1} without gaps; {gap_report(seen, len(seen))}")
 
 
 def _canonical(d: Device) -> tuple[int, int]:

@@ -282,3 +282,39 @@ def test_sync_calls_are_the_runtime_holder_sets(replicas):
         got = modelled.get(key[r], {})
         assert set(got) == set(sets), (r, key[r], sorted(map(sorted, sets)), sorted(map(sorted, got)))
         assert layers_only.get(key[r], {}) == body, r
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"layer_time_s": {"1": 0.01}, "activation_bytes_per_layer": {"1": -1e13}}, "activation_bytes_per_layer.1=-1"),
+    ({"layer_time_s": {"1": 1e-320}}, "layer_time_s.1=1e-320"),
+    ({"layer_time_s": {"1": True}}, "layer_time_s.1=True"),
+    ({"layer_time_s": {"1_6": 0.1}}, "key '1_6' is not a TP width"),
+    ({"layer_time_s": {"\uff11": 0.1}}, "is not a TP width"),
+    ({"layer_time_s": {"1" + "0" * 20: 0.1}}, "is not a TP width"),
+])
+def test_profile_numbers_out_of_range_are_usage_errors(doc, words, tmp_path, capsys):
+    """QA round 5: a negative activation size planned a 440 GiB model onto 2 GPUs with negative
+    memory (Q5-4); a denormal layer time overflowed the planner (Q5-6); `true`, `1_6` and fullwidth
+    digits passed as numbers or TP widths (Q5-11). Each is exit 2 naming the field."""
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"version": 1, **doc}))
+    assert cli_main(BASE + ["--gpus-per-node", "8", "--profile", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "unexpected" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--profile", "--from-plan"])
+def test_plan_input_files_nested_too_deeply_or_symlinked_are_usage_errors(flag, tmp_path, capsys):
+    """QA round 5, Q5-5 and Q5-12: 100,000 nested brackets were an "unexpected RecursionError"
+    (exit 1); --profile followed a symlink and had no size bound (--from-plan refused both)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert cli_main(BASE + ["--gpus-per-node", "8", flag, str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert "nested too deeply" in err and "Traceback" not in err and "unexpected" not in err, err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"version": 1, "layer_time_s": {"1": 0.1}}))
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    assert cli_main(BASE + ["--gpus-per-node", "8", flag, str(link)]) == 2
+    assert "a symlink is not followed" in capsys.readouterr().err
