@@ -664,7 +664,16 @@ class CheckpointEngine:
         checkpoint actually read: each file comes from the first source holding it whole and falls
         back to the next one when its bytes fail their checks (default: the step dir's own files).
         With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
-        mode = VerifyMode(verify_checksums)
+        try:
+            mode = VerifyMode(verify_checksums)
+        except ValueError:
+            raise ValueError(f"load(verify_checksums={verify_checksums!r}): use one of "
+                             f"{', '.join(repr(m.value) for m in VerifyMode)}") from None
+        if not callable(shards) and (not isinstance(shards, (list, tuple)) or
+                                     not all(isinstance(s, TensorShard) for s in shards)):
+            bad = shards if not isinstance(shards, (list, tuple)) else next(s for s in shards if not isinstance(s, TensorShard))
+            raise TypeError(f"load(path, shards): shards must be a list of TensorShard or a function of the manifest "
+                            f"returning one (got {type(bad).__name__}); wrap a whole tensor as full_shard(name, tensor)")
         todo: list[tuple[str, Optional[Manifest]]]
         if isinstance(path, OpenCheckpoint):
             fallback, fell_back, last_err = path.fallback, path.fell_back, path.error

@@ -23,6 +23,11 @@ class TensorShard:
     tensor: torch.Tensor     # view with shape == region.sizes (may be non-contiguous)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.region, Region):
+            raise TypeError(f"shard {self.name}: region must be a Region (got {type(self.region).__name__}); "
+                            f"Region.full(shape) for a whole tensor")
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"shard {self.name}: tensor must be a torch.Tensor (got {type(self.tensor).__name__})")
         self.shape = tuple(int(s) for s in self.shape)
         if tuple(self.tensor.shape) != tuple(self.region.sizes):
             raise ValueError(f"shard {self.name}: tensor shape {tuple(self.tensor.shape)} != region sizes "
@@ -62,6 +67,8 @@ def shards_from_flat(names: Sequence[str], shapes: Sequence[Sequence[int]],
 
 def full_shard(name: str, t: torch.Tensor) -> TensorShard:
     """The whole tensor (a replicated or unsharded tensor)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"full_shard({name!r}, ...): expected a torch.Tensor, got {type(t).__name__}")
     return TensorShard(name, tuple(t.shape), Region.full(t.shape), t)
 
 
@@ -93,8 +100,13 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
     spans: dict[tuple, list] = {}
     for s in shards:
         t = s.tensor
-        if t.numel() == 0 or t.device.type == "meta":
+        if t.numel() == 0:
             continue
+        if t.device.type == "meta":
+            return f"destination shard {s.name} {s.region} is a meta tensor: it holds no memory to load into"
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            return (f"destination shard {s.name} {s.region} is an expanded view (a stride of 0): its elements share "
+                    f"memory; load into a tensor of its own (.clone() it)")
         lo = t.data_ptr()
         hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
         spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((lo, hi, s))

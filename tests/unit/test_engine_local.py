@@ -332,3 +332,30 @@ def test_destinations_that_share_memory_are_refused_not_called_corrupt(tmp_path)
     res = eng.load(None, [TensorShard("w", (4, 8), Region((0, 0), (4, 4)), out[:, :4]),
                           TensorShard("w", (4, 8), Region((0, 4), (4, 4)), out[:, 4:])], strict=False)
     assert res.step == 2 and torch.equal(out, w)
+
+
+def test_load_misuse_is_named(tmp_path):
+    """QA round 5, Q5-10: a shard instead of a list, a dict, a bad verify mode, an expanded or a meta
+    destination gave raw TypeErrors/AttributeErrors from inside the load (or, for meta, a success
+    that loaded nothing); TensorShard and full_shard took a None region or a list."""
+    from elastor_ds.errors import ShardingError
+    eng = CheckpointEngine(str(tmp_path))
+    eng.save(1, [full_shard("q", torch.ones(3))])
+    eng.wait()
+    with pytest.raises(TypeError, match="shards must be a list of TensorShard .*full_shard"):
+        eng.load(None, full_shard("q", torch.zeros(3)))
+    with pytest.raises(TypeError, match="shards must be a list of TensorShard"):
+        eng.load(None, {"q": torch.zeros(3)})
+    with pytest.raises(ValueError, match="verify_checksums='bogus'.*'chunks'"):
+        eng.load(None, [full_shard("q", torch.zeros(3))], verify_checksums="bogus")
+    with pytest.raises(ShardingError, match="expanded view"):
+        eng.load(None, [full_shard("q", torch.zeros(1).expand(3))])
+    with pytest.raises(ShardingError, match="meta tensor"):
+        eng.load(None, [full_shard("q", torch.empty(3, device="meta"))])
+    with pytest.raises(TypeError, match="region must be a Region"):
+        TensorShard("q", (3,), None, torch.zeros(3))
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        full_shard("q", [1, 2])
+    out = torch.zeros(3)
+    eng.load(None, [full_shard("q", out)])
+    assert torch.equal(out, torch.ones(3))
