@@ -30,3 +30,20 @@ def test_client_state_tensors_survive_an_import(caplog):
     assert w[0].dtype == torch.bfloat16 and torch.equal(w[0], bf) and w[1] == 3
     assert isinstance(back["big"], list) and len(back["big"]) == big.numel()
     assert "client_state.big: a tensor of" in caplog.text and "kept as a list" in caplog.text
+
+
+def test_universal_export_names_tensors_fp32_cannot_hold(tmp_path, caplog):
+    """QA round 5, Q5-7: the universal format keeps fp32 copies, so an int64 above 2**24 changed in
+    the export without a word. The export now names such tensors in a warning; int8 and bf16
+    values, which fp32 holds exactly, are not named."""
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.checkpoint.shards import full_shard
+    from elastor_ds.integrations.deepspeed.convert import to_universal
+    src = str(tmp_path / "ck")
+    CheckpointEngine(src, async_save=False).save(3, [
+        full_shard("w", torch.randn(4)), full_shard("big", torch.tensor([2 ** 62 + 1, 5])),
+        full_shard("small", torch.tensor([-3, 7], dtype=torch.int8)), full_shard("h", torch.randn(3).bfloat16())])
+    with caplog.at_level(logging.WARNING):
+        to_universal(src, str(tmp_path / "u"))
+    warned = [r.getMessage() for r in caplog.records if "does not hold" in r.getMessage()]
+    assert len(warned) == 1 and "1 of them exactly" in warned[0] and ": big;" in warned[0], warned

@@ -282,6 +282,17 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
     shapes: dict[str, tuple[int, ...]] = {}
     batch: list[str] = []
 
+    lossy: list[str] = []
+
+    def fp32(t: torch.Tensor, name: str) -> torch.Tensor:
+        """The universal format's fp32 copy; a tensor it cannot hold exactly (int64 above 2**24,
+        float64) is named in a warning at the end."""
+        f = t.float()
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) and t.numel() and \
+                not torch.equal(f.to(t.dtype), t):
+            lossy.append(name)
+        return f
+
     def flush(names: list[str]) -> None:
         bufs: dict[str, torch.Tensor] = {}
         for n in names:
@@ -294,13 +305,13 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
             key, pname = n[len(st.OPTIM):].split(".", 1)
             pdir = safe_join(zdir, pname, what="parameter name")
             os.makedirs(pdir, exist_ok=True)
-            save_pt({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
+            save_pt({"cat_dim": 0, "param": fp32(t, n)}, os.path.join(pdir, ("fp32" if key == st.MASTER else key) + ".pt"))
         for n, t in bufs.items():  # weights of params without an fp32 master (weights-only checkpoints)
             if st.is_model(n):
                 pdir = safe_join(zdir, n[len(st.MODEL):], what="parameter name")
                 if not os.path.isfile(os.path.join(pdir, "fp32.pt")):
                     os.makedirs(pdir, exist_ok=True)
-                    save_pt({"cat_dim": 0, "param": t.float()}, os.path.join(pdir, "fp32.pt"))
+                    save_pt({"cat_dim": 0, "param": fp32(t, n)}, os.path.join(pdir, "fp32.pt"))
 
     size = 0
     for p in params:
@@ -314,6 +325,10 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
             batch, size = [], 0
     if batch:
         flush(batch)
+    if lossy:
+        log.warning("--to deepspeed-universal stores every tensor as fp32, which does not hold %d of them exactly "
+                    "(their values changed in the export): %s%s; keep the elastor checkpoint (or a consolidated "
+                    "export) for them", len(lossy), ", ".join(lossy[:5]), ", ..." if len(lossy) > 5 else "")
     if step_scalar is not None:
         for p in params:
             save_pt(torch.tensor(float(step_scalar["value"])), os.path.join(zdir, p, "step.pt"))
