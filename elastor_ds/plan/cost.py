@@ -73,7 +73,8 @@ GB = 1e9  # bandwidths are in GB/s
 # what a profile table's numbers may be: a time between a nanosecond and ~11 days per layer, bytes
 # from 0 to 1 EB (a negative or denormal value planned a model onto 2 GPUs with negative memory, or
 # overflowed the planner: QA round 5, Q5-4 and Q5-6)
-_PROFILE_RANGES = {"activation_bytes_per_layer": (0.0, 1e18, "bytes")}
+_PROFILE_RANGES = {"activation_bytes_per_layer": (0.0, 1e18, "bytes"),
+                   "head_time_s": (0.0, 1e6, "0 or seconds"), "embedding_time_s": (0.0, 1e6, "0 or seconds")}
 _MAX_TP = 1 << 20
 _TP_KEY = re.compile(r"^[1-9][0-9]{0,6}$")
 PROFILE_TABLES = ("layer_time_s", "head_time_s", "activation_bytes_per_layer", "collectives", "embedding_time_s",
@@ -185,9 +186,9 @@ class Profile:
                 if not (isinstance(k, str) and _TP_KEY.match(k)):
                     raise ConfigError(f"profile {key}: key {str(k)[:40]!r} is not a TP width (a whole number 1 to "
                                       f"{_MAX_TP:,} in ASCII digits)")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                    raise ConfigError(f"profile {key}.{k}={str(v)[:40]}: expected {unit} from {lo:g} to {hi:g}; "
-                                      f"measure it again or drop the entry")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or 0 < v < 1e-9:
+                    raise ConfigError(f"profile {key}.{k}={str(v)[:40]}: expected {unit} from {max(lo, 1e-9):g} to "
+                                      f"{hi:g}{' (or 0)' if lo == 0 else ''}; measure it again or drop the entry")
                 if int(k) > _MAX_TP:
                     raise ConfigError(f"profile {key}: TP width {k} is above {_MAX_TP:,}")
                 out[int(k)] = float(v)
