@@ -47,3 +47,17 @@ def test_universal_export_names_tensors_fp32_cannot_hold(tmp_path, caplog):
         to_universal(src, str(tmp_path / "u"))
     warned = [r.getMessage() for r in caplog.records if "does not hold" in r.getMessage()]
     assert len(warned) == 1 and "1 of them exactly" in warned[0] and ": big;" in warned[0], warned
+
+
+def test_universal_export_of_a_name_too_long_for_a_folder_is_named(tmp_path):
+    """QA round 5, Q5-8: a 10,000-character tensor name (save() takes it) failed the universal
+    export with a bare 'File name too long'; it is now named, with the fix, before anything is written."""
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.checkpoint.shards import full_shard
+    from elastor_ds.errors import CheckpointError
+    from elastor_ds.integrations.deepspeed.convert import to_universal
+    src = str(tmp_path / "ck")
+    CheckpointEngine(src, async_save=False).save(1, [full_shard("x" * 10000, torch.ones(2))])
+    with pytest.raises(CheckpointError, match="cannot be a folder name .*--to consolidated"):
+        to_universal(src, str(tmp_path / "u"))
+    assert not (tmp_path / "u").exists()

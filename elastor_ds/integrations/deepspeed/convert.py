@@ -259,6 +259,10 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
     params = sorted(n[len(st.MODEL):] for n in man.tensors if st.is_model(n))
     for p in params:  # parameter names become directory names
         check_tensor_name(p, f"{step_dir}: ")
+        if any(len(part.encode()) > 255 for part in p.split("/")):   # NAME_MAX of common file systems
+            raise CheckpointError(f"{step_dir}: tensor {p[:60]!r}... ({len(p.encode())} bytes) cannot be a folder name "
+                                  f"(the universal format keeps one folder per parameter; file systems allow 255 "
+                                  f"bytes); nothing was written. Export it with --to consolidated instead")
     with commit_mod.DirCommit.create(dst) as out:
         _write_universal(out.path, step_dir, man, ex, tag, params, batch_bytes)
         out.finalize()
