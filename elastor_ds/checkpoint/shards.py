@@ -95,7 +95,8 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
     """A message when two destination shards of a load share memory (a load writes one, then
     checks the bytes it wrote while the other overwrites them: it would read as a corrupt
     checkpoint); None otherwise. Column slices of one tensor interleave without sharing an element
-    and are fine. Views are compared by their byte extents, exactly when both are contiguous; two
+    and are fine; so is one view given twice under the same name and region (both writes are the
+    same bytes). Views are compared by their byte extents, exactly when both are contiguous; two
     strided views whose extents meet are compared element by element up to a size bound."""
     spans: dict[tuple, list] = {}
     for s in shards:
@@ -116,12 +117,18 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
         for lo, hi, s in items:
             active = [a for a in active if a[1] > lo]
             for _, _, other in active:
+                if (other.name, other.region) == (s.name, s.region) and _same_view(other.tensor, s.tensor):
+                    continue   # one tensor given twice under its name (a master that is the weight): same bytes
                 if _share_elements(other.tensor, s.tensor):
                     return (f"destination shards {other.name} {other.region} and {s.name} {s.region} share memory; a "
                             f"load fills each destination once: give each shard its own tensor (or views that do not "
                             f"overlap)")
             active.append((lo, hi, s))
     return None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -359,3 +359,15 @@ def test_load_misuse_is_named(tmp_path):
     out = torch.zeros(3)
     eng.load(None, [full_shard("q", out)])
     assert torch.equal(out, torch.ones(3))
+
+
+def test_one_view_given_twice_under_its_name_still_loads(tmp_path):
+    """The DeepSpeed adapter loads an fp32 master that is the weight itself under the weight's name:
+    the same view twice, the same bytes written twice. Not an aliasing error."""
+    eng = CheckpointEngine(str(tmp_path))
+    w = torch.randn(4, 8)
+    eng.save(1, [full_shard("w", w)])
+    eng.wait()
+    out = torch.zeros(4, 8)
+    eng.load(None, [full_shard("w", out), full_shard("w", out)])
+    assert torch.equal(out, w)
