@@ -81,8 +81,7 @@ def conflicting_duplicate(shards: Sequence[TensorShard]) -> "str | None":
         first = seen.setdefault((s.name, s.region), s)
         if first is s:
             continue
-        a, b = first.tensor, s.tensor
-        if (a.device, a.dtype, a.data_ptr(), a.stride()) != (b.device, b.dtype, b.data_ptr(), b.stride()):
+        if not _same_view(first.tensor, s.tensor):
             return (f"tensor {s.name}: this rank gives region {s.region} twice, from two different tensors; only one "
                     f"could be saved. Give each tensor a name of its own, or pass the shard once")
     return None
@@ -128,7 +127,8 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+    """The same elements of the same memory, read the same way."""
+    return (a.device, a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.device, b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
