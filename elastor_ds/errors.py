@@ -26,6 +26,10 @@ class CheckpointError(ElastorError):
     """Base class of checkpoint read/write errors."""
 
 
+class ConcurrentWriterError(CheckpointError):
+    """Another writer (a second job or engine) removed a save's files in the same checkpoint root."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint where one was expected."""
 

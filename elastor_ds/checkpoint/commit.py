@@ -51,9 +51,9 @@ import re
 import shutil
 import time
 import uuid
-from typing import Optional
+from typing import Iterable, Optional
 
-from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConcurrentWriterError, CorruptCheckpointError, IncompleteCheckpointError,
                       UnreadableCheckpointError, UnsafeCheckpointError)
 from .planning.manifest import MANIFEST_NAME, Manifest
 from .paths import not_a_checkpoint, read_regular_text, safe_join
@@ -504,11 +504,41 @@ def commit(root: str, tmp_dir: str, manifest: Manifest, keep: int, retention: bo
                                                                             text=text)
 
 
+def check_written(root: str, tmp_dir: str, step: int, names: "Iterable[str]") -> None:
+    """Before a commit on shared storage: every file the ranks reported writing is in ``tmp_dir``
+    (one listing per folder, no stat). A folder or file gone means something else deleted this
+    save's temp dir while it was written, in practice a second job or engine saving into the same
+    root (its retention removes temp dirs of steps it has committed); a rank that then wrote again
+    would recreate the folder, so without this check a step could commit with files missing."""
+    listed: dict[str, set] = {}
+    for name in names:
+        sub, base = os.path.split(name)
+        if sub not in listed:
+            try:
+                listed[sub] = set(os.listdir(os.path.join(tmp_dir, sub)))
+            except FileNotFoundError:
+                listed[sub] = set()
+        if base not in listed[sub]:
+            raise _vanished(root, tmp_dir, step, name)
+
+
+def _vanished(root: str, tmp_dir: str, step: int, name: str) -> ConcurrentWriterError:
+    return ConcurrentWriterError(
+        f"save of step {step}: {name} vanished from {tmp_dir} while the save was writing; another writer (a second "
+        f"job or CheckpointEngine) is saving into {root} and removed this save's temporary folder. Nothing of this "
+        f"save was committed; give each job its own checkpoint directory")
+
+
 def commit_text(root: str, tmp_dir: str, step: int, text: str, sync: bool = True) -> str:
     """Commit ``tmp_dir`` with an already serialised manifest ``text`` of ``step`` (memory snapshots:
     rank 0 renders it from a template, other nodes commit the same text); ``sync``: see
     :class:`StepCommit`. Returns the step dir."""
-    return StepCommit.adopt(root, tmp_dir, step, sync=sync).finalize_text(text)
+    try:
+        return StepCommit.adopt(root, tmp_dir, step, sync=sync).finalize_text(text)
+    except FileNotFoundError:
+        if os.path.isdir(tmp_dir) or not os.path.isdir(root):
+            raise
+        raise _vanished(root, tmp_dir, step, os.path.basename(tmp_dir)) from None
 
 
 def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None,

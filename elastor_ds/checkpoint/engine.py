@@ -258,6 +258,8 @@ class CheckpointEngine:
         self._session = ""
         self._job: Optional[_Job] = None
         self._saves = 0
+        self._newest_step = -1   # the newest step this engine committed (a lower save moves `latest` back: warned)
+        self._warned_backwards = False
         self.optimistic_plan = optimistic_plan
         self.saves_dropped = 0
         self._queue: Optional[queue.SimpleQueue] = None
@@ -292,6 +294,11 @@ class CheckpointEngine:
         tw = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
+        if step < self._newest_step and not self._warned_backwards and self.comm.rank == 0:
+            self._warned_backwards = True   # once: a run that rewinds on purpose need not hear it every save
+            log.warning("saving step %d after step %d: 'latest' under %s will name step %d, the one a resume "
+                        "takes; the newer steps stay on disk (retention never removes a step newer than the "
+                        "save it follows) until you delete them", step, self._newest_step, self.root, step)
         rank = self.comm.rank
         # this rank's shard metadata, compared exactly (tuples of strings and ints) with what the
         # cached plan was made from
@@ -510,6 +517,7 @@ class CheckpointEngine:
                         else:
                             man = build_manifest(job.step, plan, [o[1] for o in outcomes], extra, model, layout)
                             text = man.dumps(compact=self.storage.caps.node_local)   # serialised once
+                        self.storage.check_written(tmp_dir, job.step, [n for o in outcomes for n in o[1]["files"]])
                         final = self.storage.commit(tmp_dir, job.step, text)
                         result = ("ok", final, text if self.storage.shares_manifest else None)
                     except BaseException as e:  # noqa: BLE001
@@ -529,6 +537,7 @@ class CheckpointEngine:
                                          base=AsyncSaveError)
             else:
                 stats.committed_dir = result[1]
+                self._newest_step = max(self._newest_step, job.step)
                 self.storage.committed(result[1])
                 if rank != 0 and self.storage.commits_copy:
                     self._commit_node_copy(job.step, tmp_dir, result[2])
@@ -778,6 +787,9 @@ def _one_step(steps: Sequence[int], outcomes: list) -> list:
     return [("error", RankFailure.of(0, err).to_wire())] + list(outcomes[1:])
 
 
+MAX_STEP = 2 ** 63 - 1
+
+
 def _check_step(step: Any) -> int:
     """A checkpoint step: an integer >= 0 (numpy and torch integers too), as the manifest's schema says."""
     try:
@@ -788,6 +800,8 @@ def _check_step(step: Any) -> int:
         raise TypeError(f"step={step!r}: must be an integer >= 0 (the optimizer step or iteration)") from None
     if step < 0:
         raise ValueError(f"step={step}: must be >= 0 (the optimizer step or iteration)")
+    if step > MAX_STEP:   # the outcome rows carry it as an int64
+        raise ValueError(f"step={step}: must be at most 2**63 - 1 (the optimizer step or iteration)")
     return int(step)
 
 

@@ -190,7 +190,9 @@ def test_optimistic_plan_drops_a_save_whose_shards_changed_and_replans(tmp_path)
 @pytest.mark.parametrize("step, err, msg", [(-1, ValueError, "step=-1: must be >= 0"),
                                              ("1", TypeError, "step='1': must be an integer"),
                                              (1.5, TypeError, "step=1.5: must be an integer"),
-                                             (True, TypeError, "step=True: must be an integer")])
+                                             (True, TypeError, "step=True: must be an integer"),
+                                             (2 ** 63, ValueError, "must be at most 2..63 - 1"),
+                                             (10 ** 30, ValueError, "must be at most 2..63 - 1")])
 def test_a_bad_step_is_refused_before_anything_is_written(tmp_path, step, err, msg):
     """QA Q7: -1 committed ``step_-00000001`` (and made it latest); a str or float step failed in a
     format call deep inside."""
@@ -202,6 +204,20 @@ def test_a_bad_step_is_refused_before_anything_is_written(tmp_path, step, err, m
     eng.save(torch.tensor(3), [full_shard("w", torch.ones(4))])
     eng.wait()
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000000002", "step_000000003"]
+
+
+def test_a_save_older_than_the_last_moves_latest_back_with_one_warning(tmp_path, caplog):
+    """QA round 5, Q5-9: documented, and said once when it happens (a resume takes the lower step)."""
+    eng = CheckpointEngine(str(tmp_path), keep=1)
+    for step in (5, 3, 2):
+        eng.save(step, [full_shard("w", torch.full((2,), float(step)))])
+        eng.wait()
+    warned = [r.getMessage() for r in caplog.records if "after step 5" in r.getMessage()]
+    assert len(warned) == 1 and "saving step 3 after step 5" in warned[0]
+    assert open(tmp_path / "latest").read().strip() == "step_000000002"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000000002", "step_000000003", "step_000000005"]
+    out = torch.zeros(2)
+    assert eng.load(None, [full_shard("w", out)]).step == 2 and torch.equal(out, torch.full((2,), 2.0))
 
 
 @pytest.mark.parametrize("shards", [full_shard("w", torch.ones(4)), [torch.ones(4)], {"w": torch.ones(4)}])

@@ -120,6 +120,11 @@ class StorageWriter(abc.ABC):
         """Write the manifest into ``tmp_dir`` and make it step ``step`` atomically, then move
         ``latest``; return the committed step dir. Retention is separate (:meth:`retain`)."""
 
+    def check_written(self, tmp_dir: str, step: int, files: Iterable[str]) -> None:
+        """Rank 0, just before :meth:`commit`: ``files`` (every file the ranks wrote, relative to
+        ``tmp_dir``) are all there, else ``ConcurrentWriterError``. A no-op unless the storage can
+        see every rank's files (shared storage)."""
+
     @abc.abstractmethod
     def abort(self, tmp_dir: str) -> None:
         """Remove a save's temp dir (a failed or dropped save); never raises."""

@@ -75,6 +75,11 @@ class PosixStorage(Storage):
         finally:
             os.close(fd)
 
+    def check_written(self, tmp_dir: str, step: int, files: Iterable[str]) -> None:
+        if self.caps.node_local:   # tmpfs: this node's folder holds only its own ranks' files
+            return
+        commit_mod.check_written(self.root, tmp_dir, step, files)
+
     def commit(self, tmp_dir: str, step: int, manifest_text: str) -> str:
         return commit_mod.commit_text(self.root, tmp_dir, step, manifest_text, sync=self.sync)
 
