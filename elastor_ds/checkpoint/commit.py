@@ -523,10 +523,13 @@ def check_written(root: str, tmp_dir: str, step: int, names: "Iterable[str]") ->
 
 
 def _vanished(root: str, tmp_dir: str, step: int, name: str) -> ConcurrentWriterError:
+    other = ("" if not os.path.isdir(tmp_dir) else
+             " (or the ranks that wrote it see another folder under this path: the checkpoint dir must be storage "
+             "every node shares)")
     return ConcurrentWriterError(
         f"save of step {step}: {name} vanished from {tmp_dir} while the save was writing; another writer (a second "
-        f"job or CheckpointEngine) is saving into {root} and removed this save's temporary folder. Nothing of this "
-        f"save was committed; give each job its own checkpoint directory")
+        f"job or CheckpointEngine) is saving into {root} and removed this save's temporary folder{other}. Nothing "
+        f"of this save was committed; give each job its own checkpoint directory")
 
 
 def commit_text(root: str, tmp_dir: str, step: int, text: str, sync: bool = True) -> str:
