@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Callable
 
 
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits (``int()`` alone also takes ``1_6`` and fullwidth digits)."""
+    if not _ASCII_INT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (ASCII digits, e.g. 16)")
+    return int(text)
+
+
 def _int_at_least(text: str, lo: int) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    v = ascii_int(text)
     if v < lo:
         raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
     return v

@@ -11,7 +11,7 @@ import uuid
 from .standby_main import DEFAULT_PRELOAD   # light: no torch
 from .protocol import ENV_FORCE_CPU
 
-from ..cli_types import nonnegative_float, positive_float
+from ..cli_types import ascii_int, nonnegative_float, positive_float
 from ..errors import ConfigError
 
 log = logging.getLogger("elastor.run")
@@ -133,7 +133,7 @@ def register(sub) -> None:
            "(GLOO_SOCKET_IFNAME, unless set) and the snapshot server's address. Default: the host name's address")
     a("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="",
       help="backend options, e.g. join_timeout=600,last_call_timeout=2,close_timeout=10")
-    a("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
+    a("--max-restarts", "--max_restarts", dest="max_restarts", type=ascii_int, default=3,
       help="relaunches after failures before giving up (default 3; resizes and membership changes do not count)")
     a("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=positive_float, default=0.1,
       help="seconds between worker checks (default 0.1)")

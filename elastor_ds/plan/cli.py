@@ -18,7 +18,7 @@ import stat
 import sys
 from typing import Any, Callable
 
-from ..cli_types import bounded_float
+from ..cli_types import ascii_int, bounded_float
 from ..errors import ConfigError, PlanningError
 from .cluster import HARDWARE_RANGES, Cluster
 from .cost import GPU_TFLOPS_RANGE, CostModel, CostParams, GiB, Profile
@@ -53,10 +53,7 @@ def bounded_int(flag: str) -> Callable[[str], int]:
     hi = LIMITS[flag]
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        v = ascii_int(text)
         if not 1 <= v <= hi:
             raise argparse.ArgumentTypeError(f"{v} is out of range: give 1 to {hi:,}")
         return v
@@ -80,8 +77,8 @@ def register(subparsers: Any) -> None:
     g.add_argument("--vocab-size", type=bounded_int("--vocab-size"), required=True, help="vocabulary size")
     g.add_argument("--swiglu", action="store_true", help="gated MLP (three FFN matrices)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", help="separate output layer")
-    g.add_argument("--dtype-bytes", type=bounded_int("--dtype-bytes"),
-                   default=2, help="bytes per parameter (default 2)")
+    g.add_argument("--dtype-bytes", type=bounded_int("--dtype-bytes"), choices=(1, 2, 4, 8),
+                   default=2, help="bytes per parameter: 1, 2 (default), 4 or 8")
     g.add_argument("--make-vocab-size-divisible-by", type=bounded_int("--make-vocab-size-divisible-by"), default=128,
                    help="Megatron's vocabulary padding (decides which ranks of different TP widths share embedding "
                         "rows in the split all-reduce)")
@@ -92,7 +89,7 @@ def register(subparsers: Any) -> None:
                    required=True, help="samples per iteration (fixed)")
     t.add_argument("--tensor-model-parallel-size", type=bounded_int("--tensor-model-parallel-size"),
                    default=1, help="nominal (maximum) TP")
-    t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
+    t.add_argument("--zero-stage", type=ascii_int, default=1, choices=(0, 1, 2, 3),
                    help="default 1; heterogeneous plans run ZeRO-1 at most and are priced so")
     c = p.add_argument_group("cluster")
     src = c.add_mutually_exclusive_group(required=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, repeat
 from operator import and_, attrgetter, eq, is_, lt, not_
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -540,14 +540,28 @@ def plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, 
                           f"`elastor plan ... --json`") from None
 
 
+def _doc_int(v: Any, what: str, lo: Optional[int] = 0) -> int:
+    """A plan document's integer field: a JSON integer (not a bool, a string or a float) >= ``lo``
+    (None: any; the caller names the fault)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"previous plan: {what} must be an integer{'' if lo is None else f' >= {lo}'} (got "
+                          f"{str(v)[:40]!r} of type {type(v).__name__}); regenerate it with `elastor plan ... --json`")
+    if lo is not None and v < lo:
+        raise ConfigError(f"previous plan: {what} must be >= {lo} (got {v})")
+    return v
+
+
 def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
     from .cluster import Node
-    if isinstance(doc, Mapping) and doc.get("version") == COMPACT_FORMAT_VERSION:
+    version = doc.get("version", PLAN_FORMAT_VERSION) if isinstance(doc, Mapping) else None
+    if isinstance(version, bool):
+        version = None
+    if version == COMPACT_FORMAT_VERSION:
         return _plan_from_compact(doc, cluster)
-    if not isinstance(doc, Mapping) or doc.get("version", PLAN_FORMAT_VERSION) != PLAN_FORMAT_VERSION:
+    if version != PLAN_FORMAT_VERSION:
         raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} or -{COMPACT_FORMAT_VERSION} plan "
                           f"document (a JSON object), got version {doc.get('version') if isinstance(doc, Mapping) else '?'}")
-    L = int(doc["num_layers"])
+    L = _doc_int(doc["num_layers"], "num_layers", 1)
     index = cluster.node_index()
     known: dict[str, Device] = {}
     gone: dict[str, int] = {}
@@ -585,14 +599,15 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         stages = []
         expect = 0
         for si, sj in enumerate(rj["stages"]):
+            where = f"replica {ri} stage {si}"
             devs = tuple(device(n) for n in sj["devices"])
             lay = sj["layers"]
-            tp = int(sj["tp"])
-            if tp != len(devs) or len(lay) != 2:
-                raise ConfigError(f"previous plan: a stage lists {len(devs)} devices for tp={sj['tp']}")
-            if tp < 1:
-                raise LayoutError(f"stage tp={tp}: the TP degree must be >= 1")
-            first, last = int(lay[0]), int(lay[1])
+            tp = _doc_int(sj["tp"], f"{where} tp", 1)
+            if not isinstance(lay, list) or len(lay) != 2:
+                raise ConfigError(f"previous plan: {where} layers must be [first, last_exclusive] (got {str(lay)[:40]})")
+            if tp != len(devs):
+                raise ConfigError(f"previous plan: {where} lists {len(devs)} devices for tp={tp}")
+            first, last = _doc_int(lay[0], f"{where} layers[0]"), _doc_int(lay[1], f"{where} layers[1]")
             if first < 0 or last < first:
                 raise LayoutError(f"stage layer range [{first}, {last}) is invalid: need 0 <= first <= last")
             if first != expect:
@@ -600,7 +615,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
                                   f"{expect}: stages must cover [0, {L}) contiguously")
             expect = last
             if "ranks" in sj:
-                rk = [int(r) for r in sj["ranks"]]
+                rk = [_doc_int(r, f"{where} ranks", None) for r in sj["ranks"]]
                 if len(rk) != tp:
                     raise LayoutError(f"stage with tp={tp} lists {len(rk)} ranks {rk}: give exactly tp ranks")
                 ranks.extend(rk)
@@ -609,7 +624,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
             stages.append(PlanStage(tp, (first, last), devs))
         if expect != L:
             raise LayoutError(f"replica {ri} covers layers [0, {expect}) but the model has {L}")
-        rep = PlanReplica(tuple(stages), int(rj["micro_batches"]))
+        rep = PlanReplica(tuple(stages), _doc_int(rj["micro_batches"], f"replica {ri} micro_batches", 1))
         sk = rep.shape_key()
         object.__setattr__(rep, "_shape", shapes.setdefault(sk, sk))  # one object per shape: pricing folds by id
         reps.append(rep)

@@ -197,7 +197,10 @@ def test_dcp_metadata_payload_is_refused(tmp_path):
                                         ("--intra-node-bandwidth-gbs", "1e-300"), ("--gpu-tflops", "1e-300"),
                                         # an empty field is a typo, not a node dropped; no GPU at all
                                         ("--gpus-per-node", "8,,8"), ("--gpus-per-node", "0"),
-                                        ("--gpus-per-node", "0,0"), ("--from-plan", "/dev/zero")])
+                                        ("--gpus-per-node", "0,0"), ("--from-plan", "/dev/zero"),
+                                        # int() takes these (QA round 5, Q5-11); not a byte width
+                                        ("--num-layers", "\uff18"), ("--num-layers", "1_6"),
+                                        ("--dtype-bytes", "3"), ("--zero-stage", "1_0")])
 def test_malformed_plan_flags_exit_2_in_one_line(flag, value):
     argv = ["plan", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
             "--vocab-size", "1000", "--micro-batch-size", "1", "--global-batch-size", "8", "--gpus-per-node", "2,2"]

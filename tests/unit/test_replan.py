@@ -171,6 +171,38 @@ def test_previous_plan_document_checked_like_a_layout():
         assert want in str(e.value), (change, str(e.value))
 
 
+@pytest.mark.parametrize("path, value, want", [
+    ((), {"version": True}, "expected a version-1 or -2 plan document"),
+    ((), {"num_layers": 4.0}, "num_layers must be an integer >= 1 (got '4.0' of type float)"),
+    ((0,), {"micro_batches": -3}, "replica 0 micro_batches must be >= 1 (got -3)"),
+    ((0,), {"micro_batches": True}, "replica 0 micro_batches must be an integer >= 1"),
+    ((0, 0), {"tp": "2"}, "replica 0 stage 0 tp must be an integer >= 1 (got '2' of type str)"),
+    ((0, 1), {"tp": 2}, "replica 0 stage 1 lists 1 devices for tp=2"),
+    ((0, 1), {"layers": [2.0, 4]}, "replica 0 stage 1 layers[0] must be an integer"),
+    ((0, 1), {"layers": "2-4"}, "replica 0 stage 1 layers must be [first, last_exclusive]"),
+    ((0, 0), {"ranks": ["0", "1"]}, "replica 0 stage 0 ranks must be an integer (got '0' of type str)")])
+def test_previous_plan_document_types_are_strict(path, value, want):
+    """QA round 5, Q5-11: ``int()`` took true as version 1, "2" as a TP of 2, 2.0 as a layer, and
+    negative micro-batch counts; each is now refused, naming the field and its place."""
+    import copy
+
+    from elastor_ds.plan.plan_doc import plan_from_document
+    cl = Cluster.from_gpus_per_node([4, 4])
+    doc = {"version": 1, "num_layers": 4, "replicas": [
+        {"micro_batches": 1, "stages": [{"tp": 2, "layers": [0, 2], "devices": ["node0:0", "node0:1"]},
+                                        {"tp": 1, "layers": [2, 4], "devices": ["node1:0"]}]}]}
+    plan_from_document(copy.deepcopy(doc), cl)   # the unchanged document is good
+    node = doc
+    if path:
+        node = doc["replicas"][path[0]]
+        if len(path) > 1:
+            node = node["stages"][path[1]]
+    node.update(value)
+    with pytest.raises(ConfigError) as e:
+        plan_from_document(doc, cl)
+    assert want in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_bounded_reshape_ladder_finds_the_same_best_candidates(seed, monkeypatch):
     """The re-shape's ladder of replica counts (above RESHAPE_SEARCH_MAX GPUs; forced here on 2,048)
