@@ -92,7 +92,6 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
     # torch_dist on a host without CUDA (QA Q2: megatron's writer synchronised CUDA and failed),
     # through megatron's own dist_checkpointing, and back: the same weights
     import dataclasses
-    import json
 
     from elastor_ds.integrations.megatron.specs import GPTSpecConfig
     model = commit_mod.read_manifest(commit_mod.resolve(src)).model
@@ -101,11 +100,24 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
         "--tensor-model-parallel-size", "2", "--no-progress")
     cli("convert", str(tmp_path / "td"), str(tmp_path / "td_back"), "--from", "megatron", "--model-config",
         str(tmp_path / "gpt.json"), "--no-progress")
-    cli("convert", str(tmp_path / "td_back"), str(tmp_path / "c3"), "--to", "consolidated", "--no-progress")
-    c = load_file(str(tmp_path / "c3" / "model.safetensors"))
-    assert set(c) == set(b)
-    for k in c:
-        assert torch.equal(a[k], c[k]), k
+    # and back without --model-config: the export leaves its model config beside the tracker file
+    # (QA round 5, Q5-14: "carries no Megatron args: pass --model-config")
+    cli("convert", str(tmp_path / "td"), str(tmp_path / "td_back2"), "--from", "megatron", "--no-progress")
+    for back in ("td_back", "td_back2"):
+        cli("convert", str(tmp_path / back), str(tmp_path / f"c3{back}"), "--to", "consolidated", "--no-progress")
+        c = load_file(str(tmp_path / f"c3{back}" / "model.safetensors"))
+        assert set(c) == set(b)
+        for k in c:
+            assert torch.equal(a[k], c[k]), k
+    # that file is read as untrusted input: a symlink or a NaN is refused naming the file, nothing written
+    side = tmp_path / "td" / "elastor_model_config.json"
+    doc = json.loads(side.read_text())
+    side.write_text(json.dumps(dict(doc, num_layers=float("nan"))))   # json.dumps writes NaN
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", str(tmp_path / "td"),
+                        str(tmp_path / "td_bad"), "--from", "megatron", "--no-progress"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0 and "elastor_model_config.json" in p.stderr and "--model-config" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "td_bad")
 
 
 @pytest.mark.parametrize("flags, msg", [

@@ -45,7 +45,8 @@ from ...checkpoint.state import from_jsonable
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.convert import write_single_writer_checkpoint
 from ...checkpoint.reader import read_shards
-from ...checkpoint.paths import safe_join
+from ...checkpoint.paths import read_regular_text, safe_join
+from ...checkpoint.planning.manifest import strict_json
 from ...checkpoint.shards import dtype_name, full_shard
 from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ...layout import Layout, local_pieces
@@ -62,6 +63,7 @@ _MAIN = "optimizer.fp32_param."  # training_hooks.MAIN_PREFIX (fp32 main params 
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_SIDECAR = "elastor_model_config.json"   # beside TRACKER in a torch_dist export: the GPTSpecConfig
 _MP_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LN_KEYS = {local: te for te, local in TE_FUSED_NORMS.items()}  # torch_dist keys use TE's names
@@ -145,6 +147,22 @@ def _load_config(path: Optional[str]) -> Optional[GPTSpecConfig]:
         raise ConfigError(f"--model-config {path}: {e}") from None
 
 
+def _sidecar_config(root: str) -> Optional[GPTSpecConfig]:
+    """The model config ``export_torch_dist`` left beside the tracker file (:data:`MODEL_SIDECAR`),
+    read as untrusted input (no symlink, bounded, strict JSON), or None when there is none."""
+    path = os.path.join(root, MODEL_SIDECAR)
+    if not os.path.lexists(path):
+        return None
+    try:
+        d = strict_json(read_regular_text(path, 1 << 20, nofollow=True))
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, expected an object")
+        return GPTSpecConfig.from_json(d)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a model config elastor wrote ({type(e).__name__}: {e}); pass "
+                              f"--model-config FILE.json") from None
+
+
 # ---------------------------------------------------------------------------------- import
 def import_megatron(src: str, dst: str, cfg: Optional[GPTSpecConfig] = None, progress: bool = False,
                     force: bool = False, trust: bool = False) -> dict:
@@ -179,6 +197,8 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
             raise CheckpointError(f"{cp} holds a {type(common).__name__}, expected a dict")
     if cfg is None and common.get("args") is not None:
         cfg = config_from_args(common["args"])
+    if cfg is None:
+        cfg = _sidecar_config(os.path.dirname(os.path.abspath(d)))
     if cfg is None:
         raise ConfigError(f"{d} carries no Megatron args: pass --model-config FILE.json (GPTSpecConfig fields: "
                           f"num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, "
@@ -604,6 +624,8 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
         if rank == 0:
             with open(os.path.join(tmp[0], TRACKER), "w", encoding="utf-8") as f:
                 f.write(str(it))
+            with open(os.path.join(tmp[0], MODEL_SIDECAR), "w", encoding="utf-8") as f:
+                json.dump(cfg.to_json(), f, indent=1)   # what `--from megatron` needs back (Megatron's args are pickled)
         if world > 1:
             dist.barrier()
         if out is not None:
