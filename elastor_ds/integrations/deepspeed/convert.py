@@ -63,13 +63,15 @@ def _load_file(path: str, trust: bool = False) -> Any:
 
 
 def resolve_step_dir(src: str) -> str:
-    """``src`` or, for a save dir with a ``latest`` file, the tag directory it names."""
+    """``src`` or, for a save dir with a ``latest`` (or ``latest_universal``) file, the tag directory it names."""
     src = os.path.abspath(src)
     if not os.path.isdir(src):
         raise CheckpointNotFoundError(f"{src} does not exist" if not os.path.lexists(src) else
                                       f"{src} is not a directory: give a DeepSpeed save dir (with 'latest') or a "
                                       f"tag dir (with mp_rank_*_model_states.pt)")
     latest = os.path.join(src, "latest")
+    if not os.path.isfile(latest):   # a universal save dir (DeepSpeed's ds_to_universal, our export) names its tag here
+        latest = os.path.join(src, "latest_universal")
     if not glob.glob(os.path.join(src, "mp_rank_*_model_states.pt")) and os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
             tag = f.read(4096).strip()
