@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import stat
 import sys
 from typing import Any, Callable
 
 from ..cli_types import ascii_int, bounded_float
 from ..errors import ConfigError, PlanningError
+from ..user_json import read_json_file
 from .cluster import HARDWARE_RANGES, Cluster
 from .cost import GPU_TFLOPS_RANGE, CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
@@ -45,7 +44,6 @@ LIMITS = {
 }
 MAX_MICRO_BATCHES = 1 << 22          # global batch / micro-batch size
 MAX_PLAN_FILE_BYTES = 512 << 20      # --from-plan: a 131,072-GPU plan document is ~20 MB
-MAX_PROFILE_FILE_BYTES = 16 << 20    # --profile: a measured profile is a few KB
 
 
 def bounded_int(flag: str) -> Callable[[str], int]:
@@ -144,40 +142,8 @@ def build_inputs(args: argparse.Namespace) -> CostModel:
             raise ConfigError(f"--gpus-per-node {args.gpus_per_node!r} lists no GPU; give at least one, e.g. 8 or 8,8,8,7")
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 1")
-    profile = Profile.from_dict(read_json_file(args.profile, "--profile", MAX_PROFILE_FILE_BYTES, "a JSON profile",
-                                               "give a profile the trainer wrote (profile.json) or `elastor plan "
-                                               "--help` describes", strict=False)) if args.profile else None
+    profile = Profile.load(args.profile, "--profile") if args.profile else None
     return CostModel(model, training, cluster, CostParams(gpu_tflops=args.gpu_tflops), profile)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def read_json_file(path: str, flag: str, max_bytes: int, what: str, fix: str, strict: bool = True) -> Any:
-    """A JSON document the user names on the command line (``flag``): a regular file, not followed
-    through a symlink, at most ``max_bytes``, with ``strict`` no NaN/Infinity (without, the caller's
-    field checks name them), nested too deeply refused: every problem a usage error (ConfigError
-    naming the file and ``fix``), never a traceback."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot open ({e.strerror}; a symlink is not followed); {fix}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):   # /dev/zero, a FIFO, a directory: never read
-        os.close(fd)
-        raise ConfigError(f"{flag} {path}: not a regular file; {fix}")
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if st.st_size > max_bytes:
-                raise ConfigError(f"{flag} {path}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
-            return json.loads(f.read(max_bytes + 1), parse_constant=_no_constant if strict else None)
-    except ConfigError:
-        raise
-    except RecursionError:
-        raise ConfigError(f"{flag} {path}: nested too deeply to be {what}; {fix}") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag} {path}: not {what} ({type(e).__name__}: {e}); {fix}") from None
 
 
 def read_previous(path: str, cluster: Cluster):  # noqa: ANN201

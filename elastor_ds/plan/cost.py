@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import math
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -60,10 +59,13 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from ..errors import ConfigError
+from ..user_json import read_json_file
 from .cluster import Cluster
 from .comm_cost import CollectiveKind, CommProfile, sync_buffers
 from .model import ModelSpec, TrainingSpec
 from .plan_doc import Plan
+
+MAX_PROFILE_FILE_BYTES = 16 << 20    # a measured profile is a few KB
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +210,18 @@ class Profile:
                        None if step is None else float(step), d.get("cores_per_node"))
 
     @staticmethod
-    def load(path: str | Path) -> "Profile":
+    def load(path: str | Path, flag: str = "profile") -> "Profile":
+        """The profile file at ``path`` (``flag``: what named it, for errors), read as untrusted
+        input: no symlink, at most :data:`MAX_PROFILE_FILE_BYTES`, every field checked."""
+        doc = read_json_file(str(path), flag, MAX_PROFILE_FILE_BYTES, "a JSON profile",
+                             "give a profile the trainer wrote (profile.json) or one docs/planner.md describes",
+                             strict=False)
         try:
-            return Profile.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            return Profile.from_dict(doc)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"cannot read profile {path}: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"{flag} {path}: {type(e).__name__}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"version": 1, "micro_batch_size": self.micro_batch_size, "seq_length": self.seq_length,

@@ -318,3 +318,22 @@ def test_plan_input_files_nested_too_deeply_or_symlinked_are_usage_errors(flag, 
     link.symlink_to(good)
     assert cli_main(BASE + ["--gpus-per-node", "8", flag, str(link)]) == 2
     assert "a symlink is not followed" in capsys.readouterr().err
+
+
+def test_profile_load_reads_like_the_cli(tmp_path):
+    """``Profile.load`` (the DeepSpeed ``"elastor": {"profile": ...}`` key and the example trainer's
+    profile.json) followed a symlink and read any size; it now reads like ``--profile``."""
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.plan import Profile
+
+    good = tmp_path / "profile.json"
+    good.write_text(json.dumps({"version": 1, "layer_time_s": {"1": 0.1}}))
+    assert Profile.load(good).layer_time_s == {1: 0.1}
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    with pytest.raises(ConfigError, match=r"elastor.profile .*link.json: cannot open .*a symlink is not followed"):
+        Profile.load(link, "elastor.profile")
+    big = tmp_path / "big.json"
+    big.write_text(" " * (17 << 20) + "{}")
+    with pytest.raises(ConfigError, match="big.json: 17,825,794 bytes; a JSON profile is at most 16,777,216"):
+        Profile.load(big)

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional
 
 from ...errors import FormatVersionError, ManifestError
 from ...layout.region import Region, first_overlap
+from ...user_json import strict_json
 
 FORMAT_NAME = "elastor"
 FORMAT_VERSION = 2
@@ -286,24 +287,6 @@ class _V:
         if not isinstance(v, str) or not v:
             raise self.fail(path, "a non-empty string", v)
         return v
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"{text[:40]} is out of a float's range")
-    return x
-
-
-def strict_json(text: "str | bytes") -> Any:
-    """``json.loads`` of strict JSON: ``NaN``, ``Infinity`` and numbers beyond a float's range
-    (``1e999``) are refused with a ValueError (a writer never emits them: non-finite values are
-    stored tagged), not let through to fail later where nobody expects a float."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
 def _json(text: str, where: str) -> Any:

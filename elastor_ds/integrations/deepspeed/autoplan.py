@@ -73,7 +73,7 @@ def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
     zero = int((ds.get("zero_optimization") or {}).get("stage", 0))
     training = TrainingSpec(micro_batch_size=mbs, num_micro_batches=int(gbs) // mbs,
                             nominal_tp=widest_tp(model, max(nodes)), zero_stage=zero)
-    profile = Profile.load(ecfg.profile) if ecfg.profile else None
+    profile = Profile.load(ecfg.profile, "elastor.profile") if ecfg.profile else None
     # heterogeneous plans run ZeRO-1 at most (see .hetero): with ZeRO >= 2 configured, search grids only
     cons = PlanConstraints(layouts="uniform" if zero >= 2 else "heterogeneous")
     try:

@@ -46,9 +46,9 @@ from ...checkpoint import commit as commit_mod
 from ...checkpoint.convert import write_single_writer_checkpoint
 from ...checkpoint.reader import read_shards
 from ...checkpoint.paths import read_regular_text, safe_join
-from ...checkpoint.planning.manifest import strict_json
 from ...checkpoint.shards import dtype_name, full_shard
 from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ...user_json import strict_json
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
 from ..safe_load import load_pt, safe_dcp_reader
