@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..layout.region import Piece, Region
@@ -87,7 +88,8 @@ def conflicting_duplicate(shards: Sequence[TensorShard]) -> "str | None":
     return None
 
 
-_EXACT_ALIAS_CHECK = 1 << 16   # elements: strided views this small are compared element by element (< 1 ms)
+_ALIAS_WORK = 1 << 20   # numpy's overlap solver: enough for any pair of strided views seen in practice
+_TooHard = getattr(getattr(np, "exceptions", np), "TooHardError")
 
 
 def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
@@ -96,7 +98,7 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
     checkpoint); None otherwise. Column slices of one tensor interleave without sharing an element
     and are fine; so is one view given twice under the same name and region (both writes are the
     same bytes). Views are compared by their byte extents, exactly when both are contiguous; two
-    strided views whose extents meet are compared element by element up to a size bound."""
+    strided views whose extents meet go to numpy's exact overlap solver."""
     spans: dict[tuple, list] = {}
     for s in shards:
         t = s.tensor
@@ -132,15 +134,27 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views whose byte extents meet share a byte. Contiguous views: yes. Strided
+    ones: numpy's exact overlap solver on their shapes and strides (no element is read, any
+    device); a case it cannot settle within :data:`_ALIAS_WORK` is left to the load (a write over
+    another shard then fails its check)."""
     if a.is_contiguous() and b.is_contiguous():
         return True   # contiguous byte ranges that meet
-    if a.numel() > _EXACT_ALIAS_CHECK or b.numel() > _EXACT_ALIAS_CHECK or a.element_size() != b.element_size():
-        return False   # not decided: left to the load (a write over another shard then fails its check)
-    base = min(a.data_ptr(), b.data_ptr())
+    try:
+        return bool(np.shares_memory(_layout_only(a), _layout_only(b), max_work=_ALIAS_WORK))
+    except _TooHard:
+        return False
 
-    def offsets(t: torch.Tensor) -> torch.Tensor:
-        idx = torch.zeros((), dtype=torch.int64) + (t.data_ptr() - base) // t.element_size()
-        for n, st in zip(t.shape, t.stride()):
-            idx = idx.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
-        return idx.reshape(-1)
-    return bool(torch.isin(offsets(a), offsets(b)).any())
+
+class _Layout:
+    """An object numpy reads a tensor's address, shape and byte strides from (the array interface)."""
+
+    def __init__(self, t: torch.Tensor):
+        es = t.element_size()
+        self.__array_interface__ = {"shape": tuple(t.shape), "typestr": f"|V{es}", "data": (t.data_ptr(), False),
+                                    "strides": tuple(st * es for st in t.stride()), "version": 3}
+
+
+def _layout_only(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over ``t``'s memory, built from its layout alone and never read."""
+    return np.asarray(_Layout(t))
