@@ -53,8 +53,8 @@ import time
 import uuid
 from typing import Iterable, Optional
 
-from ..errors import (CheckpointError, CheckpointNotFoundError, ConcurrentWriterError, CorruptCheckpointError, IncompleteCheckpointError,
-                      UnreadableCheckpointError, UnsafeCheckpointError)
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConcurrentWriterError, CorruptCheckpointError,
+                      IncompleteCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError)
 from .planning.manifest import MANIFEST_NAME, Manifest
 from .paths import not_a_checkpoint, read_regular_text, safe_join
 from .fileformat import atomic_write_text, fsync_dir

@@ -179,7 +179,7 @@ def test_unreachable_store_is_one_line_without_cpp_frames(tmp_path):
 
 
 def test_a_store_that_comes_up_late_is_waited_for(tmp_path):
-    """The other side of the same wait: the store's host starts 3 s after this node (is_host=0, as
+    """The other side of the same wait: the store's host starts after this node waits for it (is_host=0, as
     with ``store_main``): the node waits in Python, then torch connects without a failed try, and the
     job runs to exit 0 with no C++ frames on stderr."""
     port = _closed_port()
@@ -190,8 +190,17 @@ def test_a_store_that_comes_up_late_is_waited_for(tmp_path):
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0,read_timeout=30",
                              str(script), str(tmp_path / "ran")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env)
-    time.sleep(3)
-    assert node.poll() is None, node.communicate()
+    head = []   # the store starts once the node says it waits (a fixed sleep raced a slow start under load)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = node.stderr.readline()
+        if not line:
+            break
+        head.append(line)
+        if "waiting for the rendezvous store" in line:
+            break
+    assert node.poll() is None, ("".join(head), node.communicate())
+    time.sleep(1)   # and has waited a while
     store = subprocess.Popen([sys.executable, "-m", "elastor_ds.elastic.store_main", "--host", "127.0.0.1",
                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
@@ -199,6 +208,7 @@ def test_a_store_that_comes_up_late_is_waited_for(tmp_path):
     finally:
         store.terminate()
         store.wait(timeout=30)
+    err = "".join(head) + err
     assert node.returncode == 0, (node.returncode, err[-3000:])
     assert (tmp_path / "ran").read_text() == "0"
     assert "waiting for the rendezvous store" in err
