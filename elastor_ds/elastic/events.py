@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
+import stat
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class EventKind(str, enum.Enum):
@@ -63,6 +67,12 @@ class EventLog:
             if os.path.islink(path):   # never append through a link another user may have planted
                 from ..errors import ConfigError
                 raise ConfigError(f"--events {path}: is a symlink; remove it or name a file in a folder of your own")
+            if os.path.lexists(path):   # appended to and read back: only a file of ours nobody else may write
+                fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    _check_ours(fd, path)
+                finally:
+                    os.close(fd)
 
     def emit(self, kind: EventKind | str, **fields: Any) -> dict:
         rec = {"event": EventKind(kind).value, "time": fields.pop("time", None) or time.time(), "node": self.node}
@@ -73,21 +83,54 @@ class EventLog:
         return rec
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+MAX_JSONL_BYTES = 1 << 30   # an events or metrics file read back for the report (~500 B per iteration)
+
+
+def _check_ours(fd: int, path: str) -> None:
+    """``fd`` (of ``path``) is a regular file of this user that no other user may write: a file
+    another user made beforehand (in a shared /tmp) could feed the report forged records."""
+    from ..errors import ConfigError
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--events {path}: not a regular file; remove it or name a file in a folder of your own")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"--events {path}: owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); remove it "
+                          f"or name a file in a folder of your own")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"--events {path}: other users may write it (mode {stat.S_IMODE(st.st_mode):04o}); "
+                          f"chmod go-w it, or name a new file")
+
+
 def append_line(path: str, rec: dict) -> None:
     data = (json.dumps(rec, sort_keys=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o644)
     try:
+        _check_ours(fd, path)
         os.write(fd, data)
     finally:
         os.close(fd)
 
 
 def read_jsonl(path: str | None) -> list[dict]:
-    """Records of a JSONL file; a torn last line (being written) is skipped."""
+    """Records of a JSONL file; a torn last line (being written) is skipped. Only a regular file
+    is read (a FIFO would block: opened non-blocking, then checked), of at most
+    :data:`MAX_JSONL_BYTES`; anything else reads as no records (logged)."""
     if not path or not os.path.exists(path):
         return []
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        log.warning("cannot read %s: %s", path, e)
+        return []
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSONL_BYTES:
+        os.close(fd)
+        log.warning("not reading %s: %s", path, "not a regular file" if not stat.S_ISREG(st.st_mode) else
+                    f"{st.st_size:,} bytes, more than {MAX_JSONL_BYTES:,}")
+        return []
     out = []
-    with open(path) as f:
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:

@@ -259,3 +259,48 @@ def test_a_stop_while_the_workers_start_is_exit_1(monkeypatch, caplog, sig):
     monkeypatch.setattr(run_cli, "run", stopped)
     assert main(["run", "train.py"]) == 1
     assert f"stopped by {sig.name} while the workers were starting (no checkpoint was taken)" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["other_owner", "group_writable", "fifo"])
+def test_an_events_file_another_user_could_write_is_refused(tmp_path, how):
+    """QA round 6, Q6-1: an events file another user made beforehand (mode 0666, their own) was
+    appended to and read back; a forged ``worker_started`` record naming a FIFO as the metrics file
+    then hung ``elastor run`` forever after the job finished (SIGTERM did not stop it). Now such a
+    file is refused at start, exit 2, nothing launched."""
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').write('x')\n")
+    events = tmp_path / "run.jsonl"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    if how == "fifo":
+        os.mkfifo(events)
+    else:
+        events.write_text(json.dumps({"event": "worker_started", "time": 1, "node": "x", "metrics_file": str(fifo)})
+                          + "\n")
+        if how == "other_owner":
+            os.chown(events, 1001, 1001)
+            os.chmod(events, 0o644)
+        else:
+            os.chmod(events, 0o664)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--standalone",
+                        "--nproc-per-node", "1", "--events", str(events), str(script)], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    want = {"other_owner": "owned by uid 1001, not by you", "group_writable": "other users may write it (mode 0664)",
+            "fifo": "not a regular file"}[how]
+    assert f"--events {events}: {want}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(str(script) + ".ran")
+
+
+def test_a_metrics_file_named_in_our_events_that_is_a_fifo_does_not_hang_the_report(tmp_path):
+    """The report reads the metrics file a ``worker_started`` record names: a FIFO (or anything but
+    a regular file) is skipped with a warning, not opened for a blocking read."""
+    from elastor_ds.elastic.events import read_jsonl
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    assert read_jsonl(str(fifo)) == []
+    assert time.monotonic() - t0 < 5
+    good = tmp_path / "m.jsonl"
+    good.write_text('{"iteration": 1}\n{"iteration": 2}\n{"iter')
+    assert read_jsonl(str(good)) == [{"iteration": 1}, {"iteration": 2}]
