@@ -49,6 +49,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from typing import Iterable, Optional
@@ -341,7 +342,15 @@ class StepCommit(AtomicCommit):
         elif not is_committed(self.path):
             raise IncompleteCheckpointError(f"{self.path} has no {MANIFEST_NAME} to commit")
         final = self.final_dir
-        if not os.path.exists(final):
+        try:
+            st = os.lstat(final)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):   # a link or a file someone put there: never ours
+            raise UnsafeCheckpointError(f"{final} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}, "
+                                        f"not a step this engine wrote; nothing was replaced. Remove it, or save "
+                                        f"under another root")
+        if st is None:
             os.rename(self.path, final)
         elif _exchange(self.path, final):
             self._sync_root()
@@ -566,10 +575,13 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
     for step, path in committed[:-keep]:
         if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
             continue
+        if os.path.islink(path):   # a link someone put there: never followed, never removed
+            continue
         if recycle_dir is not None:
             recycle_data_files(path, recycle_dir, recycle_names)
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        if not os.path.lexists(path):
+            removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
         p = os.path.join(root, n)
@@ -577,8 +589,15 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if tmp_step is None or os.path.abspath(p) in keep_paths:
             continue
         if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
+            why = _not_our_temp_dir(p)
+            if why:
+                if p not in _left_alone:
+                    _left_alone.add(p)
+                    log.warning("retention leaves %s alone: named like a save's temp dir, but %s", p, why)
+                continue
             shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+            if not os.path.lexists(p):
+                removed.append(p)
     if recycle_dir is not None and recycle_names is not None:
         try:
             spare = [n for n in os.listdir(recycle_dir) if n not in recycle_names]
@@ -593,6 +612,36 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         log.log(logging.DEBUG if recycle_dir is not None else logging.INFO, "retention removed %s",
                 ", ".join(os.path.basename(p) for p in removed))
     return removed
+
+
+_TEMP_ENTRY = re.compile(r"^(data_\d{5,}\.(safetensors|crc32)|manifest\.json(\.tmp\.\d+)?)$")
+_STATE_ENTRY = re.compile(r"^rank_\d{5,}\.json$")
+_left_alone: set = set()   # temp-dir-like entries retention already said it leaves (said once each)
+
+
+def _not_our_temp_dir(path: str) -> str:
+    """Why ``path`` (named ``.tmp_step_*``) is not a temp dir a save of ours left, or "" when it
+    is one: a real directory of this user holding only the files a save writes (data files, CRC
+    tables, rank state files, the manifest and its temp names). Retention deletes nothing else."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is not a directory"
+        if st.st_uid != os.geteuid():
+            return f"it belongs to uid {st.st_uid}"
+        with os.scandir(path) as it:
+            for e in it:
+                if e.name == "rank_state" and e.is_dir(follow_symlinks=False):
+                    with os.scandir(e.path) as inner:
+                        bad = next((x.name for x in inner
+                                    if not (_STATE_ENTRY.match(x.name) and x.is_file(follow_symlinks=False))), None)
+                    if bad is not None:
+                        return f"it holds rank_state/{bad[:80]!r}, which no save writes"
+                elif not (_TEMP_ENTRY.match(e.name) and e.is_file(follow_symlinks=False)):
+                    return f"it holds {e.name[:80]!r}, which no save writes"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    return ""
 
 
 def recycle_data_files(step_dir: str, dest: str, names_wanted: Optional[set] = None,
