@@ -207,3 +207,24 @@ def test_a_stale_marker_in_a_users_own_directory_removes_only_the_jobs_entries(t
     assert snapshot_dir.sweep_stale(str(base)) == []
     assert sorted(os.listdir(d)) == ["notes.txt"]
     del sd
+
+
+def test_a_hand_set_snapshot_dir_variable_is_checked_like_the_config_key(tmp_path, monkeypatch):
+    """QA round 6, Q6-2: ``ELASTOR_SNAPSHOT_DIR`` set by hand (torchrun instead of elastor run)
+    skipped every check: a 0755 folder holding other files was used, and the model's snapshots
+    landed in it readable by every user. Now it is checked like ``memory_snapshot.dir``."""
+    from elastor_ds.checkpoint.settings import MemorySnapshotConfig
+    from elastor_ds.checkpoint.snapshot.tier import node_dir
+    from elastor_ds.elastic.protocol import ENV_SNAPSHOT_DIR
+    open_dir = tmp_path / "victim"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    (open_dir / "vfile").write_text("V")
+    monkeypatch.setenv(ENV_SNAPSHOT_DIR, str(open_dir))
+    with pytest.raises(ConfigError, match=f"{ENV_SNAPSHOT_DIR} {open_dir}: .*other users"):
+        node_dir(MemorySnapshotConfig(interval_steps=1))
+    assert sorted(os.listdir(open_dir)) == ["vfile"]
+    fresh = tmp_path / "mine"   # absent: made private, as the config key's directory is
+    monkeypatch.setenv(ENV_SNAPSHOT_DIR, str(fresh))
+    assert node_dir(MemorySnapshotConfig(interval_steps=1)) == str(fresh)
+    assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o700

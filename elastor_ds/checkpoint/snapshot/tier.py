@@ -47,18 +47,19 @@ class MemoryBudgetError(ConfigError):
 
 
 def node_dir(mcfg: MemorySnapshotConfig) -> str:
-    """The node's snapshot directory: ``elastor run``'s (it checked and made it), else the one the
-    config names, checked as ``elastor run`` checks its own: a private real directory of this user
-    (0700, made so when absent) under folders only this user or root can change."""
+    """The node's snapshot directory: the one the config names, else ``$ELASTOR_SNAPSHOT_DIR``
+    (``elastor run`` makes it; a user may set it by hand), each checked as ``elastor run`` checks its
+    own: a private real directory of this user (0700, made so when absent) under folders only this
+    user or root can change."""
+    from ..private_dir import ensure_private_dir
     if mcfg.dir:
-        from ..private_dir import ensure_private_dir
         return ensure_private_dir(mcfg.dir, "elastor.memory_snapshot.dir")
     d = launch_context().snapshot_dir
     if not d:
         raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
                           f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
                           "\"/dev/shm/<job>\"}} (one directory per node, in memory)")
-    return os.path.abspath(d)
+    return ensure_private_dir(d, ENV_SNAPSHOT_DIR)
 
 
 def tree_bytes(path: str) -> int:
