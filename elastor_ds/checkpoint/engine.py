@@ -427,6 +427,9 @@ class CheckpointEngine:
             if self.in_place:
                 self.staging.forget_all()   # their views would keep the mappings alive
             self.storage.close(self.committer)
+            depart = getattr(self.comm, "depart", None)
+            if depart is not None:   # rank 0 (the store's usual host) leaves last: QA round 6, Q6-1
+                depart()
 
     def _submit(self, args: tuple) -> None:
         """Hand a save to the writer thread (started on first use): no thread start per save, which

@@ -245,6 +245,37 @@ class _Liveness:
         except Exception as e:  # noqa: BLE001 - the store itself is unreachable
             raise self._store_lost(what, e) from None
 
+    def depart(self, cap_s: Optional[float] = None) -> bool:
+        """The last touch of this store before the process may exit: every rank counts itself out;
+        rank 0, whose process hosts the default store when the job was started the usual way
+        (``MASTER_ADDR``), waits until every rank has, so that it does not take the store away from
+        a rank still inside a collective (its next poll would find "Connection reset" and fail a
+        save that rank 0 committed). Bounded: a rank that died (its heartbeat stops), or ``cap_s``
+        (default ``liveness_s``) without every rank, ends the wait. True when every rank left."""
+        self._departs = getattr(self, "_departs", 0) + 1
+        target = self._departs * self.world
+        key = f"elastor/{self.tag}/departs"
+        try:
+            got = [int(self._store.add(key, 1))]
+        except Exception as e:  # noqa: BLE001 - the store is gone: nothing left to protect
+            log.debug("depart: store unreachable (%s)", e)
+            return False
+        if self.rank != 0 or got[0] >= target:
+            return True
+        deadline = time.monotonic() + (self.liveness_s if cap_s is None else cap_s)
+
+        def complete() -> bool:
+            got[0] = int(self._store.add(key, 0))
+            if got[0] < target and time.monotonic() > deadline:
+                raise TimeoutError(f"{target - got[0]} of {self.world} ranks did not finish within the wait")
+            return got[0] >= target
+        try:
+            self._wait("depart", complete, lambda: f"{target - got[0]} of {self.world} ranks have not finished")
+            return True
+        except Exception as e:  # noqa: BLE001 - leaving anyway: a dead or stuck rank cannot be waited for
+            log.warning("rank 0 leaves the checkpoint group before every rank did (%s)", e)
+            return False
+
     def _arrive_counted(self, what: str) -> bool:
         """An arrival without a value: one shared counter per group, never reset. The k-th such
         arrival of the group is complete once the counter reaches ``k * world`` (no rank passes
@@ -403,6 +434,11 @@ class TorchComm:
         for lv in (self.liveness, self.writer_liveness):
             if lv is not None:
                 lv.close()
+
+    def depart(self) -> bool:
+        """Collective, once every rank is done with this comm (the engine's ``finalize``): see
+        :meth:`_Liveness.depart`. A no-op with one rank."""
+        return self.liveness.depart() if self.liveness is not None else True
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         if self.liveness is not None:
