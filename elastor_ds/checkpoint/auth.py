@@ -41,7 +41,12 @@ _LABEL = b"elastor-ds job key v1"
 _cache: dict[tuple, bytes] = {}
 
 
-def new_key_file_hint(path: str) -> str:
+def new_key_file_hint(path: str, exists: bool = False) -> str:
+    """How to make a secret file at ``path``; ``exists``: a file someone else owns is there, which
+    ``>`` would write into (keeping its owner): name a new file instead."""
+    if exists:
+        return (f"name a new file in a folder of your own and create it with: (umask 077; head -c 32 /dev/urandom "
+                f"> NEWFILE); give every node the same file")
     return f"create it with: (umask 077; head -c 32 /dev/urandom > {path}) and give every node the same file"
 
 
@@ -58,13 +63,16 @@ def load_key(path: str, what: str = "--job-secret-file") -> bytes:
             raise ConfigError(f"{what} {path}: not a regular file; {new_key_file_hint(path)}")
         if st.st_uid != os.getuid():
             raise ConfigError(f"{what} {path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
-                              f"{new_key_file_hint(path)}")
+                              f"{new_key_file_hint(path, exists=True)}")
         if st.st_mode & 0o077:
             raise ConfigError(f"{what} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
                               f"chmod 600 {path}")
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if key in _cache:
             return _cache[key]
+        if st.st_size > _MAX_SECRET:   # the size itself, not the bounded read's length
+            raise ConfigError(f"{what} {path}: {st.st_size} bytes; it needs {MIN_SECRET} to {_MAX_SECRET} random "
+                              f"bytes; {new_key_file_hint(path)}")
         data = os.read(fd, _MAX_SECRET + 1)
     finally:
         os.close(fd)

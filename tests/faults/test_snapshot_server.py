@@ -383,3 +383,22 @@ def test_bad_job_secret_file_is_a_config_error(tmp_path, problem):
         os.symlink(_secret(tmp_path), path)
     with pytest.raises(ConfigError, match="job-secret-file"):
         NodeSnapshots(str(tmp_path), "127.0.0.1:1", multi_node=True, secret_file=path)
+
+
+def test_job_secret_file_messages_name_the_size_and_a_safe_fix(tmp_path):
+    """QA round 6, Q6-8: a 100,000-byte file read as "65537 bytes" (the bounded read, not the
+    size); for a file another user owns, the suggested ``head -c 32 ... > FILE``, run by this user,
+    would write the secret into that user's file (it stays theirs, readable by them)."""
+    from elastor_ds.checkpoint.auth import load_key
+    big = _secret(tmp_path, n=100000)
+    with pytest.raises(ConfigError, match=r": 100000 bytes; it needs 32 to 65536"):
+        load_key(big)
+    theirs = str(tmp_path / "theirs")
+    fd = os.open(theirs, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    os.chown(theirs, 1001, 1001)
+    with pytest.raises(ConfigError) as e:
+        load_key(theirs)
+    msg = str(e.value)
+    assert "owned by uid 1001" in msg and "NEWFILE" in msg and f"> {theirs}" not in msg, msg
