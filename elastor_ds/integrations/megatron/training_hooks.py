@@ -41,6 +41,7 @@ import base64
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -67,8 +68,32 @@ MAIN_PREFIX = "optimizer.fp32_param."
 
 
 # ------------------------------------------------------------------ flags and parallel init
+def _one_line_user_errors() -> None:
+    """Outside ``elastor run`` (torchrun, as docs/megatron-lm.md launches it): an uncaught
+    :class:`ConfigError` (a flag, plan or folder the user must change; the same on every relaunch)
+    ends the process with one line on stderr and exit 2, as ``elastor run``'s worker entry point
+    does, instead of a traceback through Megatron-LM's frames on every rank (torchrun still prints
+    its own summary). Other exceptions keep the interpreter's hook. Installed once, by
+    :func:`add_arguments` (the first hook Megatron-LM's patched code calls)."""
+    from ...elastic.protocol import launch_context
+    if launch_context().under_elastor_run or getattr(sys.excepthook, "_elastor", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        if isinstance(value, ConfigError):
+            rank = os.environ.get("RANK")
+            print(f"elastor: error{f' (rank {rank})' if rank else ''}: {value}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(2)   # no teardown: a failed rank's peers may be gone (as worker_main's _exit_now)
+        previous(kind, value, tb)
+    hook._elastor = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--elastor*`` flags (an ``extra_args_provider`` for Megatron-LM's parse_args)."""
+    _one_line_user_errors()
     g = parser.add_argument_group("elastor", "elastic, partition-agnostic checkpoints (off by default)")
     g.add_argument("--elastor", action="store_true", default=False,
                    help="save/load checkpoints through elastor (loadable under any TP x PP x DP)")
