@@ -832,8 +832,7 @@ def _main(argv: list[str] | None = None) -> int:
                     if done:   # rank 0's newest finished peer copy (background) and the wait before it
                         rec.update(peer_copy_s=done[-1].copy_s, peer_copy_wait_s=done[-1].wait_s,
                                    peer_copy_cpu_s=done[-1].cpu_s, peer_copy_seq=done[-1].seq,
-                                   peer_copy_bytes=done[-1].bytes_sent, peer_copy_ok=done[-1].error is None,
-                                   peer_copy_escalated=done[-1].escalated)
+                                   peer_copy_bytes=done[-1].bytes_sent, peer_copy_ok=done[-1].error is None)
                 rec.update(plan_info)
                 if it == start:
                     rec["plan"] = layout.to_json()

@@ -29,11 +29,6 @@ Peer copies need the job key (``elastor run --job-secret-file``): without it on 
 none (decided collectively, logged).
 
 The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``).
-The copy thread runs under ``SCHED_IDLE`` (:mod:`..writer_sched`, as the storage writer): on cycles
-training leaves idle, escalated to normal priority when the next submit or :meth:`close` waits for
-it, or :data:`PEER_COPY_DEADLINE_S` after it started. On 2 cores the copy's own CPU was ~7 % of the
-machine and the rest of its cost the two ranks waiting on each other, because the copy took one
-rank's core (``bench/results/2026-12-03-s23-gc-peer-copies.md``).
 :meth:`create` makes the transport: it is collective, every rank calls it at the same point
 relative to its other group creations (see RUNTIME_FACTS.md: group creation order). A transfer that
 fails or times out fails that copy (logged); a failed transport stays failed, so every later copy
@@ -55,7 +50,6 @@ from ..auth import GMAC_AVAILABLE, FileMac, file_mac, job_key
 from ..commit import recycle_data_files
 from ..crc import crc32
 from ..paths import safe_join
-from ..writer_sched import WriterPriority, WriterSched
 from .file_staging import FileStaging
 from .peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
 from ...comm.groups import world_rank, world_size
@@ -63,9 +57,6 @@ from ...comm.transport import GlooTransport, Transport
 from ...errors import CollectiveError
 
 log = logging.getLogger(__name__)
-
-PEER_COPY_SCHED = WriterSched.IDLE   # the copy thread's CPU policy until waited for (see PeerCopier.__init__)
-PEER_COPY_DEADLINE_S = 5.0           # ... and at the latest this long after its snapshot
 
 __all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE", "origin_id"]
 
@@ -94,7 +85,6 @@ class PeerCopyStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0          # submit() waiting for the previous exchange (training stalls)
-    escalated: Optional[str] = None   # why its thread left SCHED_IDLE ("wait", "deadline"), None if it did not
     copy_s: float = 0.0          # the exchange itself, in the background
     cpu_s: float = 0.0           # CPU time of the copy thread (MACs, CRC checks, moving into place)
     completed: list = field(default_factory=list)   # origins whose copy this rank completed
@@ -198,8 +188,7 @@ class PeerCopier:
     """Runs the peer copies of one rank (see the module docstring)."""
 
     def __init__(self, transport: Transport, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
-                 peer_copies: int = 1, key: Optional[bytes] = None, mac_scheme: str = "gmac",
-                 sched: "WriterSched | str" = PEER_COPY_SCHED):
+                 peer_copies: int = 1, key: Optional[bytes] = None, mac_scheme: str = "gmac"):
         """``transport``: over the whole world (its ranks are the plan's global ranks). ``mac_scheme``:
         the files' keyed digest (:class:`~elastor_ds.checkpoint.auth.FileMac`: "gmac", or "hmac" when
         a rank lacks GMAC; a receiver checks either)."""
@@ -222,9 +211,6 @@ class PeerCopier:
         self.seq = 0
         self.stats: list[PeerCopyStats] = []
         self._thread: Optional[threading.Thread] = None
-        # the copy thread's CPU policy (as the storage writer's): SCHED_IDLE until training waits for
-        # it (the next submit, close) or the deadline; gloo's own threads keep theirs
-        self.priority = WriterPriority(sched, 0, PEER_COPY_DEADLINE_S)
         self._announced = False
         # receives land in kept mappings of the data files they cycle through (held + arriving per
         # sender): a write through a fresh mapping of tmpfs pages faults on every page (~40 ms per
@@ -283,7 +269,6 @@ class PeerCopier:
         t0 = time.perf_counter()
         self.wait()
         wait_s = time.perf_counter() - t0
-        st_escalated = self.priority.end()
         step_name = os.path.basename(os.path.normpath(step_dir))
         dirs = [*search_dirs, step_dir]
         self.seq += 1
@@ -304,9 +289,6 @@ class PeerCopier:
                     break
                 except OSError:
                     continue
-        if self.stats[:-1]:
-            self.stats[-2].escalated = st_escalated
-        self.priority.begin()
         self._thread = threading.Thread(target=self._run, args=(st, opened, manifest_fd), name="elastor-peer-copy",
                                         daemon=True)
         self._thread.start()
@@ -314,8 +296,6 @@ class PeerCopier:
 
     def wait(self) -> None:
         if self._thread is not None:
-            if self._thread.is_alive():
-                self.priority.urgent("wait")
             self._thread.join()
             self._thread = None
 
@@ -323,8 +303,6 @@ class PeerCopier:
         """At the end of training: let the last copy finish (bounded: a partner that died leaves it
         to the gloo timeout). True when no copy is left running."""
         t = self._thread
-        self.priority.urgent("close")
-        self.priority.close()
         if t is not None:
             t.join(timeout_s)
             if t.is_alive():
@@ -338,14 +316,11 @@ class PeerCopier:
     def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]], manifest_fd: int = -1) -> None:
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
-        self.priority.enter()
         try:
             self._exchange(st, opened, _allowed_files(manifest_fd, st.step_name))
         except Exception as e:  # noqa: BLE001 - a failed copy is logged; the restore falls back
             st.error = st.error or f"{type(e).__name__}: {e}"
             log.warning("peer copy %d of %s failed on rank %d: %s", st.seq, st.step_name, self.rank, st.error)
-        finally:
-            self.priority.leave()
         st.copy_s = time.perf_counter() - t0
         st.cpu_s = time.thread_time() - cpu0
         if st.error is None:
