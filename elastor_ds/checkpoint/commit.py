@@ -528,15 +528,17 @@ def check_written(root: str, tmp_dir: str, step: int, names: "Iterable[str]") ->
             except FileNotFoundError:
                 listed[sub] = set()
         if base not in listed[sub]:
-            raise _vanished(root, tmp_dir, step, name)
+            raise vanished(root, tmp_dir, step, name)
 
 
-def _vanished(root: str, tmp_dir: str, step: int, name: str) -> ConcurrentWriterError:
+def vanished(root: str, tmp_dir: str, step: int, name: str) -> ConcurrentWriterError:
     other = ("" if not os.path.isdir(tmp_dir) else
              " (or the ranks that wrote it see another folder under this path: the checkpoint dir must be storage "
              "every node shares)")
+    where = (f"its temporary folder {tmp_dir} vanished" if name == "its temporary folder"
+             else f"{name} vanished from {tmp_dir}")
     return ConcurrentWriterError(
-        f"save of step {step}: {name} vanished from {tmp_dir} while the save was writing; another writer (a second "
+        f"save of step {step}: {where} while the save was writing; another writer (a second "
         f"job or CheckpointEngine) is saving into {root} and removed this save's temporary folder{other}. Nothing "
         f"of this save was committed; give each job its own checkpoint directory")
 
@@ -547,10 +549,10 @@ def commit_text(root: str, tmp_dir: str, step: int, text: str, sync: bool = True
     :class:`StepCommit`. Returns the step dir."""
     try:
         return StepCommit.adopt(root, tmp_dir, step, sync=sync).finalize_text(text)
-    except FileNotFoundError:
+    except (FileNotFoundError, IncompleteCheckpointError):
         if os.path.isdir(tmp_dir) or not os.path.isdir(root):
             raise
-        raise _vanished(root, tmp_dir, step, os.path.basename(tmp_dir)) from None
+        raise vanished(root, tmp_dir, step, "its temporary folder") from None
 
 
 def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None,
@@ -579,8 +581,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
             continue
         if recycle_dir is not None:
             recycle_data_files(path, recycle_dir, recycle_names)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
+        if _remove_via_trash(root, path, step):
             removed.append(path)
     newest = max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
@@ -595,8 +596,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
                     _left_alone.add(p)
                     log.warning("retention leaves %s alone: named like a save's temp dir, but %s", p, why)
                 continue
-            shutil.rmtree(p, ignore_errors=True)
-            if not os.path.lexists(p):
+            if _remove_via_trash(root, p, tmp_step):
                 removed.append(p)
     if recycle_dir is not None and recycle_names is not None:
         try:
@@ -612,6 +612,21 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         log.log(logging.DEBUG if recycle_dir is not None else logging.INFO, "retention removed %s",
                 ", ".join(os.path.basename(p) for p in removed))
     return removed
+
+
+def _remove_via_trash(root: str, path: str, step: int) -> bool:
+    """Remove the directory ``path`` of ``root``: first renamed to a fresh temp name (atomic), then
+    deleted there. A delete that walked ``path`` itself could go on emptying the directory after a
+    concurrent save renamed it to its step (another engine committing into the same root: the
+    step then stayed committed without its files, QA round 7); after the rename only one of the two
+    renames wins, and the loser's commit fails. False when ``path`` was gone or could not be moved."""
+    trash = os.path.join(root, tmp_dirname(step, f"gone{os.getpid()}_{uuid.uuid4().hex[:8]}"))
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 _TEMP_ENTRY = re.compile(r"^(data_\d{5,}\.(safetensors|crc32)|manifest\.json(\.tmp\.\d+)?)$")

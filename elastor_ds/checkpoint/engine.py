@@ -500,6 +500,7 @@ class CheckpointEngine:
                                                   block_size=self.block_size, lean=lean))
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
+            e = self.storage.explain_write_error(tmp_dir, job.step, e)
             log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:

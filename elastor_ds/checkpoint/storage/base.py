@@ -120,6 +120,11 @@ class StorageWriter(abc.ABC):
         """Write the manifest into ``tmp_dir`` and make it step ``step`` atomically, then move
         ``latest``; return the committed step dir. Retention is separate (:meth:`retain`)."""
 
+    def explain_write_error(self, tmp_dir: str, step: int, error: BaseException) -> BaseException:
+        """The error a rank's write into ``tmp_dir`` raised, or a clearer one when the storage can
+        tell what happened (shared storage: the temp dir removed by another writer)."""
+        return error
+
     def check_written(self, tmp_dir: str, step: int, files: Iterable[str]) -> None:
         """Rank 0, just before :meth:`commit`: ``files`` (every file the ranks wrote, relative to
         ``tmp_dir``) are all there, else ``ConcurrentWriterError``. A no-op unless the storage can

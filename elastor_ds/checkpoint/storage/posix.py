@@ -75,6 +75,12 @@ class PosixStorage(Storage):
         finally:
             os.close(fd)
 
+    def explain_write_error(self, tmp_dir: str, step: int, error: BaseException) -> BaseException:
+        if isinstance(error, (FileNotFoundError, FileExistsError)) and not self.caps.node_local \
+                and not os.path.isdir(tmp_dir):   # makedirs racing a removal raises FileExistsError too
+            return commit_mod.vanished(self.root, tmp_dir, step, "its temporary folder")
+        return error
+
     def check_written(self, tmp_dir: str, step: int, files: Iterable[str]) -> None:
         if self.caps.node_local:   # tmpfs: this node's folder holds only its own ranks' files
             return
