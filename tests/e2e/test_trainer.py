@@ -112,12 +112,16 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
     # that file is read as untrusted input: a symlink or a NaN is refused naming the file, nothing written
     side = tmp_path / "td" / "elastor_model_config.json"
     doc = json.loads(side.read_text())
-    side.write_text(json.dumps(dict(doc, num_layers=float("nan"))))   # json.dumps writes NaN
-    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", str(tmp_path / "td"),
-                        str(tmp_path / "td_bad"), "--from", "megatron", "--no-progress"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode != 0 and "elastor_model_config.json" in p.stderr and "--model-config" in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "td_bad")
+    # a valid file that does not describe the checkpoint (QA round 7, Q7-4: a halved hidden size
+    # imported [192, 32] weights from [192, 64] tensors; one layer fewer dropped a layer) is refused too
+    for bad in (dict(doc, num_layers=float("nan")), dict(doc, hidden_size=doc["hidden_size"] // 2),
+                dict(doc, num_layers=doc["num_layers"] - 1), dict(doc, num_layers=doc["num_layers"] + 1)):
+        side.write_text(json.dumps(bad))   # json.dumps writes NaN
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", str(tmp_path / "td"),
+                            str(tmp_path / "td_bad"), "--from", "megatron", "--no-progress"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert p.returncode != 0 and "elastor_model_config.json" in p.stderr and "--model-config" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and "unexpected" not in p.stderr and not os.path.exists(tmp_path / "td_bad")
 
 
 @pytest.mark.parametrize("flags, msg", [

@@ -147,6 +147,24 @@ def _load_config(path: Optional[str]) -> Optional[GPTSpecConfig]:
         raise ConfigError(f"--model-config {path}: {e}") from None
 
 
+def _check_stored_shape(d: str, key: str, stored: tuple, want: tuple, layer: Optional[int], cfg: GPTSpecConfig,
+                        cfg_from: str) -> None:
+    """The checkpoint's tensor ``key`` has the shape the model config gives (a layer's tensors are
+    stacked along a first axis of ``num_layers``; embedding rows may be padded for TP). A config that
+    does not describe the checkpoint would otherwise cut or reinterpret tensors without a word."""
+    if layer is not None:
+        ok = len(stored) == len(want) + 1 and stored[1:] == tuple(want) and stored[0] == cfg.num_layers
+        expect = f"({cfg.num_layers}, {', '.join(map(str, want))})"
+    else:
+        ok = len(stored) == len(want) and stored[1:] == tuple(want[1:]) and stored[0] >= want[0] if want else \
+            stored == tuple(want)
+        expect = f"{tuple(want)} (rows may be padded)"
+    if not ok:
+        raise CheckpointError(f"{d}: tensor {key} is {stored} in the checkpoint, but the model config from {cfg_from} "
+                              f"gives {expect}: the config does not describe this checkpoint; pass the right "
+                              f"--model-config FILE.json")
+
+
 def _sidecar_config(root: str) -> Optional[GPTSpecConfig]:
     """The model config ``export_torch_dist`` left beside the tracker file (:data:`MODEL_SIDECAR`),
     read as untrusted input (no symlink, bounded, strict JSON), or None when there is none."""
@@ -158,7 +176,7 @@ def _sidecar_config(root: str) -> Optional[GPTSpecConfig]:
         if not isinstance(d, dict):
             raise ValueError(f"a JSON {type(d).__name__}, expected an object")
         return GPTSpecConfig.from_json(d)
-    except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+    except Exception as e:  # noqa: BLE001 - crafted input: any failure is "not ours" (duplicate keys raised IndexError)
         raise CheckpointError(f"{path}: not a model config elastor wrote ({type(e).__name__}: {e}); pass "
                               f"--model-config FILE.json") from None
 
@@ -195,10 +213,12 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
         common = load_pt(cp, trust)
         if not isinstance(common, dict):
             raise CheckpointError(f"{cp} holds a {type(common).__name__}, expected a dict")
+    cfg_from = "--model-config" if cfg is not None else "the checkpoint's Megatron args"
     if cfg is None and common.get("args") is not None:
         cfg = config_from_args(common["args"])
     if cfg is None:
         cfg = _sidecar_config(os.path.dirname(os.path.abspath(d)))
+        cfg_from = MODEL_SIDECAR
     if cfg is None:
         raise ConfigError(f"{d} carries no Megatron args: pass --model-config FILE.json (GPTSpecConfig fields: "
                           f"num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, "
@@ -211,6 +231,7 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
         if key not in meta:
             raise CheckpointError(f"{d}: tensor {key} (for {s.name}) is missing; the checkpoint does not match "
                                   f"the model config {cfg}")
+        _check_stored_shape(d, key, tuple(meta[key].size), s.shape, layer, cfg, cfg_from)
         names.append(s.name)
         shapes[s.name] = s.shape
         dtypes[s.name] = dtype_name(meta[key].properties.dtype)
