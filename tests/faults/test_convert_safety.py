@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard
@@ -176,3 +177,23 @@ def test_verify_of_a_file_that_is_not_a_checkpoint_is_a_usage_error(tmp_path):
                                timeout=60, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
             assert p.returncode == 2, (cmd, target, p.returncode, p.stderr)
             assert "not an elastor checkpoint" in p.stderr or "holds no elastor checkpoint" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("fmt, tag", [("deepspeed-universal", "latest_universal"),
+                                      ("megatron", "latest_checkpointed_iteration.txt")])
+def test_a_tag_file_linked_out_of_the_checkpoint_is_refused_unread(tmp_path, fmt, tag):
+    """QA round 7, Q7-6: the tag files were read through a symlink, and the target's text (here a
+    secret) came back in the error message."""
+    import subprocess
+    import sys
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    src = tmp_path / "src"
+    src.mkdir()
+    os.symlink(secret, src / tag)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", str(src), str(tmp_path / "out"), "--from",
+                        fmt, "--no-progress"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode != 0 and "symbolic link" in p.stderr, p.stderr
+    assert "hunter2" not in p.stderr + p.stdout and "Traceback" not in p.stderr
+    assert not os.path.exists(tmp_path / "out")

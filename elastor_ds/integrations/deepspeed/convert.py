@@ -34,7 +34,7 @@ import torch
 from ...checkpoint.state import from_jsonable, tensors_to_json
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import CheckpointEngine
-from ...checkpoint.paths import check_tensor_name, safe_join
+from ...checkpoint.paths import check_tensor_name, read_regular_text, safe_join
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
 from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ..safe_load import load_pt
@@ -73,8 +73,11 @@ def resolve_step_dir(src: str) -> str:
     if not os.path.isfile(latest):   # a universal save dir (DeepSpeed's ds_to_universal, our export) names its tag here
         latest = os.path.join(src, "latest_universal")
     if not glob.glob(os.path.join(src, "mp_rank_*_model_states.pt")) and os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as f:
-            tag = f.read(4096).strip()
+        try:   # never through a link out of the checkpoint (QA round 7, Q7-6)
+            tag = read_regular_text(latest, 4096, nofollow=True).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointNotFoundError(f"{latest}: cannot read it ({e}; a symlink is not followed); give the tag "
+                                          f"dir itself") from None
         path = safe_join(src, tag, what=f"{latest} tag")
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{latest} names tag {tag[:80]!r}, but {path} does not exist; give the tag "

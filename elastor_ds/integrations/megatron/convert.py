@@ -87,9 +87,12 @@ def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
 def _resolve_iter_dir(src: str) -> tuple[str, int]:
     """The iteration directory of a Megatron checkpoint root (or the dir itself) and its iteration."""
     tracker = os.path.join(src, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker, encoding="utf-8", errors="replace") as f:
-            text = f.read(4096).strip()
+    if os.path.lexists(tracker):
+        try:   # never through a link out of the checkpoint (QA round 7, Q7-6)
+            text = read_regular_text(tracker, 4096, nofollow=True).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{tracker}: cannot read it ({e}; a symlink is not followed); give the iter_* "
+                                  f"dir itself") from None
         if text == "release":
             return safe_join(src, "release", what=TRACKER), 0
         if not text.isdigit():

@@ -83,8 +83,12 @@ def _one_line_user_errors() -> None:
     def hook(kind: type, value: BaseException, tb: Any) -> None:
         if isinstance(value, ConfigError):
             rank = os.environ.get("RANK")
-            print(f"elastor: error{f' (rank {rank})' if rank else ''}: {value}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+            # straight to fd 2: through sys.stderr the line was lost under Megatron-LM (QA round 7, Q7-2)
+            os.write(2, f"elastor: error{f' (rank {rank})' if rank else ''}: {value}\n".encode("utf-8", "replace"))
             os._exit(2)   # no teardown: a failed rank's peers may be gone (as worker_main's _exit_now)
         previous(kind, value, tb)
     hook._elastor = True  # type: ignore[attr-defined]
