@@ -554,7 +554,7 @@ def _doc_int(v: Any, what: str, lo: Optional[int] = 0) -> int:
 def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan, Cluster]:
     from .cluster import Node
     version = doc.get("version", PLAN_FORMAT_VERSION) if isinstance(doc, Mapping) else None
-    if isinstance(version, bool):
+    if isinstance(version, bool) or not isinstance(version, int):   # true and 1.0 are not version 1
         version = None
     if version == COMPACT_FORMAT_VERSION:
         return _plan_from_compact(doc, cluster)
@@ -562,6 +562,8 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         raise ConfigError(f"previous plan: expected a version-{PLAN_FORMAT_VERSION} or -{COMPACT_FORMAT_VERSION} plan "
                           f"document (a JSON object), got version {doc.get('version') if isinstance(doc, Mapping) else '?'}")
     L = _doc_int(doc["num_layers"], "num_layers", 1)
+    if "num_gpus" in doc:   # informational (recomputed), but a document that holds it must hold an integer
+        _doc_int(doc["num_gpus"], "num_gpus", 1)
     index = cluster.node_index()
     known: dict[str, Device] = {}
     gone: dict[str, int] = {}

@@ -173,6 +173,8 @@ def test_previous_plan_document_checked_like_a_layout():
 
 @pytest.mark.parametrize("path, value, want", [
     ((), {"version": True}, "expected a version-1 or -2 plan document"),
+    ((), {"version": 1.0}, "expected a version-1 or -2 plan document"),
+    ((), {"num_gpus": "4"}, "num_gpus must be an integer >= 1 (got '4' of type str)"),
     ((), {"num_layers": 4.0}, "num_layers must be an integer >= 1 (got '4.0' of type float)"),
     ((0,), {"micro_batches": -3}, "replica 0 micro_batches must be >= 1 (got -3)"),
     ((0,), {"micro_batches": True}, "replica 0 micro_batches must be an integer >= 1"),
