@@ -10,6 +10,8 @@ import uuid
 
 from .standby_main import DEFAULT_PRELOAD   # light: no torch
 from .protocol import ENV_FORCE_CPU
+from .events import check_events_file
+from .private import check_parent
 
 from ..cli_types import ascii_int, nonnegative_float, positive_float
 from ..errors import ConfigError
@@ -233,8 +235,14 @@ def run(args: argparse.Namespace) -> int:
     plot = args.plot or (f"{base}_timeline.png" if base else None)
     for flag, path in (("--events", events_path), ("--plot", args.plot and os.path.abspath(args.plot))):
         _check_parent(flag, path)
+        if path and os.path.isdir(os.path.dirname(path)):   # its owner could swap the file mid-run (Q7-3)
+            check_parent(os.path.dirname(path), f"{flag} {path}: its folder")
     if plot and os.path.islink(plot):   # as for --events: never write through a link someone may have planted
         raise ConfigError(f"--plot {plot}: is a symlink; remove it or name a file in a folder of your own")
+    if events_path:
+        check_events_file(events_path)   # before the log folder beside it is made (a refusal leaves nothing)
+    if os.path.isdir(os.path.dirname(log_dir)):
+        check_parent(os.path.dirname(log_dir), f"--log-dir {log_dir}: its folder")
     _check_log_dir(log_dir)
     # workers import this package through worker_main: make sure they find this copy of it
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

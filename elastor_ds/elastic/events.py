@@ -63,24 +63,39 @@ class EventLog:
         self.path = path
         self.node = node
         self.records: list[dict] = []
+        self._broken = False
         if path:
-            if os.path.islink(path):   # never append through a link another user may have planted
-                from ..errors import ConfigError
-                raise ConfigError(f"--events {path}: is a symlink; remove it or name a file in a folder of your own")
-            if os.path.lexists(path):   # appended to and read back: only a file of ours nobody else may write
-                fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
-                try:
-                    _check_ours(fd, path)
-                finally:
-                    os.close(fd)
+            check_events_file(path)
 
     def emit(self, kind: EventKind | str, **fields: Any) -> dict:
         rec = {"event": EventKind(kind).value, "time": fields.pop("time", None) or time.time(), "node": self.node}
         rec.update(fields)
         self.records.append(rec)
-        if self.path:
-            append_line(self.path, rec)
+        if self.path and not self._broken:
+            try:
+                append_line(self.path, rec)
+            except Exception as e:  # noqa: BLE001 - a lost event log never ends the job (QA round 7, Q7-3)
+                self._broken = True
+                log.error("events file %s: %s; no more events are written to it (the job goes on)", self.path, e)
         return rec
+
+
+def check_events_file(path: str) -> None:
+    """At start: ``path`` is not a symlink, and if it exists it is a regular file of ours that no
+    other user may write (it is appended to and read back for the report)."""
+    from ..errors import ConfigError
+    if os.path.islink(path):   # never append through a link another user may have planted
+        raise ConfigError(f"--events {path}: is a symlink; remove it or name a file in a folder of your own")
+    if os.path.lexists(path):
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise ConfigError(f"--events {path}: cannot open it ({e.strerror}); name a file in a folder of your "
+                              f"own") from None
+        try:
+            _check_ours(fd, path)
+        finally:
+            os.close(fd)
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -290,6 +290,40 @@ def test_an_events_file_another_user_could_write_is_refused(tmp_path, how):
             "fifo": "not a regular file"}[how]
     assert f"--events {events}: {want}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not os.path.exists(str(script) + ".ran")
+    assert not os.path.exists(tmp_path / "run_logs")   # a refusal leaves nothing behind (QA round 7, Q7-9)
+
+
+def test_an_events_file_in_another_users_folder_is_refused(tmp_path):
+    """QA round 7, Q7-3: the folder's owner could swap the file mid-run and end the job (workers
+    SIGKILLed, nothing checkpointed). Refused at start like a --log-dir of another user's."""
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').write('x')\n")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 1001, 1001)
+    os.chmod(theirs, 0o755)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--standalone",
+                        "--nproc-per-node", "1", "--events", str(theirs / "ev.jsonl"), str(script)], capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT,
+                                                                            CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert f"its folder {theirs}: owned by uid 1001" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert os.listdir(theirs) == [] and not os.path.exists(str(script) + ".ran")
+
+
+def test_an_events_file_swapped_mid_run_does_not_end_the_job(tmp_path, caplog):
+    """The controller's own appends: a file swapped for a FIFO (or another user's file) after the
+    start raised out of the controller and ended the job; now the event log stops, logged once."""
+    from elastor_ds.elastic.events import EventLog
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(str(path))
+    log.emit("start", pid=1)
+    path.unlink()
+    os.mkfifo(path)
+    log.emit("launch", world=2)
+    log.emit("finished")
+    assert [r["event"] for r in log.records] == ["start", "launch", "finished"]
+    assert len([r for r in caplog.records if "no more events are written" in r.getMessage()]) == 1
 
 
 def test_a_metrics_file_named_in_our_events_that_is_a_fifo_does_not_hang_the_report(tmp_path):
