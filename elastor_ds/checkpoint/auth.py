@@ -45,8 +45,8 @@ def new_key_file_hint(path: str, exists: bool = False) -> str:
     """How to make a secret file at ``path``; ``exists``: a file someone else owns is there, which
     ``>`` would write into (keeping its owner): name a new file instead."""
     if exists:
-        return (f"name a new file in a folder of your own and create it with: (umask 077; head -c 32 /dev/urandom "
-                f"> NEWFILE); give every node the same file")
+        return ("name a new file in a folder of your own and create it with: (umask 077; head -c 32 /dev/urandom "
+                "> NEWFILE); give every node the same file")
     return f"create it with: (umask 077; head -c 32 /dev/urandom > {path}) and give every node the same file"
 
 

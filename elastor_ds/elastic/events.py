@@ -32,6 +32,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+MAX_JSONL_BYTES = 1 << 30   # an events or metrics file read back for the report (~500 B per iteration)
+
 
 class EventKind(str, enum.Enum):
     START = "start"                      # controller started (pid, flags)
@@ -96,10 +99,6 @@ def check_events_file(path: str) -> None:
             _check_ours(fd, path)
         finally:
             os.close(fd)
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-MAX_JSONL_BYTES = 1 << 30   # an events or metrics file read back for the report (~500 B per iteration)
 
 
 def _check_ours(fd: int, path: str) -> None:

@@ -126,7 +126,8 @@ class ElasticWorker:
                "launch_mode": self.launch_mode, **self.marks, **fields}
         try:
             append_line(self.events_file, rec)
-        except OSError as e:  # events are a report, never a reason to stop training
+        except (OSError, ValueError) as e:  # events are a report, never a reason to stop training (ConfigError
+            # is a ValueError: the file swapped for one that is not ours)
             log.warning("could not append to the events file %s: %s", self.events_file, e)
 
 

@@ -338,3 +338,18 @@ def test_a_metrics_file_named_in_our_events_that_is_a_fifo_does_not_hang_the_rep
     good = tmp_path / "m.jsonl"
     good.write_text('{"iteration": 1}\n{"iteration": 2}\n{"iter')
     assert read_jsonl(str(good)) == [{"iteration": 1}, {"iteration": 2}]
+
+
+def test_a_worker_whose_events_file_was_swapped_keeps_training(tmp_path, caplog):
+    """Rank 0's ``worker_started`` append now checks the file is ours; a file swapped for another
+    user's raises ConfigError there, which must stay a warning (events are a report), not end the
+    worker with exit 2."""
+    from elastor_ds.elastic.protocol import LaunchContext
+    from elastor_ds.elastic.worker import ElasticWorker
+    ev = tmp_path / "ev.jsonl"
+    ev.write_text("")
+    os.chown(ev, 1001, 1001)
+    w = ElasticWorker(None, str(ev), 0, LaunchContext.from_env({}))
+    w.report_started(0, iteration=0)
+    assert any("could not append to the events file" in r.getMessage() for r in caplog.records)
+    assert ev.read_text() == ""
