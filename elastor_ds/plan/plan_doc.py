@@ -610,7 +610,7 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
             if tp != len(devs):
                 raise ConfigError(f"previous plan: {where} lists {len(devs)} devices for tp={tp}")
             first, last = _doc_int(lay[0], f"{where} layers[0]"), _doc_int(lay[1], f"{where} layers[1]")
-            if first < 0 or last < first:
+            if last < first:   # both >= 0 (_doc_int)
                 raise LayoutError(f"stage layer range [{first}, {last}) is invalid: need 0 <= first <= last")
             if first != expect:
                 raise LayoutError(f"replica {ri} stage {si} starts at layer {first} but the previous stage ends at "

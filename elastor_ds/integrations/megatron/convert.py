@@ -158,9 +158,10 @@ def _check_stored_shape(d: str, key: str, stored: tuple, want: tuple, layer: Opt
     if layer is not None:
         ok = len(stored) == len(want) + 1 and stored[1:] == tuple(want) and stored[0] == cfg.num_layers
         expect = f"({cfg.num_layers}, {', '.join(map(str, want))})"
+    elif not want:   # a scalar
+        ok, expect = stored == (), "a scalar"
     else:
-        ok = len(stored) == len(want) and stored[1:] == tuple(want[1:]) and stored[0] >= want[0] if want else \
-            stored == tuple(want)
+        ok = len(stored) == len(want) and stored[1:] == tuple(want[1:]) and stored[0] >= want[0]
         expect = f"{tuple(want)} (rows may be padded)"
     if not ok:
         raise CheckpointError(f"{d}: tensor {key} is {stored} in the checkpoint, but the model config from {cfg_from} "
