@@ -396,7 +396,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             now = time.monotonic()
-            if self.standby is not None:
+            if self.standby is not None and not self._preempt:   # a stopping job needs no spare workers
                 self.standby.tick(self._workers_training())
             if self._force:
                 self._kill_all()

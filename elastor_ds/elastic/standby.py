@@ -56,6 +56,7 @@ from .standby_main import DEFAULT_PRELOAD
 log = logging.getLogger("elastor.run")
 
 WORKER_MODULE = "elastor_ds.elastic.worker_main"
+PENDING = "pending"   # StandbyTemplate.fork_nowait: no standby yet, ask again at the next tick
 
 
 @dataclass
@@ -159,6 +160,7 @@ class StandbyTemplate:
         self.import_timeout = import_timeout
         self.t_spawn = time.time()
         self._lock = threading.Lock()
+        self._pending = None       # (standby's stdin, its ready pipe, the subreaper, time sent) of a request out
 
     def _wait_ready(self, block: bool = True) -> bool:
         if self.state == "importing":
@@ -190,38 +192,95 @@ class StandbyTemplate:
 
     def fork(self, python: str) -> tuple[subprocess.Popen, int] | None:
         """A new standby (our child) and the read end of its readiness pipe, or None when the
-        template cannot fork (then the caller spawns one)."""
+        template cannot fork (then the caller spawns one). Waits for the template's imports and
+        for its reply; a request already sent by :meth:`fork_nowait` is the one collected."""
         with self._lock:
-            if not self._wait_ready():
+            if not self._send_request(wait_ready=True):
                 return None
-            stdin_r, stdin_w = os.pipe()
-            ready_r, ready_w = os.pipe()
+            return self._collect(python, block=True)
+
+    def fork_nowait(self, python: str):
+        """As :meth:`fork` without waiting: :data:`PENDING` while the template imports or a
+        request is out (call again later), else what :meth:`fork` returns. The agent's loop
+        refills through this, so a signal is acted on at its next tick, not after the template
+        has imported the modules the workers learned (seconds)."""
+        with self._lock:
+            if self._pending is None:
+                if not self._send_request(wait_ready=False):
+                    return PENDING if self.state == "importing" else None
+                return PENDING
+            return self._collect(python, block=False)
+
+    def _send_request(self, wait_ready: bool) -> bool:
+        """Send one fork request (lock held); True when one is out."""
+        if self._pending is not None:
+            return True
+        if not self._wait_ready(block=wait_ready):
+            return False
+        stdin_r, stdin_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        reaper = contextlib.ExitStack()
+        try:
+            # A, the template's intermediate child, exits once B is forked: B must come to us
+            reaper.enter_context(_subreaper())
+            socket.send_fds(self.sock, [json.dumps({"agent": os.getpid()}).encode()], [stdin_r, ready_w])
+        except OSError as e:
+            reaper.close()
+            for fd in (stdin_w, ready_r):
+                os.close(fd)
+            self._unusable(e)
+            return False
+        finally:
+            os.close(stdin_r)
+            os.close(ready_w)
+        self._pending = (stdin_w, ready_r, reaper, time.monotonic())
+        return True
+
+    def _collect(self, python: str, block: bool):
+        """The reply to the request that is out (lock held): the adopted standby, None when the
+        template failed, or :data:`PENDING` (``block`` False, no reply yet)."""
+        stdin_w, ready_r, reaper, t_sent = self._pending
+        deadline = t_sent + self.import_timeout   # it may import the learned modules first
+        try:
+            self.sock.settimeout(max(0.0, deadline - time.monotonic()) if block else 0.0)
             try:
-                with _subreaper():
-                    socket.send_fds(self.sock, [json.dumps({"agent": os.getpid()}).encode()], [stdin_r, ready_w])
-                    self.sock.settimeout(self.import_timeout)   # it may import the learned modules first
-                    reply = json.loads(self.sock.recv(4096) or b"{}")
-                pid = reply.get("pid") if isinstance(reply, dict) else None
-                if not isinstance(pid, int) or pid <= 0:
-                    raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
-                if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
-                    raise OSError(f"pid {pid} from the template is not this controller's child")
-            except (OSError, ValueError) as e:
-                log.warning("standby template pid %d: %s; standbys are spawned one by one from now on",
-                            self.proc.pid, e)
-                self.state = "unusable"
-                for fd in (stdin_w, ready_r):
+                raw = self.sock.recv(4096)
+            except (BlockingIOError, socket.timeout):
+                if not block and time.monotonic() < deadline:
+                    return PENDING
+                raise OSError(f"no reply to a fork request within {self.import_timeout:g} s") from None
+            reply = json.loads(raw or b"{}")
+            pid = reply.get("pid") if isinstance(reply, dict) else None
+            if not isinstance(pid, int) or pid <= 0:
+                raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
+            if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
+                raise OSError(f"pid {pid} from the template is not this controller's child")
+        except (OSError, ValueError) as e:
+            self._drop_pending()
+            self._unusable(e)
+            return None
+        self._pending = None
+        reaper.close()
+        os.set_blocking(ready_r, False)
+        return _AdoptedProcess(pid, os.fdopen(stdin_w, "wb"),
+                               [python, "-m", "elastor_ds.elastic.standby_template", "(fork)"]), ready_r
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            stdin_w, ready_r, reaper, _ = self._pending
+            self._pending = None
+            reaper.close()
+            for fd in (stdin_w, ready_r):
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                self.close()
-                return None
-            finally:
-                os.close(stdin_r)
-                os.close(ready_w)
-            os.set_blocking(ready_r, False)
-            return _AdoptedProcess(pid, os.fdopen(stdin_w, "wb"),
-                                   [python, "-m", "elastor_ds.elastic.standby_template", "(fork)"]), ready_r
+
+    def _unusable(self, e: Exception) -> None:
+        log.warning("standby template pid %d: %s; standbys are spawned one by one from now on", self.proc.pid, e)
+        self.state = "unusable"
+        self.close()
 
     def close(self) -> None:
+        self._drop_pending()
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.proc.poll() is None:
@@ -246,6 +305,7 @@ class StandbyPool:
     fork: bool = True              # standbys forked from the node's template (False: each spawned and importing)
     template: StandbyTemplate | None = None
     _refill_at: float | None = None
+    _refilling: bool = False
 
     def __post_init__(self) -> None:
         # private (0700, ours, checked): the learned module list there is imported by every standby
@@ -259,6 +319,9 @@ class StandbyPool:
             sb = self._fork()
             if sb is not None:
                 return sb
+        return self._spawn_interpreter(env)
+
+    def _spawn_interpreter(self, env: dict[str, str] | None) -> Standby:
         r, w = os.pipe()
         os.set_blocking(r, False)
         env = dict(self._standby_env(env), **{ENV_READY_FD: str(w)})
@@ -276,12 +339,13 @@ class StandbyPool:
             self.template = StandbyTemplate(self.python, self._standby_env(None), self._log)
         return self.template
 
-    def _fork(self) -> Standby | None:
-        made = self._template().fork(self.python)
-        if made is None:
-            return None
+    def _adopt(self, made) -> Standby:
         self.spawned += 1
         return Standby(made[0], made[1], time.time(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def _fork(self) -> Standby | None:
+        made = self._template().fork(self.python)
+        return None if made is None else self._adopt(made)
 
     def _standby_env(self, env: dict[str, str] | None) -> dict[str, str]:
         env = dict(os.environ if env is None else env)
@@ -289,13 +353,7 @@ class StandbyPool:
         env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         return env
 
-    def fill(self) -> list[int]:
-        """Spawn standbys until ``size`` are idle; returns the new processes' pids."""
-        self._refill_at = None
-        self.idle = [s for s in self.idle if s.alive() or s.retire()]
-        if self.fork and self._template().importing():
-            return []   # the first launch forks its workers from the template once it is ready
-        new = [self._spawn() for _ in range(max(0, self.size - len(self.idle)))]
+    def _added(self, new: list[Standby]) -> list[int]:
         self.idle += new
         if new:
             log.info("standby: %d worker interpreter(s) %s", len(new), "forked from the template"
@@ -303,6 +361,34 @@ class StandbyPool:
             if self.on_spawn is not None:
                 self.on_spawn([s.proc.pid for s in new])
         return [s.proc.pid for s in new]
+
+    def fill(self) -> list[int]:
+        """Spawn standbys until ``size`` are idle, waiting for each fork; returns the new processes'
+        pids. The agent's loop refills with :meth:`tick` instead, which never waits."""
+        self._refill_at = None
+        self._refilling = False
+        self.idle = [s for s in self.idle if s.alive() or s.retire()]
+        if self.fork and self._template().importing():
+            return []   # the first launch forks its workers from the template once it is ready
+        return self._added([self._spawn() for _ in range(max(0, self.size - len(self.idle)))])
+
+    def _refill_step(self) -> None:
+        """One step of a refill that never blocks: the standbys forked or spawned so far, and at
+        most one fork request left out for the next step."""
+        self.idle = [s for s in self.idle if s.alive() or s.retire()]
+        new: list[Standby] = []
+        while len(self.idle) + len(new) < self.size:
+            if self.fork and self._template().state != "unusable":
+                made = self.template.fork_nowait(self.python)
+                if made is PENDING:
+                    break
+                if made is not None:
+                    new.append(self._adopt(made))
+                    continue
+            new.append(self._spawn_interpreter(None))
+        self._added(new)
+        if len(self.idle) >= self.size:
+            self._refilling = False
 
     def ready_count(self) -> int:
         return sum(1 for s in self.idle if s.alive() and s.poll() in ("ready", "cuda"))
@@ -359,15 +445,20 @@ class StandbyPool:
         self._refill_at = time.monotonic() + self.refill_delay
 
     def tick(self, workers_training: bool) -> None:
-        """Refill once the new workers train (or ``refill_delay`` after the launch)."""
+        """Refill once the new workers train (or ``refill_delay`` after the launch), a step at a
+        time: this returns at once, whatever the template is doing."""
         if self._refill_at is not None and (workers_training or time.monotonic() >= self._refill_at):
-            self.fill()
+            self._refill_at = None
+            self._refilling = True
+        if self._refilling:
+            self._refill_step()
 
     def close(self) -> None:
         for s in self.idle:
             s.retire()
         self.idle = []
         self._refill_at = None
+        self._refilling = False
         if self.template is not None:
             self.template.close()
             self.template = None

@@ -149,3 +149,42 @@ def test_the_template_has_no_path_another_user_could_connect_to(pool):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_refill_never_blocks_the_agents_loop_while_the_template_imports(tmp_path, monkeypatch):
+    """QA round 7, Q7-5: the loop's refill waited for the template's reply, and the template first
+    imports the modules the workers learned (seconds for a trainer's own), so a SIGTERM was acted on
+    only after that. ``tick`` now sends the fork request and collects the reply at a later tick."""
+    slow = tmp_path / "mods"
+    slow.mkdir()
+    (slow / "slow_trainer_mod.py").write_text("import time\ntime.sleep(3.0)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")]))
+    p = StandbyPool(size=1, folder=str(tmp_path / "standby"), preload=("json",))
+    try:
+        pool_pids = _fill(p)
+        assert len(pool_pids) == 1 and p.template.state == "ready"
+        p.take(None).retire()   # a launch took it
+        # the workers of that launch learned a module that takes the template 3 s to import
+        with open(os.path.join(p.folder, "modules.json"), "w") as f:
+            json.dump(["slow_trainer_mod"], f)
+        p.schedule_refill()
+        longest, ticks = 0.0, 0
+        t0 = time.monotonic()
+        while not p.idle:
+            assert time.monotonic() - t0 < 60, "no standby after 60 s"
+            t = time.monotonic()
+            p.tick(workers_training=True)
+            longest = max(longest, time.monotonic() - t)
+            ticks += 1
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert took >= 2.5, took           # the template did import the slow module first
+        assert longest < 0.5, longest      # and no tick waited for it
+        assert ticks > 10 and p.template.state == "ready" and len(p.idle) == 1
+        assert _stat(p.idle[0].proc.pid)[0] == os.getpid()   # adopted, as a blocking fork's standby is
+        _wait_ready(p, 1)
+        p.schedule_refill()   # full: a later refill does nothing
+        p.tick(True)
+        assert len(p.idle) == 1
+    finally:
+        p.close()
