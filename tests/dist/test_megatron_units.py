@@ -118,3 +118,20 @@ def test_legacy_roundtrip_cli(tmp_path, tied):
     assert set(got) == set(full)
     for n, t in full.items():
         assert torch.equal(got[n], t), n
+
+
+def test_the_convert_process_group_leaves_nothing_in_the_temp_dir(tmp_path):
+    """``elastor convert --megatron-format torch_dist`` made a one-process group on a FileStore in a
+    ``mkdtemp`` folder and never removed it: one ``elastor_pg_*`` folder left per run."""
+    import subprocess
+    import sys
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    code = ("from elastor_ds.integrations.megatron.convert import _ensure_single_process_group as f\n"
+            "import torch, torch.distributed as d\n"
+            "f(); t = torch.ones(3); d.all_reduce(t); d.barrier(); print(d.get_world_size(), int(t.sum()))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=root))
+    assert p.returncode == 0 and p.stdout.split() == ["1", "3"], p.stderr[-2000:]
+    assert os.listdir(tmp) == []

@@ -670,9 +670,9 @@ def _ensure_single_process_group() -> None:
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    import tempfile
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="elastor_pg_"), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    # an in-process store: one process needs no file (a FileStore left a folder in the temp dir per run)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=600))
 
 
 def cli_import(src: str, dst: str, args: Any) -> str:
