@@ -7,7 +7,8 @@ instead of running the interpreter's teardown (seconds with torch, DeepSpeed and
 relaunch starts sooner. A failure (an exception, a non-zero exit) exits at once too, with its code:
 a teardown with gloo threads still running can abort the process (SIGABRT), which reads as a device
 fault. An elastor ``ConfigError`` escaping the script (a misspelt ``"elastor"`` config key, say) is
-exit 2, which ``elastor run`` does not retry: every relaunch would fail the same way. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too.
+exit 2, which ``elastor run`` does not retry: every relaunch would fail the same way. A standby worker (:mod:`standby_main`) ends in :func:`run_script` too. A script that ends
+with 0 ignores SIGTERM and SIGINT during the teardown (:func:`_ignore_stop_signals`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def run_script(argv: list[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if worker.agreed() or code != 0:
             _exit_now(code)
+        _ignore_stop_signals()
         raise
     except BaseException as e:   # noqa: BLE001 - the worker failed: report it, exit 1, skip the teardown
         from elastor_ds.errors import ConfigError
@@ -53,6 +55,19 @@ def run_script(argv: list[str]) -> None:
             _exit_now(2)
         traceback.print_exc()
         _exit_now(1)
+    _ignore_stop_signals()
+
+
+def _ignore_stop_signals() -> None:
+    """The script ended with 0 (its own final save and ``finalize`` done): nothing is left for a stop
+    signal to stop. The interpreter's teardown resets Python's handlers to the default, so a SIGTERM
+    from a preemption that lands there ended a rank as killed by it (QA round 6, Q6-9: a Megatron-LM
+    rank that had saved the last iteration, read as "ended on the stop signal without a
+    checkpoint"). Ignored from here, the process exits with its own 0; a teardown that hangs still
+    meets the controller's SIGKILL after ``--shutdown-timeout``."""
+    import signal
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _exit_now(code: int) -> None:

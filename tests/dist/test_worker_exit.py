@@ -45,3 +45,42 @@ def test_a_worker_that_finishes_runs_the_normal_teardown(tmp_path):
     p = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.worker_main", str(script), "finish"],
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.stdout.strip() == "done" and p.returncode == -signal.SIGABRT   # atexit ran: teardown kept
+
+
+FINISHING = """
+import sys
+import torch   # a real teardown (hundreds of ms)
+from elastor_ds.elastic.protocol import expect_worker_hooks
+expect_worker_hooks()   # a trainer with elastor's hooks: a stop signal is a request, read each iteration
+open(sys.argv[1], "w").close()   # its last iteration and final save are done; the script ends with 0
+"""
+
+
+def test_a_stop_signal_during_the_teardown_of_a_finished_worker_is_not_its_death(tmp_path):
+    """QA round 6, Q6-9: a preemption's SIGTERM that reached a Megatron-LM rank after its final save,
+    while the interpreter tore down (which resets Python's handlers to the default), ended the rank
+    as killed by SIGTERM, and ``elastor run`` said the job stopped without a checkpoint. Here SIGTERM
+    is sent every millisecond from the script's end until the process is gone: the code before died
+    of it in 5 of 5 tries (after 17-38 signals)."""
+    import time
+    script = tmp_path / "train.py"
+    script.write_text(FINISHING)
+    for i in range(2):
+        marker = tmp_path / f"done{i}"
+        p = subprocess.Popen([sys.executable, "-m", "elastor_ds.elastic.worker_main", str(script), str(marker)],
+                             env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE)
+        t_end = time.time() + 120
+        while not marker.exists() and p.poll() is None and time.time() < t_end:
+            time.sleep(0.001)
+        assert marker.exists(), p.stderr.read()[-2000:] if p.poll() is not None else "no marker in 120 s"
+        sent = 0
+        while p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+                sent += 1
+            except ProcessLookupError:
+                break
+            time.sleep(0.001)
+        assert p.wait(timeout=60) == 0, (p.returncode, sent, p.stderr.read()[-2000:])
+        assert sent > 0
+        p.stderr.close()
