@@ -529,11 +529,12 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self.events.emit(EventKind.TEARDOWN, duration_s=dur)
         if preempting:
             if all(o.signal in (signal.SIGTERM, signal.SIGINT) for o in failed):
-                return self._stop_job("preempted: the workers ended on the stop signal without a checkpoint (the "
-                                      "script has no elastor hooks, ElasticWorker, or had not attached them yet); "
-                                      "the newest committed checkpoint is the previous one")
+                return self._stop_job("preempted: a worker ended on the stop signal before confirming a checkpoint "
+                                      "(the script has no elastor hooks, ElasticWorker, or had not attached them "
+                                      "yet); the newest committed checkpoint may be an earlier step: `elastor "
+                                      "inspect <the --save folder>` names it")
             return self._stop_job("a worker failed while checkpointing for preemption; the newest committed "
-                                  "checkpoint is the previous one")
+                                  "checkpoint may be an earlier step: `elastor inspect <the --save folder>` names it")
         probe_ok = None
         if self.cfg.on_failure is OnFailure.PROBE and self.cfg.use_gpu:
             probe_ok, pdur = probe_mod.probe_gpus(list(self.book.usable), self.cfg.probe_timeout, self._visible_env)

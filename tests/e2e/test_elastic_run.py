@@ -403,7 +403,7 @@ def test_sigint_to_a_script_without_hooks_ends_it_at_once(tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert time.monotonic() - t0 < 30, "waited for --shutdown-timeout"
-    assert p.returncode == 1 and "ended on the stop signal without a checkpoint" in out, out[-3000:]
+    assert p.returncode == 1 and "ended on the stop signal before confirming a checkpoint" in out, out[-3000:]
 
 
 def test_a_script_deleted_after_start_is_not_retried(tmp_path):
