@@ -30,6 +30,11 @@ class ConcurrentWriterError(CheckpointError):
     """Another writer (a second job or engine) removed a save's files in the same checkpoint root."""
 
 
+class SnapshotSpaceError(CheckpointError):
+    """A memory snapshot did not fit in its node's memory folder (tmpfs full, or over quota): the
+    snapshot is dropped and training goes on (storage checkpoints are the durable tier)."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint where one was expected."""
 

@@ -72,7 +72,7 @@ from .writer_sched import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, Write
 from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
-                      ShardingError, UnsafeCheckpointError, ranks_failed)
+                      ShardingError, SnapshotSpaceError, UnsafeCheckpointError, ranks_failed)
 from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, plan_save
@@ -501,7 +501,9 @@ class CheckpointEngine:
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             e = self.storage.explain_write_error(tmp_dir, job.step, e)
-            log.error("rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
+            # a snapshot that did not fit is dropped, and said once, by the memory tier
+            log.log(logging.DEBUG if isinstance(e, SnapshotSpaceError) else logging.ERROR,
+                    "rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
             outcomes = self._gather_lean(outcome, plan, job.step) if lean else self._gather_objects(outcome, job.step)
@@ -525,6 +527,7 @@ class CheckpointEngine:
                         final = self.storage.commit(tmp_dir, job.step, text)
                         result = ("ok", final, text if self.storage.shares_manifest else None)
                     except BaseException as e:  # noqa: BLE001
+                        e = self.storage.explain_write_error(tmp_dir, job.step, e)   # e.g. a full tmpfs
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = (self._broadcast_lean(result, job.step) if lean else
                       self.writer_comm.broadcast_object(result, src=0))

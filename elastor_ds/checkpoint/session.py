@@ -248,11 +248,12 @@ class CheckpointSession:
 
     def wait(self) -> Optional[SaveStats]:
         if self.memory is not None:
-            self.memory.ckpt.wait()
+            self.memory.wait()   # a snapshot that did not fit is dropped there, not raised
         return self.ckpt.wait()
 
     def finalize(self) -> Optional[SaveStats]:
         if self.memory is not None:
+            self.memory.wait()
             self.memory.ckpt.finalize()
             if self.memory.peer_copier is not None:   # the last snapshot's copy (snapshot.peer.attach)
                 self.memory.peer_copier.close()

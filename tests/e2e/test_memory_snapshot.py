@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -414,3 +415,48 @@ def test_overlapping_storage_and_snapshot_roots_are_refused_at_start(tmp_path, s
     assert "Traceback" not in p.stderr
     assert not metrics.exists()
     assert not os.path.exists(os.path.join(save, "latest")) and not os.path.exists(os.path.join(snap, "local"))
+
+
+def test_a_full_snapshot_tmpfs_drops_snapshots_and_training_goes_on(tmp_path):
+    """QA round 8: another process filled the snapshot tmpfs (any local user can fill a shared
+    /dev/shm); every snapshot then failed with ENOSPC, which ended the workers, and each relaunch
+    failed again until --max-restarts was spent (exit 1), although storage had room. Now a snapshot
+    that does not fit is dropped with one warning naming the folder and training goes on; once there
+    is room again, snapshots commit again. A real 8 MiB tmpfs, filled with a file mid-run."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        if os.geteuid() == 0:
+            pytest.fail(f"cannot mount a tmpfs as root: {r.stderr.strip()}")
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    filler = mnt / "filler"
+    try:
+        job = MemJob(tmp_path, nproc=2, iters=80, save_interval=20, snap_dir=str(mnt / "snap"))
+        try:
+            job.wait_for(lambda recs: bool(recs) and recs[-1]["iteration"] >= 5, what="iteration 5")
+            st = os.statvfs(mnt)
+            with open(filler, "wb") as f:   # every free byte: the next snapshot cannot allocate its file
+                f.write(b"\0" * (st.f_bavail * st.f_frsize))
+            t_end = time.time() + 120
+            while "does not fit under" not in job.output() and job.proc.poll() is None and time.time() < t_end:
+                time.sleep(0.05)
+            full_at = job.records()[-1]["iteration"]
+            # full for a few more snapshots: still one warning for the whole episode
+            job.wait_for(lambda recs: recs[-1]["iteration"] >= full_at + 4, what=f"iteration {full_at + 4}")
+            filler.unlink()
+            assert job.wait(240) == 0, job.output()[-5000:]
+        finally:
+            job.kill()
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+    out = job.output()
+    assert out.count("does not fit under") == 1, out[-5000:]          # one warning for the episode
+    assert str(mnt / "snap") in out and "training goes on with the storage checkpoints" in out
+    again = re.search(r"memory snapshots fit again from step (\d+) \((\d+) dropped for want of space", out)
+    assert again and int(again.group(2)) >= 3 and int(again.group(1)) > full_at, out[-5000:]
+    assert full_at < 80
+    launches = [e for e in job.event_list() if e["event"] == "launch"]
+    assert len(launches) == 1, [e["event"] for e in job.event_list()]  # no worker failed, no relaunch
+    assert [r["iteration"] for r in job.records()] == list(range(1, 81))
+    assert job.latest(job.ckpt) == 80

@@ -16,7 +16,9 @@ directory holds its ranks' chunk files plus the whole manifest.
    (a ConfigError: exit 2) naming the numbers and the fixes, on every rank, before training. The
    first real snapshot checks the measured bytes again.
 2. Save (:meth:`save`): every ``interval_steps`` optimizer steps, no fsync (tmpfs), no
-   plan-agreement collective on the training thread (``optimistic_plan``).
+   plan-agreement collective on the training thread (``optimistic_plan``). A snapshot that does
+   not fit (the tmpfs is full: another process can fill a shared ``/dev/shm``) is dropped with a
+   warning on every rank alike (:meth:`wait`); training and the storage checkpoints go on.
 3. Restore: see ``runtime.ElastorCheckpointer.load`` (newest committed step across memory and
    storage wins; memory first, then registered sources, then storage's files of the same step).
 """
@@ -34,7 +36,7 @@ from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
 from ..storage.tmpfs import TmpfsStorage
 from ..writer_sched import WriterSched
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
-from ...errors import ConfigError
+from ...errors import AsyncSaveError, ConfigError, SnapshotSpaceError
 from ..settings import MemorySnapshotConfig
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class MemoryTier:
         self.peer_copier: Any = None   # set by .peer.attach on multi-node jobs with peer copies
         self.paused = False            # True: no snapshots until cleared (set identically on every rank)
         self.nodes = 1
+        self.dropped_for_space = 0     # snapshots dropped because they did not fit (SnapshotSpaceError)
+        self._space_ok_since_drop = True
 
     # ------------------------------------------------------------------ budget
     @property
@@ -170,7 +174,32 @@ class MemoryTier:
             return False
         return step != self.last_step and step % self.cfg.interval_steps == 0
 
+    def wait(self) -> Optional[SaveStats]:
+        """Wait for the snapshot in flight. One that did not fit (a full tmpfs: every rank raises the
+        same :class:`SnapshotSpaceError`) is dropped with a warning and training goes on; any other
+        failure is raised (on every rank)."""
+        try:
+            stats = self.ckpt.wait()
+        except AsyncSaveError as e:
+            if not e.all_are(SnapshotSpaceError):
+                raise
+            self.dropped_for_space += 1
+            if self.comm.rank == 0:
+                if self.dropped_for_space == 1 or self._space_ok_since_drop:
+                    log.warning("%s", e.failures[0].message)
+                else:
+                    log.debug("memory snapshot dropped again (no space): %s", e.failures[0].message)
+            self._space_ok_since_drop = False
+            return None
+        if stats is not None and stats.committed_dir and not self._space_ok_since_drop:
+            self._space_ok_since_drop = True
+            if self.comm.rank == 0 and self.dropped_for_space:
+                log.warning("memory snapshots fit again from step %d (%d dropped for want of space so far)",
+                            stats.step, self.dropped_for_space)
+        return stats
+
     def save(self, step: int, shards, policy_comm: Any, **kw: Any) -> SaveStats:
+        self.wait()
         stats = self.ckpt.save(step, shards, **kw)
         self.last_step = step
         self.stats.append(stats)

@@ -16,6 +16,7 @@ What differs from :mod:`.posix`:
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 
 from ...comm.collectives import Comm
+from ...errors import SnapshotSpaceError
 from .. import commit as commit_mod
 from ..snapshot.file_staging import FileStaging, StagedFile
 from ..writer import data_file_name
@@ -79,6 +81,22 @@ class TmpfsStorage(PosixStorage):
         cands = [os.path.join(self.recycle_dir, fname)]
         cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
         return self.files.take(tmp_dir, fname, cands, header, size)
+
+    def explain_write_error(self, tmp_dir: str, step: int, error: BaseException) -> BaseException:
+        """A full tmpfs (or a quota) is a :class:`SnapshotSpaceError` naming the folder and its free
+        space: the memory tier drops that snapshot and training goes on."""
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                st = os.statvfs(self.root)
+                free = f"{st.f_bavail * st.f_frsize / 2 ** 20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2 ** 20:.1f} MiB"
+            except OSError:
+                free = "free space unknown"
+            return SnapshotSpaceError(
+                f"memory snapshot of step {step} does not fit under {self.root} ({os.strerror(error.errno)}; "
+                f"{free} on its file system): snapshot dropped, training goes on with the storage checkpoints. "
+                f"Fix: free or enlarge that tmpfs (`mount -o remount,size=64G /dev/shm`), lower \"keep\", or "
+                f"point \"memory_snapshot.dir\" (--snapshot-dir) at a tmpfs with room")
+        return super().explain_write_error(tmp_dir, step, error)
 
     def release_staged(self, staged: StagedFile) -> None:
         if self.files is not None:
