@@ -33,11 +33,10 @@ def strict_json(text: "str | bytes") -> Any:
     return json.loads(text, parse_constant=no_constant, parse_float=finite)
 
 
-def read_json_file(path: str, flag: str, max_bytes: int, what: str, fix: str, strict: bool = True) -> Any:
-    """A JSON document the user names (``flag``: the option or config key that named it): a regular
-    file, not followed through a symlink, at most ``max_bytes``, with ``strict`` no NaN/Infinity
-    (without, the caller's field checks name them), nested too deeply refused: every problem a
-    usage error (ConfigError naming the file and ``fix``), never a traceback."""
+def read_user_file(path: str, flag: str, max_bytes: int, what: str, fix: str) -> bytes:
+    """The bytes of a file the user names (``flag``: the option that named it): a regular file, not
+    followed through a symlink, at most ``max_bytes``; a FIFO or a device is never opened for
+    reading (it could block for ever). Every problem a ConfigError naming the file and ``fix``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
@@ -46,13 +45,26 @@ def read_json_file(path: str, flag: str, max_bytes: int, what: str, fix: str, st
     if not stat.S_ISREG(st.st_mode):   # /dev/zero, a FIFO, a directory: never read
         os.close(fd)
         raise ConfigError(f"{flag} {path}: not a regular file; {fix}")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{flag} {path}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise ConfigError(f"{flag} {path}: cannot read ({e.strerror}); {fix}") from None
+    if len(data) > max_bytes:   # grew since the stat
+        raise ConfigError(f"{flag} {path}: more than {max_bytes:,} bytes; {what} is at most {max_bytes:,}")
+    return data
+
+
+def read_json_file(path: str, flag: str, max_bytes: int, what: str, fix: str, strict: bool = True) -> Any:
+    """A JSON document the user names (``flag``: the option or config key that named it): a regular
+    file, not followed through a symlink, at most ``max_bytes``, with ``strict`` no NaN/Infinity
+    (without, the caller's field checks name them), nested too deeply refused: every problem a
+    usage error (ConfigError naming the file and ``fix``), never a traceback."""
+    data = read_user_file(path, flag, max_bytes, what, fix)
     try:
-        with os.fdopen(fd, "rb") as f:
-            if st.st_size > max_bytes:
-                raise ConfigError(f"{flag} {path}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
-            return json.loads(f.read(max_bytes + 1), parse_constant=no_constant if strict else None)
-    except ConfigError:
-        raise
+        return json.loads(data, parse_constant=no_constant if strict else None)
     except RecursionError:
         raise ConfigError(f"{flag} {path}: nested too deeply to be {what}; {fix}") from None
     except (OSError, ValueError) as e:

@@ -31,6 +31,7 @@ from .gcpause import gc_paused
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1 << 18        # 262,144
 MAX_GPUS = 1 << 18         # 262,144 usable GPUs in all
+CLUSTER_FILE_MAX = 128 * 1024 * 1024   # bytes of a cluster file (262,144 nodes with GPU speeds fit)
 
 
 class Device(NamedTuple):
@@ -165,11 +166,11 @@ class Cluster:
     @staticmethod
     def from_file(path: str | Path, **overrides: Any) -> "Cluster":
         p = Path(path)
+        from ..user_json import read_user_file
+        raw = read_user_file(str(p), "cluster file", CLUSTER_FILE_MAX, "a cluster file",
+                             "name a JSON or YAML file of nodes and their GPUs")
         try:
-            text = p.read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read cluster file {p}: {e}") from None
-        try:
+            text = raw.decode("utf-8")
             if p.suffix.lower() == ".json":
                 data = json.loads(text)
             else:

@@ -197,3 +197,37 @@ def test_a_tag_file_linked_out_of_the_checkpoint_is_refused_unread(tmp_path, fmt
     assert p.returncode != 0 and "symbolic link" in p.stderr, p.stderr
     assert "hunter2" not in p.stderr + p.stdout and "Traceback" not in p.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("make", ["fifo", "symlink", "dir", "huge"])
+def test_cluster_and_model_config_files_are_read_like_the_other_user_files(tmp_path, make):
+    """QA round 8, F2: ``elastor plan --cluster FIFO`` and ``convert --model-config FIFO`` blocked for
+    ever in open() (``--profile`` and ``--from-plan`` already refused what is not a regular file);
+    a symlink was followed and a file of any size read whole. Now each is one line, exit 2, at once."""
+    bad = tmp_path / f"bad_{make}.json"
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    if make == "fifo":
+        os.mkfifo(bad)
+    elif make == "symlink":
+        bad.symlink_to(real)
+    elif make == "dir":
+        bad.mkdir()
+    else:   # a sparse file beyond the bound: never read
+        with open(bad, "wb") as f:
+            f.truncate(129 * 1024 * 1024)
+    says = {"fifo": "not a regular file", "symlink": "a symlink is not followed", "dir": "not a regular file",
+            "huge": "bytes; a cluster file is at most"}[make]
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "plan", "--num-layers", "4", "--hidden-size", "64",
+                        "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "100", "--micro-batch-size",
+                        "1", "--global-batch-size", "8", "--cluster", str(bad)], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert p.returncode == 2 and says in p.stderr and str(bad) in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+    src = str(tmp_path / "ckpt")
+    save(src, 2)
+    if make == "huge":
+        says = "bytes; a model config (JSON) is at most"
+    p = elastor("convert", src, str(tmp_path / "out"), "--to", "megatron", "--model-config", str(bad))
+    assert p.returncode == 2 and says in p.stderr and "--model-config" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not os.path.lexists(tmp_path / "out"), p.stderr[-2000:]

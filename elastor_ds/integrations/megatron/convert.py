@@ -136,11 +136,9 @@ def config_from_args(args: Any, vocab_size: Optional[int] = None) -> GPTSpecConf
 def _load_config(path: Optional[str]) -> Optional[GPTSpecConfig]:
     if not path:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--model-config {path}: not a readable JSON file ({e})") from None
+    from ...user_json import read_json_file
+    d = read_json_file(path, "--model-config", 1 << 20, "a model config (JSON)",
+                       "name a JSON file of GPTSpecConfig fields (the export writes elastor_model_config.json)")
     if not isinstance(d, dict):
         raise ConfigError(f"--model-config {path}: holds a {type(d).__name__}, expected a JSON object of "
                           f"GPTSpecConfig fields")
