@@ -136,6 +136,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self.exit_code = 0
         self.message = ""
         self._preempt = False
+        self.stopped_early = None   # callable: a stop signal came before these handlers were installed
         self._force = False
         self._scale_up = False
         self._stopping: _Stopping | None = None
@@ -233,6 +234,9 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self.install_signal_handlers()
         try:
+            if self.stopped_early is not None and self.stopped_early():   # while the CLI set up
+                self._preempt = True
+                raise _PreemptedInRendezvous()
             if self.standby is not None:   # the first launch's workers import while the rendezvous runs
                 self.standby.fill()
             return self._invoke_run(role)

@@ -179,7 +179,47 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _StoppedEarly(BaseException):
+    """SIGTERM or SIGINT during the controller's set-up (imports, checks, the wait for the store):
+    no worker has started, so there is nothing to checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_early = {"signals": [], "raise": True}
+
+
+def _on_early_signal(signum: int, _frame) -> None:
+    """Until the agent installs its own handlers: a stop signal ends the set-up at once (raised
+    while nothing has started), else it is recorded for the agent (which then stops as in the
+    rendezvous). A SIGINT that the shell set to be ignored (a background job) is taken too: before,
+    it was lost until the agent's handlers came, and the job ran to its end."""
+    _early["signals"].append(signum)
+    if _early["raise"]:
+        raise _StoppedEarly(signum)
+
+
+def stopped_early() -> bool:
+    """A stop signal came before the agent's handlers were installed."""
+    return bool(_early["signals"])
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+    _early["signals"], _early["raise"] = [], True
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _on_early_signal)
+    try:
+        return _run_checked(args)
+    except _StoppedEarly as e:
+        log.warning("stopped by %s before any worker started: nothing to checkpoint",
+                    signal.Signals(e.signum).name)
+        return 0
+
+
+def _run_checked(args: argparse.Namespace) -> int:
     # every check that needs no torch first: a bad flag exits 2 in a fraction of a second
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist; give the path of the training script")
@@ -307,11 +347,17 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
     from .agent import RendezvousError, store_lost_reason, store_unreachable
-    _wait_for_store(cfg)
+    try:
+        _wait_for_store(cfg)
+    except _StoppedEarly:
+        events.emit(EventKind.PREEMPTED, stop_s=0.0, during="start")
+        raise
+    _early["raise"] = False   # from here a stop signal is recorded and the agent acts on it
     try:
         agent = build_agent(cfg, events)
     except RendezvousError as e:   # the store never answered (c10d's connect timeout bounds the wait)
         raise _unreachable(cfg, f"{type(e).__name__}: {e}") from None
+    agent.stopped_early = stopped_early
     try:
         agent.run()
     except RendezvousError as e:   # closed by another node, timed out, ...: a message, not a traceback

@@ -353,3 +353,39 @@ def test_a_worker_whose_events_file_was_swapped_keeps_training(tmp_path, caplog)
     w.report_started(0, iteration=0)
     assert any("could not append to the events file" in r.getMessage() for r in caplog.records)
     assert ev.read_text() == ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_during_the_set_up_ends_it_at_once_with_0(tmp_path, sig):
+    """QA round 8, F6: a SIGINT in the first seconds (imports, checks, the wait for the store) was
+    lost when the shell had set SIGINT to be ignored (a background job), even twice: the job then
+    ran to its end with exit 0. A SIGTERM there killed the controller (143) without its clean-up.
+    Now either ends the set-up at once, exit 0, nothing started. Here the set-up waits for a
+    rendezvous store nobody runs, SIGINT ignored as in a background job of a script."""
+    from dist_utils import free_port
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').write('x')\n")
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--nnodes", "2",
+                          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "is_host=0",
+                          "--events", str(events), str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        t_end = time.time() + 120
+        while not events.exists() and time.time() < t_end and p.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.5)   # in the wait for the store (up to 2 x read_timeout = 120 s)
+        assert p.poll() is None
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert time.monotonic() - t0 < 10, "the stop waited for the set-up to finish"
+    assert p.returncode == 0, (p.returncode, out[-2000:])
+    assert f"stopped by {sig.name} before any worker started: nothing to checkpoint" in out, out[-2000:]
+    assert "Traceback" not in out and not os.path.exists(str(script) + ".ran")
+    ev = [json.loads(line) for line in events.read_text().splitlines()]
+    assert ev[-1]["event"] == "preempted" and ev[-1]["during"] == "start", ev[-1]
