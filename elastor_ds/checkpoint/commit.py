@@ -556,16 +556,24 @@ def commit_text(root: str, tmp_dir: str, step: int, text: str, sync: bool = True
 
 
 def apply_retention(root: str, keep: int, protect: str | None = None, recycle_dir: str | None = None,
-                    recycle_names: Optional[set] = None) -> list[str]:
+                    recycle_names: Optional[set] = None, unusable: "frozenset[str] | set[str]" = frozenset()
+                    ) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` (>= 1) and stale temp dirs; never
     ``protect``, never the step ``latest`` names, never one newer than ``protect``.
     ``recycle_dir`` (memory snapshots): the data files (``*.safetensors``) of a deleted committed
     step are moved there first, for the next save to write over (no longer part of any checkpoint).
     ``recycle_names``: the data files a rank of the current job will take (the others, e.g. of
-    ranks gone after a shrink, are deleted instead, also from ``recycle_dir``: their memory)."""
+    ranks gone after a shrink, are deleted instead, also from ``recycle_dir``: their memory).
+    ``unusable``: step dirs a load of this process found corrupt and fell back past. They do not
+    count among the ``keep`` newest, so a good older step is not deleted in favour of a bad one; one
+    newer than the oldest step kept stays (for a look), an older one goes as any old step does."""
     keep = max(1, keep)
     removed = []
     committed = list_committed(root)
+    bad = {os.path.abspath(p) for p in unusable}
+    good = [(s, p) for s, p in committed if os.path.abspath(p) not in bad]
+    newest_good = {os.path.abspath(p) for _, p in good[-keep:]}
+    oldest_kept = min((s for s, p in good[-keep:]), default=None)
     keep_paths = {os.path.abspath(p) for p in (protect,) if p}
     try:
         cur = read_latest(root)
@@ -574,8 +582,11 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
     if cur:
         keep_paths.add(os.path.abspath(cur))
     limit = step_of(os.path.basename(protect)) if protect else None
-    for step, path in committed[:-keep]:
-        if os.path.abspath(path) in keep_paths or (limit is not None and step > limit):
+    for step, path in committed:
+        ap = os.path.abspath(path)
+        if ap in newest_good or ap in keep_paths or (limit is not None and step > limit):
+            continue
+        if ap in bad and oldest_kept is not None and step > oldest_kept:
             continue
         if os.path.islink(path):   # a link someone put there: never followed, never removed
             continue

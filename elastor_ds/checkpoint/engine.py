@@ -260,6 +260,7 @@ class CheckpointEngine:
         self._saves = 0
         self._newest_step = -1   # the newest step this engine committed (a lower save moves `latest` back: warned)
         self._warned_backwards = False
+        self._unusable: set[str] = set()   # step dirs of this root a load fell back past (not kept by retention)
         self.optimistic_plan = optimistic_plan
         self.saves_dropped = 0
         self._queue: Optional[queue.SimpleQueue] = None
@@ -551,7 +552,10 @@ class CheckpointEngine:
                 stats.durable_s = time.perf_counter() - job.t0
                 if self.committer:  # committed and announced: now delete what retention drops
                     try:
-                        self.storage.retain(self.keep, protect=result[1])
+                        if self._unusable:   # (a storage written before the argument still works without one)
+                            self.storage.retain(self.keep, protect=result[1], unusable=frozenset(self._unusable))
+                        else:
+                            self.storage.retain(self.keep, protect=result[1])
                     except OSError as e:  # never fails a committed save
                         log.warning("retention under %s failed: %s", self.root, e)
                 if self.after_commit and outcome[0] == "ok":
@@ -658,6 +662,8 @@ class CheckpointEngine:
                 return OpenCheckpoint(step_dir, man, tuple(candidates[i + 1:]), fallback, i > 0, last_err)
             except RanksFailedError as e:
                 last_err = e
+                if e.all_are(*DATA_ERRORS):
+                    self._mark_unusable(step_dir)
                 if not fallback or not e.all_are(*DATA_ERRORS):
                     raise
                 log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
@@ -709,10 +715,18 @@ class CheckpointEngine:
                 return res
             except RanksFailedError as e:
                 last_err = e
+                if e.all_are(*DATA_ERRORS):
+                    self._mark_unusable(step_dir)
                 if not fallback or not e.all_are(*DATA_ERRORS) or i == len(todo) - 1:
                     raise
                 log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
         raise CorruptCheckpointError(f"no usable checkpoint: {last_err}")  # pragma: no cover
+
+    def _mark_unusable(self, step_dir: str) -> None:
+        """A committed step of this root that failed its load with a data error: retention does not
+        count it among the steps it keeps (a good older one would go in its favour)."""
+        if os.path.dirname(os.path.abspath(step_dir)) == os.path.abspath(self.root):
+            self._unusable.add(os.path.abspath(step_dir))
 
     def _load_candidates(self, path: str, fallback: bool) -> list[str]:
         try:

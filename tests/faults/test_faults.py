@@ -230,6 +230,38 @@ def test_flipped_byte_detected_named_and_fallback(tmp_path, capsys):
     assert res.step == 1 and res.fell_back and torch.equal(got, a)
 
 
+def test_retention_after_a_fallback_keeps_the_good_step_not_the_corrupt_one(tmp_path):
+    """QA round 8, F8.9: a resume fell back past a corrupt step 6 to step 3 (keep 2), trained on and
+    saved step 8; retention then deleted the good step 3 and kept the corrupt 6, so one more damaged
+    step would leave no good checkpoint. A step a load fell back past no longer counts among those
+    kept: after step 8, steps 3 and 8 are the two kept (6 stays, newer than 3, for a look); after
+    step 10, 8 and 10, and 3 and 6 go."""
+    root = str(tmp_path / "ck")
+    eng = CheckpointEngine(root, keep=2)
+    vals = {}
+    for step in (3, 6):
+        vals[step] = torch.full((256, 64), float(step))
+        eng.save(step, [full_shard("a", vals[step])])
+    eng.finalize()
+    six = os.path.join(root, "step_000000006")
+    data = os.path.join(six, next(f for f in os.listdir(six) if f.startswith("data_") and f.endswith(".safetensors")))
+    with open(data, "r+b") as f:   # one flipped byte in step 6's tensor bytes
+        f.seek(os.path.getsize(data) - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    eng = CheckpointEngine(root, keep=2)
+    got = torch.empty(256, 64)
+    res = eng.load(None, [full_shard("a", got)], fallback=True)
+    assert res.step == 3 and res.fell_back and torch.equal(got, vals[3])
+    eng.save(8, [full_shard("a", got + 5)])
+    eng.wait()
+    assert [s for s, _ in commit_mod.list_committed(root)] == [3, 6, 8]
+    eng.save(10, [full_shard("a", got + 7)])
+    eng.finalize()
+    assert [s for s, _ in commit_mod.list_committed(root)] == [8, 10]
+
+
 def test_truncated_file_detected(tmp_path, capsys):
     root = str(tmp_path / "ck")
     _make_two_steps(root)

@@ -72,8 +72,8 @@ class RecordingStorage(Storage):
     def committed(self, step_dir: str) -> None:
         self._rec("committed").committed(step_dir)
 
-    def retain(self, keep: int, protect: str) -> list[str]:
-        return self._rec("retain").retain(keep, protect)
+    def retain(self, keep: int, protect: str, unusable: frozenset = frozenset()) -> list[str]:
+        return self._rec("retain").retain(keep, protect, unusable)
 
     def close(self, committer: bool) -> None:
         self._rec("close").close(committer)

@@ -138,9 +138,10 @@ class StorageWriter(abc.ABC):
         """Every rank, after a step committed (e.g. to know which retired files it may reuse)."""
 
     @abc.abstractmethod
-    def retain(self, keep: int, protect: str) -> list[str]:
+    def retain(self, keep: int, protect: str, unusable: "frozenset[str]" = frozenset()) -> list[str]:
         """Delete committed steps beyond the newest ``keep`` and stale temp dirs, never ``protect``
-        nor what ``latest`` names; return what was removed. Raises OSError."""
+        nor what ``latest`` names; return what was removed. ``unusable``: step dirs a load found
+        corrupt, not counted among the newest ``keep``. Raises OSError."""
 
     def close(self, committer: bool) -> None:
         """The engine is finishing (no save in flight); ``committer``: rank 0 or :attr:`commits_copy`."""

@@ -92,8 +92,8 @@ class PosixStorage(Storage):
     def abort(self, tmp_dir: str) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
-    def retain(self, keep: int, protect: str) -> list[str]:
-        return commit_mod.apply_retention(self.root, keep, protect=protect)
+    def retain(self, keep: int, protect: str, unusable: "frozenset[str]" = frozenset()) -> list[str]:
+        return commit_mod.apply_retention(self.root, keep, protect=protect, unusable=unusable)
 
     # ------------------------------------------------------------------ read
     def resolve(self, path: str) -> str:

@@ -109,7 +109,7 @@ class TmpfsStorage(PosixStorage):
     def committed(self, step_dir: str) -> None:
         self._committed = [*self._committed[-(self.keep + 2):], os.path.basename(step_dir)]
 
-    def retain(self, keep: int, protect: str) -> list[str]:
+    def retain(self, keep: int, protect: str, unusable: "frozenset[str]" = frozenset()) -> list[str]:
         return commit_mod.apply_retention(self.root, keep, protect=protect, recycle_dir=self.recycle_dir,
                                           recycle_names=self._recycle_names)
 
