@@ -63,7 +63,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP (a scheduler, ``timeout``, a closed terminal): raised where the command is,
+    so that it cleans up as for Ctrl-C (a convert removes its half-written temp folder)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_terminate(signum: int, _frame) -> None:
+    raise _Terminated(signum)
+
+
+def _catch_termination() -> None:
+    """SIGTERM and SIGHUP end a command like Ctrl-C does, cleaning up, with exit 128 + the signal.
+    A signal the caller set to be ignored (``nohup``: SIGHUP) stays ignored. ``elastor run``
+    installs its own handlers over these."""
+    import signal
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):   # not the main thread: leave them
+            if signal.getsignal(s) is signal.SIG_DFL:
+                signal.signal(s, _on_terminate)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _catch_termination()
+    try:
+        return _main(argv)
+    except _Terminated as e:   # (a command's own handler below reports it; this is for the set-up)
+        import signal
+        logging.getLogger("elastor").error("terminated by %s", signal.Signals(e.signum).name)
+        return 128 + e.signum
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -93,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.error("interrupted")
         return 130
+    except _Terminated as e:
+        import signal
+        log.error("terminated by %s", signal.Signals(e.signum).name)
+        return 128 + e.signum
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked (-v)
         sig = getattr(e, "sigval", None)
         if type(e).__name__ == "SignalException" and sig is not None:   # torch elastic's, while workers start
