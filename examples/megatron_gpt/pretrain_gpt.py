@@ -80,6 +80,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 log = logging.getLogger("pretrain_gpt")
 
 
+def builtin_corpus(seed: int, seq_length: int, rank: int) -> str:
+    """The built-in corpus (no --data-path): made by each node's local rank 0 when absent, in this
+    user's private cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``, then ``elastor_ds``: 0700,
+    ours, checked), never beside the checkpoints: there another user could have put a file of that
+    name first, and it would have been trained on (QA round 8, F4). Deterministic for its seed and
+    record length, so nodes that share the folder write the same bytes (atomically)."""
+    import stat
+
+    from elastor_ds.checkpoint.private_dir import ensure_private_dir
+    from elastor_ds.data import write_synthetic_corpus
+    from elastor_ds.errors import ConfigError
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                         "elastor_ds")
+    try:
+        folder = ensure_private_dir(cache, "the built-in corpus's cache folder")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (or give --data-path FILE, your own JSONL)") from None
+    chars = seq_length * 2
+    path = os.path.join(folder, f"corpus_seed{seed}_chars{chars}.jsonl")
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        try:
+            fresh = not stat.S_ISREG(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            fresh = True
+        if fresh:
+            write_synthetic_corpus(path, num_records=20000, chars_per_record=chars, seed=seed)
+        if rank == 0:
+            log.info("built-in corpus: %s", path)
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # sizes of 0 divided by zero deep in the set-up (exit 1); snapshot flags were named by their config keys
     from elastor_ds.cli_types import nonnegative_int, positive_int
@@ -136,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--profile-iters", type=int, default=5, help="iterations per profile window: each window that closes "
       "rewrites <save>/profile.json (which --elastor-plan auto uses after a restart) and re-prices the running "
       "plan with it; windows repeat while the launch runs (0: off)")
-    a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: built-in corpus")
+    a("--data-path", default=None, help="text (one record per line) or JSONL with a 'text' field; default: the built-in "
+      "corpus, made in ~/.cache/elastor_ds (\$XDG_CACHE_HOME/elastor_ds)")
     a("--metrics-file", default=None, help="JSONL, one line per iteration")
     a("--exit-after-iters", type=int, default=None, help="stop (as if killed) after this iteration; for demos")
     return p.parse_args(argv)
@@ -606,7 +638,7 @@ def _main(argv: list[str] | None = None) -> int:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import gpt_pipe
-    from elastor_ds.data import CharTokenizer, PrefetchLoader, write_synthetic_corpus
+    from elastor_ds.data import CharTokenizer, PrefetchLoader
     from elastor_ds.integrations.megatron.specs import GPTSpecConfig
 
     rank = dist.get_rank()
@@ -673,12 +705,7 @@ def _main(argv: list[str] | None = None) -> int:
     # data: built-in corpus unless --data-path; each replica takes its slice of every global batch
     data_path = args.data_path
     if data_path is None:
-        base = args.save or args.load
-        folder = os.path.dirname(os.path.abspath(base)) if base else os.path.join(os.getcwd(), "runs")
-        os.makedirs(folder, exist_ok=True)
-        data_path = os.path.join(folder, f"corpus_seed{args.seed}.jsonl")
-        if rank == 0 and not os.path.exists(data_path):
-            write_synthetic_corpus(data_path, num_records=20000, chars_per_record=args.seq_length * 2, seed=args.seed)
+        data_path = builtin_corpus(args.seed, args.seq_length, rank)
         dist.barrier()
     stage = engine.stage_id
     needs_data = stage == 0 or stage == pp - 1

@@ -162,3 +162,26 @@ def test_export_sizes_the_model_cannot_take_are_usage_errors(reference, tmp_path
     assert p.returncode == 2, p.stderr[-2000:]
     assert words in p.stderr and value in p.stderr and "Traceback" not in p.stderr
     assert not dst.exists()
+
+
+def test_the_built_in_corpus_is_never_taken_from_beside_the_checkpoints(tmp_path, monkeypatch):
+    """QA round 8, F4: without --data-path the trainer used ``dirname(--save)/corpus_seed<seed>.jsonl``
+    when it existed, whoever made it: another user could plant it in a shared folder (/tmp, /scratch)
+    and it was trained on, silently. It also left a 2 MB file outside any folder the user named. Now
+    the corpus is made in this user's private cache folder; the planted file is neither read nor
+    touched, and nothing appears beside the checkpoint root."""
+    import stat
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    planted = tmp_path / "corpus_seed4242.jsonl"
+    planted.write_text(json.dumps({"text": "ATTACKER CONTROLLED TEXT " * 4}) + "\n")
+    os.chown(planted, 1001, 1001)
+    before = planted.read_bytes()
+    p = torchrun(2, "--save", str(tmp_path / "ck"), "--seed", "4242", "--train-iters", "2", "--metrics-file",
+                 str(tmp_path / "m.jsonl"), check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert planted.read_bytes() == before and planted.stat().st_uid == 1001
+    folder = cache / "elastor_ds"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert [f.name for f in folder.iterdir()] == ["corpus_seed4242_chars64.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["cache", "ck", "corpus_seed4242.jsonl", "m.jsonl"]
