@@ -6,6 +6,7 @@ check to a subset, so ranks can split the work.
 """
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from ..layout.region import Region, first_overlap
 from .commit import read_manifest
 from .planning.manifest import Manifest
 from .fileformat import CODE_DTYPES, file_crc32, read_header
+from .planning.manifest import DTYPE_CODES, DTYPE_SIZES
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ def check_header(header: object, data_len: int, path: str) -> None:
         return CorruptCheckpointError(f"{path}: safetensors header {what}; the file is corrupt")
     if not isinstance(header, dict):
         raise bad("is not a JSON object")
+    spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         if key == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -54,6 +57,50 @@ def check_header(header: object, data_len: int, path: str) -> None:
                 and 0 <= offs[0] <= offs[1] <= data_len):
             raise bad(f"entry {key[:80]!r} has data_offsets {str(offs)[:40]} outside the data section "
                       f"of {data_len} bytes")
+        nbytes = math.prod(shape) * DTYPE_SIZES[CODE_DTYPES[entry["dtype"]]]
+        if offs[1] - offs[0] != nbytes:   # safetensors: "invalid shape, data type, or offset for tensor"
+            raise bad(f"entry {key[:80]!r}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, but a "
+                      f"{entry['dtype']} tensor of shape {shape} has {nbytes}")
+        spans.append((offs[0], offs[1], key))
+    # safetensors also wants the entries to tile the data section: no gap, no overlap, nothing after
+    pos = 0
+    for a, b, key in sorted(spans):
+        if a != pos:
+            raise bad(f"entry {key[:80]!r} starts at byte {a} of the data section, where the entries before it "
+                      f"end at {pos} (a gap or an overlap)")
+        pos = b
+    if pos != data_len:
+        raise bad(f"entries end at byte {pos} of a data section of {data_len} bytes")
+
+
+def header_problems(header: dict, data_start: int, fname: str, expected: list, path: str) -> list[Problem]:
+    """The data file ``fname``'s header against the manifest: every chunk the manifest puts in the
+    file (``expected``: (key, dtype code, shape, absolute offset, length)) is an entry with that key,
+    dtype, shape and place, and the header has no other entry (a renamed or edited entry would be
+    read by safetensors' own loader under the wrong name or type)."""
+    got = {k: v for k, v in header.items() if k != "__metadata__"}
+    problems = []
+    for key, code, shape, off, length in expected:
+        want = {"dtype": code, "shape": list(shape), "data_offsets": [off - data_start, off - data_start + length]}
+        entry = got.pop(key, None)
+        if entry is None:
+            problems.append(Problem(path, f"safetensors header has no entry {key[:80]!r}, which the manifest names"))
+        elif entry != want:
+            problems.append(Problem(path, f"safetensors header entry {key[:80]!r} is {str(entry)[:120]}, the manifest "
+                                          f"says {str(want)[:120]}"))
+    if got:
+        problems.append(Problem(path, f"safetensors header has {len(got)} entr{'y' if len(got) == 1 else 'ies'} the "
+                                      f"manifest does not name, e.g. {next(iter(got))[:80]!r}"))
+    return problems
+
+
+def _chunks_by_file(man: Manifest) -> dict:
+    by: dict = {}
+    for t in man.tensors.values():
+        code = DTYPE_CODES.get(t.dtype, t.dtype)
+        for ch in t.chunks:
+            by.setdefault(ch.file, []).append((ch.key, code, ch.region.sizes, ch.offset, ch.length))
+    return by
 
 
 def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]] = None,
@@ -64,6 +111,7 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
         return [Problem(step_dir, str(e))]
     problems: list[Problem] = []
     names = sorted(man.files) if files is None else sorted(files)
+    by_file = _chunks_by_file(man)
     for name in tqdm(names, desc="verify", unit="file", disable=None if progress else True):
         fe = man.files[name]
         path = os.path.join(step_dir, name)
@@ -83,6 +131,10 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
                     check_header(header, size - data_start, path)
                 except CheckpointError as e:
                     problems.append(Problem(path, str(e)))
+                    continue
+                found = header_problems(header, data_start, name, by_file.get(name, []), path)
+                if found:
+                    problems += found
                     continue
             if checksums:
                 _, crc = file_crc32(path)

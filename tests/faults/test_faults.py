@@ -16,7 +16,8 @@ import torch.distributed as dist
 from dist_utils import free_port, run_world
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.engine import CheckpointEngine
-from elastor_ds.checkpoint.shards import full_shard
+from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.layout.region import Region
 from elastor_ds.checkpoint.verify import verify
 from elastor_ds.cli import main as cli_main
 from elastor_ds.comm import TorchComm
@@ -293,3 +294,43 @@ def test_uncommitted_and_unknown_version(tmp_path):
     got = torch.empty(300, 40)
     res = CheckpointEngine(root).load(None, [full_shard("a", got)], fallback=True)
     assert res.step == 1
+
+
+@pytest.mark.parametrize("edit, says", [
+    (('"F32"', '"F16"'), "hold 19200 bytes, but a F16 tensor of shape [150, 32] has 9600"),
+    (('"shape":[150,32]', '"shape":[150,16]'), "but a F32 tensor of shape [150, 16] has 9600"),
+    (('"data_offsets":[0,19200]', '"data_offsets":[0,19196]'), "hold 19196 bytes"),
+    (('"a#0,0"', '"b#0,0"'), "has no entry 'a#0,0', which the manifest names"),
+    (('"a#150,0"', '"a#150,1"'), "has no entry 'a#150,0'"),
+])
+def test_verify_without_checksums_checks_headers_as_safetensors_and_the_manifest_do(tmp_path, capsys, edit, says):
+    """QA round 8, F3: an edited safetensors header of the same length (a dtype, a shape, an offset,
+    a tensor's name) passed ``verify --no-checksums`` although safetensors' own loader refuses the
+    first three ("invalid shape, data type, or offset") and the last reads as another tensor. Each
+    is now named, exit 1, and the full verify names it too (not only as a CRC mismatch)."""
+    root = str(tmp_path / "ck")
+    eng = CheckpointEngine(root, keep=1)
+    eng.save(1, [TensorShard("a", (300, 40), Region((0, 0), (150, 32)), torch.randn(150, 32)),
+                 TensorShard("a", (300, 40), Region((150, 0), (150, 40)), torch.randn(150, 40)),
+                 TensorShard("a", (300, 40), Region((0, 32), (150, 8)), torch.randn(150, 8))])
+    eng.finalize()
+    path = _data_file(root)
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:   # the untouched file opens (the oracle: safetensors itself)
+        assert sorted(f.keys()) == ["a#0,0", "a#0,32", "a#150,0"]
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].decode()
+    compact = header.replace(" ", "")
+    assert edit[0] in compact, compact[:400]
+    new = compact.replace(edit[0], edit[1], 1)
+    new = new + " " * (n - len(new))   # the same header length: only the edit differs
+    raw[8:8 + n] = new.encode()
+    with open(path, "wb") as f:
+        f.write(raw)
+    assert cli_main(["verify", "--no-checksums", root]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "data_00000.safetensors" in err, err
+    assert cli_main(["verify", root]) == 1
+    assert says in capsys.readouterr().err
