@@ -123,6 +123,28 @@ def _check_export_source(src: str) -> None:
     require_coverage(commit_mod.read_manifest(step_dir), step_dir)
 
 
+# flag dest -> (flag, default, where it applies, test on (--from, --to)); a flag given where it does
+# not apply was ignored without a word (``--to consolidated --weights-only`` wrote the optimizer too)
+_CONVERT_SCOPES = {
+    "tensor_model_parallel_size": ("--tensor-model-parallel-size", 1, "--to megatron", lambda f, t: t == "megatron"),
+    "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", 1, "--to megatron",
+                                     lambda f, t: t == "megatron"),
+    "megatron_format": ("--megatron-format", "legacy", "--to megatron", lambda f, t: t == "megatron"),
+    "megatron_weights_only": ("--megatron-weights-only", False, "--to megatron", lambda f, t: t == "megatron"),
+    "model_config": ("--model-config", None, "--from megatron and --to megatron", lambda f, t: "megatron" in (f, t)),
+    "weights_only": ("--weights-only", False, "--from deepspeed", lambda f, t: f == "deepspeed"),
+    "trust_checkpoint": ("--trust-checkpoint", False, "--from deepspeed, deepspeed-universal or megatron",
+                         lambda f, t: f in ("deepspeed", "deepspeed-universal", "megatron")),
+    "force": ("--force", False, "imports (--to elastor)", lambda f, t: t == "elastor"),
+}
+
+
+def _check_convert_flags(args, src_f: str, dst_f: str) -> None:
+    for dest, (flag, default, where, applies) in _CONVERT_SCOPES.items():
+        if getattr(args, dest, default) != default and not applies(src_f, dst_f):
+            raise ConfigError(f"{flag} applies to {where} only, not to --from {src_f} --to {dst_f}; drop it")
+
+
 def cmd_convert(args) -> int:
     src_f, dst_f = args.src_format, args.dst_format
     progress = not args.no_progress
@@ -136,6 +158,7 @@ def cmd_convert(args) -> int:
         known_to = ["elastor", "consolidated", *EXPORTERS]
         raise ConfigError(f"cannot convert --from {src_f} --to {dst_f}; supported: --from {known_from} "
                           f"(to elastor) or --to {known_to} (from elastor)")
+    _check_convert_flags(args, src_f, dst_f)
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ConfigError(f"source and destination are both {args.src}; choose a new destination")
     commit_mod.check_outside_checkpoints(args.dst, args.src)

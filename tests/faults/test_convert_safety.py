@@ -263,3 +263,21 @@ def test_a_terminated_convert_leaves_no_temp_folder(tmp_path, sig):
     assert p.returncode == 128 + getattr(signal, sig), (p.returncode, err[-2000:])
     assert f"terminated by {sig}" in err and "Traceback" not in err, err[-2000:]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.tmp-")] and not dst.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--to", "consolidated", "--weights-only"], "--weights-only applies to --from deepspeed only"),
+    (["--to", "consolidated", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size applies to --to megatron"),
+    (["--to", "consolidated", "--model-config", "x.json"], "--model-config applies to --from megatron and --to megatron"),
+    (["--to", "consolidated", "--trust-checkpoint"], "--trust-checkpoint applies to --from deepspeed"),
+    (["--to", "consolidated", "--force"], "--force applies to imports (--to elastor) only"),
+    (["--to", "deepspeed-universal", "--megatron-weights-only"], "--megatron-weights-only applies to --to megatron"),
+])
+def test_a_convert_flag_that_does_not_apply_is_refused(tmp_path, flags, says):
+    """QA round 8, F8.1: ``--to consolidated --weights-only`` exited 0 and wrote optimizer.safetensors
+    too; other flags of another direction were ignored without a word. Now: exit 2, nothing written."""
+    src = str(tmp_path / "ckpt")
+    save(src, 2)
+    p = elastor("convert", src, str(tmp_path / "out"), *flags)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not os.path.lexists(tmp_path / "out")
