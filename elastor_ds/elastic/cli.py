@@ -222,7 +222,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_checked(args: argparse.Namespace) -> int:
     # every check that needs no torch first: a bad flag exits 2 in a fraction of a second
     if not os.path.isfile(args.script):
-        raise ConfigError(f"script {args.script!r} does not exist; give the path of the training script")
+        what = ("is a directory" if os.path.isdir(args.script) else
+                "is not a regular file" if os.path.exists(args.script) else "does not exist")
+        raise ConfigError(f"script {args.script!r} {what}; give the path of the training script (a .py file)")
     lo, hi = _nnodes(args.nnodes)
     npn = args.nproc_per_node
     if npn not in ("gpu", "auto"):

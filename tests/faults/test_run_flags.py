@@ -389,3 +389,18 @@ def test_a_stop_during_the_set_up_ends_it_at_once_with_0(tmp_path, sig):
     assert "Traceback" not in out and not os.path.exists(str(script) + ".ran")
     ev = [json.loads(line) for line in events.read_text().splitlines()]
     assert ev[-1]["event"] == "preempted" and ev[-1]["during"] == "start", ev[-1]
+
+
+@pytest.mark.parametrize("make, says", [("dir", "is a directory"), ("missing", "does not exist"),
+                                        ("fifo", "is not a regular file")])
+def test_a_script_that_is_not_a_file_is_named_for_what_it_is(tmp_path, make, says):
+    """QA round 8, F8.3: a directory given as the script was reported as not existing."""
+    script = tmp_path / "train"
+    if make == "dir":
+        script.mkdir()
+    elif make == "fifo":
+        os.mkfifo(script)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", str(script)],
+                       capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 2 and f"script {str(script)!r} {says}" in p.stderr and "Traceback" not in p.stderr, p.stderr
