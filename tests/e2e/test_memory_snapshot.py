@@ -298,6 +298,10 @@ def test_budget_too_small_exits_2_before_training(tmp_path, snap_dir):
                        capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
     assert p.returncode == 2, p.stderr[-3000:]
     assert "memory snapshots do not fit" in p.stderr and "max_bytes 100000" in p.stderr, p.stderr[-3000:]
+    # the fixes that apply here only (QA round 8, F8.2: "keep 1" and "peer_copies 0" were suggested
+    # where keep was 1 and there were no peer copies, and /dev/shm for a folder elsewhere)
+    assert 'Fix: a larger "max_bytes", a snapshot folder on a larger tmpfs' in p.stderr, p.stderr[-3000:]
+    assert "remount" not in p.stderr and 'keep 1 ("keep"' not in p.stderr and "peer copies (" not in p.stderr
     assert "Traceback" not in p.stderr
     assert not metrics.exists()   # the budget check runs before the metrics file is opened
     assert not os.path.exists(tmp_path / "ckpt")   # the rejected job leaves no empty folders of ours

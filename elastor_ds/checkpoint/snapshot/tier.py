@@ -76,6 +76,18 @@ def tree_bytes(path: str) -> int:
     return total
 
 
+def _mount_point(path: str) -> str:
+    """The mount point of the file system holding ``path`` (for the fix a message suggests)."""
+    p = os.path.realpath(path)
+    try:
+        dev = os.stat(p).st_dev
+        while p != os.sep and os.stat(os.path.dirname(p)).st_dev == dev:
+            p = os.path.dirname(p)
+    except OSError:
+        return "/dev/shm"
+    return p
+
+
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 27 else f"{n / 2 ** 20:.1f} MiB"
 
@@ -155,13 +167,24 @@ class MemoryTier:
             cap = f", max_bytes {self.cfg.max_bytes}" if self.cfg.max_bytes else ""
             held = (f" + the peer copy it holds of another node's ranks, {_gib(n['peer'])} x 2 (held + arriving)"
                     if n["peer"] else "")
+            mount = _mount_point(root)
+            fixes = []
+            if self.cfg.max_bytes and n["limit"] >= self.cfg.max_bytes:   # the cap binds, not the tmpfs
+                fixes.append("a larger \"max_bytes\"")
+            else:
+                fixes.append(f"a larger tmpfs at {mount} (e.g. `mount -o remount,size=64G {mount}`)")
+            if self.cfg.keep > 1:
+                fixes.append("keep 1 (\"keep\" / --elastor-memory-snapshot-keep)")
+            if n["peer"]:
+                fixes.append("no peer copies (\"peer_copies\": 0 / --elastor-memory-snapshot-peer-copies 0)")
+            fixes.append("a snapshot folder on a larger tmpfs (\"dir\" / --snapshot-dir)")
+            fixes.append("no memory snapshots")
             raise MemoryBudgetError(
                 f"memory snapshots do not fit on node {host}: its {n['ranks']} rank(s) write "
                 f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.cfg.keep + 1} "
                 f"(keep {self.cfg.keep} + 1 being written){held} = {_gib(n['need'])}, but {root} has "
-                f"{_gib(n['limit'])} available (free {_gib(n['free'])}{cap}). Fix: a larger /dev/shm (e.g. `mount -o "
-                f"remount,size=64G /dev/shm`), \"keep\": 1, \"peer_copies\": 0, a larger \"max_bytes\", or drop "
-                f"\"memory_snapshot\"")
+                f"{_gib(n['limit'])} available (free {_gib(n['free'])}{cap}). Fix: {', '.join(fixes[:-1])}, or "
+                f"{fixes[-1]}")
         if self.comm.rank == 0:
             log.info("memory snapshots: %s per snapshot on this node%s x %d + peer copies held %s x 2 = %s of %s "
                      "available under %s", _gib(mine["bytes"]), " (estimated)" if estimated else "", self.cfg.keep + 1,
