@@ -111,6 +111,9 @@ def _check_log_dir(log_dir: str) -> None:
                           f"user?); remove it or give a --log-dir of your own")
     if not os.path.isdir(log_dir) or not os.access(log_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {log_dir}: not a writable directory; give a writable directory")
+    # the heartbeat and standby folders go in it: checked now, before the first event is written
+    # (found late, the refusal left 'start' and 'rendezvous' records behind: QA round 8, F8.10)
+    check_parent(log_dir, "--log-dir")
 
 
 def register(sub) -> None:

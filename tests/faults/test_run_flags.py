@@ -404,3 +404,21 @@ def test_a_script_that_is_not_a_file_is_named_for_what_it_is(tmp_path, make, say
                        capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 2 and f"script {str(script)!r} {says}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_log_dir_of_another_user_is_refused_before_any_event(tmp_path):
+    """QA round 8, F8.10: a --log-dir (here the default beside --events) another user had made was
+    refused only when the heartbeat folder was made in it, after 'start' and 'rendezvous' records
+    had gone to the events file. Now it is refused first: exit 2, no events file, nothing launched."""
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').write('x')\n")
+    logs = tmp_path / "ev_logs"
+    logs.mkdir(mode=0o755)
+    os.chown(logs, 1001, 1001)
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--events",
+                        str(tmp_path / "ev.jsonl"), str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 2 and f"--log-dir {logs}: owned by uid 1001" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "ev.jsonl").exists() and not os.path.exists(str(script) + ".ran")
+    assert os.listdir(logs) == []
