@@ -79,9 +79,12 @@ def header_problems(header: dict, data_start: int, fname: str, expected: list, p
     dtype, shape and place, and the header has no other entry (a renamed or edited entry would be
     read by safetensors' own loader under the wrong name or type)."""
     got = {k: v for k, v in header.items() if k != "__metadata__"}
+    by_place = {tuple(v["data_offsets"]): k for k, v in got.items()}   # (checked by check_header first)
     problems = []
     for key, code, shape, off, length in expected:
         want = {"dtype": code, "shape": list(shape), "data_offsets": [off - data_start, off - data_start + length]}
+        if not key:   # a manifest may leave a chunk's key out: its entry is the one at its place
+            key = by_place.get(tuple(want["data_offsets"]), "")
         entry = got.pop(key, None)
         if entry is None:
             problems.append(Problem(path, f"safetensors header has no entry {key[:80]!r}, which the manifest names"))
