@@ -529,9 +529,15 @@ class CheckpointEngine:
                         result = ("ok", final, text if self.storage.shares_manifest else None)
                     except BaseException as e:  # noqa: BLE001
                         e = self.storage.explain_write_error(tmp_dir, job.step, e)   # e.g. a full tmpfs
+                        # the failed save's folder goes now (as after a rank's failure): retention
+                        # removes only temp dirs older than the newest step, so a run of failed
+                        # commits kept every one (a tmpfs that was full stayed full)
+                        self.storage.abort(tmp_dir)
                         result = ("error", [RankFailure.of(0, e).to_wire()])
             result = (self._broadcast_lean(result, job.step) if lean else
                       self.writer_comm.broadcast_object(result, src=0))
+            if result[0] != "ok" and rank != 0 and self.storage.commits_copy:
+                self.storage.abort(tmp_dir)   # this node's copy of the failed save (node-local storage)
             if result[0] == "stale":
                 # every rank gets here for this save: all drop the plan, the next save plans again
                 self._plan = None

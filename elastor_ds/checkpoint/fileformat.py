@@ -392,11 +392,20 @@ def atomic_write_text(path: str, text: str, sync: bool = True) -> None:
     """Write ``text`` to ``path`` via temp file + rename; with ``sync`` (durable storage) the file is
     fsynced before the rename and its directory after it."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:   # never through a link planted under the temp name; nothing left behind on a failure
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            if not os.path.islink(tmp):
+                os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     if sync:
         fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -8,6 +8,7 @@ it. ``setting`` (``--snapshot-dir``, ``elastor.memory_snapshot.dir``) starts eve
 from __future__ import annotations
 
 import os
+from typing import Optional
 import stat as stat_mod
 
 from ..errors import ConfigError
@@ -17,7 +18,12 @@ def refuse(setting: str, p: str, why: str, fix: str = "name a new directory (on 
     return ConfigError(f"{setting} {p}: {why}; {fix}")
 
 
-def check_components(p: str, setting: str) -> None:
+def _fix(fix: Optional[str]) -> tuple:
+    """``refuse``'s fix argument: the caller's, else refuse's own default."""
+    return (fix,) if fix else ()
+
+
+def check_components(p: str, setting: str, fix: Optional[str] = None) -> None:
     """Every existing component of ``p`` (not ``p`` itself) is owned by root or this user; a symlink
     only when one of them owns it; no directory may be written by others without the sticky bit."""
     me = os.getuid()
@@ -30,39 +36,40 @@ def check_components(p: str, setting: str) -> None:
         except FileNotFoundError:
             return   # the rest is created by us (0700)
         except OSError as e:
-            raise refuse(setting, p, f"cannot inspect {cur} ({e.strerror})") from None
+            raise refuse(setting, p, f"cannot inspect {cur} ({e.strerror})", *_fix(fix)) from None
         if st.st_uid not in (0, me):
             raise refuse(setting, p, f"{cur} belongs to uid {st.st_uid}, another user who could replace what we "
-                         f"create there", "name a directory under folders owned by you or root")
+                         f"create there", fix or "name a directory under folders owned by you or root")
         if stat_mod.S_ISLNK(st.st_mode):
             continue   # a link of root's or ours: its target's folders are checked through realpath below
         if not stat_mod.S_ISDIR(st.st_mode):
-            raise refuse(setting, p, f"{cur} is not a directory")
+            raise refuse(setting, p, f"{cur} is not a directory", *_fix(fix))
         if st.st_mode & (stat_mod.S_IWOTH | stat_mod.S_IWGRP) and not st.st_mode & stat_mod.S_ISVTX:
             raise refuse(setting, p, f"{cur} may be written by other users (mode {stat_mod.S_IMODE(st.st_mode):04o}, "
-                         f"no sticky bit)", "name a directory under folders only you (or root) can write")
+                         f"no sticky bit)", fix or "name a directory under folders only you (or root) can write")
     real = os.path.realpath(os.path.dirname(os.path.abspath(p)))
     if real != os.path.dirname(os.path.abspath(p)):
-        check_components(os.path.join(real, os.path.basename(p)), setting)
+        check_components(os.path.join(real, os.path.basename(p)), setting, fix)
 
 
-def check_private(p: str, setting: str) -> os.stat_result:
+def check_private(p: str, setting: str, fix: Optional[str] = None,
+                  contents: str = "the snapshots (model weights)") -> os.stat_result:
     """``p`` is a real directory (not a symlink) of this user that nobody else may enter."""
     st = os.lstat(p)
     if stat_mod.S_ISLNK(st.st_mode):
-        raise refuse(setting, p, "is a symlink (never followed)")
+        raise refuse(setting, p, "is a symlink (never followed)", *_fix(fix))
     if not stat_mod.S_ISDIR(st.st_mode):
-        raise refuse(setting, p, "exists and is not a directory")
+        raise refuse(setting, p, "exists and is not a directory", *_fix(fix))
     if st.st_uid != os.getuid():
         raise refuse(setting, p, f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): another user may have "
-                     f"planted it")
+                     f"planted it", *_fix(fix))
     if st.st_mode & 0o077:
-        raise refuse(setting, p, f"other users may enter it (mode {stat_mod.S_IMODE(st.st_mode):04o}) and read the "
-                     f"snapshots (model weights)", f"run chmod 700 {p}, or name a new directory")
+        raise refuse(setting, p, f"other users may enter it (mode {stat_mod.S_IMODE(st.st_mode):04o}) and read "
+                     f"{contents}", f"run chmod 700 {p}, or " + (fix or "name a new directory"))
     return st
 
 
-def mkdir_private(p: str, setting: str) -> bool:
+def mkdir_private(p: str, setting: str, fix: Optional[str] = None) -> bool:
     """``mkdir(p, 0700)``; False when ``p`` already exists."""
     try:
         os.mkdir(p, 0o700)
@@ -70,22 +77,23 @@ def mkdir_private(p: str, setting: str) -> bool:
     except FileExistsError:
         return False
     except OSError as e:
-        raise refuse(setting, p, f"cannot create it ({e.strerror})", "name a writable directory, e.g. under "
+        raise refuse(setting, p, f"cannot create it ({e.strerror})", fix or "name a writable directory, e.g. under "
                      "/dev/shm") from None
 
 
-def ensure_private_dir(p: str, setting: str) -> str:
+def ensure_private_dir(p: str, setting: str, fix: Optional[str] = None,
+                       contents: str = "the snapshots (model weights)") -> str:
     """Check ``p``'s folders, make it (0700, its missing folders 0700) when absent, and check it
     after: a private real directory of this user. Existing contents are kept (snapshots there are
     what a restart restores)."""
     p = os.path.abspath(p)
     if p == os.sep:
-        raise refuse(setting, p, "is the root directory")
-    check_components(p, setting)
+        raise refuse(setting, p, "is the root directory", *_fix(fix))
+    check_components(p, setting, fix)
     try:
         os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
     except OSError as e:
-        raise refuse(setting, p, f"cannot create its folder ({e.strerror})", "name a writable directory") from None
-    mkdir_private(p, setting)
-    check_private(p, setting)
+        raise refuse(setting, p, f"cannot create its folder ({e.strerror})", fix or "name a writable directory") from None
+    mkdir_private(p, setting, fix)
+    check_private(p, setting, fix, contents)
     return p

@@ -90,13 +90,11 @@ def builtin_corpus(seed: int, seq_length: int, rank: int) -> str:
 
     from elastor_ds.checkpoint.private_dir import ensure_private_dir
     from elastor_ds.data import write_synthetic_corpus
-    from elastor_ds.errors import ConfigError
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                          "elastor_ds")
-    try:
-        folder = ensure_private_dir(cache, "the built-in corpus's cache folder")
-    except ConfigError as e:
-        raise ConfigError(f"{e} (or give --data-path FILE, your own JSONL)") from None
+    folder = ensure_private_dir(cache, "the built-in corpus's cache folder",
+                                fix="set XDG_CACHE_HOME to a folder of your own, or give --data-path FILE (your JSONL)",
+                                contents="the corpus")
     chars = seq_length * 2
     path = os.path.join(folder, f"corpus_seed{seed}_chars{chars}.jsonl")
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:

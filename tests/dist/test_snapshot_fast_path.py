@@ -323,3 +323,59 @@ def test_ranks_that_save_different_steps_commit_nothing(tmp_path, kind):
     good steps kept, and the next agreed save commits and reads back."""
     from dist_utils import run_world
     run_world(_different_steps, 2, str(tmp_path / "ck"), kind, timeout_s=120)
+
+
+def test_a_failed_commit_leaves_no_temp_folder_and_the_next_snapshot_commits(tmp_path, monkeypatch):
+    """QA round 9, N1: on a full tmpfs the commit itself failed (the manifest or ``latest`` could not
+    be written); that save's temp folder stayed, and retention removes only temp folders older than
+    the newest committed step, so each failed commit kept its data files: after the filler was
+    removed the tmpfs stayed full and snapshots never came back. Now the failed save's folder goes at
+    once and the error is the memory tier's SnapshotSpaceError (``latest``'s temp file: below)."""
+    import errno
+
+    from elastor_ds.checkpoint.storage import tmpfs as tmpfs_mod
+    from elastor_ds.errors import AsyncSaveError, SnapshotSpaceError
+    root = str(tmp_path / "mem")
+    eng = CheckpointEngine(root, storage=TmpfsStorage(root), keep=1, optimistic_plan=True)
+    t = torch.randn(256, 64)
+    eng.save(1, [full_shard("t", t)])
+    eng.wait()
+    real = tmpfs_mod.commit_mod.commit_text
+    calls = []
+
+    def full(root_, tmp_dir, step, text, sync=True):
+        calls.append(tmp_dir)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tmpfs_mod.commit_mod, "commit_text", full)
+    for step in (2, 3):
+        eng.save(step, [full_shard("t", t + step)])
+        with pytest.raises(AsyncSaveError) as ei:
+            eng.wait()
+        assert ei.value.all_are(SnapshotSpaceError), str(ei.value)
+        assert not os.path.exists(calls[-1])   # the failed save's folder is gone
+    monkeypatch.setattr(tmpfs_mod.commit_mod, "commit_text", real)
+    eng.save(4, [full_shard("t", t + 4)])
+    eng.wait()
+    assert [s for s, _ in commit_mod.list_committed(root)] == [4]
+    left = [n for n in os.listdir(root) if n.startswith(".tmp_step_")]
+    assert left == [], left
+    eng.finalize()
+
+
+def test_atomic_write_text_leaves_no_temp_file_and_never_follows_a_link(tmp_path, monkeypatch):
+    from elastor_ds.checkpoint import fileformat
+    target = tmp_path / "latest"
+    real_replace = os.replace
+
+    def failing(a, b):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(fileformat.os, "replace", failing)
+    with pytest.raises(OSError):
+        fileformat.atomic_write_text(str(target), "step_000000001\n", sync=False)
+    monkeypatch.setattr(fileformat.os, "replace", real_replace)
+    assert os.listdir(tmp_path) == []
+    elsewhere = tmp_path / "elsewhere"
+    os.symlink(elsewhere, f"{target}.tmp.{os.getpid()}")   # planted under the temp name
+    with pytest.raises(OSError):
+        fileformat.atomic_write_text(str(target), "step_000000001\n", sync=False)
+    assert not elsewhere.exists() and not target.exists()

@@ -185,3 +185,21 @@ def test_the_built_in_corpus_is_never_taken_from_beside_the_checkpoints(tmp_path
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert [f.name for f in folder.iterdir()] == ["corpus_seed4242_chars64.jsonl"]
     assert sorted(os.listdir(tmp_path)) == ["cache", "ck", "corpus_seed4242.jsonl", "m.jsonl"]
+
+
+def test_a_corpus_cache_folder_of_another_user_is_refused_with_the_fixes_that_apply(tmp_path, monkeypatch):
+    """QA round 9, N3: the refusal suggested "name a new directory (on /dev/shm for memory speed)",
+    the memory snapshots' fix; no flag names this folder."""
+    import pretrain_gpt
+
+    from elastor_ds.errors import ConfigError
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    planted = tmp_path / "elastor_ds"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, 1001, 1001)
+    with pytest.raises(ConfigError) as ei:
+        pretrain_gpt.builtin_corpus(1, 32, 0)
+    msg = str(ei.value)
+    assert "belongs to uid 1001" in msg and "set XDG_CACHE_HOME to a folder of your own" in msg, msg
+    assert "--data-path" in msg and "/dev/shm" not in msg and "snapshots" not in msg, msg
+    assert os.listdir(planted) == []
