@@ -14,7 +14,7 @@ import warnings
 import os
 import sys
 
-from .errors import CheckpointNotFoundError, ConfigError, ElastorError
+from .errors import CheckpointNotFoundError, ConfigError, ElastorError, StoppedEarly
 
 _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
@@ -38,8 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import PackageNotFoundError, version
         return version("elastor_ds")
     except PackageNotFoundError:   # run from a source tree that was never installed
         return "unknown (not installed)"
@@ -87,14 +87,29 @@ def _catch_termination() -> None:
                 signal.signal(s, _on_terminate)
 
 
+def _stop_early(signum: int, _frame) -> None:
+    raise StoppedEarly(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    words = sys.argv[1:] if argv is None else list(argv)
+    if next((a for a in words if not a.startswith("-")), None) == "run":
+        # elastor run's stop handling from the first line on (its own handlers replace these once
+        # its module is imported): a SIGTERM or SIGINT while the parser's modules import is a clean
+        # stop too (it was lost, or exit 143, in the first ~0.4 s; QA round 9, N2)
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, _stop_early)
     _catch_termination()
     try:
         return _main(argv)
     except _Terminated as e:   # (a command's own handler below reports it; this is for the set-up)
-        import signal
         logging.getLogger("elastor").error("terminated by %s", signal.Signals(e.signum).name)
         return 128 + e.signum
+    except StoppedEarly as e:
+        logging.getLogger("elastor.run").warning("stopped by %s before any worker started: nothing to checkpoint",
+                                                 signal.Signals(e.signum).name)
+        return 0
 
 
 def _main(argv: list[str] | None) -> int:

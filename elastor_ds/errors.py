@@ -30,6 +30,15 @@ class ConcurrentWriterError(CheckpointError):
     """Another writer (a second job or engine) removed a save's files in the same checkpoint root."""
 
 
+class StoppedEarly(BaseException):
+    """SIGTERM or SIGINT while ``elastor run`` sets up (imports, checks, the wait for the store): no
+    worker has started, so there is nothing to checkpoint (control flow, not an error)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class SnapshotSpaceError(CheckpointError):
     """A memory snapshot did not fit in its node's memory folder (tmpfs full, or over quota): the
     snapshot is dropped and training goes on (storage checkpoints are the durable tier)."""

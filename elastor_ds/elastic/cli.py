@@ -14,7 +14,7 @@ from .events import check_events_file
 from .private import check_parent
 
 from ..cli_types import ascii_int, nonnegative_float, positive_float
-from ..errors import ConfigError
+from ..errors import ConfigError, StoppedEarly
 
 log = logging.getLogger("elastor.run")
 
@@ -182,15 +182,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-class _StoppedEarly(BaseException):
-    """SIGTERM or SIGINT during the controller's set-up (imports, checks, the wait for the store):
-    no worker has started, so there is nothing to checkpoint."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 _early = {"signals": [], "raise": True}
 
 
@@ -201,7 +192,12 @@ def _on_early_signal(signum: int, _frame) -> None:
     it was lost until the agent's handlers came, and the job ran to its end."""
     _early["signals"].append(signum)
     if _early["raise"]:
-        raise _StoppedEarly(signum)
+        raise StoppedEarly(signum)
+
+
+def _installed_early() -> bool:
+    import signal
+    return signal.getsignal(signal.SIGTERM) is _on_early_signal
 
 
 def stopped_early() -> bool:
@@ -209,17 +205,27 @@ def stopped_early() -> bool:
     return bool(_early["signals"])
 
 
-def run(args: argparse.Namespace) -> int:
+def install_early_handlers() -> None:
+    """SIGTERM and SIGINT stop ``elastor run``'s set-up at once (see :func:`_on_early_signal`)."""
     import signal
     _early["signals"], _early["raise"] = [], True
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _on_early_signal)
+
+
+def stopped_early_exit(e: "StoppedEarly") -> int:
+    import signal
+    log.warning("stopped by %s before any worker started: nothing to checkpoint", signal.Signals(e.signum).name)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not _installed_early():   # (elastor_ds.cli.main installed a stand-in first thing, before imports)
+        install_early_handlers()
     try:
         return _run_checked(args)
-    except _StoppedEarly as e:
-        log.warning("stopped by %s before any worker started: nothing to checkpoint",
-                    signal.Signals(e.signum).name)
-        return 0
+    except StoppedEarly as e:
+        return stopped_early_exit(e)
 
 
 def _run_checked(args: argparse.Namespace) -> int:
@@ -354,7 +360,7 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
     from .agent import RendezvousError, store_lost_reason, store_unreachable
     try:
         _wait_for_store(cfg)
-    except _StoppedEarly:
+    except StoppedEarly:
         events.emit(EventKind.PREEMPTED, stop_s=0.0, during="start")
         raise
     _early["raise"] = False   # from here a stop signal is recorded and the agent acts on it

@@ -422,3 +422,27 @@ def test_a_log_dir_of_another_user_is_refused_before_any_event(tmp_path):
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "ev.jsonl").exists() and not os.path.exists(str(script) + ".ran")
     assert os.listdir(logs) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_before_the_run_command_is_parsed_is_a_clean_stop(monkeypatch, caplog, sig):
+    """QA round 9, N2: in the first ~0.4 s (the parser importing the subcommands' modules) a SIGINT
+    was lost when the shell had set it to be ignored, and a SIGTERM gave 143. ``main`` now takes
+    both for ``run`` on its first line; here the signal lands where the parsing would be."""
+    import elastor_ds.cli as cli_mod
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def parsing(argv):
+        os.kill(os.getpid(), sig)
+        time.sleep(5)
+        raise AssertionError("the signal did not stop the set-up")
+    monkeypatch.setattr(cli_mod, "_main", parsing)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # as a background job of a shell script
+        t0 = time.monotonic()
+        assert cli_mod.main(["run", "train.py"]) == 0
+        assert time.monotonic() - t0 < 3
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert f"stopped by {sig.name} before any worker started: nothing to checkpoint" in caplog.text
