@@ -281,3 +281,16 @@ def test_a_convert_flag_that_does_not_apply_is_refused(tmp_path, flags, says):
     p = elastor("convert", src, str(tmp_path / "out"), *flags)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not os.path.lexists(tmp_path / "out")
+
+
+def test_a_model_config_without_its_fields_names_them(tmp_path):
+    """QA round 8, F8.5: a --model-config with wrong field names said "GPTSpecConfig.__init__()
+    missing 4 required positional arguments", a Python signature."""
+    src = str(tmp_path / "ckpt")
+    save(src, 2)
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"hidden": 64, "layers": 2, "hidden_size": 64}))
+    p = elastor("convert", src, str(tmp_path / "out"), "--to", "megatron", "--model-config", str(cfg))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "missing field(s) num_layers, num_attention_heads, vocab_size, ffn_hidden_size" in p.stderr, p.stderr
+    assert "__init__" not in p.stderr and not os.path.lexists(tmp_path / "out")

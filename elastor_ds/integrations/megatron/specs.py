@@ -94,7 +94,15 @@ class GPTSpecConfig:
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "GPTSpecConfig":
+        """From a JSON object of the fields (others are ignored); a missing required field is a
+        ValueError naming every one missing (not a Python signature)."""
+        from dataclasses import MISSING
         names = {f.name for f in fields(GPTSpecConfig)}
+        missing = [f.name for f in fields(GPTSpecConfig)
+                   if f.name not in d and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"missing field(s) {', '.join(missing)} (a JSON object of GPTSpecConfig fields, as the "
+                             f"export's elastor_model_config.json holds)")
         return GPTSpecConfig(**{k: v for k, v in d.items() if k in names})
 
 
