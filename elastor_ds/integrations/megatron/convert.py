@@ -452,7 +452,11 @@ class _Canonical:
             if model.get("kind") != "megatron-core-gpt":
                 raise ConfigError(f"{self.step_dir} was not written by the megatron integration (model "
                                   f"{str(model)[:80]}); pass --model-config FILE.json")
-            cfg = GPTSpecConfig.from_json(model)
+            try:
+                cfg = GPTSpecConfig.from_json(model)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{self.step_dir}: its manifest's model record is not a GPT config ({e}); "
+                                      f"pass --model-config FILE.json") from None
         self.cfg = cfg
 
     def get(self, name: str) -> torch.Tensor:
