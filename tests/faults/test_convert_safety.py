@@ -245,8 +245,11 @@ def test_a_terminated_convert_leaves_no_temp_folder(tmp_path, sig):
               for i in range(48)]   # 192 MiB: the export takes a while
     CheckpointEngine(src, async_save=False).save(1, shards)
     dst = tmp_path / "out"
+    def default_signals() -> None:   # a caller's ignored SIGHUP (nohup, as CI may run) stays ignored by design
+        for s in (signal.SIGHUP, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
     p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "convert", src, str(dst), "--to", "consolidated",
-                          "--no-progress"], stderr=subprocess.PIPE, text=True,
+                          "--no-progress"], stderr=subprocess.PIPE, text=True, preexec_fn=default_signals,
                          env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
     try:
         t_end = time.time() + 120
