@@ -111,7 +111,20 @@ def cmd_verify(args) -> int:
         return 1
     print(f"OK {step_dir}: step {man.step}, {_n(len(man.files), 'file')}, {_n(len(man.tensors), 'tensor')}, "
           f"{man.total_bytes / 2**20:.2f} MiB, checksums {'skipped' if args.no_checksums else 'match'}")
+    extra = _unlisted(step_dir, man)
+    if extra:   # never read by a load; worth a look (a merged or hand-edited folder)
+        print(f"note: {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} in {step_dir} the manifest does not list (never read): "
+              f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}", file=sys.stderr)
     return 0
+
+
+def _unlisted(step_dir: str, man) -> list[str]:
+    """Entries of ``step_dir`` that are neither the manifest nor a file it lists (QA round 8, F8.7)."""
+    listed = {n.split("/", 1)[0] for n in man.files} | {commit_mod.MANIFEST_NAME}
+    try:
+        return sorted(n for n in os.listdir(step_dir) if n not in listed)
+    except OSError:
+        return []
 
 
 def _check_export_source(src: str) -> None:

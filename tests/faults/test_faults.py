@@ -334,3 +334,19 @@ def test_verify_without_checksums_checks_headers_as_safetensors_and_the_manifest
     assert says in err and "data_00000.safetensors" in err, err
     assert cli_main(["verify", root]) == 1
     assert says in capsys.readouterr().err
+
+
+def test_verify_notes_entries_the_manifest_does_not_list(tmp_path, capsys):
+    """QA round 8, F8.7: a step folder with extra files or folders verified OK without a word (they
+    are never read, but a merged or hand-edited folder is worth a look). Still exit 0, with a note."""
+    root = str(tmp_path / "ck")
+    _make_two_steps(root)
+    assert cli_main(["verify", root]) == 0
+    assert "note:" not in capsys.readouterr().err   # a checkpoint as written: nothing to note
+    step = commit_mod.resolve(root)
+    with open(os.path.join(step, "extra.bin"), "wb") as f:
+        f.write(b"x")
+    os.mkdir(os.path.join(step, "extradir"))
+    assert cli_main(["verify", root]) == 0
+    err = capsys.readouterr().err
+    assert "note: 2 entries" in err and "extra.bin, extradir" in err and "never read" in err, err
