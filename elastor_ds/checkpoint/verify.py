@@ -73,8 +73,8 @@ def check_header(header: object, data_len: int, path: str) -> None:
         raise bad(f"entries end at byte {pos} of a data section of {data_len} bytes")
 
 
-def header_problems(header: dict, data_start: int, fname: str, expected: list, path: str) -> list[Problem]:
-    """The data file ``fname``'s header against the manifest: every chunk the manifest puts in the
+def header_problems(header: dict, data_start: int, expected: list, path: str) -> list[Problem]:
+    """The header of the data file at ``path`` against the manifest: every chunk the manifest puts in the
     file (``expected``: (key, dtype code, shape, absolute offset, length)) is an entry with that key,
     dtype, shape and place, and the header has no other entry (a renamed or edited entry would be
     read by safetensors' own loader under the wrong name or type)."""
@@ -135,7 +135,7 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
                 except CheckpointError as e:
                     problems.append(Problem(path, str(e)))
                     continue
-                found = header_problems(header, data_start, name, by_file.get(name, []), path)
+                found = header_problems(header, data_start, by_file.get(name, []), path)
                 if found:
                     problems += found
                     continue

@@ -457,6 +457,7 @@ def test_a_full_snapshot_tmpfs_drops_snapshots_and_training_goes_on(tmp_path):
     out = job.output()
     assert out.count("does not fit under") == 1, out[-5000:]          # one warning for the episode
     assert str(mnt / "snap") in out and "training goes on with the storage checkpoints" in out
+    assert f"mount -o remount,size=64G {mnt}`" in out, out[-5000:]   # that tmpfs's own mount point
     again = re.search(r"memory snapshots fit again from step (\d+) \((\d+) dropped for want of space", out)
     assert again and int(again.group(2)) >= 3 and int(again.group(1)) > full_at, out[-5000:]
     assert full_at < 80

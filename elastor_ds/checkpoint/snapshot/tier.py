@@ -33,7 +33,7 @@ from typing import Any, Optional
 from .. import commit as commit_mod
 from .. import CheckpointEngine, SaveStats
 from ..planning.manifest import SNAPSHOT_BLOCK_SIZE
-from ..storage.tmpfs import TmpfsStorage
+from ..storage.tmpfs import TmpfsStorage, mount_point
 from ..writer_sched import WriterSched
 from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
 from ...errors import AsyncSaveError, ConfigError, SnapshotSpaceError
@@ -74,18 +74,6 @@ def tree_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
-
-
-def _mount_point(path: str) -> str:
-    """The mount point of the file system holding ``path`` (for the fix a message suggests)."""
-    p = os.path.realpath(path)
-    try:
-        dev = os.stat(p).st_dev
-        while p != os.sep and os.stat(os.path.dirname(p)).st_dev == dev:
-            p = os.path.dirname(p)
-    except OSError:
-        return "/dev/shm"
-    return p
 
 
 def _gib(n: float) -> str:
@@ -167,7 +155,7 @@ class MemoryTier:
             cap = f", max_bytes {self.cfg.max_bytes}" if self.cfg.max_bytes else ""
             held = (f" + the peer copy it holds of another node's ranks, {_gib(n['peer'])} x 2 (held + arriving)"
                     if n["peer"] else "")
-            mount = _mount_point(root)
+            mount = mount_point(root)
             fixes = []
             if self.cfg.max_bytes and n["limit"] >= self.cfg.max_bytes:   # the cap binds, not the tmpfs
                 fixes.append("a larger \"max_bytes\"")
@@ -208,7 +196,7 @@ class MemoryTier:
                 raise
             self.dropped_for_space += 1
             if self.comm.rank == 0:
-                if self.dropped_for_space == 1 or self._space_ok_since_drop:
+                if self._space_ok_since_drop:   # the first drop of an episode
                     log.warning("%s", e.failures[0].message)
                 else:
                     log.debug("memory snapshot dropped again (no space): %s", e.failures[0].message)

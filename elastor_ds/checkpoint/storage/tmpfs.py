@@ -35,6 +35,18 @@ from .posix import PosixStorage
 RECYCLE_DIR = ".recycle"
 
 
+def mount_point(path: str) -> str:
+    """The mount point of the file system holding ``path`` (for the fix a message suggests)."""
+    p = os.path.realpath(path)
+    try:
+        dev = os.stat(p).st_dev
+        while p != os.sep and os.stat(os.path.dirname(p)).st_dev == dev:
+            p = os.path.dirname(p)
+    except OSError:
+        return "/dev/shm"
+    return p
+
+
 class TmpfsStorage(PosixStorage):
     """A node-local memory snapshot root (see the module docstring)."""
 
@@ -94,7 +106,8 @@ class TmpfsStorage(PosixStorage):
             return SnapshotSpaceError(
                 f"memory snapshot of step {step} does not fit under {self.root} ({os.strerror(error.errno)}; "
                 f"{free} on its file system): snapshot dropped, training goes on with the storage checkpoints. "
-                f"Fix: free or enlarge that tmpfs (`mount -o remount,size=64G /dev/shm`), lower \"keep\", or "
+                f"Fix: free or enlarge that tmpfs (`mount -o remount,size=64G {mount_point(self.root)}`), lower "
+                f"\"keep\", or "
                 f"point \"memory_snapshot.dir\" (--snapshot-dir) at a tmpfs with room")
         return super().explain_write_error(tmp_dir, step, error)
 
