@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .settings import DEFAULT_KEEP
 from .crc import crc32
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layout.region import Region
 from . import commit as commit_mod
 from .reader import read_shards
@@ -153,7 +153,7 @@ def from_consolidated(src: str, dst_root: str, progress: bool = True, force: boo
 
     model_path = os.path.join(src, MODEL_FILE)
     if not os.path.isfile(model_path):
-        raise CheckpointError(f"{src} has no {MODEL_FILE}: a consolidated checkpoint is a directory with "
+        raise CheckpointNotFoundError(f"{src} has no {MODEL_FILE}: a consolidated checkpoint is a directory with "
                               f"{MODEL_FILE} (and optionally {OPTIM_FILE})")
     meta = _read_metadata(src)
     handles = {}

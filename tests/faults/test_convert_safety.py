@@ -297,3 +297,22 @@ def test_a_model_config_without_its_fields_names_them(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "missing field(s) num_layers, num_attention_heads, vocab_size, ffn_hidden_size" in p.stderr, p.stderr
     assert "__init__" not in p.stderr and not os.path.lexists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--from", "consolidated"), "has no model.safetensors"),
+    (("--from", "megatron"), "neither a torch_dist checkpoint"),
+    (("--from", "deepspeed"), "not a DeepSpeed checkpoint tag dir"),
+    (("--to", "consolidated"), "holds no elastor checkpoint"),
+])
+def test_a_folder_of_the_wrong_kind_is_a_usage_error_in_every_direction(tmp_path, argv, says):
+    """QA round 8, F8.6: ``--from consolidated`` of a folder that is not one exited 1, the other
+    directions 2. A folder that is not what ``--from``/``--to`` names is a usage error (2) in each,
+    and nothing is written."""
+    src = tmp_path / "notes"
+    src.mkdir()
+    (src / "x.txt").write_text("not a checkpoint\n")
+    dst = tmp_path / "out"
+    p = elastor("convert", str(src), str(dst), *argv)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (argv, p.returncode, p.stderr)
+    assert not dst.exists() and sorted(os.listdir(tmp_path)) == ["notes"]
