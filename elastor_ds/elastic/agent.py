@@ -284,14 +284,19 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             self._pcontext = None
 
     def _heartbeat(self, local_rank: int) -> tuple[float | None, int | None]:
+        t, it, _ = self._heartbeat_record(local_rank)
+        return t, it
+
+    def _heartbeat_record(self, local_rank: int) -> tuple[float | None, int | None, bool]:
+        """(time, iteration, whether it was the run's last) of a worker's newest heartbeat."""
         path = heartbeat_path(os.path.join(self._hb_dir, f"round{self.round - 1}"), local_rank)
         try:
             st = os.stat(path)
             with open(path) as f:
-                it = int(f.read().split()[0])
-            return st.st_mtime, it
+                words = f.read(256).split()
+            return st.st_mtime, int(words[0]), words[2:3] == ["last"]
         except (OSError, ValueError, IndexError):
-            return None, None
+            return None, None, False
 
     def _fence(self, silent_s: float) -> None:
         """Watchdog thread: this node has not reached the round's store for ``silent_s`` s. Kill the
@@ -400,8 +405,6 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             now = time.monotonic()
-            if self.standby is not None and not self._preempt:   # a stopping job needs no spare workers
-                self.standby.tick(self._workers_training())
             if self._force:
                 self._kill_all()
                 return self._stop_job("interrupted twice: workers killed without a final checkpoint", 130)
@@ -436,6 +439,12 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                 elif operator:
                     log.info("scale-up requested but no lost device is usable again (lost: %s)", sorted(self.book.lost))
             outs = self._observe(wg)
+            # spare workers while the job trains: not for a stopping job, nor once a worker has ended or
+            # done its last iteration (the job is finishing: standbys forked then are never used, QA
+            # round 8, F8.8)
+            if self.standby is not None and not self._preempt and all(o.exitcode is None for o in outs) \
+                    and not self._workers_finishing():
+                self.standby.tick(self._workers_training())
             if any(o.failed for o in outs):
                 res = self._on_failure(wg, outs)
                 if res is not None:
@@ -492,6 +501,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             self._worker_group.spec.rdzv_handler.shutdown()
         except Exception as e:  # noqa: BLE001 - stopping anyway; the others time out instead
             log.warning("could not close the rendezvous for the other nodes: %s", e)
+
+    def _workers_finishing(self) -> bool:
+        """A local worker of this round has done the run's last iteration."""
+        return any(self._heartbeat_record(lr)[2] for lr in self._handlers())
 
     def _workers_training(self) -> bool:
         """Every local worker of this round has written a heartbeat (finished an iteration)."""

@@ -4,7 +4,7 @@ A trainer launched by ``elastor run`` (through :mod:`worker_main`) does, per ite
 
     ctl = ElasticWorker.from_env()          # None when not launched by ``elastor run``
     ...
-    ctl.heartbeat(iteration)                # cheap: rewrites one small file
+    ctl.heartbeat(iteration, last=iteration == train_iters)   # cheap: rewrites one small file
     code = ctl.agree_stop()                 # one all-reduce (MAX) of the local stop request
     if code: save this iteration, wait until durable, return code.exit_code()
 
@@ -92,12 +92,14 @@ class ElasticWorker:
     def mark(self, name: str) -> None:
         self.marks[name] = time.time()
 
-    def heartbeat(self, iteration: int) -> None:
+    def heartbeat(self, iteration: int, last: bool = False) -> None:
+        """``iteration`` done; ``last``: it was the run's final one (the controller then forks no more
+        standby workers: the job is finishing)."""
         if not self.heartbeat_file:
             return
         tmp = f"{self.heartbeat_file}.tmp"
         with open(tmp, "w") as f:
-            f.write(f"{int(iteration)} {time.time():.3f}\n")
+            f.write(f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n")
         os.replace(tmp, self.heartbeat_file)
 
     def agree_stop(self) -> StopCode:

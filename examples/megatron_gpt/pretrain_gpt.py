@@ -950,7 +950,7 @@ def elastic_stop_point(ctl, engine, args: argparse.Namespace, iteration: int, ra
     checkpoint this iteration, wait until it is durable and return the exit code."""
     if ctl is None:
         return None
-    ctl.heartbeat(iteration)
+    ctl.heartbeat(iteration, last=iteration == args.train_iters)
     code = ctl.agree_stop()
     if not code:
         return None

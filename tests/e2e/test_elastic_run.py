@@ -420,3 +420,38 @@ def test_a_script_deleted_after_start_is_not_retried(tmp_path):
     assert "no longer exists" in out and "--max-restarts 3 exhausted" not in out, out[-3000:]
     ev = [json.loads(line) for line in open(tmp_path / "ev.jsonl")]
     assert [e["event"] for e in ev].count("launch") == 2, [(e["event"], e.get("reason")) for e in ev]
+
+
+_FINISHING = """
+import sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+ctl = ElasticWorker.from_env()
+ctl.heartbeat(1)
+ctl.heartbeat(2, last=True)     # the run's last iteration: workers that train, and finish
+with open(sys.argv[1], "w") as f:
+    f.write(repr(time.time()))
+time.sleep(4.0)                 # a long final save
+"""
+
+
+def test_no_standby_is_forked_once_the_last_iteration_is_done(tmp_path):
+    """QA round 8, F8.8: after a run's last iteration, while the workers saved, the controller
+    still forked standby workers (logged "forked from the template" twice), never used. A worker's
+    heartbeat now says which iteration was the last; from then on (and once any worker has ended) no
+    refill runs."""
+    script = tmp_path / "finishing.py"
+    script.write_text(_FINISHING)
+    events, marker = tmp_path / "ev.jsonl", tmp_path / "last_at"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--nproc-per-node", "2", "--events",
+                        str(events), "--monitor-interval", "0.05", str(script), str(marker)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    last_at = float(marker.read_text())
+    ev = [json.loads(line) for line in events.read_text().splitlines()]
+    launch = next(e for e in ev if e["event"] == "launch")
+    # the code before forked 2 spares here, after the last iteration (this test failed on it); that
+    # a refill does run while workers train is test_relaunch_takes_warm_standby_workers's
+    spares = [e for e in ev if e["event"] == "standby" and not set(e["pids"]) <= set(launch["pids"])]
+    assert not spares, (last_at, spares)
+    assert "forked from the template" not in p.stdout + p.stderr

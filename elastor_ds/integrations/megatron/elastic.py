@@ -41,7 +41,7 @@ class WorkerHooks(Protocol):
 
     def mark(self, name: str) -> None: ...
 
-    def heartbeat(self, iteration: int) -> None: ...
+    def heartbeat(self, iteration: int, last: bool = False) -> None: ...
 
     def agree_stop(self) -> StopCode: ...
 
@@ -103,7 +103,7 @@ def iteration_end(loop: ElasticLoop, iteration: int, model: Any, optimizer: Any,
     from . import training_hooks
 
     if loop.worker is not None:
-        loop.worker.heartbeat(iteration)
+        loop.worker.heartbeat(iteration, last=iteration == getattr(loop.args, "train_iters", None))
         code = loop.worker.agree_stop()
         if code != StopCode.NONE:
             return _stop(loop, code, iteration, save)
