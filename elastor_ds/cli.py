@@ -114,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the subcommand's parser (its --help), as the other usage errors are
+        subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+        subs.get(getattr(args, "command", None) or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:   # megatron-core's import-time notes (no Transformer Engine / Apex on this host) are not ours

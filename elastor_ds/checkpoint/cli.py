@@ -55,7 +55,7 @@ def cmd_inspect(args) -> int:
         step_dir = commit_mod.resolve(args.ckpt)
         man = commit_mod.read_manifest(step_dir)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)   # a typo or not a checkpoint: a usage error
+        print(f"elastor inspect: error: {e}", file=sys.stderr)   # a typo or not a checkpoint: a usage error
         return 2 if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError) else 1
     if args.json:
         d = man.to_json()
@@ -95,10 +95,10 @@ def cmd_verify(args) -> int:
         man = commit_mod.read_manifest(step_dir)  # a malformed manifest: one line, exit 1
     except CheckpointError as e:
         if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError):   # a typo, or not a checkpoint
-            print(f"error: {e}", file=sys.stderr)
+            print(f"elastor verify: error: {e}", file=sys.stderr)
             return 2
         if isinstance(e, UnreadableCheckpointError):   # nothing known to be wrong with the checkpoint
-            print(f"error: {e}", file=sys.stderr)
+            print(f"elastor verify: error: {e}", file=sys.stderr)
             return 1
         print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
         return 1
@@ -162,7 +162,7 @@ def cmd_convert(args) -> int:
     src_f, dst_f = args.src_format, args.dst_format
     progress = not args.no_progress
     if not os.path.exists(args.src):
-        print(f"error: source {args.src} does not exist", file=sys.stderr)
+        print(f"elastor convert: error: source {args.src} does not exist", file=sys.stderr)
         return 2
     importing = dst_f == "elastor" and (src_f == "consolidated" or src_f in IMPORTERS)
     exporting = src_f == "elastor" and (dst_f == "consolidated" or dst_f in EXPORTERS)

@@ -40,3 +40,28 @@ def test_version_prints_the_installed_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"elastor {version('elastor_ds')}"
+
+
+@pytest.mark.parametrize("argv, prog", [(PLAN + ["--gpus-per-node", "4", "--gpus", "8"], "elastor plan"),
+                                        (["verify", "A", "B"], "elastor verify"),
+                                        (["inspect", "A", "B"], "elastor inspect"), (["--bogus"], "elastor")])
+def test_an_unrecognized_argument_is_named_by_its_subcommand(argv, prog, capsys):
+    """QA round 8, F8.4: ``elastor verify A B`` said "elastor: error: ... (see elastor --help)"; the
+    subcommand whose arguments they are names the error and its own --help."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: unrecognized arguments: ") and err.endswith(f"(see {prog} --help)\n"), err
+
+
+@pytest.mark.parametrize("cmd", ["verify", "inspect", "convert"])
+def test_a_missing_path_is_a_usage_error_in_the_parsers_words(cmd, tmp_path, capsys):
+    """F8.4: the checkpoint commands' own usage errors carry the same "elastor CMD: error:" prefix as
+    argparse's (they said "error: ...")."""
+    argv = [cmd, str(tmp_path / "missing")]
+    if cmd == "convert":
+        argv += [str(tmp_path / "out"), "--to", "consolidated"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elastor {cmd}: error: ") and str(tmp_path / "missing") in err, err
