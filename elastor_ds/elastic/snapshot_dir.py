@@ -32,6 +32,8 @@ host's or another pid namespace's (a container sharing /dev/shm) is never touche
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -119,7 +121,20 @@ def prepare(path: Optional[str], rdzv_id: str) -> SnapshotDir:
         if not created:
             _accept_existing(p)
     st = _check_private(p)   # after creation: a private real directory of ours
-    write_owner(p, created)
+    try:
+        write_owner(p, created)
+    except OSError as e:
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(p)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from ..checkpoint.storage.tmpfs import mount_point
+        sv = os.statvfs(os.path.dirname(p))
+        raise _refuse(p, f"its file system is full ({sv.f_bavail * sv.f_frsize / 2 ** 20:.1f} MiB free of "
+                         f"{sv.f_blocks * sv.f_frsize / 2 ** 20:.1f} MiB): not even the owner marker fits",
+                      f"free that tmpfs (`df -h {mount_point(os.path.dirname(p))}`), or name a directory on a tmpfs "
+                      f"with room") from None
     os.environ[ENV_SNAPSHOT_DIR] = p
     log.info("memory snapshots of this node: %s (%s)", p, "created" if created else "existing, empty or ours")
     return SnapshotDir(p, created, (st.st_dev, st.st_ino))
@@ -204,9 +219,14 @@ def write_owner(path: str, created: bool = True) -> None:
            "pidns": _pid_namespace(), "created": bool(created)}
     tmp = os.path.join(path, f"{OWNER_MARKER}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(rec, f)
-    os.replace(tmp, os.path.join(path, OWNER_MARKER))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(rec, f)
+        os.replace(tmp, os.path.join(path, OWNER_MARKER))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)   # e.g. a full file system: no half-written marker left behind
+        raise
 
 
 def _owner(path: str) -> Optional[dict]:

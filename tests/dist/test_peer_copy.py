@@ -220,7 +220,7 @@ def test_budget_counts_the_peer_copy_a_node_holds(tmp_path):
     for r in range(3):                                     # every rank raises, naming node 1's numbers
         msg = (out / f"r{r}.txt").read_text()
         assert "write 100.0 MiB per snapshot x 3 (keep 2 + 1 being written)" in msg, msg
-        assert "1.95 GiB x 2 (held + arriving) = 4.20 GiB" in msg and "/n1/local has 3.91 GiB available" in msg, msg
+        assert "1.95 GiB x 2 (held + arriving) = 4.20 GiB" in msg and "/n1/local can hold 3.91 GiB" in msg, msg
 
 
 @pytest.mark.unit

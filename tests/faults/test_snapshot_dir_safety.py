@@ -228,3 +228,38 @@ def test_a_hand_set_snapshot_dir_variable_is_checked_like_the_config_key(tmp_pat
     monkeypatch.setenv(ENV_SNAPSHOT_DIR, str(fresh))
     assert node_dir(MemorySnapshotConfig(interval_steps=1)) == str(fresh)
     assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o700
+
+
+def test_a_snapshot_dir_on_a_full_tmpfs_is_a_clear_start_up_error_and_leaves_nothing(tmp_path):
+    """QA round 10: on a tmpfs full to the last byte the controller's owner marker cannot be written;
+    `elastor run` ended with a bare "OSError: [Errno 28] No space left on device" (exit 1). It is now a
+    usage error (exit 2) naming the folder, its free space and the fixes, and the folder it made is
+    gone. (A tmpfs with room for that marker but not the snapshots is a warning: training goes on,
+    test_a_snapshot_tmpfs_full_at_start_drops_snapshots_and_training_goes_on.)"""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        if os.geteuid() == 0:
+            pytest.fail(f"cannot mount a tmpfs as root: {r.stderr.strip()}")
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            while os.write(fd, b"\0" * 4096):   # every byte: ENOSPC ends it
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        ok = tmp_path / "ok.py"
+        ok.write_text("pass\n")
+        res = _run(str(mnt / "snap"), str(ok), cwd=str(tmp_path))
+        left = sorted(os.listdir(mnt))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    assert res.returncode == 2, res.stdout + res.stderr
+    err = res.stderr
+    assert f"--snapshot-dir {mnt / 'snap'}: its file system is full" in err and f"df -h {mnt}" in err, err
+    assert "Traceback" not in err and "Errno" not in err, err
+    assert left == ["filler"], left

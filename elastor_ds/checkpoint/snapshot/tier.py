@@ -115,17 +115,21 @@ class MemoryTier:
 
     def check_budget(self, rank_bytes: int, policy_comm: Any, estimated: bool) -> dict[str, Any]:
         """Collective. ``rank_bytes``: bytes this rank writes per snapshot. Raises MemoryBudgetError
-        on every rank when any node is short."""
+        on every rank when any node's file system (or ``max_bytes``) is too small for the snapshots.
+        One that is large enough but filled by other files now is a warning: snapshots that do not
+        fit are dropped (:meth:`wait`) until there is room, and training goes on."""
         import socket
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
         usable = free + tree_bytes(self.root)   # older snapshots here are replaced, not added to
         limit = min(usable, self.cfg.max_bytes) if self.cfg.max_bytes else usable
+        size = st.f_blocks * st.f_frsize        # the whole file system: what could ever be ours
+        capacity = min(size, self.cfg.max_bytes) if self.cfg.max_bytes else size
         me = (socket.gethostname(), os.path.realpath(self.root))
-        rows = policy_comm.all_gather_object((me, int(rank_bytes), int(limit), int(free)))
+        rows = policy_comm.all_gather_object((me, int(rank_bytes), int(limit), int(free), int(capacity)))
         nodes: dict = {}
-        for key, b, lim, fr in rows:
-            n = nodes.setdefault(key, {"bytes": 0, "limit": lim, "free": fr, "ranks": 0})
+        for key, b, lim, fr, cap_ in rows:
+            n = nodes.setdefault(key, {"bytes": 0, "limit": lim, "free": fr, "capacity": cap_, "ranks": 0})
             n["bytes"] += b
             n["ranks"] += 1
         self.nodes = len(nodes)
@@ -149,7 +153,20 @@ class MemoryTier:
         self.budget = {"node_bytes_per_snapshot": mine["bytes"], "rank_bytes_per_snapshot": int(rank_bytes),
                        "peer_bytes_per_snapshot": mine["peer"], "copies": self.copies, "need_bytes": need,
                        "limit_bytes": mine["limit"], "estimated": estimated}
-        short = [(k, n) for k, n in nodes.items() if n["need"] > n["limit"]]
+        short = [(k, n) for k, n in nodes.items() if n["need"] > n["capacity"]]
+        full_now = [(k, n) for k, n in nodes.items() if n["need"] > n["limit"]]
+        if full_now and not short:
+            # room enough, taken by other files now (any local user can fill a shared /dev/shm): a
+            # job that starts then must not fail where the same fill an iteration later is a warning
+            (host, root), n = full_now[0]
+            self._space_ok_since_drop = False   # this warning opens the episode: the drops are not said again
+            if self.comm.rank == 0:
+                log.warning("memory snapshots do not fit on node %s now: they need %s, but %s has %s available "
+                            "(free %s of the %s it can hold: other files fill it). Snapshots that do not fit are "
+                            "dropped and training goes on with the storage checkpoints; they resume once there is "
+                            "room. Fix: free that tmpfs (`df -h %s`), or point \"memory_snapshot.dir\" "
+                            "(--snapshot-dir) at a tmpfs with room", host, _gib(n["need"]), root, _gib(n["limit"]),
+                            _gib(n["free"]), _gib(n["capacity"]), mount_point(root))
         if short:
             (host, root), n = short[0]
             cap = f", max_bytes {self.cfg.max_bytes}" if self.cfg.max_bytes else ""
@@ -157,7 +174,7 @@ class MemoryTier:
                     if n["peer"] else "")
             mount = mount_point(root)
             fixes = []
-            if self.cfg.max_bytes and n["limit"] >= self.cfg.max_bytes:   # the cap binds, not the tmpfs
+            if self.cfg.max_bytes and n["capacity"] >= self.cfg.max_bytes:   # the cap binds, not the tmpfs
                 fixes.append("a larger \"max_bytes\"")
             else:
                 fixes.append(f"a larger tmpfs at {mount} (e.g. `mount -o remount,size=64G {mount}`)")
@@ -170,10 +187,10 @@ class MemoryTier:
             raise MemoryBudgetError(
                 f"memory snapshots do not fit on node {host}: its {n['ranks']} rank(s) write "
                 f"{_gib(n['bytes'])} per snapshot{' (estimated)' if estimated else ''} x {self.cfg.keep + 1} "
-                f"(keep {self.cfg.keep} + 1 being written){held} = {_gib(n['need'])}, but {root} has "
-                f"{_gib(n['limit'])} available (free {_gib(n['free'])}{cap}). Fix: {', '.join(fixes[:-1])}, or "
+                f"(keep {self.cfg.keep} + 1 being written){held} = {_gib(n['need'])}, but {root} can hold "
+                f"{_gib(n['capacity'])} (free {_gib(n['free'])}{cap}). Fix: {', '.join(fixes[:-1])}, or "
                 f"{fixes[-1]}")
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 and not full_now:
             log.info("memory snapshots: %s per snapshot on this node%s x %d + peer copies held %s x 2 = %s of %s "
                      "available under %s", _gib(mine["bytes"]), " (estimated)" if estimated else "", self.cfg.keep + 1,
                      _gib(mine["peer"]), _gib(need), _gib(mine["limit"]), self.root)
