@@ -133,8 +133,11 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()   # a reader that left shows here (BrokenPipeError), not in the exit's flush
         return code
     except ElastorError as e:
+        if isinstance(e, (ConfigError, CheckpointNotFoundError)):   # usage: a wrong path or value
+            sys.stderr.write(f"elastor {args.command}: error: {_one_line(e)}\n")   # as the parser's own errors
+            return 2
         log.error("%s", _one_line(e))
-        return 2 if isinstance(e, (ConfigError, CheckpointNotFoundError)) else 1   # usage: a wrong path or value
+        return 1
     except BrokenPipeError:  # `elastor plan ... | head`: the reader left; stop quietly, as a shell tool does
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush finds no pipe

@@ -154,25 +154,36 @@ def from_consolidated(src: str, dst_root: str, progress: bool = True, force: boo
     model_path = os.path.join(src, MODEL_FILE)
     if not os.path.isfile(model_path):
         raise CheckpointNotFoundError(f"{src} has no {MODEL_FILE}: a consolidated checkpoint is a directory with "
-                              f"{MODEL_FILE} (and optionally {OPTIM_FILE})")
+                                      f"{MODEL_FILE} (and optionally {OPTIM_FILE})")
     meta = _read_metadata(src)
     handles = {}
     owner: dict[str, str] = {}
+    shapes, dtypes = {}, {}
     for fname in (MODEL_FILE, OPTIM_FILE):
         p = os.path.join(src, fname)
-        if os.path.isfile(p):
+        if not os.path.lexists(p):
+            continue
+        if os.path.islink(p) or not os.path.isfile(p):   # a name is never followed out of the checkpoint
+            raise CheckpointError(f"{p} is not a regular file (a link or a special file): a consolidated checkpoint "
+                                  f"holds its {fname} itself")
+        try:   # untrusted input: safetensors checks the header; say which file it refused
             h = safe_open(p, framework="pt")
-            handles[fname] = h
-            for k in h.keys():
-                if k in owner:
-                    raise CheckpointError(f"tensor {k} appears in both {owner[k]} and {fname}")
-                owner[k] = fname
+            keys = list(h.keys())
+            for k in keys:
+                sl = h.get_slice(k)
+                shapes[k] = tuple(sl.get_shape())
+                dtypes[k] = dtype_name(_st_dtype(sl.get_dtype()))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError, a bad dtype, an unreadable file
+            raise CheckpointError(f"{p} is not a readable safetensors file ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'})") from None
+        handles[fname] = h
+        for k in keys:
+            if k in owner:
+                raise CheckpointError(f"tensor {k} appears in both {owner[k]} and {fname}")
+            owner[k] = fname
     names = sorted(owner)
-    shapes, dtypes = {}, {}
-    for n in names:
-        sl = handles[owner[n]].get_slice(n)
-        shapes[n] = tuple(sl.get_shape())
-        dtypes[n] = dtype_name(_st_dtype(sl.get_dtype()))
     return write_single_writer_checkpoint(dst_root, meta["step"], names, shapes, dtypes,
                                           lambda n: handles[owner[n]].get_tensor(n), meta.get("extra"),
                                           meta.get("model"), meta.get("layout"), progress=progress,
@@ -202,4 +213,7 @@ def _read_metadata(src: str) -> dict:
 
 def _st_dtype(code: str) -> torch.dtype:
     from .planning.manifest import CODE_DTYPES
+    if code not in CODE_DTYPES:
+        raise CheckpointError(f"safetensors dtype {code!r} is not one elastor checkpoints hold "
+                              f"({', '.join(sorted(CODE_DTYPES))})")
     return getattr(torch, CODE_DTYPES[code])

@@ -315,4 +315,26 @@ def test_a_folder_of_the_wrong_kind_is_a_usage_error_in_every_direction(tmp_path
     dst = tmp_path / "out"
     p = elastor("convert", str(src), str(dst), *argv)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (argv, p.returncode, p.stderr)
+    assert p.stderr.startswith("elastor convert: error: "), p.stderr   # QA round 10: as the parser's errors
     assert not dst.exists() and sorted(os.listdir(tmp_path)) == ["notes"]
+
+
+def test_a_consolidated_file_that_is_not_safetensors_or_is_a_link_is_named_and_nothing_is_written(tmp_path):
+    """QA round 10: a garbage ``model.safetensors`` was "unexpected SafetensorError: ... header too
+    large"; it is now a checkpoint error naming the file (exit 1). A file that is a symlink (here to
+    a file outside the checkpoint) is refused, not followed."""
+    from safetensors.torch import save_file
+    src = tmp_path / "cons"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"garbage\n")
+    p = elastor("convert", str(src), str(tmp_path / "out"), "--from", "consolidated")
+    assert p.returncode == 1 and f"{src / 'model.safetensors'} is not a readable safetensors file" in p.stderr, \
+        p.stderr
+    assert "unexpected" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    outside = tmp_path / "outside.safetensors"
+    save_file({"exp_avg.w": torch.ones(4)}, str(outside))
+    save_file({"w": torch.ones(4)}, str(src / "model.safetensors"))
+    os.symlink(outside, src / "optimizer.safetensors")
+    p = elastor("convert", str(src), str(tmp_path / "out"), "--from", "consolidated")
+    assert p.returncode == 1 and "optimizer.safetensors is not a regular file (a link" in p.stderr, p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["cons", "outside.safetensors"]

@@ -224,11 +224,12 @@ def test_recovery_breakdown_from_events(tmp_path):
     (["--max-restarts", "-1"], "--max-restarts -1"),
     (["--rdzv-conf", "oops"], "--rdzv-conf"),
 ])
-def test_run_usage_errors_exit_2_with_message(argv, msg, caplog):
+def test_run_usage_errors_exit_2_with_message(argv, msg, capsys):
     import os
 
     from elastor_ds.cli import main
     trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "megatron_gpt",
                            "pretrain_gpt.py")
     assert main(["run", *argv, trainer]) == 2
-    assert msg in caplog.text
+    err = capsys.readouterr().err   # one line in the parser's words (QA round 10)
+    assert msg in err and err.startswith("elastor run: error: "), err
