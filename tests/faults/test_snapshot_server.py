@@ -402,3 +402,23 @@ def test_job_secret_file_messages_name_the_size_and_a_safe_fix(tmp_path):
         load_key(theirs)
     msg = str(e.value)
     assert "owned by uid 1001" in msg and "NEWFILE" in msg and f"> {theirs}" not in msg, msg
+
+
+def test_a_members_probe_of_a_file_not_held_is_not_logged_as_an_attack_and_no_version_is_shown(tmp_path, caplog):
+    """QA round 10: a cross-node restore probes each holder in turn, and the server logged every
+    authenticated 404 as a WARNING "refused ...", like the attacks beside them. A job member's request
+    of a file this node does not hold is now a debug line; an unauthenticated one stays a warning.
+    The ``Server`` header no longer names the Python version (answers go to anyone who connects)."""
+    root, _ = _node(tmp_path)
+    with SnapshotServer(str(root), KEY) as srv:
+        with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.snapshot.server"):
+            st, _ = _raw(srv.port, _req(f"/f/local/{STEP}/data_00001.safetensors", method="HEAD"))
+            assert st == 404
+            assert "refused" not in caplog.text, caplog.text
+            st, _ = _get(srv.port, f"/f/local/{STEP}/data_00001.safetensors", key=None)
+            assert st == 401 and "refused GET" in caplog.text, caplog.text
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"GET /index/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            head = s.recv(4096).decode("latin-1")
+    server = next(line for line in head.split("\r\n") if line.lower().startswith("server:"))
+    assert server == "Server: elastor-snapshots/2", server

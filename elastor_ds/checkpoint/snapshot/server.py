@@ -29,7 +29,8 @@ Bounds: at most :data:`MAX_CONNECTIONS` connections (more get ``503`` and are cl
 request head of at most :data:`MAX_HEAD` bytes (``431``) that must arrive within
 :data:`HEAD_TIMEOUT_S` of the connection (or of the previous answer, :data:`IDLE_TIMEOUT_S`); a
 ``Range`` of at most :data:`~elastor_ds.checkpoint.snapshot.peer_sources.MAX_RANGE` bytes (``416``).
-Refusals are logged with a short, escaped prefix of the name, and rate-limited.
+Refusals are logged with a short, escaped prefix of the name, and rate-limited (warnings; a job
+member's authenticated request of a file this node does not hold is a debug line).
 """
 from __future__ import annotations
 
@@ -189,6 +190,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "elastor-snapshots/2"
     server: "_Server"
 
+    def version_string(self) -> str:
+        """The ``Server`` header: the protocol only, never the Python version (answers go to anyone)."""
+        return self.server_version
+
     def log_message(self, fmt: str, *args) -> None:  # noqa: D401 - http.server's hook
         log.debug("snapshot server: %s %s", self.client_address[0], short(fmt % args, 120))
 
@@ -311,8 +316,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not path.startswith("/f/"):
                 raise _Refused(404, "unknown path (use /f/<name> or /index/<step>)")
             fd, size = self.server.listings.open(path[len("/f/"):])
-        except _Refused as e:
-            self.server.refused(self, e.code, str(e))
+        except _Refused as e:   # an authenticated job member asked for what this node does not hold
+            self.server.refused(self, e.code, str(e), member=True)
             return self._signed(e.code, (str(e) + "\n").encode(), head)
         try:
             self._send_file(fd, size, head)
@@ -465,7 +470,14 @@ class _Server(http.server.ThreadingHTTPServer):
         with self._lock:
             self.bytes_served += n
 
-    def refused(self, handler: _Handler, code: int, why: str) -> None:
+    def refused(self, handler: _Handler, code: int, why: str, member: bool = False) -> None:
+        """Log a refusal: a warning (rate-limited) for a request that was not authenticated; a debug
+        line for a job member's request of a file this node does not hold (a restore probes the
+        holders in turn: not an attack)."""
+        if member:
+            log.debug("snapshot server: %s %s from %s (a job member): %d %s", handler.command, short(handler.path),
+                      handler.client_address[0], code, why)
+            return
         with self._lock:
             self._refusals += 1
             k = self._refusals
