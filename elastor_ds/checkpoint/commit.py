@@ -185,7 +185,14 @@ def resolve(path: str) -> str:
         raise IncompleteCheckpointError(f"{path} has no {MANIFEST_NAME}: the save never committed, so it is not a "
                                         f"checkpoint; load the previous step dir or the root")
     fmt = foreign_format(path)
-    raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint (no {MANIFEST_NAME}, no 'latest', no step_* dirs)"
+    try:
+        uncommitted = sorted(e for e in os.listdir(path) if _STEP_RE.match(e))
+    except OSError:
+        uncommitted = []
+    shown = ", ".join(uncommitted[:3]) + (", ..." if len(uncommitted) > 3 else "")
+    steps = (f"only step dirs that never committed ({shown}: no {MANIFEST_NAME} in them)" if uncommitted
+             else "no step_* dirs")
+    raise CheckpointNotFoundError(f"{path} holds no elastor checkpoint (no {MANIFEST_NAME}, no 'latest', {steps})"
                                   + (import_hint(path, fmt) if fmt else ""))
 
 

@@ -338,3 +338,13 @@ def test_a_consolidated_file_that_is_not_safetensors_or_is_a_link_is_named_and_n
     p = elastor("convert", str(src), str(tmp_path / "out"), "--from", "consolidated")
     assert p.returncode == 1 and "optimizer.safetensors is not a regular file (a link" in p.stderr, p.stderr
     assert sorted(os.listdir(tmp_path)) == ["cons", "outside.safetensors"]
+
+
+def test_a_folder_with_only_uncommitted_step_dirs_says_so(tmp_path):
+    """QA round 10: a folder whose only step dir never committed (empty) was "no step_* dirs"."""
+    (tmp_path / "ck" / "step_000000010").mkdir(parents=True)
+    for cmd in ("verify", "inspect"):
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", cmd, str(tmp_path / "ck")], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+        assert p.returncode == 2 and "only step dirs that never committed (step_000000010" in p.stderr, p.stderr
+        assert "no step_* dirs" not in p.stderr
