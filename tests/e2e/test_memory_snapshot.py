@@ -7,7 +7,6 @@ Real processes (gloo), real SIGKILL/SIGSTOP, real byte flips on /dev/shm. Oracle
 uninterrupted run, the storage load of the same step, the saved tensors themselves."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import torch
 
 from dist_utils import free_port, run_world
 from elastic_utils import MODEL, TRAINER, Job, check_reruns, read_jsonl
+from tmpfs_utils import fill, small_tmpfs
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 pytestmark = pytest.mark.skipif(SHM is None, reason="needs /dev/shm (tmpfs)")
@@ -422,21 +422,6 @@ def test_overlapping_storage_and_snapshot_roots_are_refused_at_start(tmp_path, s
     assert not os.path.exists(os.path.join(save, "latest")) and not os.path.exists(os.path.join(snap, "local"))
 
 
-def _fill(path) -> None:
-    """Write `path` until its filesystem has no byte left (the snapshots write beside it meanwhile)."""
-    block = b"\0" * 4096
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        while True:
-            try:
-                os.write(fd, block)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    return
-                raise
-    finally:
-        os.close(fd)
-
 
 def test_a_full_snapshot_tmpfs_drops_snapshots_and_training_goes_on(tmp_path):
     """QA round 8: another process filled the snapshot tmpfs (any local user can fill a shared
@@ -445,18 +430,12 @@ def test_a_full_snapshot_tmpfs_drops_snapshots_and_training_goes_on(tmp_path):
     that does not fit is dropped with one warning naming the folder and training goes on; once there
     is room again, snapshots commit again. A real 8 MiB tmpfs, filled with a file mid-run."""
     mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        if os.geteuid() == 0:
-            pytest.fail(f"cannot mount a tmpfs as root: {r.stderr.strip()}")
-        pytest.skip("cannot mount a tmpfs here (needs root)")
     filler = mnt / "filler"
-    try:
+    with small_tmpfs(mnt, "8m"):
         job = MemJob(tmp_path, nproc=2, iters=80, save_interval=20, snap_dir=str(mnt / "snap"))
         try:
             job.wait_for(lambda recs: bool(recs) and recs[-1]["iteration"] >= 5, what="iteration 5")
-            _fill(filler)   # every free byte: the next snapshot cannot allocate its file
+            fill(filler)   # every free byte: the next snapshot cannot allocate its file
             t_end = time.time() + 120
             while "does not fit under" not in job.output() and job.proc.poll() is None and time.time() < t_end:
                 time.sleep(0.05)
@@ -467,9 +446,6 @@ def test_a_full_snapshot_tmpfs_drops_snapshots_and_training_goes_on(tmp_path):
             assert job.wait(240) == 0, job.output()[-5000:]
         finally:
             job.kill()
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)   # a worker still exiting holds it
     out = job.output()
     assert out.count("does not fit under") == 1, out[-5000:]          # one warning for the episode
     assert str(mnt / "snap") in out and "training goes on with the storage checkpoints" in out
@@ -491,15 +467,9 @@ def test_a_snapshot_tmpfs_full_at_start_drops_snapshots_and_training_goes_on(tmp
     other files is now that warning at start; snapshots resume once there is room. (One too small
     for them stays a start-up error: test_budget_counts_the_peer_copy_a_node_holds.)"""
     mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        if os.geteuid() == 0:
-            pytest.fail(f"cannot mount a tmpfs as root: {r.stderr.strip()}")
-        pytest.skip("cannot mount a tmpfs here (needs root)")
     filler = mnt / "filler"
-    try:
-        _fill(filler)
+    with small_tmpfs(mnt, "8m"):
+        fill(filler)
         os.truncate(filler, os.path.getsize(filler) - (64 << 10))   # room for the controller's small files only
         job = MemJob(tmp_path, nproc=2, iters=40, save_interval=20, snap_dir=str(mnt / "snap"))
         try:
@@ -508,9 +478,6 @@ def test_a_snapshot_tmpfs_full_at_start_drops_snapshots_and_training_goes_on(tmp
             assert job.wait(240) == 0, job.output()[-5000:]
         finally:
             job.kill()
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     out = job.output()
     assert out.count("do not fit on node") == 1 and "other files fill it" in out, out[-5000:]
     assert "does not fit under" not in out, out[-5000:]      # the start-up warning opened the episode

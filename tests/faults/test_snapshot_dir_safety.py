@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tmpfs_utils import fill, small_tmpfs
 from elastor_ds.elastic import snapshot_dir
 from elastor_ds.errors import ConfigError
 
@@ -237,27 +238,12 @@ def test_a_snapshot_dir_on_a_full_tmpfs_is_a_clear_start_up_error_and_leaves_not
     gone. (A tmpfs with room for that marker but not the snapshots is a warning: training goes on,
     test_a_snapshot_tmpfs_full_at_start_drops_snapshots_and_training_goes_on.)"""
     mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        if os.geteuid() == 0:
-            pytest.fail(f"cannot mount a tmpfs as root: {r.stderr.strip()}")
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            while os.write(fd, b"\0" * 4096):   # every byte: ENOSPC ends it
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    with small_tmpfs(mnt, "1m"):
+        fill(mnt / "filler")   # every byte
         ok = tmp_path / "ok.py"
         ok.write_text("pass\n")
         res = _run(str(mnt / "snap"), str(ok), cwd=str(tmp_path))
         left = sorted(os.listdir(mnt))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     assert res.returncode == 2, res.stdout + res.stderr
     err = res.stderr
     assert f"--snapshot-dir {mnt / 'snap'}: its file system is full" in err and f"df -h {mnt}" in err, err
