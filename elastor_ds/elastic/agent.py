@@ -442,9 +442,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             # spare workers while the job trains: not for a stopping job, nor once a worker has ended or
             # done its last iteration (the job is finishing: standbys forked then are never used, QA
             # round 8, F8.8)
-            if self.standby is not None and not self._preempt and all(o.exitcode is None for o in outs) \
-                    and not self._workers_finishing():
-                self.standby.tick(self._workers_training())
+            if self.standby is not None and not self._preempt and all(o.exitcode is None for o in outs):
+                beats = [self._heartbeat_record(lr) for lr in self._handlers()]   # each file read once a tick
+                if not any(last for _, _, last in beats):
+                    self.standby.tick(bool(beats) and all(t is not None for t, _, _ in beats))
             if any(o.failed for o in outs):
                 res = self._on_failure(wg, outs)
                 if res is not None:
@@ -502,14 +503,6 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         except Exception as e:  # noqa: BLE001 - stopping anyway; the others time out instead
             log.warning("could not close the rendezvous for the other nodes: %s", e)
 
-    def _workers_finishing(self) -> bool:
-        """A local worker of this round has done the run's last iteration."""
-        return any(self._heartbeat_record(lr)[2] for lr in self._handlers())
-
-    def _workers_training(self) -> bool:
-        """Every local worker of this round has written a heartbeat (finished an iteration)."""
-        hs = self._handlers()
-        return bool(hs) and all(self._heartbeat(lr)[0] is not None for lr in hs)
 
     def _probe_due(self, now: float) -> bool:
         if not (self.cfg.use_gpu and self.cfg.on_failure is OnFailure.PROBE and self.book.lost):
