@@ -109,7 +109,7 @@ class SaveStats:
     plan_cached: bool = False
     committed_dir: Optional[str] = None
     wait_s: float = 0.0       # save() blocked on the previous save before starting this one
-    writer_cpu_s: float = 0.0  # CPU time of the background writer (write, CRCs, commit) for this save
+    writer_cpu_s: float = 0.0  # CPU time of the background writer and its helper threads (copies, writes, CRCs, commit) for this save
     # why the writer left idle-only scheduling during this save ("wait", "deadline"), or None
     writer_escalated: Optional[str] = None
     dropped: bool = False     # optimistic_plan: a rank's shard metadata changed; nothing was committed
@@ -471,6 +471,7 @@ class CheckpointEngine:
         assert stats is not None
         what = f"checkpoint save of step {job.step}"
         cpu0 = time.thread_time()
+        helpers0 = self.writer_priority.helper_cpu_s
         # CRCs and sizes as int rows (one all-gather, one broadcast) and rank 0's manifest from
         # the plan's template, where the comm has int collectives: on storage saves the object
         # collectives and the manifest built and printed anew took 8-10 ms between the last write
@@ -585,7 +586,7 @@ class CheckpointEngine:
             if job.staged is not None and (job.error is not None or stats.dropped):
                 self.staging.forget(job.staged.data)
                 self.storage.release_staged(job.staged)   # its temp dir is gone: do not keep its pages mapped
-            stats.writer_cpu_s = time.thread_time() - cpu0
+            stats.writer_cpu_s = time.thread_time() - cpu0 + self.writer_priority.helper_cpu_s - helpers0
             stats.writer_escalated = self.writer_priority.end() if self.async_save else None
             job.done.set()
 

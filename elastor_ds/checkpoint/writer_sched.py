@@ -81,6 +81,7 @@ class WriterPriority:
         self._watcher: Optional[threading.Thread] = None   # one per group, started with the first save
         self._escalated: "str | bool" = False
         self.escalations = 0       # how many saves were escalated (by a wait or the deadline)
+        self.helper_cpu_s = 0.0    # CPU seconds of the helper threads that have ended (thread_target)
 
     def enter(self, nice: bool = False) -> None:
         """Called first by every thread of the group (``nice``: the writer thread itself, which
@@ -165,15 +166,20 @@ class WriterPriority:
 
 def thread_target(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` wrapped to run in the calling thread's writer group, if it has one (a helper thread
-    of the writer: an escalation of the writer reaches it)."""
+    of the writer: an escalation of the writer reaches it, and its CPU time is added to the
+    group's ``helper_cpu_s`` when it ends)."""
     group: Optional[WriterPriority] = getattr(_local, "group", None)
     if group is None:
         return fn
 
     def run(*a: Any, **k: Any) -> Any:
         group.enter()
+        cpu0 = time.thread_time()
         try:
             return fn(*a, **k)
         finally:
+            spent = time.thread_time() - cpu0
+            with group._lock:
+                group.helper_cpu_s += spent
             group.leave()
     return run

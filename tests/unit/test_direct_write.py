@@ -70,20 +70,22 @@ def test_a_file_system_that_refuses_o_direct_gets_the_buffered_file(tmp_path, mo
     the file is written through the page cache from the start; the refusal is remembered."""
     if not takes_o_direct(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT at open already")
-    real_write = os.write
+    real_write, real_writev = os.write, os.writev
     calls = []
 
     def refusing(fd, data):   # noqa: ANN001
         if fcntl_flags(fd) & os.O_DIRECT:
             calls.append(len(data))
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return (real_writev if isinstance(data, list) else real_write)(fd, data)
     monkeypatch.setattr(os, "write", refusing)
+    monkeypatch.setattr(os, "writev", refusing)
     monkeypatch.setattr(direct_write, "_unsupported", set())
     header, items, _ = cases(np.random.default_rng(1))
     p, q = str(tmp_path / "a"), str(tmp_path / "b")
     got = write_stream_direct(p, header, items)
     monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "writev", real_writev)
     want = write_stream(q, header, items)
     assert calls and got == want and open(p, "rb").read() == open(q, "rb").read()
     assert direct_write._unsupported == {os.stat(tmp_path).st_dev}
@@ -93,7 +95,7 @@ def test_a_failing_disk_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     """ENOSPC after the first piece is written: raised, never hidden by the buffered path."""
     if not takes_o_direct(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT")
-    real_write = os.write
+    real_write, real_writev = os.write, os.writev
     n = [0]
 
     def filling(fd, data):   # noqa: ANN001
@@ -101,8 +103,9 @@ def test_a_failing_disk_is_an_error_not_a_fallback(tmp_path, monkeypatch):
             n[0] += 1
             if n[0] > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return (real_writev if isinstance(data, list) else real_write)(fd, data)
     monkeypatch.setattr(os, "write", filling)
+    monkeypatch.setattr(os, "writev", filling)
     monkeypatch.setattr(direct_write, "PIECE", 4096)
     monkeypatch.setattr(direct_write, "_unsupported", set())
     header, items, _ = cases(np.random.default_rng(2))
@@ -238,3 +241,36 @@ def test_bounce_and_staging_buffers_are_private_and_advised_huge_pages():
     buf = s.ensure(8 << 20)
     flags = _vma_flags(buf.data_ptr() + (4 << 20))
     assert "hg" in flags, flags
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stream_crcs_fed_in_pieces_of_any_size_equal_zlib_of_every_prefix(seed):
+    """StreamCrcs (the CRCs the O_DIRECT writer takes of the bytes it copies, in file order): a
+    header, chunks of odd sizes (empty ones, one shorter than a block, some straddling blocks),
+    fed in random pieces that cut across chunk and block boundaries. Oracle: zlib.crc32 of every
+    block-end prefix of each chunk, of each chunk, and of the whole file."""
+    rng = np.random.default_rng(seed)
+    block = 64
+    header = rng.integers(0, 256, size=40, dtype=np.uint8).tobytes()
+    lengths = [0, 1, 63, 64, 65, 0, 300, 128, 5]
+    chunks = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in lengths]
+    whole = header + b"".join(chunks)
+    for blocks in (True, False):
+        s = direct_write.StreamCrcs(len(header), lengths, block, blocks=blocks)
+        p = 0
+        while p < len(whole):
+            n = int(rng.integers(1, 90))
+            s.feed(memoryview(whole)[p:p + n])
+            p += n
+        assert s.finish() == zlib.crc32(whole)
+        assert s.chunk_crcs == [zlib.crc32(c) for c in chunks]
+        if blocks:
+            want = [[zlib.crc32(c[:e]) for e in range(block, len(c), block)] + [zlib.crc32(c)] if len(c) % block
+                    else [zlib.crc32(c[:e]) for e in range(block, len(c) + 1, block)] or [0] for c in chunks]
+            assert [list(t) for t in s.tables] == want
+    short = direct_write.StreamCrcs(len(header), lengths, block)
+    short.feed(memoryview(whole)[:-1])
+    with pytest.raises(ValueError, match="missing 1 bytes"):
+        short.finish()
+    with pytest.raises(ValueError, match="past the end"):
+        short.feed(memoryview(b"ab"))

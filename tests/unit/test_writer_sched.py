@@ -115,6 +115,39 @@ def test_bad_values_are_named():
         WriterPriority("idle", deadline_s=0)
 
 
+def test_a_helpers_cpu_time_is_added_to_its_group():
+    """A helper started through thread_target burns ~60 ms of CPU (its own thread clock, read by
+    the helper itself as the oracle); the group's helper_cpu_s grows by that much once it ends,
+    and a thread outside any group adds nothing."""
+    prio = WriterPriority("nice")
+    spent = {}
+
+    def burn():
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.06:
+            sum(range(1000))
+        spent["cpu"] = time.thread_time() - c0
+
+    def writer():
+        prio.enter(nice=True)
+        try:
+            t = threading.Thread(target=thread_target(burn))
+            t.start()
+            t.join()
+        finally:
+            prio.leave()
+    w = threading.Thread(target=writer)
+    w.start()
+    w.join()
+    assert spent["cpu"] >= 0.06
+    assert spent["cpu"] <= prio.helper_cpu_s <= spent["cpu"] + 0.01
+    before = prio.helper_cpu_s
+    t = threading.Thread(target=thread_target(burn))   # not in a group: unwrapped
+    t.start()
+    t.join()
+    assert prio.helper_cpu_s == before
+
+
 CHILD = textwrap.dedent("""
     import json, os, subprocess, sys, tempfile, time, torch
     from elastor_ds.checkpoint.engine import CheckpointEngine
