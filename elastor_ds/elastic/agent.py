@@ -53,7 +53,7 @@ from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
-                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, collective_bound, heartbeat_path)
+                       ENV_SNAPSHOT_SERVER_HOST, collective_bound, heartbeat_path)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
