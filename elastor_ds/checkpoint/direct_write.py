@@ -43,7 +43,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .crc import crc32, crc32_combine
-from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, _pausing, write_stream
+from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, _pausing, extend_block_crcs, write_stream
 from .planning.manifest import BLOCK_SIZE
 from .writer_sched import thread_target
 
@@ -159,28 +159,11 @@ class StreamCrcs:
             if self.i == 0 or not self.want_blocks:
                 self.c = crc32(mv[p:p + take], self.c)
             else:
-                self._blocks(mv[p:p + take])
+                self.c, self.filled = extend_block_crcs(self.cur, mv[p:p + take], self.c, self.filled, self.block)
             p += take
             self.left -= take
             if self.left == 0:
                 self._next_nonempty()
-
-    def _blocks(self, v: memoryview) -> None:
-        bs, c, m, q = self.block, self.c, len(v), 0
-        if self.filled:
-            q = min(bs - self.filled, m)
-            c = crc32(v[:q], c)
-            self.filled += q
-            if self.filled == bs:
-                self.cur.append(c)
-                self.filled = 0
-        end = q + (m - q) // bs * bs
-        if end > q:
-            self.cur.extend([c := crc32(v[a:a + bs], c) for a in range(q, end, bs)])
-        if end < m:
-            c = crc32(v[end:], c)
-            self.filled = m - end
-        self.c = c
 
     def finish(self) -> int:
         """The file's CRC, once every byte was fed."""

@@ -281,6 +281,29 @@ def cumulative_crcs(mv: memoryview, block_size: int) -> "array.array[int]":
     return out
 
 
+def extend_block_crcs(table: "array.array[int]", mv: memoryview, c: int, filled: int,
+                      block_size: int) -> tuple[int, int]:
+    """Continue a cumulative block-CRC table over the next bytes ``mv`` of its buffer: ``c`` is the
+    CRC so far and ``filled`` the bytes already in the open block; every block that ``mv``
+    completes appends its cumulative CRC to ``table``. Returns the new ``(c, filled)`` (the
+    caller appends the last, short block's CRC at the buffer's end)."""
+    bs, m, q = block_size, len(mv), 0
+    if filled:
+        q = min(bs - filled, m)
+        c = crc32(mv[:q], c)
+        filled += q
+        if filled == bs:
+            table.append(c)
+            filled = 0
+    end = q + (m - q) // bs * bs
+    if end > q:
+        table.extend([c := crc32(mv[a:a + bs], c) for a in range(q, end, bs)])
+    if end < m:
+        c = crc32(mv[end:], c)
+        filled = m - end
+    return c, filled
+
+
 def crc_table_bytes(tables: Sequence[Sequence[int]]) -> tuple[bytes, list[int]]:
     """The block-CRC table file of a data file's chunks: their tables back to back (little-endian
     uint32), and the first entry index of each table."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..layout.region import Region
-from .crc import crc32
+from .fileformat import extend_block_crcs
 from .planning.save_plan import WriteItem
 from .shards import TensorShard, region_view
 
@@ -228,18 +228,8 @@ class BlockCrcs:
             span_end = start + n
             stop = min(end, span_end)
             table = self.tables[self.k]
-            boundary = start + ((pos - start) // bs + 1) * bs   # the end of the block pos is in
-            if boundary <= stop:
-                c = crc32(mv[pos:boundary], c)   # the rest of the open block
-                table.append(c)
-                last = start + (stop - start) // bs * bs         # whole blocks after it, up to stop
-                for i in range(boundary, last, bs):
-                    c = crc32(mv[i:i + bs], c)
-                    table.append(c)
-                pos = max(boundary, last)
-            if pos < stop:                                         # a block left open at stop
-                c = crc32(mv[pos:stop], c)
-                pos = stop
+            c, _ = extend_block_crcs(table, mv[pos:stop], c, (pos - start) % bs, bs)
+            pos = stop
             if pos == span_end:
                 if not table or (pos - start) % bs:                # the span's last, short block
                     table.append(c)
