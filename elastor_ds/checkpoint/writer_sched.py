@@ -16,7 +16,7 @@ at the latest ``deadline_s`` seconds after a save starts (one watcher thread per
 priority), so a save is never starved for longer than that. A GPU job's host cores are mostly idle, so there the
 writer finishes at full speed without ever being escalated.
 
-Threads the writer starts (the ``O_DIRECT`` writer, the CRC helper, the fsync helper) inherit its
+Threads the writer starts (the ``O_DIRECT`` write helper, the fsync helper) inherit its
 policy from the kernel; they enter the writer's group (:func:`thread_target`) so that an escalation
 reaches them too. Elsewhere than Linux, or where the kernel refuses, threads keep the priority they
 have (logged once at debug level).
