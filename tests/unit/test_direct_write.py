@@ -274,3 +274,41 @@ def test_stream_crcs_fed_in_pieces_of_any_size_equal_zlib_of_every_prefix(seed):
         short.finish()
     with pytest.raises(ValueError, match="past the end"):
         short.feed(memoryview(b"ab"))
+
+
+def test_full_bounce_buffers_waiting_for_the_disk_go_in_one_writev(tmp_path, monkeypatch):
+    """The write helper's first writev is held until the copier waits for a free bounce buffer
+    (every buffer full or being written): a writev then carries more than one buffer, and the
+    file and its CRCs are still the buffered writer's."""
+    import threading
+    if not takes_o_direct(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    monkeypatch.setattr(direct_write, "PIECE", 4096)
+    monkeypatch.setattr(direct_write, "NBUF", 4)
+    real_writev = os.writev
+    sizes, gate = [], threading.Event()
+
+    def slow_first(fd, views):   # noqa: ANN001
+        if not sizes:
+            gate.wait(5)         # released once the copier is blocked on a free buffer
+        sizes.append(len(views))
+        return real_writev(fd, views)
+    monkeypatch.setattr(os, "writev", slow_first)
+    real_get = direct_write.queue.Queue.get
+
+    def get(self, *a, **k):   # noqa: ANN001
+        if threading.current_thread() is threading.main_thread() and self.empty() and not sizes:
+            gate.set()           # the copier waits for a free buffer: every buffer is full or being written
+        return real_get(self, *a, **k)
+    monkeypatch.setattr(direct_write.queue.Queue, "get", get)
+    header, items, _ = cases(np.random.default_rng(11))
+    a, b = str(tmp_path / "direct"), str(tmp_path / "buffered")
+    ca, ba, cb, bb = [], [], [], []
+    got = write_stream_direct(a, header, items, chunk_crcs=ca, block_crcs=ba, block_size=4096)
+    monkeypatch.setattr(os, "writev", real_writev)
+    monkeypatch.setattr(direct_write.queue.Queue, "get", real_get)
+    want = write_stream(b, header, items, chunk_crcs=cb, block_crcs=bb, block_size=4096)
+    assert open(a, "rb").read() == open(b, "rb").read() and got == want and ca == cb and ba == bb
+    # whether the helper woke before or after the copier filled the other buffers, full buffers
+    # waited while the first write was held, and one writev took them together
+    assert max(sizes) > 1, sizes
