@@ -301,7 +301,7 @@ class StandbyPool:
     idle: list[Standby] = field(default_factory=list)
     assigned: dict[int, str] = field(default_factory=dict)   # local rank -> LaunchMode of the last launch
     spawned: int = 0
-    on_spawn: object = None        # callable(pids) told about every refill (the agent's event log)
+    on_spawn: object = None        # callable(pids) told about every standby made (the agent's event log)
     fork: bool = True              # standbys forked from the node's template (False: each spawned and importing)
     template: StandbyTemplate | None = None
     _refill_at: float | None = None
@@ -422,6 +422,10 @@ class StandbyPool:
             mode = LaunchMode.WARM if sb.state in ("ready", "cuda") else LaunchMode.COLD
         elif self.fork and (sb := self._fork()) is not None:   # imported once, in the template (waits for it)
             mode = LaunchMode.WARM
+            # a standby forked now (or the fork a refill left pending when a worker died and the
+            # refill stopped) is reported like every other: the event log names every standby
+            if self.on_spawn is not None:
+                self.on_spawn([sb.proc.pid])
         else:   # spawned with the worker's own environment: CUDA reads the right devices from the start
             sb = self._spawn(env)
             mode = LaunchMode.COLD

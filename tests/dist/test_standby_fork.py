@@ -188,3 +188,29 @@ def test_a_refill_never_blocks_the_agents_loop_while_the_template_imports(tmp_pa
         assert len(p.idle) == 1
     finally:
         p.close()
+
+
+def test_a_fork_a_refill_left_pending_is_reported_when_a_launch_takes_it(tmp_path):
+    """CI of the twenty-seventh session: a refill sent its fork request, then stopped (a worker died:
+    no refill while not every worker trains), and the relaunch's ``assign`` collected that fork
+    itself. The standby became a worker but was never reported, so the event log missed it.
+    Every standby made, by a refill or by an assignment, now reaches ``on_spawn``."""
+    reported: list[int] = []
+    p = StandbyPool(size=1, folder=str(tmp_path / "standby"), preload=("json",))
+    p.on_spawn = reported.extend
+    try:
+        first = _fill(p)
+        assert reported == first and len(first) == 1
+        p.take(None).retire()              # the first launch took it
+        p.schedule_refill()
+        p.tick(workers_training=True)      # the fork request goes out; its reply comes later
+        assert p.template._pending is not None and p.idle == []
+        # a worker dies here: the agent ticks no refill any more, and the relaunch assigns
+        script = tmp_path / "w.py"
+        script.write_text("import sys\nsys.exit(0)\n")
+        proc = p.assign(0, (str(script),), {"PATH": os.environ.get("PATH", "")}, None, None)
+        assert p.assigned == {0: "standby-warm"}
+        assert reported == first + [proc.pid]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        p.close()
