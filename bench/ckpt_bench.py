@@ -603,6 +603,11 @@ def report(path: str) -> bool:
          worst("elastor_plan_agree_s") / worst("memcpy_interleaved_s")),
         ("persist: write floor / time to durable", "persist", worst("write_s") / worst("elastor_durable_s")),
         ("  write + fsync of its file / write floor", None, worst("elastor_write_s") / worst("write_s")),
+        # the most persist can be while the write starts when the copy ends: the write at its floor,
+        # after the stall, plus what the save spends outside both (commit, collectives)
+        ("  bound with the write at its floor: floor / (stall + floor + the rest)", None,
+         worst("write_s") / (worst("elastor_stall_s") + worst("write_s")
+                             + max(0.0, worst("elastor_durable_s") - worst("elastor_stall_s") - worst("elastor_write_s")))),
         ("  write floor: buffered write + fsync / O_DIRECT write + fsync", None,
          worst("write_buffered_s") / worst("write_direct_s") if all(r.get("write_direct_s") for r in rs) else None),
         ("  writer CPU seconds per GiB written", None, worst("elastor_writer_cpu_s") / (rs[0]["bytes"] / 2**30)),
