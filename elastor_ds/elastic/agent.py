@@ -50,7 +50,7 @@ from .events import EventKind, EventLog
 from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
-from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up
+from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
                        ENV_SNAPSHOT_SERVER_HOST, collective_bound, heartbeat_path)
@@ -447,6 +447,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                 if not any(last for _, _, last in beats):
                     self.standby.tick(bool(beats) and all(t is not None for t, _, _ in beats))
             if any(o.failed for o in outs):
+                outs = settle(lambda: self._observe(wg), outs)   # the root cause, not its collateral first
                 res = self._on_failure(wg, outs)
                 if res is not None:
                     return res

@@ -89,6 +89,34 @@ class WorkerOutcome:
         return Cause.REJECTED if self.exitcode == EXIT_USAGE else Cause.EXIT
 
 
+# How long a failure whose every worker merely exited non-zero is watched before it is judged. A
+# worker killed by a signal closes its sockets before the kernel lets its parent reap it, so a peer
+# can fail on the reset connection (exit 1) and be seen first: judged then, the failure names no
+# culprit and ``shrink`` relaunches on the dead worker's device (seen in CI under load).
+SETTLE_S = 0.3
+SETTLE_POLL_S = 0.02
+
+
+def settle(observe, outcomes: list[WorkerOutcome], window_s: float = SETTLE_S, poll_s: float = SETTLE_POLL_S,
+           clock=None, sleep=None) -> list[WorkerOutcome]:
+    """``outcomes`` (some failed), or a later ``observe()`` of the same workers: while every failure
+    is a plain exit (no signal death, hang or lost node yet) and some worker still runs, look again
+    every ``poll_s`` for up to ``window_s``; return as soon as a failure of another cause shows, or
+    every worker has ended."""
+    import time as _time
+    clock = clock or _time.monotonic
+    sleep = sleep or _time.sleep
+    deadline = clock() + window_s
+
+    def undecided(outs: list[WorkerOutcome]) -> bool:
+        return (all(o.cause in (Cause.EXIT, Cause.REJECTED) for o in outs if o.failed)
+                and any(o.exitcode is None for o in outs))
+    while undecided(outcomes) and clock() < deadline:
+        sleep(poll_s)
+        outcomes = observe()
+    return outcomes
+
+
 def culprits(outcomes: list[WorkerOutcome]) -> list[WorkerOutcome]:
     """The workers whose device is suspect: signal deaths, and hung workers found stopped (when no
     hung worker is stopped, a hang names no culprit: every rank waits on every other)."""

@@ -233,3 +233,32 @@ def test_run_usage_errors_exit_2_with_message(argv, msg, capsys):
     assert main(["run", *argv, trainer]) == 2
     err = capsys.readouterr().err   # one line in the parser's words (QA round 10)
     assert msg in err and err.startswith("elastor run: error: "), err
+
+
+def test_settle_waits_for_the_root_cause_behind_a_plain_exit_and_no_longer_than_its_window():
+    """policy.settle, scripted observations and a fake clock: a peer's exit 1 seen while the worker
+    that caused it is not yet reaped is looked at again until the signal death shows (culprit:
+    rank 1); a lone exit 1 with the others still running is judged after the window, not before;
+    a signal death seen first is judged at once (no observation)."""
+    from elastor_ds.elastic.policy import settle
+    t = [0.0]
+    clock = lambda: t[0]   # noqa: E731
+
+    def sleep(s):
+        t[0] += s
+    exit1 = WorkerOutcome(0, 0, exitcode=1)
+    running = WorkerOutcome(1, 1)
+    killed = WorkerOutcome(1, 1, exitcode=-9)
+    seen = iter([[exit1, running], [exit1, running], [exit1, killed]])
+    got = settle(lambda: next(seen), [exit1, running], window_s=0.3, poll_s=0.02, clock=clock, sleep=sleep)
+    assert got == [exit1, killed] and [o.local_rank for o in culprits(got)] == [1]
+    assert abs(t[0] - 0.06) < 1e-9   # three looks, 20 ms apart
+
+    t[0], calls = 0.0, []
+    got = settle(lambda: calls.append(1) or [exit1, running], [exit1, running], window_s=0.3, poll_s=0.02,
+                 clock=clock, sleep=sleep)
+    assert got == [exit1, running] and 0.3 <= t[0] < 0.33 and len(calls) == 15
+
+    t[0] = 0.0
+    got = settle(lambda: pytest.fail("observed again"), [killed, running], clock=clock, sleep=sleep)
+    assert got == [killed, running] and t[0] == 0.0
