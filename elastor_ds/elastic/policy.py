@@ -3,7 +3,9 @@
 Devices are the node's local slots (GPU ids, or process slots on CPU). Local rank ``i`` of a launch
 runs on ``usable[i]``. A worker is a *culprit* when it died of a signal the controller did not send
 (SIGKILL, SIGSEGV, ...) or was found stopped (SIGSTOP) while hung; a worker that exited non-zero
-on its own is not (its peers' loss makes survivors fail with a communication error). Policies:
+on its own is not (its peers' loss makes survivors fail with a communication error). Because those
+survivors can end before the killed worker can be reaped, a failure whose every worker merely
+exited non-zero is looked at again for up to :data:`SETTLE_S` (:func:`settle`). Policies:
 
 - ``shrink``: culprits' devices are lost; relaunch on the rest (no culprit: same devices again).
 - ``restart``: relaunch on the same devices (a transient fault).
