@@ -1,4 +1,5 @@
-"""What to do after a failure, a scale-up request or a preemption (pure: values in, decisions out).
+"""What to do after a failure, a scale-up request or a preemption (pure: values in, decisions out;
+only :func:`settle` waits, through the clock and the observer it is given).
 
 Devices are the node's local slots (GPU ids, or process slots on CPU). Local rank ``i`` of a launch
 runs on ``usable[i]``. A worker is a *culprit* when it died of a signal the controller did not send
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import signal as _signal
+import time as _time
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -105,7 +107,6 @@ def settle(observe, outcomes: list[WorkerOutcome], window_s: float = SETTLE_S, p
     is a plain exit (no signal death, hang or lost node yet) and some worker still runs, look again
     every ``poll_s`` for up to ``window_s``; return as soon as a failure of another cause shows, or
     every worker has ended."""
-    import time as _time
     clock = clock or _time.monotonic
     sleep = sleep or _time.sleep
     deadline = clock() + window_s
