@@ -171,11 +171,14 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     comm = TorchComm.create(900)
     root = os.path.join(tmp, "elastor")
     eng = CheckpointEngine(root, comm, keep=2, storage=PosixStorage(root, direct_io=not args.buffered_writer),
+                           live_write=args.live_write,
                            **({} if args.writer_nice is None else {"writer_nice": args.writer_nice}),
                            **({} if args.writer_sched is None else {"writer_sched": args.writer_sched}))
     shards = [TensorShard(f"t{i}", (rows, COLS), Region((rank * rows_local, 0), (rows_local, COLS)), t)
               for i, t in enumerate(local)]
     stalls, durables, writes, snaps, plans, cpus, memcpys = [], [], [], [], [], [], []
+    durables_fenced: list[float] = []   # live_write: saves fenced right after save()
+    live_unfenced: list[bool] = []      # live_write: the unfenced saves read only the live tensors
     a = torch.randn(384, 384)
 
     def compute(n: int = 10) -> float:
@@ -214,6 +217,12 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         dist.barrier()
         c0 = time.thread_time()
         st = eng.save(step, shards)
+        # live_write: odd saves fence at once (the optimizer step right after the save: the whole
+        # state is still to copy, the stall's worst case); even ones wait for durable first (the
+        # optimizer step after the write: nothing left to copy)
+        fenced = args.live_write and step % 2 == 1
+        if fenced:
+            eng.fence()
         st_cpu = time.thread_time() - c0
         done = eng.wait()
         # the floor, between saves (disk speed drifts)
@@ -221,15 +230,23 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         sbuf = memoryview(eng.staging.buf.numpy()) if eng.staging.buf is not None and nbytes % 4096 == 0 else None
         floor_pair(write_floor_from(fpath, local, dist), direct_write_floor(fpath, nbytes, dist, sbuf), wfloors,
                    wfloors_buffered, wfloors_direct)
-        if step > 1:  # steady state: the staging buffer is warm
-            stalls.append(st.stall_s + st.plan_s)
-            snaps.append(st.stall_s)
-            plans.append(st.plan_s)
-            durables.append(done.durable_s)
+        if step > 1 and args.live_write and not fenced:
+            durables.append(done.durable_s)   # persist: the write from the live tensors alone
             writes.append(done.write_s)
             cpus.append(done.writer_cpu_s)
+            live_unfenced.append(done.live and done.fence_bytes == 0)
+        elif step > 1:  # steady state: the staging buffer is warm
+            stalls.append(st.stall_s + st.plan_s + st.fence_s)
+            snaps.append(st.stall_s + st.fence_s)
+            plans.append(st.plan_s)
+            if args.live_write:
+                durables_fenced.append(done.durable_s)
+            else:
+                durables.append(done.durable_s)
+                writes.append(done.write_s)
+                cpus.append(done.writer_cpu_s)
             if mc:
-                stall_ratios.append((st.stall_s + st.plan_s) / mc)
+                stall_ratios.append((st.stall_s + st.plan_s + st.fence_s) / mc)
                 stall_cpu_ratios.append(st_cpu / max(mc_cpu, 1e-9))
     res["stall_ratios"] = stall_ratios
     res["stall_cpu_ratios"] = stall_cpu_ratios
@@ -281,6 +298,9 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     res["write_direct_s"] = statistics.median(wfloors_direct)
     res["memcpy_interleaved_s"] = statistics.median(memcpys) if memcpys else res["memcpy_s"]
     res["elastor_durable_s"] = statistics.median(durables)
+    if durables_fenced:
+        res["elastor_durable_fenced_s"] = statistics.median(durables_fenced)
+        res["elastor_live_unfenced"] = live_unfenced
     res["elastor_write_s"] = statistics.median(writes)
     res["elastor_snapshot_s"] = statistics.median(snaps)
     res["elastor_plan_agree_s"] = statistics.median(plans)
@@ -603,6 +623,9 @@ def report(path: str) -> bool:
          worst("elastor_plan_agree_s") / worst("memcpy_interleaved_s")),
         ("persist: write floor / time to durable", "persist", worst("write_s") / worst("elastor_durable_s")),
         ("  write + fsync of its file / write floor", None, worst("elastor_write_s") / worst("write_s")),
+        ("  live_write: the same persist with the fence right after the save", None,
+         worst("write_s") / worst("elastor_durable_fenced_s") if all(r.get("elastor_durable_fenced_s") for r in rs)
+         else None),
         # the most persist can be while the write starts when the copy ends: the write at its floor,
         # after the stall, plus what the save spends outside both (commit, collectives)
         ("  bound with the write at its floor: floor / (stall + floor + the rest)", None,
@@ -683,6 +706,10 @@ def main() -> None:
     ap.add_argument("--writer-nice", type=int, default=None, help="the engine's writer_nice (default: its default)")
     ap.add_argument("--writer-sched", choices=["idle", "nice"], default=None,
                     help="the engine's writer_sched (default: its default, idle)")
+    ap.add_argument("--live-write", action="store_true",
+                    help="CheckpointEngine(live_write=True): the writer reads the live tensors until fence(); odd "
+                         "saves fence at once (their stall is the stall figure), even ones after durable (their "
+                         "time to durable is the persist figure)")
     ap.add_argument("--slowdown-window", type=float, default=3.0,
                     help="compute for at most this many seconds of each of those saves")
     ap.add_argument("--no-tmpfs-load", dest="tmpfs_load", action="store_false",

@@ -26,6 +26,11 @@ class CheckpointError(ElastorError):
     """Base class of checkpoint read/write errors."""
 
 
+class LiveStateChangedError(CheckpointError):
+    """A saved tensor changed in place while a live-writing save still read it (no fence before
+    the change); the save is dropped on every rank."""
+
+
 class ConcurrentWriterError(CheckpointError):
     """Another writer (a second job or engine) removed a save's files in the same checkpoint root."""
 

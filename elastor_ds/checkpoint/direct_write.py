@@ -44,6 +44,7 @@ import numpy as np
 
 from .crc import crc32, crc32_combine
 from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, _pausing, extend_block_crcs, write_stream
+from .live import LiveSpan, materialize
 from .planning.manifest import BLOCK_SIZE
 from .writer_sched import thread_target
 
@@ -75,10 +76,10 @@ def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview 
                         block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """:func:`~.fileformat.write_stream` (same file, same return value, same CRC lists) with
     ``O_DIRECT`` where the file system allows it (see the module docstring)."""
-    mvs = [b if isinstance(b, RowRuns) else memoryview(b).cast("B") for b in buffers]
+    mvs = [b if isinstance(b, (RowRuns, LiveSpan)) else memoryview(b).cast("B") for b in buffers]
     dev = _device_of(os.path.dirname(path) or ".")
     if dev in _unsupported or not hasattr(os, "O_DIRECT"):
-        return write_stream(path, header, mvs, fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
+        return write_stream(path, header, materialize(mvs), fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
                             block_size=block_size)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -185,7 +186,7 @@ def _fall_back(dev: int, path: str, header: bytes, mvs: list, fsync: bool, chunk
         log.info("O_DIRECT is not supported under %s; checkpoint data files there are written through the "
                  "page cache", os.path.dirname(path))
         _unsupported.add(dev)
-    return write_stream(path, header, mvs, fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
+    return write_stream(path, header, materialize(mvs), fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
                         block_size=block_size)
 
 
@@ -196,11 +197,18 @@ def _write_all_direct(fd: int, header: bytes, mvs: list, crcs: "StreamCrcs") -> 
     b = _Bounce(fd, crcs)
     try:
         b.put_flat(np.frombuffer(header, dtype=np.uint8))
+        gates: list = []
         for mv in _coalesce(mvs):
-            if isinstance(mv, RowRuns):
+            if isinstance(mv, LiveSpan):
+                if mv.gate not in gates:
+                    gates.append(mv.gate)
+                b.put_live(mv)
+            elif isinstance(mv, RowRuns):
                 b.put_runs(mv)
             elif len(mv):
                 b.put_flat(np.frombuffer(mv, dtype=np.uint8))
+        for g in gates:   # every live byte is in a bounce buffer: a fence from now on has nothing to copy
+            g.release()
         total = b.finish()
         if total % ALIGN:
             os.ftruncate(fd, total)
@@ -220,7 +228,7 @@ def _coalesce(mvs: list) -> list:
     out: list = []
     end = -1   # the address just past the last flat buffer in ``out``
     for mv in mvs:
-        if isinstance(mv, RowRuns) or not len(mv):
+        if isinstance(mv, (RowRuns, LiveSpan)) or not len(mv):
             out.append(mv)
             end = -1
             continue
@@ -410,6 +418,40 @@ class _Bounce:
             self.pos += k * w
             self.total += k * w
             r += k
+
+    def put_live(self, span: LiveSpan) -> None:
+        """A chunk read from the live tensors until the fence, from staging after it
+        (:mod:`.live`): each piece (whole rows, or part of a row; 1 MiB at most) is copied under
+        the gate's lock from the view the gate names then; waiting for a free bounce buffer (the
+        disk) happens outside the lock, so a fence waits for one piece at most."""
+        gate, k = span.gate, span.k
+        shape = span.shape if len(span.shape) == 2 else (1, len(span))
+        rows, w = shape
+        if rows == 0 or w == 0:
+            return
+        r = c = 0
+        per = max(1, _COPY // w)
+        while r < rows:
+            room = self.room()
+            with gate.lock:
+                src = gate.source(k)
+                if src.ndim == 1:
+                    src = src.reshape(1, w)
+                if c == 0 and room >= w:
+                    m = min(room // w, rows - r, per)
+                    dst = self.arrs[self.cur][self.pos:self.pos + m * w]
+                    dst.reshape(m, w)[...] = src[r:r + m]
+                    r += m
+                else:
+                    m = min(room, w - c, _COPY)
+                    dst = self.arrs[self.cur][self.pos:self.pos + m]
+                    dst[...] = src[r, c:c + m]
+                    c += m
+                    if c == w:
+                        r, c = r + 1, 0
+            self.crcs.feed(dst)   # the bounce buffer's bytes: no lock needed
+            self.pos += len(dst)
+            self.total += len(dst)
 
     def finish(self) -> int:
         """Hand the last piece (zero-padded to ALIGN) to the writer, wait for it; the file's size."""

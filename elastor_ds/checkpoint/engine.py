@@ -82,6 +82,7 @@ from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dt
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
+from .live import LiveGate, LiveSpan
 from .staging import StagingBuffer
 from .state import from_jsonable, resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
@@ -112,6 +113,10 @@ class SaveStats:
     writer_cpu_s: float = 0.0  # CPU time of the background writer and its helper threads (copies, writes, CRCs, commit) for this save
     # why the writer left idle-only scheduling during this save ("wait", "deadline"), or None
     writer_escalated: Optional[str] = None
+    # live_write: the fence's copy of what the writer had not yet read (training waits for it too)
+    fence_s: float = 0.0
+    fence_bytes: int = 0
+    live: bool = False        # the writer read the live tensors until the fence (live_write)
     dropped: bool = False     # optimistic_plan: a rank's shard metadata changed; nothing was committed
 
 
@@ -200,6 +205,7 @@ class _Job:
     local_error: Optional[BaseException] = None   # the snapshot failed on this rank (reported by the writer)
     block_tables: Optional[list] = None   # staged in place: block CRCs taken during the copy (else the writer's)
     deferred: bool = False   # extra / rank_state hold DeviceScalars (resolved by the writer)
+    gate: Optional[LiveGate] = None   # live_write: the writer reads the live tensors until the fence
 
 
 class CheckpointEngine:
@@ -208,7 +214,7 @@ class CheckpointEngine:
     def __init__(self, root: str, comm: Optional[Comm] = None, storage: Optional[Storage] = None, keep: int = DEFAULT_KEEP,
                  async_save: bool = True, *, optimistic_plan: bool = False, block_size: int = BLOCK_SIZE,
                  writer_nice: int = DEFAULT_WRITER_NICE, writer_sched: "WriterSched | str" = DEFAULT_WRITER_SCHED,
-                 writer_deadline_s: float = DEFAULT_WRITER_DEADLINE_S):
+                 writer_deadline_s: float = DEFAULT_WRITER_DEADLINE_S, live_write: bool = False):
         """``storage``: where the files go and how a step commits (:mod:`.storage`; default
         :class:`~.storage.PosixStorage` at ``root``: shared storage, fsynced). A node-local
         :class:`~.storage.TmpfsStorage` makes the constructor collective (one all-gather).
@@ -219,7 +225,12 @@ class CheckpointEngine:
         the training thread's), so its work yields the core to training.
         ``writer_sched``: ``"idle"`` (default) runs the writer under ``SCHED_IDLE`` until the
         training loop waits for it or ``writer_deadline_s`` seconds pass; ``"nice"`` keeps it at
-        its nice value throughout (:mod:`.writer_sched`)."""
+        its nice value throughout (:mod:`.writer_sched`).
+        ``live_write``: with CPU shards and a storage that can (``caps.writes_live``: posix with
+        ``O_DIRECT``), a save copies nothing at first: the writer reads the live tensors, and
+        :meth:`fence` copies what it has not read yet. The caller then must call :meth:`fence`
+        before anything changes a saved tensor (:mod:`.live`; the session does, before every
+        optimizer step)."""
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"CheckpointEngine(root={root!r}): give the checkpoint directory as a path")
         if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
@@ -262,6 +273,7 @@ class CheckpointEngine:
         self._warned_backwards = False
         self._unusable: set[str] = set()   # step dirs of this root a load fell back past (not kept by retention)
         self.optimistic_plan = optimistic_plan
+        self.live_write = bool(live_write)
         self.saves_dropped = 0
         self._queue: Optional[queue.SimpleQueue] = None
         self._thread: Optional[threading.Thread] = None
@@ -309,10 +321,12 @@ class CheckpointEngine:
         local_same = self._plan is not None and key == self._local_key
         stale = False
         agreement: Optional[_Agreement] = None
+        live = (self.live_write and self.storage.caps.writes_live and not self.in_place
+                and not any(sh.tensor.is_cuda for sh in shards))
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
             cached, stale = True, not local_same
-        elif local_same and self.comm.world_size > 1 and not self.in_place and \
+        elif local_same and self.comm.world_size > 1 and not self.in_place and not live and \
                 not any(sh.tensor.is_cuda for sh in shards):
             # speculative: the copy below runs under the cached plan while the ranks agree on it in a
             # helper thread (the writer is idle: no other thread uses this group now); the agreement
@@ -338,7 +352,13 @@ class CheckpointEngine:
                 spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
         tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")
         job = _Job(step, t0=t0, stale=stale)
-        if not stale and self.in_place:
+        if live and not stale:
+            job.gate = self._live_gate(items, shards, step)
+            if job.gate is not None:
+                spans = list(self.staging.program(items, shards).spans)
+        if job.gate is not None:
+            pass   # nothing copied now: the writer reads the live tensors until fence()
+        elif not stale and self.in_place:
             try:
                 job.staged, job.header_crc = self._take_file(items, tmp_dir)
             except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
@@ -352,7 +372,7 @@ class CheckpointEngine:
             spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
         t2 = time.perf_counter()
         stats = job.stats = SaveStats(step, sum(sp[1] for sp in spans), plan_s=t1 - t0, stall_s=t2 - t1,
-                                      plan_cached=cached, wait_s=t0 - tw)
+                                      plan_cached=cached, wait_s=t0 - tw, live=job.gate is not None)
         # one-element CUDA tensors (a step count, a loss scale) are read by the writer, not here: an
         # .item() would wait for every kernel queued so far, on every snapshot
         deferred: list = []
@@ -391,10 +411,36 @@ class CheckpointEngine:
         staged = self.storage.stage_data_file(tmp_dir, data_file_name(self.comm.rank), header, size)
         return staged, hcrc
 
+    def _live_gate(self, items, shards: Sequence[TensorShard], step: int) -> Optional[LiveGate]:
+        """live_write: the gate between the live tensors and the staging buffer for this save (no
+        copy yet), or None when a chunk's strides need torch's strided copy (then the save copies)."""
+        prog = self.staging.program(items, shards)
+        if prog.live is None:
+            return None
+        tensors, names, seen = [], [], set()
+        for sh in shards:
+            if id(sh.tensor) not in seen:
+                seen.add(id(sh.tensor))
+                tensors.append(sh.tensor)
+                names.append(sh.name)
+        return LiveGate(prog.live, _staging_views(self.staging.buf, prog.spans), [sp[0] for sp in prog.spans],
+                        prog.run_from, tensors, names, step)
+
     def fence(self) -> None:
-        """CUDA with ``defer_device_copies``: make the current stream wait for the last snapshot's
-        device-to-host copies. Call before the optimizer step (anything that changes saved tensors)."""
+        """Call before the optimizer step (anything that changes saved tensors). CUDA with
+        ``defer_device_copies``: make the current stream wait for the last snapshot's
+        device-to-host copies. ``live_write``: copy what the writer has not read of the live
+        tensors into the staging buffer (the writer goes on from there); nothing once it has read
+        everything."""
         self.staging.fence()
+        job = self._job
+        gate = job.gate if job is not None else None
+        if gate is not None and not job.done.is_set():
+            t0 = time.perf_counter()
+            n = gate.fence(self.writer_priority.boosted)
+            if job.stats is not None:
+                job.stats.fence_s += time.perf_counter() - t0
+                job.stats.fence_bytes += n
 
     def wait(self) -> Optional[SaveStats]:
         """Block until the in-flight save is committed; raise AsyncSaveError (on every rank) if it failed."""
@@ -494,12 +540,14 @@ class CheckpointEngine:
                                                          block_tables=job.block_tables))
             else:
                 self.staging.wait_device()
-                buf = self.staging.buf
-                base = memoryview(buf.numpy()) if buf is not None else None
-                views = [base[sp[0]:sp[0] + sp[1]] if len(sp) == 2 else RowRuns(base, sp[0], sp[2], sp[1] // sp[2], sp[3])
-                         for sp in spans] if base is not None else []
-                outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
-                                                  block_size=self.block_size, lean=lean))
+                views: list = ([LiveSpan(job.gate, k) for k in range(len(job.gate))] if job.gate is not None
+                               else _staging_views(self.staging.buf, spans))
+                try:
+                    outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
+                                                      block_size=self.block_size, lean=lean))
+                finally:
+                    if job.gate is not None:
+                        job.gate.close()
             stats.write_s = time.perf_counter() - tw
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             e = self.storage.explain_write_error(tmp_dir, job.step, e)
@@ -816,6 +864,16 @@ def _one_step(steps: Sequence[int], outcomes: list) -> list:
 
 
 MAX_STEP = 2 ** 63 - 1
+
+
+def _staging_views(buf, spans) -> list:
+    """Each span of the staging buffer as the writer takes it: a flat view, or a column tile's
+    rows (:class:`~.fileformat.RowRuns`)."""
+    if buf is None:
+        return []
+    base = memoryview(buf.numpy())
+    return [base[sp[0]:sp[0] + sp[1]] if len(sp) == 2 else RowRuns(base, sp[0], sp[2], sp[1] // sp[2], sp[3])
+            for sp in spans]
 
 
 def _check_step(step: Any) -> int:

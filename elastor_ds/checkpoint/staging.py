@@ -93,6 +93,9 @@ class _CopyProgram:
         self.copy_pos: list[int] = []   # each copy's first byte in the buffer (copies run in buffer order)
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.spans: list[tuple[int, ...]] = []
+        # each span's bytes in the live tensor (1-D, or 2-D rows of a wider tensor), for writes that
+        # read the live state until the fence (:mod:`.live`); None when some span has other strides
+        self.live: list[np.ndarray] | None = []
         self.total = sum(i.nbytes for i in items)
         run: list = []   # [src tensor, src storage id, src start ptr, dst start, nbytes] of the open run
 
@@ -129,29 +132,70 @@ class _CopyProgram:
                 # writer streams row by row (the tiling costs the training thread nothing)
                 box = Region(it.region.offsets, (it.region.sizes[0], items[j - 1].region.ends[1] - it.region.offsets[1]))
                 n = sum(items[k].nbytes for k in range(i, j))
-                copy(region_view(sh.tensor, box.relative_to(sh.region)), pos, n, box.sizes)
+                src = region_view(sh.tensor, box.relative_to(sh.region))
+                copy(src, pos, n, box.sizes)
                 rows = box.sizes[0]
                 row_bytes = n // rows
+                rows_live = _rows_of(src, rows)
                 col = 0
                 for k in range(i, j):
                     width = items[k].nbytes // rows
                     self.spans.append((pos + col, items[k].nbytes, rows, row_bytes))
+                    self._add_live(None if rows_live is None else rows_live[:, col:col + width])
                     col += width
                 pos += n
                 i = j
                 continue
             n = it.nbytes
             self.spans.append((pos, n))
-            copy(region_view(sh.tensor, it.region.relative_to(sh.region)), pos, n, it.region.sizes)
+            src = region_view(sh.tensor, it.region.relative_to(sh.region))
+            copy(src, pos, n, it.region.sizes)
+            if not n or src.is_contiguous():
+                self._add_live(_byte_run(src, n).numpy())
+            else:
+                self._add_live(_rows_of(src, src.shape[0]) if src.dim() == 2 else None)
             pos += n
             i += 1
         close()
+
+    def _add_live(self, arr: "np.ndarray | None") -> None:
+        if self.live is not None:
+            if arr is None:
+                self.live = None
+            else:
+                self.live.append(arr)
+
+    def run_from(self, start: int) -> int:
+        """Run the copies of the buffer's bytes at offsets >= ``start`` (a 2-D copy that reaches
+        past ``start`` is run whole); the bytes copied. Only for programs without torch strided copies."""
+        if self.strided:
+            raise ValueError("a copy program with strided copies cannot run a suffix")
+        done = 0
+        for (dst, src), pos in zip(self.copies, self.copy_pos):
+            if pos + dst.size <= start:
+                continue
+            if dst.ndim == 1 and pos < start:
+                d = start - pos
+                np.copyto(dst[d:], src[d:])
+                done += dst.size - d
+            else:
+                np.copyto(dst, src)
+                done += dst.size
+        return done
 
     def valid_for(self, items: Sequence[WriteItem], shards: Sequence[TensorShard], buf: torch.Tensor,
                   whole_boxes: bool = False) -> bool:
         return (items is self.items and shards is self.shards and buf is self.buf and whole_boxes == self.whole_boxes
                 and len(shards) == len(self.tensors)
                 and all(sh.tensor is t for sh, t in zip(shards, self.tensors)))
+
+
+def _rows_of(src: torch.Tensor, rows: int) -> "np.ndarray | None":
+    """A 2-D tensor whose rows are contiguous (stride 1 along them) as a ``(rows, row bytes)``
+    uint8 array over its memory; None for any other strides."""
+    if src.dim() != 2 or src.shape[0] != rows or src.stride(1) != 1:
+        return None
+    return src.view(torch.uint8).numpy()
 
 
 class _DeviceCopyProgram(_CopyProgram):
@@ -369,6 +413,17 @@ class StagingBuffer:
             else:
                 ev.synchronize()
         return spans
+
+    def program(self, items: Sequence[WriteItem], shards: Sequence[TensorShard]) -> _CopyProgram:
+        """The CPU copy program of a whole-box snapshot into this object's buffer (built or cached),
+        without running it: a live write (:mod:`.live`) runs a suffix of it at the fence."""
+        buf = self.ensure(sum(i.nbytes for i in items))
+        prog = next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, True)), None)
+        if prog is None:
+            prog = _CopyProgram(items, shards, buf, True)
+            self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
+        self._program = prog
+        return prog
 
     def _copy_with_crcs(self, prog: _CopyProgram, buf: torch.Tensor, block_size: int) -> list[list[int]]:
         """Run ``prog`` in buffer order, in pieces, feeding each piece's bytes to the block CRCs."""

@@ -23,11 +23,12 @@ have (logged once at debug level).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .settings import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterSched
 
@@ -143,6 +144,29 @@ class WriterPriority:
             return
         with self._lock:
             self._escalate(why)
+
+    @contextlib.contextmanager
+    def boosted(self) -> Iterator[None]:
+        """A background save's threads at normal priority for the duration, then back in the
+        background unless someone escalated it meanwhile: for the training thread when it waits
+        for a lock the writer holds (a live write's fence), which a ``SCHED_IDLE`` holder would
+        only release once a core goes idle."""
+        if self.sched is not WriterSched.IDLE:
+            yield
+            return
+        with self._lock:
+            boost = self._background
+            if boost:
+                for t in self._tids:
+                    _set_policy(t, False)
+        try:
+            yield
+        finally:
+            if boost:
+                with self._lock:
+                    if self._background:
+                        for t in self._tids:
+                            _set_policy(t, True)
 
     def _escalate(self, why: str) -> None:
         """(Lock held.) The background save, if any, back to normal priority."""

@@ -251,14 +251,17 @@ def test_a_posix_backend_without_sync_says_it_is_not_durable_and_does_not_fsync(
     fds = _count_fsyncs(monkeypatch)
     root = str(tmp_path / "ck")
     st = PosixStorage(root, sync=False)
-    assert st.caps == Capabilities(durable=False, node_local=False, stages_in_place=False)
+    assert st.caps == Capabilities(durable=False, node_local=False, stages_in_place=False, writes_live=True)
     _save_and_retire(root, st)
     assert fds == []
 
 
 def test_capabilities_of_the_two_backends(tmp_path):
-    assert PosixStorage(str(tmp_path)).caps == Capabilities(durable=True, node_local=False, stages_in_place=False)
+    assert PosixStorage(str(tmp_path)).caps == Capabilities(durable=True, node_local=False, stages_in_place=False,
+                                                            writes_live=True)
     assert TmpfsStorage(str(tmp_path)).caps == Capabilities(durable=False, node_local=True, stages_in_place=True)
+    # live writes need the O_DIRECT writer (it reads each piece once, under the fence's lock)
+    assert PosixStorage(str(tmp_path), direct_io=False).caps.writes_live is False
     assert TmpfsStorage(str(tmp_path), stage_in_place=False).caps.stages_in_place is False
     # O_DIRECT for data files on storage only: on tmpfs it would add a copy and save nothing
     assert PosixStorage(str(tmp_path)).direct_io and not TmpfsStorage(str(tmp_path)).direct_io

@@ -210,3 +210,25 @@ def test_a_wait_escalates_at_once(tmp_path):
 def test_a_nice_writer_is_never_escalated(tmp_path):
     r = run_child(tmp_path, "nice", 1.0, "poll")
     assert r["escalated"] is None and r["equal"], r
+
+
+def test_boosted_lifts_a_background_save_only_while_inside_and_never_undoes_an_escalation():
+    """A fence waiting for a lock the writer holds: the writer and its helper run at normal
+    priority inside ``boosted()``, in the background again after; a ``wait()`` meanwhile
+    escalates for good (the boost's exit leaves it so); between saves the boost changes nothing."""
+    prio = WriterPriority(WriterSched.IDLE, nice=0, deadline_s=60)
+    g = Group(prio)
+    try:
+        with prio.boosted():
+            assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)    # no save: nothing to lift
+        prio.begin()
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+        with prio.boosted():
+            assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+        with prio.boosted():
+            prio.urgent("wait")
+        assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+        assert prio.end() == "wait"
+    finally:
+        g.close()

@@ -46,6 +46,9 @@ class Capabilities:
     durable: bool           # a committed step survives a crash of the machine (files and dirs fsynced)
     node_local: bool        # each node has its own copy of every step under the root, not shared storage
     stages_in_place: bool   # the snapshot copy goes straight into the mapped data file (stage_data_file)
+    # write_data_file takes live chunks (:class:`~elastor_ds.checkpoint.live.LiveSpan`) and reads
+    # each piece under its gate's lock, so a save may read the live tensors until the fence
+    writes_live: bool = False
 
 
 class StorageWriter(abc.ABC):

@@ -23,6 +23,7 @@ from ...errors import CorruptCheckpointError, IncompleteCheckpointError
 from .. import commit as commit_mod
 from ..direct_write import write_stream_direct
 from ..fileformat import write_all, write_stream
+from ..live import materialize
 from ..planning.manifest import Manifest
 from ..sources import STORAGE, ChunkSource, DirSource
 from .base import Capabilities, Storage, make_root
@@ -38,7 +39,8 @@ class PosixStorage(Storage):
         self.root = os.path.abspath(root)
         self.sync = bool(sync)
         self.direct_io = bool(direct_io)
-        self.caps = Capabilities(durable=self.sync, node_local=False, stages_in_place=False)
+        self.caps = Capabilities(durable=self.sync, node_local=False, stages_in_place=False,
+                                 writes_live=self.direct_io)
         self.keep = 1
 
     # ------------------------------------------------------------------ write
@@ -53,7 +55,7 @@ class PosixStorage(Storage):
                         block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write = write_stream_direct if self.direct_io else write_stream
-        return write(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
+        return write(path, header, buffers if self.direct_io else materialize(buffers), fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
                      block_size=block_size)
 
     def write_file(self, path: str, data: bytes) -> None:

@@ -1,0 +1,190 @@
+"""Live writes: a storage save that reads the training state itself, not a copy of it, until the
+next optimizer step.
+
+Why: with the copy first, a save's time to durable is the copy (the training stall) plus the write,
+so persistence can be at most ``write / (copy + write)`` of the disk's speed: 0.79-0.86 on the
+development VM (bench/results/2026-12-04-s27-writer-crcs.md). Model and optimizer state only change
+at the optimizer step, and the checkpoint session already calls :meth:`~.engine.CheckpointEngine.fence`
+right before it (the CUDA snapshot's deferred copies use the same hook). So the writer can read the
+live CPU tensors from the start of the save, and only what it has not read when the fence comes is
+copied into the staging buffer then; that copy is the stall, and it is empty when the write ends
+before the next optimizer step.
+
+How: a :class:`LiveGate` per save holds, for every chunk (span) of the rank's data file, two
+views of the same shape: the live tensor's bytes and the staging buffer's. The ``O_DIRECT``
+writer (:mod:`.direct_write`) copies a chunk into its bounce buffers piece by piece (1 MiB at most),
+each piece under the gate's lock, from whichever view :meth:`LiveGate.source` gives. The fence
+takes the lock (so it waits for at most one piece), copies every chunk from the one the writer is
+in onwards into staging (the copy program's suffix, :meth:`~.staging._CopyProgram.run_from`), and
+from then on the writer reads staging. When the writer has read every chunk it releases the gate
+under the lock, and a later fence does nothing. Writers that do not go through bounce buffers
+(the buffered fallback) copy everything into staging first (:meth:`LiveGate.stage_all`).
+
+What guards the contract: each tensor's autograd version counter, which every in-place torch
+operation (the optimizer's ``add_``, batch norm's running statistics) increments. It is read at
+``save`` and compared at the fence and when the writer releases the gate; a change means the bytes
+the writer read may mix two states, so the save fails on every rank
+(:class:`~elastor_ds.errors.LiveStateChangedError`) and nothing is committed. Writes that bypass the
+counter (through ``.data``, numpy views, another process) are not seen: only turn live writes on
+where the optimizer step (behind the fence) is the only thing that changes saved tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import LiveStateChangedError
+from .fileformat import RowRuns
+
+
+class LiveGate:
+    """The live and staged views of one save's chunks, and the switch between them (see the
+    module docstring). ``live``/``staged``: per chunk, 1-D byte arrays or 2-D ``(rows, width)``
+    byte arrays of the same shape; ``starts``: each chunk's first byte in the staging buffer;
+    ``stage_from(pos)``: copies the live bytes at staging offsets >= ``pos`` into staging."""
+
+    def __init__(self, live: Sequence[np.ndarray], views: Sequence["memoryview | RowRuns"], starts: Sequence[int],
+                 stage_from: Any, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int):
+        staged = [_as_array(v, a.shape) for v, a in zip(views, live)]
+        if not (len(live) == len(staged) == len(starts)):
+            raise ValueError(f"{len(live)} live, {len(staged)} staged views for {len(starts)} chunks")
+        self.live, self.staged, self.views = list(live), staged, list(views)
+        # the first staging byte of each chunk and of every chunk after it (a column tile's rows
+        # interleave with its box's other tiles; every byte of chunk k and later is at or after this)
+        self.suffix_start = list(starts)
+        for k in range(len(starts) - 2, -1, -1):
+            self.suffix_start[k] = min(self.suffix_start[k], self.suffix_start[k + 1])
+        self._stage_from = stage_from
+        self.tensors = list(tensors)
+        self.names = list(names)
+        self.versions = [t._version for t in self.tensors]
+        self.step = step
+        self.lock = threading.Lock()
+        self.cursor = 0                     # the chunk the writer reads (or last read)
+        self.staged_from: Optional[int] = None   # chunks >= this are read from staging
+        self.released = False               # the writer has read every chunk
+        self.error: Optional[BaseException] = None
+        self.staged_bytes = 0               # bytes the fence (or stage_all) copied
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def source(self, k: int) -> np.ndarray:
+        """Chunk ``k``'s bytes to read now (call with :attr:`lock` held)."""
+        if self.error is not None:
+            raise self.error
+        self.cursor = k
+        return self.staged[k] if self.staged_from is not None and k >= self.staged_from else self.live[k]
+
+    def _changed(self, when: str) -> Optional[LiveStateChangedError]:
+        moved = [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
+        if not moved:
+            return None
+        shown = ", ".join(repr(n) for n in moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+        return LiveStateChangedError(
+            f"checkpoint save of step {self.step}: {shown} changed in place {when}, while the writer was reading "
+            f"the live tensors (live_write); the save is dropped. Call fence() on the engine before anything "
+            f"changes a saved tensor (CheckpointSession does it before every optimizer step), or turn live_write off")
+
+    def _stage(self, k: int) -> None:
+        pos = self.suffix_start[k] if k < len(self.suffix_start) else None
+        if pos is not None:
+            self.staged_bytes += self._stage_from(pos)
+        self.staged_from = k
+
+    def fence(self, boost: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
+        """Training thread, before saved tensors change: copy what the writer has not read into
+        staging (waiting for at most the piece it is copying, with the writer ``boost``-ed while
+        waiting: a background writer holding the lock runs only on idle cycles); the bytes copied."""
+        if not self.lock.acquire(blocking=False):
+            with boost():
+                self.lock.acquire()
+        try:
+            if self.released or self.staged_from is not None or self.error is not None:
+                return 0
+            self.error = self._changed("before the fence")
+            if self.error is not None:
+                return 0
+            before = self.staged_bytes
+            self._stage(self.cursor)
+            return self.staged_bytes - before
+        finally:
+            self.lock.release()
+
+    def stage_all(self) -> None:
+        """Writer thread, for a writer that reads each chunk whole (the buffered fallback): copy
+        every chunk not yet staged into staging now. Raises when a fence already moved some chunks
+        to staging and the rest may have changed since (the save is then dropped, on every rank)."""
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            if self.staged_from is None:
+                self.error = self._changed("before the writer staged them")
+                if self.error is not None:
+                    raise self.error
+                self._stage(0)
+            elif self.staged_from > 0:
+                self.error = LiveStateChangedError(
+                    f"checkpoint save of step {self.step}: the writer had to start over after the fence (the file "
+                    f"system refused O_DIRECT), and chunks read before the fence may have changed; the save is "
+                    f"dropped (the next one writes through the page cache from the start)")
+                raise self.error
+            self.released = True
+
+    def release(self) -> None:
+        """Writer thread: every chunk was read; check that no saved tensor changed meanwhile."""
+        with self.lock:
+            if self.error is None and self.staged_from is None:
+                self.error = self._changed("before the writer finished")
+            self.released = True
+            if self.error is not None:
+                raise self.error
+
+    def staged_view(self, k: int) -> "memoryview | RowRuns":
+        """Chunk ``k`` of the staging buffer as the writers take it (a flat view, or a tile's rows)."""
+        return self.views[k]
+
+    def close(self) -> None:
+        """Drop every view (the live tensors and the staging buffer are not kept alive by a finished save)."""
+        with self.lock:
+            self.released = True
+            self.live, self.staged, self.views, self.tensors = [], [], [], []
+            self._stage_from = None
+
+
+def _as_array(view: "memoryview | RowRuns", shape: tuple) -> np.ndarray:
+    """A writer's view of staging as a byte array of ``shape`` (a flat chunk whose live bytes are
+    rows of a wider tensor is reshaped to those rows)."""
+    if isinstance(view, RowRuns):
+        return np.ndarray((view.rows, view.width), dtype=np.uint8, buffer=view.base, offset=view.offset,
+                          strides=(view.stride, 1))
+    return np.frombuffer(view, dtype=np.uint8).reshape(shape)
+
+
+class LiveSpan:
+    """Chunk ``k`` of a :class:`LiveGate`, as an item of the writer's buffer list."""
+
+    __slots__ = ("gate", "k", "shape")
+
+    def __init__(self, gate: LiveGate, k: int):
+        self.gate, self.k = gate, k
+        self.shape = gate.live[k].shape
+
+    def __len__(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 0
+
+
+def materialize(buffers: Sequence[Any]) -> list:
+    """``buffers`` with every :class:`LiveSpan` replaced by its staged bytes (copied into staging
+    first, :meth:`LiveGate.stage_all`): for writers that read a chunk more than once."""
+    gates = []
+    for b in buffers:
+        if isinstance(b, LiveSpan) and b.gate not in gates:
+            gates.append(b.gate)
+    for g in gates:
+        g.stage_all()
+    return [b.gate.staged_view(b.k) if isinstance(b, LiveSpan) else b for b in buffers]

@@ -1,0 +1,200 @@
+"""Live writes (``CheckpointEngine(live_write=True)``): the writer reads the live CPU tensors until
+``fence()`` and staging after it. Oracles: clones of the tensors taken before the save (what a
+load must give back, bit for bit), the full CRC verification of the committed files, and the
+tensors' own version counters for the contract's guard."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from elastor_ds.checkpoint import direct_write
+from elastor_ds.checkpoint.engine import CheckpointEngine
+from elastor_ds.checkpoint.shards import TensorShard, full_shard
+from elastor_ds.checkpoint.storage import PosixStorage
+from elastor_ds.checkpoint.verify import verify
+from elastor_ds.errors import AsyncSaveError, LiveStateChangedError
+from elastor_ds.layout.region import Region
+
+
+def state():
+    """About 25 MiB: a box of 8 column tiles (16 MiB), a strided column slice of a wider tensor
+    (tiled too), a flat vector, a bfloat16 matrix (a dtype numpy lacks) and a 0-d scalar."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(512, 8192, generator=g)
+    wide = torch.randn(128, 16384, generator=g)
+    b = wide[:, 4096:12288]
+    c = torch.randn(1 << 20, generator=g)
+    d = torch.randn(64, 4096, generator=g).to(torch.bfloat16)
+    e = torch.tensor(3.5)
+    shards = [full_shard("a", a), TensorShard("b", (128, 8192), Region((0, 0), (128, 8192)), b),
+              full_shard("c", c), full_shard("d", d), full_shard("e", e)]
+    return shards, [a, b, c, d, e]
+
+
+def load_back(root, like):
+    outs = [torch.zeros_like(t) for t in like]
+    eng = CheckpointEngine(root)
+    shards = [full_shard("a", outs[0]), TensorShard("b", (128, 8192), Region((0, 0), (128, 8192)), outs[1]),
+              full_shard("c", outs[2]), full_shard("d", outs[3]), full_shard("e", outs[4])]
+    res = eng.load(None, shards)
+    eng.finalize()
+    return res, outs
+
+
+def committed(root):
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
+
+
+def bump(tensors):
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1)
+
+
+def test_a_fence_in_the_middle_of_the_write_keeps_the_state_of_the_save(tmp_path, monkeypatch):
+    """The disk is held until the writer has read a few chunks of the live tensors; then the
+    fence copies only the rest into staging, the test changes every tensor in place, and the disk
+    is released: the checkpoint holds the values at save() exactly, and its CRCs verify."""
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    want = [t.clone() for t in tensors]
+    entered, release = threading.Event(), threading.Event()
+    real = os.writev
+
+    def held(fd, bufs):
+        entered.set()
+        assert release.wait(30)
+        return real(fd, bufs)
+    monkeypatch.setattr(os, "writev", held)
+    eng = CheckpointEngine(root, live_write=True, writer_sched="nice")
+    st = eng.save(7, shards)
+    assert st.live and st.bytes_written > 20 << 20
+    gate = eng._job.gate
+    assert any(len(sp) == 4 for sp in eng.staging._program.spans)   # column tiles are among the chunks
+    assert entered.wait(30)
+    t0 = time.monotonic()
+    while gate.cursor < 2 and time.monotonic() - t0 < 30:   # the copier fills the free bounce buffers
+        time.sleep(0.005)
+    assert gate.cursor >= 2
+    eng.fence()
+    bump(tensors)                       # the optimizer step, after the fence
+    release.set()
+    done = eng.wait()
+    eng.finalize()
+    assert 0 < done.fence_bytes < done.bytes_written   # the writer had read some chunks live
+    res, got = load_back(root, want)
+    assert res.step == 7
+    for w, g, name in zip(want, got, "abcde"):
+        assert torch.equal(w, g), name
+    assert verify(res.step_dir) == []
+
+
+def test_no_fence_until_durable_reads_only_the_live_tensors(tmp_path):
+    """The optimizer step comes after the write: nothing is copied, the save is exact, and a late
+    fence does nothing."""
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    want = [t.clone() for t in tensors]
+    eng = CheckpointEngine(root, live_write=True)
+    assert eng.save(1, shards).stall_s < 1.0
+    done = eng.wait()
+    eng.fence()
+    bump(tensors)
+    eng.finalize()
+    assert done.live and done.fence_bytes == 0
+    _, got = load_back(root, want)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_a_fence_right_after_save_copies_everything_and_is_exact(tmp_path):
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    want = [t.clone() for t in tensors]
+    eng = CheckpointEngine(root, live_write=True)
+    eng.save(2, shards)
+    eng.fence()
+    bump(tensors)
+    done = eng.wait()
+    eng.finalize()
+    assert 0 < done.fence_bytes <= done.bytes_written
+    _, got = load_back(root, want)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_a_tensor_changed_without_a_fence_drops_the_save_on_its_version_counter(tmp_path, monkeypatch):
+    """The contract broken: an in-place change while the writer still reads. The save fails with a
+    typed error naming the tensor, nothing is committed (``latest`` stays at the last good step),
+    and the next save, fenced, works."""
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    eng = CheckpointEngine(root, live_write=True)
+    eng.save(1, shards)
+    eng.wait()
+    release = threading.Event()
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: (release.wait(30), real(fd, bufs))[1])
+    eng.save(2, shards)
+    with torch.no_grad():
+        tensors[2].mul_(2)              # no fence first
+    release.set()
+    with pytest.raises(LiveStateChangedError) as ei:
+        eng.wait()
+    assert isinstance(ei.value, AsyncSaveError) and "'c'" in str(ei.value) and "fence()" in str(ei.value)
+    assert committed(root) == [1]                 # nothing of step 2 was committed
+    want = [t.clone() for t in tensors]
+    eng.save(3, shards)
+    eng.fence()
+    bump(tensors)
+    eng.wait()
+    eng.finalize()
+    _, got = load_back(root, want)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_a_change_before_the_fence_is_caught_by_the_fence(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: (release.wait(30), real(fd, bufs))[1])
+    shards, tensors = state()
+    eng = CheckpointEngine(str(tmp_path / "ck"), live_write=True)
+    eng.save(1, shards)
+    with torch.no_grad():
+        tensors[0][0, 0] += 1
+    eng.fence()
+    release.set()
+    with pytest.raises(LiveStateChangedError, match="'a' changed in place before the fence"):
+        eng.wait()
+    eng.finalize()
+
+
+def test_a_file_system_without_o_direct_stages_first_and_is_exact(tmp_path, monkeypatch):
+    """The buffered fallback reads each chunk twice (CRCs, then the write): the writer copies the
+    live tensors into staging first; the bytes are those of the save."""
+    monkeypatch.setattr(direct_write, "_unsupported", {-7})
+    monkeypatch.setattr(direct_write, "_device_of", lambda folder: -7)
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    want = [t.clone() for t in tensors]
+    eng = CheckpointEngine(root, live_write=True)
+    eng.save(1, shards)
+    done = eng.wait()
+    eng.fence()
+    bump(tensors)
+    eng.finalize()
+    assert done.live
+    res, got = load_back(root, want)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert verify(res.step_dir) == []
+
+
+def test_storage_that_cannot_read_live_and_device_less_buffered_writes_copy_at_save(tmp_path):
+    shards, _ = state()
+    eng = CheckpointEngine(str(tmp_path / "ck"), storage=PosixStorage(str(tmp_path / "ck"), direct_io=False),
+                           live_write=True)
+    st = eng.save(1, shards)
+    eng.finalize()
+    assert not st.live and st.stall_s > 0
