@@ -84,8 +84,9 @@ class TrainerState(Protocol):
         """Collective: bytes this rank writes per snapshot, estimated before the optimizer has state."""
 
     def fence_optimizer(self) -> Any:
-        """The optimizer whose ``register_step_pre_hook`` orders device copies before the next step,
-        or None (no CUDA parameters / no hooks: snapshots then wait for their copies)."""
+        """The optimizer whose ``register_step_pre_hook`` runs the fence before each step (a
+        snapshot's device copies, a live write's reads), or None (no such hook: snapshots then wait
+        for their copies, and storage saves copy at save time)."""
 
 
 def check_roots_apart(storage: str, snapshots: str) -> None:
@@ -165,6 +166,11 @@ class CheckpointSession:
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
                 attach(self, cfg.timeout_s)
         self.device_fence = self._install_device_fence()
+        # a live write needs the fence before every optimizer step (nothing else changes saved tensors)
+        self.ckpt.live_write = cfg.live_write and self.device_fence
+        if cfg.live_write and not self.device_fence:
+            log.warning("checkpoint.live_write is on, but this trainer's optimizer has no step pre-hook for the fence "
+                        "(e.g. Megatron-LM's optimizers): storage saves copy the state at save time instead")
 
     @property
     def layout(self) -> Layout:

@@ -58,6 +58,9 @@ class CheckpointConfig:
     direct_io: bool = True           # data files written with O_DIRECT where the file system takes it
     writer_sched: WriterSched = DEFAULT_WRITER_SCHED   # the writer's CPU policy until waited for
     writer_deadline_s: float = DEFAULT_WRITER_DEADLINE_S
+    # storage saves read the live CPU tensors until the fence before the next optimizer step
+    # (checkpoint.live: time to durable without the copy); only where nothing else changes them
+    live_write: bool = False
 
     @property
     def periodic(self) -> bool:
@@ -91,7 +94,7 @@ _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s"
               "async": "async_save", "keep": "keep", "load": "load", "verify_on_load": "verify_on_load",
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
               "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s", "direct_io": "direct_io",
-              "writer_sched": "writer_sched", "writer_deadline_s": "writer_deadline_s"}
+              "writer_sched": "writer_sched", "writer_deadline_s": "writer_deadline_s", "live_write": "live_write"}
 _MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes")
 
 
@@ -176,7 +179,7 @@ def parse_checkpoint(d: Any, where: str = f"{SECTION}.checkpoint") -> Checkpoint
         if kw["timeout_s"] <= 0:
             raise ConfigError(f"{where}.timeout_s: must be > 0, got {d['timeout_s']!r}")
     for key in ("async", "verify_on_load", "fallback_to_previous", "on_save_checkpoint", "deepspeed_native",
-                "direct_io"):
+                "direct_io", "live_write"):
         if key in d:
             kw[_CKPT_KEYS[key]] = _bool(f"{where}.{key}", d[key])
     if "writer_sched" in d:

@@ -40,7 +40,10 @@ def runs(tmp_path_factory):
                     elastor={"checkpoint": c})
 
     base = dict(name="ref", pp=2, dp=2, mb=2, gas=2, zero=1, steps=K + M, save_at=[K], native_dir=native,
-                elastor={"plan": "auto", "checkpoint": {"dir": ck, "load": "latest", "async": True}})
+                # the save at K reads the live tensors until the fence before step K + 1 (live_write):
+                # every resume below checks the values it wrote
+                elastor={"plan": "auto", "checkpoint": {"dir": ck, "load": "latest", "async": True,
+                                                        "live_write": True}})
     run_world(run_specs, 4, [base, resume("pp4_dp1_zero0", 4, 1, 4, 0, [0, 1, 4, 6, 8],
                                           {"interval_steps": 2})], out, timeout_s=120)
     from elastor_ds.integrations.deepspeed.convert import convert
@@ -73,6 +76,10 @@ def test_resume_reproduces_losses(runs, name):
     assert got["losses"] == pytest.approx(ref["losses"][K:], rel=1e-5, abs=1e-6), (name, got, ref)
     assert got["lr"] == pytest.approx(ref["lr"], rel=1e-7)
     assert got["global_samples"] == ref["global_samples"]
+
+
+def test_the_reference_runs_save_was_a_live_write(runs):
+    assert _read(runs[0], "ref")["live_saves"] == [True]
 
 
 def test_periodic_save_and_native_files(runs):

@@ -64,7 +64,8 @@ def run_one(rank: int, spec: dict[str, Any], outdir: str) -> None:
     if engine.elastor is not None:
         engine.elastor.finalize()
     out = {"start": start, "losses": losses, "lr": engine.get_lr()[0],
-           "client_state": client_state if client_state is not None else engine.elastor_client_state(), "global_samples": int(engine.global_samples)}
+           "client_state": client_state if client_state is not None else engine.elastor_client_state(), "global_samples": int(engine.global_samples),
+           "live_saves": [bool(s.live) for s in engine.elastor.stats] if engine.elastor is not None else []}
     if rank == 0:
         with open(os.path.join(outdir, spec["name"] + ".json"), "w") as f:
             json.dump(out, f)

@@ -24,6 +24,7 @@ def test_defaults():
     assert c.verify_on_load and c.fallback_to_previous and not c.periodic
     assert c.direct_io   # data files written with O_DIRECT where the file system takes it
     assert c.writer_sched == "idle" and c.writer_deadline_s == 5.0
+    assert c.live_write is False   # opt-in: it asks that only the optimizer step changes saved tensors
 
 
 class _NoFence:
@@ -41,6 +42,28 @@ def test_direct_io_can_be_turned_off_and_reaches_the_storage(tmp_path):
         assert c.direct_io is value
         s = CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
         assert s.ckpt.storage.direct_io is value
+
+
+class _Fence:
+    def __init__(self):
+        import torch
+        self.opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    def fence_optimizer(self):
+        return self.opt
+
+
+def test_live_write_reaches_the_engine_only_with_a_fence(tmp_path, caplog):
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    with pytest.raises(ConfigError, match="live_write"):
+        parse_elastor_section({"checkpoint": {"dir": "x", "live_write": "yes"}})
+    c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "a"), "live_write": True}}).checkpoint
+    s = CheckpointSession(_Fence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+    assert s.device_fence and s.ckpt.live_write
+    c = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "b"), "live_write": True}}).checkpoint
+    s = CheckpointSession(_NoFence(), c, comm=LocalComm(), policy_comm=LocalComm())   # type: ignore[arg-type]
+    assert not s.ckpt.live_write and "no step pre-hook" in caplog.text
 
 
 def test_the_writer_schedule_reaches_the_engine(tmp_path):

@@ -10,7 +10,8 @@ Pure: no deepspeed, no torch. Shape (a contract; keys may be added, never remove
       "checkpoint": {
         "dir": "<path>", "interval_steps": N, "min_interval_s": S, "async": true, "keep": 2,
         "load": "latest" | "none" | "<step dir>", "verify_on_load": true, "fallback_to_previous": true,
-        "on_save_checkpoint": true, "deepspeed_native": true, "timeout_s": 600, "direct_io": true
+        "on_save_checkpoint": true, "deepspeed_native": true, "timeout_s": 600, "direct_io": true,
+        "live_write": false                      # saves read the live CPU tensors until the next step
       },
       "memory_snapshot": {                       # needs "checkpoint" (storage stays the durable tier)
         "interval_steps": 1, "keep": 1, "peer_copies": 1,

@@ -67,11 +67,12 @@ class DeepSpeedState:
         return self._layout
 
     def fence_optimizer(self) -> Any:
-        """CUDA parameters: the base optimizer (its pre-step hook orders the snapshot copies)."""
-        import torch
-        if not torch.cuda.is_available() or not any(p.is_cuda for p in self.engine.module.parameters()):
+        """The base optimizer (ZeRO's inner one): its pre-step hook orders a snapshot's device
+        copies and ends a live write's reads of the live tensors; None when there is none."""
+        try:
+            return st.base_optimizer(self.engine)
+        except ConfigError:
             return None
-        return st.base_optimizer(self.engine)
 
     def snapshot_bytes(self, comm: Any) -> int:
         """Bytes this rank writes per snapshot, estimated before the optimizer has state: the save
