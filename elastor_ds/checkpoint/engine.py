@@ -82,7 +82,7 @@ from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dt
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
-from .live import LiveGate, LiveSpan
+from .live import LiveChunks, LiveGate, LiveSpan
 from .staging import StagingBuffer
 from .state import from_jsonable, resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
@@ -417,14 +417,17 @@ class CheckpointEngine:
         prog = self.staging.program(items, shards)
         if prog.live is None:
             return None
-        tensors, names, seen = [], [], set()
-        for sh in shards:
-            if id(sh.tensor) not in seen:
-                seen.add(id(sh.tensor))
-                tensors.append(sh.tensor)
-                names.append(sh.name)
-        return LiveGate(prog.live, _staging_views(self.staging.buf, prog.spans), [sp[0] for sp in prog.spans],
-                        prog.run_from, tensors, names, step)
+        chunks = prog.live_chunks
+        if chunks is None:   # once per copy program: views and arrays of the same memory every save
+            tensors, names, seen = [], [], set()
+            for sh in shards:
+                if id(sh.tensor) not in seen:
+                    seen.add(id(sh.tensor))
+                    tensors.append(sh.tensor)
+                    names.append(sh.name)
+            chunks = prog.live_chunks = LiveChunks(prog.live, _staging_views(self.staging.buf, prog.spans),
+                                                   [sp[0] for sp in prog.spans], prog.run_from, tensors, names)
+        return LiveGate(chunks, step)
 
     def fence(self) -> None:
         """Call before the optimizer step (anything that changes saved tensors). CUDA with

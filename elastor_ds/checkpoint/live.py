@@ -41,27 +41,36 @@ from ..errors import LiveStateChangedError
 from .fileformat import RowRuns
 
 
-class LiveGate:
-    """The live and staged views of one save's chunks, and the switch between them (see the
-    module docstring). ``live``/``staged``: per chunk, 1-D byte arrays or 2-D ``(rows, width)``
-    byte arrays of the same shape; ``starts``: each chunk's first byte in the staging buffer;
-    ``stage_from(pos)``: copies the live bytes at staging offsets >= ``pos`` into staging."""
+class LiveChunks:
+    """What a live write reads, per chunk of the rank's data file, for one copy program (built once
+    per plan and reused): the live tensor's bytes and the staging buffer's as arrays of the same
+    shape (1-D, or 2-D ``(rows, width)``), the writers' views of staging, where each chunk and the
+    chunks after it start in staging, and ``stage_from(pos)`` that copies the live bytes at staging
+    offsets >= ``pos`` into staging."""
 
     def __init__(self, live: Sequence[np.ndarray], views: Sequence["memoryview | RowRuns"], starts: Sequence[int],
-                 stage_from: Any, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int):
-        staged = [_as_array(v, a.shape) for v, a in zip(views, live)]
-        if not (len(live) == len(staged) == len(starts)):
-            raise ValueError(f"{len(live)} live, {len(staged)} staged views for {len(starts)} chunks")
-        self.live, self.staged, self.views = list(live), staged, list(views)
+                 stage_from: Callable[[int], int], tensors: Sequence[torch.Tensor], names: Sequence[str]):
+        if not (len(live) == len(views) == len(starts)):
+            raise ValueError(f"{len(live)} live, {len(views)} staged views for {len(starts)} chunks")
+        self.live, self.views = list(live), list(views)
+        self.staged = [_as_array(v, a.shape) for v, a in zip(views, live)]
         # the first staging byte of each chunk and of every chunk after it (a column tile's rows
         # interleave with its box's other tiles; every byte of chunk k and later is at or after this)
         self.suffix_start = list(starts)
         for k in range(len(starts) - 2, -1, -1):
             self.suffix_start[k] = min(self.suffix_start[k], self.suffix_start[k + 1])
-        self._stage_from = stage_from
-        self.tensors = list(tensors)
-        self.names = list(names)
-        self.versions = [t._version for t in self.tensors]
+        self.stage_from = stage_from
+        self.tensors, self.names = list(tensors), list(names)
+
+
+class LiveGate:
+    """One save's switch between the live and the staged bytes of its :class:`LiveChunks` (see the
+    module docstring); the tensors' version counters are read when it is made (at ``save``)."""
+
+    def __init__(self, chunks: LiveChunks, step: int):
+        self.chunks = chunks
+        self.live, self.staged = chunks.live, chunks.staged
+        self.versions = [t._version for t in chunks.tensors]
         self.step = step
         self.lock = threading.Lock()
         self.cursor = 0                     # the chunk the writer reads (or last read)
@@ -81,7 +90,8 @@ class LiveGate:
         return self.staged[k] if self.staged_from is not None and k >= self.staged_from else self.live[k]
 
     def _changed(self, when: str) -> Optional[LiveStateChangedError]:
-        moved = [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
+        c = self.chunks
+        moved = [n for n, t, v in zip(c.names, c.tensors, self.versions) if t._version != v]
         if not moved:
             return None
         shown = ", ".join(repr(n) for n in moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
@@ -91,9 +101,9 @@ class LiveGate:
             f"changes a saved tensor (CheckpointSession does it before every optimizer step), or turn live_write off")
 
     def _stage(self, k: int) -> None:
-        pos = self.suffix_start[k] if k < len(self.suffix_start) else None
-        if pos is not None:
-            self.staged_bytes += self._stage_from(pos)
+        starts = self.chunks.suffix_start
+        if k < len(starts):
+            self.staged_bytes += self.chunks.stage_from(starts[k])
         self.staged_from = k
 
     def fence(self, boost: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
@@ -146,14 +156,13 @@ class LiveGate:
 
     def staged_view(self, k: int) -> "memoryview | RowRuns":
         """Chunk ``k`` of the staging buffer as the writers take it (a flat view, or a tile's rows)."""
-        return self.views[k]
+        return self.chunks.views[k]
 
     def close(self) -> None:
-        """Drop every view (the live tensors and the staging buffer are not kept alive by a finished save)."""
+        """The save is over: no chunk is read through this gate any more."""
         with self.lock:
             self.released = True
-            self.live, self.staged, self.views, self.tensors = [], [], [], []
-            self._stage_from = None
+            self.live, self.staged = [], []
 
 
 def _as_array(view: "memoryview | RowRuns", shape: tuple) -> np.ndarray:

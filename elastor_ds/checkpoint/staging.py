@@ -96,6 +96,7 @@ class _CopyProgram:
         # each span's bytes in the live tensor (1-D, or 2-D rows of a wider tensor), for writes that
         # read the live state until the fence (:mod:`.live`); None when some span has other strides
         self.live: list[np.ndarray] | None = []
+        self.live_chunks = None   # the engine's LiveChunks of this program (built on its first live save)
         self.total = sum(i.nbytes for i in items)
         run: list = []   # [src tensor, src storage id, src start ptr, dst start, nbytes] of the open run
 
