@@ -22,6 +22,9 @@ Save (``save``), one in flight at a time:
    dir, its header written, the regions copied into its pages; CPU shards are copied in pieces of
    256 KiB and each piece's block CRCs are taken while it is in cache (one pass over the bytes
    instead of the copy's plus the writer's).
+   With ``live_write`` (CPU shards, a storage whose writer reads live chunks) there is no copy
+   here: the writer reads the live tensors until :meth:`CheckpointEngine.fence`, which copies
+   only what it has not read yet (:mod:`.live`).
 4. Background writer thread (one per engine, fed one save at a time): stream the buffer to
    ``data_<rank>.safetensors`` in the temp step dir through the storage (a durable one fsyncs),
    write the rank's state file (staged in place: only the CRCs, the block-CRC table and the state

@@ -198,3 +198,20 @@ def test_storage_that_cannot_read_live_and_device_less_buffered_writes_copy_at_s
     st = eng.save(1, shards)
     eng.finalize()
     assert not st.live and st.stall_s > 0
+
+
+def test_a_shard_whose_strides_need_torchs_copy_is_saved_by_a_copy_at_save(tmp_path):
+    """A transposed matrix (no stride-1 rows): no live views of it, so the save copies as before
+    (live False, a stall), and the bytes are the values at save()."""
+    root = str(tmp_path / "ck")
+    t = torch.randn(64, 48).t()                  # strides (1, 48)
+    want = t.clone()
+    eng = CheckpointEngine(root, live_write=True)
+    st = eng.save(1, [full_shard("t", t)])
+    bump([t])
+    eng.wait()
+    eng.finalize()
+    assert not st.live
+    out = torch.zeros(48, 64)
+    CheckpointEngine(root).load(None, [full_shard("t", out)])
+    assert torch.equal(out, want)
