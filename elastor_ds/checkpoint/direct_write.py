@@ -43,7 +43,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .crc import crc32, crc32_combine
-from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, _pausing, extend_block_crcs, write_stream
+from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, gil_pausing, extend_block_crcs, write_stream
 from .live import LiveSpan, materialize
 from .planning.manifest import BLOCK_SIZE
 from .writer_sched import thread_target
@@ -377,7 +377,7 @@ class _Bounce:
         self.total += m
         # the CRCs of the bytes written in place, from the source while the helper writes them;
         # a loop of small-block CRCs holds the GIL, so off the main thread it pauses between pieces
-        pause = _pausing(self.crcs.block)
+        pause = gil_pausing(self.crcs.block)
         for a in range(k, k + m, GIL_PAUSE_BYTES):
             if pause and a > k:
                 time.sleep(GIL_PAUSE_S)

@@ -115,7 +115,7 @@ def runs_cumulative_crcs(runs: RowRuns, block_size: int) -> "array.array[int]":
     c = 0
     filled = 0
     w = runs.width
-    pause = max(1, GIL_PAUSE_BYTES // max(1, w)) if _pausing(min(block_size, w)) else 0
+    pause = max(1, GIL_PAUSE_BYTES // max(1, w)) if gil_pausing(min(block_size, w)) else 0
     for r in range(runs.rows):
         if pause and r and r % pause == 0:
             time.sleep(GIL_PAUSE_S)
@@ -256,7 +256,9 @@ GIL_PAUSE_S = 1e-4
 _GIL_FREE_CRC = 8 * 1024   # zlib(-ng) releases the GIL for calls on more than ~5 KiB
 
 
-def _pausing(block_size: int) -> bool:
+def gil_pausing(block_size: int) -> bool:
+    """Whether a loop of CRCs over blocks of ``block_size`` bytes should pause now and then to
+    hand over the GIL: the calls are too short to release it, and this is not the main thread."""
     return block_size < _GIL_FREE_CRC and threading.current_thread() is not threading.main_thread()
 
 
@@ -270,7 +272,7 @@ def cumulative_crcs(mv: memoryview, block_size: int) -> "array.array[int]":
     list comprehension (the fastest loop of CRC calls) appended to the array."""
     c = 0
     out = array.array("I")
-    pause = _pausing(block_size)
+    pause = gil_pausing(block_size)
     step = max(block_size, GIL_PAUSE_BYTES // block_size * block_size)
     for s in range(0, len(mv), step):
         if pause and s:
