@@ -357,10 +357,8 @@ class CheckpointEngine:
         job = _Job(step, t0=t0, stale=stale)
         if live and not stale:
             job.gate = self._live_gate(items, shards, step)
-            if job.gate is not None:
-                spans = list(self.staging.program(items, shards).spans)
-        if job.gate is not None:
-            pass   # nothing copied now: the writer reads the live tensors until fence()
+        if job.gate is not None:   # nothing copied now: the writer reads the live tensors until fence()
+            spans = list(self.staging.program(items, shards).spans)
         elif not stale and self.in_place:
             try:
                 job.staged, job.header_crc = self._take_file(items, tmp_dir)

@@ -196,7 +196,10 @@ def _rows_of(src: torch.Tensor, rows: int) -> "np.ndarray | None":
     uint8 array over its memory; None for any other strides."""
     if src.dim() != 2 or src.shape[0] != rows or src.stride(1) != 1:
         return None
-    return src.view(torch.uint8).numpy()
+    try:
+        return src.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):   # a dtype torch cannot view as bytes: the save copies instead
+        return None
 
 
 class _DeviceCopyProgram(_CopyProgram):
