@@ -21,6 +21,7 @@ Prints every ratio of issue 23's goal list with its goal and met / not met, and 
     python bench/ckpt_bench.py --world 2 --mib-per-rank 256 --saves 5
     python bench/ckpt_bench.py --world 2 --mib-per-rank 2048 --saves 3 --dcp-saves 1
     python bench/ckpt_bench.py --world 4 --mib-per-rank 256 --saves 5
+    python bench/ckpt_bench.py --world 2 --mib-per-rank 256 --saves 9 --live-write [--live-fence-after 0.15]
 """
 from __future__ import annotations
 
@@ -178,6 +179,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
               for i, t in enumerate(local)]
     stalls, durables, writes, snaps, plans, cpus, memcpys = [], [], [], [], [], [], []
     durables_fenced: list[float] = []   # live_write: saves fenced right after save()
+    fence_fracs: list[float] = []       # live_write: the share of the state those fences copied
     live_unfenced: list[bool] = []      # live_write: the unfenced saves read only the live tensors
     a = torch.randn(384, 384)
 
@@ -221,9 +223,16 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
         # state is still to copy, the stall's worst case); even ones wait for durable first (the
         # optimizer step after the write: nothing left to copy)
         fenced = args.live_write and step % 2 == 1
-        if fenced:
-            eng.fence()
         st_cpu = time.thread_time() - c0
+        if fenced:
+            # --live-fence-after S: training computes for S seconds first (forward and backward),
+            # then the optimizer step's fence copies what the writer has not read by then
+            t_end = time.perf_counter() + args.live_fence_after
+            while time.perf_counter() < t_end:
+                compute(1)
+            c1 = time.thread_time()
+            eng.fence()
+            st_cpu += time.thread_time() - c1
         done = eng.wait()
         # the floor, between saves (disk speed drifts)
         # (the O_DIRECT floor from the staging buffer: this rank's bytes, in the memory they are written from)
@@ -241,6 +250,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
             plans.append(st.plan_s)
             if args.live_write:
                 durables_fenced.append(done.durable_s)
+                fence_fracs.append(st.fence_bytes / max(1, st.bytes_written))
             else:
                 durables.append(done.durable_s)
                 writes.append(done.write_s)
@@ -301,6 +311,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> N
     if durables_fenced:
         res["elastor_durable_fenced_s"] = statistics.median(durables_fenced)
         res["elastor_live_unfenced"] = live_unfenced
+        res["elastor_fence_fracs"] = fence_fracs
     res["elastor_write_s"] = statistics.median(writes)
     res["elastor_snapshot_s"] = statistics.median(snaps)
     res["elastor_plan_agree_s"] = statistics.median(plans)
@@ -623,8 +634,11 @@ def report(path: str) -> bool:
          worst("elastor_plan_agree_s") / worst("memcpy_interleaved_s")),
         ("persist: write floor / time to durable", "persist", worst("write_s") / worst("elastor_durable_s")),
         ("  write + fsync of its file / write floor", None, worst("elastor_write_s") / worst("write_s")),
-        ("  live_write: the same persist with the fence right after the save", None,
+        ("  live_write: persist of the fenced saves (at once, or after --live-fence-after)", None,
          worst("write_s") / worst("elastor_durable_fenced_s") if all(r.get("elastor_durable_fenced_s") for r in rs)
+         else None),
+        ("  live_write: share of the state the fence copied (median, slowest rank)", None,
+         max(statistics.median(r["elastor_fence_fracs"]) for r in rs) if all(r.get("elastor_fence_fracs") for r in rs)
          else None),
         # the most persist can be while the write starts when the copy ends: the write at its floor,
         # after the stall, plus what the save spends outside both (commit, collectives)
@@ -710,6 +724,9 @@ def main() -> None:
                     help="CheckpointEngine(live_write=True): the writer reads the live tensors until fence(); odd "
                          "saves fence at once (their stall is the stall figure), even ones after durable (their "
                          "time to durable is the persist figure)")
+    ap.add_argument("--live-fence-after", type=float, default=0.0,
+                    help="with --live-write: the fenced saves compute this many seconds before the fence (the "
+                         "forward and backward before an optimizer step); their stall is save + fence")
     ap.add_argument("--slowdown-window", type=float, default=3.0,
                     help="compute for at most this many seconds of each of those saves")
     ap.add_argument("--no-tmpfs-load", dest="tmpfs_load", action="store_false",
