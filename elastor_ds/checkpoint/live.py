@@ -69,7 +69,6 @@ class LiveGate:
 
     def __init__(self, chunks: LiveChunks, step: int):
         self.chunks = chunks
-        self.live, self.staged = chunks.live, chunks.staged
         self.versions = [t._version for t in chunks.tensors]
         self.step = step
         self.lock = threading.Lock()
@@ -77,17 +76,17 @@ class LiveGate:
         self.staged_from: Optional[int] = None   # chunks >= this are read from staging
         self.released = False               # the writer has read every chunk
         self.error: Optional[BaseException] = None
-        self.staged_bytes = 0               # bytes the fence (or stage_all) copied
 
     def __len__(self) -> int:
-        return len(self.live)
+        return len(self.chunks.live)
 
     def source(self, k: int) -> np.ndarray:
         """Chunk ``k``'s bytes to read now (call with :attr:`lock` held)."""
         if self.error is not None:
             raise self.error
         self.cursor = k
-        return self.staged[k] if self.staged_from is not None and k >= self.staged_from else self.live[k]
+        c = self.chunks
+        return c.staged[k] if self.staged_from is not None and k >= self.staged_from else c.live[k]
 
     def _changed(self, when: str) -> Optional[LiveStateChangedError]:
         c = self.chunks
@@ -100,11 +99,11 @@ class LiveGate:
             f"the live tensors (live_write); the save is dropped. Call fence() on the engine before anything "
             f"changes a saved tensor (CheckpointSession does it before every optimizer step), or turn live_write off")
 
-    def _stage(self, k: int) -> None:
+    def _stage(self, k: int) -> int:
+        """Copy chunks ``k``.. into staging and read them from there from now on; the bytes copied."""
         starts = self.chunks.suffix_start
-        if k < len(starts):
-            self.staged_bytes += self.chunks.stage_from(starts[k])
         self.staged_from = k
+        return self.chunks.stage_from(starts[k]) if k < len(starts) else 0
 
     def fence(self, boost: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Training thread, before saved tensors change: copy what the writer has not read into
@@ -119,9 +118,7 @@ class LiveGate:
             self.error = self._changed("before the fence")
             if self.error is not None:
                 return 0
-            before = self.staged_bytes
-            self._stage(self.cursor)
-            return self.staged_bytes - before
+            return self._stage(self.cursor)
         finally:
             self.lock.release()
 
@@ -159,10 +156,9 @@ class LiveGate:
         return self.chunks.views[k]
 
     def close(self) -> None:
-        """The save is over: no chunk is read through this gate any more."""
+        """The save is over: a later fence has nothing to do."""
         with self.lock:
             self.released = True
-            self.live, self.staged = [], []
 
 
 def _as_array(view: "memoryview | RowRuns", shape: tuple) -> np.ndarray:
@@ -181,7 +177,7 @@ class LiveSpan:
 
     def __init__(self, gate: LiveGate, k: int):
         self.gate, self.k = gate, k
-        self.shape = gate.live[k].shape
+        self.shape = gate.chunks.live[k].shape
 
     def __len__(self) -> int:
         return int(np.prod(self.shape)) if self.shape else 0

@@ -165,7 +165,7 @@ class CheckpointSession:
             if cross_node:
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
                 attach(self, cfg.timeout_s)
-        self.device_fence = self._install_device_fence()
+        self.device_fence = self._install_device_fence(cfg.live_write)
         # a live write needs the fence before every optimizer step (nothing else changes saved tensors)
         self.ckpt.live_write = cfg.live_write and self.device_fence
         if cfg.live_write and not self.device_fence:
@@ -184,7 +184,12 @@ class CheckpointSession:
             if eng is not None:
                 eng.storage.remove_if_unused()
 
-    def _install_device_fence(self) -> bool:
+    def _install_device_fence(self, live_write: bool) -> bool:
+        """The fence in the optimizer's step pre-hook, where something needs it: CUDA (a snapshot's
+        deferred device copies) or live writes. A CPU job without live writes gets no per-step hook."""
+        import torch
+        if not live_write and not torch.cuda.is_available():
+            return False
         opt = self.state.fence_optimizer()
         if opt is None or not hasattr(opt, "register_step_pre_hook"):
             return False

@@ -75,6 +75,7 @@ def test_a_fence_in_the_middle_of_the_write_keeps_the_state_of_the_save(tmp_path
     assert st.live and st.bytes_written > 20 << 20
     gate = eng._job.gate
     assert any(len(sp) == 4 for sp in eng.staging._program.spans)   # column tiles are among the chunks
+    eng.staging.buf.fill_(0xA5)   # staging holds garbage: whatever the file has came from the live tensors or the fence
     assert entered.wait(30)
     t0 = time.monotonic()
     while gate.cursor < 2 and time.monotonic() - t0 < 30:   # the copier fills the free bounce buffers
@@ -100,14 +101,16 @@ def test_no_fence_until_durable_reads_only_the_live_tensors(tmp_path):
     shards, tensors = state()
     want = [t.clone() for t in tensors]
     eng = CheckpointEngine(root, live_write=True)
-    assert eng.save(1, shards).stall_s < 1.0
-    done = eng.wait()
+    eng.save(1, shards)
+    eng.wait()
+    eng.staging.buf.fill_(0xA5)   # garbage in staging: a writer that read it would write garbage
+    done = eng.save(2, shards) and eng.wait()
     eng.fence()
     bump(tensors)
     eng.finalize()
     assert done.live and done.fence_bytes == 0
-    _, got = load_back(root, want)
-    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    res, got = load_back(root, want)
+    assert res.step == 2 and all(torch.equal(w, g) for w, g in zip(want, got))
 
 
 def test_a_fence_right_after_save_copies_everything_and_is_exact(tmp_path):
@@ -181,12 +184,16 @@ def test_a_file_system_without_o_direct_stages_first_and_is_exact(tmp_path, monk
     want = [t.clone() for t in tensors]
     eng = CheckpointEngine(root, live_write=True)
     eng.save(1, shards)
+    eng.wait()
+    eng.staging.buf.fill_(0xA5)   # the fallback must copy the live tensors into staging before writing it
+    eng.save(2, shards)
     done = eng.wait()
     eng.fence()
     bump(tensors)
     eng.finalize()
     assert done.live
     res, got = load_back(root, want)
+    assert res.step == 2
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert verify(res.step_dir) == []
 

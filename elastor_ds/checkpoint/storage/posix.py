@@ -54,9 +54,11 @@ class PosixStorage(Storage):
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
                         block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write = write_stream_direct if self.direct_io else write_stream
-        return write(path, header, buffers if self.direct_io else materialize(buffers), fsync=self.sync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
-                     block_size=block_size)
+        if self.direct_io:
+            return write_stream_direct(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs,
+                                       block_crcs=block_crcs, block_size=block_size)
+        return write_stream(path, header, materialize(buffers), fsync=self.sync, chunk_crcs=chunk_crcs,
+                            block_crcs=block_crcs, block_size=block_size)
 
     def write_file(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
