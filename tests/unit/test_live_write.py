@@ -45,6 +45,28 @@ def load_back(root, like):
     return res, outs
 
 
+def live_engine(tmp_path, poisoned: bool = False):
+    """(root, tensors, clones, shards, engine with live writes). ``poisoned``: a first save (step 1)
+    has allocated the staging buffer, which is then filled with 0xA5, so a writer that reads it
+    instead of the live tensors (or a fallback that does not stage first) writes garbage."""
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    eng = CheckpointEngine(root, live_write=True)
+    if poisoned:
+        eng.save(1, shards)
+        eng.wait()
+        eng.staging.buf.fill_(0xA5)
+    return root, tensors, [t.clone() for t in tensors], shards, eng
+
+
+def assert_loads(root, want, step):
+    res, got = load_back(root, want)
+    assert res.step == step
+    for w, g, name in zip(want, got, "abcde"):
+        assert torch.equal(w, g), name
+    return res
+
+
 def committed(root):
     return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
 
@@ -94,38 +116,34 @@ def test_a_fence_in_the_middle_of_the_write_keeps_the_state_of_the_save(tmp_path
     assert verify(res.step_dir) == []
 
 
-def test_no_fence_until_durable_reads_only_the_live_tensors(tmp_path):
-    """The optimizer step comes after the write: nothing is copied, the save is exact, and a late
-    fence does nothing."""
-    root = str(tmp_path / "ck")
-    shards, tensors = state()
-    want = [t.clone() for t in tensors]
-    eng = CheckpointEngine(root, live_write=True)
-    eng.save(1, shards)
-    eng.wait()
-    eng.staging.buf.fill_(0xA5)   # garbage in staging: a writer that read it would write garbage
-    done = eng.save(2, shards) and eng.wait()
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_no_fence_until_durable_reads_the_live_tensors_and_the_fallback_stages_them(tmp_path, monkeypatch, o_direct):
+    """The optimizer step comes after the write: the save is exact over a poisoned staging buffer
+    and a late fence does nothing. Where the file system refuses O_DIRECT, the buffered fallback
+    reads each chunk twice (CRCs, then the write), so the writer first copies the live tensors into
+    staging: the bytes are still those of the save."""
+    if not o_direct:
+        monkeypatch.setattr(direct_write, "_unsupported", {-7})
+        monkeypatch.setattr(direct_write, "_device_of", lambda folder: -7)
+    root, tensors, want, shards, eng = live_engine(tmp_path, poisoned=True)
+    eng.save(2, shards)
+    done = eng.wait()
     eng.fence()
     bump(tensors)
     eng.finalize()
     assert done.live and done.fence_bytes == 0
-    res, got = load_back(root, want)
-    assert res.step == 2 and all(torch.equal(w, g) for w, g in zip(want, got))
+    assert verify(assert_loads(root, want, 2).step_dir) == []
 
 
 def test_a_fence_right_after_save_copies_everything_and_is_exact(tmp_path):
-    root = str(tmp_path / "ck")
-    shards, tensors = state()
-    want = [t.clone() for t in tensors]
-    eng = CheckpointEngine(root, live_write=True)
+    root, tensors, want, shards, eng = live_engine(tmp_path, poisoned=True)
     eng.save(2, shards)
     eng.fence()
     bump(tensors)
     done = eng.wait()
     eng.finalize()
     assert 0 < done.fence_bytes <= done.bytes_written
-    _, got = load_back(root, want)
-    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert_loads(root, want, 2)
 
 
 def test_a_tensor_changed_without_a_fence_drops_the_save_on_its_version_counter(tmp_path, monkeypatch):
@@ -172,30 +190,6 @@ def test_a_change_before_the_fence_is_caught_by_the_fence(tmp_path, monkeypatch)
     with pytest.raises(LiveStateChangedError, match="'a' changed in place before the fence"):
         eng.wait()
     eng.finalize()
-
-
-def test_a_file_system_without_o_direct_stages_first_and_is_exact(tmp_path, monkeypatch):
-    """The buffered fallback reads each chunk twice (CRCs, then the write): the writer copies the
-    live tensors into staging first; the bytes are those of the save."""
-    monkeypatch.setattr(direct_write, "_unsupported", {-7})
-    monkeypatch.setattr(direct_write, "_device_of", lambda folder: -7)
-    root = str(tmp_path / "ck")
-    shards, tensors = state()
-    want = [t.clone() for t in tensors]
-    eng = CheckpointEngine(root, live_write=True)
-    eng.save(1, shards)
-    eng.wait()
-    eng.staging.buf.fill_(0xA5)   # the fallback must copy the live tensors into staging before writing it
-    eng.save(2, shards)
-    done = eng.wait()
-    eng.fence()
-    bump(tensors)
-    eng.finalize()
-    assert done.live
-    res, got = load_back(root, want)
-    assert res.step == 2
-    assert all(torch.equal(w, g) for w, g in zip(want, got))
-    assert verify(res.step_dir) == []
 
 
 def test_storage_that_cannot_read_live_and_device_less_buffered_writes_copy_at_save(tmp_path):
