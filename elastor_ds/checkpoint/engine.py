@@ -173,15 +173,15 @@ class CommitInfo:
 
 class _Agreement:
     """The plan agreement (``comm.all_equal``: this rank's shards match the cached plan) run in a
-    helper thread while the training thread copies under that plan; :meth:`result` joins it and
-    re-raises its error (a dead peer) on the training thread."""
+    helper thread while the training thread copies under that plan (or, with live writes, goes on
+    training); :meth:`result` joins it and re-raises its error (a dead peer) in the caller."""
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, value: int = 1):
         self._out: list = []
 
         def run() -> None:
             try:
-                self._out.append(bool(comm.all_equal(1)))
+                self._out.append(bool(comm.all_equal(value)))
             except BaseException as e:  # noqa: BLE001 - re-raised by result()
                 self._out.append(e)
         self._thread = threading.Thread(target=run, name="elastor-plan-agree", daemon=True)
@@ -209,6 +209,16 @@ class _Job:
     block_tables: Optional[list] = None   # staged in place: block CRCs taken during the copy (else the writer's)
     deferred: bool = False   # extra / rank_state hold DeviceScalars (resolved by the writer)
     gate: Optional[LiveGate] = None   # live_write: the writer reads the live tensors until the fence
+    # live_write: the plan agreement, still running (on the writer's group) when save() returned; the
+    # writer joins it before it reads anything; when it failed, the training thread plans again at its
+    # next fence/wait/load (:meth:`CheckpointEngine._settle`) and hands the writer ``replan``
+    agreement: Optional[_Agreement] = None
+    settled: bool = False             # the training thread has joined it (and planned again if it failed)
+    key: tuple = ()
+    shards: Sequence[TensorShard] = ()
+    resolved: threading.Event = field(default_factory=threading.Event)
+    nonce: int = 0                    # this save's number (its temp dir's name ends with it)
+    replan: Optional[tuple] = None    # (plan, items, spans, tmp_dir) after a failed agreement
 
 
 class CheckpointEngine:
@@ -324,11 +334,24 @@ class CheckpointEngine:
         local_same = self._plan is not None and key == self._local_key
         stale = False
         agreement: Optional[_Agreement] = None
-        live = (self.live_write and self.storage.caps.writes_live and not self.in_place
-                and not any(sh.tensor.is_cuda for sh in shards))
+        pending: Optional[_Agreement] = None
+        # the same on every rank (an engine setting and the storage's): which group agrees on the plan
+        live_any = self.live_write and self.storage.caps.writes_live and not self.in_place
+        live = live_any and not any(sh.tensor.is_cuda for sh in shards)
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
             cached, stale = True, not local_same
+        elif live_any and self._plan is not None and self.comm.world_size > 1:
+            # live writes copy nothing here to hide the agreement behind: it runs on the writer's
+            # group (idle now, and the writer joins it before it reads anything) while training goes
+            # on; a rank whose own shards changed joins it now and plans again here, the others at
+            # their next fence/wait (the same collective on the same group: every rank's first call
+            # on this engine after save() is one of those)
+            pending = _Agreement(self.writer_comm, int(local_same))
+            cached = local_same and live
+            if not cached:
+                cached = pending.result() and local_same
+                pending = None
         elif local_same and self.comm.world_size > 1 and not self.in_place and not live and \
                 not any(sh.tensor.is_cuda for sh in shards):
             # speculative: the copy below runs under the cached plan while the ranks agree on it in a
@@ -357,6 +380,16 @@ class CheckpointEngine:
         job = _Job(step, t0=t0, stale=stale)
         if live and not stale:
             job.gate = self._live_gate(items, shards, step)
+        if pending is not None and job.gate is None:   # this save copies after all: agree before it
+            if not pending.result():
+                cached = False
+                self._plan_again(key, shards)
+                plan = self._plan
+                items = plan.items[rank]
+                tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")   # the new plan's
+            pending = None
+        if pending is not None:
+            job.agreement, job.key, job.shards, job.nonce = pending, key, list(shards), self._saves
         if job.gate is not None:   # nothing copied now: the writer reads the live tensors until fence()
             spans = list(self.staging.program(items, shards).spans)
         elif not stale and self.in_place:
@@ -412,7 +445,8 @@ class CheckpointEngine:
         staged = self.storage.stage_data_file(tmp_dir, data_file_name(self.comm.rank), header, size)
         return staged, hcrc
 
-    def _live_gate(self, items, shards: Sequence[TensorShard], step: int) -> Optional[LiveGate]:
+    def _live_gate(self, items, shards: Sequence[TensorShard], step: int,
+                   versions: Optional[list] = None) -> Optional[LiveGate]:
         """live_write: the gate between the live tensors and the staging buffer for this save (no
         copy yet), or None when a chunk's strides need torch's strided copy (then the save copies)."""
         prog = self.staging.program(items, shards)
@@ -428,7 +462,51 @@ class CheckpointEngine:
                     names.append(sh.name)
             chunks = prog.live_chunks = LiveChunks(prog.live, _staging_views(self.staging.buf, prog.spans),
                                                    [sp[0] for sp in prog.spans], prog.run_from, tensors, names)
-        return LiveGate(chunks, step)
+        return LiveGate(chunks, step, versions)
+
+    def _settle(self) -> None:
+        """Training thread, at its first fence/wait/load after a live save: join the save's plan
+        agreement; where it failed (another rank's shards changed), plan again (collective, on
+        every rank at this point) and give the writer the new plan and a new gate over the same
+        tensors (their versions as of ``save``), or the copy under it where it cannot read them live."""
+        job = self._job
+        if job is None or job.agreement is None or job.settled:
+            return
+        job.settled = True
+        try:
+            ok = job.agreement.result()
+        except BaseException:  # noqa: BLE001 - a dead peer: the writer gets the same error and reports it
+            ok = True
+        if ok:
+            return
+        try:
+            old = job.gate
+            assert old is not None
+            self._plan_again(job.key, job.shards)
+            plan = self._plan
+            assert plan is not None
+            items = plan.items[self.comm.rank]
+            old.close()
+            if old.error is not None:
+                raise old.error
+            gate = self._live_gate(items, job.shards, job.step, old.versions)
+            if gate is None:
+                moved = old.changed("before the save was planned again")   # the copy below reads them now
+                if moved is not None:
+                    raise moved
+                spans = self.staging.snapshot(items, job.shards, defer=self.defer_device_copies, whole_boxes=True)
+            else:
+                spans = list(self.staging.program(items, job.shards).spans)
+            # the temp dir's name carries the plan's session: the same on every rank again
+            job.gate, job.replan = gate, (plan, items, spans, self.storage.temp_dir(job.step, f"{self._session}_{job.nonce}"))
+            if job.stats is not None:
+                job.stats.plan_cached = False
+                job.stats.live = gate is not None
+                job.stats.bytes_written = sum(sp[1] for sp in spans)
+        except BaseException as e:  # noqa: BLE001 - reported by the writer, on every rank
+            job.local_error = e
+        finally:
+            job.resolved.set()
 
     def fence(self) -> None:
         """Call before the optimizer step (anything that changes saved tensors). CUDA with
@@ -442,6 +520,10 @@ class CheckpointEngine:
         if gate is not None and not job.done.is_set():
             t0 = time.perf_counter()
             n = gate.fence(self.writer_priority.boosted)
+            if job.agreement is not None and not job.settled:   # copied under the cached plan while the ranks agreed on it
+                self._settle()
+                if job.gate is not gate and job.gate is not None:   # planned again: copy under the new plan
+                    n = job.gate.fence(self.writer_priority.boosted)
             if job.stats is not None:
                 job.stats.fence_s += time.perf_counter() - t0
                 job.stats.fence_bytes += n
@@ -451,6 +533,7 @@ class CheckpointEngine:
         job = self._job
         if job is None:
             return None
+        self._settle()
         if not job.done.is_set():
             self.writer_priority.urgent("wait")   # the training loop waits: no more idle-only cycles
         job.done.wait()
@@ -466,6 +549,7 @@ class CheckpointEngine:
 
     def is_idle(self) -> bool:
         """Collective: True on every rank when every rank's previous save has finished."""
+        self._settle()
         return all(self.comm.all_gather_object(self.local_idle()))
 
     def finalize(self) -> Optional[SaveStats]:
@@ -530,6 +614,10 @@ class CheckpointEngine:
         outcome: Any
         try:
             tw = time.perf_counter()
+            if job.agreement is not None and not job.agreement.result():
+                job.resolved.wait()   # the training thread plans again (_settle)
+                if job.replan is not None:
+                    plan, items, spans, tmp_dir = job.replan
             if job.deferred:   # the values of device scalars: wait for their copies here, off the training thread
                 extra, rank_state = resolve_deferred(extra), resolve_deferred(rank_state)
             if job.local_error is not None:
@@ -712,6 +800,7 @@ class CheckpointEngine:
         """Collective: resolve ``path`` (root or step dir; default: this root) and read its manifest,
         once. With ``fallback``, a newest checkpoint whose manifest is unreadable on any rank gives way
         to the next older committed one. Pass the result to :meth:`load`."""
+        self._settle()
         root_or_dir = os.path.abspath(path or self.root)
         candidates = self._load_candidates(root_or_dir, fallback)
         last_err: Optional[BaseException] = None

@@ -65,11 +65,14 @@ class LiveChunks:
 
 class LiveGate:
     """One save's switch between the live and the staged bytes of its :class:`LiveChunks` (see the
-    module docstring); the tensors' version counters are read when it is made (at ``save``)."""
+    module docstring); the tensors' version counters are read when it is made (at ``save``), or
+    given (``versions``: a gate for the same tensors under a new plan, made after ``save``)."""
 
-    def __init__(self, chunks: LiveChunks, step: int):
+    def __init__(self, chunks: LiveChunks, step: int, versions: Optional[Sequence[int]] = None):
         self.chunks = chunks
-        self.versions = [t._version for t in chunks.tensors]
+        self.versions = list(versions) if versions is not None else [t._version for t in chunks.tensors]
+        if len(self.versions) != len(chunks.tensors):
+            raise ValueError(f"{len(self.versions)} version counters for {len(chunks.tensors)} tensors")
         self.step = step
         self.lock = threading.Lock()
         self.cursor = 0                     # the chunk the writer reads (or last read)
@@ -88,7 +91,7 @@ class LiveGate:
         c = self.chunks
         return c.staged[k] if self.staged_from is not None and k >= self.staged_from else c.live[k]
 
-    def _changed(self, when: str) -> Optional[LiveStateChangedError]:
+    def changed(self, when: str) -> Optional[LiveStateChangedError]:
         c = self.chunks
         moved = [n for n, t, v in zip(c.names, c.tensors, self.versions) if t._version != v]
         if not moved:
@@ -115,7 +118,7 @@ class LiveGate:
         try:
             if self.released or self.staged_from is not None or self.error is not None:
                 return 0
-            self.error = self._changed("before the fence")
+            self.error = self.changed("before the fence")
             if self.error is not None:
                 return 0
             return self._stage(self.cursor)
@@ -130,7 +133,7 @@ class LiveGate:
             if self.error is not None:
                 raise self.error
             if self.staged_from is None:
-                self.error = self._changed("before the writer staged them")
+                self.error = self.changed("before the writer staged them")
                 if self.error is not None:
                     raise self.error
                 self._stage(0)
@@ -146,7 +149,7 @@ class LiveGate:
         """Writer thread: every chunk was read; check that no saved tensor changed meanwhile."""
         with self.lock:
             if self.error is None and self.staged_from is None:
-                self.error = self._changed("before the writer finished")
+                self.error = self.changed("before the writer finished")
             self.released = True
             if self.error is not None:
                 raise self.error

@@ -2,9 +2,15 @@
 shards match the cached plan copies under it while the ranks agree in a helper thread. On two gloo
 ranks with POSIX storage: saves with unchanged shards take that path and commit exactly; a save
 where only ONE rank's shards changed is planned again and copied again on the rank that had
-speculated, and commits the new shards bit for bit (nothing dropped)."""
+speculated, and commits the new shards bit for bit (nothing dropped).
+
+With ``live_write`` the agreement runs on the writer's group after ``save`` returns: the writer joins
+it before it reads anything, and where it failed the training thread plans again at its next
+``fence`` or ``wait``. Oracle: the hand-set values, loaded whole after every saved tensor was
+overwritten with NaN right after the fence (or the wait)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_utils import run_world
@@ -25,9 +31,9 @@ def _worker(rank: int, world: int, root: str) -> None:
     real = engine_mod._Agreement
 
     class Spy(real):
-        def __init__(self, comm):
+        def __init__(self, *args):
             made.append(1)
-            super().__init__(comm)
+            super().__init__(*args)
     engine_mod._Agreement = Spy
     comm = TorchComm.create(60)
     eng = CheckpointEngine(root, comm, keep=5)
@@ -65,4 +71,51 @@ def _worker(rank: int, world: int, root: str) -> None:
 def test_the_plan_agreement_runs_beside_the_copy_and_a_change_on_one_rank_replans(tmp_path):
     root = str(tmp_path / "ck")
     run_world(_worker, 2, root, timeout_s=90)
+    assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2, 3, 4]
+
+
+def _live_worker(rank: int, world: int, root: str, then: str) -> None:
+    comm = TorchComm.create(60)
+    eng = CheckpointEngine(root, comm, keep=5, live_write=True)
+    b = torch.arange(4096.0)
+
+    def save(step: int, shards: list) -> "engine_mod.SaveStats":
+        st = eng.save(step, shards)
+        if then == "fence":   # the optimizer step right after the save, then the state changes
+            eng.fence()
+        else:                 # no optimizer step before the next save or the end: wait() settles
+            eng.wait()
+        for sh in shards:
+            sh.tensor.fill_(float("nan"))
+        eng.wait()
+        return st
+
+    w = torch.full((4, 6), float(rank + 1))
+    st = save(1, [_rows(rank, w.clone()), full_shard("b", b.clone())])
+    assert not st.plan_cached
+    (writer,) = [r for r, its in enumerate(eng._plan.items) if any(i.name == "b" for i in its)]
+    st = save(2, [_rows(rank, w * 10), full_shard("b", b * 10)])
+    assert st.plan_cached and st.live and not st.dropped
+    # the rank that wrote "b" drops it: it plans again inside save(); the other rank's save starts
+    # reading the live tensors under the old plan, and plans again at its fence (or wait)
+    mine = [_rows(rank, w * 100)] + ([] if rank == writer else [full_shard("b", b * 100)])
+    st = save(3, mine)
+    assert not st.plan_cached and not st.dropped and st.live
+    st = save(4, [_rows(rank, w * 1000)] + ([] if rank == writer else [full_shard("b", b * 1000)]))
+    assert st.plan_cached and st.live
+    comm.barrier()
+    for step, scale in ((1, 1.0), (2, 10.0), (3, 100.0), (4, 1000.0)):
+        out, ob = torch.zeros(8, 6), torch.zeros(4096)
+        res = eng.load(f"{root}/{commit_mod.step_dirname(step)}", [full_shard("w", out), full_shard("b", ob)])
+        assert res.step == step
+        assert torch.equal(out[:4], torch.full((4, 6), scale)) and torch.equal(out[4:], torch.full((4, 6), 2 * scale))
+        assert torch.equal(ob, b * scale), (step, ob[:4])
+    eng.finalize()
+    comm.close()
+
+
+@pytest.mark.parametrize("then", ["fence", "wait"])
+def test_live_writes_agree_on_the_plan_after_save_and_replan_at_the_fence_or_wait(tmp_path, then):
+    root = str(tmp_path / "ck")
+    run_world(_live_worker, 2, root, then, timeout_s=90)
     assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2, 3, 4]
