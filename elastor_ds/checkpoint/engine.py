@@ -24,7 +24,10 @@ Save (``save``), one in flight at a time:
    instead of the copy's plus the writer's).
    With ``live_write`` (CPU shards, a storage whose writer reads live chunks) there is no copy
    here: the writer reads the live tensors until :meth:`CheckpointEngine.fence`, which copies
-   only what it has not read yet (:mod:`.live`).
+   only what it has not read yet (:mod:`.live`). With nothing to hide step 2's agreement behind,
+   it runs on the writer's group after ``save`` returns: the writer joins it before reading, the
+   next fence after its copy; where it failed, every rank plans again at its next fence, wait or
+   load (:meth:`CheckpointEngine._settle`) and the writer goes on under the new plan.
 4. Background writer thread (one per engine, fed one save at a time): stream the buffer to
    ``data_<rank>.safetensors`` in the temp step dir through the storage (a durable one fsyncs),
    write the rank's state file (staged in place: only the CRCs, the block-CRC table and the state
@@ -834,6 +837,7 @@ class CheckpointEngine:
         checkpoint actually read: each file comes from the first source holding it whole and falls
         back to the next one when its bytes fail their checks (default: the step dir's own files).
         With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
+        self._settle()   # a live save's failed plan agreement: plan again before this load's collectives
         try:
             mode = VerifyMode(verify_checksums)
         except ValueError:
