@@ -13,8 +13,9 @@ Where the controller reaches into torch elastic:
   agent starts workers (:func:`replaced_start_processes`), by a ``SubprocessContext`` whose
   ``SubprocessHandler`` s override the private ``_start`` / ``_popen``.
 
-``comm/collectives.py`` reads torch c10d's private ``_get_default_store``; it is listed here (the
-torch host's table) but called where it is: ``comm/`` sits below ``elastic/`` and may not import it.
+``comm/collectives.py`` reads torch c10d's private ``_get_default_store``, and ``checkpoint/live.py``
+the tensors' ``_version`` counters; they are listed here (the torch host's table) but used where
+they are: ``comm/`` and ``checkpoint/`` sit below ``elastic/`` and may not import it.
 
 :data:`TABLE` is the one list: ``tests/unit/test_overrides.py`` imports every row, compares the
 parameter names with the installed torch, checks the torch version against :data:`PINS`, and fails
@@ -104,6 +105,10 @@ TABLE: tuple[Override, ...] = (
     # --- c10d, read below the elastic floor
     _t("torch.distributed.distributed_c10d:_get_default_store", Kind.CALL, ("elastor_ds/comm/collectives.py",),
        "the default process group's store (liveness beacons, store-based agreement)", ""),
+    # --- torch core, read by the checkpoint engine
+    _t("torch:Tensor._version", Kind.READ, ("elastor_ds/checkpoint/live.py",), "a live write's guard: the "
+       "autograd version counter every in-place op bumps, read at save() and compared at the fence and at the "
+       "writer's end"),
 )
 
 
