@@ -26,8 +26,8 @@ Save (``save``), one in flight at a time:
    here: the writer reads the live tensors until :meth:`CheckpointEngine.fence`, which copies
    only what it has not read yet (:mod:`.live`). With nothing to hide step 2's agreement behind,
    it runs on the writer's group after ``save`` returns: the writer joins it before reading, the
-   next fence after its copy; where it failed, every rank plans again at its next fence, wait or
-   load (:meth:`CheckpointEngine._settle`) and the writer goes on under the new plan.
+   next fence after its copy; where it failed, the writers plan again on their group (waiting for
+   nothing training does), and a fence waits for the new plan and copies under it.
 4. Background writer thread (one per engine, fed one save at a time): stream the buffer to
    ``data_<rank>.safetensors`` in the temp step dir through the storage (a durable one fsyncs),
    write the rank's state file (staged in place: only the CRCs, the block-CRC table and the state
@@ -213,15 +213,15 @@ class _Job:
     deferred: bool = False   # extra / rank_state hold DeviceScalars (resolved by the writer)
     gate: Optional[LiveGate] = None   # live_write: the writer reads the live tensors until the fence
     # live_write: the plan agreement, still running (on the writer's group) when save() returned; the
-    # writer joins it before it reads anything; when it failed, the training thread plans again at its
-    # next fence/wait/load (:meth:`CheckpointEngine._settle`) and hands the writer ``replan``
+    # writer joins it before it reads anything and, when it failed, plans again
+    # (:meth:`CheckpointEngine._replan_live`); the next fence joins it after its copy
     agreement: Optional[_Agreement] = None
-    settled: bool = False             # the training thread has joined it (and planned again if it failed)
+    settled: bool = False             # the fence has joined it
     key: tuple = ()
     shards: Sequence[TensorShard] = ()
-    resolved: threading.Event = field(default_factory=threading.Event)
     nonce: int = 0                    # this save's number (its temp dir's name ends with it)
-    replan: Optional[tuple] = None    # (plan, items, spans, tmp_dir) after a failed agreement
+    lock: threading.Lock = field(default_factory=threading.Lock)   # a fence's copy vs. a new gate
+    resolved: threading.Event = field(default_factory=threading.Event)   # the writer planned again
 
 
 class CheckpointEngine:
@@ -338,6 +338,7 @@ class CheckpointEngine:
         stale = False
         agreement: Optional[_Agreement] = None
         pending: Optional[_Agreement] = None
+        planned = False
         # the same on every rank (an engine setting and the storage's): which group agrees on the plan
         live_any = self.live_write and self.storage.caps.writes_live and not self.in_place
         live = live_any and not any(sh.tensor.is_cuda for sh in shards)
@@ -346,15 +347,18 @@ class CheckpointEngine:
             cached, stale = True, not local_same
         elif live_any and self._plan is not None and self.comm.world_size > 1:
             # live writes copy nothing here to hide the agreement behind: it runs on the writer's
-            # group (idle now, and the writer joins it before it reads anything) while training goes
-            # on; a rank whose own shards changed joins it now and plans again here, the others at
-            # their next fence/wait (the same collective on the same group: every rank's first call
-            # on this engine after save() is one of those)
+            # group (idle now) while training goes on, and where it fails the ranks plan again on
+            # that group too, in their writers (_replan_live), which wait for nothing training does;
+            # a rank that cannot write live, or whose own shards changed, joins it here (and plans
+            # again here, on the same group)
             pending = _Agreement(self.writer_comm, int(local_same))
             cached = local_same and live
             if not cached:
                 cached = pending.result() and local_same
                 pending = None
+                if not cached:
+                    self._plan_again(key, shards, self.writer_comm)
+                    planned = True
         elif local_same and self.comm.world_size > 1 and not self.in_place and not live and \
                 not any(sh.tensor.is_cuda for sh in shards):
             # speculative: the copy below runs under the cached plan while the ranks agree on it in a
@@ -364,7 +368,7 @@ class CheckpointEngine:
             cached = True
         else:
             cached = self.comm.all_equal(int(local_same)) and local_same
-        if not cached:
+        if not cached and not planned:
             self._plan_again(key, shards)
         plan = self._plan
         assert plan is not None
@@ -386,7 +390,7 @@ class CheckpointEngine:
         if pending is not None and job.gate is None:   # this save copies after all: agree before it
             if not pending.result():
                 cached = False
-                self._plan_again(key, shards)
+                self._plan_again(key, shards, self.writer_comm)
                 plan = self._plan
                 items = plan.items[rank]
                 tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")   # the new plan's
@@ -426,12 +430,13 @@ class CheckpointEngine:
             self.wait()
         return stats
 
-    def _plan_again(self, key: tuple, shards: Sequence[TensorShard]) -> None:
-        """Collective: gather every rank's shard metadata and make the save plan (same on every rank).
-        A rank's problem with its own shards travels in the gather, so every rank raises it."""
+    def _plan_again(self, key: tuple, shards: Sequence[TensorShard], comm: Optional[Comm] = None) -> None:
+        """Collective (on ``comm``, default the engine's group): gather every rank's shard metadata
+        and make the save plan (same on every rank). A rank's problem with its own shards travels
+        in the gather, so every rank raises it."""
         nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
         metas = [ShardMeta(*k) for k in key]
-        gathered = self.comm.all_gather_object(([m.to_tuple() for m in metas], nonce, conflicting_duplicate(shards)))
+        gathered = (comm or self.comm).all_gather_object(([m.to_tuple() for m in metas], nonce, conflicting_duplicate(shards)))
         bad = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
         if bad:
             raise ShardingError(f"rank {bad[0][0]}: {bad[0][1]}")
@@ -467,47 +472,39 @@ class CheckpointEngine:
                                                    [sp[0] for sp in prog.spans], prog.run_from, tensors, names)
         return LiveGate(chunks, step, versions)
 
-    def _settle(self) -> None:
-        """Training thread, at its first fence/wait/load after a live save: join the save's plan
-        agreement; where it failed (another rank's shards changed), plan again (collective, on
-        every rank at this point) and give the writer the new plan and a new gate over the same
-        tensors (their versions as of ``save``), or the copy under it where it cannot read them live."""
-        job = self._job
-        if job is None or job.agreement is None or job.settled:
-            return
-        job.settled = True
+    def _replan_live(self, job: _Job) -> tuple:
+        """Writer thread, when a live save's plan agreement failed (another rank's shards changed):
+        plan again on the writer's group (every rank's writer is here), then, under the job's lock
+        (a fence may be copying under the old plan), a new gate over the same tensors (their
+        versions as of ``save``), or the copy under the new plan where they cannot be read live; a
+        fence waits for this (training changes nothing before it returns). Returns the new
+        (plan, items, spans, tmp_dir)."""
         try:
-            ok = job.agreement.result()
-        except BaseException:  # noqa: BLE001 - a dead peer: the writer gets the same error and reports it
-            ok = True
-        if ok:
-            return
-        try:
-            old = job.gate
-            assert old is not None
-            self._plan_again(job.key, job.shards)
+            self._plan_again(job.key, job.shards, self.writer_comm)
             plan = self._plan
             assert plan is not None
             items = plan.items[self.comm.rank]
-            old.close()
-            if old.error is not None:
-                raise old.error
-            gate = self._live_gate(items, job.shards, job.step, old.versions)
-            if gate is None:
-                moved = old.changed("before the save was planned again")   # the copy below reads them now
-                if moved is not None:
-                    raise moved
-                spans = self.staging.snapshot(items, job.shards, defer=self.defer_device_copies, whole_boxes=True)
-            else:
-                spans = list(self.staging.program(items, job.shards).spans)
-            # the temp dir's name carries the plan's session: the same on every rank again
-            job.gate, job.replan = gate, (plan, items, spans, self.storage.temp_dir(job.step, f"{self._session}_{job.nonce}"))
+            with job.lock:
+                old = job.gate
+                assert old is not None
+                old.close()
+                if old.error is not None:
+                    raise old.error
+                gate = self._live_gate(items, job.shards, job.step, old.versions)
+                if gate is None:
+                    moved = old.changed("before the save was planned again")   # the copy below reads them now
+                    if moved is not None:
+                        raise moved
+                    spans = self.staging.snapshot(items, job.shards, defer=self.defer_device_copies, whole_boxes=True)
+                else:
+                    spans = list(self.staging.program(items, job.shards).spans)
+                job.gate = gate
             if job.stats is not None:
                 job.stats.plan_cached = False
                 job.stats.live = gate is not None
                 job.stats.bytes_written = sum(sp[1] for sp in spans)
-        except BaseException as e:  # noqa: BLE001 - reported by the writer, on every rank
-            job.local_error = e
+            # the temp dir's name carries the plan's session: the same on every rank again
+            return plan, items, spans, self.storage.temp_dir(job.step, f"{self._session}_{job.nonce}")
         finally:
             job.resolved.set()
 
@@ -522,11 +519,20 @@ class CheckpointEngine:
         gate = job.gate if job is not None else None
         if gate is not None and not job.done.is_set():
             t0 = time.perf_counter()
-            n = gate.fence(self.writer_priority.boosted)
+            with job.lock:
+                n = gate.fence(self.writer_priority.boosted)
             if job.agreement is not None and not job.settled:   # copied under the cached plan while the ranks agreed on it
-                self._settle()
-                if job.gate is not gate and job.gate is not None:   # planned again: copy under the new plan
-                    n = job.gate.fence(self.writer_priority.boosted)
+                job.settled = True
+                try:
+                    ok = job.agreement.result()
+                except BaseException:  # noqa: BLE001 - a dead peer: the writer reports it, on every rank
+                    ok = True
+                if not ok:   # the writer plans again: wait for its new gate, and copy under it
+                    with self.writer_priority.boosted():
+                        job.resolved.wait()
+                    with job.lock:
+                        if job.gate is not None and job.gate is not gate:
+                            n = job.gate.fence(self.writer_priority.boosted)
             if job.stats is not None:
                 job.stats.fence_s += time.perf_counter() - t0
                 job.stats.fence_bytes += n
@@ -536,7 +542,6 @@ class CheckpointEngine:
         job = self._job
         if job is None:
             return None
-        self._settle()
         if not job.done.is_set():
             self.writer_priority.urgent("wait")   # the training loop waits: no more idle-only cycles
         job.done.wait()
@@ -552,7 +557,6 @@ class CheckpointEngine:
 
     def is_idle(self) -> bool:
         """Collective: True on every rank when every rank's previous save has finished."""
-        self._settle()
         return all(self.comm.all_gather_object(self.local_idle()))
 
     def finalize(self) -> Optional[SaveStats]:
@@ -618,9 +622,7 @@ class CheckpointEngine:
         try:
             tw = time.perf_counter()
             if job.agreement is not None and not job.agreement.result():
-                job.resolved.wait()   # the training thread plans again (_settle)
-                if job.replan is not None:
-                    plan, items, spans, tmp_dir = job.replan
+                plan, items, spans, tmp_dir = self._replan_live(job)
             if job.deferred:   # the values of device scalars: wait for their copies here, off the training thread
                 extra, rank_state = resolve_deferred(extra), resolve_deferred(rank_state)
             if job.local_error is not None:
@@ -803,7 +805,6 @@ class CheckpointEngine:
         """Collective: resolve ``path`` (root or step dir; default: this root) and read its manifest,
         once. With ``fallback``, a newest checkpoint whose manifest is unreadable on any rank gives way
         to the next older committed one. Pass the result to :meth:`load`."""
-        self._settle()
         root_or_dir = os.path.abspath(path or self.root)
         candidates = self._load_candidates(root_or_dir, fallback)
         last_err: Optional[BaseException] = None
@@ -837,7 +838,6 @@ class CheckpointEngine:
         checkpoint actually read: each file comes from the first source holding it whole and falls
         back to the next one when its bytes fail their checks (default: the step dir's own files).
         With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
-        self._settle()   # a live save's failed plan agreement: plan again before this load's collectives
         try:
             mode = VerifyMode(verify_checksums)
         except ValueError:

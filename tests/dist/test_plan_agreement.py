@@ -5,13 +5,14 @@ where only ONE rank's shards changed is planned again and copied again on the ra
 speculated, and commits the new shards bit for bit (nothing dropped).
 
 With ``live_write`` the agreement runs on the writer's group after ``save`` returns: the writer joins
-it before it reads anything, and where it failed the training thread plans again at its next
-``fence`` or ``wait``. Oracle: the hand-set values, loaded whole after every saved tensor was
+it before it reads anything, and where it failed the writers plan again on their group while a
+fence waits for the new plan and copies under it. Oracle: the hand-set values, loaded whole after every saved tensor was
 overwritten with NaN right after the fence (or the wait)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_utils import run_world
 from elastor_ds.checkpoint import commit as commit_mod
@@ -78,9 +79,15 @@ def _live_worker(rank: int, world: int, root: str, then: str) -> None:
     comm = TorchComm.create(60)
     eng = CheckpointEngine(root, comm, keep=5, live_write=True)
     b = torch.arange(4096.0)
+    training = dist.new_group(backend="gloo")   # the trainer's own collectives (a gradient all-reduce)
 
     def save(step: int, shards: list) -> "engine_mod.SaveStats":
         st = eng.save(step, shards)
+        # forward and backward before the optimizer step: a collective of the trainer's, which every
+        # rank reaches only once its save() returned (a save that waited for a peer's fence would hang)
+        grad = torch.ones(3)
+        dist.all_reduce(grad, group=training)
+        assert grad.tolist() == [2.0, 2.0, 2.0]
         if then == "fence":   # the optimizer step right after the save, then the state changes
             eng.fence()
         else:                 # no optimizer step before the next save or the end: wait() settles
@@ -97,7 +104,7 @@ def _live_worker(rank: int, world: int, root: str, then: str) -> None:
     st = save(2, [_rows(rank, w * 10), full_shard("b", b * 10)])
     assert st.plan_cached and st.live and not st.dropped
     # the rank that wrote "b" drops it: it plans again inside save(); the other rank's save starts
-    # reading the live tensors under the old plan, and plans again at its fence (or wait)
+    # under the old plan, and its writer plans again (its fence, if it comes first, waits for that)
     mine = [_rows(rank, w * 100)] + ([] if rank == writer else [full_shard("b", b * 100)])
     st = save(3, mine)
     assert not st.plan_cached and not st.dropped and st.live
