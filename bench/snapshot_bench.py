@@ -22,7 +22,8 @@ Rows (ratios are within this run):
             it writes): the example trainer (``--writer-hidden``, ~270 MiB per rank at 1024) saving to
             ``--storage`` asynchronously every ``--writer-save-every`` iterations, no snapshots; the
             iterations that start while the writer writes against the idle ones of the same run,
-            turned into the compute rate while it writes (see ``writer_effect``).
+            turned into the compute rate while it writes (see ``writer_effect``). ``--writer-live-write``:
+            with ``checkpoint.live_write`` (also the fence's time and the share of the bytes it copied).
   lost      ``elastor run`` on the example trainer, a worker SIGKILLed at iteration ``--kill-at``:
             iterations lost (last logged before the kill - step resumed from) with memory snapshots
             every iteration vs storage checkpoints every ``--storage-interval`` only.
@@ -207,7 +208,7 @@ def _env(extra=None) -> dict:
 
 
 def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_blocks: int = 0, hidden: int = 0,
-           save_interval: int = 0, skip: int = 3) -> list[dict]:
+           save_interval: int = 0, skip: int = 3, ds_config: "dict | None" = None) -> list[dict]:
     metrics = os.path.join(work, f"{name}.jsonl")
     snap = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"elastor-bench-{uuid.uuid4().hex[:8]}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.trainer_procs}",
@@ -219,6 +220,11 @@ def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_block
         cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
     if ab_blocks:
         cmd += ["--elastor-memory-snapshot-ab-blocks", str(ab_blocks)]
+    if ds_config is not None:   # the trainer fills in the rest (micro-batches, optimizer, ZeRO stage)
+        path = os.path.join(work, f"{name}_ds_config.json")
+        with open(path, "w") as f:
+            json.dump(ds_config, f)
+        cmd += ["--deepspeed_config", path]
     try:
         p = subprocess.run(cmd, env=_env({"ELASTOR_SNAPSHOT_DIR": snap}), capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
@@ -287,12 +293,14 @@ def writer_rows(args) -> dict:
     work = tempfile.mkdtemp(prefix="snapshot_bench_writer_", dir=args.storage)
     try:
         every = args.writer_save_every
+        live = {"elastor": {"checkpoint": {"live_write": True}}} if args.writer_live_write else None
         recs = _train(args, work, "writer", False, iters=args.writer_iters, hidden=args.writer_hidden,
-                      save_interval=every, skip=0)
+                      save_interval=every, skip=0, ds_config=live)
         ckpt = os.path.join(work, "writer_ckpt")
         steps = sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) if os.path.isdir(ckpt) else []
         size = tree_bytes(os.path.join(ckpt, steps[-1])) if steps else 0
         return {"hidden": args.writer_hidden, "save_every": every, "iters": args.writer_iters,
+                "live_write": bool(args.writer_live_write),
                 "trainer_procs": args.trainer_procs, "checkpoint_bytes": size,
                 **writer_effect(recs, skip=every + 1)}
     finally:
@@ -472,6 +480,10 @@ def goal_table(doc: dict) -> str:
                     f"stall, writer CPU per save, each over an idle iteration | {wr['iter_writing_over_idle']:.3f}; "
                     f"{_share(wr['write_s_over_iter'])}, {_share(wr['save_stall_over_iter'])}, "
                     f"{_share(wr['writer_cpu_over_iter'])} | | |")
+        if wr.get("live_saves"):
+            rows.append(f"| the same with live writes: the fence (next optimizer step) over an idle iteration; the "
+                        f"share of the bytes it copied, median of {wr['live_saves']} saves | "
+                        f"{_share(wr['live_fence_over_iter'])}; {_share(wr['live_fence_share_of_bytes'])} | | |")
     pr = doc.get("peer")
     if pr:
         only = pr["snapshots_only"]
@@ -519,6 +531,8 @@ def main() -> int:
                    "about 270 MiB of checkpoint per rank with 2 ranks)")
     p.add_argument("--writer-save-every", type=int, default=4, help="writer row: iterations between storage saves")
     p.add_argument("--writer-iters", type=int, default=30, help="writer row: iterations of its one run")
+    p.add_argument("--writer-live-write", action="store_true", help="writer row: checkpoint.live_write on (the "
+                   "writer reads the live tensors until the next optimizer step's fence, which copies the rest)")
     p.add_argument("--kill-at", type=int, default=7)
     p.add_argument("--storage-interval", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))

@@ -75,7 +75,9 @@ def writer_effect(records: Iterable[Mapping[str, Any]], skip: int) -> dict[str, 
     ``write_s - extra`` idle seconds, so the compute rate while the writer writes, as idle time
     over time taken, is ``write_s / (write_s - extra)`` (``compute_while_writing_over_idle``: the
     median over saves; the issue-23 goal is <= 1.3). Also the median iteration ratio, the save
-    stall and the writer's CPU per save, each over the median idle iteration."""
+    stall and the writer's CPU per save, each over the median idle iteration; with live writes
+    (``prev_save_fence_s``, ``prev_save_fence_bytes``, ``prev_save_bytes``) also the fence's time
+    over the idle iteration and the share of the bytes it copied (medians over saves)."""
     recs = sorted((r for r in records if r["iteration"] > skip), key=lambda r: r["iteration"])
     idle = [r["iter_time_s"] for r in recs if r.get("save_stall_s") is None and r.get("storage_writer_busy") is False]
     writing = [r["iter_time_s"] for r in recs if r.get("save_stall_s") is None and r.get("storage_writer_busy")]
@@ -96,7 +98,15 @@ def writer_effect(records: Iterable[Mapping[str, Any]], skip: int) -> dict[str, 
         extra = sum(r["iter_time_s"] - base for r in recs[a + 1:b] if r.get("storage_writer_busy"))
         write_s.append(w)
         per_save.append(w / (w - extra) if w > extra else float("inf"))
-    return {"iterations_writing": len(writing), "iterations_idle": len(idle), "saves_measured": len(per_save),
+    # checkpoint.live_write: each save's fence (in the next optimizer step) copied what the writer had
+    # not read yet; that copy is the save's stall too, in a writing iteration
+    fences = [r["prev_save_fence_s"] for r in recs if r.get("prev_save_fence_s") is not None]
+    shares = [r["prev_save_fence_bytes"] / r["prev_save_bytes"] for r in recs
+              if r.get("prev_save_fence_bytes") is not None and r.get("prev_save_bytes")]
+    live = {"live_fence_over_iter": statistics.median(fences) / base,
+            "live_fence_share_of_bytes": statistics.median(shares) if shares else None,
+            "live_saves": len(fences)} if fences else {}
+    return {**live, "iterations_writing": len(writing), "iterations_idle": len(idle), "saves_measured": len(per_save),
             "median_iter_s_idle": base, "median_iter_s_writing": statistics.median(writing),
             "iter_writing_over_idle": statistics.median(writing) / base,
             "compute_while_writing_over_idle": statistics.median(per_save) if per_save else None,

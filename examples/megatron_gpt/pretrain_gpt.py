@@ -28,6 +28,8 @@ contract for readers such as the demo table (keys may be added, never removed):
     world_size, iter_time_s (measured), process_cpu_s (CPU time of all this rank's threads during the
     iteration), time (unix), save_stall_s (iterations that saved), and on them prev_save_durable_s /
     prev_save_writer_cpu_s (the save before: from its call to its commit / its writer thread's CPU),
+    and with checkpoint.live_write prev_save_fence_s / prev_save_fence_bytes / prev_save_bytes (what
+    that save's fence, in the next optimizer step, copied of the bytes it wrote),
     storage_writer_busy (with --save-interval: the storage writer was still writing as the iteration began),
     with memory snapshots (iterations that took one): snapshot_stall_s (the copy), snapshot_hook_s
       (the training thread's whole snapshot time), snapshot_wait_s (waiting for the previous one),
@@ -841,6 +843,10 @@ def _main(argv: list[str] | None = None) -> int:
                         prev = engine.elastor.stats[-2]
                         rec["prev_save_durable_s"] = prev.durable_s
                         rec["prev_save_writer_cpu_s"] = prev.writer_cpu_s
+                        if prev.live:   # checkpoint.live_write: what its fence (the next optimizer step) copied
+                            rec["prev_save_fence_s"] = prev.fence_s
+                            rec["prev_save_fence_bytes"] = prev.fence_bytes
+                            rec["prev_save_bytes"] = prev.bytes_written
                 if engine.elastor is not None and args.save_interval > 0:
                     rec["storage_writer_busy"] = writing
                 if snapped:

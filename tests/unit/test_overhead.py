@@ -90,3 +90,15 @@ def test_writer_effect_skips_warm_up_and_names_a_missing_kind():
         writer_effect([{"iteration": i, "iter_time_s": 1.0, "storage_writer_busy": False} for i in range(1, 5)], skip=0)
     with pytest.raises(ValueError, match="no idle iterations"):
         writer_effect([{"iteration": i, "iter_time_s": 1.0} for i in range(1, 5)], skip=0)
+
+
+def test_writer_effect_reports_live_fences_hand_computed():
+    from elastor_ds.elastic.overhead import writer_effect
+    recs = _writer_records()
+    recs[7].update(prev_save_fence_s=0.3, prev_save_fence_bytes=25, prev_save_bytes=100)    # iteration 8
+    recs[11].update(prev_save_fence_s=0.1, prev_save_fence_bytes=75, prev_save_bytes=100)   # iteration 12
+    r = writer_effect(recs, skip=0)
+    assert r["live_saves"] == 2
+    assert r["live_fence_over_iter"] == pytest.approx(0.2)           # median of 0.3 and 0.1 s, idle 1.0 s
+    assert r["live_fence_share_of_bytes"] == pytest.approx(0.5)      # median of 0.25 and 0.75
+    assert "live_saves" not in writer_effect(_writer_records(), skip=0)
