@@ -345,12 +345,13 @@ class CheckpointEngine:
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
             cached, stale = True, not local_same
-        elif live_any and self._plan is not None and self.comm.world_size > 1:
+        elif live_any and self._plan is not None and self.comm.world_size > 1 and self.writer_comm is not self.comm:
             # live writes copy nothing here to hide the agreement behind: it runs on the writer's
             # group (idle now) while training goes on, and where it fails the ranks plan again on
             # that group too, in their writers (_replan_live), which wait for nothing training does;
             # a rank that cannot write live, or whose own shards changed, joins it here (and plans
-            # again here, on the same group)
+            # again here, on the same group); a comm without a second group for the writer keeps the
+            # agreement below (two threads never run collectives on one group)
             pending = _Agreement(self.writer_comm, int(local_same))
             cached = local_same and live
             if not cached:
