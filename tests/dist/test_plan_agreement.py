@@ -75,11 +75,17 @@ def test_the_plan_agreement_runs_beside_the_copy_and_a_change_on_one_rank_replan
     assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2, 3, 4]
 
 
-def _live_worker(rank: int, world: int, root: str, then: str) -> None:
+def _live_worker(rank: int, world: int, root: str, then: str, strided: bool) -> None:
     comm = TorchComm.create(60)
     eng = CheckpointEngine(root, comm, keep=5, live_write=True)
-    b = torch.arange(4096.0)
     training = dist.new_group(backend="gloo")   # the trainer's own collectives (a gradient all-reduce)
+    bmat = torch.arange(4096.0).reshape(64, 64)
+
+    def b(scale: float) -> torch.Tensor:
+        """``bmat * scale``; ``strided``: held transposed in memory, which only torch's strided copy
+        reads (no live write for the rank whose plan has it: its save copies)."""
+        v = bmat * scale
+        return v.t().contiguous().t() if strided else v
 
     def save(step: int, shards: list) -> "engine_mod.SaveStats":
         st = eng.save(step, shards)
@@ -90,7 +96,7 @@ def _live_worker(rank: int, world: int, root: str, then: str) -> None:
         assert grad.tolist() == [2.0, 2.0, 2.0]
         if then == "fence":   # the optimizer step right after the save, then the state changes
             eng.fence()
-        else:                 # no optimizer step before the next save or the end: wait() settles
+        else:                 # no optimizer step before the next save or the end
             eng.wait()
         for sh in shards:
             sh.tensor.fill_(float("nan"))
@@ -98,31 +104,35 @@ def _live_worker(rank: int, world: int, root: str, then: str) -> None:
         return st
 
     w = torch.full((4, 6), float(rank + 1))
-    st = save(1, [_rows(rank, w.clone()), full_shard("b", b.clone())])
+    st = save(1, [_rows(rank, w.clone()), full_shard("b", b(1.0))])
     assert not st.plan_cached
     (writer,) = [r for r, its in enumerate(eng._plan.items) if any(i.name == "b" for i in its)]
-    st = save(2, [_rows(rank, w * 10), full_shard("b", b * 10)])
-    assert st.plan_cached and st.live and not st.dropped
+    st = save(2, [_rows(rank, w * 10), full_shard("b", b(10.0))])
+    assert st.plan_cached and not st.dropped
+    assert st.live == (not strided or rank != writer)
     # the rank that wrote "b" drops it: it plans again inside save(); the other rank's save starts
-    # under the old plan, and its writer plans again (its fence, if it comes first, waits for that)
-    mine = [_rows(rank, w * 100)] + ([] if rank == writer else [full_shard("b", b * 100)])
+    # under the old plan, and its writer plans again (its fence, if it comes first, waits for that);
+    # with "b" strided, that rank's new plan cannot be read live: its writer copies under it
+    mine = [_rows(rank, w * 100)] + ([] if rank == writer else [full_shard("b", b(100.0))])
     st = save(3, mine)
-    assert not st.plan_cached and not st.dropped and st.live
-    st = save(4, [_rows(rank, w * 1000)] + ([] if rank == writer else [full_shard("b", b * 1000)]))
-    assert st.plan_cached and st.live
+    assert not st.plan_cached and not st.dropped
+    assert st.live == (not strided or rank == writer)
+    st = save(4, [_rows(rank, w * 1000)] + ([] if rank == writer else [full_shard("b", b(1000.0))]))
+    assert st.plan_cached
     comm.barrier()
     for step, scale in ((1, 1.0), (2, 10.0), (3, 100.0), (4, 1000.0)):
-        out, ob = torch.zeros(8, 6), torch.zeros(4096)
+        out, ob = torch.zeros(8, 6), torch.zeros(64, 64)
         res = eng.load(f"{root}/{commit_mod.step_dirname(step)}", [full_shard("w", out), full_shard("b", ob)])
         assert res.step == step
         assert torch.equal(out[:4], torch.full((4, 6), scale)) and torch.equal(out[4:], torch.full((4, 6), 2 * scale))
-        assert torch.equal(ob, b * scale), (step, ob[:4])
+        assert torch.equal(ob, bmat * scale), (step, ob[0, :4])
     eng.finalize()
     comm.close()
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("then", ["fence", "wait"])
-def test_live_writes_agree_on_the_plan_after_save_and_replan_at_the_fence_or_wait(tmp_path, then):
+def test_live_writes_agree_on_the_plan_after_save_and_plan_again_in_the_writers(tmp_path, then, strided):
     root = str(tmp_path / "ck")
-    run_world(_live_worker, 2, root, then, timeout_s=90)
+    run_world(_live_worker, 2, root, then, strided, timeout_s=90)
     assert [s for s, _ in commit_mod.list_committed(root)] == [1, 2, 3, 4]
