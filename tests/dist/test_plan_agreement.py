@@ -6,8 +6,8 @@ speculated, and commits the new shards bit for bit (nothing dropped).
 
 With ``live_write`` the agreement runs on the writer's group after ``save`` returns: the writer joins
 it before it reads anything, and where it failed the writers plan again on their group while a
-fence waits for the new plan and copies under it. Oracle: the hand-set values, loaded whole after every saved tensor was
-overwritten with NaN right after the fence (or the wait)."""
+fence waits for the new plan and copies under it. Oracle: the hand-set values, loaded whole after
+every saved tensor was overwritten with NaN right after the fence (or the wait)."""
 from __future__ import annotations
 
 import pytest
