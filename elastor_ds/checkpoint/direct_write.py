@@ -36,12 +36,12 @@ import logging
 import mmap
 import os
 import queue
-import threading
 import time
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..threads import NamedThread
 from .crc import crc32, crc32_combine
 from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, gil_pausing, extend_block_crcs, write_stream
 from .live import LiveSpan, materialize
@@ -286,7 +286,7 @@ class _Bounce:
         self.total = 0
         self.cur = self.free.get()
         self.pos = 0
-        self.thread = threading.Thread(target=thread_target(self._writer), name="elastor-direct-write", daemon=True)
+        self.thread = NamedThread(target=thread_target(self._writer), name="elastor-direct-write", daemon=True)
         self.thread.start()
 
     def _writer(self) -> None:

@@ -79,6 +79,7 @@ from ..comm.collectives import Comm, LocalComm, agree
 from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheckpointError, FormatVersionError,
                       IncompleteCheckpointError, RankFailure, RanksFailedError, TensorMismatchError,
                       ShardingError, SnapshotSpaceError, UnsafeCheckpointError, ranks_failed)
+from ..threads import NamedThread
 from . import commit as commit_mod
 from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, plan_save
@@ -187,7 +188,7 @@ class _Agreement:
                 self._out.append(bool(comm.all_equal(value)))
             except BaseException as e:  # noqa: BLE001 - re-raised by result()
                 self._out.append(e)
-        self._thread = threading.Thread(target=run, name="elastor-plan-agree", daemon=True)
+        self._thread = NamedThread(target=run, name="elastor-plan-agree", daemon=True)
         self._thread.start()
 
     def result(self) -> bool:
@@ -579,7 +580,7 @@ class CheckpointEngine:
         costs the training thread a GIL hand-over each time."""
         if self._thread is None or not self._thread.is_alive():
             self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._writer_loop, args=(self._queue,), name="elastor-writer",
+            self._thread = NamedThread(target=self._writer_loop, args=(self._queue,), name="elastor-writer",
                                             daemon=True)
             self._thread.start()
         assert self._queue is not None

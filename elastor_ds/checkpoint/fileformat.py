@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..threads import NamedThread
 from .paths import open_regular
 from .crc import crc32, crc32_combine  # noqa: F401 - crc32_combine re-exported
 from .planning.manifest import BLOCK_SIZE, CODE_DTYPES, DTYPE_CODES, strict_json
@@ -209,7 +210,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
                 os.fsync(fd)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 err.append(e)
-        t = threading.Thread(target=thread_target(flush), name="elastor-fsync", daemon=True) if fsync else None
+        t = NamedThread(target=thread_target(flush), name="elastor-fsync", daemon=True) if fsync else None
         if t is not None:
             t.start()
         crc = stream_crcs(header, mvs, chunk_crcs, block_crcs, block_size)

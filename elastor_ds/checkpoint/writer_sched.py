@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
+from ..threads import NamedThread
 from .settings import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterSched
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class WriterPriority:
             for t in self._tids:
                 _set_policy(t, True)
             if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch, name="elastor-writer-deadline", daemon=True)
+                self._watcher = NamedThread(target=self._watch, name="elastor-writer-deadline", daemon=True)
                 self._watcher.start()
             self._lock.notify()
 

@@ -20,6 +20,7 @@ import weakref
 from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from ..errors import CollectiveError, PeerFailedError, RankFailure, ranks_failed
+from ..threads import NamedThread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,7 +145,7 @@ class _Liveness:
         self._plain = 0      # arrivals without a value (one shared counter)
         self._beat(self._store)  # visible before any collective of this group
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
+        self._thread = NamedThread(target=self._run, name=f"elastor-heartbeat-{tag}", daemon=True)
         self._thread.start()
         _track(self)
 

@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ElastorError
+from ..threads import NamedThread
 
 
 _PARENT_CHECK_S = 0.2
@@ -58,7 +59,7 @@ def _worker(conn, path: str, seq_length: int, seed: int, schedule: tuple, start_
         except BaseException:  # noqa: BLE001 - forwarded to the trainer
             ready.put(("error", traceback.format_exc()))
 
-    threading.Thread(target=produce, name="elastor-data-produce", daemon=True).start()
+    NamedThread(target=produce, name="elastor-data-produce", daemon=True).start()
     try:
         while not orphaned():
             try:

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..threads import NamedThread
+
 log = logging.getLogger("elastor.run")
 
 KEY = "elastor/alive/{}"
@@ -102,7 +104,7 @@ class Beacon:
         self._beat()
         if not self._threads:
             for fn, name in ((self._beat_loop, "elastor-beacon"), (self._watch_loop, "elastor-fence")):
-                t = threading.Thread(target=fn, name=name, daemon=True)
+                t = NamedThread(target=fn, name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
 
@@ -173,7 +175,7 @@ def bounded(fn: Callable[[], object], timeout: float, what: str, give_up: Callab
             box["error"] = e
         done.set()
 
-    threading.Thread(target=call, name=f"elastor-store-{what}", daemon=True).start()
+    NamedThread(target=call, name=f"elastor-store-{what}", daemon=True).start()
     t_end = time.monotonic() + timeout
     while not done.wait(min(0.05, max(0.0, t_end - time.monotonic()))):
         if time.monotonic() >= t_end or give_up():

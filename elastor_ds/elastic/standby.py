@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from ..threads import NamedThread
 from . import overrides
 from .private import open_private, private_dir
 from .protocol import ENV_LAUNCH_MODE, ENV_STANDBY_DIR, LaunchMode
@@ -437,7 +438,7 @@ class StandbyPool:
         if len(payload) <= _PIPE_ATOMIC:
             _hand_over(sb.proc, payload)
         else:   # more than a pipe buffer: a standby still importing would block the agent until it reads
-            threading.Thread(target=_hand_over, args=(sb.proc, payload), name="elastor-standby-assign",
+            NamedThread(target=_hand_over, args=(sb.proc, payload), name="elastor-standby-assign",
                              daemon=True).start()
         if sb.ready_fd >= 0:
             os.close(sb.ready_fd)

@@ -55,6 +55,7 @@ from .peer_plan import PeerTransfer, node_of_rank, plan_peer_copies
 from ...comm.groups import world_rank, world_size
 from ...comm.transport import GlooTransport, Transport
 from ...errors import CollectiveError
+from ...threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ class PeerCopier:
                     break
                 except OSError:
                     continue
-        self._thread = threading.Thread(target=self._run, args=(st, opened, manifest_fd), name="elastor-peer-copy",
+        self._thread = NamedThread(target=self._run, args=(st, opened, manifest_fd), name="elastor-peer-copy",
                                         daemon=True)
         self._thread.start()
         return st

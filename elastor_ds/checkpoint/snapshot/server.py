@@ -54,6 +54,7 @@ from ..paths import safe_join
 from .peer_sources import MAX_RANGE
 from ...elastic.protocol import ENV_JOB_SECRET_FILE, ENV_SNAPSHOT_PEERS, ENV_SNAPSHOT_SELF, ENV_SNAPSHOT_SERVER_HOST
 from ...errors import CheckpointError
+from ...threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +393,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self._refusals = 0
         self.busy_refused = 0
         super().__init__(addr, _Handler)
-        self._reaper = threading.Thread(target=self._reap, name="elastor-snapshot-reaper", daemon=True)
+        self._reaper = NamedThread(target=self._reap, name="elastor-snapshot-reaper", daemon=True)
         self._stop = threading.Event()
         self._reaper.start()
 
@@ -513,7 +514,7 @@ class SnapshotServer:
         return self._srv.busy_refused
 
     def start(self) -> "SnapshotServer":
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+        self._thread = NamedThread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="elastor-snapshot-server", daemon=True)
         self._thread.start()
         log.info("snapshot server for %s at %s (authenticated)", self.root, self.address)
