@@ -44,6 +44,19 @@ def advise_huge_pages(addr: int, nbytes: int) -> bool:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE:
         return False
+    return _madvise(addr, nbytes, advice)
+
+
+def drop_pages(addr: int, nbytes: int) -> bool:
+    """Give the whole pages inside ``[addr, addr + nbytes)`` back to the kernel
+    (``madvise(MADV_DONTNEED)``: private memory reads as zeros afterwards and takes no memory until
+    it is written again), for a buffer whose old bytes are not needed: an allocator may hand out
+    memory another allocation already made resident. False where the platform has no such advice."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    return advice is not None and _madvise(addr, nbytes, advice)
+
+
+def _madvise(addr: int, nbytes: int, advice: int) -> bool:
     start = addr + (-addr) % PAGE
     end = (addr + nbytes) // PAGE * PAGE
     if end <= start:
@@ -321,7 +334,11 @@ class StagingBuffer:
     def capacity(self) -> int:
         return 0 if self.buf is None else self.buf.numel()
 
-    def ensure(self, nbytes: int) -> torch.Tensor:
+    def ensure(self, nbytes: int, prefault: bool = True) -> torch.Tensor:
+        """The buffer, at least ``nbytes`` long (allocated anew when shorter). ``prefault``: touch
+        every page now, not during the first save's copy; False for a live write's buffer, which
+        only a fence copies into (a save whose write ends before the next optimizer step leaves it
+        untouched, and it then takes no memory)."""
         if self.buf is None or self.buf.numel() < nbytes:
             log.debug("allocating %d-byte staging buffer (pinned=%s)", nbytes, self.pin)
             self._programs = [p for p in self._programs if p.buf is not self.buf]
@@ -333,7 +350,10 @@ class StagingBuffer:
             buf = raw[off:off + max(nbytes, 1)]
             if not self.pin:   # (pinned memory is the CUDA allocator's)
                 advise_huge_pages(buf.data_ptr(), buf.numel())
-            buf.zero_()  # pre-fault every page now, not during the first save's stall
+            if prefault:
+                buf.zero_()  # pre-fault every page now, not during the first save's stall
+            elif not self.pin:
+                drop_pages(buf.data_ptr(), buf.numel())   # memory freed before may come back resident
             self.buf = buf
         return self.buf
 
@@ -420,8 +440,9 @@ class StagingBuffer:
 
     def program(self, items: Sequence[WriteItem], shards: Sequence[TensorShard]) -> _CopyProgram:
         """The CPU copy program of a whole-box snapshot into this object's buffer (built or cached),
-        without running it: a live write (:mod:`.live`) runs a suffix of it at the fence."""
-        buf = self.ensure(sum(i.nbytes for i in items))
+        without running it: a live write (:mod:`.live`) runs a suffix of it at the fence (a buffer
+        allocated here is not pre-faulted: its pages take memory once a fence copies into them)."""
+        buf = self.ensure(sum(i.nbytes for i in items), prefault=False)
         prog = next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, True)), None)
         if prog is None:
             prog = _CopyProgram(items, shards, buf, True)
