@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import dataclasses
 import logging
-import os
 import sys
 from typing import Optional, Sequence
 

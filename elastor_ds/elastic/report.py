@@ -60,7 +60,7 @@ def _plan_text(ph: Phase) -> str:
                     + (f" {_ms(uni)} ms/it" if uni is not None else "")
                     + (f" ({uni / pred:.3f}x)" if uni and pred else "")
                     + (f", {idle} of {ph.world_size} process(es) idle" if isinstance(idle, int) and idle > 0 else
-                       f", every process used" if idle == 0 else ""))
+                       ", every process used" if idle == 0 else ""))
     src = p.get("predicted_sources")
     if isinstance(src, dict) and src:
         kinds: dict[str, list[str]] = {}
