@@ -93,7 +93,7 @@ def test_planning_modules_pull_in_no_torch_indirectly(mod):
 # The floors, lowest first. A module may import its own floor and the floors below it, never one
 # above ("an arrow back up"). elastic/protocol.py and elastic/events.py are the shared vocabulary
 # (environment names, event kinds): pure, importable from every floor.
-FLOORS = [("errors", "cli_types", "user_json"), ("layout",), ("plan", "data"), ("comm",), ("runtime",), ("checkpoint",),
+FLOORS = [("errors", "cli_types", "user_json", "threads"), ("layout",), ("plan", "data"), ("comm",), ("runtime",), ("checkpoint",),
           ("integrations", "testing"), ("elastic", "demo", "deepspeed", "cli", "__init__")]
 SHARED = {"elastor_ds.elastic.protocol", "elastor_ds.elastic.events", "elastor_ds.errors"}
 
