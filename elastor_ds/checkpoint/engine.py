@@ -89,7 +89,7 @@ from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dt
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
-from .live import LiveChunks, LiveGate, LiveSpan
+from .live import LiveChunks, LiveGate, LiveSpan, fill_in_place
 from .staging import StagingBuffer
 from .state import from_jsonable, resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
@@ -341,7 +341,8 @@ class CheckpointEngine:
         pending: Optional[_Agreement] = None
         planned = False
         # the same on every rank (an engine setting and the storage's): which group agrees on the plan
-        live_any = self.live_write and self.storage.caps.writes_live and not self.in_place
+        # (staged in place, a memory snapshot's writer copies the live tensors into the mapped file itself)
+        live_any = self.live_write and (self.storage.caps.writes_live or self.in_place)
         live = live_any and not any(sh.tensor.is_cuda for sh in shards)
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
@@ -387,7 +388,7 @@ class CheckpointEngine:
                 spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
         tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")
         job = _Job(step, t0=t0, stale=stale)
-        if live and not stale:
+        if live and not stale and not self.in_place:
             job.gate = self._live_gate(items, shards, step)
         if pending is not None and job.gate is None:   # this save copies after all: agree before it
             if not pending.result():
@@ -406,7 +407,11 @@ class CheckpointEngine:
                 job.staged, job.header_crc = self._take_file(items, tmp_dir)
             except OSError as e:   # e.g. tmpfs full: reported by the writer, on every rank
                 job.local_error = e
-            if job.staged is not None:
+            if job.staged is not None and live:   # the writer copies into the file (live.fill_in_place)
+                job.gate = self._live_gate(items, shards, step, buf=job.staged.data)
+            if job.gate is not None:
+                spans = list(self.staging.program(items, shards, buf=job.staged.data).spans)
+            elif job.staged is not None:
                 spans = self.staging.snapshot(items, shards, buf=job.staged.data, defer=self.defer_device_copies,
                                               block_crcs=self.block_size)
                 job.block_tables = self.staging.block_tables
@@ -456,10 +461,11 @@ class CheckpointEngine:
         return staged, hcrc
 
     def _live_gate(self, items, shards: Sequence[TensorShard], step: int,
-                   versions: Optional[list] = None) -> Optional[LiveGate]:
+                   versions: Optional[list] = None, buf: Any = None) -> Optional[LiveGate]:
         """live_write: the gate between the live tensors and the staging buffer for this save (no
-        copy yet), or None when a chunk's strides need torch's strided copy (then the save copies)."""
-        prog = self.staging.program(items, shards)
+        copy yet), or None when a chunk's strides need torch's strided copy (then the save copies).
+        ``buf``: the staging is that memory (a mapped data file), chunk by chunk in file order."""
+        prog = self.staging.program(items, shards, buf=buf)
         if prog.live is None:
             return None
         chunks = prog.live_chunks
@@ -470,7 +476,7 @@ class CheckpointEngine:
                     seen.add(id(sh.tensor))
                     tensors.append(sh.tensor)
                     names.append(sh.name)
-            chunks = prog.live_chunks = LiveChunks(prog.live, _staging_views(self.staging.buf, prog.spans),
+            chunks = prog.live_chunks = LiveChunks(prog.live, _staging_views(prog.buf, prog.spans),
                                                    [sp[0] for sp in prog.spans], prog.run_from, tensors, names)
         return LiveGate(chunks, step, versions)
 
@@ -535,6 +541,8 @@ class CheckpointEngine:
                     with job.lock:
                         if job.gate is not None and job.gate is not gate:
                             n = job.gate.fence(self.writer_priority.boosted)
+            if self.in_place:   # a memory snapshot must end within the step: no more idle-only cycles
+                self.writer_priority.urgent("fence")
             if job.stats is not None:
                 job.stats.fence_s += time.perf_counter() - t0
                 job.stats.fence_bytes += n
@@ -633,7 +641,13 @@ class CheckpointEngine:
                 outcome = ("stale", rank)
             elif job.staged is not None:
                 self.staging.wait_device()
-                outcome = ("ok", write_staged_rank_files(rank, items, job.staged.data.numpy(), spans, job.staged.path,
+                data = job.staged.data.numpy()
+                if job.gate is not None:   # live: copy the live tensors into the file here, CRCs on the way
+                    try:
+                        job.block_tables = fill_in_place(job.gate, memoryview(data), spans, self.block_size)
+                    finally:
+                        job.gate.close()
+                outcome = ("ok", write_staged_rank_files(rank, items, data, spans, job.staged.path,
                                                          job.staged.header_len, job.header_crc, rank_state,
                                                          self.storage, block_size=self.block_size, lean=True,
                                                          block_tables=job.block_tables))

@@ -186,6 +186,54 @@ class LiveSpan:
         return int(np.prod(self.shape)) if self.shape else 0
 
 
+# bytes a writer copies under the gate's lock at a time (a fence waits for one such piece at most)
+PIECE_BYTES = 1 << 20
+
+
+def fill_in_place(gate: LiveGate, data: memoryview, spans: Sequence[tuple[int, int]], block_size: int) -> list:
+    """Writer thread, a live save whose staging is the data file itself (a memory snapshot's mapped
+    file on tmpfs, :mod:`.snapshot.file_staging`; the gate's staged views are its chunks): copy
+    each chunk from the live tensors into the file in file order, piece by piece (whole rows, or
+    part of a row; :data:`PIECE_BYTES` at most) under the gate's lock, and take the block CRCs of
+    each piece right after it lands, while it is in cache. A chunk a fence has staged is already in
+    the file: only its CRCs are taken. Then the gate is released (which checks that no saved tensor
+    changed meanwhile). ``spans``: each chunk's ``(offset, nbytes)`` in ``data``. Returns each
+    chunk's cumulative block CRCs (:class:`~.staging.BlockCrcs`)."""
+    from .staging import BlockCrcs
+    crcs = BlockCrcs(spans, block_size, data)
+    c = gate.chunks
+    for k, (pos, n) in enumerate(spans):
+        if not n:
+            continue
+        shape = c.live[k].shape
+        rows, w = shape if len(shape) == 2 else (1, n)
+        per = max(1, PIECE_BYTES // w)
+        r = col = 0
+        while r < rows:
+            with gate.lock:
+                src = gate.source(k)
+                dst = c.staged[k]
+                live = src is not dst
+                if src.ndim == 1:
+                    src, dst = src.reshape(1, w), dst.reshape(1, w)
+                if col == 0 and w <= PIECE_BYTES:
+                    m = min(per, rows - r)
+                    if live:
+                        np.copyto(dst[r:r + m], src[r:r + m])
+                    r += m
+                else:   # a row longer than a piece: part of it
+                    m = min(PIECE_BYTES, w - col)
+                    if live:
+                        np.copyto(dst[r, col:col + m], src[r, col:col + m])
+                    col += m
+                    if col == w:
+                        r, col = r + 1, 0
+            crcs.feed(pos + r * w + col)   # the file's bytes, in file order: no lock needed
+    gate.release()
+    crcs.feed(spans[-1][0] + spans[-1][1] if spans else 0)
+    return crcs.result()
+
+
 def materialize(buffers: Sequence[Any]) -> list:
     """``buffers`` with every :class:`LiveSpan` replaced by its staged bytes (copied into staging
     first, :meth:`LiveGate.stage_all`): for writers that read a chunk more than once."""

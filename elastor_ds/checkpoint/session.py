@@ -165,12 +165,18 @@ class CheckpointSession:
             if cross_node:
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
                 attach(self, cfg.timeout_s)
-        self.device_fence = self._install_device_fence(cfg.live_write)
+        live_mem = memory is not None and memory.live_write
+        self.device_fence = self._install_device_fence(cfg.live_write or live_mem)
         # a live write needs the fence before every optimizer step (nothing else changes saved tensors)
         self.ckpt.live_write = cfg.live_write and self.device_fence
-        if cfg.live_write and not self.device_fence:
-            log.warning("checkpoint.live_write is on, but this trainer's optimizer has no step pre-hook for the fence "
-                        "(e.g. Megatron-LM's optimizers): storage saves copy the state at save time instead")
+        if live_mem and self.device_fence:
+            assert self.memory is not None
+            self.memory.use_live_writes()
+        for on, key, what in ((cfg.live_write, "checkpoint.live_write", "storage saves"),
+                              (live_mem, "memory_snapshot.live_write", "memory snapshots")):
+            if on and not self.device_fence:
+                log.warning("%s is on, but this trainer's optimizer has no step pre-hook for the fence (e.g. "
+                            "Megatron-LM's optimizers): %s copy the state at save time instead", key, what)
 
     @property
     def layout(self) -> Layout:

@@ -77,6 +77,9 @@ class MemorySnapshotConfig:
     max_bytes: Optional[int] = None  # cap on this node's snapshot bytes (all its ranks, all copies)
     # steps between peer copies (a multiple of interval_steps); None: every snapshot is copied
     peer_copy_interval_steps: Optional[int] = None
+    # CPU state: the snapshot writer copies the live tensors into the node's memory on idle cycles
+    # until the fence before the next optimizer step, which copies the rest (as checkpoint.live_write)
+    live_write: bool = False
 
     def copies_step(self, step: int) -> bool:
         """Whether the snapshot of ``step`` is copied to the next node (peer copies on)."""
@@ -95,7 +98,7 @@ _CKPT_KEYS = {"dir": "dir", "interval_steps": "interval_steps", "min_interval_s"
               "fallback_to_previous": "fallback_to_previous", "on_save_checkpoint": "on_save_checkpoint",
               "deepspeed_native": "deepspeed_native", "timeout_s": "timeout_s", "direct_io": "direct_io",
               "writer_sched": "writer_sched", "writer_deadline_s": "writer_deadline_s", "live_write": "live_write"}
-_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes")
+_MEM_KEYS = ("interval_steps", "keep", "peer_copies", "peer_copy_interval_steps", "dir", "max_bytes", "live_write")
 
 
 def _unknown(where: str, key: str, allowed) -> ConfigError:
@@ -234,6 +237,8 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
                               f"the next node of the ring)")
     if "dir" in d:
         kw["dir"] = _dir(f"{where}.dir", d["dir"], '"dir": "/dev/shm/my-job"')
+    if "live_write" in d:
+        kw["live_write"] = _bool(f"{where}.live_write", d["live_write"])
     if "max_bytes" in d and d["max_bytes"] is not None:
         kw["max_bytes"] = _int(f"{where}.max_bytes", d["max_bytes"], 1, '"max_bytes": 8000000000', MAX_BYTES)
     if d.get("peer_copy_interval_steps") is not None:

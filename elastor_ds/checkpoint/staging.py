@@ -438,14 +438,22 @@ class StagingBuffer:
                 ev.synchronize()
         return spans
 
-    def program(self, items: Sequence[WriteItem], shards: Sequence[TensorShard]) -> _CopyProgram:
+    def program(self, items: Sequence[WriteItem], shards: Sequence[TensorShard],
+                buf: torch.Tensor | None = None) -> _CopyProgram:
         """The CPU copy program of a whole-box snapshot into this object's buffer (built or cached),
         without running it: a live write (:mod:`.live`) runs a suffix of it at the fence (a buffer
-        allocated here is not pre-faulted: its pages take memory once a fence copies into them)."""
-        buf = self.ensure(sum(i.nbytes for i in items), prefault=False)
-        prog = next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, True)), None)
+        allocated here is not pre-faulted: its pages take memory once a fence copies into them).
+        ``buf``: into that memory instead (a memory snapshot's mapped data file, item by item in
+        file order, as :meth:`snapshot` copies into it)."""
+        whole = buf is None
+        if buf is None:
+            buf = self.ensure(sum(i.nbytes for i in items), prefault=False)
+        elif buf.numel() < sum(i.nbytes for i in items):
+            raise ValueError(f"staging destination holds {buf.numel()} bytes, the save needs "
+                             f"{sum(i.nbytes for i in items)}")
+        prog = next((p for p in self._programs if not p.device and p.valid_for(items, shards, buf, whole)), None)
         if prog is None:
-            prog = _CopyProgram(items, shards, buf, True)
+            prog = _CopyProgram(items, shards, buf, whole)
             self._programs = [prog, *self._programs[:self.MAX_PROGRAMS - 1]]
         self._program = prog
         return prog

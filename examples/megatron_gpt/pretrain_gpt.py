@@ -34,7 +34,9 @@ contract for readers such as the demo table (keys may be added, never removed):
     with memory snapshots (iterations that took one): snapshot_stall_s (the copy), snapshot_hook_s
       (the training thread's whole snapshot time), snapshot_wait_s (waiting for the previous one),
       snapshot_writer_cpu_s (the background writer's CPU for the previous one), snapshots_dropped
-      (so far, by a changed shard layout), and peer_copy_* with peer copies,
+      (so far, by a changed shard layout), with memory_snapshot.live_write prev_snapshot_fence_s /
+      prev_snapshot_fence_bytes / prev_snapshot_bytes (what the previous snapshot's fence, in this
+      iteration's optimizer step, copied), and peer_copy_* with peer copies,
     plan_source ("flags" | "file" | "auto"),
     with --elastor-plan auto also: plan_search (a re-plan from the previous launch's <save>/plan.json, used
       only when its plan gives every launched process a place; else why the full search ran),
@@ -148,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "default: every snapshot); a node then keeps N / interval + 1 snapshots")
     a("--elastor-memory-snapshot-keep", type=positive_int, default=None, metavar="K",
       help="memory snapshots kept per node (default 1)")
+    a("--elastor-memory-snapshot-live-write", action="store_true", default=None,
+      help="snapshots copy nothing on the training thread: a background writer copies the live tensors into memory "
+           "until the next optimizer step, whose pre-hook copies the rest (memory_snapshot.live_write)")
     a("--elastor-memory-snapshot-ab-blocks", type=nonnegative_int, default=0, metavar="B",
       help="benchmarking: pause memory snapshots in every other block of B iterations, so one run times "
            "iterations with and without them on the same processes (bench/snapshot_bench.py; 0: off)")
@@ -569,7 +574,8 @@ def ds_config(args: argparse.Namespace, d: dict) -> dict:
         ck["load"] = args.load  # an explicit root or step dir ("latest" would look for steps *under* a step dir)
     flags = {"interval_steps": args.elastor_memory_snapshot_interval,
              "peer_copies": args.elastor_memory_snapshot_peer_copies, "keep": args.elastor_memory_snapshot_keep,
-             "peer_copy_interval_steps": args.elastor_memory_snapshot_peer_copy_interval}
+             "peer_copy_interval_steps": args.elastor_memory_snapshot_peer_copy_interval,
+             "live_write": args.elastor_memory_snapshot_live_write}
     if any(v is not None for v in flags.values()):
         ms = el.setdefault("memory_snapshot", {})
         for k, v in flags.items():
@@ -857,6 +863,10 @@ def _main(argv: list[str] | None = None) -> int:
                     rec["snapshot_wait_s"] = mem.stats[-1].wait_s
                     if len(mem.stats) > 1:
                         rec["snapshot_writer_cpu_s"] = mem.stats[-2].writer_cpu_s
+                        if mem.stats[-2].live:   # memory_snapshot.live_write: what its fence (this step) copied
+                            rec["prev_snapshot_fence_s"] = mem.stats[-2].fence_s
+                            rec["prev_snapshot_fence_bytes"] = mem.stats[-2].fence_bytes
+                            rec["prev_snapshot_bytes"] = mem.stats[-2].bytes_written
                     rec["snapshots_dropped"] = mem.ckpt.saves_dropped
                     pc = getattr(mem, "peer_copier", None)
                     done = [c for c in pc.stats if c.copy_s > 0] if pc is not None else []

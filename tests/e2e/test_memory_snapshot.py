@@ -210,14 +210,18 @@ def _final_losses(recs: list[dict]) -> dict[int, float]:
     return out
 
 
-def test_per_iteration_snapshots_lose_at_most_one_iteration_and_continue_exactly(tmp_path, snap_dir, reference):
+@pytest.mark.parametrize("live", [False, True], ids=["copy-first", "live-write"])
+def test_per_iteration_snapshots_lose_at_most_one_iteration_and_continue_exactly(tmp_path, snap_dir, reference, live):
     """Memory snapshots every iteration, no storage checkpoint before the end: a killed worker costs at
-    most one iteration and every loss equals the uninterrupted run's, bit for bit (same layout)."""
+    most one iteration and every loss equals the uninterrupted run's, bit for bit (same layout).
+    ``live-write``: the snapshot writer copies the live tensors until the next optimizer step's fence
+    (a snapshot that mixed two steps' values would restore other losses)."""
     # rank 0 SIGKILLs itself as it starts iteration 4 (3 done; the background snapshot of 3 may or
     # may not have committed): a signal from outside after "iteration 3 logged" raced iteration 4
     env = dict(os.environ, ELASTOR_EXAMPLE_FAULT="iteration-4:0")
     job = MemJob(tmp_path, nproc=2, iters=ITERS, save_interval=0, snap_dir=snap_dir,
-                 ctl_args=["--on-failure", "restart"], env=env)
+                 ctl_args=["--on-failure", "restart"], env=env,
+                 trainer_args=["--elastor-memory-snapshot-live-write"] if live else ())
     last = 3
     try:
         assert job.wait(240) == 0, job.output()[-4000:]
@@ -230,6 +234,12 @@ def test_per_iteration_snapshots_lose_at_most_one_iteration_and_continue_exactly
     assert _final_losses(recs) == reference
     rerun = [x["iteration"] for x in recs].count(r["step"] + 1)
     assert rerun <= 2
+    fenced = [x for x in recs if "prev_snapshot_fence_bytes" in x]
+    if live:   # the trainer's own record of each live snapshot's fence
+        assert len(fenced) >= 3 and all(0 <= x["prev_snapshot_fence_bytes"] <= x["prev_snapshot_bytes"]
+                                        for x in fenced), fenced
+    else:
+        assert not fenced
 
 
 def _flip_middle_byte(path: str) -> None:

@@ -18,6 +18,8 @@ def test_memory_snapshot_section_parses_with_defaults():
                                  "memory_snapshot": {"interval_steps": 1, "peer_copies": 1}})
     assert cfg.memory_snapshot == MemorySnapshotConfig(interval_steps=1, keep=1, peer_copies=1)
     assert parse_elastor_section({"checkpoint": {"dir": "/c"}}).memory_snapshot is None
+    live = parse_elastor_section({"checkpoint": {"dir": "/c"}, "memory_snapshot": {"live_write": True}})
+    assert live.memory_snapshot.live_write and not live.checkpoint.live_write
 
 
 @pytest.mark.parametrize("section, message", [
@@ -27,6 +29,7 @@ def test_memory_snapshot_section_parses_with_defaults():
     ({"keep": 0}, r"keep: expected an integer >= 1"),
     ({"max_bytes": -5}, r"max_bytes: expected an integer >= 1"),
     ({"dir": ""}, r"dir: expected a non-empty string"),
+    ({"live_write": "yes"}, r"memory_snapshot.live_write: expected true or false, got 'yes'"),
     ("fast", r"memory_snapshot: expected an object"),
 ])
 def test_bad_memory_snapshot_values_name_the_key_and_the_fix(section, message):

@@ -106,6 +106,15 @@ class MemoryTier:
         self.dropped_for_space = 0     # snapshots dropped because they did not fit (SnapshotSpaceError)
         self._space_ok_since_drop = True
 
+    def use_live_writes(self) -> None:
+        """``memory_snapshot.live_write`` (the session installed the fence before every optimizer
+        step): a snapshot copies nothing on the training thread; the writer copies the live CPU
+        tensors into the mapped files on idle cycles (``SCHED_IDLE``) until the fence, which
+        copies what is left, and then runs at normal priority, so the snapshot still ends within
+        the step (:func:`~elastor_ds.checkpoint.live.fill_in_place`)."""
+        self.ckpt.live_write = True
+        self.ckpt.writer_priority.sched = WriterSched.IDLE
+
     # ------------------------------------------------------------------ budget
     @property
     def copies(self) -> int:
