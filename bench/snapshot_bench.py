@@ -218,6 +218,8 @@ def _train(args, work: str, name: str, snapshots: bool, iters: int = 0, ab_block
            "--metrics-file", metrics]
     if snapshots:
         cmd += ["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "0"]
+        if getattr(args, "snapshot_live_write", False):
+            cmd += ["--elastor-memory-snapshot-live-write"]
     if ab_blocks:
         cmd += ["--elastor-memory-snapshot-ab-blocks", str(ab_blocks)]
     if ds_config is not None:   # the trainer fills in the rest (micro-batches, optimizer, ZeRO stage)
@@ -239,7 +241,21 @@ def _paired(args, work: str) -> dict:
     (:func:`elastor_ds.elastic.overhead.paired_overhead`: with vs without on the same processes,
     minutes apart at most)."""
     recs = _train(args, work, "paired", True, iters=args.paired_iters, ab_blocks=args.block)
-    return {"iters": args.paired_iters, **paired_overhead(recs, args.block, skip=0)}
+    res = paired_overhead(recs, args.block, skip=0)
+    return {"iters": args.paired_iters, **res, **_live_fences(recs, res["median_iter_s_with"])}
+
+
+def _live_fences(recs: list[dict], iter_s: float) -> dict:
+    """memory_snapshot.live_write: the median fence (the optimizer step after a snapshot) over the
+    iteration, and the median share of a snapshot's bytes the fence copied (the rest the writer had
+    copied on idle cycles before it)."""
+    xs = [r for r in recs if r.get("prev_snapshot_fence_bytes") is not None]
+    if not xs:
+        return {}
+    return {"live_snapshots": len(xs),
+            "median_snapshot_fence_over_iter": statistics.median(r["prev_snapshot_fence_s"] for r in xs) / iter_s,
+            "median_snapshot_fence_share_of_bytes": statistics.median(
+                r["prev_snapshot_fence_bytes"] / max(1, r["prev_snapshot_bytes"]) for r in xs)}
 
 
 def overhead_rows(args) -> dict:
@@ -278,7 +294,8 @@ def overhead_rows(args) -> dict:
                 "snapshots_waited_for_previous": sum(1 for r in snap if (r.get("snapshot_wait_s") or 0) > 1e-3),
                 "median_snapshot_stall_over_iter": share("snapshot_stall_s"),
                 "median_snapshot_training_thread_over_iter": share("snapshot_hook_s"),
-                "median_snapshot_writer_cpu_over_iter": share("snapshot_writer_cpu_s")}
+                "median_snapshot_writer_cpu_over_iter": share("snapshot_writer_cpu_s"),
+                "snapshot_live_write": bool(args.snapshot_live_write), **_live_fences(snap, ts)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -337,6 +354,8 @@ def _two_node_run(args, work: str, name: str, peer_copies: int, copy_interval: i
                    "--elastor-memory-snapshot-ab-blocks", str(block)]
             if copy_interval:
                 cmd += ["--elastor-memory-snapshot-peer-copy-interval", str(copy_interval)]
+            if args.snapshot_live_write:
+                cmd += ["--elastor-memory-snapshot-live-write"]
             env = _env({ENV_SNAPSHOT_DIR: snap, ENV_PROCS_PER_NODE: "1,1", ENV_JOB_SECRET_FILE: secret})
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -533,6 +552,9 @@ def main() -> int:
     p.add_argument("--writer-iters", type=int, default=30, help="writer row: iterations of its one run")
     p.add_argument("--writer-live-write", action="store_true", help="writer row: checkpoint.live_write on (the "
                    "writer reads the live tensors until the next optimizer step's fence, which copies the rest)")
+    p.add_argument("--snapshot-live-write", action="store_true", help="overhead and peer rows: "
+                   "memory_snapshot.live_write on (the snapshot writer copies the live tensors on idle cycles until "
+                   "the next optimizer step's fence, which copies the rest)")
     p.add_argument("--kill-at", type=int, default=7)
     p.add_argument("--storage-interval", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))

@@ -20,6 +20,11 @@ from then on the writer reads staging. When the writer has read every chunk it r
 under the lock, and a later fence does nothing. Writers that do not go through bounce buffers
 (the buffered fallback) copy everything into staging first (:meth:`LiveGate.stage_all`).
 
+A memory snapshot staged in place (its data file on tmpfs, mapped, is the staging) works the same
+way with the file as the staged side: :func:`fill_in_place` copies each chunk from the live
+tensors into the file piece by piece under the lock and takes its block CRCs right after, and a
+fence copies the rest into the file (``memory_snapshot.live_write``).
+
 What guards the contract: each tensor's autograd version counter, which every in-place torch
 operation (the optimizer's ``add_``, batch norm's running statistics) increments. It is read at
 ``save`` and compared at the fence and when the writer releases the gate; a change means the bytes

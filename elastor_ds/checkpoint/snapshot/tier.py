@@ -19,6 +19,9 @@ directory holds its ranks' chunk files plus the whole manifest.
    plan-agreement collective on the training thread (``optimistic_plan``). A snapshot that does
    not fit (the tmpfs is full: another process can fill a shared ``/dev/shm``) is dropped with a
    warning on every rank alike (:meth:`wait`); training and the storage checkpoints go on.
+   With ``live_write`` (:meth:`use_live_writes`) the training thread copies nothing: the writer
+   copies the live tensors into the mapped files on idle cycles until the fence before the next
+   optimizer step, which copies the rest.
 3. Restore: see ``runtime.ElastorCheckpointer.load`` (newest committed step across memory and
    storage wins; memory first, then registered sources, then storage's files of the same step).
 """

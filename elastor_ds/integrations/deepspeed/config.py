@@ -16,7 +16,9 @@ Pure: no deepspeed, no torch. Shape (a contract; keys may be added, never remove
       "memory_snapshot": {                       # needs "checkpoint" (storage stays the durable tier)
         "interval_steps": 1, "keep": 1, "peer_copies": 1,
         "dir": "<node dir>",                     # default: $ELASTOR_SNAPSHOT_DIR (set by `elastor run`)
-        "max_bytes": N                           # optional cap on this node's snapshot bytes
+        "max_bytes": N,                          # optional cap on this node's snapshot bytes
+        "peer_copy_interval_steps": N,           # copy only every N-th step's snapshot (default: every one)
+        "live_write": false                      # the writer copies the live CPU tensors until the next step
       }
     }
 
