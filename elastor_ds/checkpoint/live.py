@@ -84,6 +84,10 @@ class LiveGate:
         self.staged_from: Optional[int] = None   # chunks >= this are read from staging
         self.released = False               # the writer has read every chunk
         self.error: Optional[BaseException] = None
+        # a fence waits for the lock: the writer lets it in before its next piece (a lock is not
+        # fair, and a writer that takes it again at once could keep a fence out until it is done)
+        self.fence_waiting = False
+        self._fence_over = threading.Event()
 
     def __len__(self) -> int:
         return len(self.chunks.live)
@@ -118,8 +122,14 @@ class LiveGate:
         staging (waiting for at most the piece it is copying, with the writer ``boost``-ed while
         waiting: a background writer holding the lock runs only on idle cycles); the bytes copied."""
         if not self.lock.acquire(blocking=False):
-            with boost():
-                self.lock.acquire()
+            self.fence_waiting = True
+            try:
+                with boost():
+                    self.lock.acquire()
+            except BaseException:
+                self.fence_waiting = False
+                self._fence_over.set()
+                raise
         try:
             if self.released or self.staged_from is not None or self.error is not None:
                 return 0
@@ -128,7 +138,15 @@ class LiveGate:
                 return 0
             return self._stage(self.cursor)
         finally:
+            self.fence_waiting = False
+            self._fence_over.set()
             self.lock.release()
+
+    def let_fence_in(self) -> None:
+        """Writer thread, between two pieces: when a fence is waiting for the lock, wait until it
+        has been through, so that it waits for one piece at most."""
+        if self.fence_waiting:
+            self._fence_over.wait()
 
     def stage_all(self) -> None:
         """Writer thread, for a writer that reads each chunk whole (the buffered fallback): copy
@@ -215,6 +233,7 @@ def fill_in_place(gate: LiveGate, data: memoryview, spans: Sequence[tuple[int, i
         per = max(1, PIECE_BYTES // w)
         r = col = 0
         while r < rows:
+            gate.let_fence_in()
             with gate.lock:
                 src = gate.source(k)
                 dst = c.staged[k]

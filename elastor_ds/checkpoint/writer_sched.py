@@ -82,6 +82,7 @@ class WriterPriority:
         self._deadline = 0.0       # time.monotonic() when the current background save is escalated
         self._watcher: Optional[threading.Thread] = None   # one per group, started with the first save
         self._escalated: "str | bool" = False
+        self._boosts = 0           # boosted() contexts open: the group runs at normal priority meanwhile
         self.escalations = 0       # how many saves were escalated (by a wait or the deadline)
         self.helper_cpu_s = 0.0    # CPU seconds of the helper threads that have ended (thread_target)
 
@@ -96,7 +97,7 @@ class WriterPriority:
             self._tids.add(tid)
             # the kernel gave a new thread its creator's policy; set it from the state in case it changed
             if self.sched is WriterSched.IDLE:
-                _set_policy(tid, self._background)
+                _set_policy(tid, self._background and not self._boosts)
 
     def leave(self) -> None:
         with self._lock:
@@ -113,7 +114,7 @@ class WriterPriority:
             self._escalated = False
             self._deadline = time.monotonic() + self.deadline_s
             for t in self._tids:
-                _set_policy(t, True)
+                _set_policy(t, not self._boosts)
             if self._watcher is None:
                 self._watcher = NamedThread(target=self._watch, name="elastor-writer-deadline", daemon=True)
                 self._watcher.start()
@@ -156,18 +157,18 @@ class WriterPriority:
             yield
             return
         with self._lock:
-            boost = self._background
-            if boost:
+            self._boosts += 1
+            if self._background and self._boosts == 1:
                 for t in self._tids:
                     _set_policy(t, False)
         try:
             yield
         finally:
-            if boost:
-                with self._lock:
-                    if self._background:
-                        for t in self._tids:
-                            _set_policy(t, True)
+            with self._lock:
+                self._boosts -= 1
+                if self._background and not self._boosts:
+                    for t in self._tids:
+                        _set_policy(t, True)
 
     def _escalate(self, why: str) -> None:
         """(Lock held.) The background save, if any, back to normal priority."""
