@@ -45,7 +45,6 @@ from ..threads import NamedThread
 from .crc import crc32, crc32_combine
 from .fileformat import GIL_PAUSE_BYTES, GIL_PAUSE_S, RowRuns, gil_pausing, extend_block_crcs, write_stream
 from .live import LiveSpan, materialize
-from .staging import CopyProgress
 from .planning.manifest import BLOCK_SIZE
 from .writer_sched import thread_target
 
@@ -74,16 +73,12 @@ class _Refused(Exception):
 
 def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview | RowRuns"], fsync: bool = True,
                         chunk_crcs: list[int] | None = None, block_crcs: list[list[int]] | None = None,
-                        block_size: int = BLOCK_SIZE, progress: "CopyProgress | None" = None) -> tuple[int, int]:
+                        block_size: int = BLOCK_SIZE) -> tuple[int, int]:
     """:func:`~.fileformat.write_stream` (same file, same return value, same CRC lists) with
-    ``O_DIRECT`` where the file system allows it (see the module docstring). ``progress``: the
-    buffers are views of a staging buffer that is still being copied into; each byte is written
-    (and checksummed) only once ``progress`` says it is final."""
+    ``O_DIRECT`` where the file system allows it (see the module docstring)."""
     mvs = [b if isinstance(b, (RowRuns, LiveSpan)) else memoryview(b).cast("B") for b in buffers]
     dev = _device_of(os.path.dirname(path) or ".")
     if dev in _unsupported or not hasattr(os, "O_DIRECT"):
-        if progress is not None:
-            progress.wait_all()
         return write_stream(path, header, materialize(mvs), fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
                             block_size=block_size)
     try:
@@ -91,15 +86,15 @@ def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview 
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size, progress)
+        return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size)
     crcs = StreamCrcs(len(header), [len(m) for m in mvs], block_size, blocks=block_crcs is not None)
     try:
         try:
-            size = _write_all_direct(fd, header, mvs, crcs, progress)
+            size = _write_all_direct(fd, header, mvs, crcs)
         except _Refused:
             os.close(fd)
             fd = -1
-            return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size, progress)
+            return _fall_back(dev, path, header, mvs, fsync, chunk_crcs, block_crcs, block_size)
         if fsync:
             os.fsync(fd)
     finally:
@@ -186,10 +181,7 @@ def _device_of(folder: str) -> int:
 
 
 def _fall_back(dev: int, path: str, header: bytes, mvs: list, fsync: bool, chunk_crcs: list[int] | None,
-               block_crcs: list[list[int]] | None, block_size: int,
-               progress: "CopyProgress | None" = None) -> tuple[int, int]:
-    if progress is not None:
-        progress.wait_all()
+               block_crcs: list[list[int]] | None, block_size: int) -> tuple[int, int]:
     if dev not in _unsupported:
         log.info("O_DIRECT is not supported under %s; checkpoint data files there are written through the "
                  "page cache", os.path.dirname(path))
@@ -198,12 +190,11 @@ def _fall_back(dev: int, path: str, header: bytes, mvs: list, fsync: bool, chunk
                         block_size=block_size)
 
 
-def _write_all_direct(fd: int, header: bytes, mvs: list, crcs: "StreamCrcs",
-                      progress: "CopyProgress | None" = None) -> int:
+def _write_all_direct(fd: int, header: bytes, mvs: list, crcs: "StreamCrcs") -> int:
     """Copy ``header`` and ``mvs`` through the bounce buffers to ``fd`` (opened O_DIRECT), feeding
     every byte to ``crcs`` in file order; cut the file to its size. Returns the size. Raises
     :class:`_Refused` when the first write gets EINVAL."""
-    b = _Bounce(fd, crcs, progress)
+    b = _Bounce(fd, crcs)
     try:
         b.put_flat(np.frombuffer(header, dtype=np.uint8))
         gates: list = []
@@ -281,10 +272,9 @@ class _Bounce:
     """NBUF page-aligned bounce buffers: the caller fills one while a helper thread writes the others;
     every byte, copied or written in place, is fed to ``crcs`` in file order."""
 
-    def __init__(self, fd: int, crcs: StreamCrcs, progress: "CopyProgress | None" = None):
+    def __init__(self, fd: int, crcs: StreamCrcs):
         self.fd = fd
         self.crcs = crcs
-        self.progress = progress   # the sources are still being copied into: wait for each byte first
         self.bufs = [private_buffer(PIECE) for _ in range(NBUF)]
         self.arrs = [np.frombuffer(m, dtype=np.uint8) for m in self.bufs]
         self.free: "queue.Queue[int]" = queue.Queue()
@@ -362,11 +352,6 @@ class _Bounce:
                 self._raise()
         return PIECE - self.pos
 
-    def _ready(self, src: np.ndarray) -> None:
-        """Wait until the bytes of ``src`` (a view of the staging buffer) are copied."""
-        if self.progress is not None and src.size:
-            self.progress.wait_addr(src.__array_interface__["data"][0] + src.nbytes)
-
     def put_flat(self, src: np.ndarray) -> None:
         n = len(src)
         if n >= MIN_DIRECT and (src.__array_interface__["data"][0] - self.total) % ALIGN == 0:
@@ -388,9 +373,7 @@ class _Bounce:
             if self.err:
                 self._raise()
         for a in range(k, k + m, DIRECT_CHUNK):
-            piece = src[a:min(a + DIRECT_CHUNK, k + m)]
-            self._ready(piece)   # copied: the disk takes it while the copy goes on
-            self.full.put((-1, memoryview(piece)))
+            self.full.put((-1, memoryview(src[a:min(a + DIRECT_CHUNK, k + m)])))
         self.total += m
         # the CRCs of the bytes written in place, from the source while the helper writes them;
         # a loop of small-block CRCs holds the GIL, so off the main thread it pauses between pieces
@@ -405,7 +388,6 @@ class _Bounce:
         a, n = 0, len(src)
         while a < n:
             k = min(self.room(), n - a, _COPY)
-            self._ready(src[a:a + k])
             dst = self.arrs[self.cur][self.pos:self.pos + k]
             dst[...] = src[a:a + k]
             self.crcs.feed(dst)   # still in the cache
@@ -421,8 +403,6 @@ class _Bounce:
             return
         src = np.ndarray((runs.rows, w), dtype=np.uint8, buffer=runs.base, offset=runs.offset,
                          strides=(runs.stride, 1))
-        if self.progress is not None:   # the tile's last byte (its rows interleave with its box's other tiles)
-            self.progress.wait_addr(src.__array_interface__["data"][0] + (runs.rows - 1) * runs.stride + w)
         r = 0
         per = max(1, _COPY // w)
         while r < runs.rows:

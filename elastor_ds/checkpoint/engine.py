@@ -17,10 +17,6 @@ Save (``save``), one in flight at a time:
    dropped on every rank at commit time (never half-committed; logged, counted in
    ``saves_dropped``) and the next save plans again.
 3. Snapshot: copy the regions this rank writes into the reused staging buffer. This is the stall.
-   With CPU shards and a storage whose writer can wait for bytes (posix with ``O_DIRECT``), the
-   save is handed to the writer *before* the copy, and the writer writes each piece of the buffer
-   as soon as the copy has passed it (:class:`~.staging.CopyProgress`; the writer joins the plan
-   agreement first): time to durable is then about the write alone, not copy + write.
    With a storage that stages in place (:class:`~.storage.TmpfsStorage`: memory snapshots) the
    staging buffer is the rank's data file itself, mapped: a retired file is renamed into the temp
    dir, its header written, the regions copied into its pages; CPU shards are copied in pieces of
@@ -94,7 +90,7 @@ from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
 from .live import LiveChunks, LiveGate, LiveSpan, fill_in_place
-from .staging import CopyProgress, StagingBuffer
+from .staging import StagingBuffer
 from .state import from_jsonable, resolve_deferred, to_jsonable
 from .storage import PosixStorage, Storage
 from .storage.base import check_root
@@ -227,13 +223,6 @@ class _Job:
     nonce: int = 0                    # this save's number (its temp dir's name ends with it)
     lock: threading.Lock = field(default_factory=threading.Lock)   # a fence's copy vs. a new gate
     resolved: threading.Event = field(default_factory=threading.Event)   # the writer planned again
-    # a copy-first save whose writer starts during the copy (:meth:`CheckpointEngine._save_streamed`):
-    # how far the copy has got, the plan agreement that runs beside it (the writer joins it before
-    # it writes), and, when that failed, the save planned and copied again by the training thread
-    # (or its error) once ``resolved`` is set
-    progress: Optional[CopyProgress] = None
-    copy_agreement: Optional[_Agreement] = None
-    replanned: Any = None
 
 
 class CheckpointEngine:
@@ -388,10 +377,6 @@ class CheckpointEngine:
         assert plan is not None
         t1 = time.perf_counter()
         items = plan.items[rank] if not stale else []
-        if (self.async_save and self.storage.caps.writes_live and not self.in_place and not live and not stale
-                and not any(sh.tensor.is_cuda for sh in shards)):
-            return self._save_streamed(step, key, shards, items, agreement, cached, (tw, t0, t1),
-                                       extra, rank_state, model, layout)
         spans: list[tuple[int, int]] = []
         if agreement is not None:
             spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
@@ -450,55 +435,6 @@ class CheckpointEngine:
         else:
             self._write_and_commit(*args)
             self.wait()
-        return stats
-
-    def _save_streamed(self, step: int, key: tuple, shards: Sequence[TensorShard], items, agreement, cached: bool,
-                       times: tuple, extra, rank_state, model, layout) -> SaveStats:
-        """A copy-first save of CPU shards to a storage whose writer waits for bytes
-        (``caps.writes_live``), with the writer started before the copy: it writes each piece of
-        the staging buffer as soon as the copy has passed it (:class:`~.staging.CopyProgress`), so
-        time to durable is about the write alone, not the copy plus the write (a copy first, then
-        the write, bounds persistence at write / (copy + write): 0.85-0.89 of the disk's speed on
-        the development VM). The writer joins the plan agreement (running beside the copy under
-        the cached plan) before it writes; where it failed, this thread plans and copies again
-        and hands the writer the new plan. While the copy runs the writer is at normal priority:
-        on cores the copy keeps busy an idle-scheduled writer would not start before it ends."""
-        tw, t0, t1 = times
-        prog = self.staging.program(items, shards, prefault=True)
-        spans: list = list(prog.spans)
-        tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")
-        job = _Job(step, t0=t0)
-        buf = self.staging.buf
-        assert buf is not None
-        job.progress = CopyProgress(buf.data_ptr(), prog.total)
-        job.copy_agreement = agreement
-        stats = job.stats = SaveStats(step, sum(sp[1] for sp in spans), plan_s=t1 - t0, plan_cached=cached,
-                                      wait_s=t0 - tw)
-        deferred: list = []
-        extra_j = to_jsonable(dict(extra or {}), "extra", deferred)
-        rank_j = to_jsonable(dict(rank_state or {}), "rank_state", deferred) if rank_state is not None else None
-        job.deferred = bool(deferred)
-        self._saves += 1
-        self._job = job
-        self._submit((job, self._plan, items, spans, tmp_dir, extra_j, rank_j, model, layout))
-        try:
-            with self.writer_priority.boosted():
-                self.staging.run(prog, job.progress)
-            if agreement is not None and not agreement.result():   # another rank's shards changed
-                stats.plan_cached = False
-                self._plan_again(key, shards)
-                plan = self._plan
-                assert plan is not None
-                items = plan.items[self.comm.rank]
-                spans = self.staging.snapshot(items, shards, whole_boxes=True)
-                stats.bytes_written = sum(sp[1] for sp in spans)
-                job.replanned = (plan, items, spans, self.storage.temp_dir(step, f"{self._session}_{self._saves - 1}"))
-        except BaseException as e:   # the writer reports it too (it may be waiting for the new plan)
-            job.replanned = e
-            raise
-        finally:
-            job.resolved.set()
-        stats.stall_s = time.perf_counter() - t1
         return stats
 
     def _plan_again(self, key: tuple, shards: Sequence[TensorShard], comm: Optional[Comm] = None) -> None:
@@ -697,13 +633,6 @@ class CheckpointEngine:
             tw = time.perf_counter()
             if job.agreement is not None and not job.agreement.result():
                 plan, items, spans, tmp_dir = self._replan_live(job)
-            progress = job.progress
-            if job.copy_agreement is not None and not job.copy_agreement.result():
-                job.resolved.wait()   # the training thread plans and copies again
-                if isinstance(job.replanned, BaseException):
-                    raise job.replanned
-                plan, items, spans, tmp_dir = job.replanned
-                progress = None       # that copy has ended
             if job.deferred:   # the values of device scalars: wait for their copies here, off the training thread
                 extra, rank_state = resolve_deferred(extra), resolve_deferred(rank_state)
             if job.local_error is not None:
@@ -728,7 +657,7 @@ class CheckpointEngine:
                                else _staging_views(self.staging.buf, spans))
                 try:
                     outcome = ("ok", write_rank_files(rank, items, views, tmp_dir, rank_state, self.storage,
-                                                      block_size=self.block_size, lean=lean, progress=progress))
+                                                      block_size=self.block_size, lean=lean))
                 finally:
                     if job.gate is not None:
                         job.gate.close()

@@ -20,7 +20,6 @@ import array
 import ctypes
 import logging
 import mmap
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -306,51 +305,6 @@ class BlockCrcs:
         return self.tables
 
 
-class CopyFailedError(RuntimeError):
-    """The snapshot copy into the staging buffer failed on the training thread (its error is the
-    cause); a writer that was waiting for the bytes reports this instead of writing them."""
-
-
-class CopyProgress:
-    """How far a snapshot copy into the staging buffer has got, for a writer that starts before the
-    copy ends (:meth:`StagingBuffer.run`): the copying thread advances it in buffer order, and
-    :meth:`wait_addr` blocks until every byte of the buffer below an address is final."""
-
-    def __init__(self, base: int, total: int):
-        self.base, self.total = int(base), int(total)
-        self.done = 0                       # buffer bytes [0, done) are copied
-        self.error: BaseException | None = None
-        self._cv = threading.Condition()
-
-    def advance(self, upto: int) -> None:
-        with self._cv:
-            if upto > self.done:
-                self.done = upto
-                self._cv.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self._cv:
-            self.error = error
-            self._cv.notify_all()
-
-    def wait_addr(self, end: int) -> None:
-        """Block until the buffer's bytes below address ``end`` are copied; raise
-        :class:`CopyFailedError` if the copy failed. Bytes that end outside the buffer (a file
-        header in the writer's own memory) are not the copy's: no wait."""
-        need = end - self.base
-        if need <= self.done or need > self.total:   # (an int read: no lock needed on the fast path)
-            return
-        with self._cv:
-            while self.done < need and self.error is None:
-                self._cv.wait()
-            if self.done < need:
-                raise CopyFailedError(f"the snapshot copy into the staging buffer failed after {self.done} of "
-                                      f"{self.total} bytes: {self.error}") from self.error
-
-    def wait_all(self) -> None:
-        self.wait_addr(self.base + self.total)
-
-
 class StagingBuffer:
     """The rank's staging memory and the snapshot copy into it.
 
@@ -484,48 +438,16 @@ class StagingBuffer:
                 ev.synchronize()
         return spans
 
-    # a copy with a waiting writer (:meth:`run`) advances its progress after pieces of this many bytes
-    PROGRESS_PIECE = 8 * 1024 * 1024
-
-    def run(self, prog: _CopyProgram, progress: CopyProgress) -> list[tuple[int, ...]]:
-        """Run the CPU copy program ``prog`` (from :meth:`program`), advancing ``progress`` as the
-        bytes land in buffer order (after pieces of :data:`PROGRESS_PIECE`), so that a writer can
-        write what is copied while the rest is being copied; returns the spans. A program with torch
-        strided copies (they run last) advances it once, at the end. On an error ``progress`` fails
-        too (the waiting writer reports it) and the error is raised."""
-        self._program = prog
-        try:
-            ordered = not prog.strided and all(a <= b for a, b in zip(prog.copy_pos, prog.copy_pos[1:]))
-            piece = self.PROGRESS_PIECE
-            for (dst, src), pos in zip(prog.copies, prog.copy_pos):
-                if dst.ndim == 1 and ordered:
-                    n = dst.shape[0]
-                    for a in range(0, n, piece):
-                        b = min(n, a + piece)
-                        np.copyto(dst[a:b], src[a:b])
-                        progress.advance(pos + b)
-                else:
-                    np.copyto(dst, src)
-                    if ordered:
-                        progress.advance(pos + dst.size)
-            for dst_t, src_t in prog.strided:
-                dst_t.copy_(src_t)
-        except BaseException as e:
-            progress.fail(e)
-            raise
-        progress.advance(prog.total)
-        return list(prog.spans)
-
     def program(self, items: Sequence[WriteItem], shards: Sequence[TensorShard],
-                buf: torch.Tensor | None = None, prefault: bool = False) -> _CopyProgram:
+                buf: torch.Tensor | None = None) -> _CopyProgram:
         """The CPU copy program of a whole-box snapshot into this object's buffer (built or cached),
         without running it: a live write (:mod:`.live`) runs a suffix of it at the fence (a buffer
         allocated here is not pre-faulted: its pages take memory once a fence copies into them).
         ``buf``: into that memory instead (a memory snapshot's mapped data file, item by item in
         file order, as :meth:`snapshot` copies into it)."""
         whole = buf is None
-        if buf is None:   # (``prefault``: for a copy that runs at once, :meth:`run`)
-            buf = self.ensure(sum(i.nbytes for i in items), prefault=prefault)
+        if buf is None:
+            buf = self.ensure(sum(i.nbytes for i in items), prefault=False)
         elif buf.numel() < sum(i.nbytes for i in items):
             raise ValueError(f"staging destination holds {buf.numel()} bytes, the save needs "
                              f"{sum(i.nbytes for i in items)}")

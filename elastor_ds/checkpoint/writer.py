@@ -44,19 +44,17 @@ def rank_header(rank: int, items: Sequence[WriteItem]) -> tuple[bytes, list[int]
 
 def write_rank_files(rank: int, items: Sequence[WriteItem], views: Sequence[Any], tmp_dir: str,
                      rank_state: Optional[Mapping[str, Any]], storage: "StorageWriter",
-                     block_size: int = BLOCK_SIZE, lean: bool = False, progress: Any = None) -> dict:
+                     block_size: int = BLOCK_SIZE, lean: bool = False) -> dict:
     """Write this rank's data file (``views``: each item's bytes, in file order), its block-CRC
     table and its state file into ``tmp_dir`` through ``storage`` (as durable as it is); return
     what the manifest needs (plain data, sent to rank 0); ``lean``: the chunk CRCs instead of the
-    chunk list (for rank 0's :class:`ManifestTemplate`). ``progress``: the views are still being
-    copied into (a storage with ``caps.writes_live`` only; see its ``write_data_file``)."""
+    chunk list (for rank 0's :class:`ManifestTemplate`)."""
     fname = data_file_name(rank)
     header, rel = rank_header(rank, items)
     crcs: list[int] = []
     blocks: list[list[int]] = []
-    more = {"progress": progress} if progress is not None else {}
     size, crc = storage.write_data_file(os.path.join(tmp_dir, fname), header, views, chunk_crcs=crcs,
-                                        block_crcs=blocks, block_size=block_size, **more)
+                                        block_crcs=blocks, block_size=block_size)
     return _finish_rank_files(rank, items, tmp_dir, fname, len(header), rel, crcs, blocks, size, crc, rank_state,
                               storage, block_size, lean)
 

@@ -232,3 +232,29 @@ def test_boosted_lifts_a_background_save_only_while_inside_and_never_undoes_an_e
         assert prio.end() == "wait"
     finally:
         g.close()
+
+
+def test_a_helper_started_inside_boosted_runs_at_normal_priority_until_the_boost_ends():
+    """A live write's writer starts its O_DIRECT helper while a fence boosts it: the new helper
+    takes the boost too (the kernel's record), and goes to the background with the others when
+    the boost ends; nested boosts end with the outer one."""
+    prio = WriterPriority(WriterSched.IDLE, nice=0, deadline_s=60)
+    prio.begin()
+    with prio.boosted():
+        with prio.boosted():
+            g = Group(prio)          # writer and helper enter the group inside the boost
+            try:
+                assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)
+            except BaseException:
+                g.close()
+                raise
+        try:
+            assert g.policies() == (os.SCHED_OTHER, os.SCHED_OTHER)   # the outer boost still holds
+        except BaseException:
+            g.close()
+            raise
+    try:
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+    finally:
+        g.close()
+        prio.end()

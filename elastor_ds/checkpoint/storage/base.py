@@ -47,9 +47,7 @@ class Capabilities:
     node_local: bool        # each node has its own copy of every step under the root, not shared storage
     stages_in_place: bool   # the snapshot copy goes straight into the mapped data file (stage_data_file)
     # write_data_file takes live chunks (:class:`~elastor_ds.checkpoint.live.LiveSpan`) and reads
-    # each piece under its gate's lock, so a save may read the live tensors until the fence; and it
-    # takes ``progress=`` (:class:`~elastor_ds.checkpoint.staging.CopyProgress`): buffers still being
-    # copied into, each byte written once it is final (the writer starts during the copy)
+    # each piece under its gate's lock, so a save may read the live tensors until the fence
     writes_live: bool = False
 
 

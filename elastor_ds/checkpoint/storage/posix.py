@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ...comm.collectives import Comm
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -52,15 +52,11 @@ class PosixStorage(Storage):
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))
 
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
-                        block_crcs: list[list[int]], block_size: int, progress: Any = None) -> tuple[int, int]:
-        """``progress`` (:class:`~..staging.CopyProgress`, only where ``caps.writes_live``): the
-        buffers are still being copied into; the direct writer writes each byte once it is final."""
+                        block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.direct_io:
             return write_stream_direct(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs,
-                                       block_crcs=block_crcs, block_size=block_size, progress=progress)
-        if progress is not None:
-            progress.wait_all()
+                                       block_crcs=block_crcs, block_size=block_size)
         return write_stream(path, header, materialize(buffers), fsync=self.sync, chunk_crcs=chunk_crcs,
                             block_crcs=block_crcs, block_size=block_size)
 
