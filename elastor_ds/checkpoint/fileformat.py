@@ -159,8 +159,9 @@ def _writeback_starter():
                 raw.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
                 raw.restype = ctypes.c_int
 
-                def fn(fd: int, offset: int, nbytes: int) -> None:
+                def start(fd: int, offset: int, nbytes: int) -> None:
                     raw(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)   # a hint: a failure leaves it to fsync
+                fn = start
             except (OSError, AttributeError):
                 fn = None
         _starter.append(fn)

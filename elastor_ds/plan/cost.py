@@ -759,7 +759,7 @@ class CostModel:
         z = self.plan_zero_stage(plan)
         if any(self.measured(k) is None for k in self._sync_kinds(z)):
             return None
-        m, R = self.model, len(plan.replicas)
+        R = len(plan.replicas)
         gb = self.training.grad_bytes
         if self.is_grid(plan):
             S = len(plan.replicas[0].stages)

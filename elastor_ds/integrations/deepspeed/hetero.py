@@ -52,8 +52,9 @@ from ...runtime.hetero_comm import HeteroZero1, SplitAllReduce, create_groups, g
 from ...errors import ConfigError
 from ...layout import Layout
 from . import overrides
-from ...runtime import (creation_order, needs_hetero, recv_source, reduce_groups, send_targets, split_reduce_plan,
+from ...runtime import (creation_order, recv_source, reduce_groups, send_targets, split_reduce_plan,
                          zero_partition)
+from ...runtime import needs_hetero  # noqa: F401 - imported from here by pipe.py and api.py
 
 log = logging.getLogger(__name__)
 

@@ -813,7 +813,7 @@ class MegatronState:
         ex, man = res.extra, res.manifest
         if ex.get("format") not in (None, FORMAT):
             raise ConfigError(f"{res.step_dir}: format {ex.get('format')!r}; this reader knows {FORMAT}")
-        optimizer, args = self.optimizer, self.args
+        optimizer = self.optimizer
         view, with_main, step_t = (self._chosen.get(k) for k in ("view", "with_main", "step_t"))
         if view is not None:
             if step_t is not None:
