@@ -234,3 +234,36 @@ def test_a_complete_model_without_num_layers_parses():
     cfg = parse_elastor_section({"plan": "auto", "model": {"hidden_size": 64, "num_attention_heads": 4,
                                                            "seq_length": 32, "vocab_size": 97}})
     assert cfg.model == {"hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 97}
+
+
+class _FenceState(_Fence):
+    def snapshot_bytes(self, comm):
+        return 1 << 20
+
+
+class _NoFenceState:
+    def fence_optimizer(self):
+        return None
+
+    def snapshot_bytes(self, comm):
+        return 1 << 20
+
+
+def test_memory_snapshot_live_write_reaches_the_snapshot_engine_only_with_a_fence(tmp_path, caplog):
+    """``memory_snapshot.live_write``: with the optimizer's step pre-hook, the memory tier's engine
+    writes live and its writer runs on idle cycles, while storage saves keep copying first; without
+    one, snapshots copy at save time and the warning names the key."""
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.checkpoint.settings import WriterSched
+    from elastor_ds.comm.collectives import LocalComm
+    for fence in (True, False):
+        d = tmp_path / str(fence)
+        el = parse_elastor_section({"checkpoint": {"dir": str(d / "ck")},
+                                    "memory_snapshot": {"dir": str(d / "mem"), "peer_copies": 0, "live_write": True}})
+        state = _FenceState() if fence else _NoFenceState()
+        s = CheckpointSession(state, el.checkpoint, el.memory_snapshot, comm=LocalComm(),  # type: ignore[arg-type]
+                              policy_comm=LocalComm(), memory_comm=LocalComm(), cross_node=False)
+        assert s.memory.ckpt.live_write is fence and not s.ckpt.live_write
+        assert s.memory.ckpt.writer_priority.sched is (WriterSched.IDLE if fence else WriterSched.NICE)
+        s.memory.ckpt.finalize()
+    assert "memory_snapshot.live_write is on, but this trainer's optimizer has no step pre-hook" in caplog.text
