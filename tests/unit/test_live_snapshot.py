@@ -92,6 +92,18 @@ def test_the_writer_copies_the_live_tensors_into_the_file_and_save_copies_nothin
     eng.finalize()
 
 
+def after_a_first_snapshot(tmp_path):
+    """(root, shards, tensors, live engine, the values the next snapshot must hold): one snapshot
+    committed, then the tensors changed (the next optimizer step)."""
+    root = str(tmp_path / "mem")
+    shards, tensors = state()
+    eng = engine(root)
+    eng.save(1, shards)
+    eng.wait()
+    bump(tensors)
+    return root, shards, tensors, eng, [t.clone() for t in tensors]
+
+
 def held_writer(monkeypatch):
     """The writer's copy into the file starts only once the returned event is set."""
     from elastor_ds.checkpoint import engine as engine_mod
@@ -109,13 +121,7 @@ def test_save_copies_nothing_and_a_fence_right_after_it_copies_everything(tmp_pa
     """Step 2 gets a new file (step 1's is still the committed one): right after save() its data
     section is still all zeros, so the training thread copied nothing; the fence then copies the
     whole state, the tensors change, and the snapshot holds the values at save()."""
-    root = str(tmp_path / "mem")
-    shards, tensors = state()
-    eng = engine(root)
-    eng.save(1, shards)
-    eng.wait()
-    bump(tensors)
-    want = [t.clone() for t in tensors]
+    root, shards, tensors, eng, want = after_a_first_snapshot(tmp_path)
     go = held_writer(monkeypatch)
     st = eng.save(2, shards)
     data = eng._job.staged.data
@@ -132,13 +138,7 @@ def test_save_copies_nothing_and_a_fence_right_after_it_copies_everything(tmp_pa
 def test_a_fence_in_the_middle_keeps_the_state_of_the_save(tmp_path, monkeypatch):
     """The writer is stopped after it has copied a few pieces; the fence copies the rest, the
     tensors change, and the writer goes on: the snapshot holds the values at save()."""
-    root = str(tmp_path / "mem")
-    shards, tensors = state()
-    eng = engine(root)
-    eng.save(1, shards)
-    eng.wait()
-    bump(tensors)
-    want = [t.clone() for t in tensors]
+    root, shards, tensors, eng, want = after_a_first_snapshot(tmp_path)
     pieces, go = [], threading.Event()
     real = live_mod.LiveGate.source
 
@@ -191,19 +191,3 @@ def test_a_change_without_a_fence_drops_the_snapshot(tmp_path, monkeypatch):
     eng.finalize()
     assert_loads(root, want, 3)
 
-
-def test_a_shard_whose_strides_need_torchs_copy_is_snapshotted_by_a_copy_at_save(tmp_path):
-    """A transposed matrix (no stride-1 rows): no live views of it, so the snapshot copies at
-    save() as without live writes (live False), and holds the values at save()."""
-    root = str(tmp_path / "mem")
-    t = torch.randn(64, 48).t()
-    want = t.clone()
-    eng = engine(root)
-    st = eng.save(1, [full_shard("t", t)])
-    bump([t])
-    eng.wait()
-    eng.finalize()
-    assert not st.live
-    out = torch.zeros(48, 64)
-    CheckpointEngine(root).load(None, [full_shard("t", out)])
-    assert torch.equal(out, want)

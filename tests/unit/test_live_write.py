@@ -15,7 +15,7 @@ import torch
 from elastor_ds.checkpoint import direct_write
 from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.shards import TensorShard, full_shard
-from elastor_ds.checkpoint.storage import PosixStorage
+from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
 from elastor_ds.checkpoint.verify import verify
 from elastor_ds.errors import AsyncSaveError, LiveStateChangedError
 from elastor_ds.layout.region import Region
@@ -202,13 +202,15 @@ def test_storage_that_cannot_read_live_and_device_less_buffered_writes_copy_at_s
     assert not st.live and st.stall_s > 0
 
 
-def test_a_shard_whose_strides_need_torchs_copy_is_saved_by_a_copy_at_save(tmp_path):
+@pytest.mark.parametrize("storage", ["posix", "tmpfs"])
+def test_a_shard_whose_strides_need_torchs_copy_is_saved_by_a_copy_at_save(tmp_path, storage):
     """A transposed matrix (no stride-1 rows): no live views of it, so the save copies as before
-    (live False, a stall), and the bytes are the values at save()."""
+    (live False, a stall), and the bytes are the values at save(). ``tmpfs``: a memory snapshot
+    (staged in place) likewise."""
     root = str(tmp_path / "ck")
     t = torch.randn(64, 48).t()                  # strides (1, 48)
     want = t.clone()
-    eng = CheckpointEngine(root, live_write=True)
+    eng = CheckpointEngine(root, live_write=True, **({"storage": TmpfsStorage(root)} if storage == "tmpfs" else {}))
     st = eng.save(1, [full_shard("t", t)])
     bump([t])
     eng.wait()
