@@ -62,6 +62,7 @@ Every collective runs on a dedicated gloo group (:class:`TorchComm`) with its ow
 """
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import numbers
@@ -70,6 +71,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
@@ -591,6 +593,7 @@ class CheckpointEngine:
             self._thread = NamedThread(target=self._writer_loop, args=(self._queue,), name="elastor-writer",
                                             daemon=True)
             self._thread.start()
+            _stop_at_exit(self)
         assert self._queue is not None
         self.writer_priority.begin()
         self._queue.put(args)
@@ -606,14 +609,16 @@ class CheckpointEngine:
         finally:
             self.writer_priority.leave()
 
-    def _stop_writer(self) -> None:
+    def _stop_writer(self, join_s: Optional[float] = None) -> None:
+        """Stop the writer thread after the save it is writing, if any (``join_s``: wait at most
+        that long for it)."""
         t, q = self._thread, self._queue
         self._thread = self._queue = None
-        self.writer_priority.close()
+        self.writer_priority.close(join_s=1.0 if join_s is not None else 0.0)
         if t is not None and q is not None and t.is_alive():
             q.put(None)
             if t is not threading.current_thread():
-                t.join()
+                t.join(join_s)
 
     def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
                           model, layout) -> None:
@@ -977,6 +982,37 @@ def _one_step(steps: Sequence[int], outcomes: list) -> list:
 
 
 MAX_STEP = 2 ** 63 - 1
+
+
+# engines whose writer thread may still run when the interpreter exits (a program that never
+# called finalize()): stopped at exit, after the save they are writing, so that no thread of
+# ours is alive while the interpreter finalizes. A daemon thread that finalization catches on its
+# way back from a C call is ended with a forced unwind, which can abort the whole process
+# ("terminate called without an active exception", exit -6: seen once in CI, after a script
+# that never called finalize(); the liveness heartbeats had the same fix, comm.collectives).
+_AT_EXIT: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
+EXIT_SAVE_WAIT_S = 300.0   # at exit, how long a save in flight may still take to commit
+
+
+def _stop_at_exit(engine: "CheckpointEngine") -> None:
+    if not _AT_EXIT:
+        atexit.unregister(_stop_writers)   # (registered once: a no-op when it is not)
+        atexit.register(_stop_writers)
+    _AT_EXIT.add(engine)
+
+
+def _stop_writers() -> None:
+    for engine in list(_AT_EXIT):
+        if engine._thread is not None and engine._thread.is_alive() and not engine.local_idle():
+            job = engine._job
+            log.warning("the program exits while checkpoint step %s is being written: waiting up to %.0f s for its "
+                        "commit (interrupt again to abandon it; call finalize() before exiting)",
+                        job.step if job is not None else "?", EXIT_SAVE_WAIT_S)
+            engine.writer_priority.urgent("exit")
+        try:
+            engine._stop_writer(join_s=EXIT_SAVE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - exiting anyway
+            log.debug("stopping a checkpoint writer at exit: %s", e)
 
 
 def _staging_views(buf, spans) -> list:

@@ -134,11 +134,15 @@ class WriterPriority:
                     continue
                 self._escalate("deadline")
 
-    def close(self) -> None:
-        """Stop the watcher (the engine's writer stopped); the next :meth:`begin` starts a new one."""
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop the watcher (the engine's writer stopped); the next :meth:`begin` starts a new one.
+        ``join_s``: wait that long for it to end (at interpreter exit: no thread of ours may still
+        run when the interpreter finalizes)."""
         with self._lock:
-            self._watcher = None
+            watcher, self._watcher = self._watcher, None
             self._lock.notify_all()
+        if join_s > 0 and watcher is not None and watcher is not threading.current_thread():
+            watcher.join(join_s)
 
     def urgent(self, why: str = "wait") -> None:
         """Someone waits for the save: normal priority until the next save."""
