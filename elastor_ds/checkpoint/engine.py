@@ -991,7 +991,7 @@ MAX_STEP = 2 ** 63 - 1
 # ("terminate called without an active exception", exit -6: seen once in CI, after a script
 # that never called finalize(); the liveness heartbeats had the same fix, comm.collectives).
 _AT_EXIT: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
-EXIT_SAVE_WAIT_S = 300.0   # at exit, how long a save in flight may still take to commit
+EXIT_SAVE_WAIT_S = 300.0   # at exit, how long the saves in flight (all engines together) may still take to commit
 
 
 def _stop_at_exit(engine: "CheckpointEngine") -> None:
@@ -1002,15 +1002,16 @@ def _stop_at_exit(engine: "CheckpointEngine") -> None:
 
 
 def _stop_writers() -> None:
+    deadline = time.monotonic() + EXIT_SAVE_WAIT_S
     for engine in list(_AT_EXIT):
         if engine._thread is not None and engine._thread.is_alive() and not engine.local_idle():
             job = engine._job
             log.warning("the program exits while checkpoint step %s is being written: waiting up to %.0f s for its "
                         "commit (interrupt again to abandon it; call finalize() before exiting)",
-                        job.step if job is not None else "?", EXIT_SAVE_WAIT_S)
+                        job.step if job is not None else "?", max(0.0, deadline - time.monotonic()))
             engine.writer_priority.urgent("exit")
         try:
-            engine._stop_writer(join_s=EXIT_SAVE_WAIT_S)
+            engine._stop_writer(join_s=max(0.1, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - exiting anyway
             log.debug("stopping a checkpoint writer at exit: %s", e)
 
