@@ -4,7 +4,8 @@ file bytes all come from a peer's snapshot server, against the floor of a peer r
 The peer is a second process (another "node"): it serves a committed memory snapshot on /dev/shm
 through the real :class:`~elastor_ds.checkpoint.snapshot.server.SnapshotServer` (signed range
 requests, MACed answers), and beside it a raw TCP server that sends byte ranges of the same data
-file with ``sendfile``. The reader keeps only the step's manifest and CRC table locally (a node
+file with ``sendfile`` (only that file, only to a client that sends the job key first, as the
+snapshot server's requests carry it). The reader keeps only the step's manifest and CRC table locally (a node
 that lost its memory reads its data file from the peer), and loads a column half of every tensor
 (a reshard: the needed bytes are the column tiles of that half), every byte CRC-checked, through
 :class:`~elastor_ds.checkpoint.snapshot.peer_sources.RemoteSource` alone.
@@ -35,13 +36,16 @@ sys.path.insert(0, ROOT)
 COLS = 4096
 
 
-def serve(root: str, key_file: str) -> None:
-    """The peer process: the snapshot server and the raw floor server for ``root``; prints both
-    addresses, serves until its stdin closes."""
+def serve(root: str, key_file: str, data_file: str) -> None:
+    """The peer process: the snapshot server for ``root`` and the raw floor server for ``data_file``
+    (a path fixed here, never taken from a request; ranges bounded by its size; a request without
+    the key is closed unanswered); prints both addresses, serves until its stdin closes."""
+    import hmac
     import threading
     from elastor_ds.checkpoint.snapshot.server import SnapshotServer
     with open(key_file, "rb") as f:
         key = f.read()
+    size = os.path.getsize(data_file)
     srv = SnapshotServer(root, key).start()
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
@@ -54,17 +58,27 @@ def serve(root: str, key_file: str) -> None:
             except OSError:
                 return
             with conn:
+                conn.settimeout(5)
                 req = b""
-                while not req.endswith(b"\n"):
-                    got = conn.recv(4096)
-                    if not got:
-                        break
-                    req += got
-                if not req.endswith(b"\n"):
+                try:
+                    while not req.endswith(b"\n") and len(req) < 256:
+                        got = conn.recv(256)
+                        if not got:
+                            break
+                        req += got
+                except OSError:
                     continue
-                rel, off, n = req.decode().split()
-                off, n = int(off), int(n)
-                fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+                parts = req.decode(errors="replace").split()
+                if len(parts) != 3 or not hmac.compare_digest(parts[0].encode(), key.hex().encode()):
+                    continue
+                try:
+                    off, n = int(parts[1]), int(parts[2])
+                except ValueError:
+                    continue
+                if not (0 <= off <= size and 0 <= n <= size - off):
+                    continue
+                conn.settimeout(None)
+                fd = os.open(data_file, os.O_RDONLY | os.O_NOFOLLOW)
                 try:
                     while n > 0:
                         k = os.sendfile(conn.fileno(), fd, off, n)
@@ -81,11 +95,11 @@ def serve(root: str, key_file: str) -> None:
     srv.close()
 
 
-def _floor(addr: str, rel: str, off: int, nbytes: int, into: memoryview) -> float:
+def _floor(addr: str, key: bytes, off: int, nbytes: int, into: memoryview) -> float:
     host, port = addr.rsplit(":", 1)
     t0 = time.perf_counter()
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"{rel} {off} {nbytes}\n".encode())
+        s.sendall(f"{key.hex()} {off} {nbytes}\n".encode())
         got = 0
         while got < nbytes:
             k = s.recv_into(into[got:nbytes])
@@ -100,7 +114,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="MiB in the snapshot (fp32, 4 tensors of COLS columns)")
     ap.add_argument("--reps", type=int, default=4, help="alternations of the floor and the load")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--serve", nargs=2, metavar=("ROOT", "KEY_FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", nargs=3, metavar=("ROOT", "KEY_FILE", "DATA_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         serve(*args.serve)
@@ -115,9 +129,10 @@ def main() -> int:
     from elastor_ds.layout.region import Region
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    peer = tempfile.mkdtemp(prefix="elastor-peer-bench-", dir=shm)
+    peer = tempfile.mkdtemp(prefix="elastor-peer-bench-", dir=shm)      # mkdtemp: mode 0700
     here = tempfile.mkdtemp(prefix="elastor-peer-bench-", dir=shm)
-    key_file = os.path.join(peer, "key")
+    keys = tempfile.mkdtemp(prefix="elastor-peer-bench-key-")           # outside the served root
+    key_file = os.path.join(keys, "key")
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, os.urandom(32))
     os.close(fd)
@@ -141,7 +156,8 @@ def main() -> int:
         for f in os.listdir(step_dir):       # the manifest and CRC tables stay; the data files are the peer's
             if f not in data:
                 shutil.copy(os.path.join(step_dir, f), os.path.join(mine, f))
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", peer, key_file],
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", peer, key_file,
+                                 os.path.join(step_dir, data[0])],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         server, floor_addr = proc.stdout.readline().split()
         half = COLS // 2
@@ -149,10 +165,9 @@ def main() -> int:
         shards = [TensorShard(f"t{i}", (rows, COLS), Region((0, half), (rows, half)), d) for i, d in enumerate(dst)]
         need = sum(d.numel() * 4 for d in dst)
         sink = memoryview(bytearray(need))
-        rel = os.path.join("local", step, data[0])
         floors, loads, served = [], [], []
         for _ in range(args.reps):
-            floors.append(_floor(floor_addr, rel, 0, need, sink))
+            floors.append(_floor(floor_addr, key, 0, need, sink))
             for d in dst:
                 d.fill_(float("nan"))
             src = RemoteSource(server, step, key)
@@ -186,8 +201,8 @@ def main() -> int:
         if proc is not None:
             proc.stdin.close()
             proc.wait(timeout=30)
-        shutil.rmtree(peer, ignore_errors=True)
-        shutil.rmtree(here, ignore_errors=True)
+        for d in (peer, here, keys):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

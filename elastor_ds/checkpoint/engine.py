@@ -349,7 +349,8 @@ class CheckpointEngine:
         if self.optimistic_plan and self._plan is not None:
             # every rank holds a plan (plans are made and dropped on all ranks together): no collective
             cached, stale = True, not local_same
-        elif live_any and self._plan is not None and self.comm.world_size > 1 and self.writer_comm is not self.comm:
+        elif (live_any and not self.in_place and self._plan is not None and self.comm.world_size > 1
+              and self.writer_comm is not self.comm):
             # live writes copy nothing here to hide the agreement behind: it runs on the writer's
             # group (idle now) while training goes on, and where it fails the ranks plan again on
             # that group too, in their writers (_replan_live), which wait for nothing training does;
