@@ -114,8 +114,21 @@ class LiveGate:
     def _stage(self, k: int) -> int:
         """Copy chunks ``k``.. into staging and read them from there from now on; the bytes copied."""
         starts = self.chunks.suffix_start
-        self.staged_from = k
-        return self.chunks.stage_from(starts[k]) if k < len(starts) else 0
+        if k >= len(starts):
+            self.staged_from = k
+            return 0
+        try:
+            n = self.chunks.stage_from(starts[k])
+        except BaseException as e:
+            # interrupted part way (Ctrl-C in the step pre-hook, a SIGTERM handler that exits): staging
+            # holds some of these chunks, the live tensors may change from here on, so no byte of
+            # this save can be trusted; the writer reports it and nothing is committed
+            self.error = LiveStateChangedError(
+                f"checkpoint save of step {self.step}: copying the state the writer had not read yet into "
+                f"staging was interrupted ({type(e).__name__}); the save is dropped")
+            raise
+        self.staged_from = k   # only now: a writer reading staging from here on reads whole copies
+        return n
 
     def fence(self, boost: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Training thread, before saved tensors change: copy what the writer has not read into

@@ -253,3 +253,52 @@ def test_a_live_write_that_ends_before_the_fence_takes_no_staging_memory(tmp_pat
         assert share < 0.01, f"{share:.1%} of the staging buffer is resident after live saves"
     else:
         assert share > 0.99, f"{share:.1%}: a copy-first save's staging buffer should be resident"
+
+
+@pytest.mark.parametrize("storage", ["posix", "tmpfs"], ids=["storage-save", "memory-snapshot"])
+def test_a_fence_interrupted_part_way_drops_the_save(tmp_path, monkeypatch, storage):
+    """Ctrl-C (or a SIGTERM handler that exits) lands in the fence's copy after its first chunk:
+    staging (the mapped file, for a memory snapshot) then holds only part of the unread chunks. The
+    writer goes on; the save must be dropped on its typed error, never committed with the unfilled
+    bytes (garbage 0xA5 in the staging buffer of a storage save, the previous snapshot's bytes in
+    a memory snapshot's recycled file) that its CRCs would vouch for."""
+    from elastor_ds.checkpoint import live
+    root = str(tmp_path / "ck")
+    shards, tensors = state()
+    kw = {"storage": TmpfsStorage(root)} if storage == "tmpfs" else {"writer_sched": "nice"}
+    eng = CheckpointEngine(root, live_write=True, keep=1, **kw)
+    eng.save(1, shards)                 # step 1 commits; its staging (or file) is then reused
+    eng.fence()
+    eng.wait()
+    if eng.staging.buf is not None:
+        eng.staging.buf.fill_(0xA5)
+    bump(tensors)
+    go = threading.Event()
+    real_let_in = live.LiveGate.let_fence_in
+
+    def held(self):                     # the writer waits before its first piece until the fence is over
+        assert go.wait(30)
+        real_let_in(self)
+
+    monkeypatch.setattr(live.LiveGate, "let_fence_in", held)
+    st = eng.save(2, shards)
+    assert st.live
+    chunks = eng._job.gate.chunks
+    real_stage_from = chunks.stage_from
+
+    def interrupted(start):             # the first chunk copied, then the signal arrives
+        dst, src = real_stage_from.__self__.copies[0]
+        np.copyto(dst, src)
+        raise KeyboardInterrupt
+    chunks.stage_from = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.fence()
+    finally:
+        chunks.stage_from = real_stage_from
+    bump(tensors)                        # the step goes on after the interrupt (or the process exits)
+    go.set()
+    with pytest.raises(LiveStateChangedError, match="interrupted"):
+        eng.wait()
+    eng.finalize()
+    assert committed(root) == [1]        # nothing of step 2; step 1 still loads
