@@ -168,6 +168,15 @@ class LiveGate:
         with self.lock:
             if self.error is not None:
                 raise self.error
+            if self.released:
+                # the O_DIRECT writer had read every chunk and let go of the tensors (a fence since
+                # copied nothing, and the optimizer may have stepped) when the file system refused its
+                # first write: re-reading the live tensors now could give another step's bytes
+                self.error = LiveStateChangedError(
+                    f"checkpoint save of step {self.step}: the file system refused O_DIRECT after the writer had "
+                    f"read the live tensors, which may have changed since; the save is dropped (the next one "
+                    f"writes through the page cache from the start)")
+                raise self.error
             if self.staged_from is None:
                 self.error = self.changed("before the writer staged them")
                 if self.error is not None:

@@ -302,3 +302,55 @@ def test_a_fence_interrupted_part_way_drops_the_save(tmp_path, monkeypatch, stor
         eng.wait()
     eng.finalize()
     assert committed(root) == [1]        # nothing of step 2; step 1 still loads
+
+
+@pytest.mark.parametrize("step_by", ["torch", "numpy"])
+def test_o_direct_refused_after_the_writer_let_go_of_the_tensors_drops_the_save(tmp_path, monkeypatch, step_by):
+    """A small file: the first write's EINVAL (a file system that opens O_DIRECT but refuses the
+    write) only surfaces when the writer finishes, after it had read every chunk and released the
+    gate. The fence then copies nothing and the optimizer steps; the buffered fallback must not
+    read the tensors again (they hold the next step's values). The save is dropped, the device is
+    remembered, and the next save goes through the page cache from the start and is exact."""
+    import errno
+    root = str(tmp_path / "ck")
+    a, b = torch.full((1 << 18,), 1.0), torch.full((1 << 18,), 2.0)   # 1 MiB each: fewer than 3 bounce buffers
+    shards = [full_shard("a", a), full_shard("b", b)]
+    real_writev, refused = os.writev, []
+
+    def writev(fd, views):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_writev(fd, views)
+    monkeypatch.setattr(direct_write.os, "writev", writev)
+    monkeypatch.setattr(direct_write, "_unsupported", set())
+    released, stepped = threading.Event(), threading.Event()
+    real_finish = direct_write._Bounce.finish
+
+    def finish(self):                   # the gate was released just before: training steps now
+        released.set()
+        assert stepped.wait(30)
+        return real_finish(self)
+    monkeypatch.setattr(direct_write._Bounce, "finish", finish)
+    eng = CheckpointEngine(root, live_write=True, writer_sched="nice")
+    eng.save(1, shards)
+    assert released.wait(30)
+    eng.fence()
+    if step_by == "torch":
+        bump([a, b])
+    else:
+        for t in (a, b):
+            t.numpy()[:] += 1
+    stepped.set()
+    with pytest.raises(LiveStateChangedError, match="refused O_DIRECT"):
+        eng.wait()
+    assert refused and committed(root) == []
+    want = [a.clone(), b.clone()]
+    st = eng.save(2, shards)
+    eng.fence()
+    bump([a, b])
+    eng.wait()
+    eng.finalize()
+    got = [torch.zeros_like(a), torch.zeros_like(b)]
+    res = CheckpointEngine(root).load(None, [full_shard("a", got[0]), full_shard("b", got[1])])
+    assert res.step == 2 and all(torch.equal(w, g) for w, g in zip(want, got)), (st.live, got[0][:2])
