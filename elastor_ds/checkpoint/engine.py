@@ -472,6 +472,8 @@ class CheckpointEngine:
         if prog.live is None:
             return None
         chunks = prog.live_chunks
+        if chunks is False:
+            return None
         if chunks is None:   # once per copy program: views and arrays of the same memory every save
             tensors, names, seen = [], [], set()
             for sh in shards:
@@ -479,6 +481,11 @@ class CheckpointEngine:
                     seen.add(id(sh.tensor))
                     tensors.append(sh.tensor)
                     names.append(sh.name)
+            if any(t.is_inference() for t in tensors):
+                # an inference-mode tensor has no version counter: the contract's guard could not
+                # watch it, so these saves copy at save time
+                prog.live_chunks = False
+                return None
             chunks = prog.live_chunks = LiveChunks(prog.live, _staging_views(prog.buf, prog.spans),
                                                    [sp[0] for sp in prog.spans], prog.run_from, tensors, names)
         return LiveGate(chunks, step, versions)

@@ -354,3 +354,23 @@ def test_o_direct_refused_after_the_writer_let_go_of_the_tensors_drops_the_save(
     got = [torch.zeros_like(a), torch.zeros_like(b)]
     res = CheckpointEngine(root).load(None, [full_shard("a", got[0]), full_shard("b", got[1])])
     assert res.step == 2 and all(torch.equal(w, g) for w, g in zip(want, got)), (st.live, got[0][:2])
+
+
+def test_inference_mode_tensors_are_copied_at_save(tmp_path):
+    """Tensors made under ``torch.inference_mode()`` have no version counter, so the live write's
+    guard cannot watch them: the save copies at save() (no error), and the checkpoint holds the
+    values at save() although they change right after."""
+    root = str(tmp_path / "ck")
+    with torch.inference_mode():
+        t = torch.randn(256, 4096)
+    want = t.clone()
+    eng = CheckpointEngine(root, live_write=True)
+    st = eng.save(1, [full_shard("t", t)])
+    with torch.inference_mode():
+        t.add_(1)
+    eng.wait()
+    eng.finalize()
+    assert not st.live and st.stall_s > 0
+    out = torch.zeros(256, 4096)
+    CheckpointEngine(root).load(None, [full_shard("t", out)])
+    assert torch.equal(out, want)
