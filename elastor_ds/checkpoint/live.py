@@ -25,13 +25,17 @@ way with the file as the staged side: :func:`fill_in_place` copies each chunk fr
 tensors into the file piece by piece under the lock and takes its block CRCs right after, and a
 fence copies the rest into the file (``memory_snapshot.live_write``).
 
-What guards the contract: each tensor's autograd version counter, which every in-place torch
-operation (the optimizer's ``add_``, batch norm's running statistics) increments. It is read at
+What guards the contract: each tensor's autograd version counter, which in-place torch operations
+(the optimizer's ``add_``, ``mul_``, ``copy_``) increment. It is read at
 ``save`` and compared at the fence and when the writer releases the gate; a change means the bytes
 the writer read may mix two states, so the save fails on every rank
 (:class:`~elastor_ds.errors.LiveStateChangedError`) and nothing is committed. Writes that bypass the
-counter (through ``.data``, numpy views, another process) are not seen: only turn live writes on
-where the optimizer step (behind the fence) is the only thing that changes saved tensors.
+counter (through ``.data``, numpy views, another process, and batch norm's running statistics on
+CPU, which torch updates without bumping it) are not seen: only turn live writes on where the
+optimizer step (behind the fence) is the only thing that changes saved tensors. The DeepSpeed
+integration's shards are ``detach()`` views (a ``.data`` alias would have a counter of its own),
+and a session whose model has batch norm with running statistics keeps live writes off with a
+warning. A fence interrupted part way (Ctrl-C in the step pre-hook) drops the save.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ Megatron-LM hooks (:mod:`elastor_ds.integrations.megatron.training_hooks`) are s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -166,6 +167,15 @@ class CheckpointSession:
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
                 attach(self, cfg.timeout_s)
         live_mem = memory is not None and memory.live_write
+        hazard_of = getattr(state, "live_write_hazard", None)
+        hazard = hazard_of() if (cfg.live_write or live_mem) and hazard_of is not None else None
+        if hazard is not None:
+            for on, key in ((cfg.live_write, "checkpoint.live_write"), (live_mem, "memory_snapshot.live_write")):
+                if on:
+                    log.warning("%s is on, but %s: saves of this model copy the state at save time instead",
+                                key, hazard)
+            cfg = dataclasses.replace(cfg, live_write=False)
+            live_mem = False
         self.device_fence = self._install_device_fence(cfg.live_write or live_mem)
         # a live write needs the fence before every optimizer step (nothing else changes saved tensors)
         self.ckpt.live_write = cfg.live_write and self.device_fence

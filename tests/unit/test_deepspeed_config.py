@@ -267,3 +267,42 @@ def test_memory_snapshot_live_write_reaches_the_snapshot_engine_only_with_a_fenc
         assert s.memory.ckpt.writer_priority.sched is (WriterSched.IDLE if fence else WriterSched.NICE)
         s.memory.ckpt.finalize()
     assert "memory_snapshot.live_write is on, but this trainer's optimizer has no step pre-hook" in caplog.text
+
+
+def test_a_model_with_batch_norm_running_statistics_does_not_write_live(tmp_path, caplog):
+    """Batch norm updates its running statistics in the forward pass, before the optimizer step's
+    fence, and on CPU torch does not bump their version counters (checked below), so the live
+    write's guard could not see it: the DeepSpeed state names the module, and the session keeps
+    both live switches off with a warning naming each key."""
+    import torch
+
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    from elastor_ds.integrations.deepspeed.runtime import DeepSpeedState
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    v = net[1].running_mean._version
+    net(torch.randn(8, 4))
+    assert net[1].running_mean._version == v and net[1].running_mean.abs().sum() > 0   # changed, counter not
+    stub = DeepSpeedState.__new__(DeepSpeedState)
+    stub.engine = type("Engine", (), {"module": net})()
+    hazard = stub.live_write_hazard()
+    assert hazard is not None and "'1' (BatchNorm1d)" in hazard
+    stub.engine = type("Engine", (), {"module": torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                                   torch.nn.BatchNorm1d(4, track_running_stats=False))})()
+    assert stub.live_write_hazard() is None
+
+    class _Hazard(_Fence):
+        def live_write_hazard(self):
+            return hazard
+
+        def snapshot_bytes(self, comm):
+            return 1 << 20
+    el = parse_elastor_section({"checkpoint": {"dir": str(tmp_path / "ck"), "live_write": True},
+                                "memory_snapshot": {"dir": str(tmp_path / "mem"), "peer_copies": 0,
+                                                    "live_write": True}})
+    s = CheckpointSession(_Hazard(), el.checkpoint, el.memory_snapshot, comm=LocalComm(),  # type: ignore[arg-type]
+                          policy_comm=LocalComm(), memory_comm=LocalComm(), cross_node=False)
+    assert not s.ckpt.live_write and not s.memory.ckpt.live_write
+    s.memory.ckpt.finalize()
+    for key in ("checkpoint.live_write", "memory_snapshot.live_write"):
+        assert f"{key} is on, but module '1' (BatchNorm1d) updates its running statistics" in caplog.text

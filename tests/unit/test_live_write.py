@@ -374,3 +374,26 @@ def test_inference_mode_tensors_are_copied_at_save(tmp_path):
     out = torch.zeros(256, 4096)
     CheckpointEngine(root).load(None, [full_shard("t", out)])
     assert torch.equal(out, want)
+
+
+def test_a_parameter_changed_in_place_outside_the_step_is_caught_through_the_deepspeed_shards(tmp_path, monkeypatch):
+    """The DeepSpeed integration's shards view the parameters' memory with their version counter
+    (``detach()``; a ``.data`` alias has a counter of its own, so a change through the parameter
+    went unseen): weights changed in place before the fence drop a live save by name."""
+    from elastor_ds.integrations.deepspeed.state import model_shards
+    lin = torch.nn.Linear(1024, 1024)
+    engine = type("Engine", (), {"module": lin})()
+    shards = model_shards(engine)
+    assert {s.tensor.data_ptr() for s in shards} == {lin.weight.data_ptr(), lin.bias.data_ptr()}
+    release = threading.Event()
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: (release.wait(30), real(fd, bufs))[1])
+    eng = CheckpointEngine(str(tmp_path / "ck"), live_write=True)
+    eng.save(1, shards)
+    with torch.no_grad():
+        lin.weight.mul_(2)              # e.g. weights rescaled by the training script, no fence
+    release.set()
+    with pytest.raises(LiveStateChangedError, match="weight"):
+        eng.wait()
+    eng.finalize()
+    assert committed(str(tmp_path / "ck")) == []

@@ -74,6 +74,17 @@ class DeepSpeedState:
         except ConfigError:
             return None
 
+    def live_write_hazard(self) -> Optional[str]:
+        """What makes live writes unsafe for this model, or None: a module whose forward pass changes a
+        saved buffer in place (batch norm's running statistics), before the optimizer step's fence;
+        on CPU torch does not bump those buffers' version counters, so the guard would not see it."""
+        from torch.nn.modules.batchnorm import _NormBase
+        for name, m in self.engine.module.named_modules():
+            if isinstance(m, _NormBase) and m.track_running_stats:
+                return (f"module {name or '(root)'!r} ({type(m).__name__}) updates its running statistics in the "
+                        f"forward pass, before the optimizer step's fence")
+        return None
+
     def snapshot_bytes(self, comm: Any) -> int:
         """Bytes this rank writes per snapshot, estimated before the optimizer has state: the save
         plan of the model's shards (deduplicated like a real save) scaled by the optimizer's fp32

@@ -176,7 +176,9 @@ def model_shards(engine: Any) -> list[TensorShard]:
     out = []
     for n, p in engine.module.named_parameters():
         cname, gshape, pieces = _place(engine, n, tuple(p.shape))
-        out.extend(shards_from_pieces(model_name(cname), gshape, p.data, pieces))
+        # detach(), not .data: the same memory and the same version counter, so an in-place change
+        # of the parameter is seen by a live write's guard (a .data alias has a counter of its own)
+        out.extend(shards_from_pieces(model_name(cname), gshape, p.detach(), pieces))
     for n, b in engine.module.named_buffers():
         if b is not None and b.is_floating_point():
             out.append(full_shard(model_name(n), b))
@@ -266,7 +268,7 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
             def mk(key: str, t: torch.Tensor, view=view, spans=spans) -> list[TensorShard]:
                 return view(key, t) if view is not None else _views(engine, key, t, spans)
             if include_master:
-                out.extend(mk(MASTER, sp.data))
+                out.extend(mk(MASTER, sp.detach()))   # detach: the parameter's version counter
             st = opt.state[sp]
             if state_keys is not None:
                 for k in state_keys:

@@ -92,7 +92,7 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
     for spec, h, p in plan:
         if for_load:
             _zero_padding(spec, h.pieces, p.data)
-        shards += shards_from_pieces(spec.name, spec.shape, p.data, h.pieces)
+        shards += shards_from_pieces(spec.name, spec.shape, p.detach(), h.pieces)   # p's version counter
     if optimizer is None:
         return shards
     if for_load:
