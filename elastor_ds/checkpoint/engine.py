@@ -596,6 +596,12 @@ class CheckpointEngine:
     def _submit(self, args: tuple) -> None:
         """Hand a save to the writer thread (started on first use): no thread start per save, which
         costs the training thread a GIL hand-over each time."""
+        if _EXITING:
+            # the writers were stopped at exit (a save from an atexit handler that runs after ours):
+            # no thread would be waited for (nor should one start now), so this save is written here,
+            # at normal priority, before save() returns
+            self._write_and_commit(*args)
+            return
         if self._thread is None or not self._thread.is_alive():
             self._queue = queue.SimpleQueue()
             self._thread = NamedThread(target=self._writer_loop, args=(self._queue,), name="elastor-writer",
@@ -1002,6 +1008,9 @@ _AT_EXIT: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
 EXIT_SAVE_WAIT_S = 300.0   # at exit, how long the saves in flight (all engines together) may still take to commit
 
 
+_EXITING = False   # set when the exit handler has stopped the writers: later saves are written in place
+
+
 def _stop_at_exit(engine: "CheckpointEngine") -> None:
     if not _AT_EXIT:
         atexit.unregister(_stop_writers)   # (registered once: a no-op when it is not)
@@ -1010,16 +1019,21 @@ def _stop_at_exit(engine: "CheckpointEngine") -> None:
 
 
 def _stop_writers() -> None:
+    global _EXITING
+    _EXITING = True
     deadline = time.monotonic() + EXIT_SAVE_WAIT_S
     for engine in list(_AT_EXIT):
-        if engine._thread is not None and engine._thread.is_alive() and not engine.local_idle():
-            job = engine._job
-            log.warning("the program exits while checkpoint step %s is being written: waiting up to %.0f s for its "
-                        "commit (interrupt again to abandon it; call finalize() before exiting)",
-                        job.step if job is not None else "?", max(0.0, deadline - time.monotonic()))
-            engine.writer_priority.urgent("exit")
         try:
+            if engine._thread is not None and engine._thread.is_alive() and not engine.local_idle():
+                job = engine._job
+                log.warning("the program exits while checkpoint step %s is being written: waiting up to %.0f s for "
+                            "its commit (interrupt again to abandon it; call finalize() before exiting)",
+                            job.step if job is not None else "?", max(0.0, deadline - time.monotonic()))
+                engine.writer_priority.urgent("exit")
             engine._stop_writer(join_s=max(0.1, deadline - time.monotonic()))
+        except KeyboardInterrupt:   # the second interrupt: abandon the waits, still tell every writer to stop
+            log.warning("checkpoint saves still being written at exit were abandoned")
+            deadline = time.monotonic()
         except Exception as e:  # noqa: BLE001 - exiting anyway
             log.debug("stopping a checkpoint writer at exit: %s", e)
 
