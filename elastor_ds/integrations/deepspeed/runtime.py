@@ -78,9 +78,9 @@ class DeepSpeedState:
         """What makes live writes unsafe for this model, or None: a module whose forward pass changes a
         saved buffer in place (batch norm's running statistics), before the optimizer step's fence;
         on CPU torch does not bump those buffers' version counters, so the guard would not see it."""
-        from torch.nn.modules.batchnorm import _NormBase
         for name, m in self.engine.module.named_modules():
-            if isinstance(m, _NormBase) and m.track_running_stats:
+            # torch's batch and instance norms (and look-alikes) that track running statistics
+            if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None:
                 return (f"module {name or '(root)'!r} ({type(m).__name__}) updates its running statistics in the "
                         f"forward pass, before the optimizer step's fence")
         return None
