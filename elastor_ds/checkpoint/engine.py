@@ -63,6 +63,7 @@ Every collective runs on a dedicated gloo group (:class:`TorchComm`) with its ow
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import logging
 import numbers
@@ -73,7 +74,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from .settings import DEFAULT_KEEP, DEFAULT_WRITER_NICE
 from .writer_sched import DEFAULT_WRITER_DEADLINE_S, DEFAULT_WRITER_SCHED, WriterPriority, WriterSched
@@ -537,7 +538,7 @@ class CheckpointEngine:
         gate = job.gate if job is not None else None
         if gate is not None and not job.done.is_set():
             t0 = time.perf_counter()
-            with job.lock:
+            with self._job_lock(job):
                 n = gate.fence(self.writer_priority.boosted)
             if job.agreement is not None and not job.settled:   # copied under the cached plan while the ranks agreed on it
                 job.settled = True
@@ -548,7 +549,7 @@ class CheckpointEngine:
                 if not ok:   # the writer plans again: wait for its new gate, and copy under it
                     with self.writer_priority.boosted():
                         job.resolved.wait()
-                    with job.lock:
+                    with self._job_lock(job):
                         if job.gate is not None and job.gate is not gate:
                             n = job.gate.fence(self.writer_priority.boosted)
             if self.in_place:   # a memory snapshot must end within the step: no more idle-only cycles
@@ -556,6 +557,19 @@ class CheckpointEngine:
             if job.stats is not None:
                 job.stats.fence_s += time.perf_counter() - t0
                 job.stats.fence_bytes += n
+
+    @contextlib.contextmanager
+    def _job_lock(self, job: _Job) -> Iterator[None]:
+        """Training thread: the job's lock, which the writer holds while it plans a live save again
+        (on idle cycles only, under ``SCHED_IDLE``): waited for with the writer boosted, as a fence
+        waits for the gate's lock."""
+        if not job.lock.acquire(blocking=False):
+            with self.writer_priority.boosted():
+                job.lock.acquire()
+        try:
+            yield
+        finally:
+            job.lock.release()
 
     def wait(self) -> Optional[SaveStats]:
         """Block until the in-flight save is committed; raise AsyncSaveError (on every rank) if it failed."""

@@ -397,3 +397,42 @@ def test_a_parameter_changed_in_place_outside_the_step_is_caught_through_the_dee
         eng.wait()
     eng.finalize()
     assert committed(str(tmp_path / "ck")) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_fence_waiting_for_a_writer_that_plans_again_boosts_it(tmp_path, monkeypatch):
+    """While a live save's writer plans again (its plan agreement failed) it holds the job's lock on
+    idle cycles only (``SCHED_IDLE``); a fence that comes then waits for that lock. The writer's
+    group must run at normal priority while the fence waits (the kernel's record of the holder's
+    policy), or a trainer that keeps every core busy would stall in the fence until a core idles."""
+    release = threading.Event()
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: (release.wait(30), real(fd, bufs))[1])
+    shards, _ = state()
+    eng = CheckpointEngine(str(tmp_path / "ck"), live_write=True, writer_sched="idle", writer_deadline_s=60)
+    eng.save(1, shards)
+    job = eng._job
+    held, policy, fenced = threading.Event(), [], threading.Event()
+
+    def planning_again():              # a thread of the writer's group that holds the job's lock
+        eng.writer_priority.enter()
+        with job.lock:
+            tid = threading.get_native_id()
+            policy.append(os.sched_getscheduler(tid))
+            held.set()
+            t0 = time.monotonic()
+            while os.sched_getscheduler(tid) == os.SCHED_IDLE and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            policy.append(os.sched_getscheduler(tid))
+        eng.writer_priority.leave()
+    holder = threading.Thread(target=planning_again)
+    holder.start()
+    assert held.wait(30)
+    fencer = threading.Thread(target=lambda: (eng.fence(), fenced.set()))
+    fencer.start()
+    holder.join(30)
+    assert fenced.wait(30)
+    release.set()
+    eng.wait()
+    eng.finalize()
+    assert policy == [os.SCHED_IDLE, os.SCHED_OTHER]
