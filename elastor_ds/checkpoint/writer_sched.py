@@ -40,6 +40,15 @@ __all__ = ["WriterPriority", "WriterSched", "thread_target", "DEFAULT_WRITER_SCH
 
 _local = threading.local()   # .group: the WriterPriority whose thread this is
 _warned: list[bool] = []
+_warned_nice: list[bool] = []
+
+
+def _rlimit_nice() -> str:
+    try:
+        import resource
+        return str(resource.getrlimit(resource.RLIMIT_NICE)[0])
+    except (ImportError, AttributeError, OSError, ValueError):
+        return "unknown"
 
 
 def _set_policy(tid: int, idle: bool) -> bool:
@@ -54,6 +63,41 @@ def _set_policy(tid: int, idle: bool) -> bool:
             _warned.append(True)
             log.debug("checkpoint writer thread %d keeps its scheduling policy (%s)", tid, e)
         return False
+
+
+_escalation: list[bool] = []   # cached answer of idle_can_be_undone()
+
+
+def idle_can_be_undone() -> bool:
+    """Whether a thread of this process that went to ``SCHED_IDLE`` may be set back to ``SCHED_OTHER``.
+    Linux allows that only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` above the thread's nice value
+    (the default limit, 0, forbids it: an unprivileged process can lower its threads' priority but
+    never raise it again). Tried once per process on a throwaway thread, which is the only reliable
+    test (capabilities, containers and the limit all enter)."""
+    if _escalation:
+        return _escalation[0]
+    idle, other = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
+    if idle is None or other is None or not hasattr(os, "sched_setscheduler"):
+        _escalation.append(False)
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, idle, os.sched_param(0))
+        except OSError:
+            ok.append(False)
+            return
+        try:
+            os.sched_setscheduler(0, other, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+    t = threading.Thread(target=probe, name="elastor-sched-probe", daemon=True)
+    t.start()
+    t.join()
+    _escalation.append(bool(ok and ok[0]))
+    return _escalation[0]
 
 
 def _add_nice(tid: int, increment: int) -> None:
@@ -72,6 +116,18 @@ class WriterPriority:
     def __init__(self, sched: "WriterSched | str" = DEFAULT_WRITER_SCHED, nice: int = 0,
                  deadline_s: float = DEFAULT_WRITER_DEADLINE_S):
         self.sched = WriterSched(sched)
+        if self.sched is WriterSched.IDLE and not idle_can_be_undone():
+            # an idle-scheduled writer could never be given its priority back (not when the loop
+            # waits for it, not at the deadline, not for a fence): it would wait for idle cores
+            # however long training keeps them busy; a lowered priority throughout instead
+            if not _warned_nice:
+                _warned_nice.append(True)
+                log.info("checkpoint writer: this process may not raise a thread back from SCHED_IDLE (no "
+                         "CAP_SYS_NICE, RLIMIT_NICE %s), so the writer runs at a lowered nice value instead of on "
+                         "idle cycles only (writer_sched \"nice\"); CAP_SYS_NICE, or `ulimit -e 20` before the launch where the "
+                         "hard limit allows it, lets it run idle",
+                         _rlimit_nice())
+            self.sched = WriterSched.NICE
         if not deadline_s > 0:
             raise ValueError(f"writer deadline_s={deadline_s}: must be > 0 seconds")
         self.nice = int(nice)

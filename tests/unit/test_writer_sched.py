@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ import pytest
 
 from elastor_ds.checkpoint.settings import WriterSched
 from elastor_ds.checkpoint.writer_sched import WriterPriority, thread_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"),
                                 reason="SCHED_IDLE is Linux's; elsewhere the writer keeps its priority")
@@ -258,3 +261,43 @@ def test_a_helper_started_inside_boosted_runs_at_normal_priority_until_the_boost
     finally:
         g.close()
         prio.end()
+
+
+UNPRIVILEGED = textwrap.dedent('''
+    import logging, os, threading
+    logging.basicConfig(level=logging.INFO)
+    from elastor_ds.checkpoint.writer_sched import WriterPriority, idle_can_be_undone
+    wp = WriterPriority("idle")
+    wp.begin()                                   # a save nobody waits for
+    tid, go, seen = [], threading.Event(), []
+    def writer():
+        wp.enter(nice=True)
+        tid.append(threading.get_native_id())
+        go.wait()
+    t = threading.Thread(target=writer)
+    t.start()
+    while not tid:
+        pass
+    seen.append(os.sched_getscheduler(tid[0]))
+    wp.urgent("wait")                            # the loop waits for the save: full speed now
+    seen.append(os.sched_getscheduler(tid[0]))
+    go.set()
+    t.join()
+    print(idle_can_be_undone(), wp.sched.value, *seen)
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user")
+def test_a_process_that_may_not_undo_sched_idle_gets_a_nice_writer(tmp_path):
+    """Linux lets a thread leave SCHED_IDLE only with CAP_SYS_NICE or an RLIMIT_NICE above its nice
+    value; an ordinary user has neither (limit 0). Such a process's idle writer could never be
+    given its priority back when the loop waits for it, at the deadline or for a fence. Run as
+    ``nobody`` (RLIMIT_NICE 0): the writer runs at SCHED_OTHER (its nice value) throughout
+    instead. Before, it went to SCHED_IDLE and stayed there after ``urgent()`` (the kernel's
+    record: 5, 5)."""
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                        UNPRIVILEGED], capture_output=True, text=True, timeout=60, cwd="/",
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "nice", str(os.SCHED_OTHER), str(os.SCHED_OTHER)], p.stdout
+    assert "may not raise a thread back from SCHED_IDLE" in p.stderr
