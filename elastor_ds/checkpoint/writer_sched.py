@@ -115,19 +115,7 @@ class WriterPriority:
 
     def __init__(self, sched: "WriterSched | str" = DEFAULT_WRITER_SCHED, nice: int = 0,
                  deadline_s: float = DEFAULT_WRITER_DEADLINE_S):
-        self.sched = WriterSched(sched)
-        if self.sched is WriterSched.IDLE and not idle_can_be_undone():
-            # an idle-scheduled writer could never be given its priority back (not when the loop
-            # waits for it, not at the deadline, not for a fence): it would wait for idle cores
-            # however long training keeps them busy; a lowered priority throughout instead
-            if not _warned_nice:
-                _warned_nice.append(True)
-                log.info("checkpoint writer: this process may not raise a thread back from SCHED_IDLE (no "
-                         "CAP_SYS_NICE, RLIMIT_NICE %s), so the writer runs at a lowered nice value instead of on "
-                         "idle cycles only (writer_sched \"nice\"); CAP_SYS_NICE, or `ulimit -e 20` before the launch where the "
-                         "hard limit allows it, lets it run idle",
-                         _rlimit_nice())
-            self.sched = WriterSched.NICE
+        self.set_sched(sched)
         if not deadline_s > 0:
             raise ValueError(f"writer deadline_s={deadline_s}: must be > 0 seconds")
         self.nice = int(nice)
@@ -141,6 +129,22 @@ class WriterPriority:
         self._boosts = 0           # boosted() contexts open: the group runs at normal priority meanwhile
         self.escalations = 0       # how many saves were escalated (by a wait or the deadline)
         self.helper_cpu_s = 0.0    # CPU seconds of the helper threads that have ended (thread_target)
+
+    def set_sched(self, sched: "WriterSched | str") -> None:
+        """The policy (before the writer's first save): ``"idle"`` becomes ``"nice"`` in a process
+        that may not undo ``SCHED_IDLE`` (:func:`idle_can_be_undone`)."""
+        self.sched = WriterSched(sched)
+        if self.sched is WriterSched.IDLE and not idle_can_be_undone():
+            # an idle-scheduled writer could never be given its priority back (not when the loop
+            # waits for it, not at the deadline, not for a fence): it would wait for idle cores
+            # however long training keeps them busy; a lowered priority throughout instead
+            if not _warned_nice:
+                _warned_nice.append(True)
+                log.info("checkpoint writer: this process may not raise a thread back from SCHED_IDLE (no "
+                         "CAP_SYS_NICE, RLIMIT_NICE %s), so the writer runs at a lowered nice value instead of on "
+                         "idle cycles only (writer_sched \"nice\"); CAP_SYS_NICE, or `ulimit -e 20` before the "
+                         "launch where the hard limit allows it, lets it run idle", _rlimit_nice())
+            self.sched = WriterSched.NICE
 
     def enter(self, nice: bool = False) -> None:
         """Called first by every thread of the group (``nice``: the writer thread itself, which

@@ -116,7 +116,7 @@ class MemoryTier:
         copies what is left, and then runs at normal priority, so the snapshot still ends within
         the step (:func:`~elastor_ds.checkpoint.live.fill_in_place`)."""
         self.ckpt.live_write = True
-        self.ckpt.writer_priority.sched = WriterSched.IDLE
+        self.ckpt.writer_priority.set_sched(WriterSched.IDLE)   # "nice" where SCHED_IDLE cannot be undone
 
     # ------------------------------------------------------------------ budget
     @property
