@@ -17,7 +17,10 @@ tile's :class:`~.fileformat.RowRuns`, a buffer that is not so aligned -- is copi
 GIL). A helper thread performs the writes in file order while the next bounce buffer fills; when
 it finds several full ones waiting it writes them with one ``writev`` (the disk runs at its floor
 only with requests of several MiB: one 2 MiB write per call was 1.10x slower than 32 MiB writes
-here, ``writev`` of two 2 MiB buffers 1.01x). The CRCs are taken in the copying thread, of the
+here, ``writev`` of two 2 MiB buffers 1.01x). A tile's rows are not written straight from staging
+with one iovec per row: with 4-16 KiB segments the disk's 254-segment requests stay small, and
+two ranks wrote 1.15-1.45x slower than from contiguous memory
+(bench/results/2026-12-04-s31-strided-writes-and-snapshot-cpu.md). The CRCs are taken in the copying thread, of the
 bytes just copied into the bounce buffer while they are still in the cache (:class:`StreamCrcs`):
 one strided pass over the source instead of two, and no second thread taking the GIL for every
 4 KiB block (bench/results/2026-12-04-s27-writer-crcs.md). The last piece is padded with zeros
