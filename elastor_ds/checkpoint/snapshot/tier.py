@@ -250,12 +250,17 @@ class MemoryTier:
         return stats
 
     def committed_steps(self) -> dict[int, str]:
-        """step -> step dir of every committed snapshot in this node's directory."""
+        """step -> step dir of every committed snapshot in this node's directory, up to the step its
+        ``latest`` names: a newer one belongs to a trajectory the run went back from (it re-saved an
+        older step, e.g. after reloading a storage checkpoint) and is never restored."""
         try:
-            return dict(commit_mod.list_committed(self.root))
+            steps = dict(commit_mod.list_committed(self.root))
+            cur = commit_mod.read_latest(self.root)
         except Exception as e:  # noqa: BLE001 - nothing usable here: restore elsewhere
             log.debug("no usable memory snapshot under %s: %s", self.root, e)
             return {}
+        top = commit_mod.step_of(os.path.basename(cur)) if cur else None
+        return steps if top is None else {s: d for s, d in steps.items() if s <= top}
 
     def newest_local_step(self) -> tuple[Optional[int], Optional[str]]:
         """(step, step dir) of the newest committed snapshot in this node's directory."""

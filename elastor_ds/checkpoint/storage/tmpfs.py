@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ...comm.collectives import Comm
-from ...errors import SnapshotSpaceError
+from ...errors import CheckpointError, SnapshotSpaceError
 from .. import commit as commit_mod
 from ..snapshot.file_staging import FileStaging, StagedFile
 from ..writer import data_file_name
@@ -81,7 +81,9 @@ class TmpfsStorage(PosixStorage):
         keys = comm.all_gather_object(key)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
         self._multi_node = len(set(keys)) > 1
-        self._recycle_names = {data_file_name(r) for r in range(comm.world_size)}
+        # the data files this node's ranks take (a rank of another node never takes one from here: the
+        # files of ranks that moved to another node after a re-launch are deleted, not kept for nobody)
+        self._recycle_names = {data_file_name(r) for r, k in enumerate(keys) if k == key}
         if self.caps.stages_in_place and self.files is None:
             self.files = FileStaging(max_maps=keep + 3, pin=self.pin)
 
@@ -89,9 +91,18 @@ class TmpfsStorage(PosixStorage):
         if self.files is None:
             raise RuntimeError(f"{self!r}: stage_data_file before set_up, or with stage_in_place=False")
         # this rank's retired files: where retention put them, or still in a step dir that a newer
-        # commit retired (newest first); never a step among the newest ``keep``
+        # commit retired (newest first); never a step among the newest ``keep`` this process saw
+        # committed, nor the one this node's ``latest`` names (it may differ: a re-save of an older
+        # step, or another node whose copy of the newest step is not committed yet or failed)
         cands = [os.path.join(self.recycle_dir, fname)]
-        cands += [os.path.join(self.root, d, fname) for d in reversed(self._committed[:-self.keep])]
+        old = self._committed[:-self.keep]
+        if old:
+            try:
+                cur = os.path.basename(commit_mod.read_latest(self.root) or "")
+            except (OSError, CheckpointError):
+                cur = None   # unreadable: take nothing from a step dir
+            if cur is not None:
+                cands += [os.path.join(self.root, d, fname) for d in reversed(old) if d != cur]
         return self.files.take(tmp_dir, fname, cands, header, size)
 
     def explain_write_error(self, tmp_dir: str, step: int, error: BaseException) -> BaseException:
@@ -120,7 +131,8 @@ class TmpfsStorage(PosixStorage):
         return commit_mod.commit_text(self.root, tmp_dir, step, manifest_text, sync=False)
 
     def committed(self, step_dir: str) -> None:
-        self._committed = [*self._committed[-(self.keep + 2):], os.path.basename(step_dir)]
+        name = os.path.basename(step_dir)   # a re-saved step moves to the end (it is the newest again)
+        self._committed = [*[d for d in self._committed if d != name][-(self.keep + 2):], name]
 
     def retain(self, keep: int, protect: str, unusable: "frozenset[str]" = frozenset()) -> list[str]:
         return commit_mod.apply_retention(self.root, keep, protect=protect, recycle_dir=self.recycle_dir,
