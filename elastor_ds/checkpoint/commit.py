@@ -697,6 +697,8 @@ def recycle_data_files(step_dir: str, dest: str, names_wanted: Optional[set] = N
         return
     for n in names:
         try:
+            if not stat.S_ISREG(os.lstat(os.path.join(step_dir, n)).st_mode):   # a link is never recycled
+                continue
             os.replace(os.path.join(step_dir, n), os.path.join(dest, n))
         except OSError as e:
             log.debug("not recycling %s/%s: %s", step_dir, n, e)

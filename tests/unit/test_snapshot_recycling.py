@@ -115,3 +115,32 @@ def test_files_of_ranks_on_another_node_are_not_kept_for_recycling(tmp_path, mon
     commit_mod.apply_retention(root, 1, recycle_dir=st.recycle_dir, recycle_names=st._recycle_names)
     assert sorted(os.listdir(st.recycle_dir)) == [tmpfs.data_file_name(0)]
     assert socket.gethostname() != "elsewhere"
+
+
+def test_a_link_named_like_a_data_file_is_never_written_through_nor_recycled(tmp_path):
+    """A symlink named like a rank's data file in ``.recycle`` (or in a retired step) must not be
+    taken as the file to write over: the save would truncate and overwrite whatever it points to,
+    and commit the link. The target stays as it was, the step holds a regular file of its own, and
+    retention never moves a link into ``.recycle``."""
+    root = str(tmp_path / "local")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious user data\n" * 10)
+    eng = engine(root)
+    os.makedirs(os.path.join(root, ".recycle"))
+    os.symlink(victim, os.path.join(root, ".recycle", "data_00000.safetensors"))
+    w = torch.zeros(64, 256)
+    save(eng, w, 1)
+    step1 = os.path.join(root, commit_mod.step_dirname(1), "data_00000.safetensors")
+    assert victim.read_text() == "precious user data\n" * 10
+    assert not os.path.islink(step1) and os.path.isfile(step1)
+    assert loads(root, 1)
+    other = tmp_path / "other.txt"
+    other.write_text("x")
+    os.unlink(os.path.join(root, ".recycle", "data_00000.safetensors"))
+    os.symlink(other, os.path.join(root, commit_mod.step_dirname(1), "data_00001.safetensors"))
+    commit_mod.recycle_data_files(os.path.join(root, commit_mod.step_dirname(1)), os.path.join(root, ".recycle"))
+    assert os.listdir(os.path.join(root, ".recycle")) == ["data_00000.safetensors"]
+    assert not os.path.islink(os.path.join(root, ".recycle", "data_00000.safetensors"))
+    save(eng, w, 2)
+    eng.finalize()
+    assert other.read_text() == "x" and loads(root, 2)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -82,12 +83,15 @@ class FileStaging:
         reused = False
         for src in (*candidates, *candidates):   # twice: a committer may move one between two tries
             try:
+                if not stat.S_ISREG(os.lstat(src).st_mode):   # a link or anything else: never written through
+                    continue
                 os.rename(src, path)
                 reused = True
                 break
             except FileNotFoundError:
                 continue
-        fd = os.open(path, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o644)
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (0 if reused else os.O_CREAT | os.O_TRUNC),
+                     0o644)
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
