@@ -54,6 +54,43 @@ MAX_RANGE = 16 << 20       # bytes per request to a snapshot server (the server 
 MAX_AHEAD = 1
 MAX_HINTS = 64             # announced reads remembered per thread
 _RECV_PIECE = 1 << 20      # the answer's MAC is checked piece by piece as the bytes arrive (in cache)
+MIN_RATE = 1 << 20         # bytes/s an answer must keep up on average (beyond timeout_s) or it is abandoned
+
+
+def _recv_into(r: http.client.HTTPResponse, b: memoryview) -> int:
+    """Bytes of ``r``'s body (a ``Content-Length`` answer) into ``b`` with at most one ``recv``, so
+    that a deadline checked between calls bounds the wait (``readinto`` loops until ``b`` is full,
+    each ``recv`` with its own timeout: a byte now and then kept it going). The response's count of
+    bytes left is kept, and it is closed at its end, as ``readinto`` does (the connection stays
+    usable for the next request)."""
+    fp = r.fp
+    if fp is None:
+        return 0
+    if r.length is not None:
+        b = b[:r.length]
+    if not len(b):
+        return 0
+    k = fp.readinto1(b)
+    if r.length is not None:
+        r.length -= k
+        if r.length == 0:
+            r.read()   # b"": marks the answer read whole
+    return k
+
+
+def _read_body(r: http.client.HTTPResponse, limit: int, deadline: float, name: str) -> bytes:
+    """At most ``limit`` bytes of ``r``'s body, all by ``deadline`` (time.monotonic())."""
+    out = bytearray()
+    while len(out) < limit:
+        if time.monotonic() > deadline:
+            raise IncompleteCheckpointError(f"{name}: an answer was not received in time")
+        got = r.read1(min(1 << 16, limit - len(out)))
+        if not got:
+            break
+        out += got
+    if r.length == 0:
+        r.read()   # b"": marks the answer read whole (read1 leaves it open), so the connection is reused
+    return bytes(out)
 
 
 def _views_len(views: Sequence[memoryview]) -> int:
@@ -219,7 +256,7 @@ class RemoteSource:
                 r = c.getresponse()
                 if r.status != 503:
                     return r, nonce
-                r.read()
+                r.read(1 << 16)   # an unauthenticated answer: never read whole (its size is the sender's say)
                 self._drop()
                 # the server is at its connection limit: free the slots this thread holds for requests
                 # sent ahead, and send none from now on (they would compete with this one)
@@ -253,7 +290,7 @@ class RemoteSource:
             if not self._down:
                 try:
                     r, nonce = self._request("GET", f"/index/{self.step_name}")
-                    body = r.read(1 << 20)
+                    body = _read_body(r, 1 << 20, time.monotonic() + self.timeout_s, self.name)
                     self._verified(r, nonce, [body])
                     if r.status == 200:
                         got = json.loads(body)
@@ -437,11 +474,18 @@ class RemoteSource:
             check = response_checker(self.key, nonce, r.status, r.getheader("Content-Range") or "",
                                      r.getheader("X-File-Size") or "", tag)
             got = 0
+            # the whole answer within a deadline, not only each recv: a peer sending a byte now and then
+            # would otherwise hold the restore for as long as it likes
+            deadline = time.monotonic() + self.timeout_s + n / MIN_RATE
             for mv in views:
                 at = 0
                 while at < len(mv):
+                    if time.monotonic() > deadline:
+                        drop()
+                        raise IncompleteCheckpointError(f"{self.name}: {cand}: {n} bytes not received within "
+                                                        f"{self.timeout_s + n / MIN_RATE:.0f} s")
                     piece = mv[at:at + _RECV_PIECE]
-                    k = r.readinto(piece)
+                    k = _recv_into(r, piece)
                     if not k:
                         raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
                     check.update(piece[:k])
