@@ -259,6 +259,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             self.server.refused(self, e.code, str(e))
             return self._plain(e.code, str(e))
+        self.server.authenticated(self.connection)
         self._serve(head=self.command == "HEAD")
         self.wfile.flush()
 
@@ -389,6 +390,12 @@ class _Server(http.server.ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}
+        # connections that have not yet sent an authenticated request, oldest first: at most half the
+        # slots; a new connection then evicts the oldest (a client of the job authenticates within a
+        # round trip of connecting, so idle connections from anyone cannot keep it out)
+        self._pending: OrderedDict[socket.socket, float] = OrderedDict()
+        self._max_pending = max(1, max_connections // 2)
+        self.evicted = 0
         self._nonces: OrderedDict[str, float] = OrderedDict()
         self._refusals = 0
         self.busy_refused = 0
@@ -399,7 +406,18 @@ class _Server(http.server.ThreadingHTTPServer):
 
     # ------------------------------------------------------------------ bounded connections
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
+        evict = None
+        with self._lock:
+            if len(self._pending) >= self._max_pending:
+                evict, _ = self._pending.popitem(last=False)
+                self._deadlines[evict] = float("inf")
+                self.evicted += 1
+        if evict is not None:
+            try:
+                evict.shutdown(socket.SHUT_RDWR)   # its thread ends and frees its slot
+            except OSError:
+                pass
+        if not self._slots.acquire(timeout=1.0 if evict is not None else 0.0):
             self.busy_refused += 1
             try:
                 request.setblocking(False)
@@ -412,6 +430,7 @@ class _Server(http.server.ThreadingHTTPServer):
         try:
             with self._lock:
                 self._deadlines[request] = time.monotonic() + self.head_timeout_s
+                self._pending[request] = time.monotonic()
             super().process_request(request, client_address)
         except BaseException:
             self._release(request)
@@ -426,7 +445,13 @@ class _Server(http.server.ThreadingHTTPServer):
     def _release(self, request) -> None:
         with self._lock:
             self._deadlines.pop(request, None)
+            self._pending.pop(request, None)
         self._slots.release()
+
+    def authenticated(self, sock) -> None:
+        """``sock`` sent a request with the job's MAC: no longer among those a new connection evicts."""
+        with self._lock:
+            self._pending.pop(sock, None)
 
     def set_deadline(self, sock, t: float) -> None:
         with self._lock:
@@ -512,6 +537,11 @@ class SnapshotServer:
     @property
     def busy_refused(self) -> int:
         return self._srv.busy_refused
+
+    @property
+    def evicted(self) -> int:
+        """Connections closed before they authenticated, to make room for a newer one."""
+        return self._srv.evicted
 
     def start(self) -> "SnapshotServer":
         self._thread = NamedThread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
