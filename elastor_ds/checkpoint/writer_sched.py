@@ -153,13 +153,33 @@ class WriterPriority:
         _local.group = self
         if nice:
             _add_nice(tid, self.nice)
-        with self._lock:   # policy changes under the lock: the kernel's state follows ours in order
+        if self.sched is not WriterSched.IDLE:
+            with self._lock:
+                self._tids.add(tid)
+            return
+        # the kernel gave a new thread its creator's policy (idle, if the writer is): normal first, so
+        # that it never holds the lock while idle-scheduled (a training thread that waits for the lock
+        # in boosted() or begin() would wait for an idle core: the lock is not the kernel's to boost)
+        _set_policy(tid, False)
+        with self._lock:
             self._tids.add(tid)
-            # the kernel gave a new thread its creator's policy; set it from the state in case it changed
-            if self.sched is WriterSched.IDLE:
-                _set_policy(tid, self._background and not self._boosts)
+            idle = self._background and not self._boosts
+        if idle:
+            _set_policy(tid, True)
+            # a boost or escalation between the lock's release and the line above set this thread
+            # normal before it went idle: follow the state again (each of them sets every thread's policy
+            # under the lock, after changing the state, so the last word is the state's)
+            if not (self._background and not self._boosts):
+                _set_policy(tid, False)
+
+    def _normal_self(self) -> None:
+        """Before an idle-scheduled thread of the group takes the lock: normal priority (it is about
+        to end, or to finish a save; begin() sets it idle again for the next one)."""
+        if self.sched is WriterSched.IDLE:
+            _set_policy(threading.get_native_id(), False)
 
     def leave(self) -> None:
+        self._normal_self()
         with self._lock:
             self._tids.discard(threading.get_native_id())
         _local.group = None
@@ -248,6 +268,8 @@ class WriterPriority:
     def end(self) -> Optional[str]:
         """The save finished: nothing to escalate any more. Returns why it was escalated (``"wait"``,
         ``"deadline"``), or None when it finished in the background (or the policy is ``nice``)."""
+        if getattr(_local, "group", None) is self:   # the writer itself: never idle while it holds the lock
+            self._normal_self()
         with self._lock:
             why, self._escalated = self._escalated, False
             self._background = False
@@ -269,6 +291,7 @@ def thread_target(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*a, **k)
         finally:
             spent = time.thread_time() - cpu0
+            group._normal_self()
             with group._lock:
                 group.helper_cpu_s += spent
             group.leave()

@@ -301,3 +301,47 @@ def test_a_process_that_may_not_undo_sched_idle_gets_a_nice_writer(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["False", "nice", str(os.SCHED_OTHER), str(os.SCHED_OTHER)], p.stdout
     assert "may not raise a thread back from SCHED_IDLE" in p.stderr
+
+
+def test_a_thread_of_the_group_takes_the_lock_only_at_normal_priority(monkeypatch):
+    """The group's lock is Python's, which the kernel cannot boost: a thread that held it while
+    SCHED_IDLE could be kept off the CPU while a training thread waits for it (in begin(), urgent()
+    or boosted()) on a machine whose cores are all busy. Every acquisition of the lock by a thread of
+    the group (entering, ending a save, leaving) is recorded with that thread's policy at that
+    moment, read from the kernel: always SCHED_OTHER; and a helper that enters during a background
+    save still ends up idle-scheduled."""
+    from elastor_ds.checkpoint import writer_sched
+    prio = WriterPriority(WriterSched.IDLE, deadline_s=60)
+    seen: list[tuple[str, int]] = []
+    real = prio._lock
+
+    class Recording:
+        def __enter__(self):
+            if getattr(writer_sched._local, "group", None) is prio:
+                seen.append((threading.current_thread().name, policy(threading.get_native_id())))
+            return real.__enter__()
+
+        def __exit__(self, *a):
+            return real.__exit__(*a)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    monkeypatch.setattr(prio, "_lock", Recording())
+    prio.begin()                                   # a background save: the group is idle-scheduled
+    g = Group(prio)
+    try:
+        assert g.policies() == (os.SCHED_IDLE, os.SCHED_IDLE)
+    finally:
+        g.close()
+    done = []
+
+    def writer_ends_a_save():            # the writer thread of the background save begun above
+        prio.enter()
+        done.append(policy(threading.get_native_id()))
+        prio.end()
+        prio.leave()
+    t = threading.Thread(target=writer_ends_a_save, name="writer")
+    t.start()
+    t.join()
+    assert done == [os.SCHED_IDLE]
+    assert seen and all(p == os.SCHED_OTHER for _, p in seen), repr(seen)[-600:]
