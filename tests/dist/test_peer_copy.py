@@ -288,3 +288,62 @@ def test_lying_sender_writes_nothing_and_completes_nothing(tmp_path, lie):
     assert {k: v for k, v in on_disk.items() if not k.startswith(".from_")} == honest, on_disk
     # the other direction (rank 2 -> rank 0) is complete: one liar does not stop the ring
     assert (tmp_path / "elastor-node0" / "peer" / _oid("elastor-node1") / STEP5 / "COMPLETE").exists()
+
+
+def _enospc_worker(rank, world, base, out):
+    """Two nodes of one rank each. On node 1, the tmpfs is full while rank 0's copy of step 5 is
+    received (``posix_fallocate`` of its part files fails with ENOSPC, as when the node's other
+    receiving ranks used the room the budget check saw free). Each rank times its two copies."""
+    import errno
+    import time
+
+    from elastor_ds.checkpoint.snapshot.peer_copy import PeerCopier, PeerFile
+
+    nodedir = os.path.join(base, f"elastor-node{rank}")
+    os.makedirs(nodedir, exist_ok=True)
+    _job_key(base)
+    full = [rank == 1]
+    real = os.posix_fallocate
+
+    def fallocate(fd, off, n):
+        if full[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, off, n)
+    os.posix_fallocate = fallocate
+    cp = PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=60)
+    times, errors = [], []
+    for step in (5, 6):
+        d = _write_step(nodedir, rank, step, world)
+        files = [PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank, step).items()]
+        t0 = time.monotonic()
+        st = cp.submit(d, files)
+        cp.wait()
+        times.append(time.monotonic() - t0)
+        errors.append(None if st.error is None else str(st.error))
+        full[0] = False
+    assert cp.close(timeout_s=30)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"times": times, "errors": errors}, f)
+
+
+@pytest.mark.timeout(180)
+def test_a_copy_that_does_not_fit_is_drained_not_left_hanging(tmp_path):
+    """The receiver cannot create the files of a copy (ENOSPC): it receives the bytes into a scratch
+    buffer and drops them, so the sender's sends are matched at once. Before, it posted no receive,
+    the sender waited for the transport's 60 s timeout, and the failed transport failed every later
+    copy of the launch. Oracles: the senders' times and errors, the files on node 1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_world(_enospc_worker, 2, str(tmp_path), str(out), timeout_s=150)
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
+    assert r0["errors"] == [None, None] and r1["errors"] == [None, None], (r0, r1)
+    assert max(r0["times"] + r1["times"]) < 30, (r0, r1)
+    d = tmp_path / "elastor-node1" / "peer" / _oid("elastor-node0")
+    assert not (d / STEP5 / "COMPLETE").exists()                 # dropped, nothing half-made left
+    left = [p.name for p in (d / STEP5).rglob("*")] if (d / STEP5).exists() else []
+    assert not [n for n in left if n.endswith(".part")], left
+    assert (d / STEP6 / "COMPLETE").exists()
+    for rel, b in _files_of(0, 6).items():
+        assert (d / STEP6 / rel).read_bytes() == b
+    assert (tmp_path / "elastor-node0" / "peer" / _oid("elastor-node1") / STEP6 / "COMPLETE").exists()

@@ -505,11 +505,21 @@ class _Incoming:
                 return
 
     def post(self, tr: Transport) -> list:
-        import torch
-
         if self.files is None:
             return []
+        if not self.drain:
+            try:   # every file made before any receive is posted: a failure leaves none half-posted
+                self._make_files()
+            except OSError as e:
+                # e.g. ENOSPC: the node's other receiving ranks filled the tmpfs the budget check saw
+                # free. The sender's sends are matched all the same (drained into a scratch buffer),
+                # or it would wait for the transport's timeout, and its next copy behind it
+                log.warning("peer copy of %s from %s (rank %d) cannot be written here (%s); it is received and "
+                            "dropped", self.step, self.origin, self.t.src, e)
+                self._discard_files()
+                self.drain = True
         if self.drain:   # sizes checked against the manifest: the scratch buffer is bounded by them
+            import torch
             works = []
             for k, (rel, size, *_x) in enumerate(self.files):
                 scratch = torch.empty(min(size, _PIECE), dtype=torch.uint8)
@@ -517,16 +527,27 @@ class _Incoming:
                     works.append(tr.irecv(scratch[:b - a], self.t.src, tag=_T_DATA + k))
             self.bufs = []
             return works
+        works = []
+        for k, ((_rel, size, _crc, _mac), (_part, _final, buf)) in enumerate(zip(self.files, self.bufs)):
+            for a, b in _pieces(size):
+                works.append(tr.irecv(buf[a:b], self.t.src, tag=_T_DATA + k))
+        return works
+
+    def _make_files(self) -> None:
+        """Each announced file as a sized, allocated ``.part`` file, mapped (``self.bufs``)."""
+        import torch
+
+        assert self.files is not None
         os.makedirs(self.dir, exist_ok=True)
         try:   # a re-sent step: it is not complete until this copy is
             os.remove(os.path.join(self.dir, COMPLETE))
         except FileNotFoundError:
             pass
-        works = []
-        for k, (rel, size, _crc, _mac) in enumerate(self.files):
+        for rel, size, _crc, _mac in self.files:
             final = safe_join(self.dir, rel, what="peer copy file", allow_subdirs=True)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             part = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.part")
+            self.bufs.append((part, final, None))   # listed first: removed if what follows fails
             if self.staging is not None and size and _spare_kind(rel):
                 # a retired copy's file (its pages exist, and usually its mapping is kept), renamed to
                 # the part file; a new one is allocated before it is mapped (ENOSPC, not SIGBUS)
@@ -544,10 +565,25 @@ class _Incoming:
                 finally:
                     os.close(fd)
                 buf = torch.from_file(part, shared=True, size=size, dtype=torch.uint8) if size else None
-            self.bufs.append((part, final, buf))
-            for a, b in _pieces(size):
-                works.append(tr.irecv(buf[a:b], self.t.src, tag=_T_DATA + k))
-        return works
+            self.bufs[-1] = (part, final, buf)
+
+    def _discard_files(self) -> None:
+        """The ``.part`` files :meth:`_make_files` made (or took) before it failed: gone, unmapped."""
+        for part, _final, _buf in self.bufs:
+            staged = self.staged.pop(part, None)
+            if staged is not None and self.staging is not None:
+                self.staging.release(staged)
+            try:
+                os.unlink(part)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.debug("could not remove %s: %s", part, e)
+        for part, staged in list(self.staged.items()):   # taken, then its mapping failed
+            if self.staging is not None:
+                self.staging.release(staged)
+            self.staged.pop(part, None)
+        self.bufs = []
 
     def finish(self, key: bytes) -> int:
         """Check every file's CRC and keyed digest (one pass: both run over each piece while it is
