@@ -347,3 +347,45 @@ def test_a_copy_that_does_not_fit_is_drained_not_left_hanging(tmp_path):
     for rel, b in _files_of(0, 6).items():
         assert (d / STEP6 / rel).read_bytes() == b
     assert (tmp_path / "elastor-node0" / "peer" / _oid("elastor-node1") / STEP6 / "COMPLETE").exists()
+
+
+def _late_manifest_worker(rank, world, base, out):
+    """Two nodes of one rank each. On node 1 the step's manifest appears 0.3 s after this rank's
+    submit: as on a rank that is not its node's committer, whose node copy of the step is committed
+    by another rank right after the commit broadcast."""
+    import threading
+    import time
+
+    from elastor_ds.checkpoint.snapshot.peer_copy import PeerCopier, PeerFile
+
+    nodedir = os.path.join(base, f"elastor-node{rank}")
+    os.makedirs(nodedir, exist_ok=True)
+    _job_key(base)
+    cp = PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
+    d = _write_step(nodedir, rank, 5, world)
+    later = None
+    if rank == 1:
+        os.replace(os.path.join(d, "manifest.json"), os.path.join(nodedir, "manifest.later"))
+        later = threading.Timer(0.3, os.replace, (os.path.join(nodedir, "manifest.later"),
+                                                  os.path.join(d, "manifest.json")))
+    t0 = time.monotonic()
+    st = cp.submit(d, [PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank, 5).items()])
+    if later is not None:
+        later.start()
+    cp.wait()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"s": time.monotonic() - t0, "error": st.error}, f)
+    assert cp.close(timeout_s=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_waits_for_its_nodes_manifest_of_the_step(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_world(_late_manifest_worker, 2, str(tmp_path), str(out), timeout_s=100)
+    r = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert [x["error"] for x in r] == [None, None] and max(x["s"] for x in r) < 10, r
+    d = tmp_path / "elastor-node1" / "peer" / _oid("elastor-node0") / STEP5
+    assert (d / "COMPLETE").exists()
+    for rel, b in _files_of(0, 5).items():
+        assert (d / rel).read_bytes() == b

@@ -130,6 +130,20 @@ class _Open:
         self.crc = crc
 
 
+MANIFEST_WAIT_S = 5.0   # how long a receiving rank waits for its node's copy of the step to be committed
+
+
+def _open_manifest(dirs) -> int:
+    """A descriptor of the first ``manifest.json`` found in ``dirs`` (never through a link), or -1."""
+    for d in dirs:
+        try:
+            return os.open(os.path.join(d, "manifest.json"),
+                           os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+    return -1
+
+
 def _allowed_files(fd: int, step_name: str) -> dict:
     """name -> (size, crc32, writer_rank) of this node's committed manifest of the step (from the
     descriptor :meth:`PeerCopier.submit` opened); empty when there is none (nothing is accepted)."""
@@ -281,17 +295,13 @@ class PeerCopier:
             log.warning("peer copy of %s: cannot open this rank's files: %s", step_name, e)
             st.error = f"{type(e).__name__}: {e}"
             opened = None
-        manifest_fd = -1
-        if self.recvs:   # what the senders may send: this node's committed manifest of the step (pinned now)
-            for d in (step_dir, *search_dirs):
-                try:
-                    manifest_fd = os.open(os.path.join(d, "manifest.json"),
-                                          os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-                    break
-                except OSError:
-                    continue
-        self._thread = NamedThread(target=self._run, args=(st, opened, manifest_fd), name="elastor-peer-copy",
-                                        daemon=True)
+        manifest_fd = _open_manifest((step_dir, *search_dirs)) if self.recvs else -1
+        # what the senders may send: this node's committed manifest of the step, pinned now (retention
+        # cannot take it); on a rank that is not its node's committer the node's copy of the step may be
+        # a few milliseconds from committed yet: the copy thread then waits for it (MANIFEST_WAIT_S)
+        wait_in = (step_dir, *search_dirs) if self.recvs and manifest_fd < 0 else None
+        self._thread = NamedThread(target=self._run, args=(st, opened, manifest_fd, wait_in),
+                                   name="elastor-peer-copy", daemon=True)
         self._thread.start()
         return st
 
@@ -314,9 +324,15 @@ class PeerCopier:
         return True
 
     # ------------------------------------------------------------------ the exchange
-    def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]], manifest_fd: int = -1) -> None:
+    def _run(self, st: PeerCopyStats, opened: Optional[list[_Open]], manifest_fd: int = -1,
+             wait_in: Optional[tuple] = None) -> None:
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
+        if wait_in is not None:
+            end = time.monotonic() + MANIFEST_WAIT_S
+            while manifest_fd < 0 and time.monotonic() < end:
+                time.sleep(0.005)
+                manifest_fd = _open_manifest(wait_in)
         try:
             self._exchange(st, opened, _allowed_files(manifest_fd, st.step_name))
         except Exception as e:  # noqa: BLE001 - a failed copy is logged; the restore falls back
