@@ -389,3 +389,45 @@ def test_a_receiver_waits_for_its_nodes_manifest_of_the_step(tmp_path):
     assert (d / "COMPLETE").exists()
     for rel, b in _files_of(0, 5).items():
         assert (d / rel).read_bytes() == b
+
+
+def _refused_worker(rank, world, base, out):
+    """Two nodes of one rank each. Node 1's manifest of step 6 gives rank 0's data file another
+    CRC32 than rank 0 announces (a copy this node must not take); steps 5 and 7 are consistent."""
+    import time
+
+    from elastor_ds.checkpoint.snapshot.peer_copy import PeerCopier, PeerFile
+
+    nodedir = os.path.join(base, f"elastor-node{rank}")
+    os.makedirs(nodedir, exist_ok=True)
+    _job_key(base)
+    cp = PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
+    res = []
+    for step in (5, 6, 7):
+        d = _write_step(nodedir, rank, step, world, corrupt_rank=0 if rank == 1 else -1)   # (step 6 only)
+        t0 = time.monotonic()
+        st = cp.submit(d, [PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank, step).items()])
+        cp.wait()
+        res.append({"s": time.monotonic() - t0, "error": st.error, "sent": st.bytes_sent})
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    assert cp.close(timeout_s=30)
+
+
+@pytest.mark.timeout(150)
+def test_a_refused_copy_fails_at_once_and_the_next_one_goes_through(tmp_path):
+    """The receiver refuses a sender's files (they do not match its node's manifest). It tells the
+    sender, which sends nothing: its copy fails at once, naming the receiver, and the transport
+    stays usable. Before, the sender's data sends waited for receives that never came until the
+    transport's timeout (30 s here), and the failed transport failed the next copy too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_world(_refused_worker, 2, str(tmp_path), str(out), timeout_s=130)
+    r0, r1 = (json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert "did not accept" in (r0[1]["error"] or "") and r0[1]["sent"] == 0 and r0[1]["s"] < 10, r0
+    assert [r0[0]["error"], r0[2]["error"]] == [None, None] and [x["error"] for x in r1] == [None] * 3, (r0, r1)
+    d = tmp_path / "elastor-node1" / "peer" / _oid("elastor-node0")
+    step7 = d / "step_000000007"
+    assert not (d / STEP6 / "COMPLETE").exists() and (step7 / "COMPLETE").exists()
+    for rel, b in _files_of(0, 7).items():
+        assert (step7 / rel).read_bytes() == b

@@ -14,11 +14,16 @@ over a :class:`~elastor_ds.comm.transport.Transport` of the whole world (a dedic
    manifest of that step (read from a descriptor opened at :meth:`submit`: retention cannot pull
    it), with the manifest's size and CRC32 and written by that sender; the bytes it has to allocate
    must fit the node's free tmpfs. A lying sender's files are not received (its copy fails); a copy
-   that does not fit is received into a scratch buffer and dropped (the sender is not left hanging);
-3. receivers create each file (``.<name>.part``, sized, memory-mapped) and post a receive straight
+   that does not fit (at the budget check, or ENOSPC when its files are made) is received into a
+   scratch buffer and dropped;
+3. every receiver answers each sender: it receives the data or not; a sender sends only what will
+   be received (a gloo send waits for its receive: a refused one hung until the transport's timeout
+   and failed it for the rest of the launch); the answers are not waited for, so a sender that does
+   not listen cannot hold a receiver;
+4. receivers create each file (``.<name>.part``, sized, memory-mapped) and post a receive straight
    into it; senders post sends straight from their memory-mapped snapshot files; all operations are
    non-blocking, so the ring (A sends to B while B sends to A) cannot deadlock;
-4. a receiver checks each file's CRC32 and keyed digest, renames it into
+5. a receiver checks each file's CRC32 and keyed digest, renames it into
    ``$ELASTOR_SNAPSHOT_DIR/peer/<origin>/<step>/``, marks its sender done
    (``.from_<src>.<seq>``, holding the sender's file list) and, once every sender of that origin
    node has arrived, writes ``COMPLETE`` last (with the file list the snapshot server may serve)
@@ -69,7 +74,7 @@ _MAX_HEADER = 1 << 20
 _MAC_RE = re.compile(r"^(?:[0-9a-f]{64}|g1\.[0-9a-f]{24}\.[0-9a-f]{32})$")   # HMAC-SHA256 | GMAC (auth.FileMac)
 _CHECK_PIECE = 1 << 20      # the receiver's CRC and MAC run over each piece while it is in cache
 _PIECE = 256 << 20          # one send/recv op moves at most this many bytes
-_T_LEN, _T_HDR, _T_DATA = 1, 2, 16
+_T_LEN, _T_HDR, _T_OK, _T_DATA = 1, 2, 3, 16
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,7 @@ class PeerCopier:
                                   f"needs the whole world of {sum(procs_per_node)} processes {list(procs_per_node)}")
         self.key = key
         self.mac_scheme = mac_scheme
+        self._answers: list = []   # the sends of this rank's answers to its senders (a dropped handle cancels)
         self.transport = transport
         self.rank = transport.rank
         self.procs_per_node = list(procs_per_node)
@@ -374,9 +380,23 @@ class PeerCopier:
         for inc in incoming:
             inc.check_against(allowed or {}, self.snapshot_dir)
         _check_budget(incoming, self.snapshot_dir)
-        # 2. data, straight from / into memory-mapped files
+        # 2. each receiver's answer to each sender: it receives the data (1) or not (0). A sender
+        # never sends what will not be received (a gloo send waits for the matching receive: it would
+        # hang until the transport's timeout, and fail the transport for the rest of the launch). The
+        # answers are not waited for: a sender that does not listen must not hold this receiver
+        # (the send handles are kept until the next exchange: a dropped gloo handle cancels its send)
+        self._answers = [tr.isend(torch.tensor([0 if inc.files is None else 1], dtype=torch.int64), inc.t.src,
+                                  tag=_T_OK) for inc in incoming]
+        answers = [torch.zeros(1, dtype=torch.int64) for _ in self.sends]
+        for w in [tr.irecv(v, t.dst, tag=_T_OK) for v, t in zip(answers, self.sends)]:
+            w.wait()
+        accepted = [t for v, t in zip(answers, self.sends) if int(v) == 1]
+        if opened is not None and len(accepted) < len(self.sends):
+            st.error = (f"rank(s) {[t.dst for v, t in zip(answers, self.sends) if int(v) != 1]} did not accept this "
+                        f"rank's files (see their logs)")
+        # 3. data, straight from / into memory-mapped files
         works = []
-        for t in self.sends:
+        for t in accepted:
             for k, o in enumerate(opened or []):
                 for a, b in _pieces(o.file.size):
                     works.append(tr.isend(o.tensor[a:b], t.dst, tag=_T_DATA + k))
@@ -384,9 +404,9 @@ class PeerCopier:
             works += inc.post(tr)
         for w in works:
             w.wait()
-        st.bytes_sent = sum(o.file.size for o in (opened or [])) * len(self.sends)
+        st.bytes_sent = sum(o.file.size for o in (opened or [])) * len(accepted)
         del opened
-        # 3. check, move into place, COMPLETE
+        # 4. check, move into place, COMPLETE
         for inc in incoming:
             st.bytes_received += inc.finish(self.key)
             if inc.ok:
