@@ -100,7 +100,7 @@ def _check_parent(flag: str, path: "str | None") -> None:
 def _check_log_dir(log_dir: str) -> None:
     """``--log-dir`` must be a directory we can create and write (``/proc/x`` is not)."""
     try:
-        os.makedirs(log_dir, exist_ok=True)
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)   # (the workers' logs go in it: this user's only)
     except OSError as e:
         raise ConfigError(f"--log-dir {log_dir}: cannot create it ({e.strerror}); give a writable directory") from None
     lst = os.lstat(log_dir)

@@ -118,7 +118,8 @@ def _check_ours(fd: int, path: str) -> None:
 
 def append_line(path: str, rec: dict) -> None:
     data = (json.dumps(rec, sort_keys=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o644)
+    # 0600: the events name the script, its pids, hosts and snapshot-server addresses
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o600)
     try:
         _check_ours(fd, path)
         os.write(fd, data)

@@ -4,9 +4,11 @@ The log directory (``--log-dir``) may be a shared, world-writable folder. Everyt
 creates there that a process later trusts (the standby pool's folder, the heartbeat folders) is a
 directory that only this user can enter, made and then checked the same way every time:
 
-1. the parent: refused when others may write to it, or another user (root aside) owns it, without
-   the sticky bit (``/tmp``-like folders have it: there nobody can rename or remove another user's
-   entries; without it anybody could swap our directory for theirs after every check);
+1. the parent and every folder above it: refused when others may write to it without the sticky
+   bit (``/tmp``-like folders have it: there nobody but the folder's owner can rename or remove
+   another user's entries), or when another user (root aside) owns it, sticky or not: its owner
+   may rename or replace our entries whatever its mode says, and swap our directory for theirs
+   after every check;
 2. ``mkdir(path, 0o700)``; an existing entry is accepted only when ``lstat`` shows a real directory
    (not a symlink) owned by this user; ours but readable by others (made before this rule) is
    narrowed to 0700 through an ``O_NOFOLLOW`` descriptor of it;
@@ -30,19 +32,21 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 def check_parent(path: str, what: str) -> None:
     """``path`` (an existing directory) may hold our private entries: not writable by others
-    without the sticky bit, nor owned by another user (root aside) unless it is sticky."""
+    without the sticky bit, not owned by another user (root aside) even with it, and no folder
+    above it either (:func:`~elastor_ds.checkpoint.private_dir.check_components`)."""
+    from ..checkpoint.private_dir import check_components
     st = os.stat(path)
-    shared = st.st_mode & (stat.S_IWOTH | stat.S_IWGRP)
     sticky = st.st_mode & stat.S_ISVTX
     if st.st_mode & stat.S_IWOTH and not sticky:
         raise ConfigError(f"{what} {path}: any user may write to it (mode {stat.S_IMODE(st.st_mode):04o}, no sticky "
                           f"bit), so another user could replace what elastor run creates there; give a directory "
                           f"of your own (or one with the sticky bit, like /tmp)")
-    if st.st_uid not in (os.getuid(), 0) and not sticky:
-        # its owner may rename or replace our entries whatever its mode says (and may chmod it)
-        raise ConfigError(f"{what} {path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root, and "
-                          f"without the sticky bit{' (and writable by its group)' if shared else ''}, so its owner "
-                          f"could replace what elastor run creates there; give a directory of your own")
+    if st.st_uid not in (os.getuid(), 0):
+        # its owner may rename or replace our entries whatever its mode or sticky bit says
+        raise ConfigError(f"{what} {path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root, so its "
+                          f"owner could replace what elastor run creates there (a sticky bit does not stop the "
+                          f"folder's owner); give a directory of your own")
+    check_components(os.path.join(path, "x"), what, "give a --log-dir under folders owned by you or root")
 
 
 def is_private_dir(st: os.stat_result) -> bool:

@@ -98,8 +98,17 @@ class ElasticWorker:
         if not self.heartbeat_file:
             return
         tmp = f"{self.heartbeat_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n")
+        line = f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n".encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(tmp, flags, 0o600)   # never through a link: the folder is ours alone, but check
+        except OSError as e:
+            log.warning("heartbeat file %s not written (%s)", tmp, e)
+            return
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
         os.replace(tmp, self.heartbeat_file)
 
     def agree_stop(self) -> StopCode:

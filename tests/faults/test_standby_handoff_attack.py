@@ -222,9 +222,11 @@ def test_planted_events_symlink_is_not_written_through(tmp_path, nobody):
 
 
 def test_log_dir_owned_by_another_user_is_refused(tmp_path, nobody):
-    """A ``--log-dir`` owned by another user, mode 0755 (no sticky bit): its owner may rename or
-    replace what the controller makes there, whatever the mode says. Exit 2 naming it, before
-    any worker starts or any folder is made in it."""
+    """A ``--log-dir`` owned by another user, mode 0755, then 1777 (the sticky bit stops other users,
+    not the folder's owner): its owner may rename or replace what the controller makes there, e.g.
+    swap the heartbeat folder for one holding a symlink that a worker's heartbeat writes through.
+    Exit 2 naming it both times, before any worker starts or any folder is made in it. (The sticky
+    variant was accepted before: the owner's swap overwrote a root-only file.)"""
     uid, _ = nobody
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -239,11 +241,12 @@ def test_log_dir_owned_by_another_user_is_refused(tmp_path, nobody):
                         str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
     assert p.returncode == 2 and f"owned by uid {uid}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert os.listdir(theirs) == [] and not marker.exists()
-    os.chmod(theirs, 0o1755)   # the same folder with the sticky bit: accepted, the run completes
+    os.chmod(theirs, 0o1777)   # the same folder, sticky and writable by all: refused all the same
     p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
                         "--no-standby", "--log-dir", str(theirs), "--snapshot-dir", str(tmp_path / "snap"),
                         str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
-    assert p.returncode == 0 and marker.exists(), p.stderr[-2000:]
+    assert p.returncode == 2 and f"owned by uid {uid}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert os.listdir(theirs) == [] and not marker.exists()
 
 
 def test_default_log_dir_planted_as_a_symlink_by_another_user_is_refused(tmp_path, nobody):
