@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib
 import logging
 import os
@@ -108,7 +109,8 @@ _DCP_CLASSES = {
                              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
                                                          "TensorWriteData")
-     } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     } | {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),   # a checkpoint_id torch's own writer records
+          ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
@@ -143,6 +145,8 @@ def safe_dcp_reader(directory: str, trust: bool = False):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     class _Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             path = os.path.join(directory, ".metadata" if kwargs.get("rank") is None
@@ -150,6 +154,16 @@ def safe_dcp_reader(directory: str, trust: bool = False):
             md = load_dcp_metadata(path, trust)
             if not isinstance(md, Metadata):
                 raise UnsafeCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+            if not trust:
+                # the allowed classes may still carry any attributes a crafted pickle gives them (a
+                # bytes entry dressed up with a tensor's size and dtype): each entry must be exactly
+                # one of the two kinds, with its own fields only
+                for key, v in (md.state_dict_metadata or {}).items():
+                    kind = type(v)
+                    if kind not in (TensorStorageMetadata, BytesStorageMetadata) or \
+                            not set(vars(v)) <= {f.name for f in dataclasses.fields(kind)}:
+                        raise UnsafeCheckpointError(f"{path}: entry {str(key)[:120]!r} is not a plain DCP tensor or "
+                                                    f"bytes record; refusing it: {TRUST_HINT}")
             for info in (md.storage_data or {}).values():
                 safe_join(directory, getattr(info, "relative_path", None), what="DCP storage file",
                           allow_subdirs=True)
@@ -157,5 +171,15 @@ def safe_dcp_reader(directory: str, trust: bool = False):
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # a DCP "bytes" item is read back with torch.load(weights_only=False): pickled objects
+            # run code. Only tensors are read from a checkpoint that is not trusted
+            if not trust:
+                from torch.distributed.checkpoint.planner import LoadItemType
+                if any(getattr(r, "type", None) == LoadItemType.BYTE_IO for r in plan.items):
+                    raise UnsafeCheckpointError(f"{directory}: the load would unpickle an object stored in the "
+                                                f"checkpoint (a DCP bytes record); refusing: {TRUST_HINT}")
+            return super().read_data(plan, planner)
 
     return _Reader(directory)

@@ -188,6 +188,81 @@ def test_dcp_metadata_payload_is_refused(tmp_path):
     assert_one_line_failure(p, 1, "--trust-checkpoint")
 
 
+class _System:
+    """A pickle that runs ``touch MARKER`` when loaded with weights_only=False."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("dressed", [True, False], ids=["bytes-dressed-as-tensor", "plain-bytes"])
+def test_dcp_bytes_records_are_never_unpickled_without_trust(tmp_path, dressed):
+    """Only DCP metadata classes unpickle, but a crafted ``.metadata`` can give a bytes record a
+    tensor's size and dtype (attributes a pickle may set on any object): the importer took it for
+    a tensor, and DCP read its storage with ``torch.load(weights_only=False)``, running the code
+    stored there. Refused now, dressed up or not, with no code run and nothing written; with
+    ``--trust-checkpoint`` the same checkpoint does run it (the payload is real)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties)
+
+    from elastor_ds.integrations.megatron.convert import torch_dist_key
+    from elastor_ds.integrations.megatron.specs import GPTSpecConfig, gpt_tensor_specs
+    marker = str(tmp_path / "PWNED")
+    root = tmp_path / "mg"
+    d = root / "iter_0000001"
+    d.mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    cfgd = dict(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16, ffn_hidden_size=16)
+    (root / "elastor_model_config.json").write_text(json.dumps(cfgd))
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    payload = pickle.dumps(_System(marker))
+    (d / "__0_0.distcp").write_bytes(payload)
+    cfg = GPTSpecConfig.from_json(cfgd)
+    sdm, storage = {}, {}
+    for s in gpt_tensor_specs(cfg):
+        key, layer = torch_dist_key(s.name)
+        shape = tuple(s.shape) if layer is None else (cfg.num_layers, *s.shape)
+        if "word_embeddings" in key or "output_layer" in key:
+            shape = (max(shape[0], 128), *shape[1:])
+        b = BytesStorageMetadata()
+        if dressed:
+            b.size = torch.Size(shape)
+            b.properties = TensorProperties(dtype=torch.float32)
+        sdm[key] = b
+        storage[MetadataIndex(key)] = _StorageInfo(relative_path="__0_0.distcp", offset=0, length=len(payload))
+    (d / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=storage)))
+    dst = str(tmp_path / "out")
+    p = elastor("convert", str(root), dst, "--from", "megatron", "--no-progress")
+    assert not os.path.exists(marker), "the checkpoint's code ran"
+    assert_one_line_failure(p, 1, "not a plain DCP tensor" if dressed else "not a tensor")
+    assert not os.path.exists(dst)
+
+
+def test_a_dcp_read_of_a_bytes_record_is_refused_without_trust(tmp_path):
+    """The reader itself refuses to read any DCP bytes record (read back with
+    ``torch.load(weights_only=False)``) unless trusted; tensors of the same checkpoint read fine."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastor_ds.errors import UnsafeCheckpointError
+    from elastor_ds.integrations.safe_load import safe_dcp_reader
+    marker = str(tmp_path / "PWNED")
+    d = str(tmp_path / "dcp")
+    dcp.save({"w": torch.arange(6.0), "obj": _System(marker)}, checkpoint_id=d, no_dist=True)
+    w = torch.zeros(6)
+    dcp.load({"w": w}, storage_reader=safe_dcp_reader(d), no_dist=True)
+    assert torch.equal(w, torch.arange(6.0))
+    with pytest.raises(BaseException) as ei:   # torch wraps the reader's error in its CheckpointException
+        dcp.load({"obj": None}, storage_reader=safe_dcp_reader(d), no_dist=True)
+    assert "refusing" in str(ei.value) and not os.path.exists(marker)
+    assert isinstance(ei.value, UnsafeCheckpointError) or "UnsafeCheckpointError" in repr(ei.value)
+
+
 @pytest.mark.parametrize("flag,value", [("--gpu-memory-gb", "nan"), ("--gpu-tflops", "inf"),
                                         ("--inter-node-bandwidth-gbs", "-1"), ("--num-layers", "0"),
                                         ("--micro-batch-size", "-2"), ("--gpus-per-node", ","),

@@ -207,6 +207,8 @@ def _no_optimizer(src: str, why: str) -> None:
 def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], progress: bool,
                        force: bool = False, trust: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = safe_dcp_reader(d, trust).read_metadata().state_dict_metadata
     common: dict = {}
@@ -233,6 +235,8 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
         if key not in meta:
             raise CheckpointError(f"{d}: tensor {key} (for {s.name}) is missing; the checkpoint does not match "
                                   f"the model config {cfg}")
+        if type(meta[key]) is not TensorStorageMetadata:
+            raise CheckpointError(f"{d}: {key} (for {s.name}) is stored as {type(meta[key]).__name__}, not a tensor")
         _check_stored_shape(d, key, tuple(meta[key].size), s.shape, layer, cfg, cfg_from)
         names.append(s.name)
         shapes[s.name] = s.shape
@@ -257,7 +261,13 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
             cache.clear()  # one stacked key in memory at a time (names are grouped by key order below)
             md = meta[key]
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            dcp.load({key: t}, storage_reader=safe_dcp_reader(d, trust), no_dist=True)
+            try:
+                dcp.load({key: t}, storage_reader=safe_dcp_reader(d, trust), no_dist=True)
+            except CheckpointException as e:   # torch's: a BaseException, with the reader's error inside
+                inner = next((x for x in getattr(e, "failures", {}).values() if isinstance(x, BaseException)), None)
+                if isinstance(inner, CheckpointError):
+                    raise inner from None
+                raise CheckpointError(f"{d}: reading {key} failed ({str(inner or e).splitlines()[0][:300]})") from None
             cache[key] = t
         t = cache[key]
         if layer is not None:
