@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.paths import safe_join
+from ..checkpoint.paths import open_regular, safe_join
 from ..errors import UnsafeCheckpointError
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,28 @@ _UNSUPPORTED_RE = re.compile(r"(Unsupported global: GLOBAL [^\s]+|Unsupported op
 
 
 def load_pt(path: str, trust: bool = False, mmap: bool = False) -> Any:
-    """``torch.load`` of an untrusted ``.pt`` file (see the module docstring)."""
-    if trust:
-        log.warning("--trust-checkpoint: fully unpickling %s; this runs any code stored in the file", path)
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    """``torch.load`` of an untrusted ``.pt`` file (see the module docstring). Opened first as a
+    regular file, not through a link (a FIFO planted under the name would block ``torch.load`` for
+    ever), and read through that descriptor."""
+    fd = open_regular(path, nofollow=True)
+    try:
+        src: Any = f"/proc/self/fd/{fd}" if mmap and os.path.isdir("/proc/self/fd") else os.fdopen(os.dup(fd), "rb")
+        try:
+            if trust:
+                log.warning("--trust-checkpoint: fully unpickling %s; this runs any code stored in the file", path)
+                return torch.load(src, map_location="cpu", weights_only=False, mmap=mmap)
+            return _load_weights_only(path, src, mmap)
+        finally:
+            if not isinstance(src, str):
+                src.close()
+    finally:
+        os.close(fd)
+
+
+def _load_weights_only(path: str, src: Any, mmap: bool) -> Any:
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         m = _UNSUPPORTED_RE.search(str(e))
         what = m.group(1) if m else str(e).splitlines()[0][:200]
@@ -125,8 +140,9 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(path: str, trust: bool = False) -> Any:
-    """A DCP ``.metadata`` file, unpickled with only DCP's metadata classes allowed."""
-    with open(path, "rb") as f:
+    """A DCP ``.metadata`` file, unpickled with only DCP's metadata classes allowed (a regular file,
+    not through a link: a FIFO would block for ever)."""
+    with os.fdopen(open_regular(path, nofollow=True), "rb") as f:
         if trust:
             log.warning("--trust-checkpoint: fully unpickling %s; this runs any code stored in the file", path)
             return pickle.load(f)

@@ -188,6 +188,37 @@ def test_dcp_metadata_payload_is_refused(tmp_path):
     assert_one_line_failure(p, 1, "--trust-checkpoint")
 
 
+@pytest.mark.parametrize("fmt,where", [("deepspeed", "model states"), ("megatron", "legacy"),
+                                        ("megatron", "torch_dist .metadata"), ("megatron", ".metadata link")])
+def test_a_fifo_or_link_planted_in_a_checkpoint_to_import_is_refused_not_waited_on(tmp_path, fmt, where):
+    """``torch.load`` and ``open`` of a FIFO block until someone writes to it: an import of a
+    checkpoint holding one hung for ever. A link named like the DCP ``.metadata`` was followed (to
+    /etc/passwd here). Now each is refused in one line, exit 1, nothing written."""
+    if where == "model states":
+        tag = tmp_path / "src" / "global_step1"
+        tag.mkdir(parents=True)
+        os.mkfifo(tag / "mp_rank_00_model_states.pt")
+        src = str(tag)
+    else:
+        it = tmp_path / "src" / "iter_0000001"
+        it.mkdir(parents=True)
+        (tmp_path / "src" / "latest_checkpointed_iteration.txt").write_text("1")
+        src = str(tmp_path / "src")
+        if where == "legacy":
+            (it / "mp_rank_00").mkdir()
+            os.mkfifo(it / "mp_rank_00" / "model_optim_rng.pt")
+        else:
+            (it / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+            if where.endswith("link"):
+                os.symlink("/etc/passwd", it / ".metadata")
+            else:
+                os.mkfifo(it / ".metadata")
+    dst = str(tmp_path / "out")
+    p = elastor("convert", src, dst, "--from", fmt, "--no-progress", timeout=60)
+    assert_one_line_failure(p, 1, "symbolic link" if where.endswith("link") else "FIFO")
+    assert not os.path.exists(dst)
+
+
 class _System:
     """A pickle that runs ``touch MARKER`` when loaded with weights_only=False."""
 
