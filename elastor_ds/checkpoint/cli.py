@@ -114,7 +114,8 @@ def cmd_verify(args) -> int:
     extra = _unlisted(step_dir, man)
     if extra:   # never read by a load; worth a look (a merged or hand-edited folder)
         print(f"note: {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} in {step_dir} the manifest does not list (never read): "
-              f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}", file=sys.stderr)
+              f"{', '.join(n if n.isprintable() else ascii(n) for n in extra[:5])}{' ...' if len(extra) > 5 else ''}",
+              file=sys.stderr)   # names on disk are anyone's: a terminal escape in one is shown escaped
     return 0
 
 

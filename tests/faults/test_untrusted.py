@@ -471,6 +471,21 @@ def test_control_characters_in_names_are_refused_not_printed(ckpt, where):
         assert "\x1b" not in p.stdout + p.stderr and "\x07" not in p.stdout + p.stderr
 
 
+def test_an_unlisted_file_named_with_a_terminal_escape_is_shown_escaped(ckpt):
+    """``verify`` notes the entries of a step folder its manifest does not list; their names come
+    from whoever wrote into the folder. One carrying a terminal escape must not reach the terminal
+    raw (it printed as is)."""
+    root, step_dir, _, _ = ckpt
+    evil = "x\x1b[2J\x1b]0;pwned\x07y"
+    with open(os.path.join(step_dir, evil), "w") as f:
+        f.write("hi")
+    p = elastor("verify", root)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout + p.stderr
+    assert "note: 1 entry" in out and "\x1b" not in out and "\x07" not in out, out
+    assert ascii(evil) in out
+
+
 def test_full_disk_import_and_export_leave_nothing_and_name_the_destination(tmp_path):
     """A 64 KiB tmpfs fills during an import and an export of 128 KiB of tensors: exit 1, the
     message names the destination, and nothing is left there (an import's root it made is
