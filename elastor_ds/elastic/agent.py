@@ -127,6 +127,9 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
                          exit_barrier_timeout=cfg.exit_barrier_timeout, shutdown_timeout=int(cfg.shutdown_timeout))
         self.cfg, self.events, self.book = cfg, events, book
+        # `nohup elastor run ...`: the hang-up is ignored on purpose (a closed terminal must not stop
+        # training); read before torch's process context or our own handlers replace it
+        self._hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         self.ledger = FailureLedger(cfg.node_name)
         self.round = 0
         self.restarts_used = 0
@@ -171,7 +174,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 
     def install_signal_handlers(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
-            signal.signal(s, self._on_signal)
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGHUP and self._hup_ignored else self._on_signal)
         register_stack_dump()
 
     # ------------------------------------------------------------------ torch elastic hooks

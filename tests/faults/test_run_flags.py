@@ -446,3 +446,28 @@ def test_a_stop_before_the_run_command_is_parsed_is_a_clean_stop(monkeypatch, ca
         for s, h in old.items():
             signal.signal(s, h)
     assert f"stopped by {sig.name} before any worker started: nothing to checkpoint" in caplog.text
+
+
+def test_under_nohup_a_hang_up_does_not_stop_the_job(tmp_path):
+    """``nohup elastor run ...``: the hang-up (a closed terminal, a logout) is ignored on purpose.
+    The controller installed its own SIGHUP handler over the ignore and treated it as a
+    preemption: the workers were stopped and the job ended. Now the ignore stays: a SIGHUP sent
+    while the worker runs changes nothing, the job finishes (exit 0, a "finished" event, no
+    "preempted")."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(6)\nopen(__file__ + '.done', 'w').write('x')\n")
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                          "--no-standby", "--events", str(events), str(script)], cwd=str(tmp_path),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""),
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60 and '"launch"' not in (events.read_text() if events.exists() else ""):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGHUP)
+    out, err = p.communicate(timeout=120)
+    kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
+    assert p.returncode == 0 and os.path.exists(str(script) + ".done"), (p.returncode, err[-2000:])
+    assert "finished" in kinds and "preempted" not in kinds, kinds
