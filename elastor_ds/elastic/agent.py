@@ -53,7 +53,7 @@ from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
-                       ENV_SNAPSHOT_SERVER_HOST, collective_bound, heartbeat_path)
+                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, collective_bound, heartbeat_path)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
@@ -130,6 +130,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         # `nohup elastor run ...`: the hang-up is ignored on purpose (a closed terminal must not stop
         # training); read before torch's process context or our own handlers replace it
         self._hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        self._idle_resizes = 0   # relaunches after an EXIT_RESIZE nobody here asked for, before any iteration
         self.ledger = FailureLedger(cfg.node_name)
         self.round = 0
         self.restarts_used = 0
@@ -470,6 +471,19 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                     self._exit_barrier()
                     return self._result(True)
                 # EXIT_RESIZE (possibly with 0s): relaunch on the current devices
+                if self._stopping is None and not any(self._heartbeat(lr)[1] is not None for lr in self._handlers()):
+                    # nobody here asked for a resize (another node may have: then the workers had trained)
+                    # and no worker finished an iteration: a script's own exit code 75 (EX_TEMPFAIL)
+                    # would relaunch for ever without counting a restart
+                    self._idle_resizes += 1
+                    if self._idle_resizes > self.cfg.max_restarts:
+                        self._close_context()
+                        return self._stop_job(
+                            f"the workers exited {EXIT_RESIZE} (elastor's resize code) {self._idle_resizes} times in "
+                            f"a row before any iteration, though no resize was asked for (does the script exit "
+                            f"{EXIT_RESIZE} itself?); stopping after --max-restarts {self.cfg.max_restarts}")
+                else:
+                    self._idle_resizes = 0
                 self._close_context()
                 if self._stopping is not None and self._stopping.kind == "scale_up":
                     back = self.book.restore(self._stopping.devices)

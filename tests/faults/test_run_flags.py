@@ -471,3 +471,21 @@ def test_under_nohup_a_hang_up_does_not_stop_the_job(tmp_path):
     kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
     assert p.returncode == 0 and os.path.exists(str(script) + ".done"), (p.returncode, err[-2000:])
     assert "finished" in kinds and "preempted" not in kinds, kinds
+
+
+def test_a_script_that_exits_75_itself_is_not_relaunched_for_ever(tmp_path):
+    """75 is elastor's resize code (EX_TEMPFAIL): workers exit with it when a resize was asked for,
+    here or on another node, and the controller relaunches without counting a restart. A script
+    that exits 75 on its own before any iteration was relaunched for ever (30 launches in 20 s
+    with --max-restarts 1). Now such relaunches count: the job stops after --max-restarts, exit 1,
+    naming the code."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit(75)\n")
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--max-restarts", "1", "--events", str(events), str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    launches = [x for x in events.read_text().splitlines() if '"launch"' in x]
+    assert p.returncode == 1 and "exited 75 (elastor's resize code) 2 times" in p.stderr, p.stderr[-2000:]
+    assert len(launches) == 2 and "Traceback" not in p.stderr
