@@ -532,6 +532,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 
     def _on_failure(self, wg, outs: list[WorkerOutcome], lost_nodes: list[int] | None = None) -> RunResult | None:
         failed = [o for o in outs if o.failed]
+        if self._stopping is not None and self._stopping.kind == "scale_up":
+            # the workers were stopping to grow onto devices that came back: they still have, whatever
+            # failed on the way (the relaunch below clears the stop, and with it the request)
+            back = self.book.restore(self._stopping.devices)
+            log.info("a failure while scaling up: device(s) %s stay in the next launch's pool", list(back))
         claim = self.ledger.claim(wg.store)   # first: the node that reports first is the round's primary
         preempting = self._stopping is not None and self._stopping.kind == "preempt"
         last_hb = [t for t in (self._heartbeat(o.local_rank)[0] for o in failed if o.hung) if t]

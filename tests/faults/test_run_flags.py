@@ -489,3 +489,57 @@ def test_a_script_that_exits_75_itself_is_not_relaunched_for_ever(tmp_path):
     launches = [x for x in events.read_text().splitlines() if '"launch"' in x]
     assert p.returncode == 1 and "exited 75 (elastor's resize code) 2 times" in p.stderr, p.stderr[-2000:]
     assert len(launches) == 2 and "Traceback" not in p.stderr
+
+
+SCALE_UP_FAILS = r'''
+import os, sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+from elastor_ds.elastic.protocol import StopCode
+w = ElasticWorker.from_env()
+rnd, rank = int(os.environ.get("ELASTOR_ROUND", "0")), int(os.environ["RANK"])
+for i in range(1, 600):
+    time.sleep(0.1)
+    w.heartbeat(i)
+    code = w.agree_stop()
+    if code == StopCode.RESIZE and rnd == 1:
+        sys.exit(1)                      # round 1: its save for the scale-up fails
+    if code:
+        sys.exit(code.exit_code())
+    if rnd >= 2 and i >= 3:
+        sys.exit(0)
+'''
+
+
+def test_a_failure_while_scaling_up_keeps_the_devices_that_came_back(tmp_path):
+    """The operator says a device is back (SIGUSR1); the workers stop to grow onto it, and the stop
+    fails. The relaunch after that failure dropped the returning device with the stop: the job
+    went on smaller, with no scale-up and nothing to say so. Now the next launch has it."""
+    script = tmp_path / "train.py"
+    script.write_text(SCALE_UP_FAILS)
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "2",
+                          "--no-standby", "--on-failure", "shrink", "--events", str(events), str(script)],
+                         cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+
+    def launches():
+        return [json.loads(x) for x in (events.read_text().splitlines() if events.exists() else [])
+                if '"launch"' in x]
+    try:
+        t0 = time.monotonic()
+        while not launches() and time.monotonic() - t0 < 120 and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(launches()[0]["pids"][1], signal.SIGKILL)   # a device lost: the job shrinks to one process
+        while len(launches()) < 2 and time.monotonic() - t0 < 120 and p.poll() is None:
+            time.sleep(0.1)
+        assert len(launches()) == 2, launches()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGUSR1)
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    ls = launches()
+    sizes = [e.get("local_world_size", len(e.get("pids", []))) for e in ls]
+    assert p.returncode == 0 and len(ls) == 3 and sizes[1] == 1 and sizes[2] == 2, (p.returncode, ls, err[-3000:])
