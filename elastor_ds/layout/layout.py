@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import LayoutError
-from .compact_plan import COMPACT_FORMAT_VERSION, decode, to_replicas_json
+from .compact_plan import COMPACT_FORMAT_VERSION, MAX_DEVICES, decode, to_replicas_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -185,6 +185,12 @@ class Layout:
             stages = []
             for sj in rj["stages"]:
                 tp = int(sj["tp"])
+                if tp < 1:
+                    raise LayoutError(f"plan document: a stage's tp must be at least 1, got {tp}")
+                if next_rank + tp > MAX_DEVICES:
+                    # a plan may come from anyone: bounded before anything of that size is built
+                    raise LayoutError(f"plan document: a stage of tp {tp:,} brings the plan to {next_rank + tp:,} "
+                                      f"ranks; a plan has at most {MAX_DEVICES:,}")
                 if "ranks" in sj:
                     ranks = tuple(int(r) for r in sj["ranks"])
                 else:
