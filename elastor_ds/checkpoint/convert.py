@@ -27,7 +27,8 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..layout.region import Region
 from . import commit as commit_mod
 from .reader import read_shards
-from .paths import check_tensor_name
+from .paths import check_tensor_name, read_regular_text
+from ..user_json import strict_json
 from .planning.manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
 from .shards import dtype_name, full_shard
 from .fileformat import EntrySpec, build_header, fsync_dir, write_stream
@@ -190,16 +191,18 @@ def from_consolidated(src: str, dst_root: str, progress: bool = True, force: boo
                                           force=force)
 
 
+MAX_META_BYTES = 64 << 20   # elastor_metadata.json: the step, the trainer's JSON state, the model and layout
+
+
 def _read_metadata(src: str) -> dict:
     """``elastor_metadata.json`` of a consolidated directory, checked (untrusted input)."""
     p = os.path.join(src, META_FILE)
-    if not os.path.isfile(p):
+    if not os.path.lexists(p):
         return {"step": 0}
-    try:
-        with open(p, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p} is not readable JSON ({e})") from None
+    try:   # a regular file, not through a link, bounded; strict JSON (no NaN), no deep nesting
+        meta = strict_json(read_regular_text(p, MAX_META_BYTES, nofollow=True))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{p} is not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{p} holds a {type(meta).__name__}, expected a JSON object")
     step = meta.get("step", 0)

@@ -486,6 +486,30 @@ def test_an_unlisted_file_named_with_a_terminal_escape_is_shown_escaped(ckpt):
     assert ascii(evil) in out
 
 
+@pytest.mark.parametrize("how, words", [("link", "symbolic link"), ("fifo", "FIFO"), ("nan", "NaN"),
+                                        ("deep", "RecursionError")])
+def test_a_consolidated_sources_metadata_file_is_read_as_untrusted(ckpt, tmp_path, how, words):
+    """``elastor_metadata.json`` of a consolidated directory to import: a link to /etc/passwd was
+    followed, a FIFO silently read as absent (step 0), NaN accepted to fail late, deep nesting an
+    "unexpected RecursionError". Each is now one line, exit 1, nothing written."""
+    root = ckpt[0]
+    cons = str(tmp_path / "cons")
+    assert elastor("convert", root, cons, "--to", "consolidated", "--no-progress").returncode == 0
+    meta = os.path.join(cons, "elastor_metadata.json")
+    os.unlink(meta)
+    if how == "link":
+        os.symlink("/etc/passwd", meta)
+    elif how == "fifo":
+        os.mkfifo(meta)
+    else:
+        with open(meta, "w") as f:
+            f.write('{"step": 3, "extra": {"x": NaN}}' if how == "nan" else '{"step": 3, "extra": ' + "[" * 5000 + "]" * 5000 + "}")
+    dst = str(tmp_path / "back")
+    p = elastor("convert", cons, dst, "--from", "consolidated", "--no-progress", timeout=60)
+    assert_one_line_failure(p, 1, words)
+    assert not os.path.exists(dst)
+
+
 def test_full_disk_import_and_export_leave_nothing_and_name_the_destination(tmp_path):
     """A 64 KiB tmpfs fills during an import and an export of 128 KiB of tensors: exit 1, the
     message names the destination, and nothing is left there (an import's root it made is
