@@ -63,6 +63,17 @@ class GPTSpecConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        # a config may come from a checkpoint (its args, a sidecar file): types and ranges first, before
+        # anything sized by them is built (10^8 layers made the tensor list for minutes)
+        for name, hi in (("num_layers", 1 << 16), ("hidden_size", 1 << 20), ("num_attention_heads", 1 << 14),
+                         ("vocab_size", 1 << 24), ("ffn_hidden_size", 1 << 22), ("num_query_groups", 1 << 14),
+                         ("kv_channels", 1 << 16), ("make_vocab_size_divisible_by", 1 << 20),
+                         ("max_sequence_length", 1 << 24)):
+            v = getattr(self, name)
+            if v is None and name in ("num_query_groups", "kv_channels"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise ConfigError(f"model config {name}={v!r}: expected an integer from 1 to {hi:,}")
         g = self.groups
         if self.num_attention_heads % g:
             raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
