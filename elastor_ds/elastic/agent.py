@@ -130,6 +130,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         # `nohup elastor run ...`: the hang-up is ignored on purpose (a closed terminal must not stop
         # training); read before torch's process context or our own handlers replace it
         self._hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        # torch's process context installs its own terminate handler, at every start, for the signals
+        # this names (SIGTERM, SIGINT, SIGHUP and SIGQUIT by default): until ours were put back, a stop
+        # while workers started (the standby template importing: seconds) exited 1 with no record, and
+        # SIGQUIT never came back. Only SIGPWR (whose default is to terminate anyway) is left to it
+        os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGPWR" if hasattr(signal, "SIGPWR") else "SIGTERM")
         self._idle_resizes = 0   # relaunches after an EXIT_RESIZE nobody here asked for, before any iteration
         self.ledger = FailureLedger(cfg.node_name)
         self.round = 0
@@ -174,7 +179,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             raise _PreemptedInRendezvous()
 
     def install_signal_handlers(self) -> None:
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(s, signal.SIG_IGN if s == signal.SIGHUP and self._hup_ignored else self._on_signal)
         register_stack_dump()
 

@@ -543,3 +543,53 @@ def test_a_failure_while_scaling_up_keeps_the_devices_that_came_back(tmp_path):
     ls = launches()
     sizes = [e.get("local_world_size", len(e.get("pids", []))) for e in ls]
     assert p.returncode == 0 and len(ls) == 3 and sizes[1] == 1 and sizes[2] == 2, (p.returncode, ls, err[-3000:])
+
+
+STOPS_WHEN_ASKED = r'''
+import sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+w = ElasticWorker.from_env()
+for i in range(1, 600):
+    time.sleep(0.1)
+    w.heartbeat(i)
+    code = w.agree_stop()
+    if code:
+        sys.exit(code.exit_code())       # (a trainer checkpoints here first)
+'''
+
+
+def test_a_stop_while_the_first_workers_start_is_a_preemption(tmp_path):
+    """torch's process context put its own terminate handler on SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    at every start, until elastor run put its own back: a SIGTERM while the first workers started
+    (the standby template importing torch, seconds here) exited 1 with no record of the stop. Now
+    the controller's handling holds throughout: exit 0 and a preemption in the events."""
+    script = tmp_path / "train.py"
+    script.write_text(STOPS_WHEN_ASKED)
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "2",
+                          "--events", str(events), str(script)], cwd=str(tmp_path),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    t0 = time.monotonic()
+
+    def template_started() -> bool:          # the controller's standby template, importing torch
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == p.pid and b"standby_template" in cmd:
+                return True
+        return False
+    while time.monotonic() - t0 < 60 and not template_started():
+        time.sleep(0.02)
+    time.sleep(1.0)                          # the first start waits for the template's imports
+    started = '"launch"' in events.read_text()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
+    assert not started, "the workers had started already: this run checks nothing"
+    assert p.returncode == 0 and "preempted" in kinds and "Traceback" not in err, (p.returncode, kinds, err[-2000:])
