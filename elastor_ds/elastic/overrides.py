@@ -11,7 +11,12 @@ Where the controller reaches into torch elastic:
   rendezvous handler's private ``_store`` (:func:`rendezvous_store`);
 * standby workers (:mod:`.standby`): ``local_elastic_agent.start_processes`` is replaced while the
   agent starts workers (:func:`replaced_start_processes`), by a ``SubprocessContext`` whose
-  ``SubprocessHandler`` s override the private ``_start`` / ``_popen``.
+  ``SubprocessHandler`` s override the private ``_start`` / ``_popen``;
+* the agent sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (read by ``PContext.start``, which installs a
+  terminate handler for each signal it names) to ``SIGPWR`` unless the user set it, so that the
+  controller's own stop handling holds while workers start. An environment variable, not a symbol:
+  no row of :data:`TABLE` can import it; re-check it in ``torch/distributed/elastic/multiprocessing/api.py``
+  with every new torch.
 
 ``comm/collectives.py`` reads torch c10d's private ``_get_default_store``, and ``checkpoint/live.py``
 the tensors' ``_version`` counters; they are listed here (the torch host's table) but used where
