@@ -593,3 +593,17 @@ def test_a_stop_while_the_first_workers_start_is_a_preemption(tmp_path):
     kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
     assert not started, "the workers had started already: this run checks nothing"
     assert p.returncode == 0 and "preempted" in kinds and "Traceback" not in err, (p.returncode, kinds, err[-2000:])
+
+
+def test_the_events_file_and_the_log_folder_are_this_users_only(tmp_path):
+    """The events name the script, its pids, hosts and snapshot-server addresses; the log folder
+    holds the workers' logs. Made 0600 and 0700 (they were 0644 and 0755: readable by every user)."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    events, logs = tmp_path / "ev.jsonl", tmp_path / "logs"
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "1",
+                        "--no-standby", "--events", str(events), "--log-dir", str(logs), str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert oct(os.stat(events).st_mode & 0o777) == "0o600" and oct(os.stat(logs).st_mode & 0o777) == "0o700"
