@@ -117,8 +117,11 @@ def list_committed(root: str) -> list[tuple[int, str]]:
         return []
     for n in names:
         m = _STEP_RE.match(n)
-        if m and is_committed(os.path.join(root, n)):
-            out.append((int(m.group(1)), os.path.join(root, n)))
+        p = os.path.join(root, n)
+        # a link named like a step is never one of this root's checkpoints (nor followed out of it):
+        # `latest` refuses to name one, and without `latest` the newest step was taken through it
+        if m and not os.path.islink(p) and is_committed(p):
+            out.append((int(m.group(1)), p))
     return sorted(out)
 
 

@@ -510,6 +510,24 @@ def test_a_consolidated_sources_metadata_file_is_read_as_untrusted(ckpt, tmp_pat
     assert not os.path.exists(dst)
 
 
+def test_a_step_dir_that_is_a_link_out_of_the_root_is_never_taken(ckpt, tmp_path):
+    """A root without ``latest`` whose newest ``step_*`` entry is a link to another checkpoint's
+    step dir: ``latest`` may not name such a link, but without ``latest`` the newest step was
+    taken through it, and ``verify``/``inspect``/a load read the other checkpoint. The link is not
+    a step of this root: the root's own newest step is used."""
+    root = ckpt[0]
+    other = tmp_path / "other"
+    shards = [TensorShard("z", SHAPE, Region.full(SHAPE), torch.full(SHAPE, 9.0))]
+    other_step = CheckpointEngine(str(other), async_save=False).save(7, shards).committed_dir
+    os.unlink(os.path.join(root, "latest"))
+    os.symlink(other_step, os.path.join(root, "step_000000009"))
+    p = elastor("inspect", root)
+    assert p.returncode == 0 and "step_000000003" in p.stdout + p.stderr and "step_000000009" not in p.stdout, \
+        p.stdout + p.stderr
+    from elastor_ds.checkpoint import commit as commit_mod
+    assert [s for s, _ in commit_mod.list_committed(root)] == [3]
+
+
 def test_full_disk_import_and_export_leave_nothing_and_name_the_destination(tmp_path):
     """A 64 KiB tmpfs fills during an import and an export of 128 KiB of tensors: exit 1, the
     message names the destination, and nothing is left there (an import's root it made is
