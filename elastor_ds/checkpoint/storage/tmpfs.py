@@ -96,7 +96,8 @@ class TmpfsStorage(PosixStorage):
         # step, or another node whose copy of the newest step is not committed yet or failed)
         cands = [os.path.join(self.recycle_dir, fname)]
         old = self._committed[:-self.keep]
-        if old:
+        # (the training thread's path: `latest` is read only when retention left no file to recycle)
+        if old and not os.path.lexists(cands[0]):
             try:
                 cur = os.path.basename(commit_mod.read_latest(self.root) or "")
             except (OSError, CheckpointError):
