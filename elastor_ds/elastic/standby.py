@@ -122,6 +122,27 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+def _wait_group_leader(pid: int, timeout: float = 5.0) -> None:
+    """Wait until our adopted standby ``pid`` leads its own process group (it leaves the template's
+    once adopted: a signal to its group must reach it and nothing else)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.getpgid(pid) == pid:
+                return
+            gone = os.waitpid(pid, os.WNOHANG)[0] == pid
+        except (ProcessLookupError, ChildProcessError):
+            gone = True
+        if gone:
+            raise OSError(f"the standby {pid} from the template exited before it was handed over")
+        if time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            raise OSError(f"the standby {pid} from the template did not start its own session within {timeout:g} s")
+        time.sleep(0.0005)
+
+
 class _AdoptedProcess(subprocess.Popen):
     """A ``Popen`` for a child this process adopted rather than spawned (a standby forked by the
     template): ``poll``, ``wait``, ``send_signal``, ``kill`` and ``stdin`` work as for a spawned one,
@@ -256,6 +277,7 @@ class StandbyTemplate:
                 raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
             if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
                 raise OSError(f"pid {pid} from the template is not this controller's child")
+            _wait_group_leader(pid)
         except (OSError, ValueError) as e:
             self._drop_pending()
             self._unusable(e)

@@ -17,8 +17,9 @@ preload list of :mod:`standby_main`. The protocol on it (SOCK_SEQPACKET, one mes
 Parenthood. The template forks A; A forks the standby B and exits at once. The agent is a child
 subreaper (``PR_SET_CHILD_SUBREAPER``) during the request, so B is re-parented to the agent before
 the reply: the agent waits for it, signals its process group and reads its exit status exactly as
-for a spawned standby. B leads its own session, waits until its parent is the agent, sets its
-parent-death signal, re-seeds numpy's global generator (Python's ``random`` re-seeds itself at
+for a spawned standby. B waits until its parent is the agent (in the template's process group until
+then, so the agent's kill of that group takes it; adopted by anyone else, it exits), then leads its
+own session (the agent waits for that before it uses B), sets its parent-death signal, re-seeds numpy's global generator (Python's ``random`` re-seeds itself at
 fork), and goes on as a spawned standby does after its imports (:func:`standby_main.serve`).
 """
 from __future__ import annotations
@@ -33,26 +34,35 @@ from elastor_ds.elastic import standby_main
 from elastor_ds.elastic.protocol import ENV_STANDBY_TEMPLATE_FD
 
 _MAX_REQUEST = 4096
+_FORKED_PARENT = 0   # in B: its first parent, A (see _become_standby)
 
 
 def _log(msg: str) -> None:
     print(f"[elastor standby template {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
-def _become_standby(stdin_fd: int, ready_fd: int, agent: int) -> None:
+def _become_standby(stdin_fd: int, ready_fd: int, agent: int, parent: int) -> None:
     """In B, at the top of the template's stack: a standby whose parent is the agent. From
     :func:`standby_main.serve` on it ends as a spawned standby does (the worker's exit code, or the
-    interpreter's normal exit)."""
+    interpreter's normal exit).
+
+    ``parent``: B's first parent, A. B stays in the
+    template's process group until the agent has adopted it, so the agent's kill of that group (its
+    ``close``) takes a B still on its way; and a B adopted by anyone else (the agent stopped being a
+    subreaper: it gave the request up) exits at once instead of outliving the agent."""
     try:
-        os.setsid()
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
         deadline = time.monotonic() + 10.0
-        while os.getppid() != agent:   # A exits right after forking us; the agent adopts us
-            if time.monotonic() > deadline:
-                _log(f"not adopted by the agent {agent} (parent {os.getppid()}); exiting")
+        while True:   # A exits right after forking us; the agent adopts us
+            ppid = os.getppid()
+            if ppid == agent:
+                break
+            if ppid != parent or time.monotonic() > deadline:
+                _log(f"not adopted by the agent {agent} (parent {ppid}); exiting")
                 os._exit(1)
             time.sleep(0.001)
+        os.setsid()
         from elastor_ds.elastic import worker
         worker.set_parent_death_signal()
         if os.getppid() != agent:   # the agent died between the check and the prctl
@@ -67,16 +77,20 @@ def _become_standby(stdin_fd: int, ready_fd: int, agent: int) -> None:
 
 
 def fork_standby(agent: int) -> int:
-    """Fork a standby that the agent adopts: its pid in the template, 0 in the standby itself."""
+    """Fork a standby that the agent adopts: its pid in the template, 0 in the standby itself (which
+    finds its first parent, A, in :data:`_FORKED_PARENT`)."""
     r, w = os.pipe()
     a = os.fork()
     if a == 0:   # A: fork B, tell the template its pid, exit (B is re-parented to the agent)
         try:
             os.close(r)
+            me = os.getpid()
             b = os.fork()
         except BaseException:  # noqa: BLE001
             os._exit(1)
         if b == 0:   # B
+            global _FORKED_PARENT
+            _FORKED_PARENT = me   # A: B's parent until A exits (getppid here could already be the next)
             os.close(w)
             return 0
         try:
@@ -122,7 +136,7 @@ def main() -> None:
             standby_main.preload(standby_main.preload_names())
             pid = fork_standby(req["agent"])
             if pid == 0:   # the standby: leave the loop (and the template's socket) behind
-                child = (fds[0], fds[1], req["agent"])
+                child = (fds[0], fds[1], req["agent"], _FORKED_PARENT)
                 sock.close()
                 break
             reply = {"pid": pid}

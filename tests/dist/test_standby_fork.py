@@ -214,3 +214,44 @@ def test_a_fork_a_refill_left_pending_is_reported_when_a_launch_takes_it(tmp_pat
         assert proc.wait(timeout=60) == 0
     finally:
         p.close()
+
+
+_ORPHAN = """
+import os, sys
+from elastor_ds.elastic import standby_template as t
+stdin_r, stdin_w = os.pipe()
+ready_r, ready_w = os.pipe()
+pid = t.fork_standby(agent=os.getpid())   # this process is no subreaper: B is adopted by another
+if pid == 0:
+    t._become_standby(stdin_r, ready_w, int(sys.argv[1]), t._FORKED_PARENT)
+    os._exit(3)
+print(pid, flush=True)
+"""
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_a_forked_standby_adopted_by_another_process_exits_at_once(tmp_path):
+    """CI of the thirty-first session: a standby the template forked while the agent gave its request
+    up (it closed the pool: the job ended) was adopted by init, not the agent, and waited 10 s for the
+    agent before exiting: a process left on the node after ``elastor run`` had exited. It now exits as
+    soon as its parent is anyone but the intermediate process or the agent."""
+    import subprocess
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as fo, open(err, "w") as fe:   # files, not pipes: B holds them too
+        p = subprocess.run([sys.executable, "-c", _ORPHAN, str(os.getpid())], stdout=fo, stderr=fe,
+                           timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert p.returncode == 0, err.read_text()
+    b = int(out.read_text())
+    t0 = time.monotonic()
+    while _state(b) not in (None, "Z") and time.monotonic() - t0 < 15:
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    assert _state(b) in (None, "Z"), f"standby {b} still running after {took:.1f} s"
+    assert took < 2.0, took   # before: 10 s, the adoption deadline

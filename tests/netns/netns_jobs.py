@@ -232,9 +232,27 @@ def check_recovery(survivor: NodeJob, lost: NodeJob, step: int, t_fault: float, 
     return {"recs": recs, "rest": rest, "last_before": last_before, "reruns": reruns}
 
 
-def no_process_left(bed, *names):
-    left = {n: bed.pids(n) for n in names if bed.pids(n)}
-    assert not left, f"processes left on nodes: {left}"
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read(300).replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"{pid} (state {fields[0]}, parent {fields[1]}: {cmd})"
+    except (OSError, IndexError):
+        return f"{pid} (gone)"
+
+
+def no_process_left(bed, *names, grace: float = 2.0):
+    """No process of the job is left on the nodes: the controller has exited, so only a process it
+    killed that the kernel is still tearing down may be there, and not for ``grace`` seconds."""
+    t_end = time.monotonic() + grace
+    while True:
+        left = {n: bed.pids(n) for n in names if bed.pids(n)}
+        if not left or time.monotonic() > t_end:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left on nodes: { {n: [_describe(p) for p in ps] for n, ps in left.items()} }"
 
 
 def snapshot_files(survivor: NodeJob, lost: NodeJob, step: int) -> dict:
