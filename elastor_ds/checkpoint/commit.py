@@ -713,7 +713,10 @@ def check_import_destination(root: str, step: Optional[int] = None, force: bool 
     (an import adds a step; it never replaces one, never moves ``latest`` back, runs no retention).
     ``step`` None checks everything but the step."""
     from ..errors import DestinationNotEmptyError
-    if not os.path.lexists(root) or (os.path.isdir(root) and not os.path.islink(root) and not os.listdir(root)):
+    if os.path.islink(root):   # an import writes nothing through a link (it could lead anywhere)
+        raise DestinationNotEmptyError(f"destination {root} is a symbolic link (to {os.readlink(root)!r}); an import "
+                                       f"never writes through a link: give the directory's own path")
+    if not os.path.lexists(root) or (os.path.isdir(root) and not os.listdir(root)):
         return
     if not os.path.isdir(root):
         raise DestinationNotEmptyError(f"destination {root} exists and is not a directory; choose a new path")

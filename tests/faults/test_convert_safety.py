@@ -72,6 +72,30 @@ def test_import_into_existing_root_refuses_then_force_adds_without_rewinding(tmp
     assert not [n for n in os.listdir(target) if n.startswith(".")]
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_an_import_never_writes_through_a_destination_that_is_a_link(tmp_path, force):
+    """A destination given as a link to a checkpoint root (someone else's, or one the link's owner can
+    point anywhere later): the import went through it with ``--force`` and added a step to the
+    target. Refused now, naming the link, whatever the flags; the target is byte-identical."""
+    src, target, cons = str(tmp_path / "src"), str(tmp_path / "target"), str(tmp_path / "cons")
+    save(src, 5)
+    save(target, 3)
+    assert elastor("convert", src, cons, "--to", "consolidated").returncode == 0
+    link = tmp_path / "dst"
+    link.symlink_to(target)
+    before = tree_hash(target)
+    p = elastor("convert", cons, str(link), "--from", "consolidated", *(["--force"] if force else []))
+    assert p.returncode == 2 and "symbolic link" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert tree_hash(target) == before and link.is_symlink()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    link2 = tmp_path / "dst2"
+    link2.symlink_to(empty)   # even a link to an empty folder
+    p = elastor("convert", cons, str(link2), "--from", "consolidated", *(["--force"] if force else []))
+    assert p.returncode == 2 and "symbolic link" in p.stderr, p.stderr
+    assert os.listdir(empty) == []
+
+
 def test_exports_into_non_empty_destinations_refuse(tmp_path):
     src = str(tmp_path / "src")
     save(src, 5)
