@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ...errors import FormatVersionError, ManifestError
+from ...layout.compact_plan import MAX_DEVICES as MAX_RANKS   # the planner's bound: no job has more ranks
 from ...layout.region import Region, first_overlap
 from ...user_json import strict_json
 
 FORMAT_NAME = "elastor"
+INT64_MAX = (1 << 63) - 1   # every size, offset, step and dimension of a manifest fits in 64 bits
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
@@ -270,9 +272,9 @@ class _V:
             raise ManifestError(f"{self.where}: invalid manifest: {path}: missing required field {key!r}")
         return d[key]
 
-    def int_(self, v: Any, path: str, lo: int = 0) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise self.fail(path, f"an integer >= {lo}", v)
+    def int_(self, v: Any, path: str, lo: int = 0, hi: int = INT64_MAX) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.fail(path, f"an integer in {lo}..{hi:,}", v)
         return v
 
     def hex32(self, v: Any, path: str) -> int:
@@ -324,7 +326,7 @@ def _files(v: "_V", d: Mapping[str, Any]) -> dict[str, "FileEntry"]:
         fe = v.obj(fe, p)
         files[name] = FileEntry(name, v.int_(v.req(fe, "size", p), p + ".size"),
                                 v.hex32(v.req(fe, "crc32", p), p + ".crc32"),
-                                v.int_(fe.get("writer_rank", -1), p + ".writer_rank", -1))
+                                v.int_(fe.get("writer_rank", -1), p + ".writer_rank", -1, MAX_RANKS - 1))
     return files
 
 
@@ -333,10 +335,11 @@ def _parse(d: Any, where: str) -> Manifest:
     d = v.obj(d, "document")
     ver = _check_document(v, d, where)
     step = v.int_(v.req(d, "step", "step"), "step")
-    world = v.int_(d.get("world_size", 1), "world_size", 1)
+    world = v.int_(d.get("world_size", 1), "world_size", 1, MAX_RANKS)
     created = d.get("created_unix", 0.0)
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
-        raise v.fail("created_unix", "a finite number", created)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not -INT64_MAX <= created <= INT64_MAX \
+            or not math.isfinite(created):
+        raise v.fail("created_unix", "a finite number of seconds", created)
     for key in ("layout", "model"):
         if d.get(key) is not None:
             v.obj(d[key], key)
@@ -344,8 +347,8 @@ def _parse(d: Any, where: str) -> Manifest:
     rsf_raw = v.obj(d.get("rank_state_files", {}), "rank_state_files")
     rank_state_files: dict[int, str] = {}
     for k, name in rsf_raw.items():
-        if not (isinstance(k, str) and k.isdigit()):
-            raise v.fail("rank_state_files key", "a rank number", k)
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < MAX_RANKS):
+            raise v.fail("rank_state_files key", f"a rank number below {MAX_RANKS:,}", k)
         if not is_relative_subpath(name) or has_control_chars(name):
             raise v.fail(f"rank_state_files[{k}]", "a relative path inside the step directory", name)
         rank_state_files[int(k)] = name
@@ -364,8 +367,8 @@ def _parse(d: Any, where: str) -> Manifest:
 
 
 def _ints(s: Any) -> bool:
-    """A list of non-negative ints (not bools)."""
-    return type(s) is list and all(type(x) is int and x >= 0 for x in s)
+    """A list of non-negative ints (not bools) that fit in 64 bits."""
+    return type(s) is list and all(type(x) is int and 0 <= x <= INT64_MAX for x in s)
 
 
 def _hex32(v: Any) -> Optional[int]:
