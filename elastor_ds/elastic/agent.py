@@ -53,7 +53,7 @@ from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
-                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, collective_bound, heartbeat_path)
+                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, STARTED_BEAT, collective_bound, heartbeat_path)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
@@ -84,6 +84,7 @@ class RunConfig:
     monitor_interval: float = 0.1
     on_failure: OnFailure = OnFailure.SHRINK
     hang_timeout: float | None = None
+    startup_timeout: float | None = None   # from a worker's hooks attaching to its first heartbeat (None: off)
     events: str | None = None
     log_dir: str = "elastor_logs"
     shutdown_timeout: float = 120.0
@@ -297,12 +298,15 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         return t, it
 
     def _heartbeat_record(self, local_rank: int) -> tuple[float | None, int | None, bool]:
-        """(time, iteration, whether it was the run's last) of a worker's newest heartbeat."""
+        """(time, iteration, whether it was the run's last) of a worker's newest heartbeat; a worker
+        that attached its hooks and has done no iteration yet: (time it attached, None, False)."""
         path = heartbeat_path(os.path.join(self._hb_dir, f"round{self.round - 1}"), local_rank)
         try:
             st = os.stat(path)
             with open(path) as f:
                 words = f.read(256).split()
+            if words[:1] == [STARTED_BEAT]:
+                return st.st_mtime, None, False
             return st.st_mtime, int(words[0]), words[2:3] == ["last"]
         except (OSError, ValueError, IndexError):
             return None, None, False
@@ -347,9 +351,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         for lr, h in sorted(self._handlers().items()):
             rc = h.proc.poll()
             hung = stopped = False
-            if rc is None and self.cfg.hang_timeout and self._stopping is None:
-                t_hb, _ = self._heartbeat(lr)
-                if t_hb is not None and now - t_hb > self.cfg.hang_timeout:
+            if rc is None and self._stopping is None and (self.cfg.hang_timeout or self.cfg.startup_timeout):
+                t_hb, it = self._heartbeat(lr)
+                # before its first iteration a worker has --startup-timeout from attaching its hooks
+                limit = self.cfg.hang_timeout if it is not None else self.cfg.startup_timeout
+                if t_hb is not None and limit and now - t_hb > limit:
                     hung = True
                     stopped = _proc_state(h.proc.pid) in ("T", "t")
             rows.append([lr, h, rc, hung, stopped])
@@ -453,8 +459,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             # round 8, F8.8)
             if self.standby is not None and not self._preempt and all(o.exitcode is None for o in outs):
                 beats = [self._heartbeat_record(lr) for lr in self._handlers()]   # each file read once a tick
-                if not any(last for _, _, last in beats):
-                    self.standby.tick(bool(beats) and all(t is not None for t, _, _ in beats))
+                if not any(last for _, _, last in beats):   # training: every worker has done an iteration
+                    self.standby.tick(bool(beats) and all(it is not None for _, it, _ in beats))
             if any(o.failed for o in outs):
                 outs = settle(lambda: self._observe(wg), outs)   # the root cause, not its collateral first
                 res = self._on_failure(wg, outs)

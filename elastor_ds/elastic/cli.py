@@ -21,6 +21,7 @@ log = logging.getLogger("elastor.run")
 EPILOG = """\
 behaviour:
   failure     a worker exits non-zero, dies of a signal, or has no heartbeat for --hang-timeout s
+              (before its first iteration: --startup-timeout s after its hooks attached)
               (a SIGSTOPped worker counts). The controller kills the rest of the local group,
               decides which devices are usable (--on-failure) and relaunches through the
               rendezvous; the trainer re-plans and resumes from its newest committed checkpoint.
@@ -147,6 +148,9 @@ def register(sub) -> None:
            "that pass a health probe (no GPUs: as shrink)")
     a("--hang-timeout", type=nonnegative_float, default=300.0,
       help="seconds without a worker heartbeat (one per iteration) that count as a hang (default 300; 0: off)")
+    a("--startup-timeout", type=nonnegative_float, default=None,
+      help="seconds from a worker attaching its elastor hooks to its first heartbeat that count as a hang (start-up, "
+           "restore, first iteration; default: --hang-timeout; 0: off)")
     a("--events", default=None, help="JSONL event log; also enables the summary table and the timeline plot")
     a("--plot", default=None, help="timeline PNG (default: next to --events, *_timeline.png)")
     a("--log-dir", "--log_dir", dest="log_dir", default=None,
@@ -290,7 +294,9 @@ def _run_checked(args: argparse.Namespace) -> int:
                     min_nodes=lo, max_nodes=hi, rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint,
                     rdzv_id=rdzv_id, rdzv_conf=rdzv_conf, max_restarts=args.max_restarts,
                     monitor_interval=args.monitor_interval, on_failure=OnFailure(args.on_failure),
-                    hang_timeout=args.hang_timeout or None, events=events_path, log_dir=log_dir,
+                    hang_timeout=args.hang_timeout or None,
+                    startup_timeout=(args.hang_timeout if args.startup_timeout is None else args.startup_timeout) or None,
+                    events=events_path, log_dir=log_dir,
                     shutdown_timeout=args.shutdown_timeout, exit_barrier_timeout=args.exit_barrier_timeout,
                     gpu_memory_gb=args.gpu_memory_gb, probe_timeout=args.probe_timeout,
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
@@ -340,7 +346,8 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
     events = EventLog(events_path, node=cfg.node_name)
     policy = cfg.on_failure.value + (" (no GPU: as shrink)" if cfg.on_failure is OnFailure.PROBE and not use_gpu else "")
     events.emit(EventKind.START, pid=os.getpid(), nproc_per_node=nproc, nnodes=[lo, hi], on_failure=cfg.on_failure.value,
-                max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout, script=cfg.script, gpus=use_gpu)
+                max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout,
+                startup_timeout=cfg.startup_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
              "scale-up: kill -USR1 %d", os.getpid(), nproc, lo, hi, policy, cfg.max_restarts, cfg.log_dir, os.getpid())
     from .agent import RendezvousError, store_lost_reason, store_unreachable

@@ -12,7 +12,9 @@ in docs/elastic.md.
    :class:`~elastor_ds.errors.ConfigError` naming the variable, at the first read, not deep inside
    a save).
 3. A worker touches its heartbeat file once per iteration (:func:`heartbeat_path`); a running
-   worker whose heartbeat is older than ``--hang-timeout`` is hung.
+   worker whose heartbeat is older than ``--hang-timeout`` is hung. Its hooks write a first
+   :data:`STARTED_BEAT` record when they attach: a worker with no iteration done
+   ``--startup-timeout`` after that is hung too (a worker without hooks writes none).
 4. The controller asks for a graceful stop with a signal: SIGTERM/SIGINT (preemption: save and exit
    ``EXIT_OK``) or SIGUSR1 (resize: save and exit ``EXIT_RESIZE``). Workers agree on the largest
    stop code with one all-reduce at the end of an iteration, save that iteration, wait until it is
@@ -103,6 +105,9 @@ def collective_bound(hang_timeout_s: float) -> float:
     controller's own hang detection (a heartbeat older than ``--hang-timeout``, which names the hung
     worker) acts first, and the workers' timeout only where nothing else does."""
     return 2.0 * hang_timeout_s
+
+
+STARTED_BEAT = "started"   # the heartbeat file's first word once a worker attached its hooks, before an iteration
 
 
 def heartbeat_path(folder: str, local_rank: int) -> str:

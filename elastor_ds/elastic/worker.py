@@ -20,7 +20,7 @@ import signal
 import time
 
 from .events import EventKind, append_line
-from .protocol import (LaunchContext, StopCode, expect_worker_hooks, heartbeat_path, launch_context,
+from .protocol import (STARTED_BEAT, LaunchContext, StopCode, expect_worker_hooks, heartbeat_path, launch_context,
                        worker_hooks_expected)
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class ElasticWorker:
         self.launch_mode = ctx.launch_mode.value
         self.world = ctx.launched_world
         self.round = ctx.round
+        self._beat(f"{STARTED_BEAT} {time.time():.3f}\n")   # --startup-timeout runs from here
 
     @classmethod
     def from_env(cls) -> "ElasticWorker | None":
@@ -95,10 +96,13 @@ class ElasticWorker:
     def heartbeat(self, iteration: int, last: bool = False) -> None:
         """``iteration`` done; ``last``: it was the run's final one (the controller then forks no more
         standby workers: the job is finishing)."""
+        self._beat(f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n")
+
+    def _beat(self, text: str) -> None:
         if not self.heartbeat_file:
             return
         tmp = f"{self.heartbeat_file}.tmp"
-        line = f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n".encode()
+        line = text.encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(tmp, flags, 0o600)   # never through a link: the folder is ours alone, but check

@@ -123,7 +123,7 @@ def test_two_failures_in_a_row_second_during_a_save(tmp_path):
 def test_sigstopped_worker_is_a_hang_and_is_dropped(tmp_path):
     iters, hang = 9, 4.0
     job = Job(tmp_path, nproc=2, iters=iters, save_interval=2, ctl_args=["--on-failure", "shrink", "--hang-timeout",
-                                                                         str(hang)])
+                                                                         str(hang), "--startup-timeout", "300"])
     try:
         job.wait_for(lambda r: last_iteration(r) >= 3, what="iteration 3")
         t_stop = time.time()

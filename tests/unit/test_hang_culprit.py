@@ -27,10 +27,13 @@ def two_workers():
             p.wait()
 
 
-def _observe(procs, beats, hang_timeout=4.0):
+def _observe(procs, beats, hang_timeout=4.0, startup_timeout=None, iteration=7):
+    """``beats``: each worker's newest heartbeat time; ``iteration`` None: they are the records of
+    hooks that attached, no iteration done yet."""
     handlers = {lr: SimpleNamespace(proc=p) for lr, p in enumerate(procs)}
-    agent = SimpleNamespace(_handlers=lambda: handlers, _heartbeat=lambda lr: (beats[lr], None),
-                            cfg=SimpleNamespace(hang_timeout=hang_timeout), _stopping=None, devices=[0, 1])
+    agent = SimpleNamespace(_handlers=lambda: handlers, _heartbeat=lambda lr: (beats[lr], iteration),
+                            cfg=SimpleNamespace(hang_timeout=hang_timeout, startup_timeout=startup_timeout),
+                            _stopping=None, devices=[0, 1])
     wg = SimpleNamespace(workers=[SimpleNamespace(global_rank=lr) for lr in range(len(procs))])
     return ElastorAgent._observe(agent, wg)
 
@@ -68,3 +71,18 @@ def test_a_hang_with_nothing_stopped_names_no_culprit(two_workers):
     outs = _observe(two_workers, {0: now - 5.0, 1: now - 3.0})
     assert [(o.local_rank, o.hung, o.stopped) for o in outs] == [(0, True, False), (1, False, False)]
     assert culprits(outs) == []
+
+
+def test_before_the_first_iteration_the_startup_timeout_applies(two_workers):
+    """A worker whose hooks attached 5 s ago and that has done no iteration: hung under a 4 s
+    start-up allowance, not under 10 s, whatever --hang-timeout says; without a record (no hooks,
+    or not attached yet) never."""
+    now = time.time()
+    outs = _observe(two_workers, {0: now - 5.0, 1: now - 0.5}, hang_timeout=1.0, startup_timeout=4.0, iteration=None)
+    assert [(o.local_rank, o.hung) for o in outs] == [(0, True), (1, False)]
+    outs = _observe(two_workers, {0: now - 5.0, 1: now - 0.5}, hang_timeout=1.0, startup_timeout=10.0, iteration=None)
+    assert [o.hung for o in outs] == [False, False]
+    outs = _observe(two_workers, {0: now - 5.0, 1: now - 0.5}, hang_timeout=1.0, startup_timeout=None, iteration=None)
+    assert [o.hung for o in outs] == [False, False]
+    outs = _observe(two_workers, {0: None, 1: None}, hang_timeout=1.0, startup_timeout=0.1, iteration=None)
+    assert [o.hung for o in outs] == [False, False]
