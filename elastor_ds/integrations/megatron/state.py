@@ -4,7 +4,9 @@ Every local parameter is matched to its :class:`TensorSpec` by global name; the 
 the pieces of the canonical tensor the rank holds (:func:`rank_tensors`), and a local shape that
 differs from the rule's is an error (it means megatron and the rule disagree). Optimizer state is
 saved per parameter under ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` with the
-parameter's pieces, plus the scalar ``optimizer.step``; so it reshards exactly like the weights.
+parameter's pieces (and ``optimizer.max_exp_avg_sq.<name>`` for a group with ``amsgrad``), plus the
+scalar ``optimizer.step``; so it reshards exactly like the weights. A parameter outside every
+parameter group of the optimizer (a frozen one) is saved as weights only.
 
 Vocabulary padding rows are not saved; on load they are zero-filled (weights and moments).
 """
@@ -73,6 +75,14 @@ def _zero_padding(spec: TensorSpec, pieces, t: torch.Tensor) -> None:
         t[used:].zero_()
 
 
+AMSGRAD_MOMENT = "max_exp_avg_sq"   # Adam(amsgrad=True)'s running maximum of exp_avg_sq
+
+
+def _moments(group: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-element Adam state of a parameter group's parameters."""
+    return MOMENTS + ((AMSGRAD_MOMENT,) if group.get("amsgrad") else ())
+
+
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Create zero Adam state (step 0) for parameters that have none yet, so it can be loaded into."""
     for group in optimizer.param_groups:
@@ -80,8 +90,8 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
             st = optimizer.state[p]
             if not st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for m in _moments(group):
+                    st[m] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
@@ -98,12 +108,16 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
     if for_load:
         ensure_adam_state(optimizer)
     step_t: Optional[torch.Tensor] = None
+    group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
     for spec, h, p in plan:
+        group = group_of.get(id(p))
+        if group is None:   # not optimized (frozen): its weights only, as torch's optimizer keeps nothing for it
+            continue
         st = optimizer.state.get(p)
         if not st:
             raise ShardingError(f"optimizer has no state for {spec.name}: take one optimizer step or call "
                                 f"ensure_adam_state(optimizer) before saving")
-        for m in MOMENTS:
+        for m in _moments(group):
             if m not in st:
                 raise ShardingError(f"optimizer state of {spec.name} has no {m!r} (keys {sorted(st)}); only "
                                     f"Adam/AdamW state is supported")
