@@ -185,6 +185,21 @@ def model_shards(engine: Any) -> list[TensorShard]:
     return out
 
 
+def per_element(v: Any, sp: torch.Tensor) -> bool:
+    """Whether the optimizer state value ``v`` of the state tensor ``sp`` holds one value per element
+    of it (Adam's moments): decided by shape, not size (a one-element parameter's moments are
+    per-element, a 0-dim ``step`` is not, whatever their sizes)."""
+    return isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(sp.shape)
+
+
+def is_state_scalar(v: Any, sp: torch.Tensor) -> bool:
+    """Whether ``v`` is a scalar optimizer state of ``sp`` (Adam's ``step``): a one-element tensor
+    that is not per-element (0-dim in torch's optimizers), or a python number."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not per_element(v, sp)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
@@ -226,7 +241,7 @@ def state_fingerprint(engine: Any) -> tuple:
         for p in g["params"]:
             key.append((id(p), _tensor_key(p.data)))
             for k, v in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-                key.append((k, _tensor_key(v) if isinstance(v, torch.Tensor) and v.numel() > 1 else None))
+                key.append((k, _tensor_key(v) if per_element(v, p) else None))
     return tuple(key)
 
 
@@ -275,10 +290,8 @@ def optimizer_shards(engine: Any, state_keys: Optional[Iterable[str]] = None,
                     if k not in st:
                         st[k] = torch.zeros_like(sp.data, memory_format=torch.preserve_format)
             for k in sorted(st):
-                v = st[k]
-                per_element = isinstance(v, torch.Tensor) and v.numel() == sp.numel()
-                if per_element and (v.numel() > 1 or (state_keys is not None and k in state_keys)):
-                    out.extend(mk(k, v))
+                if per_element(st[k], sp):
+                    out.extend(mk(k, st[k]))
     return out
 
 
@@ -297,12 +310,17 @@ def optimizer_scalars(engine: Any, groups: Optional[list] = None) -> list[dict[s
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.base_group.items()
                  if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
         scalars: dict[str, Any] = {}
-        for sp in g.state_params[:1]:
+        # the first state param with state (one that never had a gradient has none)
+        for sp in [sp for sp in g.state_params if opt.state.get(sp)][:1]:
             for k, v in opt.state[sp].items():
-                if isinstance(v, torch.Tensor) and v.numel() == 1 and sp.numel() != 1:
+                if not is_state_scalar(v, sp):
+                    continue
+                if isinstance(v, torch.Tensor):
                     # a CUDA step count is read by the engine's writer, not here (no device sync per snapshot)
                     scalars[k] = {"value": scalar(v), "tensor": True, "dtype": str(v.dtype).replace("torch.", "")}
-                elif isinstance(v, (int, float)):
+                    if v.dim():
+                        scalars[k]["shape"] = list(v.shape)
+                else:
                     scalars[k] = {"value": v, "tensor": False}
         out.append({"hyper": hyper, "scalars": scalars})
     return out
@@ -324,7 +342,7 @@ def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> None:
             for k, d in s["scalars"].items():
                 if d["tensor"]:
                     st[k] = torch.tensor(d["value"], dtype=getattr(torch, d.get("dtype", "float32")),
-                                         device=sp.device if k != "step" else "cpu")
+                                         device=sp.device if k != "step" else "cpu").reshape(d.get("shape", ()))
                 else:
                     st[k] = d["value"]
 
