@@ -64,7 +64,9 @@ class Collected:
 
 @runtime_checkable
 class TrainerState(Protocol):
-    """The trainer's side of a :class:`CheckpointSession`."""
+    """The trainer's side of a :class:`CheckpointSession`. Optional, beside these methods:
+    ``for_storage(collected) -> Collected``, what a storage save writes of a collection (the trainer's
+    own flags may leave state out of its checkpoints; memory snapshots, for recovery, keep all of it)."""
 
     def step(self) -> int:
         """The optimizer step just completed (the step a save now would carry)."""
@@ -252,6 +254,9 @@ class CheckpointSession:
     def save(self, collected: Optional[Collected] = None) -> SaveStats:
         """Collective: save the current step to storage now (asynchronously when configured)."""
         got = collected or self._collect()
+        trim = getattr(self.state, "for_storage", None)
+        if trim is not None:   # what the trainer's own flags leave out of storage (memory snapshots keep all)
+            got = trim(got)
         step = int(self.state.step())
         stats = self.ckpt.save(step, got.shards, extra=got.extra, rank_state=got.rank_state, model=got.model,
                                layout=self.layout.to_json())

@@ -267,6 +267,21 @@ def _worker(rank: int, world: int, root: str) -> None:
     th.save_checkpoint(7, [m], opt, _Sched(7), 1.0, args, non_persistent_ckpt=True)
     th.save_checkpoint(8, [m], None, _Sched(8), 1.0, args)  # no optimizer state in this one
     th.finalize()
+    th.reset()
+    # Megatron-LM's --no-save-optim --no-save-rng: the same step without optimizer, scheduler, RNG
+    a9 = argparse.Namespace(**vars(args))
+    a9.save, a9.no_save_optim, a9.no_save_rng = os.path.join(root, "ck9"), True, True
+    th.save_checkpoint(9, [m], opt, _Sched(9), 1.0, a9)
+    th.finalize()
+    th.reset()
+    if rank == 0:
+        from elastor_ds.checkpoint import commit as commit_mod
+        man = commit_mod.read_manifest(os.path.join(root, "ck9", "step_000000009"))
+        states = [json.load(open(os.path.join(root, "ck9", "step_000000009", f)))
+                  for f in man.rank_state_files.values()]
+        out["no_save"] = [sorted(n for n in man.tensors if n.startswith("optimizer.")), man.extra.get("optimizer_state"),
+                          man.extra.get("opt_param_scheduler"), sorted({k for st in states for k in st}),
+                          "embedding.word_embeddings.weight" in man.tensors]
     if rank == 0:
         to_consolidated(os.path.join(ck, "step_000000005"), os.path.join(root, "c1"), progress=False)
         opt_t = load_file(os.path.join(root, "c1", "optimizer.safetensors"))
@@ -350,6 +365,7 @@ def test_distributed_optimizer_state_reshards_and_missing_state_paths(tmp_path):
     assert r["no_opt_state"] == [8, 8, True]  # scheduler restored, main params = loaded weights
     assert r["no_load_optim"] == [5, 0, True]
     assert r["pretrained"] == [0, True, True]
+    assert r["no_save"] == [[], False, None, [], True]   # weights only, no RNG: as Megatron-LM writes with those flags
 
 
 def test_converter_vocab_from_a_null_tokenizer_run():

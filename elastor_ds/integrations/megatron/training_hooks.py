@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -794,6 +794,20 @@ class MegatronState:
             "non_persistent": bool(self.non_persistent),
         }
         return Collected(shards=shards, extra=extra, rank_state=_rng_state(), model=cfg.to_json())
+
+    def for_storage(self, got: Collected) -> Collected:
+        """Megatron-LM's ``--no-save-optim`` (no optimizer state, no scheduler) and ``--no-save-rng``
+        (no RNG states) for the checkpoints under ``--save``; memory snapshots keep everything, since a
+        recovery resumes training."""
+        args = self.args
+        no_optim, no_rng = bool(getattr(args, "no_save_optim", False)), bool(getattr(args, "no_save_rng", False))
+        if not (no_optim or no_rng):
+            return got
+        shards, extra = got.shards, got.extra
+        if no_optim:
+            shards = [sh for sh in shards if not sh.name.startswith("optimizer.")]
+            extra = dict(extra, optimizer_state=False, opt_param_scheduler=None, grad_scaler=None)
+        return replace(got, shards=shards, extra=extra, rank_state={} if no_rng else got.rank_state)
 
     def shards_for(self, m: Any) -> list:
         """This rank's shards for the checkpoint the engine loads (no collectives: runs per candidate)."""
