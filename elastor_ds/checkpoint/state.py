@@ -145,16 +145,85 @@ def _float(v: float) -> Any:
 
 
 def from_jsonable(obj: Any) -> Any:
-    """``obj`` as read back from a checkpoint's JSON, with what :func:`to_jsonable` and
-    :func:`tensors_to_json` tagged restored: non-finite floats, tensors. A malformed tagged tensor
-    is a :class:`~elastor_ds.errors.CorruptCheckpointError`."""
+    """``obj`` as read back from a checkpoint's JSON, with what :func:`to_jsonable`,
+    :func:`tensors_to_json` and :func:`typed_to_json` tagged restored: non-finite floats, tensors,
+    tuples, dicts with keys other than strings. A malformed tagged value is a
+    :class:`~elastor_ds.errors.CorruptCheckpointError`."""
     def node(x: Any) -> Any:
         if not isinstance(x, dict) or len(x) != 1:
             return _KEEP
         if x.get(NONFINITE) in ("inf", "-inf", "nan"):
             return float(x[NONFINITE])
+        if TUPLE in x and isinstance(x[TUPLE], list):
+            return tuple(_rebuild(v, node) for v in x[TUPLE])
+        if DICT in x and isinstance(x[DICT], list):
+            return _dict_from_json(x[DICT], node)
         return _tensor_from_json(x[TENSOR]) if TENSOR in x else _KEEP
     return _rebuild(obj, node)
+
+
+#: a tuple in JSON: ``{TUPLE: [items]}`` (JSON has lists only; ``(2, 3)`` came back ``[2, 3]``)
+TUPLE = "__elastor_tuple__"
+#: a dict with a key that is not a string: ``{DICT: [[key, value], ...]}`` (JSON keys are strings:
+#: MultiStepLR's milestones ``{5: 1}`` came back ``{"5": 1}``, and the LR never decayed)
+DICT = "__elastor_dict__"
+
+
+def _dict_from_json(pairs: list, node: Any) -> dict:
+    from ..errors import CorruptCheckpointError
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise CorruptCheckpointError(f"a malformed dict in the checkpoint's JSON state: {str(pair)[:120]}")
+        k = _rebuild(pair[0], node)
+        try:
+            out[k] = _rebuild(pair[1], node)
+        except TypeError:
+            raise CorruptCheckpointError(f"a dict key of type {type(k).__name__} in the checkpoint's JSON state "
+                                         f"cannot be a key") from None
+    return out
+
+
+def typed_to_json(obj: Any) -> Any:
+    """``obj`` with its tuples and its dicts with keys other than strings replaced by tagged forms
+    (:data:`TUPLE`, :data:`DICT`), so that ``from_jsonable(json(to_jsonable(...)))`` gives them back
+    as they were (DeepSpeed pickles an LR scheduler's state and a ``client_state``: ``{0: 4.1}`` and
+    ``(2, 3)`` come back as such). Other values are left to :func:`to_jsonable`."""
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: typed_to_json(v) for k, v in obj.items()}
+        return {DICT: [[typed_to_json(k), typed_to_json(v)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {TUPLE: [typed_to_json(v) for v in obj]}
+    if isinstance(obj, list):
+        return [typed_to_json(v) for v in obj]
+    return obj
+
+
+def like(saved: Any, live: Any) -> Any:
+    """``saved`` (read back from JSON) given the container types of ``live`` (what the object being
+    restored holds now), for a checkpoint written before :func:`typed_to_json`: string keys that
+    name ``live``'s keys become those keys (``"5"`` -> ``5``; any digit string where all of
+    ``live``'s keys are integers), lists where ``live`` has tuples become
+    tuples, a plain dict where ``live`` has a ``Counter``/``OrderedDict`` becomes one."""
+    import collections
+    if isinstance(saved, dict) and isinstance(live, dict):
+        keys = {str(k): k for k in live if not isinstance(k, str)}
+        # integer keys (milestones at other steps than the live object's): digit strings are integers
+        ints = bool(live) and all(type(k) is int for k in live)
+        out = {}
+        for k, v in saved.items():
+            lk = keys.get(k, k) if isinstance(k, str) else k
+            if ints and isinstance(lk, str) and lk.lstrip("-").isdigit():
+                lk = int(lk)
+            out[lk] = like(v, live[lk]) if lk in live else v
+        if type(live) in (collections.Counter, collections.OrderedDict) and type(out) is dict:
+            out = type(live)(out)
+        return out
+    if isinstance(saved, list) and isinstance(live, (list, tuple)):
+        items = [like(v, live[i]) if i < len(live) else v for i, v in enumerate(saved)]
+        return tuple(items) if isinstance(live, tuple) else items
+    return saved
 
 
 #: a tensor kept as a tensor in JSON (a DeepSpeed ``client_state``): ``{TENSOR: {"dtype", "shape", "data"}}``

@@ -110,3 +110,109 @@ def test_one_element_parameter_keeps_its_adam_moments_under_zero0(tmp_path):
     assert any(v["exp_avg"].shape == (1,) for v in ds.values())    # the oracle holds the bias's moments
     _assert_same_state(res["elastor"], ds)
     assert res["losses"]["b"] == res["losses"]["a"] == res["losses"]["c"]
+
+
+# --- 2. LR scheduler state and client_state keep their types -------------------------------------
+
+def _pipe(num_blocks: int = 1, hidden: int = 16, extra_layers=()):
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.testing import toy_pipe as toy
+    ls = toy.layers(num_blocks=num_blocks, hidden=hidden)
+    ls = [ls[0], *extra_layers, *ls[1:]]
+    return eds.PipelineModule(ls, num_stages=1, loss_fn=toy.loss_fn, boundaries=[0, len(ls)])
+
+
+def _train(engine, n: int, mb: int = 4) -> list[float]:
+    from elastor_ds.testing import toy_pipe as toy
+    it = toy.batches(int(engine.global_steps), 0, 1, engine.gradient_accumulation_steps(), mb)
+    return [float(engine.train_batch(it)) for _ in range(n)]
+
+
+def _types_worker(rank: int, world: int, d: str) -> None:
+    from elastor_ds import deepspeed as eds
+
+    def build(load):
+        m = _pipe()
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        sch = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[5], gamma=0.1)
+        e, _, _, _ = eds.initialize(model=m, optimizer=opt, lr_scheduler=sch,
+                                    config=_cfg(os.path.join(d, "ck_" + os.path.basename(load)), load,
+                                                opt=False, sched=False))
+        return e
+
+    def lrs(e):
+        out = []
+        for _ in range(4):
+            _train(e, 1)
+            out.append(e.get_lr()[0])
+        return out
+
+    cs = {"best_loss_per_epoch": {0: 4.1, 1: 3.9}, "shape": (2, 3), "pairs": [(1, "a"), {(0, 1): None}],
+          "epoch": 1, "best": float("inf")}
+    a = build("none")
+    _train(a, 3)
+    a.save_checkpoint(os.path.join(d, "native"), client_state=cs)
+    a.elastor.finalize()
+    b = build(os.path.join(d, "ck_none"))
+    c = build("none")
+    _, ds_cs = c.load_checkpoint(os.path.join(d, "native"))
+    res = {"client_saved": cs, "client_elastor": b.elastor_client_state(),
+           "client_deepspeed": {k: ds_cs[k] for k in cs},
+           "milestones": {k: (type(e.lr_scheduler.milestones).__name__, dict(e.lr_scheduler.milestones))
+                          for k, e in (("elastor", b), ("deepspeed", c))},
+           "lrs": {k: lrs(e) for k, e in (("a", a), ("b", b), ("c", c))}}
+    for e in (b, c):
+        e.elastor.finalize()
+    torch.save(res, os.path.join(d, "res.pt"))
+
+
+def test_scheduler_and_client_state_keep_their_types(tmp_path):
+    """Before: both went through JSON as is: MultiStepLR's milestones {5: 1} came back {"5": 1} (the
+    LR never dropped at step 5), client_state's {0: 4.1} came back {"0": 4.1} and (2, 3) [2, 3]."""
+    run_world(_types_worker, 1, str(tmp_path), timeout_s=120)
+    res = torch.load(str(tmp_path / "res.pt"), weights_only=False)
+    assert res["client_deepspeed"] == res["client_saved"]        # the oracle keeps them
+    got = res["client_elastor"]
+    assert got == res["client_saved"]
+    assert type(got["shape"]) is tuple and type(got["pairs"][0]) is tuple
+    assert list(got["best_loss_per_epoch"]) == [0, 1] and list(got["pairs"][1]) == [(0, 1)]
+    assert res["milestones"]["elastor"] == res["milestones"]["deepspeed"] == ("Counter", {5: 1})
+    # hand-computed: 1e-2 until step 5, then 1e-3 (steps 4..7 after the resume at 3)
+    assert res["lrs"]["a"] == pytest.approx([1e-2, 1e-3, 1e-3, 1e-3])
+    assert res["lrs"]["b"] == res["lrs"]["a"] == res["lrs"]["c"]
+
+
+def test_type_tags_round_trip_and_old_scheduler_state_still_loads():
+    """The tagged JSON gives every type back; a scheduler state saved by the old encoding (string
+    keys, lists) is still read, with its keys and tuples taken from the live scheduler's."""
+    import collections
+
+    from elastor_ds.checkpoint.state import from_jsonable, like, to_jsonable, typed_to_json
+
+    def through_json(x):
+        return from_jsonable(json.loads(json.dumps(to_jsonable(x))))
+
+    obj = {"a": (1, (2.5, "x")), "b": {0: [1, 2], 1.5: None, True: "t", None: 1, (3, 4): {"k": ()}},
+           "c": [float("inf"), ()], "d": {}}
+    back = through_json(typed_to_json(obj))
+    assert back == obj and type(back["a"]) is tuple and type(back["a"][1]) is tuple
+    assert list(back["b"]) == [0, 1.5, True, None, (3, 4)] and type(back["b"][(3, 4)]["k"]) is tuple
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sch = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sch.step()
+    old = through_json(sch.state_dict())         # what a checkpoint of the old encoding reads back
+    assert old["milestones"] == {"2": 1, "4": 1}
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sch2 = torch.optim.lr_scheduler.MultiStepLR(opt2, milestones=[3], gamma=0.5)   # other milestones now
+    sch2.load_state_dict(like(old, sch2.state_dict()))
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]     # the optimizer's own state (0.5 after step 2)
+    assert sch2.milestones == collections.Counter({2: 1, 4: 1})
+    seen = []
+    for _ in range(2):
+        opt2.step()
+        sch2.step()
+        seen.append(opt2.param_groups[0]["lr"])
+    assert seen == [0.25, 0.25]                  # by hand: halved again at step 4

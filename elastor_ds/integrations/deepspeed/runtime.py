@@ -19,7 +19,7 @@ from typing import Any, Optional
 from ...checkpoint import LoadResult, Manifest
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
-from ...checkpoint.state import capture_rng_state, restore_rng_state, tensors_to_json, to_jsonable
+from ...checkpoint.state import capture_rng_state, like, restore_rng_state, tensors_to_json, to_jsonable, typed_to_json
 from ...errors import ConfigError
 from ...layout import Layout
 from . import overrides, state as st
@@ -125,7 +125,7 @@ class DeepSpeedState:
             "train_batch_size": _global_batch(eng),
             "zero_stage": int(eng.zero_optimization_stage()),
             "optimizer": st.optimizer_scalars(eng, groups),
-            "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler") if sched is not None else None,
+            "lr_scheduler": _jsonable(typed_to_json(sched.state_dict()), "lr_scheduler") if sched is not None else None,
             "client_state": self._client_state_json(),
         }
         import deepspeed
@@ -175,7 +175,8 @@ class DeepSpeedState:
             if eng.lr_scheduler is None:
                 log.warning("checkpoint has LR scheduler state but the engine has no scheduler: ignored")
             else:
-                eng.lr_scheduler.load_state_dict(ex["lr_scheduler"])
+                # like(): a checkpoint written before typed_to_json holds {"5": 1} for MultiStepLR's {5: 1}
+                eng.lr_scheduler.load_state_dict(like(ex["lr_scheduler"], eng.lr_scheduler.state_dict()))
         self.client_state = dict(ex.get("client_state") or {})   # tensors and inf restored by the engine's load
         tbs = ex.get("train_batch_size")
         if tbs is not None and int(tbs) != _global_batch(eng):
@@ -202,9 +203,10 @@ def ElastorCheckpointer(engine: Any, cfg: CheckpointConfig, memory: Optional[Mem
 
 
 def _client_json(state: dict[str, Any]) -> Any:
-    """A ``client_state`` as JSON, its tensors kept as tensors (:func:`tensors_to_json`)."""
+    """A ``client_state`` as JSON, its tensors kept as tensors (:func:`tensors_to_json`), its tuples
+    tuples and its keys of other types than strings as they are (:func:`typed_to_json`)."""
     try:
-        return to_jsonable(tensors_to_json(state, "client_state"), "client_state")
+        return to_jsonable(tensors_to_json(typed_to_json(state), "client_state"), "client_state")
     except TypeError as e:
         raise ConfigError(f"{e} (elastor stores client_state as JSON in the manifest)") from None
 
