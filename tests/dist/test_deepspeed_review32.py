@@ -216,3 +216,95 @@ def test_type_tags_round_trip_and_old_scheduler_state_still_loads():
         sch2.step()
         seen.append(opt2.param_groups[0]["lr"])
     assert seen == [0.25, 0.25]                  # by hand: halved again at step 4
+
+
+# --- 3. buffers: every persistent one (any dtype), no non-persistent one --------------------------
+
+class _BN(torch.nn.Module):
+    """Batch norm with a cumulative average (momentum None): its integer ``num_batches_tracked``
+    weighs every update."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(h, momentum=None)
+
+    def forward(self, x):
+        s = x.shape
+        return self.bn(x.reshape(-1, s[-1])).reshape(s)
+
+
+class _Rope(torch.nn.Module):
+    """A non-persistent buffer derived from the config (as HF Llama's rotary ``inv_freq``)."""
+
+    def __init__(self, h: int, base: float):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, h, 2).float() / h)), persistent=False)
+
+    def forward(self, x):
+        f = torch.outer(torch.arange(x.shape[1]).float(), self.inv_freq)
+        return x + torch.cat([f.sin(), f.cos()], -1)
+
+
+def _buffers_worker(rank: int, world: int, d: str, old_writer: bool) -> None:
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.integrations.deepspeed import state as st
+
+    def build(load, base=10000.0):
+        m = _pipe(extra_layers=[_Rope(16, base), _BN(16)])
+        e, _, _, _ = eds.initialize(model=m, model_parameters=list(m.parameters()),
+                                    config=_cfg(os.path.join(d, f"ck_{os.path.basename(load)}_{base}"), load))
+        return e
+
+    def module_state(e):
+        return {k: v.clone() for k, v in e.module.state_dict().items()}
+
+    a = build("none")
+    _train(a, 3)
+    if old_writer:   # what elastor_ds wrote before: floating buffers only, non-persistent ones too
+        new = st.persistent_buffers
+        st.persistent_buffers = lambda m: [(n, b) for n, b in m.named_buffers() if b.is_floating_point()]
+    a.save_checkpoint(os.path.join(d, "native"))
+    if old_writer:
+        st.persistent_buffers = new
+    a.elastor.finalize()
+    ck = os.path.join(d, "ck_none_10000.0")
+    res: dict = {"saved": module_state(a)}
+    b, c = build(ck), build("none")
+    c.load_checkpoint(os.path.join(d, "native"))
+    res.update(elastor=module_state(b), deepspeed=module_state(c))
+    b2, c2 = build(ck, 500000.0), build("none", 500000.0)   # resumed with another rope base
+    c2.load_checkpoint(os.path.join(d, "native"))
+    res["inv_freq"] = {k: e.module.get_buffer("1.inv_freq").clone() for k, e in (("elastor", b2), ("deepspeed", c2))}
+    res["losses"] = {k: _train(e, 3) for k, e in (("a", a), ("b", b), ("c", c), ("b2", b2), ("c2", c2))}
+    for e in (b, c, b2, c2):
+        e.elastor.finalize()
+    torch.save(res, os.path.join(d, "res.pt"))
+
+
+def test_integer_buffers_saved_and_non_persistent_buffers_left_out(tmp_path):
+    """Before: BatchNorm's num_batches_tracked (int64) was not saved (a resume restarted the
+    cumulative average at 0) and a persistent=False buffer was saved and forced back on load
+    (a resumed run with a new rope base kept the old inv_freq)."""
+    run_world(_buffers_worker, 1, str(tmp_path), False, timeout_s=120)
+    res = torch.load(str(tmp_path / "res.pt"))
+    assert "2.bn.num_batches_tracked" in res["deepspeed"] and "1.inv_freq" not in res["deepspeed"]
+    assert int(res["saved"]["2.bn.num_batches_tracked"]) == 3
+    assert sorted(res["elastor"]) == sorted(res["deepspeed"])
+    for k, v in res["deepspeed"].items():
+        assert res["elastor"][k].dtype == v.dtype and torch.equal(res["elastor"][k], v), k
+    want = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))      # the new config's
+    assert torch.equal(res["inv_freq"]["deepspeed"], want) and torch.equal(res["inv_freq"]["elastor"], want)
+    losses = res["losses"]
+    assert losses["b"] == losses["a"] == losses["c"] and losses["b2"] == losses["c2"] != losses["a"]
+
+
+def test_checkpoint_without_integer_buffers_still_loads(tmp_path):
+    """A checkpoint written before integer buffers were saved (simulated by the old writer's
+    choice of buffers) loads; the integer buffer keeps the module's value (a warning names it)."""
+    run_world(_buffers_worker, 1, str(tmp_path), True, timeout_s=120)
+    res = torch.load(str(tmp_path / "res.pt"))
+    assert int(res["elastor"]["2.bn.num_batches_tracked"]) == 0
+    for k, v in res["deepspeed"].items():
+        if k != "2.bn.num_batches_tracked":
+            assert torch.equal(res["elastor"][k], v), k
+    assert torch.equal(res["inv_freq"]["elastor"], res["inv_freq"]["deepspeed"])

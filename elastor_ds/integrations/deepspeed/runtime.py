@@ -150,6 +150,11 @@ class DeepSpeedState:
         names = set(man.tensors)
         keys = st.state_keys_in(names)
         shards = st.model_shards(eng)
+        old = [sh.name for sh in shards if sh.name not in names and not sh.tensor.is_floating_point()]
+        if old and names:   # written before integer buffers were saved: they keep the module's values
+            log.warning("checkpoint %s has no integer buffers (written by an older elastor_ds): %s keep the "
+                        "module's values", man.step, ", ".join(old[:4]) + (" ..." if len(old) > 4 else ""))
+            shards = [sh for sh in shards if sh.name not in old]
         if any(st.is_optim(n) for n in names) or not names:
             for sh in st.optimizer_shards(eng, state_keys=keys):
                 src = st.master_from_weight_name(sh.name)

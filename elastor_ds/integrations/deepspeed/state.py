@@ -3,7 +3,7 @@
 Maps an engine's memory to :class:`~elastor_ds.checkpoint.shards.TensorShard` s with global,
 partition-independent names, and its scalar state to JSON:
 
-* module weights and buffers: ``<name>``, the module's own parameter name (a ``PipelineModule``
+* module weights and persistent buffers (those ``state_dict()`` holds): ``<name>``, the module's own parameter name (a ``PipelineModule``
   names layer ``i``'s parameters ``"<i>.<param>"`` for the *global* layer index ``i``, and tied
   weights ``"tied_modules.<key>.<param>"``), so it does not depend on the stage boundaries. When
   the module has an ``elastor_geometry`` callable (``(name, local_shape) -> (canonical name, global
@@ -179,9 +179,29 @@ def model_shards(engine: Any) -> list[TensorShard]:
         # detach(), not .data: the same memory and the same version counter, so an in-place change
         # of the parameter is seen by a live write's guard (a .data alias has a counter of its own)
         out.extend(shards_from_pieces(model_name(cname), gshape, p.detach(), pieces))
-    for n, b in engine.module.named_buffers():
-        if b is not None and b.is_floating_point():
-            out.append(full_shard(model_name(n), b))
+    for n, b in persistent_buffers(engine.module):
+        out.append(full_shard(model_name(n), b))
+    return out
+
+
+def _non_persistent(module: torch.nn.Module) -> Any:
+    return getattr(module, "_non_persistent_buffers_set", ())
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``module.state_dict()`` holds, as ``named_buffers()`` names them: every dtype
+    (batch norm's integer ``num_batches_tracked`` too), without those registered with
+    ``persistent=False`` (derived from the config at construction, e.g. a rotary ``inv_freq``:
+    torch and DeepSpeed leave them out of checkpoints, a resume keeps the value the module built)."""
+    out = []
+    seen: set[int] = set()
+    for prefix, m in module.named_modules():
+        skip = _non_persistent(m)
+        for n, b in m._buffers.items():
+            if b is None or n in skip or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{prefix}.{n}" if prefix else n, b))
     return out
 
 
@@ -219,7 +239,7 @@ def _submodules(module: torch.nn.Module) -> tuple:
 
 def state_fingerprint(engine: Any) -> tuple:
     """Everything :func:`model_shards` and :func:`optimizer_shards` depend on that can change while
-    training: each module parameter and floating buffer (identity, memory address, shape, stride,
+    training: each module parameter and persistent buffer (identity, memory address, shape, stride,
     dtype), each optimizer param's and per-parameter state tensor's (by state key), the ZeRO
     partition objects. Equal fingerprints mean the previously built shards still view the right
     memory (a shard's view keeps its storage alive, so a replaced tensor cannot reuse its address)."""
@@ -231,9 +251,10 @@ def state_fingerprint(engine: Any) -> tuple:
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 key.append((id(p), _tensor_key(p.data)))
-    for _, buffers in own:
-        for b in buffers.values():
-            if b is not None and b.is_floating_point() and id(b) not in seen:
+    for m, (_, buffers) in zip(_submodules(engine.module), own):
+        skip = _non_persistent(m)
+        for n, b in buffers.items():
+            if b is not None and n not in skip and id(b) not in seen:
                 seen.add(id(b))
                 key.append((id(b), _tensor_key(b)))
     opt = base_optimizer(engine)
