@@ -56,7 +56,7 @@ from typing import Iterable, Optional
 
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConcurrentWriterError, CorruptCheckpointError,
                       IncompleteCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError)
-from .planning.manifest import MANIFEST_NAME, Manifest
+from .planning.manifest import INT64_MAX, MANIFEST_NAME, Manifest
 from .paths import not_a_checkpoint, read_regular_text, safe_join
 from .fileformat import atomic_write_text, fsync_dir
 
@@ -306,10 +306,15 @@ class StepCommit(AtomicCommit):
     """One step of an elastor checkpoint root (protocol steps 1-4 in the module docstring)."""
 
     def __init__(self, root: str, step: int, tmp_dir: str, latest: LatestPolicy = LatestPolicy.ALWAYS,
-                 sync: bool = True):
+                 sync: bool = True, check: bool = False):
         """``sync``: fsync the manifest, ``latest`` and the directories (durable storage); False on
-        storage that does not outlive the node anyway (tmpfs: the renames are atomic all the same)."""
+        storage that does not outlive the node anyway (tmpfs: the renames are atomic all the same).
+        ``check`` (imports): before the step is renamed into place, its manifest is parsed back as
+        every reader parses it (:func:`read_manifest`), so a commit never produces a step its own
+        readers refuse. Off for saves and memory snapshots (a full parse costs milliseconds every
+        step; their manifests come from live tensors and a validated plan)."""
         self.root, self.step, self.path, self.latest, self.sync = root, int(step), tmp_dir, latest, sync
+        self.check = check
 
     def _write(self, path: str, text: str) -> None:
         atomic_write_text(path, text, sync=self.sync)
@@ -324,14 +329,14 @@ class StepCommit(AtomicCommit):
 
     @classmethod
     def create(cls, root: str, step: int, nonce: Optional[str] = None,
-               latest: LatestPolicy = LatestPolicy.ALWAYS) -> "StepCommit":
+               latest: LatestPolicy = LatestPolicy.ALWAYS, check: bool = False) -> "StepCommit":
         """Make ``root`` (if needed) and a fresh temp dir for ``step`` in it."""
-        if int(step) < 0:
-            raise CheckpointError(f"step {step} is negative")
+        if not 0 <= int(step) <= INT64_MAX:
+            raise CheckpointError(f"step {step} is not in 0..2**63-1 (what a manifest holds)")
         os.makedirs(root, exist_ok=True)
         tmp = os.path.join(root, tmp_dirname(step, nonce or f"{os.getpid()}_{uuid.uuid4().hex[:8]}"))
         os.makedirs(tmp)
-        return cls(root, step, tmp, latest)
+        return cls(root, step, tmp, latest, check=check)
 
     @classmethod
     def adopt(cls, root: str, tmp_dir: str, step: int,
@@ -351,6 +356,12 @@ class StepCommit(AtomicCommit):
             self._write(os.path.join(self.path, MANIFEST_NAME), text if text is not None else manifest.dumps())
         elif not is_committed(self.path):
             raise IncompleteCheckpointError(f"{self.path} has no {MANIFEST_NAME} to commit")
+        if self.check:
+            try:
+                read_manifest(self.path)
+            except CheckpointError as e:
+                raise CheckpointError(f"the step about to be committed under {self.root} would be refused by every "
+                                      f"reader ({e}); nothing was committed") from None
         final = self.final_dir
         try:
             st = os.lstat(final)

@@ -29,7 +29,7 @@ from . import commit as commit_mod
 from .reader import read_shards
 from .paths import check_tensor_name, read_regular_text
 from ..user_json import strict_json
-from .planning.manifest import DTYPE_SIZES, Chunk, FileEntry, Manifest, TensorEntry
+from .planning.manifest import DTYPE_SIZES, INT64_MAX, Chunk, FileEntry, Manifest, TensorEntry
 from .shards import dtype_name, full_shard
 from .fileformat import EntrySpec, build_header, fsync_dir, write_stream
 
@@ -107,6 +107,16 @@ def _write_consolidated(dst: str, step_dir: str, man: Manifest, groups: Mapping[
         out.finalize()
 
 
+def check_import_step(step: int, where: str) -> int:
+    """An imported step as an elastor checkpoint holds it: 0..2**63-1 (what every manifest reader
+    accepts); else :class:`CheckpointError` naming ``where`` (the file or directory it came from)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT64_MAX:
+        shown = str(step) if len(str(step)) <= 40 else str(step)[:40] + "..."
+        raise CheckpointError(f"{where}: step {shown} is not an integer in 0..2**63-1 (an elastor checkpoint's "
+                              f"steps are 64-bit); nothing was imported")
+    return step
+
+
 def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], shapes: Mapping[str, tuple],
                                    dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor],
                                    extra: Optional[Mapping[str, Any]] = None, model: Any = None,
@@ -116,6 +126,7 @@ def write_single_writer_checkpoint(root: str, step: int, names: Sequence[str], s
 
     An import: ``root`` must be absent or empty unless ``force`` (then it must be an elastor root
     without ``step``); ``latest`` only moves forward and no retention runs (``keep`` is ignored)."""
+    check_import_step(step, f"import into {root}")
     commit_mod.check_import_destination(root, step, force)
     for n in names:
         check_tensor_name(n)
@@ -136,7 +147,8 @@ def _write_single(root: str, step: int, names: Sequence[str], shapes: Mapping[st
                   dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor], extra: Optional[Mapping[str, Any]],
                   model: Any, layout: Any, progress: bool) -> str:
     fname = "data_00000.safetensors"
-    with commit_mod.StepCommit.create(root, step, f"import{os.getpid()}", latest=commit_mod.LatestPolicy.FORWARD) as c:
+    with commit_mod.StepCommit.create(root, step, f"import{os.getpid()}", latest=commit_mod.LatestPolicy.FORWARD,
+                                      check=True) as c:
         info, size, crc = _stream_tensors(os.path.join(c.path, fname), names, shapes, dtypes, get, progress)
         fsync_dir(c.path)
         tensors = {}
@@ -208,6 +220,7 @@ def _read_metadata(src: str) -> dict:
     step = meta.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{p}: step {step!r} is not a non-negative integer")
+    check_import_step(step, p)
     for k in ("extra", "model", "layout"):
         if meta.get(k) is not None and not isinstance(meta[k], dict):
             raise CheckpointError(f"{p}: {k!r} holds a {type(meta[k]).__name__}, expected a JSON object or null")

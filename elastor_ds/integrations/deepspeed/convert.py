@@ -33,6 +33,7 @@ import torch
 
 from ...checkpoint.state import from_jsonable, tensors_to_json
 from ...checkpoint import commit as commit_mod
+from ...checkpoint.convert import check_import_step
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.paths import check_tensor_name, read_regular_text, safe_join
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
@@ -231,6 +232,7 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
         if s.tensor.dtype != torch.float32 and st.is_optim(s.name):
             s.tensor = s.tensor.float()
     step = int(extra["global_steps"])
+    check_import_step(step, step_dir)
     commit_mod.check_import_destination(dst, step, force)
     # the engine commits into a private staging root inside the destination; its step dir then
     # becomes this import's step through one StepCommit (latest forward only, no retention)

@@ -43,7 +43,7 @@ import torch
 
 from ...checkpoint.state import from_jsonable
 from ...checkpoint import commit as commit_mod
-from ...checkpoint.convert import write_single_writer_checkpoint
+from ...checkpoint.convert import check_import_step, write_single_writer_checkpoint
 from ...checkpoint.reader import read_shards
 from ...checkpoint.paths import read_regular_text, safe_join
 from ...checkpoint.shards import dtype_name, full_shard
@@ -95,12 +95,12 @@ def _resolve_iter_dir(src: str) -> tuple[str, int]:
                                   f"dir itself") from None
         if text == "release":
             return safe_join(src, "release", what=TRACKER), 0
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise CheckpointError(f"{tracker} holds {text[:80]!r}: expected an iteration number or 'release'")
-        it = int(text)
+        it = check_import_step(int(text), tracker)
         return safe_join(src, f"iter_{it:07d}", what=TRACKER), it
     m = re.search(r"iter_(\d+)$", src.rstrip("/"))
-    return src, int(m.group(1)) if m else 0
+    return src, check_import_step(int(m.group(1)), src) if m else 0
 
 
 def detect_format(src: str) -> str:

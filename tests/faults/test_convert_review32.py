@@ -1,0 +1,160 @@
+"""Review 32 of the checkpoint CLI: imports that committed a step no reader accepts, a FIFO that
+hung an import, a full disk that printed a traceback, Adam hyperparameters lost on export,
+terminal escapes in messages, world-readable exports, temp names that collide in containers, a
+concurrent --force import deleting another's step, leftovers of a killed import, verify missing a
+block-CRC table that disagrees with its data. Real files, the CLI in subprocesses as a user runs
+it; the oracles read the files directly (json, torch.load, os.stat), not through the code tested."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INT64_MAX = 2 ** 63 - 1
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def elastor(*argv: str, timeout: float = 180, env_extra: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def assert_one_line_failure(p: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.startswith(("ERROR", "elastor", "error", "CORRUPT"))]
+    assert len(lines) == 1, p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def tree_hash(path: str) -> str:
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(path)):
+        dirs.sort()
+        for f in sorted(files):
+            h.update(os.path.join(d, f).encode())
+            h.update(open(os.path.join(d, f), "rb").read())
+    return h.hexdigest()
+
+
+def consolidated(path, step=None, n=4096) -> str:
+    """A consolidated directory as a user hands one over (safetensors + metadata JSON)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({"w": torch.arange(n, dtype=torch.float32), "v": torch.ones(3, 5)}, os.path.join(path, "model.safetensors"))
+    if step is not None:
+        with open(os.path.join(path, "elastor_metadata.json"), "w") as f:
+            f.write('{"step": %d}' % step)
+    return str(path)
+
+
+def tiny_cfg():
+    from elastor_ds.integrations.megatron.specs import GPTSpecConfig
+    return GPTSpecConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, vocab_size=50,
+                         ffn_hidden_size=24, gated_linear_unit=True, make_vocab_size_divisible_by=4,
+                         max_sequence_length=8)
+
+
+def gpt_checkpoint(root: str, step: int = 6, hyper: list | None = None, adam: dict | None = None) -> str:
+    """An elastor checkpoint of a tiny megatron-core GPT with Adam moments, written as the DeepSpeed
+    integration records its optimizer (``extra["optimizer"][i]["hyper"]``)."""
+    from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
+    from elastor_ds.integrations.megatron.specs import gpt_tensor_specs
+    cfg = tiny_cfg()
+    g = torch.Generator().manual_seed(0)
+    full = {}
+    for s in gpt_tensor_specs(cfg):
+        full[s.name] = torch.randn(s.shape, generator=g)
+        full[f"optimizer.exp_avg.{s.name}"] = torch.randn(s.shape, generator=g)
+        full[f"optimizer.exp_avg_sq.{s.name}"] = torch.rand(s.shape, generator=g)
+    extra: dict = {}
+    if hyper is not None:
+        extra["optimizer"] = [{"hyper": h, "scalars": {"step": {"value": float(step), "tensor": True,
+                                                               "dtype": "float32"}}} for h in hyper]
+    if adam is not None:
+        extra["adam"] = adam
+    write_single_writer_checkpoint(root, step, sorted(full), {n: t.shape for n, t in full.items()},
+                                   {n: "float32" for n in full}, full.__getitem__, extra=extra,
+                                   model=cfg.to_json(), progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    return gpt_checkpoint(str(tmp_path_factory.mktemp("gpt") / "el"))
+
+
+@pytest.fixture(scope="module")
+def meg_legacy(tmp_path_factory, gpt):
+    out = str(tmp_path_factory.mktemp("meg") / "legacy")
+    p = elastor("convert", gpt, out, "--to", "megatron", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+# ---------------------------------------------------------------------------------- 1: step bounds
+def test_an_import_never_commits_a_step_above_int64_nor_moves_latest_to_it(tmp_path):
+    """elastor_metadata.json with step 2**63: the import committed step_9223372036854775808, exit 0,
+    and with --force moved the root's ``latest`` onto it; every reader then refused the root."""
+    root = str(tmp_path / "root")
+    assert elastor("convert", consolidated(tmp_path / "c7", 7), root, "--from", "consolidated",
+                   "--no-progress").returncode == 0
+    before = tree_hash(root)
+    for step in (2 ** 63, 10 ** 30):
+        src = consolidated(tmp_path / f"c{step}", step)
+        line = assert_one_line_failure(elastor("convert", src, root, "--from", "consolidated", "--force",
+                                               "--no-progress"), 1, "elastor_metadata.json", "2**63-1")
+        assert str(step)[:20] in line
+        assert tree_hash(root) == before
+        assert open(os.path.join(root, "latest")).read().strip() == "step_000000007"
+        new = str(tmp_path / f"new{step}")
+        assert_one_line_failure(elastor("convert", src, new, "--from", "consolidated", "--no-progress"), 1, "2**63-1")
+        assert not os.path.lexists(new)
+    # the largest step a manifest holds is still imported, and read back by verify
+    src = consolidated(tmp_path / "cmax", INT64_MAX)
+    p = elastor("convert", src, root, "--from", "consolidated", "--force", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert open(os.path.join(root, "latest")).read().strip() == f"step_{INT64_MAX}"
+    assert json.load(open(os.path.join(root, f"step_{INT64_MAX}", "manifest.json")))["step"] == INT64_MAX
+    assert elastor("verify", root).returncode == 0
+
+
+def test_a_megatron_iteration_above_int64_is_refused(tmp_path, meg_legacy):
+    src = str(tmp_path / "meg")
+    import shutil
+    shutil.copytree(meg_legacy, src)
+    it = next(n for n in os.listdir(src) if n.startswith("iter_"))
+    os.rename(os.path.join(src, it), os.path.join(src, "iter_99999999999999999999999"))
+    with open(os.path.join(src, TRACKER), "w") as f:
+        f.write("99999999999999999999999")
+    dst = str(tmp_path / "out")
+    assert_one_line_failure(elastor("convert", src, dst, "--from", "megatron", "--no-progress"), 1, TRACKER, "2**63-1")
+    assert not os.path.lexists(dst)
+    # the iteration dir given directly: its name is the step
+    assert_one_line_failure(elastor("convert", os.path.join(src, "iter_99999999999999999999999"), dst, "--from",
+                                    "megatron", "--no-progress"), 1, "2**63-1")
+    assert not os.path.lexists(dst)
+
+
+def test_a_commit_with_check_parses_its_manifest_back_before_the_rename(tmp_path):
+    """Imports commit with ``check``: a manifest the readers refuse (here a tensor name with a
+    control character, which the schema refuses) is never renamed into place."""
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.checkpoint.planning.manifest import Manifest
+    from elastor_ds.errors import CheckpointError
+    root = str(tmp_path / "root")
+    c = commit_mod.StepCommit.create(root, 4, latest=commit_mod.LatestPolicy.FORWARD, check=True)
+    with pytest.raises(CheckpointError, match="refused by every reader"):
+        with c:
+            c.finalize(Manifest(step=4, tensors={}, files={}, layout=None, model=None, extra={}, world_size=1,
+                                created_unix=1.0, rank_state_files={0: "rank_state/\x1b[31m.json"}))
+    assert os.listdir(root) == []
