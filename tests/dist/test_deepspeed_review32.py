@@ -308,3 +308,48 @@ def test_checkpoint_without_integer_buffers_still_loads(tmp_path):
         if k != "2.bn.num_batches_tracked":
             assert torch.equal(res["elastor"][k], v), k
     assert torch.equal(res["inv_freq"]["elastor"], res["inv_freq"]["deepspeed"])
+
+
+# --- 4. a plain engine with gradient accumulation saves at optimizer steps -------------------------
+
+def _gas_worker(rank: int, world: int, d: str, gas: int) -> None:
+    from elastor_ds import deepspeed as eds
+
+    def build(ck, load, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        e, _, _, _ = eds.initialize(model=model, model_parameters=list(model.parameters()),
+                                    config=_cfg(ck, load, gas=gas, sched=False, **kw))
+        return e
+
+    ck = os.path.join(d, "ck")
+    a = build(ck, "none", interval_steps=2)
+    losses = _plain_steps(a, 4, 1)                       # 4 optimizer steps, 4 * gas micro-batches
+    a.elastor.finalize()
+    committed = sorted(n for n in os.listdir(ck) if n.startswith("step_"))
+    # resume from step 2: the micro-batches of steps 3 and 4 (the stream from its start, past steps 1-2)
+    b = build(os.path.join(d, "ck_b"), os.path.join(ck, "step_000000002"))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2 * gas):
+        torch.randn(4, 8, generator=g)
+    resumed = []
+    for _ in range(2 * gas):
+        loss = b(torch.randn(4, 8, generator=g)).pow(2).mean()
+        b.backward(loss)
+        b.step()
+        resumed.append(float(loss))
+    b.elastor.finalize()
+    with open(os.path.join(d, "res.json"), "w") as f:
+        json.dump({"committed": committed, "losses": losses, "resumed": resumed, "start": 2}, f)
+
+
+@pytest.mark.parametrize("gas", [2, 3])
+def test_plain_engine_with_gradient_accumulation_saves_at_optimizer_steps(tmp_path, gas):
+    """Before: step()'s hook asked is_gradient_accumulation_boundary() after DeepSpeed had advanced
+    micro_steps, i.e. about the next micro-batch: with interval_steps 2 a save landed one
+    micro-batch before step 3's optimizer step (mid-accumulation, named step 2) and step 4 was
+    never saved."""
+    run_world(_gas_worker, 1, str(tmp_path), gas, timeout_s=120)
+    res = json.load(open(tmp_path / "res.json"))
+    assert res["committed"] == ["step_000000002", "step_000000004"]     # interval_steps 2, 4 steps
+    assert res["resumed"] == res["losses"][2 * gas:]

@@ -40,8 +40,11 @@ class ElastorEngineMixin:
         return loss
 
     def step(self, *args: Any, **kwargs: Any):  # DeepSpeedEngine (non-pipeline)
+        # an optimizer step happened iff global_steps moved: is_gradient_accumulation_boundary() asked
+        # afterwards answers for the *next* micro-step (step() has advanced micro_steps already)
+        before = int(self.global_steps)  # type: ignore[attr-defined]
         out = super().step(*args, **kwargs)  # type: ignore[misc]
-        if self.elastor is not None and self.is_gradient_accumulation_boundary():  # type: ignore[attr-defined]
+        if self.elastor is not None and int(self.global_steps) != before:  # type: ignore[attr-defined]
             self.elastor.maybe_save()
         return out
 
