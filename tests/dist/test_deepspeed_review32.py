@@ -353,3 +353,48 @@ def test_plain_engine_with_gradient_accumulation_saves_at_optimizer_steps(tmp_pa
     res = json.load(open(tmp_path / "res.json"))
     assert res["committed"] == ["step_000000002", "step_000000004"]     # interval_steps 2, 4 steps
     assert res["resumed"] == res["losses"][2 * gas:]
+
+
+# --- 5. an unsupported optimizer wrapper is refused at initialize -----------------------------------
+
+def _wrapper_worker(rank: int, world: int, d: str) -> None:
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.errors import ConfigError
+
+    def attempt(name, pipe, zero, extra, elastor=True):
+        model = _pipe() if pipe else torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        c = _cfg(os.path.join(d, "ck_" + name), "none", zero=zero, sched=False, interval_steps=1)
+        c.update(extra)
+        if not elastor:
+            del c["elastor"]
+        try:
+            e, _, _, _ = eds.initialize(model=model, model_parameters=list(model.parameters()), config=c)
+        except ConfigError as err:
+            return {"refused": str(err), "dir": os.path.exists(os.path.join(d, "ck_" + name))}
+        out = {"accepted": type(e.optimizer).__name__}
+        if e.elastor is not None:
+            e.elastor.finalize()
+        return out
+
+    res = {"bf16_zero0": attempt("bf16_zero0", True, 0, {"bf16": {"enabled": True}}),
+           "zero3": attempt("zero3", False, 3, {}),
+           "bf16_zero0_no_ckpt": attempt("bf16_zero0_no_ckpt", True, 0, {"bf16": {"enabled": True}}, elastor=False),
+           "bf16_zero1": attempt("bf16_zero1", True, 1, {"bf16": {"enabled": True}})}
+    with open(os.path.join(d, "res.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_unsupported_optimizer_wrapper_refused_at_initialize(tmp_path):
+    """Before: bf16 + ZeRO-0 (DeepSpeed's BF16_Optimizer) and ZeRO-3 were accepted by initialize and
+    refused at the first periodic save, possibly hours later. Now initialize refuses them, naming a
+    fix that fits the precision; without an elastor checkpoint nothing changes, and bf16 + ZeRO-1
+    (the fix named) is accepted."""
+    run_world(_wrapper_worker, 1, str(tmp_path), timeout_s=120)
+    res = json.load(open(tmp_path / "res.json"))
+    msg = res["bf16_zero0"].get("refused", "")
+    assert "BF16_Optimizer" in msg and "bf16 + ZeRO-1 is supported" in msg and '"stage": 1' in msg, res
+    assert not res["bf16_zero0"]["dir"]
+    msg = res["zero3"].get("refused", "")
+    assert "ZeRO stage 1 or 2" in msg and "fp32 + ZeRO-1 is supported" in msg, res
+    assert res["bf16_zero0_no_ckpt"] == {"accepted": "BF16_Optimizer"}
+    assert res["bf16_zero1"] == {"accepted": "DeepSpeedZeroOptimizer"}

@@ -178,6 +178,8 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     engine.elastor = None
     _check_plan(engine, ecfg)
     if ecfg.checkpoint is not None:
+        from .state import check_optimizer
+        check_optimizer(engine)   # an unsupported wrapper is refused now, not at the first save
         engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
         if ecfg.checkpoint.load != "none":
             try:

@@ -13,7 +13,7 @@ The DeepSpeed adapter reaches into DeepSpeed (and a few torch internals) in thes
   (:func:`reclass`);
 * the checkpoint state mapping (:mod:`.state`): the ZeRO-1/2 optimizer's flat-partition bookkeeping
   (:func:`zero_flat_groups`) and ``torch.nn.Module``'s own ``_parameters``/``_buffers``
-  (:func:`own_tensors`);
+  (:func:`own_tensors`) and ``_non_persistent_buffers_set`` (:func:`non_persistent_buffers`);
 * CPU hardening (:mod:`.compat`): DeepSpeed's ``__compatible_ops__`` (:func:`disable_op`) and
   torch c10d's default process-group timeouts (:func:`bound_default_pg_timeouts`).
 
@@ -98,7 +98,7 @@ TABLE: tuple[Override, ...] = (
         "ElastorEngineMixin.save_checkpoint mirrors this signature and calls it",
         "save_dir, tag, client_state, save_latest, exclude_frozen_parameters", direct=(_API,)),
     _ds("deepspeed.runtime.engine:DeepSpeedEngine.step", Kind.WRAP, (_API,),
-        "ElastorEngineMixin.step saves after a gradient-accumulation boundary", "lr_kwargs", direct=(_API,)),
+        "ElastorEngineMixin.step saves after an optimizer step (global_steps moved across it)", "lr_kwargs", direct=(_API,)),
     # --- ZeRO-1/2 flat partitions (state.py)
     _ds(_ZERO + "single_partition_of_fp32_groups", Kind.READ, (_ST,), "this rank's fp32 flat partition per group",
         instance=True),
@@ -123,6 +123,9 @@ TABLE: tuple[Override, ...] = (
              host="torch"),
     Override("torch.nn.modules.module:Module._buffers", Kind.READ, (_ST,),
              "state_fingerprint walks each submodule's own buffers without recursion", instance=True, host="torch"),
+    Override("torch.nn.modules.module:Module._non_persistent_buffers_set", Kind.READ, (_ST,),
+             "buffers registered with persistent=False stay out of checkpoints, as in Module.state_dict()",
+             instance=True, host="torch"),
 )
 
 
@@ -212,6 +215,11 @@ def zero_flat_groups(opt: Any) -> list[ZeroFlatGroup]:
 def own_tensors(module: Any) -> tuple[Any, Any]:
     """(parameters, buffers) registered on ``module`` itself (not its children), as name -> tensor."""
     return module._parameters, module._buffers
+
+
+def non_persistent_buffers(module: Any) -> Any:
+    """Names of the buffers registered on ``module`` itself with ``persistent=False`` (a set)."""
+    return module._non_persistent_buffers_set
 
 
 def disable_op(name: str) -> None:

@@ -112,7 +112,35 @@ def base_optimizer(engine: Any) -> torch.optim.Optimizer:
     if isinstance(opt, torch.optim.Optimizer):
         return opt
     raise ConfigError(f"optimizer wrapper {type(opt).__name__} is not supported by elastor_ds yet (supported: a torch "
-                      f"optimizer with fp32 and ZeRO stage 0, or ZeRO stage 1/2); use fp32 with ZeRO-0/1")
+                      f"optimizer with fp32 and ZeRO stage 0, or ZeRO stage 1/2 in any precision); "
+                      f"{_wrapper_fix(engine)}")
+
+
+def _wrapper_fix(engine: Any) -> str:
+    """What to configure instead of an unsupported optimizer wrapper, for this engine's precision."""
+    def on(name: str) -> bool:
+        try:
+            return bool(getattr(engine, name)())
+        except Exception:  # noqa: BLE001 - an engine without the query: not that precision
+            return False
+    try:
+        stage = int(engine.zero_optimization_stage())
+    except Exception:  # noqa: BLE001
+        stage = -1
+    prec = "bf16" if on("bfloat16_enabled") else "fp16" if on("fp16_enabled") else "fp32"
+    if stage >= 3:
+        return (f"use ZeRO stage 1 or 2 (\"zero_optimization\": {{\"stage\": 1}}; {prec} + ZeRO-1 is supported), "
+                f"ZeRO-3's partitioned parameters are not")
+    if prec != "fp32":
+        return (f"{prec} with ZeRO-{max(stage, 0)} runs DeepSpeed's {type(engine.optimizer).__name__}: use ZeRO stage 1 "
+                f"(\"zero_optimization\": {{\"stage\": 1}}; {prec} + ZeRO-1 is supported)")
+    return "use a torch optimizer (fp32, ZeRO stage 0) or ZeRO stage 1/2"
+
+
+def check_optimizer(engine: Any) -> None:
+    """Raise :class:`ConfigError` (at ``initialize``, not at the first save hours later) when the
+    engine's optimizer is one elastor checkpoints cannot hold."""
+    base_optimizer(engine)
 
 
 def _param_names(engine: Any) -> dict[int, str]:
@@ -185,7 +213,7 @@ def model_shards(engine: Any) -> list[TensorShard]:
 
 
 def _non_persistent(module: torch.nn.Module) -> Any:
-    return getattr(module, "_non_persistent_buffers_set", ())
+    return overrides.non_persistent_buffers(module)
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -197,7 +225,7 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     seen: set[int] = set()
     for prefix, m in module.named_modules():
         skip = _non_persistent(m)
-        for n, b in m._buffers.items():
+        for n, b in overrides.own_tensors(m)[1].items():
             if b is None or n in skip or id(b) in seen:
                 continue
             seen.add(id(b))
