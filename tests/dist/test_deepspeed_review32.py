@@ -398,3 +398,34 @@ def test_unsupported_optimizer_wrapper_refused_at_initialize(tmp_path):
     assert "ZeRO stage 1 or 2" in msg and "fp32 + ZeRO-1 is supported" in msg, res
     assert res["bf16_zero0_no_ckpt"] == {"accepted": "BF16_Optimizer"}
     assert res["bf16_zero1"] == {"accepted": "DeepSpeedZeroOptimizer"}
+
+
+# --- 6. initialize(args=...) leaves the caller's args alone ----------------------------------------
+
+def _args_worker(rank: int, world: int, d: str) -> None:
+    import argparse
+
+    from elastor_ds import deepspeed as eds
+    path = os.path.join(d, "ds.json")
+    with open(path, "w") as f:
+        json.dump(_cfg(os.path.join(d, "ck"), "none"), f)
+    args = argparse.Namespace(deepspeed_config=path, local_rank=0)
+    seen = []
+    for positional in (False, True, False):
+        m = _pipe()
+        if positional:
+            e = eds.initialize(args, m, model_parameters=list(m.parameters()))[0]
+        else:
+            e = eds.initialize(args=args, model=m, model_parameters=list(m.parameters()))[0]
+        seen.append([args.deepspeed_config, e.elastor is not None, e.train_micro_batch_size_per_gpu()])
+        e.elastor.finalize()
+    with open(os.path.join(d, "res.json"), "w") as f:
+        json.dump({"seen": seen, "path": path}, f)
+
+
+def test_initialize_leaves_the_callers_args_alone(tmp_path):
+    """Before: initialize set args.deepspeed_config = None (DeepSpeed refuses a config given twice),
+    so a second initialize with the same args (an evaluation engine, a retry) had no config."""
+    run_world(_args_worker, 1, str(tmp_path), timeout_s=120)
+    res = json.load(open(tmp_path / "res.json"))
+    assert res["seen"] == [[res["path"], True, 4]] * 3

@@ -13,6 +13,7 @@ Returns what ``deepspeed.initialize`` returns.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any, Optional
@@ -154,7 +155,14 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
         config = config_params
     if config is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None):
         config = ds_args.deepspeed_config
+        # DeepSpeed refuses a config given twice: its copy of args goes without one (the caller's
+        # args stay as they were: a second initialize with them reads the config again)
+        ds_args = copy.copy(ds_args)
         ds_args.deepspeed_config = None
+        if "args" in kwargs:
+            kwargs["args"] = ds_args
+        else:
+            args = (ds_args, *args[1:])
     if config is None:
         raise ConfigError("no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
     ds_config, ecfg = split_ds_config(config)
