@@ -155,15 +155,54 @@ def load_dcp_metadata(path: str, trust: bool = False) -> Any:
                                         f"{str(e)[:200]})") from None
 
 
+def dcp_failure(e: BaseException) -> "BaseException | None":
+    """The first error inside torch's ``CheckpointException`` (its ``failures`` map each rank to
+    an ``(exception, traceback)`` pair), or None."""
+    for v in (getattr(e, "failures", None) or {}).values():
+        exc = v[0] if isinstance(v, tuple) and v else v
+        if isinstance(exc, BaseException):
+            return exc
+    return None
+
+
+def raise_dcp_failure(e: BaseException, what: str) -> None:
+    """Re-raise what torch's ``CheckpointException`` ``e`` wraps: a stop (KeyboardInterrupt,
+    SystemExit, a termination signal's exception) and elastor's own errors as themselves; anything
+    else as :class:`CheckpointError` "``what`` failed (<inner error>)"."""
+    from ..errors import CheckpointError, ElastorError
+    inner = dcp_failure(e)
+    if inner is not None and (not isinstance(inner, Exception) or isinstance(inner, ElastorError)):
+        raise inner from None
+    detail = (f"{type(inner).__name__}: {str(inner).splitlines()[0][:300] if str(inner) else 'no detail'}"
+              if inner is not None else str(e).splitlines()[0][:300])
+    raise CheckpointError(f"{what} failed ({detail})") from None
+
+
 def safe_dcp_reader(directory: str, trust: bool = False):
     """A ``FileSystemReader`` for ``directory`` whose metadata loads through
-    :func:`load_dcp_metadata` and whose storage files all lie inside ``directory``."""
+    :func:`load_dcp_metadata` and whose storage files all lie inside ``directory`` and are opened
+    as regular files, never through a link (a FIFO would block the read for ever)."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    class _RegularFiles(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str):
+            if mode != "rb":   # a reader writes nothing
+                raise UnsafeCheckpointError(f"{path}: the checkpoint reader does not open files for {mode!r}")
+            with os.fdopen(open_regular(os.fspath(path), nofollow=True), "rb") as stream:
+                yield stream
+
     class _Reader(FileSystemReader):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.fs = _RegularFiles()
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             path = os.path.join(directory, ".metadata" if kwargs.get("rank") is None
                                 else f"__{kwargs['rank']}.metadata")

@@ -158,3 +158,52 @@ def test_a_commit_with_check_parses_its_manifest_back_before_the_rename(tmp_path
             c.finalize(Manifest(step=4, tensors={}, files={}, layout=None, model=None, extra={}, world_size=1,
                                 created_unix=1.0, rank_state_files={0: "rank_state/\x1b[31m.json"}))
     assert os.listdir(root) == []
+
+
+# ---------------------------------------------------------------------------------- 2: DCP storage files
+@pytest.fixture(scope="module")
+def meg_dist(tmp_path_factory, gpt):
+    out = str(tmp_path_factory.mktemp("megd") / "td")
+    p = elastor("convert", gpt, out, "--to", "megatron", "--megatron-format", "torch_dist", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.mark.parametrize("how", ["fifo", "link"])
+def test_a_torch_dist_storage_file_that_is_a_fifo_or_a_link_is_refused_not_waited_on(tmp_path, meg_dist, how):
+    """A ``__0_0.distcp`` that is a FIFO blocked ``--from megatron`` in open() for ever; one that is a
+    link was read through. Each is refused in one line, nothing written."""
+    import shutil
+    src = str(tmp_path / "td")
+    shutil.copytree(meg_dist, src)
+    it = os.path.join(src, next(n for n in os.listdir(src) if n.startswith("iter_")))
+    storage = sorted(n for n in os.listdir(it) if n.endswith(".distcp"))
+    assert storage
+    victim = os.path.join(it, storage[0])
+    if how == "fifo":
+        os.unlink(victim)
+        os.mkfifo(victim)
+    else:   # a link inside the checkpoint (one out of it is refused by name already)
+        os.rename(victim, os.path.join(it, "moved.bin"))
+        os.symlink("moved.bin", victim)
+    dst = str(tmp_path / "out")
+    p = elastor("convert", src, dst, "--from", "megatron", "--no-progress", timeout=90)
+    assert_one_line_failure(p, 1, storage[0], "FIFO" if how == "fifo" else "symbolic link")
+    assert not os.path.lexists(dst)
+    assert os.listdir(tmp_path) == ["td"]
+
+
+def test_a_dcp_failure_is_unwrapped_stops_and_elastor_errors_as_themselves():
+    """torch's CheckpointException maps ranks to (exception, traceback) pairs: the inner error was
+    never found, so a stop (SIGTERM's exception, Ctrl-C) became "reading ... failed", exit 1."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastor_ds.errors import CheckpointError, UnsafeCheckpointError
+    from elastor_ds.integrations.safe_load import raise_dcp_failure
+    for inner in (KeyboardInterrupt(), SystemExit(143), UnsafeCheckpointError("x is a FIFO")):
+        with pytest.raises(type(inner)) as ei:
+            raise_dcp_failure(CheckpointException("read", {0: (inner, None)}), "reading k")
+        assert ei.value is inner
+    with pytest.raises(CheckpointError, match=r"reading k failed \(ValueError: bad bytes\)") as ei:
+        raise_dcp_failure(CheckpointException("read", {0: (ValueError("bad bytes\nmore"), None)}), "reading k")
+    assert type(ei.value) is CheckpointError

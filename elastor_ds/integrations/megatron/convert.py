@@ -51,7 +51,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from ...user_json import strict_json
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
-from ..safe_load import load_pt, safe_dcp_reader
+from ..safe_load import load_pt, raise_dcp_failure, safe_dcp_reader
 from ..pt_save import save_pt
 from . import overrides
 from .specs import TE_FUSED_NORMS, GPTSpecConfig, canonical_name, gpt_tensor_specs
@@ -264,10 +264,7 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
             try:
                 dcp.load({key: t}, storage_reader=safe_dcp_reader(d, trust), no_dist=True)
             except CheckpointException as e:   # torch's: a BaseException, with the reader's error inside
-                inner = next((x for x in getattr(e, "failures", {}).values() if isinstance(x, BaseException)), None)
-                if isinstance(inner, CheckpointError):
-                    raise inner from None
-                raise CheckpointError(f"{d}: reading {key} failed ({str(inner or e).splitlines()[0][:300]})") from None
+                raise_dcp_failure(e, f"{d}: reading {key}")
             cache[key] = t
         t = cache[key]
         if layer is not None:
