@@ -429,3 +429,55 @@ def test_initialize_leaves_the_callers_args_alone(tmp_path):
     run_world(_args_worker, 1, str(tmp_path), timeout_s=120)
     res = json.load(open(tmp_path / "res.json"))
     assert res["seen"] == [[res["path"], True, 4]] * 3
+
+
+# --- 7. fp16 + ZeRO: the dynamic loss scaler's state ------------------------------------------------
+
+def _fp16_worker(rank: int, world: int, d: str) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from elastor_ds import deepspeed as eds
+    acc = get_accelerator()      # DeepSpeed's CPU accelerator refuses fp16; torch on CPU runs it
+    acc.is_fp16_supported = lambda: True
+    dtypes = acc.supported_dtypes
+    acc.supported_dtypes = lambda: list(set(dtypes()) | {torch.float16})
+
+    def build(load):
+        m = _pipe(num_blocks=2)
+        c = _cfg(os.path.join(d, "ck_" + os.path.basename(load)), load, zero=1, mb=2)
+        # 2**20 overflows at first: steps are skipped, the scale halves (hysteresis 2), then training runs
+        c["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 2}
+        e, _, _, _ = eds.initialize(model=m, model_parameters=list(m.parameters()), config=c)
+        return e
+
+    def scaler(e):
+        ls = e.optimizer.loss_scaler
+        return [float(ls.cur_scale), ls.cur_iter, ls.last_overflow_iter, ls.cur_hysteresis, int(e.skipped_steps)]
+
+    a = build("none")
+    _train(a, 12, mb=2)
+    a.save_checkpoint(os.path.join(d, "native"))
+    a.elastor.finalize()
+    b = build(os.path.join(d, "ck_none"))
+    c = build("none")
+    c.load_checkpoint(os.path.join(d, "native"))
+    res = {"scaler": {k: scaler(e) for k, e in (("a", a), ("b", b), ("c", c))}}
+    res["losses"] = {k: _train(e, 3, mb=2) for k, e in (("a", a), ("b", b), ("c", c))}
+    res["after"] = {k: scaler(e) for k, e in (("a", a), ("b", b), ("c", c))}
+    for e in (b, c):
+        e.elastor.finalize()
+    with open(os.path.join(d, "res.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_fp16_dynamic_loss_scale_is_restored(tmp_path):
+    """Before: the ZeRO optimizer's dynamic loss scaler was not saved: a resume started again at the
+    initial scale 2**20 (iteration 0, no overflow seen), skipped steps DeepSpeed's own resume does
+    not, and its losses left the uninterrupted run's."""
+    run_world(_fp16_worker, 1, str(tmp_path), timeout_s=120)
+    res = json.load(open(tmp_path / "res.json"))
+    sc = res["scaler"]
+    assert sc["a"][0] < 2 ** 20 and sc["a"][2] >= 0 and sc["a"][4] > 0    # the saver did overflow and skip
+    assert sc["b"] == sc["c"] == sc["a"]
+    assert res["losses"]["b"] == res["losses"]["c"] == res["losses"]["a"]
+    assert res["after"]["b"] == res["after"]["c"] == res["after"]["a"]

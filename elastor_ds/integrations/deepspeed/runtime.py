@@ -125,6 +125,7 @@ class DeepSpeedState:
             "train_batch_size": _global_batch(eng),
             "zero_stage": int(eng.zero_optimization_stage()),
             "optimizer": st.optimizer_scalars(eng, groups),
+            "loss_scaler": st.loss_scaler_state(eng),
             "lr_scheduler": _jsonable(typed_to_json(sched.state_dict()), "lr_scheduler") if sched is not None else None,
             "client_state": self._client_state_json(),
         }
@@ -176,6 +177,8 @@ class DeepSpeedState:
             eng.skipped_steps = int(ex["skipped_steps"])
         if ex.get("optimizer"):
             st.restore_optimizer_scalars(eng, ex["optimizer"])
+        if ex.get("loss_scaler"):   # absent from checkpoints of older versions: the scaler starts afresh
+            st.restore_loss_scaler(eng, ex["loss_scaler"])
         if ex.get("lr_scheduler") is not None:
             if eng.lr_scheduler is None:
                 log.warning("checkpoint has LR scheduler state but the engine has no scheduler: ignored")

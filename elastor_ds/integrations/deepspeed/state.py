@@ -396,6 +396,49 @@ def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> None:
                     st[k] = d["value"]
 
 
+#: the loss scaler's state (what changes while training); its settings (window, minimum, hysteresis)
+#: come from the resumed run's config
+_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(engine: Any) -> Optional[dict[str, Any]]:
+    """The ZeRO optimizer's loss scaler state (fp16's dynamic scale: its current scale, iteration,
+    last overflow and hysteresis), None when the optimizer has no loss scaler."""
+    ls = getattr(engine.optimizer, "loss_scaler", None)
+    if ls is None or not hasattr(ls, "cur_scale"):
+        return None
+    out: dict[str, Any] = {"dynamic": bool(getattr(ls, "dynamic", False))}
+    for k in _SCALER_STATE:
+        v = getattr(ls, k, None)
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def restore_loss_scaler(engine: Any, saved: dict[str, Any]) -> None:
+    """Put :func:`loss_scaler_state` back (as DeepSpeed's own load does) into a scaler of the same
+    kind; a static scale now where a dynamic one was saved (or the other way round) keeps the
+    configured scaler, with a warning."""
+    ls = getattr(engine.optimizer, "loss_scaler", None)
+    if ls is None or not hasattr(ls, "cur_scale"):
+        if saved.get("dynamic"):
+            log.warning("checkpoint has a dynamic loss scale (%s) but this optimizer has no loss scaler: ignored",
+                        saved.get("cur_scale"))
+        return
+    if bool(getattr(ls, "dynamic", False)) != bool(saved.get("dynamic")):
+        log.warning("checkpoint's loss scaling is %s, this run's is %s: the configured scaler starts afresh",
+                    "dynamic" if saved.get("dynamic") else "static", "dynamic" if getattr(ls, "dynamic", False)
+                    else "static")
+        return
+    if not saved.get("dynamic"):
+        return   # a static scale is the config's
+    for k in _SCALER_STATE:
+        if k in saved and hasattr(ls, k):
+            setattr(ls, k, type(getattr(ls, k))(saved[k]) if isinstance(getattr(ls, k), (int, float)) else saved[k])
+
+
 def state_keys_in(tensor_names: Iterable[str]) -> set[str]:
     """Optimizer state keys present in a checkpoint's tensor names (``optimizer.<key>.<name>``)."""
     keys = set()
