@@ -163,6 +163,15 @@ def _main(argv: list[str] | None) -> int:
         log.error("unexpected %s: %s (rerun with -v for the traceback)", type(e).__name__, _one_line(e),
                   exc_info=args.verbose)
         return 1
+    except BaseException as e:   # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if type(e).__name__ != "CheckpointException":
+            raise
+        inner = next(iter((getattr(e, "failures", None) or {}).values()), None)
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        log.error("a torch.distributed.checkpoint read or write failed: %s (rerun with -v for the traceback)",
+                  f"{type(inner).__name__}: {_one_line(inner)}" if isinstance(inner, BaseException) else "no detail",
+                  exc_info=args.verbose)
+        return 1
 
 
 def console_main() -> None:

@@ -207,3 +207,21 @@ def test_a_dcp_failure_is_unwrapped_stops_and_elastor_errors_as_themselves():
     with pytest.raises(CheckpointError, match=r"reading k failed \(ValueError: bad bytes\)") as ei:
         raise_dcp_failure(CheckpointException("read", {0: (ValueError("bad bytes\nmore"), None)}), "reading k")
     assert type(ei.value) is CheckpointError
+
+
+# ---------------------------------------------------------------------------------- 3: torch_dist full disk
+def test_a_full_disk_during_a_torch_dist_export_is_one_line_and_leaves_nothing(tmp_path, gpt):
+    """EFBIG (a file-size limit, as a full disk would fail) inside megatron's torch_dist writer: torch's
+    CheckpointException (a BaseException) escaped every handler and printed a traceback."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = str(out / "td")
+    p = elastor("convert", gpt, dst, "--to", "megatron", "--megatron-format", "torch_dist", "--no-progress",
+                preexec_fn=limit)
+    assert_one_line_failure(p, 1, "File too large", dst)
+    assert "CheckpointException" not in p.stderr and "RuntimeError" not in p.stderr, p.stderr
+    assert os.listdir(out) == []

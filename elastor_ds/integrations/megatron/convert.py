@@ -47,11 +47,11 @@ from ...checkpoint.convert import check_import_step, write_single_writer_checkpo
 from ...checkpoint.reader import read_shards
 from ...checkpoint.paths import read_regular_text, safe_join
 from ...checkpoint.shards import dtype_name, full_shard
-from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, ElastorError
 from ...user_json import strict_json
 from ...layout import Layout, local_pieces
 from ...layout.region import Region
-from ..safe_load import load_pt, raise_dcp_failure, safe_dcp_reader
+from ..safe_load import dcp_failure, load_pt, raise_dcp_failure, safe_dcp_reader
 from ..pt_save import save_pt
 from . import overrides
 from .specs import TE_FUSED_NORMS, GPTSpecConfig, canonical_name, gpt_tensor_specs
@@ -618,6 +618,7 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint.api import CheckpointException
 
     can = _Canonical(src, cfg)
     cfg = can.cfg
@@ -653,8 +654,20 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
             os.makedirs(tmp_it, exist_ok=True)
         if world > 1:
             dist.barrier()
-        with overrides.cpu_sync():   # megatron's writer calls torch.cuda.synchronize() even for host tensors
-            dist_checkpointing.save(sd, tmp_it)
+        # megatron's writer logs its worker's failure as an ERROR of its own: the failure is raised below
+        mlog = logging.getLogger("megatron.core.dist_checkpointing")
+        level = mlog.level
+        mlog.setLevel(logging.CRITICAL)
+        try:
+            with overrides.cpu_sync():   # megatron's writer calls torch.cuda.synchronize() even for host tensors
+                dist_checkpointing.save(sd, tmp_it)
+        except CheckpointException as e:   # torch's: a BaseException (a traceback, not one line), error inside
+            os_err = _os_error_in(dcp_failure(e))   # megatron wraps a worker's OSError in a RuntimeError
+            if os_err is not None:   # a full disk, a permission: as the other exports say it (the CLI names dst)
+                raise OSError(os_err.errno, os_err.strerror or str(os_err)) from None
+            raise_dcp_failure(e, f"writing the torch_dist checkpoint {dst}")
+        finally:
+            mlog.setLevel(level)
         if rank == 0:
             with open(os.path.join(tmp[0], TRACKER), "w", encoding="utf-8") as f:
                 f.write(str(it))
@@ -670,6 +683,23 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
     it_dir = os.path.join(dst, f"iter_{it:07d}")
     log.info("wrote torch_dist checkpoint (padded vocab %d for tp=%d) to %s", padded, tp, it_dir)
     return it_dir
+
+
+def _os_error_in(exc: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError ``exc`` is or was caused by (a few links of ``__cause__``), else None. Megatron's
+    writer process sends its error back pickled, which drops the cause: there the message
+    ("Worker failure: [Errno 28] No space left on device") says which it was."""
+    first = exc
+    for _ in range(8):
+        if exc is None or isinstance(exc, ElastorError):
+            break
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__
+    if first is None or isinstance(first, ElastorError) or not isinstance(first, Exception):
+        return None
+    m = re.search(r"\[Errno (\d{1,4})\]", str(first))
+    return OSError(int(m.group(1)), os.strerror(int(m.group(1)))) if m else None
 
 
 # ---------------------------------------------------------------------------------- CLI glue
