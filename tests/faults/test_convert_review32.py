@@ -225,3 +225,41 @@ def test_a_full_disk_during_a_torch_dist_export_is_one_line_and_leaves_nothing(t
     assert_one_line_failure(p, 1, "File too large", dst)
     assert "CheckpointException" not in p.stderr and "RuntimeError" not in p.stderr, p.stderr
     assert os.listdir(out) == []
+
+
+# ---------------------------------------------------------------------------------- 4: Adam hyperparameters
+def _written_adam(meg: str) -> set:
+    out = set()
+    for d, _, files in os.walk(meg):
+        for f in files:
+            if f == "model_optim_rng.pt":
+                sd = torch.load(os.path.join(d, f), weights_only=False)
+                for g in sd["optimizer"]["optimizer"]["param_groups"] if "optimizer" in sd["optimizer"] \
+                        else sd["optimizer"]["param_groups"]:
+                    out.add((tuple(g["betas"]), g["eps"], g["amsgrad"]))
+    return out
+
+
+def test_megatron_export_writes_the_adam_hyperparameters_the_deepspeed_integration_records(tmp_path):
+    """extra.optimizer[*].hyper records betas (0.9, 0.95), eps 1e-6: the export wrote Megatron-LM's
+    defaults (0.9, 0.999)/1e-8 and warned the checkpoint "does not record" them."""
+    src = gpt_checkpoint(str(tmp_path / "el"), hyper=[{"betas": [0.9, 0.95], "eps": 1e-6, "amsgrad": False,
+                                                       "lr": 1e-3}] * 2)
+    meg = str(tmp_path / "meg")
+    p = elastor("convert", src, meg, "--to", "megatron", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "does not record" not in p.stderr, p.stderr
+    assert _written_adam(meg) == {((0.9, 0.95), 1e-6, False)}
+    # groups that disagree: refused, nothing written (Megatron's optimizer keeps one set)
+    src2 = gpt_checkpoint(str(tmp_path / "el2"), hyper=[{"betas": [0.9, 0.95], "eps": 1e-6},
+                                                        {"betas": [0.9, 0.999], "eps": 1e-6}])
+    meg2 = str(tmp_path / "meg2")
+    assert_one_line_failure(elastor("convert", src2, meg2, "--to", "megatron", "--no-progress"), 1,
+                            "different Adam hyperparameters")
+    assert not os.path.lexists(meg2)
+    # nothing recorded: Megatron-LM's defaults, with the warning
+    src3 = gpt_checkpoint(str(tmp_path / "el3"))
+    meg3 = str(tmp_path / "meg3")
+    p = elastor("convert", src3, meg3, "--to", "megatron", "--no-progress")
+    assert p.returncode == 0 and "does not record" in p.stderr, p.stderr
+    assert _written_adam(meg3) == {((0.9, 0.999), 1e-8, False)}

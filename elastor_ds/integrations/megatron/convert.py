@@ -512,6 +512,44 @@ def _deepspeed_adam_step(extra: dict) -> Optional[float]:
     return steps.pop() if steps else None
 
 
+def _recorded_adam(ex: dict, where: str) -> dict:
+    """Adam's betas/eps/amsgrad a checkpoint records: ``extra["adam"]`` (the megatron integration),
+    else the optimizer groups' hyperparameters ``extra["optimizer"][i]["hyper"]`` (the DeepSpeed
+    integration); {} when neither does. Megatron-LM's optimizer keeps one set: groups that record
+    different ones are refused rather than one of them written for all."""
+    if ex.get("adam"):
+        return dict(ex["adam"])
+    found: list[tuple[int, dict]] = []
+    for i, group in enumerate(ex.get("optimizer") or []):
+        hyper = group.get("hyper") if isinstance(group, dict) else None
+        if not isinstance(hyper, dict) or not any(k in hyper for k in ("betas", "eps")):
+            continue
+        rec: dict = {}
+        betas = hyper.get("betas")
+        if betas is not None:
+            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and
+                    all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+                raise CheckpointError(f"{where}: extra.optimizer[{i}].hyper.betas is {str(betas)[:80]}, not two "
+                                      f"numbers in [0, 1)")
+            rec["betas"] = [float(b) for b in betas]
+        eps = hyper.get("eps")
+        if eps is not None:
+            if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
+                raise CheckpointError(f"{where}: extra.optimizer[{i}].hyper.eps is {str(eps)[:80]}, not a "
+                                      f"non-negative number")
+            rec["eps"] = float(eps)
+        if "amsgrad" in hyper:
+            rec["amsgrad"] = bool(hyper["amsgrad"])
+        found.append((i, rec))
+    if not found:
+        return {}
+    if any(rec != found[0][1] for _, rec in found[1:]):
+        raise CheckpointError(f"{where}: the optimizer groups record different Adam hyperparameters "
+                              f"({'; '.join(f'group {i}: {rec}' for i, rec in found[:4])}); Megatron-LM's optimizer "
+                              f"keeps one set, so no export would resume as saved. Nothing was written")
+    return found[0][1]
+
+
 def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None,
                   optimizer: bool = True) -> str:
     """Write a Megatron-LM legacy checkpoint for TP ``tp`` x PP ``pp`` under ``dst``: weights, and
@@ -537,6 +575,8 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
     has_main = has_opt and all(f"{_MAIN}{s.name}" in can.man.tensors for s in specs)
     if has_opt:
         kinds += list(MOMENTS) + (["fp32_param"] if has_main else [])
+    ex = from_jsonable(dict(can.man.extra or {}))
+    adam = _recorded_adam(ex, can.step_dir) if has_opt else {}   # refused before any tensor is read
     per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {
         (t, p): {k: {} for k in kinds} for t in range(tp) for p in range(pp)}
     for spec in specs:  # one canonical tensor in memory at a time (+ its local slices)
@@ -551,7 +591,6 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
                     for pc in pieces:
                         _view(local, pc.local).copy_(_view(full, pc.global_))
                     per_rank[(t, stage)][kind][lname] = local
-    ex = from_jsonable(dict(can.man.extra or {}))
     optim: dict[tuple[int, int], Any] = {}
     if has_opt:
         half = any(per_rank[(0, 0)]["model"][n].dtype in (torch.bfloat16, torch.float16)
@@ -562,9 +601,9 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
             params = {n: tuple(kd["model"][n].shape) for n in legacy_optim.param_order(list(kd["model"]))}
             main = kd.get("fp32_param") or ({n: v.float() for n, v in kd["model"].items()} if half else {})
             st = legacy_optim.LegacyOptimizerState(exp_avg=kd["exp_avg"], exp_avg_sq=kd["exp_avg_sq"], main=main,
-                                                   step=step, grad_scaler=scaler, adam=dict(ex.get("adam") or {}))
+                                                   step=step, grad_scaler=scaler, adam=dict(adam))
             optim[key] = legacy_optim.build(params, st, ex.get("opt_param_scheduler"), mixed=half)
-        if not ex.get("adam"):
+        if not adam:
             log.warning("%s does not record Adam's betas/eps: wrote Megatron-LM's defaults %s (torch's Adam "
                         "takes them from the loaded state)", can.step_dir, legacy_optim.DEFAULT_ADAM)
     elif optimizer:
