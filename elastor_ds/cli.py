@@ -34,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from .checkpoint.paths import printable   # a value given on the command line may hold escapes
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
 
 
 def _version() -> str:
@@ -189,7 +190,10 @@ def console_main() -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    return " | ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+    """The message of ``e`` on one line, non-printable characters escaped (a name from a checkpoint
+    or the file system in it may carry terminal escapes)."""
+    from .checkpoint.paths import printable
+    return printable(" | ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__)
 
 
 if __name__ == "__main__":

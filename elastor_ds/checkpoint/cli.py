@@ -10,6 +10,7 @@ import sys
 from ..cli_types import positive_int
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError
 from . import commit as commit_mod
+from .paths import printable
 
 log = logging.getLogger("elastor")
 
@@ -55,7 +56,7 @@ def cmd_inspect(args) -> int:
         step_dir = commit_mod.resolve(args.ckpt)
         man = commit_mod.read_manifest(step_dir)
     except CheckpointError as e:
-        print(f"elastor inspect: error: {e}", file=sys.stderr)   # a typo or not a checkpoint: a usage error
+        print(f"elastor inspect: error: {_line(e)}", file=sys.stderr)   # a typo or not a checkpoint: a usage error
         return 2 if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError) else 1
     if args.json:
         d = man.to_json()
@@ -85,6 +86,11 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _line(e: object) -> str:
+    """A message on one line, non-printable characters escaped (names from disk are anyone's)."""
+    return printable(" | ".join(x.strip() for x in str(e).splitlines() if x.strip()))
+
+
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -95,18 +101,18 @@ def cmd_verify(args) -> int:
         man = commit_mod.read_manifest(step_dir)  # a malformed manifest: one line, exit 1
     except CheckpointError as e:
         if not os.path.exists(args.ckpt) or isinstance(e, CheckpointNotFoundError):   # a typo, or not a checkpoint
-            print(f"elastor verify: error: {e}", file=sys.stderr)
+            print(f"elastor verify: error: {_line(e)}", file=sys.stderr)
             return 2
         if isinstance(e, UnreadableCheckpointError):   # nothing known to be wrong with the checkpoint
-            print(f"elastor verify: error: {e}", file=sys.stderr)
+            print(f"elastor verify: error: {_line(e)}", file=sys.stderr)
             return 1
-        print(f"CORRUPT/INCOMPLETE: {e}", file=sys.stderr)
+        print(f"CORRUPT/INCOMPLETE: {_line(e)}", file=sys.stderr)
         return 1
     from .verify import verify  # torch-free CLI start: heavy modules load on use
     problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty(), manifest=man)
     if problems:
         for p in problems:
-            print(f"CORRUPT: {p}", file=sys.stderr)
+            print(f"CORRUPT: {_line(p)}", file=sys.stderr)
         print(f"{step_dir}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
     print(f"OK {step_dir}: step {man.step}, {_n(len(man.files), 'file')}, {_n(len(man.tensors), 'tensor')}, "
@@ -163,7 +169,7 @@ def cmd_convert(args) -> int:
     src_f, dst_f = args.src_format, args.dst_format
     progress = not args.no_progress
     if not os.path.exists(args.src):
-        print(f"elastor convert: error: source {args.src} does not exist", file=sys.stderr)
+        print(f"elastor convert: error: source {printable(args.src)} does not exist", file=sys.stderr)
         return 2
     importing = dst_f == "elastor" and (src_f == "consolidated" or src_f in IMPORTERS)
     exporting = src_f == "elastor" and (dst_f == "consolidated" or dst_f in EXPORTERS)

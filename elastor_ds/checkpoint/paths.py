@@ -46,9 +46,20 @@ def safe_join(base: str, name: object, what: str = "name", allow_subdirs: bool =
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)
     if real != real_base and not real.startswith(real_base.rstrip(os.sep) + os.sep):
-        raise UnsafeCheckpointError(f"{what} {name!r} in {base} resolves to {real}, outside the checkpoint "
-                                    f"directory (a symlink out?); refusing it")
+        raise UnsafeCheckpointError(f"{what} {name!r} in {printable(base)} resolves to {real!r}, outside the "
+                                    f"checkpoint directory (a symlink out?); refusing it")
     return path
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print on a terminal: every character that is not printable (an escape, a
+    bell, a control or invisible formatting character, a newline) shown as its Python escape
+    (``\\x1b``); printable text, spaces and non-ASCII letters unchanged. Names on disk (a link's
+    target, a file name) are anyone's: printed raw, they could retitle or recolour the terminal."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
 
 
 _TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-:\[\]]+$")

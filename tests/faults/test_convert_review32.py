@@ -263,3 +263,39 @@ def test_megatron_export_writes_the_adam_hyperparameters_the_deepspeed_integrati
     p = elastor("convert", src3, meg3, "--to", "megatron", "--no-progress")
     assert p.returncode == 0 and "does not record" in p.stderr, p.stderr
     assert _written_adam(meg3) == {((0.9, 0.999), 1e-8, False)}
+
+
+# ---------------------------------------------------------------------------------- 5: terminal escapes
+ESC = "/tmp/\x1b[31mRED\x1b[0m\x1b]0;pwned-title\x07/x"
+
+
+def test_a_link_target_with_terminal_escapes_is_printed_escaped(tmp_path):
+    """A symlink in a checkpoint whose target holds an OSC title sequence and colours: verify,
+    inspect and convert printed it raw in their "resolves to <path>" error."""
+    from safetensors.torch import save_file
+    root = str(tmp_path / "ck")
+    cons = str(tmp_path / "cons")
+    os.makedirs(cons)
+    save_file({"w": torch.ones(8)}, os.path.join(cons, "model.safetensors"))
+    assert elastor("convert", cons, root, "--from", "consolidated", "--no-progress").returncode == 0
+    step = os.path.join(root, "step_000000000")
+    data = next(n for n in os.listdir(step) if n.endswith(".safetensors"))
+    os.unlink(os.path.join(step, data))
+    os.symlink(ESC, os.path.join(step, data))
+    for argv, code in ((("verify", root), 1), (("inspect", root), 1),
+                       (("convert", root, str(tmp_path / "out"), "--to", "consolidated", "--no-progress"), 1)):
+        p = elastor(*argv)
+        assert p.returncode == code, (argv, p.stderr)
+        assert not any(c in p.stderr + p.stdout for c in "\x1b\x07"), (argv, p.stderr)
+        assert "\\x1b]0;pwned-title\\x07" in p.stderr and "Traceback" not in p.stderr, (argv, p.stderr)
+
+
+def test_the_cli_error_line_escapes_non_printable_characters(tmp_path):
+    """Any one-line error (here a usage error naming a path the user gave) is printed escaped."""
+    src = consolidated(tmp_path / "c", 1)
+    for argv in (("convert", src, str(tmp_path / "no\x1b]0;t\x07dir" / "dst"), "--from", "consolidated"),
+                 ("convert", str(tmp_path / "gone\x1b[2J"), str(tmp_path / "d"), "--from", "consolidated"),
+                 ("verify", str(tmp_path / "gone\x1b[2J"))):
+        p = elastor(*argv, "--no-progress") if argv[0] == "convert" else elastor(*argv)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert "\x1b" not in p.stderr and "\x07" not in p.stderr and "\\x1b" in p.stderr, (argv, p.stderr)
