@@ -429,8 +429,9 @@ class DirCommit(AtomicCommit):
         parent = os.path.dirname(final)
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{nonce or uuid.uuid4().hex[:12]}")
-        try:
-            os.makedirs(tmp, exist_ok=nonce is not None)
+        try:   # private while written (and if the writer is killed): the final mode is given at finalize
+            os.makedirs(tmp, mode=0o700, exist_ok=nonce is not None)
+            os.chmod(tmp, 0o700)   # (an existing dir of a given nonce too)
         except OSError as e:   # name what the user asked for, not our temporary name beside it
             raise OSError(e.errno, f"cannot create {final}: {e.strerror or e} (in {parent})") from e
         return cls(final, tmp)
@@ -442,10 +443,26 @@ class DirCommit(AtomicCommit):
         if os.path.isdir(self.final):
             _take_over_mode(self.final, self.path)
             os.rmdir(self.final)  # empty (checked); fails rather than delete anything else
+        else:   # the mode a plain mkdir gives it
+            os.chmod(self.path, 0o777 & ~_umask())
         os.rename(self.path, self.final)
         self.finalized = True
         fsync_dir(os.path.dirname(self.final))
         return self.final
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux ``/proc``); else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _take_over_mode(dst: str, tmp: str) -> None:

@@ -299,3 +299,38 @@ def test_the_cli_error_line_escapes_non_printable_characters(tmp_path):
         p = elastor(*argv, "--no-progress") if argv[0] == "convert" else elastor(*argv)
         assert p.returncode == 2, (argv, p.stderr)
         assert "\x1b" not in p.stderr and "\x07" not in p.stderr and "\\x1b" in p.stderr, (argv, p.stderr)
+
+
+# ---------------------------------------------------------------------------------- 6: export modes
+_KILLED_BEFORE_FINALIZE = (
+    "import os, sys\n"
+    "from elastor_ds.checkpoint import commit\n"
+    "commit.DirCommit.finalize = lambda self: os._exit(137)   # a kill -9 once every file is written\n"
+    "from elastor_ds.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.parametrize("to", ["consolidated", "megatron"])
+def test_an_export_is_private_while_written_and_gets_its_mode_at_the_end(tmp_path, gpt, to):
+    """The temporary copy of an export was 0755 (files 0644) while written, and a killed export left
+    it world-readable for good; now the temp dir is 0700 and the final dir gets the mode a mkdir
+    under the user's umask gives (or the empty destination's own)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_FINALIZE, "convert", gpt, str(out / "dst"), "--to", to,
+                        "--no-progress"], env=env, capture_output=True, text=True, timeout=180,
+                       preexec_fn=lambda: os.umask(0o022))
+    assert p.returncode == 137, p.stderr
+    left = os.listdir(out)
+    assert len(left) == 1 and left[0].startswith(".dst.tmp-"), left
+    tmp = out / left[0]
+    assert any(f for _, _, f in os.walk(tmp)), "the export wrote its files"
+    assert stat.S_IMODE(os.stat(tmp).st_mode) == 0o700
+    # a whole export: the final directory's mode is the umask's (022 -> 0755, 027 -> 0750)
+    for mask, want in ((0o022, 0o755), (0o027, 0o750)):
+        dst = str(out / f"final{mask:o}")
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "convert", gpt, dst, "--to", to, "--no-progress"],
+                           env=env, capture_output=True, text=True, timeout=180, preexec_fn=lambda m=mask: os.umask(m))
+        assert p.returncode == 0, p.stderr
+        assert stat.S_IMODE(os.stat(dst).st_mode) == want, (oct(os.stat(dst).st_mode), mask)
