@@ -481,3 +481,119 @@ def test_fp16_dynamic_loss_scale_is_restored(tmp_path):
     assert sc["b"] == sc["c"] == sc["a"]
     assert res["losses"]["b"] == res["losses"]["c"] == res["losses"]["a"]
     assert res["after"]["b"] == res["after"]["c"] == res["after"]["a"]
+
+
+# --- 8. per-stage param groups: each stage's hyper-parameters come back to it --------------------------
+
+def _layer_groups(m, frozen: bool):
+    """exp8: one group per pipeline layer, lr 1e-2 * 0.5**layer and weight decay 0.01 * layer;
+    frozen (exp13): embedding frozen, groups [embedding + head (no decay), blocks (decay 0.1)]."""
+    named = list(m.named_parameters())
+    if frozen:
+        return [{"params": [p for n, p in named if n.split(".")[0] in ("0", "3")], "weight_decay": 0.0},
+                {"params": [p for n, p in named if n.split(".")[0] in ("1", "2")], "weight_decay": 0.1}]
+    groups = []
+    for i in range(4):
+        ps = [p for n, p in named if n.split(".")[0] == str(i)]
+        if ps:
+            groups.append({"params": ps, "lr": 1e-2 * 0.5 ** i, "weight_decay": 0.01 * i})
+    return groups
+
+
+def _stage_groups_worker(rank: int, world: int, d: str, specs: list) -> None:
+    import torch.distributed as dist
+
+    def zero_of(e):
+        return hasattr(e.optimizer, "single_partition_of_fp32_groups")
+
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.testing import toy_pipe as toy
+    for spec in specs:
+        ls = toy.layers(num_blocks=2, hidden=16)
+        if spec["frozen"]:
+            for p in ls[0].parameters():
+                p.requires_grad_(False)
+        m = eds.PipelineModule(ls, num_stages=world, loss_fn=toy.loss_fn,
+                               boundaries=[0, 2, 4] if world == 2 else [0, 4])
+        c = _cfg(os.path.join(d, "ck_" + spec["name"]), spec["load"], zero=spec["zero"], mb=2, sched=False,
+                 interval_steps=3)
+        e, _, _, _ = eds.initialize(model=m, model_parameters=_layer_groups(m, spec["frozen"]), config=c)
+        names = {id(p): n.split(".")[0] for n, p in m.named_parameters()}
+        groups = _base_opt(e).param_groups
+        # ZeRO's base optimizer holds flat partitions: its groups' module parameters are DeepSpeed's bit16_groups
+        members = e.optimizer.bit16_groups if zero_of(e) else [g["params"] for g in groups]
+        hyper = [[sorted({names[id(p)] for p in ps if id(p) in names}), g["lr"], g["weight_decay"]]
+                 for ps, g in zip(members, groups)]
+        hypers = [None] * world
+        dist.all_gather_object(hypers, hyper)
+        start = int(e.global_steps)
+        it = toy.batches(start, 0, 1, 1, 2)
+        losses = [float(e.train_batch(it)) for _ in range(spec["steps"])]
+        e.elastor.finalize()
+        if rank == 0:
+            with open(os.path.join(d, spec["name"] + ".json"), "w") as f:
+                json.dump({"start": start, "losses": losses, "hyper": hypers}, f)
+        dist.barrier()
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_each_stage_gets_its_own_param_groups_back(tmp_path, zero):
+    """Before: the manifest held rank 0's param groups and every stage restored them by index: a
+    PP2 run with per-layer lr/weight decay resumed with stage 0's values on stage 1 (silently), and
+    with a frozen-only group on stage 0, stage 1's group 0 got no step (KeyError 'step' in Adam).
+    Now each group is found by its parameters' names, under PP2 as saved and under PP1."""
+    d = str(tmp_path)
+    step3 = lambda name: os.path.join(d, "ck_" + name, "step_000000003")   # noqa: E731
+    # a group of frozen parameters only: DeepSpeed's ZeRO optimizer takes no empty group (ZeRO-0 only)
+    sfx = ("", "_frozen") if zero == 0 else ("",)
+    spec = lambda name, load, steps, s: dict(name=name + s, load=load, steps=steps, zero=zero,  # noqa: E731
+                                             frozen=bool(s))
+    run_world(_stage_groups_worker, 2, d, [spec("ref", "none", 6, s) for s in sfx], timeout_s=120)
+    run_world(_stage_groups_worker, 2, d, [spec("pp2", step3("ref" + s), 3, s) for s in sfx], timeout_s=120)
+    run_world(_stage_groups_worker, 1, d, [spec("pp1", step3("ref" + s), 3, s) for s in sfx], timeout_s=120)
+    res = {n + s: json.load(open(os.path.join(d, n + s + ".json"))) for n in ("ref", "pp2", "pp1") for s in sfx}
+    # by hand: layer i's group has lr 1e-2 * 0.5**i and weight decay 0.01 * i, on whichever stage holds it
+    for name in ("ref", "pp2", "pp1"):
+        for rank_groups in res[name]["hyper"]:
+            for layers, lr, wd in rank_groups:
+                (i,) = [int(x) for x in layers]
+                assert (lr, wd) == pytest.approx((1e-2 * 0.5 ** i, 0.01 * i)), (name, rank_groups)
+    for ref, got in ((f"ref{s}", f"{pp}{s}") for s in sfx for pp in ("pp2", "pp1")):
+        assert res[got]["start"] == 3
+        assert res[got]["losses"] == pytest.approx(res[ref]["losses"][3:], rel=1e-5, abs=1e-6), (got, res[got], res[ref])
+
+
+def _unmatched_worker(rank: int, world: int, d: str) -> None:
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.errors import TensorMismatchError
+    from elastor_ds.testing import toy_pipe as toy
+    m = eds.PipelineModule(toy.layers(num_blocks=2, hidden=16), num_stages=2, loss_fn=toy.loss_fn, boundaries=[0, 2, 4])
+    e, _, _, _ = eds.initialize(model=m, model_parameters=_layer_groups(m, False),
+                                config=_cfg(os.path.join(d, "ck"), "none", mb=2, sched=False))
+    e.train_batch(toy.batches(0, 0, 1, 1, 2))
+    saved = e.elastor.state.collect().extra["optimizer"]
+    # a checkpoint whose groups hold stage 0's parameters only (stage 1's trainable groups match none)
+    only0 = [s for s in saved if all(n.split(".")[0] in ("0", "1") for n in s["params"])]
+    out = {"saved": [s["params"][:1] for s in saved]}
+    try:
+        e.elastor.state._restore_groups(only0, "ck/step_x")
+        out["raised"] = None
+    except TensorMismatchError as err:
+        out["raised"] = str(err)
+    # a checkpoint of an older version: rank 0's groups without names, restored by index as before
+    e.elastor.state._restore_groups([{k: v for k, v in s.items() if k != "params"} for s in only0], "old")
+    out["old_format_lr"] = [g["lr"] for g in _base_opt(e).param_groups]
+    e.elastor.finalize()
+    with open(os.path.join(d, f"unmatched_{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_a_group_no_saved_group_holds_is_refused_on_every_rank(tmp_path):
+    """Every stage's groups are saved (rank 0's manifest holds stage 1's too); a restore where a
+    trainable group of stage 1 matches no saved group raises TensorMismatchError on both ranks
+    (agreed: stage 0 alone is fine, and would otherwise go on and wait for stage 1)."""
+    run_world(_unmatched_worker, 2, str(tmp_path), timeout_s=120)
+    r0, r1 = (json.load(open(tmp_path / f"unmatched_{r}.json")) for r in (0, 1))
+    assert sorted(n[0].split(".")[0] for n in r0["saved"]) == ["0", "1", "2", "3"]
+    assert r0["raised"] and r0["raised"] == r1["raised"] and "rank 1's param group" in r0["raised"], (r0, r1)
+    assert r0["old_format_lr"] == r1["old_format_lr"] == pytest.approx([1e-2, 5e-3])   # by index, as before

@@ -20,7 +20,7 @@ from ...checkpoint import LoadResult, Manifest
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
 from ...checkpoint.state import capture_rng_state, like, restore_rng_state, tensors_to_json, to_jsonable, typed_to_json
-from ...errors import ConfigError
+from ...errors import ConfigError, TensorMismatchError
 from ...layout import Layout
 from . import overrides, state as st
 
@@ -59,6 +59,10 @@ class DeepSpeedState:
         self._client_json: Optional[tuple[Any, Any]] = None   # (the client_state dict, its JSON form)
         self._layout = engine_layout(engine)
         self._shards_cache: Optional[tuple[Any, list, list]] = None   # (state_fingerprint, shards, optimizer groups)
+        # the session's main-thread group (set by ElastorCheckpointer): pipeline stages hold param
+        # groups of their own, gathered into every save and agreed on at restore
+        self.comm: Any = None
+        self._stages_differ = any(len(r.stages) > 1 for r in self._layout.replicas)
 
     def step(self) -> int:
         return int(self.engine.global_steps)
@@ -117,6 +121,11 @@ class DeepSpeedState:
             groups = st.optimizer_groups(eng)
             self._shards_cache = (key, shards, groups)
         sched = eng.lr_scheduler
+        opt_groups = st.optimizer_scalars(eng, groups)
+        if self._stages_differ and self.comm is not None and self.comm.world_size > 1:
+            # every stage's groups (by their parameters' names): a resume under any layout finds each
+            # group's hyper-parameters, not rank 0's by index (collect runs on every rank, same point)
+            opt_groups = st.merge_scalars(opt_groups, self.comm.all_gather_object(st.portable_scalars(opt_groups)))
         extra = {
             "format": FORMAT,
             "global_steps": int(eng.global_steps),
@@ -124,7 +133,7 @@ class DeepSpeedState:
             "skipped_steps": int(getattr(eng, "skipped_steps", 0)),
             "train_batch_size": _global_batch(eng),
             "zero_stage": int(eng.zero_optimization_stage()),
-            "optimizer": st.optimizer_scalars(eng, groups),
+            "optimizer": opt_groups,
             "loss_scaler": st.loss_scaler_state(eng),
             "lr_scheduler": _jsonable(typed_to_json(sched.state_dict()), "lr_scheduler") if sched is not None else None,
             "client_state": self._client_state_json(),
@@ -176,7 +185,7 @@ class DeepSpeedState:
         if "skipped_steps" in ex:
             eng.skipped_steps = int(ex["skipped_steps"])
         if ex.get("optimizer"):
-            st.restore_optimizer_scalars(eng, ex["optimizer"])
+            self._restore_groups(ex["optimizer"], res.step_dir)
         if ex.get("loss_scaler"):   # absent from checkpoints of older versions: the scaler starts afresh
             st.restore_loss_scaler(eng, ex["loss_scaler"])
         if ex.get("lr_scheduler") is not None:
@@ -197,6 +206,23 @@ class DeepSpeedState:
             hook()
 
 
+    def _restore_groups(self, saved: list, step_dir: str) -> None:
+        """The saved param groups' hyper-parameters and scalars, each group of this rank found by its
+        parameters (:func:`.state.restore_optimizer_scalars`); a group no saved group holds raises
+        :class:`TensorMismatchError` on every rank (agreed: one rank alone would leave the others
+        waiting in their next collective)."""
+        problem = st.restore_optimizer_scalars(self.engine, saved)
+        if not all(isinstance(s, dict) and "params" in s for s in saved):
+            return   # an older checkpoint: restored by index, nothing to agree on
+        rows = self.comm.all_gather_object(problem) if self.comm is not None else [problem]
+        bad = [(r, p) for r, p in enumerate(rows) if p]
+        if bad:
+            raise TensorMismatchError(f"checkpoint {step_dir} has no optimizer param group holding "
+                                      + "; ".join(f"rank {r}'s {p}" for r, p in bad[:4])
+                                      + (" ..." if len(bad) > 4 else "")
+                                      + ": was it saved from another model, or were the groups built differently?")
+
+
 def _global_batch(eng: Any) -> int:
     """Samples per optimizer step over the whole job. A heterogeneous plan's engine is configured for
     its own replica (``train_batch_size()`` is that replica's share); it knows the job's total."""
@@ -207,7 +233,10 @@ def _global_batch(eng: Any) -> int:
 def ElastorCheckpointer(engine: Any, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None
                         ) -> CheckpointSession:
     """Collective: the job's checkpoint session over a DeepSpeed engine (``engine.elastor``)."""
-    return CheckpointSession(DeepSpeedState(engine), cfg, memory)
+    state = DeepSpeedState(engine)
+    session = CheckpointSession(state, cfg, memory)
+    state.comm = session.policy_comm
+    return session
 
 
 def _client_json(state: dict[str, Any]) -> Any:

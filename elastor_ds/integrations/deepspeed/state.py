@@ -87,6 +87,9 @@ class _Group:
     spans: list[list[tuple[str, tuple[int, ...], int, int, int]]] = field(default_factory=list)
     # per state param, when not described by spans: (state key, tensor) -> its shards (ZeRO-1 shares of cells)
     views: list[Optional[Callable[[str, torch.Tensor], list[TensorShard]]]] = field(default_factory=list)
+    # checkpoint (canonical) names of the group's parameters on this rank, whole ones included: what
+    # identifies the group under another layout (a pipeline stage holds groups of its own)
+    names: list[str] = field(default_factory=list)
 
 
 def _cell_views(part: Any, shapes: dict, key: str, t: torch.Tensor) -> list[TensorShard]:
@@ -161,6 +164,7 @@ def _groups(engine: Any) -> list[_Group]:
                     grp.state_params.append(sh)
                     grp.spans.append([])
                     grp.views.append(lambda key, t, part=part: _cell_views(part, rt.shapes, key, t))
+                    grp.names.extend(c.name for c in part.cells)
             ids = {id(p) for p in g["params"]}
             for n in zero.local_names:
                 p = rt.params[n]
@@ -168,6 +172,8 @@ def _groups(engine: Any) -> list[_Group]:
                     grp.state_params.append(p)
                     grp.spans.append([(names[id(p)], tuple(p.shape), 0, p.numel(), 0)])
                     grp.views.append(None)
+                    grp.names.append(_place(engine, names[id(p)], tuple(p.shape))[0])
+            grp.names = list(dict.fromkeys(grp.names))
             out.append(grp)
     elif _is_zero(opt):
         import deepspeed.comm as dist
@@ -192,12 +198,20 @@ def _groups(engine: Any) -> list[_Group]:
                 lo, hi = max(off, p0), min(off + n, p1)
                 if lo < hi:
                     spans.append((names[id(p)], tuple(p.shape), lo - off, hi - off, lo - p0))
-            out.append(_Group(opt.optimizer.param_groups[i], [flat], [spans]))
+            out.append(_Group(opt.optimizer.param_groups[i], [flat], [spans],
+                              names=_canonical(engine, names, params)))
     else:
         for g in base_optimizer(engine).param_groups:
             ps = [p for p in g["params"] if p.requires_grad]
-            out.append(_Group(g, ps, [[(names[id(p)], tuple(p.shape), 0, p.numel(), 0)] for p in ps]))
+            out.append(_Group(g, ps, [[(names[id(p)], tuple(p.shape), 0, p.numel(), 0)] for p in ps],
+                              names=_canonical(engine, names, g["params"])))
     return out
+
+
+def _canonical(engine: Any, names: dict[int, str], params: Iterable[torch.Tensor]) -> list[str]:
+    """Checkpoint names of ``params`` (those of the module; in order, once each)."""
+    out = [_place(engine, names[id(p)], tuple(p.shape))[0] for p in params if id(p) in names]
+    return list(dict.fromkeys(out))
 
 
 def model_shards(engine: Any) -> list[TensorShard]:
@@ -371,29 +385,86 @@ def optimizer_scalars(engine: Any, groups: Optional[list] = None) -> list[dict[s
                         scalars[k]["shape"] = list(v.shape)
                 else:
                     scalars[k] = {"value": v, "tensor": False}
-        out.append({"hyper": hyper, "scalars": scalars})
+        out.append({"params": list(g.names), "hyper": hyper, "scalars": scalars})
     return out
 
 
-def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> None:
+def portable_scalars(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`optimizer_scalars` as another process can take it: a step count still on the GPU
+    (:class:`~elastor_ds.checkpoint.state.DeviceScalar`, only with step counts kept on the device)
+    read now."""
+    from ...checkpoint.state import DeviceScalar
+    out = []
+    for e in entries:
+        sc = {k: ({**d, "value": d["value"].value()} if isinstance(d.get("value"), DeviceScalar) else d)
+              for k, d in e["scalars"].items()}
+        out.append({**e, "scalars": sc})
+    return out
+
+
+def merge_scalars(own: list[dict[str, Any]], everyone: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The job's param groups: this rank's (in order; on rank 0 they lead, as a reader by index
+    expects), then every other rank's group not seen yet (by its parameter names: data-parallel
+    replicas hold the same groups, pipeline stages groups of their own)."""
+    out = list(own)
+    seen = {tuple(e.get("params", ())) for e in own}
+    for entries in everyone:
+        for e in entries:
+            key = tuple(e.get("params", ()))
+            if key not in seen:
+                seen.add(key)
+                out.append(e)
+    return out
+
+
+def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> Optional[str]:
+    """Put the saved param groups' hyper-parameters and scalar states back. Groups saved with their
+    parameters' names (``"params"``) are found by membership: each group of this rank takes the
+    saved group sharing most of its parameters, whatever the stage or index it had. Returns what
+    could not be matched (a group of this rank with parameters that no saved group holds), else
+    None; the caller agrees on it across ranks. Checkpoints of older versions (groups without names:
+    rank 0's, in order) are restored by index."""
     opt = base_optimizer(engine)
     groups = _groups(engine)
-    if len(saved) != len(groups):
-        log.warning("checkpoint has %d optimizer param groups, this optimizer %d: restoring hyper-parameters and "
-                    "step counters from group 0 into every group", len(saved), len(groups))
+    if not all(isinstance(s, dict) and "params" in s for s in saved):
+        if len(saved) != len(groups):
+            log.warning("checkpoint has %d optimizer param groups, this optimizer %d: restoring hyper-parameters and "
+                        "step counters from group 0 into every group", len(saved), len(groups))
+        for i, g in enumerate(groups):
+            _restore_group(opt, g, saved[i] if i < len(saved) else saved[0])
+        return None
+    members = [set(s["params"]) for s in saved]
+    missing = []
     for i, g in enumerate(groups):
-        s = saved[i] if i < len(saved) else saved[0]
-        for k, v in s["hyper"].items():
-            if k in g.base_group:
-                g.base_group[k] = tuple(v) if isinstance(g.base_group[k], tuple) else v
-        for sp in g.state_params:
-            st = opt.state[sp]
-            for k, d in s["scalars"].items():
-                if d["tensor"]:
-                    st[k] = torch.tensor(d["value"], dtype=getattr(torch, d.get("dtype", "float32")),
-                                         device=sp.device if k != "step" else "cpu").reshape(d.get("shape", ()))
-                else:
-                    st[k] = d["value"]
+        if not g.names:
+            continue   # a group without parameters of the module (empty on this stage)
+        mine = set(g.names)
+        overlap = [len(mine & m) for m in members]
+        best = max(range(len(saved)), key=lambda j: overlap[j]) if saved else None
+        if best is None or overlap[best] == 0:
+            if not g.state_params:
+                continue   # frozen parameters only: no state, and no step they would take
+            missing.append(f"param group {i} ({', '.join(g.names[:3])}{' ...' if len(g.names) > 3 else ''})")
+            continue
+        if overlap[best] < len(mine) or any(0 < o for j, o in enumerate(overlap) if j != best):
+            log.warning("param group %d (%d parameters) is not one saved group: it takes the hyper-parameters of the "
+                        "saved group holding %d of its parameters", i, len(mine), overlap[best])
+        _restore_group(opt, g, saved[best])
+    return "; ".join(missing) or None
+
+
+def _restore_group(opt: Any, g: _Group, s: dict[str, Any]) -> None:
+    for k, v in s["hyper"].items():
+        if k in g.base_group:
+            g.base_group[k] = tuple(v) if isinstance(g.base_group[k], tuple) else v
+    for sp in g.state_params:
+        st = opt.state[sp]
+        for k, d in s["scalars"].items():
+            if d["tensor"]:
+                st[k] = torch.tensor(d["value"], dtype=getattr(torch, d.get("dtype", "float32")),
+                                     device=sp.device if k != "step" else "cpu").reshape(d.get("shape", ()))
+            else:
+                st[k] = d["value"]
 
 
 #: the loss scaler's state (what changes while training); its settings (window, minimum, hysteresis)
