@@ -86,6 +86,15 @@ def tmp_dirname(step: int, nonce: str) -> str:
     return f"{TMP_PREFIX}{step:09d}_{nonce}"
 
 
+IMPORT_TAG = "import"   # an import's temp dir: .tmp_step_<N>_import<nonce>
+
+
+def import_nonce() -> str:
+    """The nonce of an import's temp dir: random, never the pid (in a container every run has the
+    same pid, so one killed import's leftover blocked every later import of that step)."""
+    return f"{IMPORT_TAG}{uuid.uuid4().hex[:12]}"
+
+
 def step_of(name: str) -> Optional[int]:
     """The step of a ``step_N`` or ``.tmp_step_N_*`` directory name, else None."""
     m = _STEP_RE.match(name) or _TMP_RE.match(name)

@@ -147,7 +147,7 @@ def _write_single(root: str, step: int, names: Sequence[str], shapes: Mapping[st
                   dtypes: Mapping[str, str], get: Callable[[str], torch.Tensor], extra: Optional[Mapping[str, Any]],
                   model: Any, layout: Any, progress: bool) -> str:
     fname = "data_00000.safetensors"
-    with commit_mod.StepCommit.create(root, step, f"import{os.getpid()}", latest=commit_mod.LatestPolicy.FORWARD,
+    with commit_mod.StepCommit.create(root, step, commit_mod.import_nonce(), latest=commit_mod.LatestPolicy.FORWARD,
                                       check=True) as c:
         info, size, crc = _stream_tensors(os.path.join(c.path, fname), names, shapes, dtypes, get, progress)
         fsync_dir(c.path)

@@ -334,3 +334,45 @@ def test_an_export_is_private_while_written_and_gets_its_mode_at_the_end(tmp_pat
                            env=env, capture_output=True, text=True, timeout=180, preexec_fn=lambda m=mask: os.umask(m))
         assert p.returncode == 0, p.stderr
         assert stat.S_IMODE(os.stat(dst).st_mode) == want, (oct(os.stat(dst).st_mode), mask)
+
+
+# ---------------------------------------------------------------------------------- 7: temp dir nonce
+def _pid_one_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-p", "-f", sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, timeout=30).stdout.strip() == "1"
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "deepspeed-universal"])
+def test_an_import_in_a_container_is_not_blocked_by_a_killed_imports_leftover(tmp_path, fmt):
+    """Imports named their temp dir ``.tmp_step_<N>_import<pid>``: in a container every run is pid 1,
+    so the leftover of one killed import made every later import of that step fail with a bare
+    "FileExistsError: File exists". (``unshare -p`` gives the CLI pid 1, as a container does.)"""
+    if not _pid_one_works():
+        pytest.skip("unshare -p (a pid namespace) is not allowed here")
+    if fmt == "consolidated":
+        src = consolidated(tmp_path / "src", 9)
+    else:   # a DeepSpeed universal checkpoint, exported from an elastor one the DeepSpeed way
+        el = str(tmp_path / "el")
+        from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
+        t = {"model.w": torch.arange(12.0).reshape(3, 4), "optimizer.exp_avg.w": torch.ones(3, 4),
+             "optimizer.exp_avg_sq.w": torch.ones(3, 4)}
+        write_single_writer_checkpoint(el, 9, sorted(t), {n: v.shape for n, v in t.items()},
+                                       {n: "float32" for n in t}, t.__getitem__, extra={"global_steps": 9},
+                                       progress=False)
+        src = str(tmp_path / "uni")
+        p = elastor("convert", el, src, "--to", "deepspeed-universal", "--no-progress")
+        assert p.returncode == 0, p.stderr
+    root = str(tmp_path / "root")
+    assert elastor("convert", consolidated(tmp_path / "c7", 7), root, "--from", "consolidated",
+                   "--no-progress").returncode == 0
+    leftover = os.path.join(root, ".tmp_step_000000009_import1")
+    os.mkdir(leftover)   # what a kill -9'd import (pid 1) leaves
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.run(["unshare", "-p", "-f", sys.executable, "-m", "elastor_ds.cli", "convert", src, root, "--from",
+                        fmt, "--force", "--no-progress"], env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert json.load(open(os.path.join(root, "step_000000009", "manifest.json")))["step"] == 9
+    assert os.path.isdir(leftover) and os.listdir(leftover) == []   # not ours to touch

@@ -236,8 +236,8 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
     commit_mod.check_import_destination(dst, step, force)
     # the engine commits into a private staging root inside the destination; its step dir then
     # becomes this import's step through one StepCommit (latest forward only, no retention)
-    with commit_mod.StepCommit.create(dst, step, f"import{os.getpid()}",
-                                      latest=commit_mod.LatestPolicy.FORWARD) as c:
+    with commit_mod.StepCommit.create(dst, step, commit_mod.import_nonce(), latest=commit_mod.LatestPolicy.FORWARD,
+                                      check=True) as c:
         staging = c.path + ".stage"
         try:
             stats = CheckpointEngine(staging, async_save=False).save(
