@@ -256,10 +256,10 @@ def per_element(v: Any, sp: torch.Tensor) -> bool:
 
 def is_state_scalar(v: Any, sp: torch.Tensor) -> bool:
     """Whether ``v`` is a scalar optimizer state of ``sp`` (Adam's ``step``): a one-element tensor
-    that is not per-element (0-dim in torch's optimizers), or a python number."""
+    that is not per-element (0-dim in torch's optimizers), or a python number (or flag)."""
     if isinstance(v, torch.Tensor):
         return v.numel() == 1 and not per_element(v, sp)
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float))
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
