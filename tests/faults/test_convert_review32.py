@@ -337,6 +337,21 @@ def test_an_export_is_private_while_written_and_gets_its_mode_at_the_end(tmp_pat
 
 
 # ---------------------------------------------------------------------------------- 7: temp dir nonce
+def universal(tmp_path, step: int, n: int = 4) -> str:
+    """A DeepSpeed universal checkpoint, exported from an elastor one the DeepSpeed integration's way."""
+    from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
+    el = str(tmp_path / f"el_u{step}")
+    t = {"model.w": torch.arange(n * n, dtype=torch.float32).reshape(n, n), "optimizer.exp_avg.w": torch.ones(n, n),
+         "optimizer.exp_avg_sq.w": torch.ones(n, n)}
+    write_single_writer_checkpoint(el, step, sorted(t), {k: v.shape for k, v in t.items()},
+                                   {k: "float32" for k in t}, t.__getitem__, extra={"global_steps": step},
+                                   progress=False)
+    out = str(tmp_path / f"uni{step}")
+    p = elastor("convert", el, out, "--to", "deepspeed-universal", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
 def _pid_one_works() -> bool:
     try:
         return subprocess.run(["unshare", "-p", "-f", sys.executable, "-c", "import os; print(os.getpid())"],
@@ -354,17 +369,8 @@ def test_an_import_in_a_container_is_not_blocked_by_a_killed_imports_leftover(tm
         pytest.skip("unshare -p (a pid namespace) is not allowed here")
     if fmt == "consolidated":
         src = consolidated(tmp_path / "src", 9)
-    else:   # a DeepSpeed universal checkpoint, exported from an elastor one the DeepSpeed way
-        el = str(tmp_path / "el")
-        from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
-        t = {"model.w": torch.arange(12.0).reshape(3, 4), "optimizer.exp_avg.w": torch.ones(3, 4),
-             "optimizer.exp_avg_sq.w": torch.ones(3, 4)}
-        write_single_writer_checkpoint(el, 9, sorted(t), {n: v.shape for n, v in t.items()},
-                                       {n: "float32" for n in t}, t.__getitem__, extra={"global_steps": 9},
-                                       progress=False)
-        src = str(tmp_path / "uni")
-        p = elastor("convert", el, src, "--to", "deepspeed-universal", "--no-progress")
-        assert p.returncode == 0, p.stderr
+    else:
+        src = universal(tmp_path, 9)
     root = str(tmp_path / "root")
     assert elastor("convert", consolidated(tmp_path / "c7", 7), root, "--from", "consolidated",
                    "--no-progress").returncode == 0
@@ -376,3 +382,23 @@ def test_an_import_in_a_container_is_not_blocked_by_a_killed_imports_leftover(tm
     assert p.returncode == 0, p.stderr
     assert json.load(open(os.path.join(root, "step_000000009", "manifest.json")))["step"] == 9
     assert os.path.isdir(leftover) and os.listdir(leftover) == []   # not ours to touch
+
+
+# ---------------------------------------------------------------------------------- 8: DeepSpeed import cleanup
+def test_a_failed_deepspeed_import_removes_the_destination_it_created(tmp_path):
+    """A --from deepspeed-universal import that failed while writing (a file-size limit here, as a
+    full disk) left the empty destination directory it had created (the other importers remove it)."""
+    import resource
+    src = universal(tmp_path, 5, n=128)   # 64 KiB tensors
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+    dst = str(tmp_path / "out")
+    p = elastor("convert", src, dst, "--from", "deepspeed-universal", "--no-progress", preexec_fn=limit)
+    assert p.returncode == 1 and "File too large" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not os.path.lexists(dst)
+    # an existing empty destination is the user's: it stays
+    os.mkdir(dst)
+    p = elastor("convert", src, dst, "--from", "deepspeed-universal", "--no-progress", preexec_fn=limit)
+    assert p.returncode == 1, p.stderr
+    assert os.path.isdir(dst) and os.listdir(dst) == []

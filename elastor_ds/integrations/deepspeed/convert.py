@@ -234,8 +234,24 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
     step = int(extra["global_steps"])
     check_import_step(step, step_dir)
     commit_mod.check_import_destination(dst, step, force)
-    # the engine commits into a private staging root inside the destination; its step dir then
-    # becomes this import's step through one StepCommit (latest forward only, no retention)
+    made_root = not os.path.lexists(dst)
+    try:
+        out, stats = _commit_import(dst, step, shards, extra, step_dir)
+    finally:
+        if made_root and not os.path.lexists(os.path.join(dst, commit_mod.LATEST)):
+            try:
+                os.rmdir(dst)   # made for this import, which failed: only if empty (nothing else deleted)
+            except OSError:
+                pass
+    log.info("converted %s -> %s (%d tensors, %d bytes)", step_dir, out, len({s.name for s in shards}),
+             stats.bytes_written)
+    return out
+
+
+def _commit_import(dst: str, step: int, shards: list, extra: dict, step_dir: str):
+    """The engine commits into a private staging root inside the destination; its step dir then
+    becomes this import's step through one StepCommit (latest forward only, no retention)."""
+    import shutil
     with commit_mod.StepCommit.create(dst, step, commit_mod.import_nonce(), latest=commit_mod.LatestPolicy.FORWARD,
                                       check=True) as c:
         staging = c.path + ".stage"
@@ -246,13 +262,9 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
                 raise CheckpointError(f"import of {step_dir}: the save did not commit")
             os.rmdir(c.path)
             os.rename(stats.committed_dir, c.path)
-            out = c.finalize(retention=False)
+            return c.finalize(retention=False), stats
         finally:
-            import shutil
             shutil.rmtree(staging, ignore_errors=True)
-    log.info("converted %s -> %s (%d tensors, %d bytes)", step_dir, out, len({s.name for s in shards}),
-             stats.bytes_written)
-    return out
 
 
 def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
