@@ -285,6 +285,40 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(src: str, dst: str, root: str, step: int) -> None:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist (``renameat2(RENAME_NOREPLACE)``;
+    where unsupported, a plain rename, which fails onto a non-empty directory as a committed step
+    is); else :class:`DestinationNotEmptyError` (an import never replaces a step)."""
+    from ..errors import DestinationNotEmptyError
+    err = 0
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        fn = None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+    if fn is None or err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        if os.path.lexists(dst):
+            err = errno.EEXIST
+        else:
+            try:
+                os.rename(src, dst)
+                return
+            except OSError as e:
+                err = e.errno or 0
+    if err in (errno.EEXIST, errno.ENOTEMPTY):
+        raise DestinationNotEmptyError(f"{root} already holds {step_dirname(step)} (committed meanwhile by another "
+                                       f"import or save); an import never replaces a committed step: nothing was "
+                                       f"committed, choose a new directory")
+    raise OSError(err, os.strerror(err), src)
+
+
 class AtomicCommit:
     """A write that appears whole or not at all: ``create`` -> write into ``path`` -> ``finalize``
     or ``abort``. As a context manager, an exception (or leaving without ``finalize``) aborts."""
@@ -321,9 +355,12 @@ class StepCommit(AtomicCommit):
         ``check`` (imports): before the step is renamed into place, its manifest is parsed back as
         every reader parses it (:func:`read_manifest`), so a commit never produces a step its own
         readers refuse. Off for saves and memory snapshots (a full parse costs milliseconds every
-        step; their manifests come from live tensors and a validated plan)."""
+        step; their manifests come from live tensors and a validated plan). An import also never
+        replaces a step: the rename is ``RENAME_NOREPLACE``, so of two concurrent imports of one
+        step the second fails (:class:`DestinationNotEmptyError`) instead of deleting the first's."""
         self.root, self.step, self.path, self.latest, self.sync = root, int(step), tmp_dir, latest, sync
         self.check = check
+        self.replace = not check   # an import (check) never replaces a step, even one committed meanwhile
 
     def _write(self, path: str, text: str) -> None:
         atomic_write_text(path, text, sync=self.sync)
@@ -380,7 +417,9 @@ class StepCommit(AtomicCommit):
             raise UnsafeCheckpointError(f"{final} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}, "
                                         f"not a step this engine wrote; nothing was replaced. Remove it, or save "
                                         f"under another root")
-        if st is None:
+        if not self.replace:
+            _rename_noreplace(self.path, final, self.root, self.step)
+        elif st is None:
             os.rename(self.path, final)
         elif _exchange(self.path, final):
             self._sync_root()

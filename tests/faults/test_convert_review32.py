@@ -402,3 +402,42 @@ def test_a_failed_deepspeed_import_removes_the_destination_it_created(tmp_path):
     p = elastor("convert", src, dst, "--from", "deepspeed-universal", "--no-progress", preexec_fn=limit)
     assert p.returncode == 1, p.stderr
     assert os.path.isdir(dst) and os.listdir(dst) == []
+
+
+# ---------------------------------------------------------------------------------- 9: concurrent --force imports
+_IMPORT_A_WHILE_B_COMMITS = (
+    "import subprocess, sys\n"
+    "from elastor_ds.checkpoint import convert\n"
+    "orig = convert._stream_tensors\n"
+    "def slow(*a, **k):   # while import A writes, import B (another user's process) runs to its end\n"
+    "    p = subprocess.run([sys.executable, '-m', 'elastor_ds.cli', 'convert', sys.argv[1], sys.argv[3], '--from',\n"
+    "                        'consolidated', '--force', '--no-progress'], capture_output=True, text=True)\n"
+    "    print('B', p.returncode, flush=True)\n"
+    "    return orig(*a, **k)\n"
+    "convert._stream_tensors = slow\n"
+    "from elastor_ds.cli import main\n"
+    "sys.exit(main(['convert', sys.argv[2], sys.argv[3], '--from', 'consolidated', '--force', '--no-progress']))\n")
+
+
+def test_two_concurrent_force_imports_of_one_step_never_delete_the_first(tmp_path):
+    """Each --force import checked "step absent" before writing; the one that committed second
+    exchanged the first one's committed step out and deleted it. Now the second fails in one line,
+    exit 2, and the first one's step stays."""
+    from safetensors.torch import save_file
+    root = str(tmp_path / "root")
+    assert elastor("convert", consolidated(tmp_path / "c3", 3), root, "--from", "consolidated",
+                   "--no-progress").returncode == 0
+    b = tmp_path / "b"
+    b.mkdir()
+    save_file({"only_b": torch.zeros(4)}, str(b / "model.safetensors"))
+    (b / "elastor_metadata.json").write_text('{"step": 8}')
+    a = consolidated(tmp_path / "a", 8)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", _IMPORT_A_WHILE_B_COMMITS, str(b), a, root], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert "B 0" in p.stdout, (p.stdout, p.stderr)
+    assert_one_line_failure(p, 2, "step_000000008", "never replaces")
+    man = json.load(open(os.path.join(root, "step_000000008", "manifest.json")))
+    assert sorted(man["tensors"]) == ["only_b"]   # B's step, whole
+    assert open(os.path.join(root, "latest")).read().strip() == "step_000000008"
+    assert sorted(os.listdir(root)) == ["latest", "step_000000003", "step_000000008"]
