@@ -446,9 +446,12 @@ def restore_optimizer_scalars(engine: Any, saved: list[dict[str, Any]]) -> Optio
                 continue   # frozen parameters only: no state, and no step they would take
             missing.append(f"param group {i} ({', '.join(g.names[:3])}{' ...' if len(g.names) > 3 else ''})")
             continue
-        if overlap[best] < len(mine) or any(0 < o for j, o in enumerate(overlap) if j != best):
-            log.warning("param group %d (%d parameters) is not one saved group: it takes the hyper-parameters of the "
-                        "saved group holding %d of its parameters", i, len(mine), overlap[best])
+        # a group made of several saved ones (PP2 -> PP1: one group per stage, now one) is fine while
+        # they agree; a tied weight is in a group of each stage holding it
+        others = [j for j, o in enumerate(overlap) if o and saved[j]["hyper"] != saved[best]["hyper"]]
+        if overlap[best] < len(mine) and others:
+            log.warning("param group %d (%d parameters) holds parameters of saved groups with other hyper-parameters: "
+                        "it takes those of the saved group holding %d of its parameters", i, len(mine), overlap[best])
         _restore_group(opt, g, saved[best])
     return "; ".join(missing) or None
 
