@@ -48,6 +48,7 @@ import errno
 import logging
 import os
 import re
+import shlex
 import shutil
 import stat
 import time
@@ -66,6 +67,7 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 TMP_PREFIX = ".tmp_step_"
 _TMP_RE = re.compile(r"^\.tmp_step_(\d{9,})_")
+_IMPORT_TMP_RE = re.compile(r"^\.tmp_step_\d{9,}_import")   # an import's temp dir and its .stage beside it
 
 
 class LatestPolicy(enum.Enum):
@@ -796,6 +798,14 @@ def check_import_destination(root: str, step: Optional[int] = None, force: bool 
         return
     if not os.path.isdir(root):
         raise DestinationNotEmptyError(f"destination {root} exists and is not a directory; choose a new path")
+    entries = os.listdir(root)
+    leftovers = sorted(n for n in entries if _IMPORT_TMP_RE.match(n))
+    if leftovers and len(leftovers) == len(entries):   # nothing but what a killed import leaves
+        shown = ", ".join(repr(n) for n in leftovers[:4]) + (", ..." if len(leftovers) > 4 else "")
+        raise DestinationNotEmptyError(
+            f"destination {root} holds only the leftovers of an interrupted import ({shown}: the temporary folders "
+            f"of an import that was killed before it committed; nothing in them is a checkpoint). You may delete "
+            f"them (rm -rf {shlex.quote(root.rstrip('/') or '/')}/{TMP_PREFIX}*) and rerun, or choose a new directory")
     if not force:
         raise DestinationNotEmptyError(f"destination {root} is not empty; choose a new directory, or pass --force to "
                                        f"add the imported step to this elastor checkpoint root (nothing is replaced "

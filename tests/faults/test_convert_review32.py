@@ -441,3 +441,35 @@ def test_two_concurrent_force_imports_of_one_step_never_delete_the_first(tmp_pat
     assert sorted(man["tensors"]) == ["only_b"]   # B's step, whole
     assert open(os.path.join(root, "latest")).read().strip() == "step_000000008"
     assert sorted(os.listdir(root)) == ["latest", "step_000000003", "step_000000008"]
+
+
+# ---------------------------------------------------------------------------------- 10: a killed import's leftovers
+_IMPORT_KILLED_BEFORE_COMMIT = (
+    "import os, sys\n"
+    "from elastor_ds.checkpoint import commit\n"
+    "commit.StepCommit.finalize = lambda self, *a, **k: os._exit(137)   # kill -9 just before the commit\n"
+    "from elastor_ds.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "deepspeed-universal"])
+def test_a_rerun_after_a_killed_import_names_its_leftovers(tmp_path, fmt):
+    """kill -9 of an import into a new DST left only ``.tmp_step_*_import*`` there; every rerun was
+    refused ("not empty" / "not an elastor checkpoint root") without saying what they are."""
+    src = consolidated(tmp_path / "c", 7) if fmt == "consolidated" else universal(tmp_path, 7)
+    dst = str(tmp_path / "dst")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", _IMPORT_KILLED_BEFORE_COMMIT, "convert", src, dst, "--from", fmt,
+                        "--no-progress"], env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 137, p.stderr
+    left = sorted(os.listdir(dst))
+    assert left and all(n.startswith(".tmp_step_000000007_import") for n in left), left
+    for force in ([], ["--force"]):
+        line = assert_one_line_failure(elastor("convert", src, dst, "--from", fmt, "--no-progress", *force), 2,
+                                       "interrupted import", "delete")
+        assert all(n in line for n in left), line
+        assert sorted(os.listdir(dst)) == left
+    import shutil
+    for n in left:
+        shutil.rmtree(os.path.join(dst, n))
+    assert elastor("convert", src, dst, "--from", fmt, "--no-progress").returncode == 0
