@@ -214,7 +214,7 @@ def like(saved: Any, live: Any) -> Any:
         out = {}
         for k, v in saved.items():
             lk = keys.get(k, k) if isinstance(k, str) else k
-            if ints and isinstance(lk, str) and lk.lstrip("-").isdigit():
+            if ints and isinstance(lk, str) and lk.isascii() and lk.lstrip("-").isdigit():
                 lk = int(lk)
             out[lk] = like(v, live[lk]) if lk in live else v
         if type(live) in (collections.Counter, collections.OrderedDict) and type(out) is dict:

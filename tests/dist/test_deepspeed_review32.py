@@ -216,6 +216,8 @@ def test_type_tags_round_trip_and_old_scheduler_state_still_loads():
         sch2.step()
         seen.append(opt2.param_groups[0]["lr"])
     assert seen == [0.25, 0.25]                  # by hand: halved again at step 4
+    # a key of non-ASCII digits ('\u00b2'.isdigit() is True, int() refuses it) stays a string
+    assert like({"5": 1, "\u00b2": 2}, {3: 1}) == {5: 1, "\u00b2": 2}
 
 
 # --- 3. buffers: every persistent one (any dtype), no non-persistent one --------------------------
