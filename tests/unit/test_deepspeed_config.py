@@ -306,3 +306,20 @@ def test_a_model_with_batch_norm_running_statistics_does_not_write_live(tmp_path
     s.memory.ckpt.finalize()
     for key in ("checkpoint.live_write", "memory_snapshot.live_write"):
         assert f"{key} is on, but module '1' (BatchNorm1d) updates its running statistics" in caplog.text
+
+
+def test_plan_auto_on_a_module_not_built_from_the_plan_warns(caplog):
+    """Review of the thirty-second session: ``"plan": "auto"`` with a module built without the plan
+    ran the launch's layout with an INFO line nobody saw (the planner's plan was PP2, the engine ran
+    DP2). It is a warning naming the fix now."""
+    import logging
+    from types import SimpleNamespace
+
+    from elastor_ds.integrations.deepspeed.api import _check_plan
+
+    engine = SimpleNamespace(module=SimpleNamespace(), num_stages=1, dp_world_size=2, grid=None,
+                             gradient_accumulation_steps=lambda: 1)
+    with caplog.at_level(logging.WARNING):
+        _check_plan(engine, parse_elastor_section({"plan": "auto"}))
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(msgs) == 1 and "has no effect" in msgs[0] and "resolve_plan" in msgs[0], msgs

@@ -125,10 +125,14 @@ def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
                 raise ConfigError(f"elastor.plan {plan.describe()} differs from the plan the PipelineModule was built "
                                   f"with ({rt.layout.describe()}): pass the same plan to both")
         return
-    if ecfg.plan == "auto":
-        log.info("elastor.plan='auto': running the launch's layout %s (boundaries %s); build the module with "
-                 "elastor_ds.deepspeed.PipelineModule(plan=...) to use a planner's plan", layout.describe(),
-                 layout.boundaries())
+    if ecfg.plan == "auto":   # the planner never ran: say so where the user looks (it was INFO, unseen)
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            log.warning("elastor.plan='auto' has no effect here: the module was not built from the plan, so the "
+                        "launch's layout %s (boundaries %s) runs, not the planner's; build it with "
+                        "elastor_ds.deepspeed.PipelineModule(layers, plan=elastor_ds.deepspeed.resolve_plan(config, "
+                        "num_layers=len(layers))) to train under the plan",
+                        layout.describe(), layout.boundaries())
         return
     from .pipe import grid_boundaries, layout_from_plan
     plan = layout_from_plan(ecfg.plan, layout.num_layers)
