@@ -1,4 +1,5 @@
-"""argparse value types shared by the CLI subcommands: integers >= 1, finite numbers > 0 (or >= 0).
+"""argparse value types shared by the CLI subcommands: integers >= 1, finite numbers > 0 (or >= 0);
+and :func:`has_control_chars`, the check of a name read from a user's file before it is printed.
 
 A bad value becomes argparse's one-line usage error (exit 2) naming the flag and the value."""
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import unicodedata
 from typing import Callable
 
 
@@ -70,3 +72,20 @@ def bounded_float(lo: float, hi: float) -> Callable[[str], float]:
 
 def _num(x: float) -> str:
     return f"{x:,.0f}" if x >= 1 and x == int(x) else f"{x:g}"
+
+
+_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# controls (C0, C1), invisible formatting characters (bidirectional overrides and isolates, zero-width
+# spaces and joiners, the byte order mark, ...), line and paragraph separators, lone surrogates
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def has_control_chars(text: str) -> bool:
+    """``text`` holds a control character (an escape sequence printed to the user's terminal would
+    act on it) or an invisible formatting one (a right-to-left override or a zero-width space would
+    make a printed name read as another). The same rule as the checkpoint manifest's names
+    (``elastor_ds.checkpoint.planning.manifest.has_control_chars``), for names and texts read from
+    a user's file that the CLI prints (node names of a cluster file, a profile's sources)."""
+    if text.isascii():   # the usual text: one C-speed scan
+        return _ASCII_CONTROL.search(text) is not None
+    return any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in text)

@@ -43,7 +43,9 @@ LIMITS = {
     "--top-k": 100,
 }
 MAX_MICRO_BATCHES = 1 << 22          # global batch / micro-batch size
-MAX_PLAN_FILE_BYTES = 512 << 20      # --from-plan: a 131,072-GPU plan document is ~20 MB
+# --from-plan: a version-1 document at 131,072 GPUs is 10-17 MB (what --json writes there, version 2,
+# under 1 MB); parsed, JSON takes ~27x its size in memory (a 20 MB file of empty lists: 575 MB RSS)
+MAX_PLAN_FILE_BYTES = 32 << 20
 
 
 def bounded_int(flag: str) -> Callable[[str], int]:
@@ -66,7 +68,8 @@ def register(subparsers: Any) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=bounded_int("--num-layers"), required=True, help="transformer layers")
     g.add_argument("--hidden-size", type=bounded_int("--hidden-size"), required=True, help="hidden size")
-    g.add_argument("--ffn-hidden-size", type=bounded_int("--ffn-hidden-size"), default=None, help="default 4 x hidden")
+    g.add_argument("--ffn-hidden-size", type=bounded_int("--ffn-hidden-size"), default=None,
+                   help="default 4 x hidden; with --swiglu Megatron-LM's int(8 x hidden / 3 / 64) x 64")
     g.add_argument("--num-attention-heads", type=bounded_int("--num-attention-heads"),
                    required=True, help="attention heads")
     g.add_argument("--num-query-groups", type=bounded_int("--num-query-groups"),
@@ -88,7 +91,8 @@ def register(subparsers: Any) -> None:
     t.add_argument("--tensor-model-parallel-size", type=bounded_int("--tensor-model-parallel-size"),
                    default=1, help="nominal (maximum) TP")
     t.add_argument("--zero-stage", type=ascii_int, default=1, choices=(0, 1, 2, 3),
-                   help="default 1; heterogeneous plans run ZeRO-1 at most and are priced so")
+                   help="default 1; heterogeneous plans and pipelines (more than one stage) run ZeRO-1 at most "
+                        "and are priced so")
     c = p.add_argument_group("cluster")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--gpus-per-node", help="usable GPUs per node, e.g. 8,8,8,7")
@@ -283,7 +287,10 @@ def format_table(doc: dict[str, Any], cost: CostModel, full: bool = False, max_r
         note = ""
         if asked is not None and asked != z:
             note = (f" (--zero-stage {asked} asked; a heterogeneous plan runs ZeRO-1 at most: optimizer state "
-                    f"sharded among the holders of each block, gradients and weights whole; priced so)")
+                    f"sharded among the holders of each block, gradients and weights whole; priced so)"
+                    if doc["kind"] != "uniform" else
+                    f" (--zero-stage {asked} asked; a pipeline of more than one stage runs ZeRO-1 at most: "
+                    f"DeepSpeed's PipelineEngine refuses ZeRO-2/3; priced so)")
         elif doc["kind"] != "uniform" and z == 1:
             note = " (optimizer state sharded among the holders of each block)"
         lines.append(f"ZeRO-{z}{note}")

@@ -11,19 +11,29 @@ File format (YAML or JSON)::
       - {name: node0, gpus: [0, 1, 2, 3, 4, 5, 6, 7]}
       - {name: node1, gpus: [0, 1, 2, 4, 5, 6, 7], speed: {"5": 0.6}}   # GPU 5 is a straggler
 
+Every field is checked, and a bad one refused naming it (:class:`~elastor_ds.errors.ConfigError`,
+exit 2): node names are non-empty strings without control or invisible formatting characters (they
+are printed), GPU ids and counts whole numbers (not ``1.9``, ``true`` or ``"2"``), speed keys a GPU id
+of that node in ASCII digits (``"5"`` or ``5``, not ``"05"``), speeds numbers from
+:data:`SPEED_RANGE` (relative to a nominal GPU's 1.0), no unknown keys. A YAML file is at most
+:data:`CLUSTER_YAML_MAX` bytes and may not use anchors or aliases (``&a`` / ``*a``: a few lines that
+expand to a large cluster); a JSON file at most :data:`CLUSTER_FILE_MAX` bytes, strict JSON.
+
 Pure: no torch.distributed, deepspeed or megatron.
 """
 from __future__ import annotations
 
-import json
+import argparse
 import math
 import operator
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, chain, repeat
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
+from ..cli_types import ascii_int, has_control_chars
 from ..errors import ConfigError
 from .gcpause import gc_paused
 
@@ -31,7 +41,12 @@ from .gcpause import gc_paused
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1 << 18        # 262,144
 MAX_GPUS = 1 << 18         # 262,144 usable GPUs in all
-CLUSTER_FILE_MAX = 128 * 1024 * 1024   # bytes of a cluster file (262,144 nodes with GPU speeds fit)
+CLUSTER_FILE_MAX = 128 * 1024 * 1024   # bytes of a JSON cluster file (262,144 nodes with GPU speeds fit)
+CLUSTER_YAML_MAX = 8 * 1024 * 1024     # bytes of a YAML one (262,144 GPUs on 32,768 nodes with speeds: 2.3 MB)
+# a GPU's speed relative to a nominal one: beyond this the cost model's arithmetic leaves a float's
+# precision (a speed of 1e308 or 1e-200 made the micro-batch assignment loop for ever)
+SPEED_RANGE = (1e-3, 1e3)
+_GPU_KEY = re.compile(r"0|[1-9][0-9]{0,6}")  # a speed map's key: a GPU id as str(id) writes it
 
 
 class Device(NamedTuple):
@@ -66,8 +81,11 @@ class Node:
             return
         if len(self.speeds) != len(gpus):
             raise ConfigError(f"node {self.name}: {len(self.speeds)} speeds for {len(gpus)} GPUs")
-        if any(not (s > 0) or not math.isfinite(s) for s in self.speeds):
-            raise ConfigError(f"node {self.name}: relative speeds {list(self.speeds)} must be > 0")
+        lo, hi = SPEED_RANGE
+        if not all(lo <= s <= hi for s in self.speeds):   # NaN fails the comparison too
+            g, s = next((g, s) for g, s in zip(gpus, self.speeds) if not lo <= s <= hi)
+            raise ConfigError(f"node {self.name}: GPU {g} has speed {s!r}; a relative speed (1.0 = nominal) must be "
+                              f"{lo:g} to {hi:g}")
 
 
 # the plausible range of each hardware figure (per GPU): outside it the cost model's arithmetic
@@ -109,13 +127,16 @@ class Cluster:
                 fields = spec.replace(" ", "").split(",")
                 if fields and fields[-1] == "" and len(fields) > 1:
                     fields.pop()   # a trailing comma
-                counts = [int(x) for x in fields]   # an empty field ("8,,8") is a typo, not a node dropped
-            except ValueError:
-                raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7") from None
+                # ASCII digits only: int() also takes "1_6", fullwidth and Arabic-Indic digits; an
+                # empty field ("8,,8") is a typo, not a node dropped
+                counts = [ascii_int(x) for x in fields]
+            except argparse.ArgumentTypeError:
+                raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers in ASCII digits "
+                                  f"like 8,8,8,7") from None
             if not counts:
                 raise ConfigError(f"--gpus-per-node {spec!r}: expected comma-separated integers like 8,8,8,7")
         else:
-            counts = [int(x) for x in spec]
+            counts = [_whole(x, "gpus per node", f"entry {i}") for i, x in enumerate(spec)]
         if any(c < 0 for c in counts):
             raise ConfigError(f"gpus per node: counts must be >= 0 (got {min(counts)})")
         if len(counts) > MAX_NODES:
@@ -129,7 +150,7 @@ class Cluster:
     def from_dict(d: Mapping[str, Any], **overrides: Any) -> "Cluster":
         try:
             return Cluster._from_dict(d, **overrides)
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"malformed cluster description ({type(e).__name__}: {e}); see "
@@ -137,45 +158,70 @@ class Cluster:
 
     @staticmethod
     def _from_dict(d: Mapping[str, Any], **overrides: Any) -> "Cluster":
-        kw: dict[str, Any] = {k: float(d[k]) for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs",
-                                                        "inter_node_bandwidth_gbs") if k in d}
-        kw.update({k: v for k, v in overrides.items() if v is not None})
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a cluster description is a mapping, got {type(d).__name__}")
         unknown = set(d) - {"gpu_memory_gb", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs",
                             "gpus_per_node", "nodes"}
         if unknown:
-            raise ConfigError(f"cluster file has unknown keys {sorted(unknown)}")
+            raise ConfigError(f"cluster file has unknown keys {sorted(map(_show, unknown))}")
+        kw: dict[str, Any] = {k: _number(d[k], k) for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs",
+                                                             "inter_node_bandwidth_gbs") if k in d}
+        kw.update({k: v for k, v in overrides.items() if v is not None})
         if ("nodes" in d) == ("gpus_per_node" in d):
             raise ConfigError("cluster file needs exactly one of 'nodes' or 'gpus_per_node'")
         if "gpus_per_node" in d:
-            return Cluster.from_gpus_per_node(list(d["gpus_per_node"]), **kw)
+            counts = _list(d["gpus_per_node"], "gpus_per_node", MAX_NODES)
+            return Cluster.from_gpus_per_node(counts, **kw)
         nodes = []
-        for i, nd in enumerate(d["nodes"]):
-            name = str(nd.get("name", f"node{i}"))
-            gpus = tuple(int(g) for g in nd.get("gpus", ()))
+        for i, nd in enumerate(_list(d["nodes"], "nodes", MAX_NODES)):
+            if not isinstance(nd, Mapping):
+                raise ConfigError(f"cluster file nodes[{i}]: expected a mapping with name, gpus and speed, got "
+                                  f"{type(nd).__name__}")
+            extra = set(nd) - {"name", "gpus", "speed"}
+            if extra:
+                raise ConfigError(f"cluster file nodes[{i}]: unknown keys {sorted(map(_show, extra))}; a node has "
+                                  f"name, gpus and speed")
+            name = _node_name(nd.get("name", f"node{i}"), i)
+            where = f"node {name}"
+            gpus = tuple(_whole(g, where, "each GPU id")
+                         for g in _list(nd.get("gpus", []), f"{where}: gpus", MAX_GPUS_PER_NODE))
             sp = nd.get("speed", {})
             if isinstance(sp, Mapping):
-                bad = {int(k) for k in sp} - set(gpus)
-                if bad:
-                    raise ConfigError(f"node {name}: speed given for GPUs {sorted(bad)} that are not usable")
-                speeds = tuple(float(sp.get(str(g), sp.get(g, 1.0))) for g in gpus)
+                have = set(gpus)
+                if len(sp) > len(gpus):
+                    raise ConfigError(f"{where}: {len(sp):,} speeds for {len(gpus)} GPUs; give at most one per GPU")
+                by_gpu: dict[int, float] = {}
+                for k, v in sp.items():
+                    g = _gpu_key(k, where)
+                    if g not in have:
+                        raise ConfigError(f"{where}: speed given for GPU {g}, which is not among its usable GPUs "
+                                          f"{list(gpus)}")
+                    if g in by_gpu:
+                        raise ConfigError(f"{where}: speed of GPU {g} given twice")
+                    by_gpu[g] = _number(v, f"{where}: speed of GPU {g}")
+                speeds = tuple(by_gpu.get(g, 1.0) for g in gpus)
             else:
-                speeds = tuple(float(s) for s in sp)
+                speeds = tuple(_number(s, f"{where}: speed[{j}]")
+                               for j, s in enumerate(_list(sp, f"{where}: speed", MAX_GPUS_PER_NODE)))
             nodes.append(Node(name, gpus, speeds))
         return Cluster(tuple(nodes), **kw)
 
     @staticmethod
     def from_file(path: str | Path, **overrides: Any) -> "Cluster":
         p = Path(path)
-        from ..user_json import read_user_file
-        raw = read_user_file(str(p), "cluster file", CLUSTER_FILE_MAX, "a cluster file",
+        from ..user_json import read_user_file, strict_json
+        is_json = p.suffix.lower() == ".json"
+        limit = CLUSTER_FILE_MAX if is_json else CLUSTER_YAML_MAX
+        raw = read_user_file(str(p), "cluster file", limit, "a JSON cluster file" if is_json else
+                             "a YAML cluster file (a larger cluster: write it as .json)",
                              "name a JSON or YAML file of nodes and their GPUs")
         try:
             text = raw.decode("utf-8")
-            if p.suffix.lower() == ".json":
-                data = json.loads(text)
-            else:
-                import yaml  # PyYAML; JSON is valid YAML too
-                data = yaml.safe_load(text)
+            data = strict_json(text) if is_json else load_yaml(text)
+        except ConfigError as e:
+            raise ConfigError(f"cluster file {p}: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"cannot parse cluster file {p}: nested too deeply") from None
         except Exception as e:  # noqa: BLE001 - any parse error is a config error
             raise ConfigError(f"cannot parse cluster file {p}: {e}") from None
         if not isinstance(data, Mapping):
@@ -251,6 +297,158 @@ _NAME = operator.attrgetter("name")
 _new_device = tuple.__new__  # Device's fields without NamedTuple.__new__'s keyword handling
 _IDS = {k: tuple(range(k)) for k in range(MAX_GPUS_PER_NODE + 1)}
 _ONES = {k: (1.0,) * k for k in range(MAX_GPUS_PER_NODE + 1)}
+
+
+def _show(v: Any) -> str:
+    """A value from a user's file as an error message shows it: repr, at most 40 characters."""
+    try:
+        text = repr(v)
+    except ValueError:   # an int of more than 4,300 digits
+        return f"<an integer of {v.bit_length():,} bits>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(v: Any, where: str, what: str) -> int:
+    """``v`` when it is an integer (not a bool, a float or a string: ``1.9`` and ``true`` are typos
+    that ``int()`` would turn into 1); numpy's integers too."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if not isinstance(v, (bool, str, bytes, float)):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise ConfigError(f"{where}: {what} must be a whole number, got {_show(v)} ({type(v).__name__})")
+
+
+def _number(v: Any, what: str) -> float:
+    """A number of a cluster file as a float: an int or a float, not a bool or a string; one too
+    large for a float (``10**400``) refused."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{what}={_show(v)}: expected a number, got {type(v).__name__}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise ConfigError(f"{what}={_show(v)}: too large a number") from None
+
+
+def _list(v: Any, what: str, most: int) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(f"{what}: expected a list, got {type(v).__name__}")
+    if len(v) > most:
+        raise ConfigError(f"{what}: {len(v):,} entries; at most {most:,} are supported")
+    return list(v)
+
+
+def _node_name(v: Any, i: int) -> str:
+    """A node name of a cluster file: a non-empty string the CLI can print (no control or invisible
+    formatting characters: an escape sequence would act on the user's terminal)."""
+    if not isinstance(v, str):
+        raise ConfigError(f"cluster file nodes[{i}]: name {_show(v)} is not a string; give a name like node{i}")
+    why = ("is empty" if not v else f"is {len(v):,} characters long (at most 255)" if len(v) > 255 else
+           "has control or invisible formatting characters (printed, they would act on the terminal)"
+           if has_control_chars(v) else None)
+    if why:
+        raise ConfigError(f"cluster file nodes[{i}]: name {_show(v)} {why}; give a name like node{i}")
+    return v
+
+
+def _gpu_key(k: Any, where: str) -> int:
+    """A speed map's key: a GPU id, as an integer or in ASCII digits as ``str(id)`` writes it (the
+    map is read by ``str(id)``: ``"01"`` or ``"1_0"`` would never be found)."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        return k
+    if isinstance(k, str) and _GPU_KEY.fullmatch(k):
+        return int(k)
+    raise ConfigError(f"{where}: speed key {_show(k)} is not a GPU id; write the id in ASCII digits without "
+                      f"leading zeros, e.g. \"5\"")
+
+
+# ---- YAML without anchors and aliases, through libyaml's event parser ---------------------------------
+_YAML_SCALARS = {"tag:yaml.org,2002:str", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+                 "tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"}
+_YAML_CONTAINERS = {None, "!", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` for a cluster file, refusing anchors and aliases (``&a`` / ``*a``:
+    a few lines that name one large map on every node, which every reader then walks once per node),
+    tags other than plain scalars, maps and lists (timestamps, sets, merge keys ``<<``), keys that are
+    not scalars or that repeat, and more than one document: a ConfigError naming the line.
+
+    The events come from libyaml's parser when PyYAML has it (``yaml.CSafeLoader``), and the
+    values are built from them here: safe_load's node graph and constructor cost ~7x more
+    (2.3 MB, 262,144 GPUs: 5.2 s CPU with the C loader, 16 s without; here 0.7 s)."""
+    import yaml
+    from yaml.events import (AliasEvent, DocumentStartEvent, MappingEndEvent, MappingStartEvent, ScalarEvent,
+                             SequenceEndEvent, SequenceStartEvent)
+    from yaml.nodes import ScalarNode
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    resolver = yaml.resolver.Resolver()
+    constructor = yaml.constructor.SafeConstructor()
+    cache: dict[tuple, Any] = {}  # scalar (text, implicit, tag) -> value: GPU ids and speeds repeat
+    stack: list[list] = []        # per open container: [container, key, key seen]
+    root: Any = None
+    docs = 0
+
+    def refuse(ev: Any, what: str) -> ConfigError:
+        m = ev.start_mark
+        return ConfigError(f"line {m.line + 1}, column {m.column + 1}: {what}" if m is not None else what)
+
+    for ev in yaml.parse(text, Loader=loader):
+        t = type(ev)
+        if t is ScalarEvent:
+            if ev.anchor is not None:
+                raise refuse(ev, f"YAML anchor &{ev.anchor}: anchors and aliases are not accepted in a cluster "
+                                 f"file; write each node out")
+            key = (ev.value, ev.implicit, ev.tag)
+            v = cache.get(key, cache)
+            if v is cache:
+                tag = ev.tag if ev.tag not in (None, "!") else resolver.resolve(ScalarNode, ev.value, ev.implicit)
+                if tag not in _YAML_SCALARS:
+                    raise refuse(ev, f"YAML value {_show(ev.value)} has tag {tag}; a cluster file holds strings, "
+                                     f"numbers, maps and lists (quote a string)")
+                v = constructor.construct_object(ScalarNode(tag, ev.value), deep=True)
+                if len(cache) < 4096:
+                    cache[key] = v
+        elif t is MappingStartEvent or t is SequenceStartEvent:
+            if ev.anchor is not None:
+                raise refuse(ev, f"YAML anchor &{ev.anchor}: anchors and aliases are not accepted in a cluster "
+                                 f"file; write each node out")
+            if ev.tag not in _YAML_CONTAINERS:
+                raise refuse(ev, f"YAML tag {ev.tag} is not accepted in a cluster file (plain maps and lists only)")
+            if stack and isinstance(stack[-1][0], dict) and not stack[-1][2]:
+                raise refuse(ev, "a YAML map or list as a key is not accepted in a cluster file")
+            stack.append([{} if t is MappingStartEvent else [], None, False])
+            continue
+        elif t is MappingEndEvent or t is SequenceEndEvent:
+            v = stack.pop()[0]
+        elif t is AliasEvent:
+            raise refuse(ev, f"YAML alias *{ev.anchor}: anchors and aliases are not accepted in a cluster file; "
+                             f"write each node out")
+        elif t is DocumentStartEvent:
+            docs += 1
+            if docs > 1:
+                raise refuse(ev, "a cluster file holds one YAML document")
+            continue
+        else:
+            continue
+        if not stack:
+            root = v
+            continue
+        top = stack[-1]
+        c = top[0]
+        if type(c) is list:
+            c.append(v)
+        elif not top[2]:
+            top[1], top[2] = v, True
+        else:
+            if top[1] in c:
+                raise refuse(ev, f"key {_show(top[1])} is given twice in one YAML map")
+            c[top[1]] = v
+            top[2] = False
+    return root
 
 
 def run_length(values: list[int], limit: int = 6) -> str:

@@ -2,7 +2,8 @@
 size (:class:`CommProfile`, the ``collectives`` field of a profile), and the exact list of
 collective calls the heterogeneous runtime issues for a plan's gradient sync (:func:`sync_buffers`).
 
-Profile field (every number >= 0, group sizes are integers >= 2; p2p is measured between 2 ranks)::
+Profile field (``latency_s`` 0 to 1e6 seconds, ``s_per_byte`` 0 to 1; group sizes are integers >= 2;
+p2p is measured between 2 ranks)::
 
     "collectives": {
       "tp_all_reduce":  {"2": {"latency_s": 4e-4, "s_per_byte": 2e-9}, "4": {...}},
@@ -67,9 +68,20 @@ class AlphaBeta:
         return self.latency_s + self.s_per_byte * nbytes
 
 
+# what a call's measured cost may be (like the profile's other tables, cost.py): a latency of 0 to
+# ~11 days, 0 to 1 second per byte (1 byte/s); beyond these the planner's sums overflow to inf (a
+# latency of 1e300 failed an internal assertion) and the answer would mean nothing anyway
+COLLECTIVE_RANGES = {"latency_s": (0.0, 1e6, "seconds"), "s_per_byte": (0.0, 1.0, "seconds per byte")}
+
+
 def _number(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(f"profile {where}={v!r}: must be a finite number >= 0")
+    lo, hi, unit = COLLECTIVE_RANGES[where.rpartition(".")[2]]
+    # comparisons only: NaN and inf fail them, and an int too large for a float compares exactly
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        shown = f"<an integer of {v.bit_length():,} bits>" if isinstance(v, int) and v.bit_length() > 128 else \
+            str(v)[:40]
+        raise ConfigError(f"profile {where}={shown}: must be a finite number, {unit} from {lo:g} to {hi:g}; "
+                          f"measure it again or drop the entry")
     return float(v)
 
 

@@ -23,8 +23,9 @@ Terms (all per iteration, seconds unless said otherwise):
   plus a measured profile's ``step_time_s`` (below).
 * **memory** per GPU of a stage: parameters, gradients and optimizer state of its layers
   (ZeRO-sharded over the ``R`` replicas; a heterogeneous plan runs ZeRO-1 at most -- the optimizer
-  state of every block sharded among its ``R`` holders, gradients and weights whole -- so it is
-  priced at ``min(zero_stage, 1)``, :meth:`CostModel.plan_zero_stage`), activations of ``S - j`` in-flight micro-batches for the
+  state of every block sharded among its ``R`` holders, gradients and weights whole -- and so does a
+  grid of more than one stage, DeepSpeed's PipelineEngine refusing ZeRO-2/3: both are priced at
+  ``min(zero_stage, 1)``, :meth:`CostModel.plan_zero_stage`), activations of ``S - j`` in-flight micro-batches for the
   ``j``-th stage (1F1B; an upper bound that does not depend on ``m``), embedding on the first stage,
   output layer and fp32 logits on the last, plus a constant overhead; it must fit in
   ``gpu_memory x (1 - safety_margin)``.
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
+from ..cli_types import has_control_chars
 from ..errors import ConfigError
 from ..user_json import read_json_file
 from .cluster import Cluster
@@ -71,6 +73,7 @@ log = logging.getLogger(__name__)
 
 GiB = float(1 << 30)
 HETERO_MAX_ZERO = 1  # the heterogeneous runtime shards optimizer state (ZeRO-1), not gradients or weights
+PIPELINE_MAX_ZERO = 1  # DeepSpeed's PipelineEngine asserts ZeRO < 2: a grid of more than one stage runs ZeRO-1 at most
 GB = 1e9  # bandwidths are in GB/s
 # what a profile table's numbers may be: a time between a nanosecond and ~11 days per layer, bytes
 # from 0 to 1 EB (a negative or denormal value planned a model onto 2 GPUs with negative memory, or
@@ -157,9 +160,10 @@ class Profile:
                               f"true or false")
         for k, v in self.sources.items():
             if k not in PROFILE_TABLES or not isinstance(v, str) or len(v) > 300 or \
-                    not v.startswith(("measured", "assumed")):
-                raise ConfigError(f"profile sources[{k!r}]={v!r}: keys are {list(PROFILE_TABLES)}, values a text "
-                                  f"of at most 300 characters starting with 'measured' or 'assumed'")
+                    not v.startswith(("measured", "assumed")) or has_control_chars(v):
+                raise ConfigError(f"profile sources[{str(k)[:40]!r}]={str(v)[:60]!r}: keys are {list(PROFILE_TABLES)}, "
+                                  f"values a text of at most 300 characters starting with 'measured' or 'assumed', "
+                                  f"without control or invisible formatting characters (the text is printed)")
 
     def source(self, table: str) -> str | None:
         """How ``table`` was obtained (None when the profile does not have it)."""
@@ -515,10 +519,19 @@ class CostModel:
         return self.cluster.gpu_memory_gb * GiB * (1.0 - self.params.memory_safety_margin)
 
     def plan_zero_stage(self, plan: Plan) -> int:
-        """The ZeRO stage ``plan`` runs with: the configured one on a grid; at most
-        :data:`HETERO_MAX_ZERO` (1) on the heterogeneous runtime."""
+        """The ZeRO stage ``plan`` runs with: the configured one on a grid of one stage; at most
+        :data:`PIPELINE_MAX_ZERO` (1) on a grid of more (DeepSpeed's PipelineEngine refuses ZeRO-2/3)
+        and :data:`HETERO_MAX_ZERO` (1) on the heterogeneous runtime."""
         z = self.training.zero_stage
-        return z if self.is_grid(plan) else min(z, HETERO_MAX_ZERO)
+        if not self.is_grid(plan):
+            return min(z, HETERO_MAX_ZERO)
+        return self.grid_zero_stage(plan.uniform_dims()[1])  # type: ignore[index]
+
+    def grid_zero_stage(self, num_stages: int) -> int:
+        """The ZeRO stage a TP x PP x DP grid of ``num_stages`` stages runs with: the configured one
+        for one stage, at most :data:`PIPELINE_MAX_ZERO` for more (a pipeline)."""
+        z = self.training.zero_stage
+        return z if num_stages <= 1 else min(z, PIPELINE_MAX_ZERO)
 
     def state_bytes_per_param(self, num_replicas: int, zero_stage: int | None = None) -> float:
         tr, r = self.training, max(1, num_replicas)
@@ -689,7 +702,8 @@ class CostModel:
     @staticmethod
     def is_grid(plan: Plan) -> bool:
         """A TP x PP x DP grid with equal micro-batches: runs as DeepSpeed's own grid (any ZeRO
-        stage); other plans run on the heterogeneous runtime (ZeRO-1 at most)."""
+        stage with one stage, ZeRO-1 at most with more); other plans run on the heterogeneous
+        runtime (ZeRO-1 at most)."""
         return plan.uniform_dims() is not None and len({m for m, _ in plan.priced_replicas()}) == 1
 
     def sync_time(self, plan: Plan) -> float:

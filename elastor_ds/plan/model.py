@@ -11,14 +11,26 @@ from functools import cached_property
 from ..errors import ConfigError
 
 
+def default_ffn_hidden_size(hidden_size: int, gated_mlp: bool) -> int:
+    """Megatron-LM's ``--ffn-hidden-size`` when none is given (``megatron/training/arguments.py``):
+    ``4 h``; with ``--swiglu``, two thirds of that rounded down to a multiple of 64 (10,880 for
+    ``h = 4096``), which keeps the parameters of the three FFN matrices near those of two of ``4 h``.
+    The same rule as the Megatron integration's in-job planner (``integrations/megatron/autoplan.py``)."""
+    if gated_mlp:
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A GPT-style decoder: ``num_layers`` identical transformer layers plus embedding and head.
 
     ``num_query_groups`` is Megatron's name for the number of KV heads (GQA); ``None`` means
     multi-head attention (as many KV heads as query heads). ``gated_mlp`` is SwiGLU (three FFN
-    matrices instead of two). ``dtype_bytes`` is the bytes of a parameter/activation element in the
-    training precision (2 for bf16/fp16). ``vocab_divisible_by`` (Megatron's
+    matrices instead of two). ``ffn_hidden_size`` ``None`` means Megatron-LM's default
+    (:func:`default_ffn_hidden_size`: ``4 h``, or ``int(4 h 2 / 3 / 64) x 64`` for a gated MLP).
+    ``dtype_bytes`` is the bytes of a parameter/activation element in the training precision (2 for
+    bf16/fp16). ``vocab_divisible_by`` (Megatron's
     ``make_vocab_size_divisible_by``) decides how a TP-``t`` stage splits the vocabulary rows (padded
     to a multiple of it x ``t``), hence which ranks of different widths share embedding rows.
     """
@@ -42,7 +54,11 @@ class ModelSpec:
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a positive integer")
         if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.gated_mlp))
+            if self.ffn_hidden_size < 1:  # type: ignore[operator]
+                raise ConfigError(f"ffn_hidden_size: Megatron-LM's default for a gated MLP, int(4 x {self.hidden_size} "
+                                  f"x 2 / 3 / 64) x 64, is 0 at hidden_size={self.hidden_size}; give "
+                                  f"--ffn-hidden-size")
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size < 1:  # type: ignore[operator]
@@ -128,21 +144,29 @@ class TrainingSpec:
         return TrainingSpec(micro_batch_size, global_batch_size // micro_batch_size, **kw)
 
     def valid_tps(self, model: ModelSpec) -> tuple[int, ...]:
-        """Power-of-two TP degrees <= nominal TP that divide the attention heads and KV heads."""
+        """Power-of-two TP degrees <= nominal TP that divide the attention heads, the KV heads and the
+        FFN width (Megatron's column-parallel FC1 splits it: ``ffn_hidden_size % tp == 0``)."""
         out = []
         t = 1
         while t <= self.nominal_tp:
-            if model.num_attention_heads % t == 0 and model.num_query_groups % t == 0:  # type: ignore[operator]
+            if _splits(model, t):
                 out.append(t)
             t *= 2
         return tuple(out)
 
     def check_against(self, model: ModelSpec) -> None:
-        """The nominal TP must split the heads, as Megatron requires."""
+        """The nominal TP must split the heads, the query groups and the FFN width, as Megatron requires."""
         tp = self.nominal_tp
-        if model.num_attention_heads % tp or model.num_query_groups % tp:  # type: ignore[operator]
-            ok = [t for t in range(1, max(tp, 1) * 2 + 1)
-                  if model.num_attention_heads % t == 0 and model.num_query_groups % t == 0]  # type: ignore[operator]
-            raise ConfigError(f"tensor-model-parallel-size={tp} does not divide num_attention_heads="
-                              f"{model.num_attention_heads} and num_query_groups={model.num_query_groups}; "
-                              f"TP degrees that would: {ok}")
+        if not _splits(model, tp):
+            ok = [t for t in range(1, max(tp, 1) * 2 + 1) if _splits(model, t)]
+            sizes = (("num_attention_heads", model.num_attention_heads), ("num_query_groups", model.num_query_groups),
+                     ("ffn_hidden_size", model.ffn_hidden_size))
+            parts = [f"{k}={v}" for k, v in sizes if v % tp]  # type: ignore[operator]
+            raise ConfigError(f"tensor-model-parallel-size={tp} does not divide {', '.join(parts)}; TP degrees "
+                              f"that would: {ok}")
+
+
+def _splits(model: ModelSpec, tp: int) -> bool:
+    """TP degree ``tp`` splits the attention heads, the KV heads and the FFN width."""
+    return (model.num_attention_heads % tp == 0 and model.num_query_groups % tp == 0  # type: ignore[operator]
+            and model.ffn_hidden_size % tp == 0)  # type: ignore[operator]

@@ -24,8 +24,9 @@ Steps (:func:`replan`):
    best kept-replica one by :data:`RESHAPE_MARGIN`.
 
 When the previous plan does not fit the new inputs (a different layer count, a change on more
-than :data:`MAX_CHANGED_NODES` nodes, or no feasible candidate), :func:`replan` runs the full search
-and says why in ``search_stats["replan"]``.
+than :data:`MAX_CHANGED_NODES` nodes, a replica with a TP degree the model and flags do not allow
+or with a TP group across nodes, or no feasible candidate), :func:`replan` runs the full search and
+says why in ``search_stats["replan"]``.
 
 Pure: no torch, torch.distributed, deepspeed or megatron.
 """
@@ -97,9 +98,24 @@ def _not_applicable(cost: CostModel, previous: Plan, changed: set[str]) -> str |
         return "the previous plan has no replicas"
     if len(changed) > MAX_CHANGED_NODES:
         return f"{len(changed)} nodes changed (more than {MAX_CHANGED_NODES})"
+    # every replica, not only the first: a kept replica runs as it is (a TP degree that does not
+    # split the heads, the query groups or the FFN width, or a TP group across nodes, cannot run or
+    # is not what the cost model prices); by shape key (one per replica shape), then the index of
+    # stages by node that the split into kept and damaged replicas builds anyway
     tps = set(cost.training.valid_tps(cost.model))
-    if any(s.tp not in tps for s in previous.replicas[0].stages):
-        return "the previous plan uses TP degrees the training setup does not allow"
+    seen: set[int] = set()
+    for i, (_, key) in enumerate(previous.priced_replicas()):
+        shape = key[0]
+        if id(shape) in seen:
+            continue
+        seen.add(id(shape))
+        bad = next((t for t, _, _ in shape if t not in tps), None)
+        if bad is not None:
+            return (f"replica {i} of the previous plan uses TP {bad}, which the model and flags do not allow "
+                    f"(TP degrees {sorted(tps)})")
+    across = previous.replicas_on((-1,))
+    if across:
+        return f"replica {across[0]} of the previous plan has a TP group across nodes (TP groups stay within a node)"
     return None
 
 

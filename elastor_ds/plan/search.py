@@ -2,11 +2,11 @@
 
 Steps (:func:`plan`):
 
-1. **TP groups** (per node, power-of-two sizes <= nominal TP that divide the heads; never across
-   nodes). GPUs of a node are sorted by speed (fastest first, then id) and carved largest group
-   first, so slow GPUs end up together in small groups. Candidate groupings: every node greedy with
-   a cap ``c`` (7 GPUs, cap 4 -> 4+2+1; cap 2 -> 2+2+2+1), full nodes and short nodes with
-   different caps, and on small clusters every partition of every node (exhaustive).
+1. **TP groups** (per node, power-of-two sizes <= nominal TP that divide the heads, query groups and
+   FFN width; never across nodes). GPUs of a node are sorted by speed (fastest first, then id) and
+   carved largest group first, so slow GPUs end up together in small groups. Candidate groupings:
+   every node greedy with a cap ``c`` (7 GPUs, cap 4 -> 4+2+1; cap 2 -> 2+2+2+1), full nodes and
+   short nodes with different caps, and on small clusters every partition of every node (exhaustive).
 2. **Replicas from groups.** Small clusters (<= 8 groups): *exhaustive* over every multiset
    partition of the groups into replicas, including leaving groups idle. Larger clusters:
    *heuristic* LPT (largest capacity first to the replica with least capacity) for many replica
@@ -26,8 +26,10 @@ Steps (:func:`plan`):
    order, so the replicas of a layer share a node where possible (gradient sync stays on NVLink).
    The best few candidates by estimate are placed and priced exactly by
    :meth:`CostModel.evaluate`.
-7. **Uniform baseline**: every TP x PP x DP grid (DP dividing ``M``, GPUs may stay idle, uneven
-   stage boundaries from the same DP). The better of the two is returned, with both predictions.
+7. **Uniform baseline**: every TP x PP x DP grid (every DP dividing ``M``, GPUs may stay idle,
+   uneven stage boundaries from the same DP; a grid whose lower bound cannot make the best few
+   estimates is not split). A grid of more than one stage is priced at ZeRO-1 at most (DeepSpeed's
+   PipelineEngine refuses ZeRO-2/3). The better of the two is returned, with both predictions.
 
 Everything iterates in sorted order and breaks ties on explicit keys: same inputs, same plan.
 Pure: no torch, torch.distributed, deepspeed or megatron.
@@ -341,6 +343,10 @@ def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], 
         return np.minimum(mx, np.floor((T - e) / a * (1 + 1e-12) + 1e-9)).astype(np.int64)
 
     exact = _min_max(vals, L)
+    if not math.isfinite(exact):  # every stage holds a layer and together L (checked above): the times overflowed
+        raise PlanningError(f"the stage times overflow a float (per layer {float(a.max()):.4g} s, fixed "
+                            f"{float(e.max()):.4g} s): a profile or cluster figure is far out of range; check "
+                            f"--profile and the GPU speeds")
     flat = vals.ravel()
     near = flat[(flat <= exact) & (flat >= exact - 1e-8 * (float(a.max()) + abs(exact)))]
     cap = None
@@ -352,7 +358,8 @@ def split_layers_parametric(per_layer: Sequence[float], extra: Sequence[float], 
             cap = t
             break
     if cap is None:  # pragma: no cover - the exact bound counts at least as many layers
-        raise AssertionError(f"split_layers_parametric: bound {exact} not feasible")
+        raise PlanningError(f"the layer split's bound {exact!r} s admits no split (a rounding fault of the stage "
+                            f"times per layer {a.tolist()[:8]!r}): check --profile and the GPU speeds")
     counts = [1] * S
     rem = L - S
     capl = cap.tolist()
@@ -383,12 +390,7 @@ def assign_micro_batches(kinds: Sequence[tuple[float, float, int]], total: int) 
     inv = sum(c / o for o, _, c in kinds)
     if sum(c * (lo - b) / o for o, b, c in kinds) < total:
         lo = max(lo, (total + sum(c * b / o for o, b, c in kinds)) / inv * (1 - 1e-9))
-    ms = []
-    for o, b, _ in kinds:
-        m = max(1, int(math.floor((lo - b) / o)))
-        while m > 1 and o * m + b > lo:  # rounding: only counts whose time fits
-            m -= 1
-        ms.append(m)
+    ms = [_most_within(o, b, lo, total) for o, b, _ in kinds]
     if sum(m * c for m, (_, _, c) in zip(ms, kinds)) > total:  # float safety net
         ms = [1] * len(kinds)
     rem = total - sum(m * c for m, (_, _, c) in zip(ms, kinds))
@@ -408,6 +410,26 @@ def assign_micro_batches(kinds: Sequence[tuple[float, float, int]], total: int) 
     for _, q, m, c in heap:
         out[q].append((m, c))
     return [sorted(x, reverse=True) for x in out]
+
+
+def _most_within(o: float, b: float, T: float, most: int) -> int:
+    """The largest ``m`` in ``1..min(floor((T - b) / o), most)`` with ``o m + b <= T`` (1 when none):
+    the quotient rounded down, then made exact by bisection (``o m + b`` is non-decreasing in ``m``
+    in floats too, as rounding is monotone). A quotient far above ``most`` (a replica a million
+    times faster than another) or one that is not finite costs nothing: before, a count of 1e200
+    was stepped down by one while the float product did not change, for ever."""
+    x = (T - b) / o
+    hi = max(1, int(x)) if x < most else most   # NaN and inf: the whole range
+    if hi == 1 or o * hi + b <= T:
+        return hi
+    lo = 1                                      # hi does not fit; lo fits, or it is 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if o * mid + b <= T:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 # ---- the searcher -----------------------------------------------------------------------------
@@ -1080,43 +1102,61 @@ class Planner:
         return carve(devs, [tp] * k + [1] * (len(devs) - k * tp))[j].devices
 
     def uniform_plans(self) -> list[ScoredPlan]:
-        """Every TP x PP x DP grid (DP | M, the d*p fastest groups), best few priced exactly."""
+        """Every TP x PP x DP grid (DP | M, the d*p fastest groups), best few priced exactly.
+
+        Every DP degree dividing ``M`` is tried for every TP and stage count, largest first (fewest
+        micro-batches per replica, the best estimates early); a grid whose lower bound is above the
+        ``n_exact``-th best estimate so far is not split (it cannot be among the best few), and once
+        the bound that does not look at the GPUs' speeds is above it, the smaller DP degrees of that
+        stage count are not either (their bound only grows)."""
         c = self.cost
         est: list[tuple[float, tuple, tuple]] = []
-        divisors = _divisors(self.M)
+        divisors = _divisors(self.M)[::-1]  # largest first
         n_exact = 2 if self.large else max(4, self.top_k)
         kept: list[float] = []  # the n_exact best estimates so far, as a max-heap (negated)
+        L = self.L
         for tp in sorted(self.tps, reverse=True):
             speeds_arr, where = self._uniform_pool(tp)
             n = len(where)
             if not n:
                 continue
-            one_speed = float(speeds_arr.min()) == float(speeds_arr.max())
+            vmax = float(speeds_arr.max())
+            one_speed = float(speeds_arr.min()) == vmax
             fastest = np.argsort(-speeds_arr, kind="stable")  # ties in node order
-            for p in range(1, min(self.L, n) + 1):
-                ds = [d for d in divisors if d * p <= n][-2:]
-                for d in ds:
-                    # stage-major: stage j of every replica on neighbouring groups (in node order)
-                    if one_speed:
-                        speeds = (float(speeds_arr[0]),) * p
-                    else:
-                        mask = np.zeros(n, dtype=bool)
-                        mask[fastest[:d * p]] = True
-                        speeds = tuple(float(v) for v in speeds_arr[mask].reshape(p, d).min(axis=1))
-                    Rk = d if self.training.zero_stage > 0 else 1
+            n_top = int(np.count_nonzero(speeds_arr == vmax))  # groups at the fastest speed (fastest[:n_top])
+            lt = c.layer_time(tp)
+            for p in range(1, min(L, n) + 1):
+                for d in divisors:
+                    if d * p > n:
+                        continue
                     mb = self.M // d
                     # lower bound: the slowest stage takes at least the layers' time over the
-                    # stages' combined speed; a grid that cannot make the best few is not split
-                    if len(kept) >= n_exact and \
-                            (mb + p - 1) * self.L * c.layer_time(tp) / sum(speeds) > -kept[0]:
-                        continue
-                    mx = c.max_layers_all(tp, p, Rk)
+                    # stages' combined speed (at most p x the fastest group's here; it grows as d
+                    # falls): a grid that cannot make the best few is not split
+                    if len(kept) >= n_exact and (mb + p - 1) * L * lt / (p * vmax) > -kept[0]:
+                        break
+                    # stage-major: stage j of every replica on neighbouring groups (in node order)
+                    k = d * p
+                    if one_speed or k <= n_top:  # the k fastest groups all run at the fastest speed
+                        speeds = (vmax,) * p
+                    else:  # the k fastest groups in node order
+                        if 8 * k < n:   # few: their positions sorted, O(k log k)
+                            picked = speeds_arr[np.sort(fastest[:k])]
+                        else:           # most of them: a mask over the groups, O(groups)
+                            mask = np.zeros(n, dtype=bool)
+                            mask[fastest[:k]] = True
+                            picked = speeds_arr[mask]
+                        speeds = tuple(float(v) for v in picked.reshape(p, d).min(axis=1))
+                        if len(kept) >= n_exact and (mb + p - 1) * L * lt / sum(speeds) > -kept[0]:
+                            continue
+                    Rk = d if self.training.zero_stage > 0 else 1
+                    mx = c.max_layers_all(tp, p, Rk, c.grid_zero_stage(p))  # a pipeline runs ZeRO-1 at most
                     key = ("u", tp, speeds, mx)
                     if key not in self._split_cache:
-                        per = [c.layer_time(tp) / sp for sp in speeds]
+                        per = [lt / sp for sp in speeds]
                         extra = [c.stage_extra_time((tp,) * p, j) for j in range(p)]
                         extra[-1] += c.head_time(tp) / speeds[-1]
-                        self._split_cache[key] = _split(per, extra, mx, self.L)
+                        self._split_cache[key] = _split(per, extra, mx, L)
                     res = self._split_cache[key]
                     if res is None:
                         continue
@@ -1129,6 +1169,7 @@ class Planner:
                     heapq.heappush(kept, -t)
                     if len(kept) > n_exact:
                         heapq.heappop(kept)
+                    self.stats["uniform_grids"] = self.stats.get("uniform_grids", 0) + 1
         est.sort(key=lambda x: (x[0], x[1]))
         plans = []
         for _, _, (tp, d, counts, mb, one_speed) in est[:n_exact]:

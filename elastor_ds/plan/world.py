@@ -142,8 +142,8 @@ def world_grids(cost: CostModel, constraints: PlanConstraints = PlanConstraints(
 
 
 def allowed_tps(cost: CostModel, constraints: PlanConstraints = PlanConstraints()) -> list[int]:
-    """TP degrees the training setup allows (:meth:`~.model.TrainingSpec.valid_tps`) that also
-    divide the FFN width, restricted to ``constraints.tp``."""
+    """TP degrees the training setup allows (:meth:`~.model.TrainingSpec.valid_tps`: they divide the
+    heads, query groups and FFN width), restricted to ``constraints.tp``."""
     ffn = int(cost.model.ffn_hidden_size or 0)
     return [t for t in cost.training.valid_tps(cost.model)
             if ffn % t == 0 and constraints.tp in (None, t)]
@@ -151,10 +151,12 @@ def allowed_tps(cost: CostModel, constraints: PlanConstraints = PlanConstraints(
 
 def widest_tp(model: ModelSpec, node_procs: int) -> int:
     """The widest power-of-two TP that fits ``node_procs`` processes (one node) and divides the
-    heads and query groups: the TP cap (``TrainingSpec.nominal_tp``) for planning a launched world."""
+    heads, query groups and FFN width: the TP cap (``TrainingSpec.nominal_tp``) for planning a
+    launched world (``TrainingSpec.check_against`` refuses a cap that does not split them)."""
     cap = 1
     while cap * 2 <= node_procs and model.num_attention_heads % (cap * 2) == 0 and \
-            int(model.num_query_groups or model.num_attention_heads) % (cap * 2) == 0:
+            int(model.num_query_groups or model.num_attention_heads) % (cap * 2) == 0 and \
+            int(model.ffn_hidden_size or 0) % (cap * 2) == 0:
         cap *= 2
     return cap
 
@@ -170,7 +172,7 @@ def _grid(cost: CostModel, tp: int, pp: int, dp: int, groups: Sequence[tuple[Dev
     L = cost.model.num_layers
     speeds = [min(x.speed for g in groups[j * dp:(j + 1) * dp] for x in g) for j in range(pp)]
     held = dp if cost.training.zero_stage > 0 else 1  # replicas that share a block's optimizer state
-    mx = [min(m, L) for m in cost.max_layers_all(tp, pp, held)]
+    mx = [min(m, L) for m in cost.max_layers_all(tp, pp, held, cost.grid_zero_stage(pp))]
     per = [cost.layer_time(tp) / sp for sp in speeds]
     extra = [cost.stage_extra_time((tp,) * pp, j) for j in range(pp)]
     extra[-1] += cost.head_time(tp) / speeds[-1]
