@@ -323,3 +323,25 @@ def test_plan_auto_on_a_module_not_built_from_the_plan_warns(caplog):
         _check_plan(engine, parse_elastor_section({"plan": "auto"}))
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(msgs) == 1 and "has no effect" in msgs[0] and "resolve_plan" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("zero, layouts, pp", [(0, "heterogeneous", None), (1, "heterogeneous", None),
+                                               (2, "uniform", 1), (3, "uniform", 1)])
+def test_plan_auto_with_zero_2_or_3_searches_one_stage_grids_only(monkeypatch, zero, layouts, pp):
+    """DeepSpeed's PipelineEngine refuses ZeRO-2/3 with more than one stage (and heterogeneous
+    plans run ZeRO-1 at most): ``"plan": "auto"`` with those stages asks the planner for one-stage
+    grids (it asked for any grid, and could pick a pipeline the engine then refused)."""
+    from elastor_ds.integrations.deepspeed import autoplan
+    from elastor_ds.plan import world as plan_world
+    seen = []
+
+    def fake(cost_model, cons):
+        seen.append(cons)
+        raise plan_world.PlanningError("stop here")
+    monkeypatch.setattr("elastor_ds.plan.best_plan_for_world", fake)
+    ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 8, "zero_optimization": {"stage": zero}}
+    ecfg = parse_elastor_section({"plan": "auto", "model": {"hidden_size": 64, "num_attention_heads": 4,
+                                                            "seq_length": 32, "vocab_size": 97}})
+    with pytest.raises(ConfigError, match="stop here"):
+        autoplan.auto_layout(ds, ecfg, 4, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    assert [(c.layouts, c.pp) for c in seen] == [(layouts, pp)]

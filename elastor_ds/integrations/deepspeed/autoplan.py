@@ -74,8 +74,9 @@ def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
     training = TrainingSpec(micro_batch_size=mbs, num_micro_batches=int(gbs) // mbs,
                             nominal_tp=widest_tp(model, max(nodes)), zero_stage=zero)
     profile = Profile.load(ecfg.profile, "elastor.profile") if ecfg.profile else None
-    # heterogeneous plans run ZeRO-1 at most (see .hetero): with ZeRO >= 2 configured, search grids only
-    cons = PlanConstraints(layouts="uniform" if zero >= 2 else "heterogeneous")
+    # heterogeneous plans run ZeRO-1 at most (see .hetero), and DeepSpeed's PipelineEngine refuses ZeRO-2/3
+    # with more than one stage: with ZeRO >= 2 configured, one-stage grids only
+    cons = PlanConstraints(layouts="uniform", pp=1) if zero >= 2 else PlanConstraints(layouts="heterogeneous")
     try:
         best = best_plan_for_world(CostModel(model, training, Cluster.from_gpus_per_node(nodes), profile=profile),
                                    cons)
