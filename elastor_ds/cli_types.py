@@ -83,9 +83,9 @@ _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 def has_control_chars(text: str) -> bool:
     """``text`` holds a control character (an escape sequence printed to the user's terminal would
     act on it) or an invisible formatting one (a right-to-left override or a zero-width space would
-    make a printed name read as another). The same rule as the checkpoint manifest's names
-    (``elastor_ds.checkpoint.planning.manifest.has_control_chars``), for names and texts read from
-    a user's file that the CLI prints (node names of a cluster file, a profile's sources)."""
+    make a printed name read as another). Refused in every tensor and file name a checkpoint
+    manifest gives, and in the names and texts read from a user's file that the CLI prints (node
+    names of a cluster file, a profile's sources)."""
     if text.isascii():   # the usual text: one C-speed scan
         return _ASCII_CONTROL.search(text) is not None
     return any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in text)

@@ -28,14 +28,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ...errors import FormatVersionError, ManifestError
 from ...layout.compact_plan import MAX_DEVICES as MAX_RANKS   # the planner's bound: no job has more ranks
 from ...layout.region import Region, first_overlap
+from ...cli_types import has_control_chars  # noqa: F401 - manifest names: refused with it, re-exported
 from ...user_json import strict_json
 
 FORMAT_NAME = "elastor"
@@ -223,22 +222,6 @@ def dumps_compact_with_checksum(d: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ schema
-_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# controls (C0, C1), invisible formatting characters (bidirectional overrides and isolates, zero-width
-# spaces and joiners, the byte order mark, ...), line and paragraph separators, lone surrogates
-_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-
-
-def has_control_chars(name: str) -> bool:
-    """``name`` holds a control character (an escape sequence printed by ``inspect`` or ``verify``
-    would act on the user's terminal) or an invisible formatting one (a right-to-left override or a
-    zero-width space would make a printed name read as another): refused in every tensor and file
-    name a manifest gives."""
-    if name.isascii():   # the usual name: one C-speed scan
-        return _ASCII_CONTROL.search(name) is not None
-    return any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in name)
-
-
 def is_plain_name(name: Any) -> bool:
     """A file name that stays in its directory: not empty, no separators, not '.' or '..', no NUL."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
