@@ -18,8 +18,10 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout.region import Region, first_overlap
 from .commit import read_manifest
 from .planning.manifest import Manifest
-from .fileformat import CODE_DTYPES, file_crc32, read_header
-from .planning.manifest import DTYPE_CODES, DTYPE_SIZES
+from .crc import crc32
+from .fileformat import CODE_DTYPES, read_header
+from .paths import open_regular
+from .planning.manifest import CRC_ENTRY_BYTES, DTYPE_CODES, DTYPE_SIZES
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,14 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
     problems: list[Problem] = []
     names = sorted(man.files) if files is None else sorted(files)
     by_file = _chunks_by_file(man)
+    chunks_by_file: dict[str, list] = {}
+    if checksums:
+        for t in man.tensors.values():
+            for ch in t.chunks:
+                chunks_by_file.setdefault(ch.file, []).append((ch.offset, t.name, ch))
+        for lst in chunks_by_file.values():
+            lst.sort(key=lambda x: (x[0], x[2].length))
+    tables: dict[str, object] = {}
     for name in tqdm(names, desc="verify", unit="file", disable=None if progress else True):
         fe = man.files[name]
         path = os.path.join(step_dir, name)
@@ -140,14 +150,134 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
                     problems += found
                     continue
             if checksums:
-                _, crc = file_crc32(path)
+                crc, bad = _scan_data(step_dir, path, size, chunks_by_file.get(name, []), man, tables)
                 if crc != fe.crc32:
                     problems.append(Problem(path, f"CRC32 {crc:08x} != manifest {fe.crc32:08x} (corrupt data)"))
+                problems += bad
         except OSError as e:   # a permission, an I/O error: this file's problem, the others are still checked
             problems.append(Problem(path, f"unreadable ({e.strerror or e})"))
     if files is None:
         problems += coverage_problems(man)
     return problems
+
+
+class _ChunkScan:
+    """The running check of one chunk's bytes against its block-CRC table (or its chunk CRC)."""
+    __slots__ = ("tensor", "ch", "bsize", "done", "in_block", "crc", "j", "bad")
+
+    def __init__(self, tensor: str, ch) -> None:
+        self.tensor, self.ch = tensor, ch
+        self.bsize = ch.blocks.size if ch.blocks is not None else max(1, ch.length)
+        self.done = self.in_block = self.crc = self.j = 0
+        self.bad = False
+
+
+def _table(step_dir: str, man: Manifest, name: str, cache: dict):
+    """The entries of block-CRC table ``name`` (little-endian uint32), or a Problem; read once."""
+    if name not in cache:
+        import array
+        import sys
+        path = os.path.join(step_dir, name)
+        fe = man.files.get(name)
+        try:
+            if fe is None:
+                raise CorruptCheckpointError(f"block-CRC table {name!r} is not a file the manifest lists")
+            with os.fdopen(open_regular(path, nofollow=True), "rb") as f:
+                raw = f.read(fe.size + 1)
+            if len(raw) != fe.size or len(raw) % CRC_ENTRY_BYTES:
+                raise CorruptCheckpointError(f"{len(raw)} bytes, the manifest says {fe.size} (truncated or "
+                                             f"overwritten)")
+            vals = array.array("I")
+            vals.frombytes(raw)
+            if sys.byteorder != "little":
+                vals.byteswap()
+            cache[name] = vals
+        except (OSError, CheckpointError) as e:
+            cache[name] = Problem(path, f"block-CRC table unreadable ({getattr(e, 'strerror', None) or e})")
+    return cache[name]
+
+
+def _scan_data(step_dir: str, path: str, size: int, chunks: list, man: Manifest, tables: dict
+               ) -> tuple[int, list[Problem]]:
+    """One pass over the data file ``path``: its whole-file CRC32, and every chunk's bytes against
+    its block-CRC table (each block's cumulative CRC, as a reader checks them) or, without a table,
+    its chunk CRC. A table can disagree with its data while the manifest's file CRCs of both agree
+    (a writer bug, an edit): every read then fails, so verify must not say the checksums match.
+    Returns (file CRC, problems: at most one per chunk, its first bad block)."""
+    problems: list[Problem] = []
+    scans = []
+    for _, tensor, ch in chunks:
+        if ch.blocks is not None:
+            tab = _table(step_dir, man, ch.blocks.table, tables)
+            if isinstance(tab, Problem):
+                if tab not in problems:
+                    problems.append(tab)
+                continue
+            if ch.blocks.index + ch.blocks.count(ch.length) > len(tab):
+                problems.append(Problem(path, f"tensor {tensor!r}: its block CRCs run past the end of "
+                                              f"{ch.blocks.table!r}"))
+                continue
+        scans.append(_ChunkScan(tensor, ch))
+
+    def check_block(sc: _ChunkScan) -> None:
+        ch = sc.ch
+        if ch.blocks is not None:
+            want = tables[ch.blocks.table][ch.blocks.index + sc.j]
+            if sc.crc != want and not sc.bad:
+                sc.bad = True
+                problems.append(Problem(path, f"tensor {sc.tensor!r}: the {sc.bsize}-byte block at byte "
+                                              f"{ch.offset + sc.j * sc.bsize} fails its CRC32 check (read "
+                                              f"{sc.crc:08x}, the block table {ch.blocks.table} says {want:08x})"))
+        sc.j += 1
+        sc.in_block = 0
+
+    def finish(sc: _ChunkScan) -> None:
+        if sc.ch.length == 0:
+            check_block(sc)   # one (empty) block: its entry is crc32(b"") == 0
+        if sc.ch.crc32 is not None and sc.crc != sc.ch.crc32 and not sc.bad:
+            sc.bad = True
+            problems.append(Problem(path, f"tensor {sc.tensor!r}: chunk at byte {sc.ch.offset} has CRC32 "
+                                          f"{sc.crc:08x}, the manifest says {sc.ch.crc32:08x}"))
+
+    def feed(sc: _ChunkScan, mv: memoryview) -> None:
+        n, i = len(mv), 0
+        while i < n:
+            take = min(sc.bsize - sc.in_block, n - i)
+            sc.crc = crc32(mv[i:i + take], sc.crc)
+            sc.in_block += take
+            sc.done += take
+            i += take
+            if sc.in_block == sc.bsize or sc.done == sc.ch.length:
+                check_block(sc)
+
+    crc = 0
+    pos = 0
+    ci = 0   # scans[ci:] not finished (sorted by offset)
+    block = max(1, min(16 * 1024 * 1024, size))
+    buf = bytearray(block)
+    mv = memoryview(buf)
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(mv)
+            if not n:
+                break
+            crc = crc32(mv[:n], crc)
+            a, b = pos, pos + n
+            k = ci
+            while k < len(scans) and scans[k].ch.offset < b:
+                sc = scans[k]
+                lo, hi = max(a, sc.ch.offset + sc.done), min(b, sc.ch.offset + sc.ch.length)
+                if lo < hi:
+                    feed(sc, mv[lo - a:hi - a])
+                k += 1
+            while ci < len(scans) and scans[ci].ch.offset + scans[ci].ch.length <= b:
+                finish(scans[ci])
+                ci += 1
+            pos = b
+    for sc in scans[ci:]:   # (the file is the manifest's size: coverage_problems names a chunk past its end)
+        if sc.ch.offset + sc.ch.length <= pos:
+            finish(sc)
+    return crc, problems
 
 
 def coverage_problems(man: Manifest, names: Optional[Iterable[str]] = None) -> list[Problem]:
