@@ -602,6 +602,10 @@ def _plan_from_document(doc: Mapping[str, Any], cluster: Cluster) -> tuple[Plan,
         expect = 0
         for si, sj in enumerate(rj["stages"]):
             where = f"replica {ri} stage {si}"
+            if "devices" not in sj:   # a layout document (ranks only), e.g. the one a trainer takes
+                raise ConfigError(f"previous plan: {where} has no 'devices' (the NODE:GPU names of its ranks): "
+                                  f"--from-plan needs the plan document `elastor plan ... --json` writes, which "
+                                  f"says where every stage ran")
             devs = tuple(device(n) for n in sj["devices"])
             lay = sj["layers"]
             tp = _doc_int(sj["tp"], f"{where} tp", 1)

@@ -74,3 +74,18 @@ def test_hostile_profile_is_exit_2_in_one_line(tmp_path):
 @pytest.mark.parametrize("value", ["1_6", "\uff18", "\u0668,8"])
 def test_gpus_per_node_in_other_digits_is_exit_2(value):
     assert_one_line_failure(elastor(*M7B, "--gpus-per-node", value), 2, "ASCII digits")
+
+
+def test_from_plan_of_a_layout_document_without_devices_names_what_is_missing(tmp_path):
+    """docs/planner.md's plan document (ranks, no devices) given to --from-plan ended as
+    "malformed plan document (KeyError: 'devices')": now it says what --from-plan needs."""
+    f = tmp_path / "prev.json"
+    f.write_text(json.dumps({"version": 1, "num_gpus": 5, "num_layers": 4, "replicas": [
+        {"micro_batches": 1, "stages": [{"tp": 2, "layers": [0, 2], "ranks": [0, 1]},
+                                        {"tp": 1, "layers": [2, 4], "ranks": [2]}]},
+        {"micro_batches": 3, "stages": [{"tp": 2, "layers": [0, 4], "ranks": [3, 4]}]}]}))
+    p = elastor("plan", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "4", "--gpus-per-node", "4,1",
+                "--from-plan", str(f))
+    assert_one_line_failure(p, 2, "replica 0 stage 0 has no 'devices'", "elastor plan ... --json")
+    assert "KeyError" not in p.stderr
