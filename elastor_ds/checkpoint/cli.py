@@ -163,6 +163,13 @@ def _check_convert_flags(args, src_f: str, dst_f: str) -> None:
     for dest, (flag, default, where, applies) in _CONVERT_SCOPES.items():
         if getattr(args, dest, default) != default and not applies(src_f, dst_f):
             raise ConfigError(f"{flag} applies to {where} only, not to --from {src_f} --to {dst_f}; drop it")
+    if getattr(args, "megatron_format", None) == "torch":   # Megatron-LM's name (--ckpt-format torch) of legacy
+        args.megatron_format = "legacy"
+    if getattr(args, "megatron_format", "legacy") == "torch_dist" and \
+            getattr(args, "pipeline_model_parallel_size", 1) != 1:
+        # a torch_dist checkpoint has no pipeline stages of its own (Megatron loads it at any PP)
+        raise ConfigError("--pipeline-model-parallel-size applies to --megatron-format legacy only: a torch_dist "
+                          "checkpoint loads at any pipeline parallel size; drop it")
 
 
 def cmd_convert(args) -> int:

@@ -517,3 +517,23 @@ def test_verify_checks_each_chunks_blocks_against_its_crc_table(tmp_path, block)
         assert p.returncode == 1 and "CRC32" in p.stderr, p.stderr
     # --no-checksums skips it (as it skips the file CRCs)
     assert elastor("verify", bad, "--no-checksums").returncode == 0
+
+
+# ---------------------------------------------------------------------------------- 12: megatron flags
+def test_torch_dist_refuses_a_pipeline_size_and_megatron_lm_flag_names_work(tmp_path, gpt):
+    """--megatron-format torch_dist ignored --pipeline-model-parallel-size (7 on a 2-layer model,
+    exit 0); Megatron-LM's own names (--ckpt-format, 'torch' for legacy) were unknown."""
+    dst = str(tmp_path / "td")
+    assert_one_line_failure(elastor("convert", gpt, dst, "--to", "megatron", "--megatron-format", "torch_dist",
+                                    "--pipeline-model-parallel-size", "2", "--no-progress"), 2,
+                            "--pipeline-model-parallel-size")
+    assert not os.path.lexists(dst)
+    for argv, want in ((("--ckpt-format", "torch_dist"), "metadata.json"),
+                       (("--ckpt-format", "torch"), "mp_rank_00"), (("--megatron-format", "torch"), "mp_rank_00")):
+        out = str(tmp_path / ("o" + "_".join(argv)))
+        p = elastor("convert", gpt, out, "--to", "megatron", *argv, "--no-progress")
+        assert p.returncode == 0, (argv, p.stderr)
+        assert want in os.listdir(os.path.join(out, "iter_0000006")), (argv, os.listdir(os.path.join(out, "iter_0000006")))
+    # still refused where it does not apply
+    assert_one_line_failure(elastor("convert", gpt, str(tmp_path / "c"), "--to", "consolidated", "--ckpt-format",
+                                    "torch", "--no-progress"), 2, "--megatron-format")

@@ -23,8 +23,11 @@ def register(subparsers) -> None:
             conv.add_argument("--model-config", default=None,
                               help="megatron: GPT config JSON (GPTSpecConfig fields) when the checkpoint has no args")
         if "megatron_format" not in known:
-            conv.add_argument("--megatron-format", choices=("legacy", "torch_dist"), default="legacy",
-                              help="--to megatron: legacy mp_rank_* files (default) or torch_dist")
+            conv.add_argument("--megatron-format", "--ckpt-format", dest="megatron_format",
+                              choices=("legacy", "torch", "torch_dist"), default="legacy",
+                              help="--to megatron: legacy mp_rank_* files (default; Megatron-LM's "
+                                   "--ckpt-format torch, so 'torch' is accepted too) or torch_dist; "
+                                   "--ckpt-format is Megatron-LM's name of this flag")
         if "megatron_weights_only" not in known:
             conv.add_argument("--megatron-weights-only", action="store_true",
                               help="--to megatron: leave the optimizer state out of a legacy export")
