@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
+_DS_TAG_RE = re.compile(r"global_step[0-9]{1,19}")   # the tags DeepSpeed's save_checkpoint writes to `latest`
 TMP_PREFIX = ".tmp_step_"
 _TMP_RE = re.compile(r"^\.tmp_step_(\d{9,})_")
 _IMPORT_TMP_RE = re.compile(r"^\.tmp_step_\d{9,}_import")   # an import's temp dir and its .stage beside it
@@ -156,6 +157,11 @@ def read_latest(root: str) -> Optional[str]:
     if name is None:
         return None
     if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
+        if _DS_TAG_RE.fullmatch(name):   # DeepSpeed's own save_checkpoint wrote this `latest`
+            raise UnsafeCheckpointError(f"{root}/{LATEST} names {name!r}: {root} holds a DeepSpeed checkpoint (its "
+                                        f"save_checkpoint), not an elastor one; convert it once with `elastor "
+                                        f"convert {root} NEW --from deepspeed` and load NEW, or give elastor a "
+                                        f"directory of its own")
         raise UnsafeCheckpointError(f"{root}/{LATEST} names {name[:120]!r}, not a step_<N> directory; refusing it "
                                     f"(corrupt or crafted pointer)")
     path = safe_join(root, name, what=f"{root}/{LATEST} entry")

@@ -286,6 +286,21 @@ def test_loading_another_format_names_it_and_the_import(tmp_path, fmt, entries):
         eng.load(str(tmp_path), [full_shard("w", torch.zeros(4))])
 
 
+def test_a_deepspeed_latest_is_named_as_deepspeeds_with_the_import(tmp_path):
+    """Review of the thirty-second session: a DeepSpeed integration whose checkpoint.dir was a
+    DeepSpeed save folder (``latest`` -> ``global_step3``) stopped with "corrupt or crafted pointer"
+    (the session reads ``latest`` before any format check); it names DeepSpeed and the import now."""
+    from elastor_ds.checkpoint import commit as commit_mod
+    from elastor_ds.errors import UnsafeCheckpointError
+    (tmp_path / "latest").write_text("global_step3")
+    with pytest.raises(UnsafeCheckpointError, match=r"holds a DeepSpeed checkpoint .*`elastor convert .* NEW --from "
+                                                     r"deepspeed`"):
+        commit_mod.read_latest(str(tmp_path))
+    (tmp_path / "latest").write_text("global_step3/../../x")   # not a tag: the generic refusal
+    with pytest.raises(UnsafeCheckpointError, match="corrupt or crafted pointer"):
+        commit_mod.read_latest(str(tmp_path))
+
+
 def test_a_crafted_latest_in_a_folder_of_no_known_format_is_still_refused_as_unsafe(tmp_path):
     from elastor_ds.errors import UnsafeCheckpointError
     (tmp_path / "latest").write_text("../../etc")
