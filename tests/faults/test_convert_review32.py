@@ -537,3 +537,110 @@ def test_torch_dist_refuses_a_pipeline_size_and_megatron_lm_flag_names_work(tmp_
     # still refused where it does not apply
     assert_one_line_failure(elastor("convert", gpt, str(tmp_path / "c"), "--to", "consolidated", "--ckpt-format",
                                     "torch", "--no-progress"), 2, "--megatron-format")
+
+
+# ---------------------------------------------------------------------------------- 13: malformed inputs
+def _native_ds(tmp_path, name: str, edit=None) -> str:
+    """A minimal native DeepSpeed ZeRO checkpoint tag dir (one parameter ``w`` of 4x4, one group),
+    as DeepSpeed's engine lays it out; ``edit(mp_sd, zero_sd)`` breaks it."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+    tag = tmp_path / name / "global_step3"
+    tag.mkdir(parents=True)
+    flat = torch.arange(16, dtype=torch.float32)
+    mp = {"module": {"w": flat.reshape(4, 4).clone()}, "param_shapes": [{"w": torch.Size([4, 4])}],
+          "global_steps": 3, "global_samples": 12, "skipped_steps": 0, "optimizer": None,
+          "ds_config": {"train_batch_size": 4, "zero_optimization": {"stage": 1}}}
+    zero = {"optimizer_state_dict": {
+        "base_optimizer_state": {"state": {0: {"exp_avg": flat * 2, "exp_avg_sq": flat * 3, "step": torch.tensor(3.0)}},
+                                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-6, "params": [0]}]},
+        "single_partition_of_fp32_groups": [flat.clone()],
+        "param_slice_mappings": [{"w": fragment_address(numel=16, start=0)}]}}
+    if edit is not None:
+        edit(mp, zero)
+    torch.save(mp, str(tag / "mp_rank_00_model_states.pt"))
+    torch.save(zero, str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    return str(tag)
+
+
+def _frag(numel: int, start: int):
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return fragment_address(numel=numel, start=start)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("bigfrag", ["fragment", "partition of 16"]),
+    ("negfrag", ["fragment", "start -5"]),
+    ("badgroup", ["2 fp32 partitions"]),
+    ("steps", ["global_steps", "'x'"]),
+    ("negstep", ["global_steps", "-3"]),
+    ("samples", ["global_samples"]),
+])
+def test_a_malformed_native_deepspeed_checkpoint_is_named_not_unexpected(tmp_path, case, words):
+    """Malformed values ended as "unexpected ValueError/IndexError ... (rerun with -v)"; each is now
+    a one-line error naming the file and the field, exit 1, nothing written."""
+    good = _native_ds(tmp_path, "good")
+    p = elastor("convert", good, str(tmp_path / "good_out"), "--from", "deepspeed", "--no-progress")
+    assert p.returncode == 0, p.stderr   # the crafted layout is DeepSpeed's: it imports
+
+    def edit(mp, zero):
+        osd = zero["optimizer_state_dict"]
+        if case == "bigfrag":
+            osd["param_slice_mappings"][0]["w"] = _frag(10 ** 6, 0)
+        elif case == "negfrag":
+            osd["param_slice_mappings"][0]["w"] = _frag(16, -5)
+        elif case == "badgroup":
+            osd["single_partition_of_fp32_groups"].append(torch.zeros(3))
+        elif case == "steps":
+            mp["global_steps"] = "x"
+        elif case == "negstep":
+            mp["global_steps"] = -3
+        elif case == "samples":
+            mp["global_samples"] = 1.5
+    src = _native_ds(tmp_path, case, edit)
+    dst = str(tmp_path / "out")
+    p = elastor("convert", src, dst, "--from", "deepspeed", "--no-progress")
+    line = assert_one_line_failure(p, 1, ".pt", *words)
+    assert "unexpected" not in line, line
+    assert not os.path.lexists(dst)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("dictnoparam", ["fp32.pt", "without 'param'"]),
+    ("string", ["fp32.pt", "str", "expected a tensor"]),
+    ("stepstr", ["step.pt", "'abc'"]),
+    ("steptensor", ["step.pt", "Adam's step"]),
+])
+def test_a_malformed_universal_checkpoint_is_named_not_unexpected(tmp_path, case, words):
+    src = universal(tmp_path, 7)
+    zdir = os.path.join(src, "global_step7", "zero")
+    (param,) = [n for n in os.listdir(zdir) if os.path.isdir(os.path.join(zdir, n))]
+    z = os.path.join(zdir, param)
+    if case == "dictnoparam":
+        torch.save({"x": 1}, os.path.join(z, "fp32.pt"))
+    elif case == "string":
+        torch.save("hello", os.path.join(z, "fp32.pt"))
+    elif case == "stepstr":
+        torch.save("abc", os.path.join(z, "step.pt"))
+    else:
+        torch.save(torch.zeros(3), os.path.join(z, "step.pt"))
+    dst = str(tmp_path / "out")
+    line = assert_one_line_failure(elastor("convert", src, dst, "--from", "deepspeed-universal", "--no-progress"),
+                                   1, *words)
+    assert "unexpected" not in line, line
+    assert not os.path.lexists(dst)
+
+
+def test_a_legacy_megatron_import_with_a_config_that_does_not_match_names_the_tensor(tmp_path, meg_legacy):
+    """--model-config with hidden_size 32 for a hidden-16 checkpoint: "unexpected RuntimeError: The
+    size of tensor a (32) must match the size of tensor b (16) ..." half way through the import."""
+    cfg = tiny_cfg().to_json()
+    cfg["hidden_size"] = 32
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    dst = str(tmp_path / "out")
+    line = assert_one_line_failure(elastor("convert", meg_legacy, dst, "--from", "megatron", "--model-config", str(path),
+                                           "--no-progress"), 1, "model_optim_rng.pt", "--model-config", "(")
+    assert "unexpected" not in line and "does not describe" in line, line
+    assert not os.path.lexists(dst)
+    # the right config (the checkpoint's own) imports
+    assert elastor("convert", meg_legacy, dst, "--from", "megatron", "--no-progress").returncode == 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import re
 from collections import defaultdict
@@ -37,7 +38,7 @@ from ...checkpoint.convert import check_import_step
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.paths import check_tensor_name, read_regular_text, safe_join
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_flat
-from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..safe_load import load_pt
 from ..pt_save import save_pt
 from ...layout.region import Piece, Region
@@ -87,16 +88,35 @@ def resolve_step_dir(src: str) -> str:
     return src
 
 
-def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]]) -> dict[str, Any]:
+def _count(mp_sd: dict[str, Any], key: str, where: str) -> int:
+    """A counter of DeepSpeed's model states (``global_steps`` ...): a non-negative integer (a
+    one-element integer tensor too); else CorruptCheckpointError naming the file and the field."""
+    v = mp_sd.get(key, 0)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() and v.dtype != torch.bool:
+        v = int(v.item())
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise CorruptCheckpointError(f"{where}: {key} is {str(v)[:60]!r} ({type(v).__name__}), not a non-negative "
+                                     f"integer; the checkpoint is corrupt or not DeepSpeed's")
+    return v
+
+
+def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]], where: str = "model states"
+                  ) -> dict[str, Any]:
     client = {k: v for k, v in mp_sd.items() if k not in _DS_ENGINE_KEYS}
     cfg = mp_sd.get("ds_config") or {}
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("zero_optimization") or {}, dict):
+        raise CorruptCheckpointError(f"{where}: ds_config is not DeepSpeed's config dict (zero_optimization a dict)")
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise CorruptCheckpointError(f"{where}: ds_config.zero_optimization.stage is {str(stage)[:40]!r}, not an "
+                                     f"integer")
     return {
         "format": FORMAT,
-        "global_steps": int(mp_sd.get("global_steps", 0)),
-        "global_samples": int(mp_sd.get("global_samples", 0)),
-        "skipped_steps": int(mp_sd.get("skipped_steps", 0)),
+        "global_steps": _count(mp_sd, "global_steps", where),
+        "global_samples": _count(mp_sd, "global_samples", where),
+        "skipped_steps": _count(mp_sd, "skipped_steps", where),
         "train_batch_size": cfg.get("train_batch_size"),
-        "zero_stage": int((cfg.get("zero_optimization") or {}).get("stage", 0)),
+        "zero_stage": stage,
         "optimizer": optimizer,
         "lr_scheduler": mp_sd.get("lr_scheduler"),
         "client_state": tensors_to_json(client, "client_state", oversize_as_list=True),   # tensors stay tensors
@@ -151,27 +171,75 @@ def native_shards(step_dir: str, weights_only: bool = False,
             by_mp[mp].append((dp, f))
         for mp, parts in sorted(by_mp.items()):
             done: dict[tuple[int, str], int] = defaultdict(int)  # (group, name) -> elements seen so far
-            shapes = _load(f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]
+            mp_name = f"mp_rank_{mp:02d}_model_states.pt"
+            shapes = _load(mp_name).get("param_shapes")
             for dp, f in sorted(parts):
-                osd = _load(f)["optimizer_state_dict"]
-                base = osd["base_optimizer_state"]
-                for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
-                    state = base["state"].get(g, {})
-                    if mp == 0 and dp == 0:
-                        optimizer.append(_group_scalars(base["param_groups"][g], state))
-                    tensors = {st.MASTER: flat.detach()}
-                    tensors.update({k: v for k, v in state.items()
-                                    if isinstance(v, torch.Tensor) and v.numel() == flat.numel() and v.numel() > 1})
-                    for name, frag in osd["param_slice_mappings"][g].items():
-                        shape = tuple(shapes[g][name])
-                        start = done[(g, name)]
-                        done[(g, name)] += frag.numel
-                        full = Region.full(shape)
-                        for key, t in tensors.items():
-                            shards.extend(shards_from_flat(
-                                [st.optim_name(key, name)], [shape], [shape], [[Piece(full, full)]],
-                                t.view(-1)[frag.start:frag.start + frag.numel], start, start + frag.numel))
-    return shards, _engine_extra(mp0, optimizer)
+                where = os.path.join(step_dir, f)
+                try:
+                    _zero_partition(_load(f), shapes, where, os.path.join(step_dir, mp_name), done, shards,
+                                    optimizer if mp == 0 and dp == 0 else None)
+                except CheckpointError:
+                    raise
+                except (ValueError, IndexError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+                    # a malformed entry the checks below did not foresee: still the file's fault, not a bug
+                    raise CorruptCheckpointError(f"{where}: malformed ZeRO optimizer state ({type(e).__name__}: "
+                                                 f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'})") from None
+    return shards, _engine_extra(mp0, optimizer, os.path.join(step_dir, mp_files[0]))
+
+
+def _zero_partition(sd: Any, shapes: Any, where: str, mp_where: str, done: dict, shards: list,
+                    optimizer: Optional[list]) -> None:
+    """One ``zero_pp_rank_*_optim_states.pt``: its flat fp32 groups cut into each parameter's
+    fragments, each checked to lie inside its group's partition and its parameter (untrusted)."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {what}; the checkpoint is corrupt or not DeepSpeed's")
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict):
+        raise bad("no optimizer_state_dict")
+    base, flats, maps = (osd.get(k) for k in ("base_optimizer_state", "single_partition_of_fp32_groups",
+                                               "param_slice_mappings"))
+    if not isinstance(base, dict) or not isinstance(base.get("state", {}), dict) or \
+            not isinstance(base.get("param_groups"), list):
+        raise bad("base_optimizer_state has no state dict and param_groups list")
+    if not isinstance(flats, (list, tuple)) or not isinstance(maps, (list, tuple)):
+        raise bad("single_partition_of_fp32_groups / param_slice_mappings are not lists")
+    if not isinstance(shapes, (list, tuple)):
+        raise CorruptCheckpointError(f"{mp_where}: param_shapes is not a list of the groups' shapes")
+    groups = base["param_groups"]
+    if not len(flats) == len(maps) == len(groups) or len(shapes) < len(flats):
+        raise bad(f"{len(flats)} fp32 partitions, {len(maps)} slice mappings, {len(groups)} param_groups and "
+                  f"{len(shapes)} groups of param_shapes (in {os.path.basename(mp_where)}): they must agree")
+    for g, flat in enumerate(flats):
+        if not isinstance(flat, torch.Tensor) or not isinstance(maps[g], dict) or not isinstance(shapes[g], dict):
+            raise bad(f"group {g}: the fp32 partition, its slice mapping or its param_shapes is malformed")
+        state = base["state"].get(g, {})
+        if not isinstance(state, dict) or not isinstance(groups[g], dict):
+            raise bad(f"group {g}: its optimizer state or param_group is not a dict")
+        if optimizer is not None:
+            optimizer.append(_group_scalars(groups[g], state))
+        tensors = {st.MASTER: flat.detach()}
+        tensors.update({k: v for k, v in state.items()
+                        if isinstance(v, torch.Tensor) and v.numel() == flat.numel() and v.numel() > 1})
+        for name, frag in maps[g].items():
+            if name not in shapes[g]:
+                raise bad(f"group {g}: parameter {str(name)[:80]!r} has no shape in {os.path.basename(mp_where)}")
+            shape = tuple(shapes[g][name])
+            fs, fn = getattr(frag, "start", None), getattr(frag, "numel", None)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (fs, fn)) or fs < 0 or fn < 0 or \
+                    fs + fn > flat.numel():
+                raise bad(f"group {g}: parameter {str(name)[:80]!r}: fragment (start {fs}, numel {fn}) does not lie "
+                          f"inside the group's partition of {flat.numel()} elements")
+            start = done[(g, name)]
+            total = math.prod(shape)
+            if start + fn > total:
+                raise bad(f"group {g}: parameter {str(name)[:80]!r}: fragments hold {start + fn} elements, its shape "
+                          f"{shape} has {total}")
+            done[(g, name)] += fn
+            full = Region.full(shape)
+            for key, t in tensors.items():
+                shards.extend(shards_from_flat(
+                    [st.optim_name(key, name)], [shape], [shape], [[Piece(full, full)]],
+                    t.view(-1)[fs:fs + fn], start, start + fn))
 
 
 def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
@@ -196,11 +264,18 @@ def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorSha
             if not f.endswith(".pt"):
                 continue
             key = f[:-3]
-            t = _load_file(safe_join(pdir, f, what="DeepSpeed universal file"), trust)
-            t = t["param"] if isinstance(t, dict) else t
+            fpath = safe_join(pdir, f, what="DeepSpeed universal file")
+            t = _load_file(fpath, trust)
+            if isinstance(t, dict):
+                if "param" not in t:
+                    raise CorruptCheckpointError(f"{fpath} holds a dict without 'param' (keys "
+                                                 f"{sorted(map(str, t))[:5]}): not a universal checkpoint's file")
+                t = t["param"]
             if key == "step":
-                step_val = float(t.item() if isinstance(t, torch.Tensor) else t)
+                step_val = _step_value(t, fpath)
                 continue
+            if not isinstance(t, torch.Tensor):
+                raise CorruptCheckpointError(f"{fpath} holds a {type(t).__name__}, expected a tensor")
             if key == "fp32":
                 shards.append(full_shard(st.model_name(name), t))
                 shards.append(full_shard(st.optim_name(st.MASTER, name), t))
@@ -210,7 +285,17 @@ def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorSha
     mp0 = _load_file(safe_join(step_dir, os.path.basename(mp_files[0])), trust) if mp_files else {}
     scalars = {} if step_val is None else {"step": {"value": step_val, "tensor": True, "dtype": "float32"}}
     opt = [{"hyper": h, "scalars": scalars} for h in hyper] or ([{"hyper": {}, "scalars": scalars}] if scalars else [])
-    return shards, _engine_extra(mp0, opt)
+    return shards, _engine_extra(mp0, opt, mp_files[0] if mp_files else step_dir)
+
+
+def _step_value(t: Any, where: str) -> float:
+    """Adam's step of a universal checkpoint's ``step.pt``: a finite number (a one-element tensor)."""
+    if isinstance(t, torch.Tensor) and t.numel() == 1:
+        t = t.item()
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise CorruptCheckpointError(f"{where} holds {str(t)[:60]!r} ({type(t).__name__}), not Adam's step (a "
+                                     f"non-negative number)")
+    return float(t)
 
 
 def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = False, force: bool = False,

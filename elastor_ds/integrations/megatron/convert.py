@@ -297,8 +297,10 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
         if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
             raise CheckpointError(f"{ranks[k]} holds no 'model' state dict: not a Megatron legacy checkpoint")
     first = sds[(0, 0)]
+    cfg_from = "--model-config"
     if cfg is None and first.get("args") is not None:
         cfg = config_from_args(first["args"])
+        cfg_from = "the checkpoint's args"
     if cfg is None:
         raise ConfigError(f"{d}: the checkpoint carries no args; pass --model-config FILE.json")
     counts = []
@@ -314,6 +316,7 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
     opt = _legacy_optimizer(d, ranks, sds, specs, bounds, cfg, tp, pp)
     for sd in sds.values():  # Transformer Engine's fused layer-norm names -> the canonical ones
         sd["model"] = {canonical_name(k): v for k, v in sd["model"].items()}
+    _check_legacy_shapes(ranks, sds, specs, bounds, cfg, tp, pp, cfg_from)
 
     def local_of(spec, stage: int, t: int, kind: str) -> torch.Tensor:
         local_name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
@@ -359,6 +362,33 @@ def _import_legacy(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], prog
                                               model=cfg.to_json(), layout=layout.to_json(), progress=progress,
                                               force=force)
     return {"format": "legacy", "step": it, "tensors": len(names), "optimizer": opt is not None, "step_dir": step_dir}
+
+
+def _check_legacy_shapes(ranks: dict, sds: dict, specs: list, bounds: list[int], cfg: GPTSpecConfig, tp: int,
+                         pp: int, cfg_from: str) -> None:
+    """Every rank file holds each tensor of its stage, of the local shape the model config gives
+    (vocabulary rows may be padded more): a config that does not describe the checkpoint ended as
+    "unexpected RuntimeError: The size of tensor a (64) must match ..." half way through the import."""
+    for spec in specs:
+        stage = _stage_of(spec, bounds)
+        for t in range(tp):
+            name = _local_name(spec.name, bounds[stage], cfg, stage == pp - 1 and stage != 0)
+            local = sds[(t, stage)]["model"].get(name)
+            where = ranks[(t, stage)]
+            if not isinstance(local, torch.Tensor):
+                raise CheckpointError(f"{where}: tensor {name} (for {spec.name}) is "
+                                      f"{'missing' if local is None else 'a ' + type(local).__name__}; the model "
+                                      f"config from {cfg_from} does not describe this checkpoint (pass the right "
+                                      f"--model-config FILE.json)")
+            want, pieces = local_pieces(spec, tp, t)
+            got = tuple(local.shape)
+            vocab = getattr(getattr(spec.rule, "kind", None), "name", "") == "VOCAB"
+            ok = got == tuple(want) or (vocab and len(got) == len(want) and got[1:] == tuple(want[1:]) and all(
+                o + n <= g for pc in pieces for o, n, g in zip(pc.local.offsets, pc.local.sizes, got)))
+            if not ok:
+                raise CheckpointError(f"{where}: tensor {name} is {got}, but the model config from {cfg_from} gives "
+                                      f"{tuple(want)} at tp={tp}: the config does not describe this checkpoint; pass "
+                                      f"the right --model-config FILE.json")
 
 
 def _legacy_optimizer(d: str, ranks: dict, sds: dict, specs: list, bounds: list[int], cfg: GPTSpecConfig,
