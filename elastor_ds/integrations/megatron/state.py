@@ -111,13 +111,18 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
     group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
     for spec, h, p in plan:
         group = group_of.get(id(p))
-        if group is None:   # not optimized (frozen): its weights only, as torch's optimizer keeps nothing for it
-            continue
         st = optimizer.state.get(p)
+        if group is None and not st:
+            # outside every parameter group and without state (frozen): its weights only. (A wrapper
+            # such as Megatron-LM's mixed-precision view lists its fp32 copies in its groups and maps
+            # the model parameter to their state: state, no group.)
+            continue
         if not st:
             raise ShardingError(f"optimizer has no state for {spec.name}: take one optimizer step or call "
                                 f"ensure_adam_state(optimizer) before saving")
-        for m in _moments(group):
+        moments = _moments(group) if group is not None else \
+            MOMENTS + ((AMSGRAD_MOMENT,) if AMSGRAD_MOMENT in st else ())
+        for m in moments:
             if m not in st:
                 raise ShardingError(f"optimizer state of {spec.name} has no {m!r} (keys {sorted(st)}); only "
                                     f"Adam/AdamW state is supported")
