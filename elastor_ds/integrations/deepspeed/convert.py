@@ -97,7 +97,7 @@ def _count(mp_sd: dict[str, Any], key: str, where: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise CorruptCheckpointError(f"{where}: {key} is {str(v)[:60]!r} ({type(v).__name__}), not a non-negative "
                                      f"integer; the checkpoint is corrupt or not DeepSpeed's")
-    return v
+    return int(v)
 
 
 def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]], where: str = "model states"
@@ -116,7 +116,7 @@ def _engine_extra(mp_sd: dict[str, Any], optimizer: list[dict[str, Any]], where:
         "global_samples": _count(mp_sd, "global_samples", where),
         "skipped_steps": _count(mp_sd, "skipped_steps", where),
         "train_batch_size": cfg.get("train_batch_size"),
-        "zero_stage": stage,
+        "zero_stage": int(stage),   # (an IntEnum too)
         "optimizer": optimizer,
         "lr_scheduler": mp_sd.get("lr_scheduler"),
         "client_state": tensors_to_json(client, "client_state", oversize_as_list=True),   # tensors stay tensors
