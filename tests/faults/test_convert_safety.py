@@ -241,7 +241,7 @@ def test_cluster_and_model_config_files_are_read_like_the_other_user_files(tmp_p
         with open(bad, "wb") as f:
             f.truncate(129 * 1024 * 1024)
     says = {"fifo": "not a regular file", "symlink": "a symlink is not followed", "dir": "not a regular file",
-            "huge": "bytes; a cluster file is at most"}[make]
+            "huge": "bytes; a JSON cluster file is at most"}[make]
     p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "plan", "--num-layers", "4", "--hidden-size", "64",
                         "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "100", "--micro-batch-size",
                         "1", "--global-batch-size", "8", "--cluster", str(bad)], capture_output=True, text=True,
