@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..threads import NamedThread
@@ -368,23 +368,28 @@ def header_dtype(code: str) -> str:
     return CODE_DTYPES[code]
 
 
-def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
-    """(size, crc32) of a whole file."""
-    crc = 0
-    size = 0
+def iter_file_blocks(path: str, block: int = 16 * 1024 * 1024) -> Iterator[memoryview]:
+    """A whole regular file (never through a link), in order, as views of one reused buffer."""
     try:   # a small file gets a small buffer (allocating and zeroing 16 MiB costs milliseconds)
         block = max(1, min(block, os.path.getsize(path)))
     except OSError:
         pass
-    buf = bytearray(block)
-    mv = memoryview(buf)
+    mv = memoryview(bytearray(block))
     with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         while True:
             n = f.readinto(mv)
             if not n:
-                break
-            crc = crc32(mv[:n], crc)
-            size += n
+                return
+            yield mv[:n]
+
+
+def file_crc32(path: str, block: int = 16 * 1024 * 1024) -> tuple[int, int]:
+    """(size, crc32) of a whole file."""
+    crc = 0
+    size = 0
+    for piece in iter_file_blocks(path, block):
+        crc = crc32(piece, crc)
+        size += len(piece)
     return size, crc
 
 

@@ -19,7 +19,7 @@ from ..layout.region import Region, first_overlap
 from .commit import read_manifest
 from .planning.manifest import Manifest
 from .crc import crc32
-from .fileformat import CODE_DTYPES, read_header
+from .fileformat import CODE_DTYPES, iter_file_blocks, read_header
 from .paths import open_regular
 from .planning.manifest import CRC_ENTRY_BYTES, DTYPE_CODES, DTYPE_SIZES
 
@@ -150,7 +150,7 @@ def verify(step_dir: str, checksums: bool = True, files: Optional[Iterable[str]]
                     problems += found
                     continue
             if checksums:
-                crc, bad = _scan_data(step_dir, path, size, chunks_by_file.get(name, []), man, tables)
+                crc, bad = _scan_data(step_dir, path, chunks_by_file.get(name, []), man, tables)
                 if crc != fe.crc32:
                     problems.append(Problem(path, f"CRC32 {crc:08x} != manifest {fe.crc32:08x} (corrupt data)"))
                 problems += bad
@@ -197,7 +197,7 @@ def _table(step_dir: str, man: Manifest, name: str, cache: dict):
     return cache[name]
 
 
-def _scan_data(step_dir: str, path: str, size: int, chunks: list, man: Manifest, tables: dict
+def _scan_data(step_dir: str, path: str, chunks: list, man: Manifest, tables: dict
                ) -> tuple[int, list[Problem]]:
     """One pass over the data file ``path``: its whole-file CRC32, and every chunk's bytes against
     its block-CRC table (each block's cumulative CRC, as a reader checks them) or, without a table,
@@ -253,27 +253,20 @@ def _scan_data(step_dir: str, path: str, size: int, chunks: list, man: Manifest,
     crc = 0
     pos = 0
     ci = 0   # scans[ci:] not finished (sorted by offset)
-    block = max(1, min(16 * 1024 * 1024, size))
-    buf = bytearray(block)
-    mv = memoryview(buf)
-    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(mv)
-            if not n:
-                break
-            crc = crc32(mv[:n], crc)
-            a, b = pos, pos + n
-            k = ci
-            while k < len(scans) and scans[k].ch.offset < b:
-                sc = scans[k]
-                lo, hi = max(a, sc.ch.offset + sc.done), min(b, sc.ch.offset + sc.ch.length)
-                if lo < hi:
-                    feed(sc, mv[lo - a:hi - a])
-                k += 1
-            while ci < len(scans) and scans[ci].ch.offset + scans[ci].ch.length <= b:
-                finish(scans[ci])
-                ci += 1
-            pos = b
+    for piece in iter_file_blocks(path):
+        crc = crc32(piece, crc)
+        a, b = pos, pos + len(piece)
+        k = ci
+        while k < len(scans) and scans[k].ch.offset < b:
+            sc = scans[k]
+            lo, hi = max(a, sc.ch.offset + sc.done), min(b, sc.ch.offset + sc.ch.length)
+            if lo < hi:
+                feed(sc, piece[lo - a:hi - a])
+            k += 1
+        while ci < len(scans) and scans[ci].ch.offset + scans[ci].ch.length <= b:
+            finish(scans[ci])
+            ci += 1
+        pos = b
     for sc in scans[ci:]:   # (the file is the manifest's size: coverage_problems names a chunk past its end)
         if sc.ch.offset + sc.ch.length <= pos:
             finish(sc)
