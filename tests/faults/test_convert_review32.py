@@ -16,34 +16,10 @@ import sys
 import pytest
 import torch
 
+from cli_utils import assert_one_line_failure, elastor, tree_hash
+
 INT64_MAX = 2 ** 63 - 1
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def elastor(*argv: str, timeout: float = 180, env_extra: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
-
-
-def assert_one_line_failure(p: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stderr + p.stdout, p.stderr
-    lines = [x for x in p.stderr.splitlines() if x.startswith(("ERROR", "elastor", "error", "CORRUPT"))]
-    assert len(lines) == 1, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
-
-
-def tree_hash(path: str) -> str:
-    h = hashlib.sha256()
-    for d, dirs, files in sorted(os.walk(path)):
-        dirs.sort()
-        for f in sorted(files):
-            h.update(os.path.join(d, f).encode())
-            h.update(open(os.path.join(d, f), "rb").read())
-    return h.hexdigest()
 
 
 def consolidated(path, step=None, n=4096) -> str:

@@ -3,7 +3,6 @@
 conversion leaves no temporary directory. Real files, the CLI in subprocesses."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from cli_utils import tree_hash
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.layout.region import Region
@@ -23,16 +23,6 @@ def elastor(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv, "--no-progress"], env=env,
                           capture_output=True, text=True, timeout=180)
-
-
-def tree_hash(path: str) -> str:
-    h = hashlib.sha256()
-    for d, dirs, files in sorted(os.walk(path)):
-        dirs.sort()
-        for f in sorted(files):
-            h.update(os.path.join(d, f).encode())
-            h.update(open(os.path.join(d, f), "rb").read())
-    return h.hexdigest()
 
 
 def save(root: str, step: int) -> None:

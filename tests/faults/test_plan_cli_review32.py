@@ -6,11 +6,11 @@ escape sequences of node names and profile sources printed raw, YAML aliases wal
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+
+from cli_utils import assert_one_line_failure as one_line_failure, elastor
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
@@ -19,19 +19,8 @@ M7B = ["plan", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-h
        "--tensor-model-parallel-size", "4"]
 
 
-def elastor(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def assert_one_line_failure(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stderr + p.stdout, p.stderr
-    lines = [x for x in p.stderr.splitlines() if x.startswith(("ERROR", "elastor", "error"))]
-    assert len(lines) == 1, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
+    one_line_failure(p, code, *words)
     assert "\x1b" not in p.stdout + p.stderr and "\u202e" not in p.stdout + p.stderr
 
 

@@ -13,26 +13,12 @@ import sys
 import pytest
 import torch
 
+from cli_utils import assert_one_line_failure, elastor
 from elastor_ds.checkpoint import CheckpointEngine, TensorShard
 from elastor_ds.errors import ElastorError
 from elastor_ds.layout.region import Region
 
 SHAPE = (16, 8)
-
-
-def elastor(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def assert_one_line_failure(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stderr + p.stdout, p.stderr
-    lines = [x for x in p.stderr.splitlines() if x.startswith(("ERROR", "elastor", "error", "CORRUPT"))]
-    assert len(lines) == 1, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
 
 
 @pytest.fixture()
