@@ -482,6 +482,11 @@ class DirCommit(AtomicCommit):
         """Refuses a destination that exists and is not an empty directory (nothing is overwritten)."""
         final = os.path.abspath(final)
         check_empty_destination(final)
+        if os.path.isdir(final) and os.path.ismount(final):
+            from ..errors import DestinationNotEmptyError
+            raise DestinationNotEmptyError(f"destination {final} is a mount point: the output is written beside its "
+                                           f"destination, on the parent's file system, and renamed into place, which a "
+                                           f"mount point cannot take; give a new folder inside it, e.g. {final}/export")
         parent = os.path.dirname(final)
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{nonce or uuid.uuid4().hex[:12]}")

@@ -101,6 +101,24 @@ def test_exports_into_non_empty_destinations_refuse(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["dst", "src"]  # no temp dirs either
 
 
+@pytest.mark.parametrize("fmt", ["consolidated", "deepspeed-universal"])   # (megatron needs a GPT checkpoint)
+def test_an_export_into_an_empty_mount_point_is_refused_before_writing(tmp_path, fmt):
+    """Review of the thirty-second session: an export into an empty mount point wrote the whole
+    export beside it, on the parent's file system (the one the user meant to avoid), then failed at
+    the rename with a bare "Device or resource busy". Refused up front now, naming the fix; nothing
+    is written on either file system."""
+    from tmpfs_utils import small_tmpfs
+    src = str(tmp_path / "src")
+    save(src, 5)
+    with small_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        p = elastor("convert", src, str(mnt), "--to", fmt)
+        assert p.returncode == 2 and "is a mount point" in p.stderr and f"{mnt}/export" in p.stderr \
+            and "Traceback" not in p.stderr, p.stderr
+        assert os.listdir(mnt) == []
+    assert sorted(os.listdir(tmp_path)) == ["mnt", "src"]   # no temp copy beside the mount point
+    assert elastor("convert", src, str(tmp_path / "mnt2"), "--to", fmt).returncode == 0   # a plain folder: fine
+
+
 def test_failed_conversions_leave_no_temp_dirs(tmp_path):
     src = str(tmp_path / "src")
     save(src, 5)
