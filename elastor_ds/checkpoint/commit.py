@@ -693,13 +693,17 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
             recycle_data_files(path, recycle_dir, recycle_names)
         if _remove_via_trash(root, path, step):
             removed.append(path)
-    newest = max((s for s, _ in committed), default=-1)
+    # temp dirs up to the step just committed are stale; a later save (another rank's writer may
+    # be in it already) writes a newer one. Not the newest committed step: after a run went back
+    # to an older step (a reload, load "none" into a used folder), steps of the trajectory it left
+    # stay, and every save of the new one is below them
+    newest = limit if limit is not None else max((s for s, _ in committed), default=-1)
     for n in os.listdir(root):
         p = os.path.join(root, n)
         tmp_step = step_of(n) if n.startswith(TMP_PREFIX) else None
         if tmp_step is None or os.path.abspath(p) in keep_paths:
             continue
-        if tmp_step <= newest:  # a later save may already be writing its own (newer) temp dir
+        if tmp_step <= newest:
             why = _not_our_temp_dir(p)
             if why:
                 if p not in _left_alone:

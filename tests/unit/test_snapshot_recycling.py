@@ -144,3 +144,32 @@ def test_a_link_named_like_a_data_file_is_never_written_through_nor_recycled(tmp
     save(eng, w, 2)
     eng.finalize()
     assert other.read_text() == "x" and loads(root, 2)
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "posix"])
+def test_retention_keeps_a_later_saves_temp_dir_after_the_run_went_back(tmp_path, kind):
+    """A run that went back to an older step (a reload; ``load: none`` into a used folder) leaves the
+    steps of the trajectory it left on disk. Retention after committing step 4 deleted every temp dir
+    up to the newest committed step (50), so also step 5's, which another rank's writer was already
+    writing (seen: FileNotFoundError on rank 1's CRC table, the snapshot failed). Temp dirs up to the
+    step just committed are stale; newer ones are another save's."""
+    from elastor_ds.checkpoint.storage import PosixStorage
+    root = str(tmp_path / "ck")
+    store = (lambda: TmpfsStorage(root)) if kind == "tmpfs" else (lambda: PosixStorage(root, sync=False))
+    w = torch.empty(64, 256)
+    old = CheckpointEngine(root, storage=store(), keep=1)
+    save(old, w, 50)     # the trajectory the run left
+    old.finalize()
+    inflight = os.path.join(root, commit_mod.tmp_dirname(5, "123_4_1"))   # rank 1's writer, step 5
+    stale = os.path.join(root, commit_mod.tmp_dirname(3, "99_1_0"))       # a killed save of step 3
+    for d in (inflight, stale):
+        os.makedirs(d)
+        with open(os.path.join(d, "data_00001.safetensors"), "wb") as f:
+            f.write(b"x" * 100)
+    eng = CheckpointEngine(root, storage=store(), keep=1)
+    save(eng, w, 4)
+    assert os.path.isdir(inflight) and os.listdir(inflight) == ["data_00001.safetensors"]
+    assert not os.path.exists(stale)
+    assert os.path.isdir(os.path.join(root, commit_mod.step_dirname(50)))   # never one newer than the save
+    assert loads(root, 4)
+    eng.finalize()
