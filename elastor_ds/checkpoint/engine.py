@@ -202,6 +202,16 @@ class _Agreement:
         return out
 
 
+@dataclass(frozen=True)
+class RankExtra:
+    """A part of a save's ``extra`` that differs per rank (e.g. the param groups of each pipeline
+    stage): the writer all-gathers every rank's ``value`` (one object collective on the writer's
+    group, off the training thread) and rank 0 commits ``merge(extra, values)`` (``values`` in rank
+    order, as JSON). Every rank of a save passes one, or none does."""
+    value: Any
+    merge: Callable[[dict, list], dict]
+
+
 @dataclass
 class _Job:
     step: int
@@ -316,8 +326,9 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ save
     def save(self, step: int, shards: Sequence[TensorShard], extra: Optional[Mapping[str, Any]] = None,
              rank_state: Optional[Mapping[str, Any]] = None, model: Optional[Mapping[str, Any]] = None,
-             layout: Optional[Mapping[str, Any]] = None) -> SaveStats:
-        """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit."""
+             layout: Optional[Mapping[str, Any]] = None, rank_extra: Optional[RankExtra] = None) -> SaveStats:
+        """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit.
+        ``rank_extra``: what each rank adds to ``extra`` (gathered by the writer, :class:`RankExtra`)."""
         step = _check_step(step)
         if not isinstance(shards, (list, tuple)) or not all(isinstance(s, TensorShard) for s in shards):
             bad = shards if not isinstance(shards, (list, tuple)) else next(s for s in shards if not isinstance(s, TensorShard))
@@ -430,8 +441,10 @@ class CheckpointEngine:
         deferred: list = []
         extra_j = to_jsonable(dict(extra or {}), "extra", deferred)
         rank_j = to_jsonable(dict(rank_state or {}), "rank_state", deferred) if rank_state is not None else None
+        mine = ((to_jsonable(rank_extra.value, "rank_extra", deferred), rank_extra.merge)
+                if rank_extra is not None else None)
         job.deferred = bool(deferred)
-        args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout)
+        args = (job, plan, items, spans, tmp_dir, extra_j, rank_j, model, layout, mine)
         self._saves += 1
         self._job = job
         if self.async_save:
@@ -649,7 +662,7 @@ class CheckpointEngine:
                 t.join(join_s)
 
     def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
-                          model, layout) -> None:
+                          model, layout, rank_extra: Optional[tuple] = None) -> None:
         rank = self.comm.rank
         stats = job.stats
         assert stats is not None
@@ -668,6 +681,8 @@ class CheckpointEngine:
                 plan, items, spans, tmp_dir = self._replan_live(job)
             if job.deferred:   # the values of device scalars: wait for their copies here, off the training thread
                 extra, rank_state = resolve_deferred(extra), resolve_deferred(rank_state)
+                if rank_extra is not None:
+                    rank_extra = (resolve_deferred(rank_extra[0]), rank_extra[1])
             if job.local_error is not None:
                 raise job.local_error
             if job.stale:
@@ -702,6 +717,8 @@ class CheckpointEngine:
                     "rank %d: checkpoint write for step %d failed: %s", rank, job.step, e)
             outcome = ("error", RankFailure.of(rank, e).to_wire())
         try:
+            # every rank's part of extra (RankExtra), before the outcomes: every rank gets here
+            values = self.writer_comm.all_gather_object(rank_extra[0]) if rank_extra is not None else None
             outcomes = self._gather_lean(outcome, plan, job.step) if lean else self._gather_objects(outcome, job.step)
             failures = [o[1] for o in outcomes if o[0] == "error"]
             stale = [o[1] for o in outcomes if o[0] == "stale"]
@@ -712,6 +729,8 @@ class CheckpointEngine:
                     self.storage.abort(tmp_dir)
                 else:
                     try:
+                        if rank_extra is not None:
+                            extra = rank_extra[1](extra, values)
                         if lean:   # lean results: the plan's template, CRCs filled in
                             if self._template is None or self._template.plan is not plan:
                                 self._template = ManifestTemplate(plan, self.block_size)

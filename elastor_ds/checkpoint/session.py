@@ -33,7 +33,7 @@ from ..comm import TorchComm
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, RanksFailedError
 from ..layout import Layout
 from . import commit as commit_mod
-from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, SaveStats, VerifyMode
+from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, RankExtra, SaveStats, VerifyMode
 from .storage.posix import PosixStorage
 from .planning.manifest import Manifest
 from .settings import CheckpointConfig, MemorySnapshotConfig, save_due
@@ -55,11 +55,14 @@ def restore_candidates(steps_per_rank: list, storage_step: int) -> list[int]:
 @dataclass
 class Collected:
     """What one save writes for this rank: its shards, the job's JSON state (identical on every
-    rank), this rank's own JSON state (e.g. RNG), and a description of the model."""
+    rank), this rank's own JSON state (e.g. RNG), and a description of the model. ``rank_extra``: a
+    part of the job's JSON that differs per rank, gathered and merged by the writer
+    (:class:`~.engine.RankExtra`)."""
     shards: list
     extra: dict[str, Any]
     rank_state: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
+    rank_extra: Optional[RankExtra] = None
 
 
 @runtime_checkable
@@ -240,7 +243,7 @@ class CheckpointSession:
         if mem_due:
             assert mem is not None
             ms = mem.save(step, got.shards, self.policy_comm, extra=got.extra, rank_state=got.rank_state,
-                          model=got.model, layout=self.layout.to_json())
+                          model=got.model, layout=self.layout.to_json(), rank_extra=got.rank_extra)
             stats = stats or ms
         self.last_hook_s = time.perf_counter() - t0
         return stats
@@ -259,7 +262,7 @@ class CheckpointSession:
             got = trim(got)
         step = int(self.state.step())
         stats = self.ckpt.save(step, got.shards, extra=got.extra, rank_state=got.rank_state, model=got.model,
-                               layout=self.layout.to_json())
+                               layout=self.layout.to_json(), rank_extra=got.rank_extra)
         self.last_save_step = step
         self.last_save_time = time.monotonic()
         self.stats.append(stats)

@@ -379,3 +379,48 @@ def test_atomic_write_text_leaves_no_temp_file_and_never_follows_a_link(tmp_path
     with pytest.raises(OSError):
         fileformat.atomic_write_text(str(target), "step_000000001\n", sync=False)
     assert not elsewhere.exists() and not target.exists()
+
+
+def _merge_ranks(extra: dict, values: list) -> dict:
+    return {**extra, "by_rank": values}
+
+
+def _rank_extra_worker(rank: int, world: int, root: str, kind: str) -> None:
+    from elastor_ds.checkpoint.engine import RankExtra
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.errors import AsyncSaveError
+
+    storage = TmpfsStorage(root) if kind == "tmpfs" else PosixStorage(root, sync=False)
+    eng = CheckpointEngine(root, TorchComm.create(60, liveness_s=20), storage, keep=3)
+    t = torch.full((64, 64), float(rank))
+    shards = [TensorShard("t", (128, 64), Region((64 * rank, 0), (64, 64)), t)]
+    for step in (1, 2):
+        # a tuple and a tensor: the writer's gather carries them as JSON (a list, a number)
+        eng.save(step, shards, extra={"step": step},
+                 rank_extra=RankExtra({"rank": rank, "pair": (rank, step), "x": torch.tensor(2.5 * rank)}, _merge_ranks))
+        eng.wait()
+    man = commit_mod.read_manifest(commit_mod.resolve(root))
+    assert man.extra == {"step": 2, "by_rank": [{"rank": r, "pair": [r, 2], "x": 2.5 * r} for r in range(world)]}, man.extra
+
+    def broken(extra, values):
+        raise ValueError("merge failed")
+    eng.save(3, shards, extra={"step": 3}, rank_extra=RankExtra({"rank": rank}, broken))
+    try:
+        eng.wait()
+        raise AssertionError("a save whose merge failed was committed")
+    except AsyncSaveError as e:
+        assert "merge failed" in str(e), str(e)
+    assert commit_mod.resolve(root).endswith(commit_mod.step_dirname(2))
+    eng.save(4, shards, extra={"step": 4})   # without: extra as given
+    eng.wait()
+    assert commit_mod.read_manifest(commit_mod.resolve(root)).extra == {"step": 4}
+    eng.finalize()
+
+
+@pytest.mark.parametrize("kind", ["posix", "tmpfs"])
+def test_each_ranks_part_of_extra_is_gathered_by_the_writer(tmp_path, kind):
+    """``RankExtra``: what differs per rank (a DeepSpeed pipeline stage's param groups) reaches rank
+    0's manifest through the writer's gather (no collective on the training thread); a merge that
+    raises fails that save on every rank and commits nothing, and the next save commits."""
+    from dist_utils import run_world
+    run_world(_rank_extra_worker, 2, str(tmp_path / "ck"), kind, timeout_s=120)

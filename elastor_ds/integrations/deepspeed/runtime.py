@@ -17,6 +17,7 @@ import logging
 from typing import Any, Optional
 
 from ...checkpoint import LoadResult, Manifest
+from ...checkpoint.engine import RankExtra
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
 from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig
 from ...checkpoint.state import capture_rng_state, like, restore_rng_state, tensors_to_json, to_jsonable, typed_to_json
@@ -49,6 +50,12 @@ def engine_layout(engine: Any) -> Layout:
         parts = [0, num_layers]
     return Layout.uniform(tp, pp, dp, num_layers, boundaries=list(parts), micro_batches=gas)
 
+
+
+def _with_every_stage_groups(extra: dict, everyone: list) -> dict:
+    """Rank 0's ``extra`` with every pipeline stage's param groups (:func:`.state.merge_scalars`;
+    ``everyone``: each rank's groups, as JSON)."""
+    return {**extra, "optimizer": st.merge_scalars(extra["optimizer"], everyone)}
 
 class DeepSpeedState:
     """The :class:`~elastor_ds.checkpoint.session.TrainerState` of one DeepSpeed engine."""
@@ -122,10 +129,10 @@ class DeepSpeedState:
             self._shards_cache = (key, shards, groups)
         sched = eng.lr_scheduler
         opt_groups = st.optimizer_scalars(eng, groups)
-        if self._stages_differ and self.comm is not None and self.comm.world_size > 1:
-            # every stage's groups (by their parameters' names): a resume under any layout finds each
-            # group's hyper-parameters, not rank 0's by index (collect runs on every rank, same point)
-            opt_groups = st.merge_scalars(opt_groups, self.comm.all_gather_object(st.portable_scalars(opt_groups)))
+        # every stage's groups (by their parameters' names), so a resume under any layout finds each
+        # group's hyper-parameters, not rank 0's by index: gathered by the writer, off this thread
+        rank_extra = (RankExtra(opt_groups, _with_every_stage_groups)
+                      if self._stages_differ and self.comm is not None and self.comm.world_size > 1 else None)
         extra = {
             "format": FORMAT,
             "global_steps": int(eng.global_steps),
@@ -145,7 +152,8 @@ class DeepSpeedState:
         if isinstance(geo_model, dict):  # e.g. a megatron-core GPT description: exporters can use it
             model = {**geo_model, **{k: v for k, v in model.items() if k != "num_layers"},
                      "pipeline_layers": self._layout.num_layers}
-        return Collected(shards=shards, extra=extra, rank_state={"rng": capture_rng_state()}, model=model)
+        return Collected(shards=shards, extra=extra, rank_state={"rng": capture_rng_state()}, model=model,
+                         rank_extra=rank_extra)
 
     def _client_state_json(self) -> Any:
         """The client state's JSON, made once per ``save_checkpoint(client_state=...)`` (every

@@ -389,19 +389,6 @@ def optimizer_scalars(engine: Any, groups: Optional[list] = None) -> list[dict[s
     return out
 
 
-def portable_scalars(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`optimizer_scalars` as another process can take it: a step count still on the GPU
-    (:class:`~elastor_ds.checkpoint.state.DeviceScalar`, only with step counts kept on the device)
-    read now."""
-    from ...checkpoint.state import DeviceScalar
-    out = []
-    for e in entries:
-        sc = {k: ({**d, "value": d["value"].value()} if isinstance(d.get("value"), DeviceScalar) else d)
-              for k, d in e["scalars"].items()}
-        out.append({**e, "scalars": sc})
-    return out
-
-
 def merge_scalars(own: list[dict[str, Any]], everyone: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The job's param groups: this rank's (in order; on rank 0 they lead, as a reader by index
     expects), then every other rank's group not seen yet (by its parameter names: data-parallel
