@@ -172,6 +172,25 @@ def read_latest(root: str) -> Optional[str]:
     return path
 
 
+def check_latest_replaceable(root: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` when ``root/latest`` exists and elastor did not write it
+    (DeepSpeed's ``save_checkpoint`` names its ``global_stepN`` tag there): a commit would replace a
+    pointer someone else relies on."""
+    try:
+        name = _latest_name(root)
+    except CheckpointError:
+        return   # unreadable: the save's own commit says why
+    if name is None or _STEP_RE.match(name) or _TMP_RE.match(name):
+        return
+    whose = ("DeepSpeed's save_checkpoint wrote it" if _DS_TAG_RE.fullmatch(name)
+             else "not a step_<N> directory: elastor did not write it")
+    raise UnsafeCheckpointError(
+        f"{root}/{LATEST} names {name[:120]!r} ({whose}); an elastor save there would replace it. Give elastor a "
+        f"directory of its own, or move that file away"
+        + (f" (to resume from DeepSpeed's checkpoint, convert it once: `elastor convert {root} NEW --from deepspeed`)"
+           if _DS_TAG_RE.fullmatch(name) else ""))
+
+
 def resolve(path: str) -> str:
     """A committed step directory from ``path`` (a step dir, or a root with ``latest``)."""
     if not path:   # os.path.abspath("") would be the current directory
@@ -417,6 +436,8 @@ class StepCommit(AtomicCommit):
                 raise CheckpointError(f"the step about to be committed under {self.root} would be refused by every "
                                       f"reader ({e}); nothing was committed") from None
         final = self.final_dir
+        if self.latest is not LatestPolicy.NEVER:   # never replace a `latest` someone else wrote
+            check_latest_replaceable(self.root)
         try:
             st = os.lstat(final)
         except FileNotFoundError:

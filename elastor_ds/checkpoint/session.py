@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from ..comm import TorchComm
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, RanksFailedError
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, RanksFailedError,
+                      UnsafeCheckpointError)
 from ..layout import Layout
 from . import commit as commit_mod
 from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, RankExtra, SaveStats, VerifyMode
@@ -153,6 +154,10 @@ class CheckpointSession:
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
                                      storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io),
                                      writer_sched=cfg.writer_sched, writer_deadline_s=cfg.writer_deadline_s)
+        try:   # a folder of DeepSpeed's own checkpoints: refused now, not at the first commit
+            commit_mod.check_latest_replaceable(cfg.dir)
+        except UnsafeCheckpointError as e:
+            raise ConfigError(f"checkpoint.dir: {e}") from None
         self.last_save_step: Optional[int] = None
         self.last_save_time = time.monotonic()
         self.stats: list[SaveStats] = []

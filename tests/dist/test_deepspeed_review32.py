@@ -603,3 +603,52 @@ def test_a_group_no_saved_group_holds_is_refused_on_every_rank(tmp_path):
     assert sorted(n[0].split(".")[0] for n in r0["saved"]) == ["0", "1", "2", "3"]
     assert r0["raised"] and r0["raised"] == r1["raised"] and "rank 1's param group" in r0["raised"], (r0, r1)
     assert r0["old_format_lr"] == r1["old_format_lr"] == pytest.approx([1e-2, 5e-3])   # by index, as before
+
+
+# --- elastor's first save into a folder of DeepSpeed's own checkpoints --------------------------
+
+def _ds_folder_worker(rank: int, world: int, d: str) -> None:
+    import deepspeed
+
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.errors import ConfigError
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    cfg = _cfg(os.path.join(d, "ds"), "none")
+    plain = {k: v for k, v in cfg.items() if k != "elastor"}
+    a, _, _, _ = deepspeed.initialize(model=model(), model_parameters=None, config=plain)   # DeepSpeed alone
+    _plain_steps(a, 2, 1)
+    a.save_checkpoint(os.path.join(d, "ds"))
+    out = {"latest_before": open(os.path.join(d, "ds", "latest")).read()}
+    m = model()
+    try:
+        b, _, _, _ = eds.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+        out["raised"] = None
+        _plain_steps(b, 1, 1)
+        b.elastor.save()
+        b.elastor.finalize()
+    except ConfigError as e:
+        out["raised"] = str(e)
+    out["latest_after"] = open(os.path.join(d, "ds", "latest")).read()
+    out["entries"] = sorted(os.listdir(os.path.join(d, "ds")))
+    c, _, _, _ = deepspeed.initialize(model=model(), model_parameters=None, config=plain)
+    path, _ = c.load_checkpoint(os.path.join(d, "ds"))   # DeepSpeed's own loader still finds its tag
+    out["ds_loaded"] = path
+    with open(os.path.join(d, "out.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_a_folder_of_deepspeeds_checkpoints_is_refused_as_elastors_dir_with_load_none(tmp_path):
+    """Before: with ``"load": "none"``, elastor's first commit into a folder holding DeepSpeed's own
+    checkpoints replaced DeepSpeed's ``latest`` (global_step2 -> step_000000002): DeepSpeed's
+    ``load_checkpoint(dir)`` then failed. Now ``initialize`` refuses the folder, naming the file and
+    the fix, and writes nothing there."""
+    run_world(_ds_folder_worker, 1, str(tmp_path), timeout_s=120)
+    out = json.load(open(tmp_path / "out.json"))
+    assert out["latest_before"] == out["latest_after"] == "global_step2", out
+    assert out["raised"] and "checkpoint.dir" in out["raised"] and "global_step2" in out["raised"] and \
+        "elastor convert" in out["raised"], out
+    assert out["entries"] == ["global_step2", "latest"], out
+    assert out["ds_loaded"] and os.sep + "global_step2" + os.sep in out["ds_loaded"], out
