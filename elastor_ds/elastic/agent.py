@@ -348,11 +348,20 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def _observe(self, wg) -> list[WorkerOutcome]:
         rows = []
         now = time.time()
-        for lr, h in sorted(self._handlers().items()):
+        handlers = sorted(self._handlers().items())
+        check = self._stopping is None and bool(self.cfg.hang_timeout or self.cfg.startup_timeout)
+        beats = {lr: self._heartbeat_record(lr) for lr, _ in handlers} if check else {}
+        if beats and all(last for _, _, last in beats.values()):
+            # every worker beat its run's last iteration: what is left (a final save, an evaluation,
+            # finalize) has no heartbeat, so it cannot be timed as a hang (a finished job was killed,
+            # relaunched and exited 1). A collective stuck there still ends the workers through their own
+            # collective timeout (ELASTOR_COLLECTIVE_TIMEOUT_S where the trainer applies it), and an exit or a signal is still a failure
+            check = False
+        for lr, h in handlers:
             rc = h.proc.poll()
             hung = stopped = False
-            if rc is None and self._stopping is None and (self.cfg.hang_timeout or self.cfg.startup_timeout):
-                t_hb, it = self._heartbeat(lr)
+            if rc is None and check:
+                t_hb, it, _ = beats[lr]
                 # before its first iteration a worker has --startup-timeout from attaching its hooks
                 limit = self.cfg.hang_timeout if it is not None else self.cfg.startup_timeout
                 if t_hb is not None and limit and now - t_hb > limit:

@@ -21,7 +21,8 @@ log = logging.getLogger("elastor.run")
 EPILOG = """\
 behaviour:
   failure     a worker exits non-zero, dies of a signal, or has no heartbeat for --hang-timeout s
-              (before its first iteration: --startup-timeout s after its hooks attached)
+              (before its first iteration: --startup-timeout s after its hooks attached; once every
+              worker beat its last iteration, heartbeat(..., last=True), the final save is not timed)
               (a SIGSTOPped worker counts). The controller kills the rest of the local group,
               decides which devices are usable (--on-failure) and relaunches through the
               rendezvous; the trainer re-plans and resumes from its newest committed checkpoint.

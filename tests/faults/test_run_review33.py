@@ -1,0 +1,50 @@
+"""``elastor run`` defects of review 33, each through a real controller subprocess on a tiny script
+(no model): the exit code, the message and the events a user sees."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def elastor_run(tmp_path, source: str, flags: list[str], args: list[str] = (), env: dict | None = None,
+                timeout: float = 60, events: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    ev = tmp_path / "ev.jsonl"
+    cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--monitor-interval", "0.05",
+           *(["--events", str(ev)] if events else []), *flags, str(script), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path),
+                       env=dict(ENV, **(env or {})))
+    evs = [json.loads(x) for x in ev.read_text().splitlines()] if ev.exists() else []
+    return p, evs
+
+
+def kinds(evs: list[dict]) -> list[str]:
+    return [e["event"] for e in evs]
+
+
+# ---------------------------------------------------------------- F1: the end of a run is not a hang
+FINISHING = """
+import sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+ctl = ElasticWorker.from_env()
+for it in range(1, 4):
+    time.sleep(0.05)
+    ctl.heartbeat(it, last=it == 3)
+time.sleep(float(sys.argv[1]))   # the final save / evaluation / finalize: no heartbeat
+print("finished", flush=True)
+"""
+
+
+def test_a_final_phase_longer_than_the_hang_timeout_after_the_last_beat_is_not_a_hang(tmp_path):
+    p, evs = elastor_run(tmp_path, FINISHING, ["--nproc-per-node", "2", "--hang-timeout", "1", "--max-restarts", "0"],
+                         ["3"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "failure" not in kinds(evs) and kinds(evs).count("launch") == 1 and "finished" in kinds(evs), kinds(evs)
+    assert "[default0]:finished" in p.stdout and "[default1]:finished" in p.stdout, p.stdout[-2000:]
