@@ -44,8 +44,9 @@ class Stage:
             raise LayoutError(f"stage with tp={self.tp} lists {len(self.ranks)} ranks {list(self.ranks)}:"
                               f" give exactly tp ranks")
         first, last = self.layers
-        if first < 0 or last < first:
-            raise LayoutError(f"stage layer range [{first}, {last}) is invalid: need 0 <= first <= last")
+        if first < 0 or last <= first:
+            raise LayoutError(f"stage layer range [{first}, {last}) is invalid: need 0 <= first < last (every "
+                              f"stage holds at least one layer)")
         if self.devices and len(self.devices) != self.tp:
             raise LayoutError(f"stage with tp={self.tp} lists {len(self.devices)} devices; give tp or none")
 

@@ -23,3 +23,15 @@ def test_small_multi_node_clusters_plan_without_blowup(gpus, tp, capsys):
     assert 1 <= layout.world_size <= n_usable
     devices = [d for r in doc["replicas"] for s in r["stages"] for d in s["devices"]]
     assert len(devices) == len(set(devices)) == layout.world_size
+
+
+def test_a_stage_without_layers_is_refused():
+    """Review of the thirty-second session: a plan document with a stage of layers [0, 0] (a device
+    that holds no layer, and a pipeline a trainer cannot build) was accepted."""
+    from elastor_ds.errors import LayoutError
+    doc = {"num_layers": 4, "replicas": [{"micro_batches": 4, "stages": [
+        {"tp": 1, "layers": [0, 0], "ranks": [0]}, {"tp": 1, "layers": [0, 4], "ranks": [1]}]}]}
+    with pytest.raises(LayoutError, match=r"stage layer range \[0, 0\) is invalid: .*at least one layer"):
+        Layout.from_json(doc)
+    doc["replicas"][0]["stages"] = [{"tp": 1, "layers": [0, 1], "ranks": [0]}, {"tp": 1, "layers": [1, 4], "ranks": [1]}]
+    assert Layout.from_json(doc).replicas[0].stages[0].num_layers == 1
