@@ -43,7 +43,11 @@ def run_script(argv: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:   # sys.exit("message"): as Python does, the message goes to stderr and the code is 1
+            print(e.code, file=sys.stderr)
+            code = 1
         if worker.agreed() or code != 0:
             _exit_now(code)
         _ignore_stop_signals()

@@ -48,3 +48,14 @@ def test_a_final_phase_longer_than_the_hang_timeout_after_the_last_beat_is_not_a
     assert p.returncode == 0, p.stderr[-3000:]
     assert "failure" not in kinds(evs) and kinds(evs).count("launch") == 1 and "finished" in kinds(evs), kinds(evs)
     assert "[default0]:finished" in p.stdout and "[default1]:finished" in p.stdout, p.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- F2: sys.exit("message")
+def test_a_script_that_exits_with_a_message_shows_it_and_fails(tmp_path):
+    p, evs = elastor_run(tmp_path, "import sys\nsys.exit('fatal: the data set is missing')\n", ["--max-restarts", "0"])
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "[default0]:fatal: the data set is missing" in p.stderr, p.stderr[-3000:]
+    logs = list((tmp_path / "ev_logs").glob("*/attempt_0/0/stderr.log"))
+    assert len(logs) == 1 and logs[0].read_text() == "fatal: the data set is missing\n", logs
+    fail = [e for e in evs if e["event"] == "failure"]
+    assert len(fail) == 1 and [(r["cause"], r["exitcode"]) for r in fail[0]["ranks"]] == [("exit", 1)], fail
