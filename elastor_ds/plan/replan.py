@@ -83,12 +83,26 @@ def _replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: i
                                                    f"re-plan's {res.best.cost.iteration_time_s:.4g} s")
                     return full
                 res.uniform = full.uniform
+                res.alternatives = _distinct(sorted(res.alternatives + full.alternatives,
+                                                    key=lambda x: x.cost.iteration_time_s))
+            res.alternatives = res.alternatives[:top_k]
             return res
         why = "no feasible plan keeps the undamaged replicas"
     log.info("re-plan: full search (%s)", why)
     res = plan(cost, top_k=top_k)
     res.search_stats["replan"] = f"full search: {why}"
     return res
+
+
+def _distinct(scored: Sequence[ScoredPlan]) -> list[ScoredPlan]:
+    """``scored`` (best first) without repeats of a plan description (the first of each stays)."""
+    out, seen = [], set()
+    for x in scored:
+        d = x.plan.describe()
+        if d not in seen:
+            seen.add(d)
+            out.append(x)
+    return out
 
 
 def _not_applicable(cost: CostModel, previous: Plan, changed: set[str]) -> str | None:
@@ -299,7 +313,7 @@ class _Replanner:
                  else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best),
                  "reshaped_placed": placed, "estimate_kept": best[0][0] if best else None,
                  "estimate_reshaped": reshaped[0].estimate if reshaped else None}
-        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, scored[:1], (), stats,
+        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, _distinct(scored), (), stats,
                           self.cluster)
 
     def _kept_bound(self, kept: Sequence[PlanReplica], kinds_kept: dict, mbs: list) -> float:

@@ -129,6 +129,27 @@ def test_cli_from_plan_round_trip(tmp_path, capsys):
     assert "re-planned: " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_cli_from_plan_lists_top_k_alternatives(tmp_path, capsys, k):
+    """Review of the thirty-second session: ``--top-k`` was ignored on the re-plan path (the
+    result listed its own plan only). The alternatives are the re-plan's candidates and, below
+    the full-search bound, the full search's: best first, distinct, at most k."""
+    base = ["plan", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
+            "4096", "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "512",
+            "--tensor-model-parallel-size", "8"]
+    assert cli_main(base + ["--gpus-per-node", "8,8,8,8", "--json"]) == 0
+    prev = tmp_path / "prev.json"
+    prev.write_text(capsys.readouterr().out)
+    assert cli_main(base + ["--gpus-per-node", "8,8,8,7", "--from-plan", str(prev), "--json", "--top-k", str(k)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["search"]["replan"] == "from the previous plan"   # the re-plan's own result, not the full search's
+    alts = doc["alternatives"]
+    assert len(alts) == k
+    times = [a["predicted_iteration_time_s"] for a in alts]
+    assert times == sorted(times) and times[0] == doc["predicted_iteration_time_s"]
+    assert len({a["description"] for a in alts}) == k
+
+
 def test_cli_from_plan_bad_files(tmp_path, capsys):
     assert cli_main(BASE + ["--gpus-per-node", "8", "--from-plan", str(tmp_path / "missing.json")]) == 2
     assert "--from-plan" in capsys.readouterr().err
