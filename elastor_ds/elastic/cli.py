@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import stat
 import sys
 import uuid
@@ -86,6 +87,18 @@ def _nnodes(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+RDZV_ID_MAX = 128
+
+
+def _check_rdzv_id(rdzv_id: str) -> None:
+    """``--rdzv-id`` names folders (torch's per-run log folder ``<log dir>/<id>_<random>``, the
+    snapshot directory): a path in it (``../x``, ``/abs``) put them outside ``--log-dir``."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", rdzv_id) or len(rdzv_id) > RDZV_ID_MAX:
+        raise ConfigError(f"--rdzv-id {rdzv_id!r}: expected a job name of letters, digits, '_', '.' and '-' "
+                          f"starting with a letter or digit, at most {RDZV_ID_MAX} characters (no path), "
+                          f"e.g. --rdzv-id job42")
+
+
 def _rdzv_conf(text: str) -> dict:
     from .rdzv_args import parse_rdzv_conf
     return parse_rdzv_conf(text)
@@ -133,7 +146,8 @@ def register(sub) -> None:
     a("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
       help="HOST:PORT of the rendezvous store (default localhost:<free port> for one node); etcd-v2: "
            "HOST:PORT,HOST:PORT,... (every member of the etcd cluster)")
-    a("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", help="job id shared by all nodes")
+    a("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none",
+      help="job id shared by all nodes: letters, digits, '_', '.', '-', at most 128 (default: random on one node, 'none' with --rdzv-endpoint)")
     a("--local-addr", "--local_addr", dest="local_addr", default=None,
       help="this node's address as the other nodes reach it (torchrun's --local-addr): names the node in the "
            "rendezvous, is the master address when this node has rank 0, picks gloo's interface "
@@ -226,6 +240,7 @@ def _run_checked(args: argparse.Namespace) -> int:
                 "is not a regular file" if os.path.exists(args.script) else "does not exist")
         raise ConfigError(f"script {args.script!r} {what}; give the path of the training script (a .py file)")
     lo, hi = _nnodes(args.nnodes)
+    _check_rdzv_id(args.rdzv_id)
     npn = args.nproc_per_node
     if npn not in ("gpu", "auto"):
         try:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
 
@@ -59,3 +61,31 @@ def test_a_script_that_exits_with_a_message_shows_it_and_fails(tmp_path):
     assert len(logs) == 1 and logs[0].read_text() == "fatal: the data set is missing\n", logs
     fail = [e for e in evs if e["event"] == "failure"]
     assert len(fail) == 1 and [(r["cause"], r["exitcode"]) for r in fail[0]["ranks"]] == [("exit", 1)], fail
+
+
+# ---------------------------------------------------------------- usage errors: exit 2, one line, nothing made
+@pytest.mark.parametrize("flags, message", [
+    # F4: the id names torch's log folder (mkdtemp(prefix=id + "_", dir=log_dir)): a path escaped --log-dir
+    (["--rdzv-id", "../../ESCAPED"], "--rdzv-id '../../ESCAPED': expected a job name of letters, digits"),
+    (["--rdzv-id", "/tmp/ABSOLUTE"], "--rdzv-id '/tmp/ABSOLUTE': expected a job name"),
+    (["--rdzv-id", ""], "--rdzv-id '': expected a job name"),
+    (["--rdzv-id", "a" * 129], "at most 128 characters"),
+])
+def test_bad_values_exit_2_naming_the_flag(tmp_path, flags, message):
+    marker = tmp_path / "ran"
+    (tmp_path / "sub").mkdir()
+    p, _ = elastor_run(tmp_path, f"open({str(marker)!r}, 'w').close()\n", ["--log-dir", "sub/logs", *flags],
+                       events=False)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert message in p.stderr and "Traceback" not in p.stderr and "unexpected" not in p.stderr, p.stderr[-2000:]
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not marker.exists()
+    assert sorted(os.listdir(tmp_path)) == ["sub", "train.py"] and os.listdir(tmp_path / "sub") == [], \
+        os.listdir(tmp_path)
+
+
+def test_a_valid_rdzv_id_names_the_log_folder(tmp_path):
+    p, _ = elastor_run(tmp_path, "print('ok')\n", ["--standalone", "--rdzv-id", "job-1.a_B"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [d.name.startswith("job-1.a_B_") for d in (tmp_path / "ev_logs").iterdir() if d.name != "heartbeat"] == \
+        [True], os.listdir(tmp_path / "ev_logs")
