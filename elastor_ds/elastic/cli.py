@@ -361,7 +361,7 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
 
     events = EventLog(events_path, node=cfg.node_name)
     policy = cfg.on_failure.value + (" (no GPU: as shrink)" if cfg.on_failure is OnFailure.PROBE and not use_gpu else "")
-    events.emit(EventKind.START, pid=os.getpid(), nproc_per_node=nproc, nnodes=[lo, hi], on_failure=cfg.on_failure.value,
+    start = events.emit(EventKind.START, pid=os.getpid(), nproc_per_node=nproc, nnodes=[lo, hi], on_failure=cfg.on_failure.value,
                 max_restarts=cfg.max_restarts, hang_timeout=cfg.hang_timeout,
                 startup_timeout=cfg.startup_timeout, script=cfg.script, gpus=use_gpu)
     log.info("elastor run (pid %d): %d process(es) per node, nodes %d:%d, on failure %s, max restarts %d, logs %s; "
@@ -395,16 +395,17 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
             except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code
                 log.debug("rendezvous shutdown: %s", e)
     if events_path:
-        from .events import read_jsonl, recoveries
+        from .events import read_jsonl, recoveries, this_run
         from .report import metrics_file, write_report
         try:
-            evs = read_jsonl(events_path)
+            # this run's records only: an events file given again keeps the earlier runs' above ours
+            evs = this_run(read_jsonl(events_path), start)
             for r in recoveries(evs, read_jsonl(metrics_file(evs))):
                 events.emit(EventKind.RECOVERY, of=r.kind, cause=r.cause, world=[r.world_before, r.world_after],
                             resumed_from=r.resumed_from, lost_iterations=r.lost_iterations,
                             to_training_s=r.total_s, parts_s=r.parts, t0=r.t0,
                             launch_mode=r.launch_mode, restore=r.restore)
-            table, png = write_report(events_path, plot)
+            table, png = write_report(events_path, plot, this_run(read_jsonl(events_path), start))
             print(table, flush=True)
             if png:
                 print(f"timeline: {png}", flush=True)

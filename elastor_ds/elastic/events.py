@@ -225,6 +225,17 @@ PLAN_KEYS = ("plan", "predicted_iteration_s", "predicted_iter_s", "best_uniform_
              "best_uniform_iteration_s", "predicted_speedup")
 
 
+def this_run(records: list[dict], start: dict) -> list[dict]:
+    """The records of the run whose ``start`` record is ``start`` (this controller's own): from that
+    record on. An events file given again to a new run keeps the old runs' records above it; the
+    new run's report must not count their recoveries and phases as its own."""
+    for i, r in enumerate(records):
+        if r.get("event") == EventKind.START.value and r.get("node") == start.get("node") and \
+                r.get("time") == start.get("time") and r.get("pid") == start.get("pid"):
+            return records[i:]
+    return records
+
+
 def _plan_fields(rec: dict) -> dict:
     """The trainer's plan fields of a metrics record (chosen plan, its predicted iteration time, the
     best uniform plan and its prediction), whatever their exact names."""

@@ -220,8 +220,10 @@ def replace_file(path: str, data: bytes) -> None:
         raise
 
 
-def write_report(events_path: str, png_path: str | None = None) -> tuple[str, str | None]:
-    events = read_jsonl(events_path)
+def write_report(events_path: str, png_path: str | None = None,
+                 events: list[dict] | None = None) -> tuple[str, str | None]:
+    """The table and the timeline of ``events`` (default: every record of ``events_path``)."""
+    events = read_jsonl(events_path) if events is None else events
     metrics = read_jsonl(metrics_file(events))
     table = summary_table(events, metrics)
     png = None

@@ -89,3 +89,31 @@ def test_a_valid_rdzv_id_names_the_log_folder(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert [d.name.startswith("job-1.a_B_") for d in (tmp_path / "ev_logs").iterdir() if d.name != "heartbeat"] == \
         [True], os.listdir(tmp_path / "ev_logs")
+
+
+# ---------------------------------------------------------------- F3: an events file given again
+REPORTING = """
+import os, sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+ctl = ElasticWorker.from_env()
+ctl.report_started(int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), resumed_from=0, layout="dp1")
+for it in range(1, 4):
+    time.sleep(0.05)
+    if it == 2 and os.environ["ELASTOR_ROUND"] == "0" and os.environ.get("FAIL") == "1":
+        sys.exit(7)
+    ctl.heartbeat(it, last=it == 3)
+"""
+
+
+def test_a_reused_events_file_reports_only_this_runs_recoveries_and_phases(tmp_path):
+    p1, evs1 = elastor_run(tmp_path, REPORTING, ["--max-restarts", "1"], env={"FAIL": "1"})
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    assert kinds(evs1).count("recovery") == 1 and "recoveries (seconds)" in p1.stdout, kinds(evs1)
+    p2, evs2 = elastor_run(tmp_path, REPORTING, ["--max-restarts", "1"], env={"FAIL": "0"})
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    second = evs2[len(evs1):]                     # appended: the first run's records stay above
+    assert evs2[:len(evs1)] == evs1 and kinds(second)[0] == "start", kinds(evs2)
+    assert "recovery" not in kinds(second) and "failure" not in kinds(second), kinds(second)
+    assert "recoveries (seconds)" not in p2.stdout, p2.stdout[-3000:]
+    table = p2.stdout.split("elastor run: phases")[1]
+    assert [ln.split()[0] for ln in table.splitlines()[2:] if ln[:1].isdigit()] == ["0"], table   # one phase
