@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 import urllib.parse
@@ -39,6 +40,7 @@ from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpo
 from ..auth import job_key, request_mac, response_checker, response_mac_matches
 from ..paths import open_regular, safe_join
 from ..fileformat import pread_into
+from ...threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,68 @@ MAX_AHEAD = 1
 MAX_HINTS = 64             # announced reads remembered per thread
 _RECV_PIECE = 1 << 20      # the answer's MAC is checked piece by piece as the bytes arrive (in cache)
 MIN_RATE = 1 << 20         # bytes/s an answer must keep up on average (beyond timeout_s) or it is abandoned
+MAX_INDEX = 1 << 16        # bytes of an /index answer read before its MAC is checked (a few origins: peer_copies <= 1)
+_UNAUTH_BODY = 1 << 16     # bytes of an answer that will not be used (busy, wrong status) read before hanging up
+
+
+class _Watch:
+    """One exchange watched by :data:`_WATCHDOG`: ``fired`` once its socket was shut at ``deadline``."""
+
+    __slots__ = ("sock", "deadline", "within", "fired")
+
+    def __init__(self, sock: socket.socket, deadline: float, within: float):
+        self.sock, self.deadline, self.within, self.fired = sock, deadline, within, False
+
+    def cancel(self) -> bool:
+        """Stop watching; True when the deadline had already passed (the socket is shut: drop the connection)."""
+        return _WATCHDOG.cancel(self)
+
+
+class _Watchdog:
+    """Shuts a connection's socket down when its exchange (the answer's head and body) runs past its
+    deadline. http.client reads an answer's status line and headers with only the socket's per-recv
+    timeout, and skips any number of ``100 Continue`` answers: a sender that trickled its head a byte
+    at a time, or streamed interim answers, held a reader as long as it liked. A shut socket makes
+    the blocked ``recv`` return at once (end of file), whatever http.client is waiting for."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._watches: set[_Watch] = set()
+        self._thread: Optional[threading.Thread] = None
+
+    def arm(self, sock: Optional[socket.socket], within: float) -> _Watch:
+        if sock is None:
+            raise ConnectionResetError("the connection is closed")
+        w = _Watch(sock, time.monotonic() + within, within)
+        with self._cv:
+            self._watches.add(w)
+            if self._thread is None:
+                self._thread = NamedThread(target=self._run, name="elastor-remote-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return w
+
+    def cancel(self, w: _Watch) -> bool:
+        with self._cv:
+            self._watches.discard(w)
+            return w.fired
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                for w in [w for w in self._watches if w.deadline <= now]:
+                    self._watches.discard(w)
+                    w.fired = True
+                    try:
+                        w.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:   # closed already: nothing to wake
+                        pass
+                nxt = min((w.deadline for w in self._watches), default=None)
+                self._cv.wait(None if nxt is None else max(0.0, nxt - now))
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _recv_into(r: http.client.HTTPResponse, b: memoryview) -> int:
@@ -243,29 +307,43 @@ class RemoteSource:
             headers["Range"] = rng
         return headers, nonce
 
-    def _request(self, method: str, path: str, rng: str = "") -> tuple[http.client.HTTPResponse, str]:
-        """(response, nonce) of a signed request; retried on a dropped connection or a busy server."""
+    def _request(self, method: str, path: str, rng: str = "",
+                 within: Optional[float] = None) -> tuple[http.client.HTTPResponse, str, _Watch]:
+        """(response, nonce, watch) of a signed request; retried on a dropped connection or a busy
+        server. The watch shuts the connection ``within`` seconds (``timeout_s`` by default) after the
+        request went out, whatever part of the answer is still to come: the caller reads the body,
+        then ends the exchange with :meth:`_done`."""
+        within = self.timeout_s if within is None else within
         deadline = time.monotonic() + self.busy_wait_s
         delay = 0.05
         reused = getattr(self._local, "conn", None) is not None
         while True:
             headers, nonce = self._headers(method, path, rng)
             c = self._conn()
+            w: Optional[_Watch] = None
             try:
                 c.request(method, path, headers=headers)
+                w = _WATCHDOG.arm(c.sock, within)
                 r = c.getresponse()
                 if r.status != 503:
-                    return r, nonce
-                r.read(1 << 16)   # an unauthenticated answer: never read whole (its size is the sender's say)
+                    if w.fired:   # http.client took a head cut short by the watchdog for a whole one
+                        self._done(w, self._drop)
+                    return r, nonce, w
+                r.read(_UNAUTH_BODY)   # an unauthenticated answer: never read whole (its size is the sender's say)
+                w.cancel()
                 self._drop()
                 # the server is at its connection limit: free the slots this thread holds for requests
                 # sent ahead, and send none from now on (they would compete with this one)
                 self._stop_ahead()
             except (ConnectionRefusedError, TimeoutError):   # the node is down: no waiting
                 self._drop()
+                if w is not None:
+                    self._done(w, self._drop)
                 raise
             except (http.client.HTTPException, OSError):
                 self._drop()
+                if w is not None:
+                    self._done(w, self._drop)   # the deadline passed: no retry
                 if reused:       # a keep-alive connection the server closed: once more at once
                     reused = False
                     continue
@@ -275,6 +353,14 @@ class RemoteSource:
                 raise IncompleteCheckpointError(f"{self.name}: busy for {self.busy_wait_s:.0f} s")
             time.sleep(delay)
             delay = min(1.0, delay * 2)
+
+    def _done(self, w: _Watch, drop) -> None:
+        """End a watched exchange. One whose deadline passed (its socket shut by the watchdog) is
+        abandoned: ``drop`` closes its connection and IncompleteCheckpointError says so."""
+        if w.cancel():
+            drop()
+            raise IncompleteCheckpointError(f"{self.name}: no whole answer within {w.within:.1f} s (a server that "
+                                            f"sends its answer too slowly, or never ends it, is not read)")
 
     def _verified(self, r: http.client.HTTPResponse, nonce: str, body_pieces) -> None:
         got = r.getheader("X-Elastor-Auth") or ""
@@ -289,8 +375,14 @@ class RemoteSource:
             idx: dict = {"local": False, "peer": []}
             if not self._down:
                 try:
-                    r, nonce = self._request("GET", f"/index/{self.step_name}")
-                    body = _read_body(r, 1 << 20, time.monotonic() + self.timeout_s, self.name)
+                    r, nonce, w = self._request("GET", f"/index/{self.step_name}",
+                                                within=self.timeout_s + MAX_INDEX / MIN_RATE)
+                    try:
+                        body = _read_body(r, MAX_INDEX, w.deadline, self.name)
+                    except BaseException:
+                        self._done(w, self._drop)   # the deadline's error when the watchdog cut it
+                        raise
+                    self._done(w, self._drop)
                     self._verified(r, nonce, [body])
                     if r.status == 200:
                         got = json.loads(body)
@@ -315,8 +407,11 @@ class RemoteSource:
         safe_join("/", relpath, what="chunk file", allow_subdirs=True)   # a crafted name is refused here too
         for cand in self._candidates(relpath):
             try:
-                r, nonce = self._request("HEAD", "/f/" + urllib.parse.quote(cand))
-                r.read()
+                r, nonce, w = self._request("HEAD", "/f/" + urllib.parse.quote(cand))
+                try:
+                    r.read()
+                finally:
+                    self._done(w, self._drop)
                 self._verified(r, nonce, [])
             except (http.client.HTTPException, OSError, CheckpointError) as e:
                 log.warning("%s: HEAD %s failed (%s)", self.name, cand, e)
@@ -445,28 +540,41 @@ class RemoteSource:
     def _read_piece(self, key: tuple, views: list[memoryview]) -> None:
         cand, offset, n = key
         rng = f"bytes={offset}-{offset + n - 1}"
+        # the whole answer, head and body, within this: a peer sending a byte now and then (of its head
+        # or of its body) would otherwise hold the restore for as long as it likes
+        within = self.timeout_s + n / MIN_RATE
         pre = self._take_ahead(key)
         r = None
+        w: Optional[_Watch] = None
         conn: Optional[http.client.HTTPConnection] = None
         if pre is not None:
             conn, nonce = pre
             try:
+                w = _WATCHDOG.arm(conn.sock, within)
                 r = conn.getresponse()
+                if w.fired:
+                    raise ConnectionAbortedError("cut at the deadline")
                 if r.status == 503:   # busy when it was sent: ask again (with _request's retries), no more ahead
-                    r.read(1 << 16)
+                    r.read(_UNAUTH_BODY)
+                    w.cancel()
                     self._discard(conn)
-                    r = conn = None
+                    r = conn = w = None
                     self._stop_ahead()
             except (http.client.HTTPException, OSError):
+                fired = w is not None and w.cancel()
                 self._discard(conn)
-                r = conn = None
+                if fired:   # its head did not arrive in time: not asked again
+                    raise IncompleteCheckpointError(f"{self.name}: {cand}: {n} bytes not received within "
+                                                    f"{within:.0f} s") from None
+                r = conn = w = None
         ahead_conn = conn
         drop = (lambda: self._discard(ahead_conn)) if ahead_conn is not None else self._drop
         try:
             if r is None:
-                r, nonce = self._request("GET", "/f/" + urllib.parse.quote(cand), rng)
+                r, nonce, w = self._request("GET", "/f/" + urllib.parse.quote(cand), rng, within=within)
             if r.status != 206 or r.getheader("Content-Length") != str(n):
-                r.read(1 << 16)
+                r.read(_UNAUTH_BODY)
+                self._done(w, drop)
                 drop()
                 raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
                                                 f" with {r.getheader('Content-Length')} bytes")
@@ -474,29 +582,35 @@ class RemoteSource:
             check = response_checker(self.key, nonce, r.status, r.getheader("Content-Range") or "",
                                      r.getheader("X-File-Size") or "", tag)
             got = 0
-            # the whole answer within a deadline, not only each recv: a peer sending a byte now and then
-            # would otherwise hold the restore for as long as it likes
-            deadline = time.monotonic() + self.timeout_s + n / MIN_RATE
             for mv in views:
                 at = 0
                 while at < len(mv):
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > w.deadline or w.fired:
+                        w.cancel()
                         drop()
                         raise IncompleteCheckpointError(f"{self.name}: {cand}: {n} bytes not received within "
-                                                        f"{self.timeout_s + n / MIN_RATE:.0f} s")
+                                                        f"{within:.0f} s")
                     piece = mv[at:at + _RECV_PIECE]
                     k = _recv_into(r, piece)
                     if not k:
+                        if w.fired:
+                            continue   # the watchdog shut it at the deadline: said above
+                        w.cancel()
+                        drop()
                         raise IncompleteCheckpointError(f"{self.name}: {cand}: short read at byte {offset + got}")
                     check.update(piece[:k])
                     at += k
                     got += k
+            self._done(w, drop)
             if not check.matches(tag):
                 drop()
                 raise CorruptCheckpointError(f"{self.name}: the answer failed its authentication (not from this "
                                              f"job's server, or changed on the way)")
         except (http.client.HTTPException, OSError) as e:
             drop()
+            if w is not None and w.cancel():
+                raise IncompleteCheckpointError(f"{self.name}: {cand}: {n} bytes not received within "
+                                                f"{within:.0f} s") from e
             raise IncompleteCheckpointError(f"{self.name}: reading {cand} failed: {e}") from e
         if conn is not None:   # the answer was read whole: the connection can carry the next request ahead
             idle = self._local.idle
