@@ -53,7 +53,8 @@ from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
-                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, STARTED_BEAT, collective_bound, heartbeat_path)
+                       ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, STARTED_BEAT, collective_bound, heartbeat_path,
+                       resize_marker)
 from .standby import StandbyAgentMixin, StandbyPool
 from .standby_main import DEFAULT_PRELOAD
 
@@ -136,7 +137,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         # while workers started (the standby template importing: seconds) exited 1 with no record, and
         # SIGQUIT never came back. Only SIGPWR (whose default is to terminate anyway) is left to it
         os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGPWR" if hasattr(signal, "SIGPWR") else "SIGTERM")
-        self._idle_resizes = 0   # relaunches after an EXIT_RESIZE nobody here asked for, before any iteration
+        self._unrequested_resizes = 0   # relaunches after an EXIT_RESIZE no rank had agreed on (count as restarts)
         self.ledger = FailureLedger(cfg.node_name)
         self.round = 0
         self.restarts_used = 0
@@ -310,6 +311,16 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             return st.st_mtime, int(words[0]), words[2:3] == ["last"]
         except (OSError, ValueError, IndexError):
             return None, None, False
+
+    def _resize_agreed(self) -> bool:
+        """Some worker of this round agreed on a resize (``ElasticWorker.agree_stop``): its ranks were
+        asked for one, here or on another node."""
+        hb = os.path.join(self._hb_dir, f"round{self.round - 1}")
+        return any(os.path.exists(resize_marker(heartbeat_path(hb, lr))) for lr in self._handlers())
+
+    def _restarts_counted(self) -> int:
+        """Failure relaunches of the job plus this node's relaunches after an unrequested EXIT_RESIZE."""
+        return self.restarts_used + self._unrequested_resizes
 
     def _fence(self, silent_s: float) -> None:
         """Watchdog thread: this node has not reached the round's store for ``silent_s`` s. Kill the
@@ -491,19 +502,17 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                     self._exit_barrier()
                     return self._result(True)
                 # EXIT_RESIZE (possibly with 0s): relaunch on the current devices
-                if self._stopping is None and not any(self._heartbeat(lr)[1] is not None for lr in self._handlers()):
-                    # nobody here asked for a resize (another node may have: then the workers had trained)
-                    # and no worker finished an iteration: a script's own exit code 75 (EX_TEMPFAIL)
-                    # would relaunch for ever without counting a restart
-                    self._idle_resizes += 1
-                    if self._idle_resizes > self.cfg.max_restarts:
+                if self._stopping is None and not self._resize_agreed():
+                    # nobody here asked for a resize and no worker's ranks agreed on one (another node's
+                    # request): the script's own exit code 75 (EX_TEMPFAIL), which relaunched for ever
+                    # without counting a restart. It counts now, with the failures
+                    self._unrequested_resizes += 1
+                    if self._restarts_counted() > self.cfg.max_restarts:
                         self._close_context()
                         return self._stop_job(
-                            f"the workers exited {EXIT_RESIZE} (elastor's resize code) {self._idle_resizes} times in "
-                            f"a row before any iteration, though no resize was asked for (does the script exit "
-                            f"{EXIT_RESIZE} itself?); stopping after --max-restarts {self.cfg.max_restarts}")
-                else:
-                    self._idle_resizes = 0
+                            f"the workers exited {EXIT_RESIZE} (elastor's resize code) {self._unrequested_resizes} "
+                            f"times though no resize was asked for (does the script exit {EXIT_RESIZE} itself?); "
+                            f"stopping after --max-restarts {self.cfg.max_restarts}")
                 self._close_context()
                 if self._stopping is not None and self._stopping.kind == "scale_up":
                     back = self.book.restore(self._stopping.devices)
@@ -594,6 +603,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             self.events.emit(EventKind.PROBE, devices=list(self.book.usable),
                              passed=[d for d, ok in probe_ok.items() if ok], duration_s=pdur, reason="failure")
         used = claim.failures - 1 if claim.primary else claim.failures   # job failures before this one
+        used += self._unrequested_resizes   # and this node's relaunches after a script's own exit 75
         dec = decide_after_failure(self.cfg.on_failure, self.book, outs, used, self.cfg.max_restarts, probe_ok,
                                    collateral_of=None if claim.primary else claim.by)
         self.events.emit(EventKind.DECISION, action=dec.action.value, devices=list(dec.devices), lost=list(dec.lost),

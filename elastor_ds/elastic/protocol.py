@@ -114,6 +114,12 @@ def heartbeat_path(folder: str, local_rank: int) -> str:
     return os.path.join(folder, f"heartbeat_{int(local_rank)}")
 
 
+def resize_marker(heartbeat_file: str) -> str:
+    """Written by a worker whose ranks agreed on a resize (``ElasticWorker.agree_stop``): its exit
+    ``EXIT_RESIZE`` was asked for (here or on another node), not the script's own."""
+    return f"{heartbeat_file}.resize"
+
+
 @dataclass(frozen=True)
 class LaunchedWorld:
     """The world a controller launched: processes per node (by node rank) and device memory."""

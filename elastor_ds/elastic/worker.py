@@ -21,7 +21,7 @@ import time
 
 from .events import EventKind, append_line
 from .protocol import (STARTED_BEAT, LaunchContext, StopCode, expect_worker_hooks, heartbeat_path, launch_context,
-                       worker_hooks_expected)
+                       resize_marker, worker_hooks_expected)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +98,11 @@ class ElasticWorker:
         standby workers: the job is finishing)."""
         self._beat(f"{int(iteration)} {time.time():.3f}{' last' if last else ''}\n")
 
-    def _beat(self, text: str) -> None:
-        if not self.heartbeat_file:
+    def _beat(self, text: str, path: str | None = None) -> None:
+        path = path or self.heartbeat_file
+        if not path:
             return
-        tmp = f"{self.heartbeat_file}.tmp"
+        tmp = f"{path}.tmp"
         line = text.encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
@@ -113,7 +114,7 @@ class ElasticWorker:
             os.write(fd, line)
         finally:
             os.close(fd)
-        os.replace(tmp, self.heartbeat_file)
+        os.replace(tmp, path)
 
     def agree_stop(self) -> StopCode:
         """The largest stop code requested on any rank (collective: every rank calls it each iteration)."""
@@ -123,12 +124,20 @@ class ElasticWorker:
         local = int(requested())
         if not (dist.is_available() and dist.is_initialized()):
             _agreed = StopCode(local)
+            self._mark_resize()
             return _agreed
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([local], dtype=torch.int32, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         _agreed = StopCode(int(t.item()))
+        self._mark_resize()
         return _agreed
+
+    def _mark_resize(self) -> None:
+        """The ranks agreed on a resize: say so beside the heartbeat, so that the controller tells the
+        exit code 75 that follows from a script's own (which it charges to --max-restarts)."""
+        if _agreed is StopCode.RESIZE and self.heartbeat_file:
+            self._beat(f"{time.time():.3f}\n", resize_marker(self.heartbeat_file))
 
     def report_started(self, rank: int, **fields) -> None:
         """Rank 0 appends a ``worker_started`` event (start-up marks, resumed step, layout, world);

@@ -117,3 +117,38 @@ def test_a_reused_events_file_reports_only_this_runs_recoveries_and_phases(tmp_p
     assert "recoveries (seconds)" not in p2.stdout, p2.stdout[-3000:]
     table = p2.stdout.split("elastor run: phases")[1]
     assert [ln.split()[0] for ln in table.splitlines()[2:] if ln[:1].isdigit()] == ["0"], table   # one phase
+
+
+# ---------------------------------------------------------------- F14: a script's own exit 75 after training
+RESIZING = """
+import os, signal, sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+ctl = ElasticWorker.from_env()
+rnd = int(os.environ["ELASTOR_ROUND"])
+for it in range(1, 4):
+    time.sleep(0.05)
+    ctl.heartbeat(it, last=it == 3)
+    if it == 2 and os.environ["MODE"] == "own":
+        sys.exit(75)                                  # the script's own EX_TEMPFAIL, after iterations
+    if it == 2 and rnd == 0 and os.environ["MODE"] == "asked":
+        os.kill(os.getpid(), signal.SIGUSR1)          # as another node's resize request reaches a rank
+    code = ctl.agree_stop()
+    if code:
+        sys.exit(code.exit_code())
+"""
+
+
+def test_a_script_exiting_75_on_its_own_after_iterations_is_charged_to_max_restarts(tmp_path):
+    p, evs = elastor_run(tmp_path, RESIZING, ["--nproc-per-node", "2", "--max-restarts", "1"], env={"MODE": "own"},
+                         timeout=25)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "elastor run: the workers exited 75 (elastor's resize code) 2 times though no resize was asked for" \
+        in p.stderr, p.stderr[-3000:]
+    assert kinds(evs).count("launch") == 2 and kinds(evs)[-1] == "stopped", kinds(evs)
+
+
+def test_an_agreed_resize_is_still_relaunched_without_counting(tmp_path):
+    p, evs = elastor_run(tmp_path, RESIZING, ["--nproc-per-node", "2", "--max-restarts", "0"], env={"MODE": "asked"},
+                         timeout=25)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert kinds(evs).count("launch") == 2 and "failure" not in kinds(evs) and kinds(evs)[-1] == "finished", kinds(evs)
