@@ -33,7 +33,8 @@ behaviour:
               is logged at start and in the events file's "start" record). With --on-failure
               probe on GPUs, lost GPUs are also re-probed every --probe-interval s. The workers
               finish their iteration, checkpoint it durably and exit; the job relaunches on the
-              larger world. Nothing is lost.
+              larger world. Nothing is lost with a hooked trainer (ElasticWorker); a script without
+              hooks ends at once (exit 75) and relaunches without a checkpoint.
   preemption  SIGTERM or SIGINT (Slurm, Kubernetes, Ctrl-C): the workers finish the current
               iteration, checkpoint it, wait until it is durable and exit; elastor run exits 0.
               A second SIGINT kills at once (exit 130).

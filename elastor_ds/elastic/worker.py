@@ -30,6 +30,9 @@ _agreed = StopCode.NONE      # what the ranks agreed on (set by ElasticWorker.ag
 _PR_SET_PDEATHSIG = 1
 
 
+NO_HOOKS_RESIZE = "elastor worker: no hooks: relaunching without a checkpoint\n"
+
+
 def _on_signal(signum: int, _frame) -> None:
     global _requested
     if not worker_hooks_expected() and signum in (signal.SIGTERM, signal.SIGINT):
@@ -38,6 +41,16 @@ def _on_signal(signum: int, _frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
+    if not worker_hooks_expected() and signum == signal.SIGUSR1:
+        # a resize (scale-up, another node joining) of a script that cannot checkpoint on request:
+        # leave now with the resize code (the relaunch is not a failure) instead of running on until
+        # --shutdown-timeout's SIGKILL; it resumes from its own newest checkpoint, if it keeps any
+        from .protocol import EXIT_RESIZE
+        try:
+            os.write(2, NO_HOOKS_RESIZE.encode())
+        except OSError:
+            pass
+        os._exit(EXIT_RESIZE)
     code = StopCode.RESIZE if signum == signal.SIGUSR1 else StopCode.PREEMPT
     _requested = max(_requested, code)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -152,3 +153,47 @@ def test_an_agreed_resize_is_still_relaunched_without_counting(tmp_path):
                          timeout=25)
     assert p.returncode == 0, p.stderr[-3000:]
     assert kinds(evs).count("launch") == 2 and "failure" not in kinds(evs) and kinds(evs)[-1] == "finished", kinds(evs)
+
+
+# ---------------------------------------------------------------- F5: a hookless worker and a scale-up
+HOOKLESS = """
+import os, sys, time
+rnd = int(os.environ["ELASTOR_ROUND"])
+if rnd == 0 and os.environ["RANK"] == "1":
+    os.kill(os.getpid(), 9)            # round 0: rank 1's device fails, shrink to one worker
+if rnd == 1:
+    open(sys.argv[1], "w").close()     # round 1 runs (its signal handlers are installed by now)
+    time.sleep(30)
+elif rnd == 0:
+    time.sleep(30)                     # killed with the failed round
+print("round", rnd, "done", flush=True)
+"""
+
+
+def test_a_worker_without_hooks_ends_at_once_on_a_scale_up(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HOOKLESS)
+    up, ev = tmp_path / "round1_up", tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--monitor-interval", "0.05",
+                          "--nproc-per-node", "2", "--on-failure", "shrink", "--shutdown-timeout", "20",
+                          "--events", str(ev), str(script), str(up)], cwd=str(tmp_path), env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t_end = time.monotonic() + 20
+        while not up.exists() and time.monotonic() < t_end and p.poll() is None:
+            time.sleep(0.05)
+        assert up.exists(), "round 1 never started"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGUSR1)
+        out, err = p.communicate(timeout=25)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    evs = [json.loads(x) for x in ev.read_text().splitlines()]
+    assert p.returncode == 0, err[-3000:]
+    assert time.monotonic() - t0 < 10, err[-3000:]     # not the 20 s --shutdown-timeout
+    assert [k for k in kinds(evs) if k in ("launch", "failure", "scale_up", "finished")] == \
+        ["launch", "failure", "launch", "scale_up", "launch", "finished"], kinds(evs)
+    assert "[default0]:elastor worker: no hooks: relaunching without a checkpoint" in err, err[-3000:]
+    assert "[default0]:round 2 done" in out and "[default1]:round 2 done" in out, out[-2000:]
