@@ -11,7 +11,8 @@ that only the job's processes know:
 - the controller hands the workers the file's *path* (``ELASTOR_JOB_SECRET_FILE``), never the
   secret: not in the environment, not in the rendezvous store, not in a path; each worker reads
   and checks the file itself;
-- requests to a snapshot server carry an HMAC-SHA256 over (method, path, range, nonce, time);
+- requests to a snapshot server carry an HMAC-SHA256 over (method, path, range, nonce, time, the
+  server's published address);
   responses a MAC over (the request's nonce, status, range, file size, body) and peer copies one
   MAC per file over (origin, step, name, bytes): GMAC (AES-256-GCM, a random nonce per message)
   under a key derived for each use, ~10x faster than HMAC-SHA256 on the bytes of every snapshot
@@ -94,8 +95,11 @@ def _fields(*parts: object) -> bytes:
     return b"\n".join(str(p).encode("utf-8", "surrogateescape") for p in parts) + b"\n"
 
 
-def request_mac(key: bytes, method: str, path: str, rng: str, nonce: str, when: str) -> str:
-    return hmac.new(key, b"req\n" + _fields(method, path, rng, nonce, when), hashlib.sha256).hexdigest()
+def request_mac(key: bytes, method: str, path: str, rng: str, nonce: str, when: str, target: str) -> str:
+    """A request's MAC. ``target``: the server's address as it published it (``HOST:PORT``, what the
+    client dialled): a server refuses a request MAC'd for another address, so a signed request sent
+    to whoever put its address among the peers cannot be relayed to the real server."""
+    return hmac.new(key, b"req\n" + _fields(method, path, rng, nonce, when, target), hashlib.sha256).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- peer-copied files

@@ -2,18 +2,24 @@
 
 - a hostile server cannot hold a reader by trickling or flooding an answer's *head* (status line,
   headers, interim ``100 Continue`` answers): the whole answer has one deadline;
+- a signed request names the server it is for: one sent to a relay (an address someone put in the
+  unauthenticated rendezvous store) is refused by the real server, and the relay reads nothing;
 
 Oracles: the wall time, the error type and message, bytes written by the test itself."""
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 
 from elastor_ds.checkpoint.snapshot.peer_sources import RemoteSource
+from elastor_ds.checkpoint.snapshot.server import SnapshotServer
 from elastor_ds.errors import IncompleteCheckpointError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -130,3 +136,79 @@ def test_an_index_answer_is_not_read_beyond_64_kib_before_its_mac_is_checked():
     t0 = time.monotonic()
     assert src._get_index() == {"local": False, "peer": []} and src._down
     assert time.monotonic() - t0 < 1.5
+
+
+def _node(tmp_path):
+    """A node directory with one committed snapshot: local/STEP/data_00000.safetensors (300 kB)."""
+    from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
+    root = tmp_path / "node"
+    d = root / "local" / STEP
+    d.mkdir(parents=True)
+    data = bytes((i * 7 + 3) % 256 for i in range(300_000))
+    (d / "data_00000.safetensors").write_bytes(data)
+    m = Manifest(step=7, tensors={}, files={"data_00000.safetensors": FileEntry("data_00000.safetensors", len(data),
+                                                                              zlib.crc32(data), 0)}, world_size=1)
+    (d / "manifest.json").write_text(m.dumps())
+    os.chmod(root, 0o700)
+    return root, data
+
+
+class Relay:
+    """Forwards every connection to ``port`` and records what comes back (an attacker's listener)."""
+
+    def __init__(self, port: int):
+        self.up = port
+        self.captured = bytearray()
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.address = f"127.0.0.1:{self.ls.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.up))
+            threading.Thread(target=self._pipe, args=(c, up, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, c, True), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, record: bool) -> None:
+        try:
+            while (k := a.recv(65536)):
+                if record:
+                    self.captured.extend(k)
+                b.sendall(k)
+        except OSError:
+            pass
+        for x in (a, b):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_a_signed_request_relayed_from_another_address_is_refused_and_reads_nothing(tmp_path, caplog):
+    root, data = _node(tmp_path)
+    with SnapshotServer(str(root), KEY) as srv:
+        relay = Relay(srv.port)
+        try:
+            src = RemoteSource(relay.address, STEP, KEY, timeout_s=5.0, busy_wait_s=1.0)
+            with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.snapshot.server"):
+                assert not src.has("data_00000.safetensors", len(data))
+            src.close()
+            assert src._down and src._index == {"local": False, "peer": []}
+            assert data[:1000] not in bytes(relay.captured) and b'"local": true' not in bytes(relay.captured)
+            assert srv.bytes_served == 0
+            assert f"the request is addressed to '{relay.address}', this server publishes {srv.address}" in caplog.text
+            # the same reader at the server's own address reads the bytes
+            direct = RemoteSource(srv.address, STEP, KEY)
+            buf = bytearray(4096)
+            assert direct.has("data_00000.safetensors", len(data))
+            direct.read_into("data_00000.safetensors", 5000, [memoryview(buf)])
+            assert bytes(buf) == data[5000:9096]
+            direct.close()
+        finally:
+            relay.ls.close()

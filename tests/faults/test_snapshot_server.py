@@ -60,11 +60,13 @@ def _node(tmp_path):
     return root, data
 
 
-def _sign(key: bytes, method: str, path: str, rng: str = "", nonce: str | None = None, when: str | None = None) -> str:
-    """The auth headers, computed by hand (HMAC-SHA256 over method, path, range, nonce, time)."""
+def _sign(key: bytes, method: str, path: str, rng: str = "", nonce: str | None = None, when: str | None = None, *,
+          port: int) -> str:
+    """The auth headers, computed by hand (HMAC-SHA256 over method, path, range, nonce, time and the
+    server's published address, here 127.0.0.1:``port``)."""
     nonce = nonce or secrets.token_hex(16)
     when = when or str(int(time.time()))
-    msg = b"req\n" + "\n".join([method, path, rng, nonce, when]).encode() + b"\n"
+    msg = b"req\n" + "\n".join([method, path, rng, nonce, when, f"127.0.0.1:{port}"]).encode() + b"\n"
     mac = hmac.new(key, msg, hashlib.sha256).hexdigest()
     return f"X-Elastor-Nonce: {nonce}\r\nX-Elastor-Time: {when}\r\nX-Elastor-Auth: {mac}\r\n"
 
@@ -82,20 +84,20 @@ def _raw(port: int, request: bytes, timeout: float = 10) -> tuple[int, bytes]:
     return status, buf.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in buf else b""
 
 
-def _req(path: str, key: bytes | None = KEY, rng: str = "", method: str = "GET") -> bytes:
-    auth = _sign(key, method, path, rng) if key is not None else ""
+def _req(path: str, key: bytes | None = KEY, rng: str = "", method: str = "GET", *, port: int) -> bytes:
+    auth = _sign(key, method, path, rng, port=port) if key is not None else ""
     r = f"Range: {rng}\r\n" if rng else ""
     return f"{method} {path} HTTP/1.1\r\nHost: x\r\n{r}{auth}Connection: close\r\n\r\n".encode()
 
 
 def _get(port: int, path: str, key: bytes | None = KEY) -> tuple[int, bytes]:
-    return _raw(port, _req(path, key))
+    return _raw(port, _req(path, key, port=port))
 
 
 def test_range_reads_and_index(tmp_path):
     root, data = _node(tmp_path)
     with SnapshotServer(str(root), KEY) as srv:
-        st, body = _raw(srv.port, _req(f"/f/local/{STEP}/data_00000.safetensors", rng="bytes=1000-1999"))
+        st, body = _raw(srv.port, _req(f"/f/local/{STEP}/data_00000.safetensors", rng="bytes=1000-1999", port=srv.port))
         assert st == 206 and body == data[1000:2000]
         st, body = _get(srv.port, f"/f/local/{STEP}/rank_state/rank_00000.json")
         assert st == 200 and body == b'{"a": 1}'
@@ -132,7 +134,7 @@ def test_read_only_methods(tmp_path):
     with SnapshotServer(str(root), KEY) as srv:
         for m in ("PUT", "DELETE", "POST"):
             st, _ = _raw(srv.port, f"{m} /f/local/{STEP}/manifest.json HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
-                                   f"{_sign(KEY, m, f'/f/local/{STEP}/manifest.json')}Connection: close\r\n\r\n".encode())
+                                   f"{_sign(KEY, m, f'/f/local/{STEP}/manifest.json', port=srv.port)}Connection: close\r\n\r\n".encode())
             assert st == 405
     assert json.loads((root / "local" / STEP / "manifest.json").read_text())["step"] == 7
 
@@ -229,7 +231,7 @@ def test_no_token_and_wrong_token_get_nothing(tmp_path, caplog):
 def test_replayed_or_edited_request_and_paths_outside_snapshots(tmp_path):
     root, data = _node(tmp_path)
     with SnapshotServer(str(root), KEY) as srv:
-        captured = _req(DATA, rng="bytes=0-99")       # a legitimate request, sniffed on the network
+        captured = _req(DATA, rng="bytes=0-99", port=srv.port)       # a legitimate request, sniffed on the network
         st, body = _raw(srv.port, captured)
         assert st == 206 and body == data[:100]
         st, body = _raw(srv.port, captured)           # replayed as is: the nonce was used
@@ -240,7 +242,7 @@ def test_replayed_or_edited_request_and_paths_outside_snapshots(tmp_path):
             assert st == 401 and b"secret" not in body, (other, st)
             st, body = _get(srv.port, other)          # even properly signed: not a committed snapshot file
             assert st in (403, 404) and b"secret" not in body, (other, st)
-        stale = _raw(srv.port, f"GET {DATA} HTTP/1.1\r\nHost: x\r\n{_sign(KEY, 'GET', DATA, when=str(int(time.time()) - 3600))}"
+        stale = _raw(srv.port, f"GET {DATA} HTTP/1.1\r\nHost: x\r\n{_sign(KEY, 'GET', DATA, when=str(int(time.time()) - 3600), port=srv.port)}"
                                f"Connection: close\r\n\r\n".encode())
         assert stale[0] == 401
         _still_serves(srv, data)
@@ -337,7 +339,7 @@ def test_huge_range_long_name_and_big_head_get_4xx_not_a_traceback(tmp_path, cap
         for rng in (huge, "bytes=0-" + "9" * 40, f"bytes=0-{(17 << 20) - 1}", "bytes=5-1,7-9"):
             path = f"/f/local/{STEP}/big.bin"
             with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
-                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(KEY, 'GET', path, rng)}"
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(KEY, 'GET', path, rng, port=srv.port)}"
                           f"Connection: close\r\n\r\n".encode())
                 head = s.recv(4096)
             code = int(head.split(b" ", 2)[1])
@@ -454,7 +456,7 @@ def test_a_members_probe_of_a_file_not_held_is_not_logged_as_an_attack_and_no_ve
     root, _ = _node(tmp_path)
     with SnapshotServer(str(root), KEY) as srv:
         with caplog.at_level(logging.WARNING, logger="elastor_ds.checkpoint.snapshot.server"):
-            st, _ = _raw(srv.port, _req(f"/f/local/{STEP}/data_00001.safetensors", method="HEAD"))
+            st, _ = _raw(srv.port, _req(f"/f/local/{STEP}/data_00001.safetensors", method="HEAD", port=srv.port))
             assert st == 404
             assert "refused" not in caplog.text, caplog.text
             st, _ = _get(srv.port, f"/f/local/{STEP}/data_00001.safetensors", key=None)

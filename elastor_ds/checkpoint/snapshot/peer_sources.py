@@ -301,8 +301,10 @@ class RemoteSource:
         """A signed request's headers (a fresh nonce) and the nonce."""
         nonce = secrets.token_hex(16)
         when = str(int(time.time()))
-        headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when,
-                   "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when)}
+        # the MAC names the server as published (what this source dials): a server at another address,
+        # whoever put it among the peers, cannot relay the request to the real one
+        headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when, "X-Elastor-Target": self.address,
+                   "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when, self.address)}
         if rng:
             headers["Range"] = rng
         return headers, nonce

@@ -19,8 +19,9 @@ with ``fstat`` (a regular file).
 
 Authentication (:mod:`elastor_ds.checkpoint.auth`): every request carries ``X-Elastor-Nonce`` (32
 hex), ``X-Elastor-Time`` (unix seconds, within :data:`CLOCK_SKEW_S`) and ``X-Elastor-Auth``
-(HMAC-SHA256 under the job key over method, path, ``Range``, nonce and time); a nonce is accepted
-once. Anything else is ``401`` and the connection is closed. Every answer to an authenticated
+(HMAC-SHA256 under the job key over method, path, ``Range``, nonce, time and this server's address
+as published, :attr:`SnapshotServer.address`: a request meant for another address, such as one a
+fake peer in the unauthenticated store relays, is refused); a nonce is accepted once. Anything else is ``401`` and the connection is closed. Every answer to an authenticated
 request carries ``X-Elastor-Auth`` over the nonce, status, ``Content-Range``, ``X-File-Size`` and
 the body (GMAC under a key derived for responses, a random nonce each; HMAC-SHA256 without the
 ``cryptography`` package), so the client also knows the bytes came from this server unchanged.
@@ -269,8 +270,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         mac = self.headers.get("X-Elastor-Auth", "")
         if not (_HEX32.match(nonce) and when.isdigit() and len(when) <= 12 and _HEX64.match(mac)):
             raise _Refused(401, "authentication required")
-        want = request_mac(self.server.key, self.command, self.path, self.headers.get("Range", ""), nonce, when)
+        want = request_mac(self.server.key, self.command, self.path, self.headers.get("Range", ""), nonce, when,
+                           self.server.address)
         if not hmac.compare_digest(want, mac):
+            target = self.headers.get("X-Elastor-Target", "")
+            if target and target != self.server.address:   # a relayed request, or a client given another address
+                raise _Refused(401, f"authentication failed: the request is addressed to {short(target)}, this "
+                               f"server publishes {self.server.address}")
             raise _Refused(401, "authentication failed")
         if abs(time.time() - int(when)) > CLOCK_SKEW_S:
             raise _Refused(401, f"request time off by more than {CLOCK_SKEW_S:.0f} s")
@@ -382,6 +388,7 @@ class _Server(http.server.ThreadingHTTPServer):
                  idle_timeout_s: float, max_head: int):
         self.root = root
         self.key = key
+        self.address = ""   # HOST:PORT as published: set by SnapshotServer once the port is bound
         self.listings = _Listings(root)
         self.bytes_served = 0
         self.max_head = max_head
@@ -524,6 +531,7 @@ class SnapshotServer:
         self._srv = _Server((host, port), self.root, key, max_connections, head_timeout_s, idle_timeout_s, max_head)
         self.host = host
         self.port = self._srv.server_address[1]
+        self._srv.address = self.address   # what requests must be MAC'd for (NodeSnapshots publishes it)
         self._thread: Optional[threading.Thread] = None
 
     @property
