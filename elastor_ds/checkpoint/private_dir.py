@@ -81,6 +81,42 @@ def mkdir_private(p: str, setting: str, fix: Optional[str] = None) -> bool:
                      "/dev/shm") from None
 
 
+def make_parents(p: str, setting: str, fix: Optional[str] = None) -> None:
+    """Create ``p``'s missing folders one by one, each ``mkdir 0700`` then checked (a real directory
+    of ours, set to 0700 whatever the umask), and check the components again after.
+    ``os.makedirs(mode=0o700)`` gives the mode to the last folder only: under umask 0 the folders
+    above it were made world-writable, and another user could swap what is inside them."""
+    parent = os.path.dirname(os.path.abspath(p))
+    missing = []
+    cur = parent
+    while not os.path.lexists(cur):
+        missing.append(cur)
+        cur = os.path.dirname(cur)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue   # made meanwhile: check_components below judges it
+        except OSError as e:
+            raise refuse(setting, p, f"cannot create its folder {d} ({e.strerror})",
+                         fix or "name a writable directory") from None
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise refuse(setting, p, f"its folder {d} changed right after it was created ({e.strerror})",
+                         *_fix(fix)) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise refuse(setting, p, f"its folder {d} belongs to uid {st.st_uid} right after we created it",
+                             *_fix(fix))
+            if stat_mod.S_IMODE(st.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    check_components(p, setting, fix)
+
+
 def ensure_private_dir(p: str, setting: str, fix: Optional[str] = None,
                        contents: str = "the snapshots (model weights)") -> str:
     """Check ``p``'s folders, make it (0700, its missing folders 0700) when absent, and check it
@@ -90,10 +126,7 @@ def ensure_private_dir(p: str, setting: str, fix: Optional[str] = None,
     if p == os.sep:
         raise refuse(setting, p, "is the root directory", *_fix(fix))
     check_components(p, setting, fix)
-    try:
-        os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise refuse(setting, p, f"cannot create its folder ({e.strerror})", fix or "name a writable directory") from None
+    make_parents(p, setting, fix)   # missing folders: ours, 0700 whatever the umask
     mkdir_private(p, setting, fix)
     check_private(p, setting, fix, contents)
     return p

@@ -113,10 +113,7 @@ def prepare(path: Optional[str], rdzv_id: str) -> SnapshotDir:
         if p == os.sep:
             raise _refuse(p, "is the root directory")
         check_components(p)
-        try:
-            os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)   # missing folders: ours, private
-        except OSError as e:
-            raise _refuse(p, f"cannot create its folder ({e.strerror})", "name a writable directory") from None
+        private_dir.make_parents(p, SETTING)   # missing folders: ours, 0700 whatever the umask, checked after
         created = _mkdir_private(p)
         if not created:
             _accept_existing(p)

@@ -4,6 +4,7 @@
   headers, interim ``100 Continue`` answers): the whole answer has one deadline;
 - a signed request names the server it is for: one sent to a relay (an address someone put in the
   unauthenticated rendezvous store) is refused by the real server, and the relay reads nothing;
+- the missing folders above a named snapshot directory are made 0700 whatever the umask;
 
 Oracles: the wall time, the error type and message, bytes written by the test itself."""
 from __future__ import annotations
@@ -17,6 +18,10 @@ import time
 import zlib
 
 import pytest
+
+from elastor_ds.checkpoint.private_dir import ensure_private_dir
+from elastor_ds.elastic import snapshot_dir
+from elastor_ds.elastic.protocol import ENV_SNAPSHOT_DIR
 
 from elastor_ds.checkpoint.snapshot.peer_sources import RemoteSource
 from elastor_ds.checkpoint.snapshot.server import SnapshotServer
@@ -212,3 +217,20 @@ def test_a_signed_request_relayed_from_another_address_is_refused_and_reads_noth
             direct.close()
         finally:
             relay.ls.close()
+
+
+def test_missing_folders_of_a_named_snapshot_dir_are_0700_under_umask_0(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_SNAPSHOT_DIR, raising=False)
+    old = os.umask(0)
+    try:
+        sd = snapshot_dir.prepare(str(tmp_path / "a" / "b" / "snap"), "job")
+        mem = ensure_private_dir(str(tmp_path / "x" / "y" / "mem"), "elastor.memory_snapshot.dir")
+    finally:
+        os.umask(old)
+    modes = {d: oct(os.lstat(tmp_path / d).st_mode & 0o7777) for d in ("a", "a/b", "a/b/snap", "x", "x/y", "x/y/mem")}
+    assert modes == dict.fromkeys(modes, "0o700"), modes
+    assert sd.path == str(tmp_path / "a" / "b" / "snap") and sd.created and mem == str(tmp_path / "x" / "y" / "mem")
+    # a worker's check of the same directory (its folders included) accepts it
+    assert ensure_private_dir(sd.path, "ELASTOR_SNAPSHOT_DIR") == sd.path
+    snapshot_dir.cleanup(sd)
+    assert not os.path.exists(sd.path)
