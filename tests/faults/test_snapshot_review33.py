@@ -5,16 +5,21 @@
 - a signed request names the server it is for: one sent to a relay (an address someone put in the
   unauthenticated rendezvous store) is refused by the real server, and the relay reads nothing;
 - the missing folders above a named snapshot directory are made 0700 whatever the umask;
+- a request's time, step and origin names are plain ASCII digits and names, without a trailing newline;
 
 Oracles: the wall time, the error type and message, bytes written by the test itself."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
+import urllib.parse
 import zlib
 
 import pytest
@@ -234,3 +239,43 @@ def test_missing_folders_of_a_named_snapshot_dir_are_0700_under_umask_0(tmp_path
     assert ensure_private_dir(sd.path, "ELASTOR_SNAPSHOT_DIR") == sd.path
     snapshot_dir.cleanup(sd)
     assert not os.path.exists(sd.path)
+
+
+def _signed(srv, path: str, when: str = "") -> bytes:
+    """A request signed by hand (HMAC-SHA256 over method, path, range, nonce, time, server address)."""
+    nonce, when = secrets.token_hex(16), when or str(int(time.time()))
+    msg = b"req\n" + "\n".join(["GET", path, "", nonce, when, srv.address]).encode("utf-8", "surrogateescape") + b"\n"
+    mac = hmac.new(KEY, msg, hashlib.sha256).hexdigest()
+    return (f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Elastor-Nonce: {nonce}\r\nX-Elastor-Time: {when}\r\n"
+            f"X-Elastor-Auth: {mac}\r\nConnection: close\r\n\r\n").encode("latin-1")   # as http.server reads it
+
+
+def _answer(port: int, req: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(req)
+        buf = b""
+        while (k := s.recv(65536)):
+            buf += k
+    return buf
+
+
+def test_a_time_of_superscript_digits_is_a_401_not_a_dropped_connection(tmp_path):
+    root, _ = _node(tmp_path)
+    with SnapshotServer(str(root), KEY) as srv:
+        got = _answer(srv.port, _signed(srv, f"/index/{STEP}", when="\u00b2\u00b3"))
+        assert got.startswith(b"HTTP/1.1 401 ") and got.endswith(b"authentication required\n"), got[:200]
+
+
+_ARABIC_STEP = "step_" + "\u0663" * 9   # Arabic-Indic digit three: \\d matches it
+
+
+@pytest.mark.parametrize("path", [f"/index/{STEP}%0a", f"/f/local/{STEP}%0a/data_00000.safetensors",
+                                  "/index/" + urllib.parse.quote(_ARABIC_STEP)])
+def test_a_step_name_with_a_trailing_newline_or_non_ascii_digits_is_not_a_step(tmp_path, path):
+    root, _ = _node(tmp_path)
+    (root / "local" / _ARABIC_STEP).mkdir()
+    with SnapshotServer(str(root), KEY) as srv:
+        got = _answer(srv.port, _signed(srv, path))
+        why = b"not a file of a committed snapshot" if path.startswith("/f/") else b"not a step directory name"
+        assert got.startswith(b"HTTP/1.1 404 ") and got.endswith(why + b"\n"), got[:300]
+        assert srv.bytes_served == 0

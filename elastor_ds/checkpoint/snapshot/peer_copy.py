@@ -68,10 +68,10 @@ __all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE", "origin_id"]
 
 COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
-_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}$")
-_STEP_RE = re.compile(r"^step_\d{9,}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}")
+_STEP_RE = re.compile(r"step_[0-9]{9,}")
 _MAX_HEADER = 1 << 20
-_MAC_RE = re.compile(r"^(?:[0-9a-f]{64}|g1\.[0-9a-f]{24}\.[0-9a-f]{32})$")   # HMAC-SHA256 | GMAC (auth.FileMac)
+_MAC_RE = re.compile(r"(?:[0-9a-f]{64}|g1\.[0-9a-f]{24}\.[0-9a-f]{32})")   # HMAC-SHA256 | GMAC (auth.FileMac)
 _CHECK_PIECE = 1 << 20      # the receiver's CRC and MAC run over each piece while it is in cache
 _PIECE = 256 << 20          # one send/recv op moves at most this many bytes
 _T_LEN, _T_HDR, _T_OK, _T_DATA = 1, 2, 3, 16
@@ -237,7 +237,7 @@ class PeerCopier:
         # sender): a write through a fresh mapping of tmpfs pages faults on every page (~40 ms per
         # 17 MiB here, against ~4 ms into a kept one)
         self.recv_files = FileStaging(max_maps=2 * max(1, len(self.recvs)))
-        if not _ID_RE.match(origin):
+        if not _ID_RE.fullmatch(origin):
             raise ValueError(f"peer copy origin id {origin!r}: letters, digits, '_', '.', ':', '-' only")
 
     @staticmethod
@@ -462,7 +462,7 @@ class PeerCopier:
         # .spare for the next copy to be received into) and the markers of older copies
         odir = os.path.dirname(d)
         for name in os.listdir(odir):
-            if name != inc.step and _STEP_RE.match(name):
+            if name != inc.step and _STEP_RE.fullmatch(name):
                 recycle_data_files(os.path.join(odir, name), os.path.join(odir, SPARE_DIR),
                                    markers=(COMPLETE, "manifest.json"))
                 shutil.rmtree(os.path.join(odir, name), ignore_errors=True)
@@ -512,14 +512,14 @@ class _Incoming:
     def parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
         h = json.loads(raw)
         origin, step, seq, files = h.get("origin"), h.get("step"), h.get("seq"), h.get("files")
-        if not isinstance(origin, str) or not _ID_RE.match(origin) or origin == cp.origin:
+        if not isinstance(origin, str) or not _ID_RE.fullmatch(origin) or origin == cp.origin:
             raise CollectiveError(f"peer copy: bad origin {origin!r} from rank {t.src}")
-        if not isinstance(step, str) or not _STEP_RE.match(step) or seq != cp.seq:
+        if not isinstance(step, str) or not _STEP_RE.fullmatch(step) or seq != cp.seq:
             raise CollectiveError(f"peer copy: rank {t.src} sent {step!r} copy {seq!r}, expected copy {cp.seq}")
         if files is not None:
             for f in files:
                 if not (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and isinstance(f[1], int)
-                        and f[1] >= 0 and isinstance(f[2], int) and isinstance(f[3], str) and _MAC_RE.match(f[3])):
+                        and f[1] >= 0 and isinstance(f[2], int) and isinstance(f[3], str) and _MAC_RE.fullmatch(f[3])):
                     raise CollectiveError(f"peer copy: bad file entry {f!r} from rank {t.src}")
         else:
             log.warning("peer copy of %s: rank %d could not send its files", step, t.src)

@@ -28,6 +28,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -265,7 +266,7 @@ class RemoteSource:
 
     def __init__(self, address: str, step_name: str, key: bytes, timeout_s: float = 30.0, busy_wait_s: float = 30.0):
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not re.fullmatch(r"[0-9]{1,5}", port):
             raise ValueError(f"snapshot server address {address!r}: expected HOST:PORT")
         if not isinstance(key, bytes) or not key:
             raise ValueError("a remote source needs the job key")

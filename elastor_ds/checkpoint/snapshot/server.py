@@ -71,11 +71,12 @@ IDLE_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 60.0
 CLOCK_SKEW_S = 300.0
 _MAX_RECORD = 256 << 20            # a manifest or COMPLETE record larger than this is not ours
-_STEP_RE = re.compile(r"^step_\d{9,}$")
-_ORIGIN_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}$")
-_RANGE_RE = re.compile(r"^bytes=(\d{1,18})-(\d{0,18})$")
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_STEP_RE = re.compile(r"step_[0-9]{9,}")
+_ORIGIN_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}")
+_RANGE_RE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{0,18})")
+_TIME_RE = re.compile(r"[0-9]{1,12}")   # ASCII digits ("²³".isdigit() is True)
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -130,7 +131,7 @@ class _Listings:
 
     def local(self, step: str) -> Optional[dict[str, int]]:
         """Files (name -> size) of the committed snapshot ``local/<step>``; None when not committed."""
-        if not _STEP_RE.match(step):
+        if not _STEP_RE.fullmatch(step):
             return None
         from ..planning.manifest import Manifest
 
@@ -140,7 +141,7 @@ class _Listings:
 
     def peer(self, origin: str, step: str) -> Optional[dict[str, int]]:
         """Files of the complete peer copy ``peer/<origin>/<step>``; None when not complete."""
-        if not (_STEP_RE.match(step) and _ORIGIN_RE.match(origin)):
+        if not (_STEP_RE.fullmatch(step) and _ORIGIN_RE.fullmatch(origin)):
             return None
 
         def parse(raw: bytes, where: str) -> dict[str, int]:
@@ -152,7 +153,7 @@ class _Listings:
         return self._record(os.path.join(self.root, "peer", origin, step, COMPLETE), parse)
 
     def index(self, step: str) -> dict:
-        if not _STEP_RE.match(step):
+        if not _STEP_RE.fullmatch(step):
             raise _Refused(404, "not a step directory name")
         try:
             origins = sorted(os.listdir(os.path.join(self.root, "peer")))
@@ -268,7 +269,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         nonce = self.headers.get("X-Elastor-Nonce", "")
         when = self.headers.get("X-Elastor-Time", "")
         mac = self.headers.get("X-Elastor-Auth", "")
-        if not (_HEX32.match(nonce) and when.isdigit() and len(when) <= 12 and _HEX64.match(mac)):
+        if not (_HEX32.fullmatch(nonce) and _TIME_RE.fullmatch(when) and _HEX64.fullmatch(mac)):
             raise _Refused(401, "authentication required")
         want = request_mac(self.server.key, self.command, self.path, self.headers.get("Range", ""), nonce, when,
                            self.server.address)
@@ -336,7 +337,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         rng = self.headers.get("Range")
         lo, hi, code = 0, size - 1, 200
         if rng is not None:
-            m = _RANGE_RE.match(rng.strip())
+            m = _RANGE_RE.fullmatch(rng.strip())
             if not m:
                 return self._signed(416, b"unsupported Range (one bytes=A-B range)\n", head)
             lo = int(m.group(1))
