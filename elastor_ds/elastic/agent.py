@@ -662,7 +662,13 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
         handler = create_handler(params, check_endpoints(cfg.rdzv_endpoint, cfg.rdzv_backend, lambda h, p: None),
                                  cfg.local_addr)
     else:
-        handler = rdzv_registry.get_rendezvous_handler(params)
+        try:
+            handler = rdzv_registry.get_rendezvous_handler(params)
+        except Exception as e:  # noqa: BLE001 - etcd (v1): the client's connection errors, as etcd-v2 reports them
+            if cfg.rdzv_backend != "etcd" or not type(e).__module__.split(".")[0] in ("etcd", "urllib3"):
+                raise
+            from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+            raise RendezvousConnectionError(f"the etcd server did not answer: {type(e).__name__}: {e}") from e
     spec = WorkerSpec(role="default", local_world_size=cfg.nproc_per_node, rdzv_handler=handler,
                       entrypoint=os.environ.get(ENV_PYTHON) or __import__("sys").executable,
                       args=("-u", "-m", "elastor_ds.elastic.worker_main", cfg.script, *cfg.script_args),

@@ -89,6 +89,7 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 RDZV_ID_MAX = 128
+MAX_SECONDS = 365 * 24 * 3600   # the bound of every time flag: one year
 
 
 def _check_rdzv_id(rdzv_id: str) -> None:
@@ -252,8 +253,30 @@ def _run_checked(args: argparse.Namespace) -> int:
         raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
-    from .rdzv_args import check_backend, check_client, check_endpoints
+    for flag, value in (("--monitor-interval", args.monitor_interval), ("--hang-timeout", args.hang_timeout),
+                        ("--startup-timeout", args.startup_timeout), ("--shutdown-timeout", args.shutdown_timeout),
+                        ("--exit-barrier-timeout", args.exit_barrier_timeout), ("--probe-timeout", args.probe_timeout),
+                        ("--probe-interval", args.probe_interval)):
+        if value is not None and value > MAX_SECONDS:   # 1e300 overflowed deep in the loop or in torch
+            raise ConfigError(f"{flag} {value:g}: more than a year ({MAX_SECONDS} s); give at most {MAX_SECONDS} "
+                              f"seconds" + (" (0 turns the check off)" if flag in ("--hang-timeout",
+                                                                                  "--startup-timeout") else ""))
+    if args.standalone:   # torchrun's --standalone replaced these silently: a multi-node command ran alone
+        if hi > 1:
+            raise ConfigError(f"--standalone with --nnodes {args.nnodes}: --standalone is one node on a local "
+                              f"rendezvous; drop --standalone for a multi-node job, or --nnodes")
+        if args.rdzv_endpoint:
+            raise ConfigError(f"--standalone with --rdzv-endpoint {args.rdzv_endpoint}: --standalone starts its own "
+                              f"local rendezvous; drop one of the two")
+        if args.rdzv_backend != "c10d":
+            raise ConfigError(f"--standalone with --rdzv-backend {args.rdzv_backend}: --standalone uses a local c10d "
+                              f"rendezvous; drop one of the two")
+    from .rdzv_args import ENDPOINT_BACKENDS, check_backend, check_client, check_endpoints
     check_backend(args.rdzv_backend)
+    if args.rdzv_backend in ENDPOINT_BACKENDS and not args.rdzv_endpoint:
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT of the etcd server"
+                          + (" (or HOST:PORT,HOST:PORT,... every member)" if args.rdzv_backend == "etcd-v2" else "")
+                          + "; or leave --rdzv-backend out for c10d")
     rdzv_conf = _rdzv_conf(args.rdzv_conf)
     endpoint = args.rdzv_endpoint
     if endpoint and not args.standalone:
@@ -295,6 +318,9 @@ def _run_checked(args: argparse.Namespace) -> int:
         _check_parent(flag, path)
         if path and os.path.isdir(os.path.dirname(path)):   # its owner could swap the file mid-run (Q7-3)
             check_parent(os.path.dirname(path), f"{flag} {path}: its folder")
+    if args.plot and not args.events:
+        raise ConfigError(f"--plot {args.plot}: the timeline is drawn from the event log; add --events FILE "
+                          f"(--plot then defaults to FILE's *_timeline.png)")
     if plot and os.path.islink(plot):   # as for --events: never write through a link someone may have planted
         raise ConfigError(f"--plot {plot}: is a symlink; remove it or name a file in a folder of your own")
     if events_path:

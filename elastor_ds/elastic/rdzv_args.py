@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from ..errors import ConfigError
 
-BACKENDS = ("c10d", "etcd", "etcd-v2", "static")   # torch.distributed.elastic's registered handlers
+BACKENDS = ("c10d", "etcd", "etcd-v2")   # torch.distributed.elastic's registered handlers elastor run can drive
+ENDPOINT_BACKENDS = ("etcd", "etcd-v2")   # no default store: --rdzv-endpoint names the etcd server(s)
 
 
 def _seconds(lo_exclusive: bool) -> Callable[[str, str], float]:
@@ -78,6 +79,10 @@ def parse_rdzv_conf(text: str) -> dict:
 
 
 def check_backend(name: str) -> str:
+    if name == "static":   # torch's static rendezvous takes its node rank from --node-rank, which elastor run has not
+        raise ConfigError("--rdzv-backend 'static': torchrun's static rendezvous needs --node-rank and --master-addr, "
+                          "which elastor run does not take (the rendezvous assigns node ranks); use c10d (the default) "
+                          "or etcd-v2")
     if name not in BACKENDS:
         raise ConfigError(f"--rdzv-backend {name!r}: unknown backend; use one of {', '.join(BACKENDS)} "
                           f"(c10d needs no extra service)")

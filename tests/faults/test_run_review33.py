@@ -71,6 +71,21 @@ def test_a_script_that_exits_with_a_message_shows_it_and_fails(tmp_path):
     (["--rdzv-id", "/tmp/ABSOLUTE"], "--rdzv-id '/tmp/ABSOLUTE': expected a job name"),
     (["--rdzv-id", ""], "--rdzv-id '': expected a job name"),
     (["--rdzv-id", "a" * 129], "at most 128 characters"),
+    # F7: static cannot work without --node-rank; etcd with no endpoint used localhost:0
+    (["--rdzv-backend", "static"], "--rdzv-backend 'static': torchrun's static rendezvous needs --node-rank"),
+    (["--rdzv-backend", "etcd", "--nnodes", "2"], "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT"),
+    (["--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2 needs --rdzv-endpoint HOST:PORT"),
+    # F8: no upper bound: OverflowError deep in the loop, a torch traceback with exit 0
+    (["--monitor-interval", "1e300"], "--monitor-interval 1e+300: more than a year (31536000 s)"),
+    (["--exit-barrier-timeout", "1e300"], "--exit-barrier-timeout 1e+300: more than a year"),
+    (["--hang-timeout", "1e10"], "--hang-timeout 1e+10: more than a year"),
+    (["--shutdown-timeout", "4e7"], "--shutdown-timeout 4e+07: more than a year"),
+    # F9: --standalone silently replaced these
+    (["--standalone", "--nnodes", "2", "--rdzv-endpoint", "foo:1"], "--standalone with --nnodes 2"),
+    (["--standalone", "--rdzv-endpoint", "127.0.0.1:29400"], "--standalone with --rdzv-endpoint 127.0.0.1:29400"),
+    (["--standalone", "--rdzv-backend", "etcd-v2"], "--standalone with --rdzv-backend etcd-v2"),
+    # F10: --plot without --events did nothing
+    (["--plot", "t.png"], "--plot t.png: the timeline is drawn from the event log; add --events FILE"),
 ])
 def test_bad_values_exit_2_naming_the_flag(tmp_path, flags, message):
     marker = tmp_path / "ran"
@@ -197,3 +212,17 @@ def test_a_worker_without_hooks_ends_at_once_on_a_scale_up(tmp_path):
         ["launch", "failure", "launch", "scale_up", "launch", "finished"], kinds(evs)
     assert "[default0]:elastor worker: no hooks: relaunching without a checkpoint" in err, err[-3000:]
     assert "[default0]:round 2 done" in out and "[default1]:round 2 done" in out, out[-2000:]
+
+
+def test_an_unreachable_etcd_v1_server_is_one_line_naming_the_endpoint(tmp_path):
+    import socket
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p, _ = elastor_run(tmp_path, "print('ran')\n", ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint",
+                                                     f"127.0.0.1:{port}"], timeout=60)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"elastor run: error: --rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store "
+                           f"(RendezvousConnectionError: the etcd server did not answer: EtcdException:"), last
+    assert "Traceback" not in p.stderr and "unexpected" not in p.stderr and "ran" not in p.stdout, p.stderr[-3000:]
