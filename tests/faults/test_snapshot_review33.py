@@ -5,6 +5,7 @@
 - a signed request names the server it is for: one sent to a relay (an address someone put in the
   unauthenticated rendezvous store) is refused by the real server, and the relay reads nothing;
 - the missing folders above a named snapshot directory are made 0700 whatever the umask;
+- a reader marks a node down after two index requests that time out, not one;
 - a request's time, step and origin names are plain ASCII digits and names, without a trailing newline;
 
 Oracles: the wall time, the error type and message, bytes written by the test itself."""
@@ -279,3 +280,42 @@ def test_a_step_name_with_a_trailing_newline_or_non_ascii_digits_is_not_a_step(t
         why = b"not a file of a committed snapshot" if path.startswith("/f/") else b"not a step directory name"
         assert got.startswith(b"HTTP/1.1 404 ") and got.endswith(why + b"\n"), got[:300]
         assert srv.bytes_served == 0
+
+
+def test_one_index_answer_that_times_out_does_not_drop_the_node_a_second_is_asked():
+    """The first connection's answer stalls past the deadline; the second is the server's real
+    answer (signed with the job key by the fake, as the node's server would): the node stays."""
+    from elastor_ds.checkpoint.auth import response_mac
+
+    def answer(f, c):
+        if f.n == 0:
+            f.n += 1
+            time.sleep(2.5)          # no answer within timeout_s=1
+            return
+        body = b'{"local": true, "peer": []}'
+        nonce = f.nonce
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-Elastor-Auth: %s\r\n\r\n%s"
+                  % (len(body), response_mac(KEY, nonce, 200, "", "", [body]).encode(), body))
+        time.sleep(0.5)
+
+    class Fake2(Fake):
+        n = 0
+        nonce = ""
+
+        def _serve(self) -> None:   # each connection in a thread of its own: the stalled one blocks nothing
+            for _ in range(self.conns):
+                c, _ = self.ls.accept()
+                req = c.recv(65536).decode("latin-1")
+                self.nonce = [ln.split(": ", 1)[1] for ln in req.split("\r\n") if ln.startswith("X-Elastor-Nonce")][0]
+                threading.Thread(target=self._one, args=(c,), daemon=True).start()
+            self.ls.close()
+
+        def _one(self, c: socket.socket) -> None:
+            try:
+                self.answer(self, c)
+            finally:
+                c.close()
+
+    f = Fake2(answer, conns=2)
+    src = _source(f.port)
+    assert src._get_index() == {"local": True, "peer": []} and not src._down

@@ -374,29 +374,45 @@ class RemoteSource:
                                          f"server, or changed on the way)")
 
     def _get_index(self) -> dict:
+        """What the server holds of this step; a server that does not answer is marked down for the
+        rest of the restore, after a second try when the first timed out or its connection dropped
+        (one slow answer, a connection closed among a flood of others, does not lose the node's copies)."""
         if self._index is None:
             idx: dict = {"local": False, "peer": []}
-            if not self._down:
+            for attempt in (1, 2):
+                if self._down:
+                    break
                 try:
-                    r, nonce, w = self._request("GET", f"/index/{self.step_name}",
-                                                within=self.timeout_s + MAX_INDEX / MIN_RATE)
-                    try:
-                        body = _read_body(r, MAX_INDEX, w.deadline, self.name)
-                    except BaseException:
-                        self._done(w, self._drop)   # the deadline's error when the watchdog cut it
-                        raise
-                    self._done(w, self._drop)
-                    self._verified(r, nonce, [body])
-                    if r.status == 200:
-                        got = json.loads(body)
-                        if isinstance(got, dict):
-                            idx["local"] = got.get("local") is True
-                            idx["peer"] = [o for o in got.get("peer", []) if isinstance(o, str)]
-                except (http.client.HTTPException, OSError, ValueError, CheckpointError) as e:
+                    idx = self._fetch_index()
+                    break
+                except (ConnectionRefusedError, CorruptCheckpointError, ValueError) as e:   # down, or not ours
                     self._down = True
                     log.warning("%s unreachable (%s); not reading from it", self.name, e)
+                except (http.client.HTTPException, OSError, CheckpointError) as e:
+                    if attempt == 2:
+                        self._down = True
+                        log.warning("%s unreachable (%s, twice); not reading from it", self.name, e)
+                    else:
+                        log.info("%s: its index did not come (%s); asking once more", self.name, e)
             self._index = idx
         return self._index
+
+    def _fetch_index(self) -> dict:
+        idx: dict = {"local": False, "peer": []}
+        r, nonce, w = self._request("GET", f"/index/{self.step_name}", within=self.timeout_s + MAX_INDEX / MIN_RATE)
+        try:
+            body = _read_body(r, MAX_INDEX, w.deadline, self.name)
+        except BaseException:
+            self._done(w, self._drop)   # the deadline's error when the watchdog cut it
+            raise
+        self._done(w, self._drop)
+        self._verified(r, nonce, [body])
+        if r.status == 200:
+            got = json.loads(body)
+            if isinstance(got, dict):
+                idx["local"] = got.get("local") is True
+                idx["peer"] = [o for o in got.get("peer", []) if isinstance(o, str)]
+        return idx
 
     def _candidates(self, relpath: str) -> list[str]:
         idx = self._get_index()
