@@ -146,8 +146,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self.devices: tuple[int, ...] = ()
         self.exit_code = 0
         self.message = ""
+        self.preempted = False   # stopped cleanly by a stop signal (exit_code 128 + it)
         self._preempt = False
-        self.stopped_early = None   # callable: a stop signal came before these handlers were installed
+        self._preempt_signum = 0   # the first stop signal: a preempted job exits 128 + it
+        self.stopped_early = None   # callable: the stop signal that came before these handlers were installed, or 0
         self._force = False
         self._scale_up = False
         self._stopping: _Stopping | None = None
@@ -177,6 +179,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         if self._preempt and signum == signal.SIGINT:
             self._force = True
         self._preempt = True
+        self._preempt_signum = self._preempt_signum or signum
         if self._in_rendezvous:   # the rendezvous may wait minutes for other nodes: leave now
             raise _PreemptedInRendezvous()
 
@@ -245,8 +248,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self.install_signal_handlers()
         try:
-            if self.stopped_early is not None and self.stopped_early():   # while the CLI set up
+            early = self.stopped_early() if self.stopped_early is not None else 0
+            if early:   # while the CLI set up
                 self._preempt = True
+                self._preempt_signum = self._preempt_signum or int(early)
                 raise _PreemptedInRendezvous()
             if self.standby is not None:   # the first launch's workers import while the rendezvous runs
                 self.standby.fill()
@@ -254,6 +259,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         except _PreemptedInRendezvous:
             self.events.emit(EventKind.PREEMPTED, stop_s=0.0, during="rendezvous")
             log.warning("preempted while waiting in the rendezvous: no worker was running, nothing to checkpoint")
+            self._preempted("preempted while waiting in the rendezvous (no worker was running, nothing to "
+                            "checkpoint); rerun to resume")
             return self._result(True)
         finally:
             if self.beacon is not None:
@@ -413,6 +420,14 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def _result(self, ok: bool) -> RunResult:
         return RunResult(state=WorkerState.SUCCEEDED if ok else WorkerState.FAILED)
 
+    def _preempted(self, message: str) -> None:
+        """A stop signal ended the job before it finished (the state saved, or nothing started): exit
+        128 + the signal (143 for SIGTERM), as a process ended by it, so that ``elastor run ... &&
+        next_step`` and a scheduler do not take the unfinished job for a finished one."""
+        self.preempted = True
+        self.exit_code = 128 + (self._preempt_signum or signal.SIGTERM)
+        self.message = message
+
     def _stop_job(self, reason: str, code: int = 1) -> RunResult:
         self.exit_code, self.message = code, reason
         self.events.emit(EventKind.STOPPED, reason=reason, exit_code=code)
@@ -497,6 +512,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
                     if self._stopping is not None and self._stopping.kind == "preempt":
                         self.events.emit(EventKind.PREEMPTED, stop_s=stop_s)
                         log.info("preempted: workers saved and exited in %.1f s", stop_s)
+                        self._preempted("preempted: state saved, rerun to resume")
                     else:
                         self.events.emit(EventKind.FINISHED)
                     self._exit_barrier()

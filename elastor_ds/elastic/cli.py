@@ -36,7 +36,8 @@ behaviour:
               larger world. Nothing is lost with a hooked trainer (ElasticWorker); a script without
               hooks ends at once (exit 75) and relaunches without a checkpoint.
   preemption  SIGTERM or SIGINT (Slurm, Kubernetes, Ctrl-C): the workers finish the current
-              iteration, checkpoint it, wait until it is durable and exit; elastor run exits 0.
+              iteration, checkpoint it, wait until it is durable and exit; elastor run exits
+              128 + the signal (143 for SIGTERM): preempted, state saved, rerun to resume.
               A second SIGINT kills at once (exit 130).
   standby     (default) one spare interpreter per device slot has already imported torch,
               DeepSpeed, Megatron-core and the modules the last workers imported; a (re)launch
@@ -70,8 +71,10 @@ what the workers get (besides torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_AD
   elastor_ds.elastic.worker.ElasticWorker (heartbeat, agree_stop); examples/megatron_gpt/
   pretrain_gpt.py does.
 
-exit codes: 0 finished or preempted cleanly; 1 gave up (max restarts, infeasible world, no device
-left); 2 usage errors; 130 interrupted twice.
+exit codes: 0 finished; 1 gave up (max restarts, infeasible world, no device left, a stop signal
+before a hookless script could checkpoint); 2 usage errors; 128 + the signal (143 SIGTERM, 130
+SIGINT) preempted: state saved, rerun to resume (also a stop before any worker started, nothing
+to save); 130 interrupted twice.
 """
 
 
@@ -216,9 +219,9 @@ def _on_early_signal(signum: int, _frame) -> None:
         raise StoppedEarly(signum)
 
 
-def stopped_early() -> bool:
-    """A stop signal came before the agent's handlers were installed."""
-    return bool(_early["signals"])
+def stopped_early() -> int:
+    """The stop signal that came before the agent's handlers were installed (0: none)."""
+    return _early["signals"][0] if _early["signals"] else 0
 
 
 def install_early_handlers() -> None:
@@ -230,9 +233,15 @@ def install_early_handlers() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # (elastor_ds.cli.main installed a stand-in on its first line and reports a StoppedEarly: exit 0)
+    # (elastor_ds.cli.main installed a stand-in on its first line and reports a StoppedEarly)
     install_early_handlers()
-    return _run_checked(args)
+    try:
+        return _run_checked(args)
+    except StoppedEarly as e:   # the job did not run: not a success (exit 128 + the signal, 143 for SIGTERM)
+        import signal
+        log.warning("stopped by %s before any worker started: nothing to checkpoint; rerun to run the job",
+                    signal.Signals(e.signum).name)
+        return 128 + e.signum
 
 
 def _run_checked(args: argparse.Namespace) -> int:
@@ -416,7 +425,7 @@ def _run(args: argparse.Namespace, cfg, events_path, plot, use_gpu: bool, lo: in
                              f"the other nodes stopped or could not be reached at {cfg.rdzv_endpoint}")
         events.emit(EventKind.STOPPED, reason=agent.message, exit_code=1)
     finally:
-        if agent.exit_code == 0:   # a node that leaves must not close the rendezvous for the others
+        if agent.exit_code == 0 or agent.preempted:   # a node that leaves must not close the rendezvous for the others
             try:
                 agent.get_worker_group().spec.rdzv_handler.shutdown()
             except Exception as e:  # noqa: BLE001 - shutting down: report, keep the exit code

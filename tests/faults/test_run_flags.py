@@ -356,12 +356,13 @@ def test_a_worker_whose_events_file_was_swapped_keeps_training(tmp_path, caplog)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_during_the_set_up_ends_it_at_once_with_0(tmp_path, sig):
+def test_a_stop_during_the_set_up_ends_it_at_once_with_128_plus_the_signal(tmp_path, sig):
     """QA round 8, F6: a SIGINT in the first seconds (imports, checks, the wait for the store) was
     lost when the shell had set SIGINT to be ignored (a background job), even twice: the job then
     ran to its end with exit 0. A SIGTERM there killed the controller (143) without its clean-up.
-    Now either ends the set-up at once, exit 0, nothing started. Here the set-up waits for a
-    rendezvous store nobody runs, SIGINT ignored as in a background job of a script."""
+    Now either ends the set-up at once, nothing started, exit 128 + the signal (review 33, F11: the job
+    did not run, so not 0). Here the set-up waits for a rendezvous store nobody runs, SIGINT ignored as
+    in a background job of a script."""
     from dist_utils import free_port
     script = tmp_path / "train.py"
     script.write_text("open(__file__ + '.ran', 'w').write('x')\n")
@@ -384,7 +385,7 @@ def test_a_stop_during_the_set_up_ends_it_at_once_with_0(tmp_path, sig):
         if p.poll() is None:
             p.kill()
     assert time.monotonic() - t0 < 10, "the stop waited for the set-up to finish"
-    assert p.returncode == 0, (p.returncode, out[-2000:])
+    assert p.returncode == 128 + sig, (p.returncode, out[-2000:])
     assert f"stopped by {sig.name} before any worker started: nothing to checkpoint" in out, out[-2000:]
     assert "Traceback" not in out and not os.path.exists(str(script) + ".ran")
     ev = [json.loads(line) for line in events.read_text().splitlines()]
@@ -562,7 +563,8 @@ def test_a_stop_while_the_first_workers_start_is_a_preemption(tmp_path):
     """torch's process context put its own terminate handler on SIGTERM, SIGINT, SIGHUP and SIGQUIT
     at every start, until elastor run put its own back: a SIGTERM while the first workers started
     (the standby template importing torch, seconds here) exited 1 with no record of the stop. Now
-    the controller's handling holds throughout: exit 0 and a preemption in the events."""
+    the controller's handling holds throughout: a preemption in the events and exit 143 (128 + SIGTERM:
+    preempted, rerun to resume)."""
     script = tmp_path / "train.py"
     script.write_text(STOPS_WHEN_ASKED)
     events = tmp_path / "ev.jsonl"
@@ -592,7 +594,7 @@ def test_a_stop_while_the_first_workers_start_is_a_preemption(tmp_path):
     out, err = p.communicate(timeout=120)
     kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
     assert not started, "the workers had started already: this run checks nothing"
-    assert p.returncode == 0 and "preempted" in kinds and "Traceback" not in err, (p.returncode, kinds, err[-2000:])
+    assert p.returncode == 143 and "preempted" in kinds and "Traceback" not in err, (p.returncode, kinds, err[-2000:])
 
 
 def test_the_events_file_and_the_log_folder_are_this_users_only(tmp_path):

@@ -226,3 +226,45 @@ def test_an_unreachable_etcd_v1_server_is_one_line_naming_the_endpoint(tmp_path)
     assert last.startswith(f"elastor run: error: --rdzv-endpoint 127.0.0.1:{port}: cannot reach the rendezvous store "
                            f"(RendezvousConnectionError: the etcd server did not answer: EtcdException:"), last
     assert "Traceback" not in p.stderr and "unexpected" not in p.stderr and "ran" not in p.stdout, p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- F11: a preempted job is not a finished one
+PREEMPTIBLE = """
+import os, sys, time
+from elastor_ds.elastic.worker import ElasticWorker
+ctl = ElasticWorker.from_env()
+for it in range(1, 601):
+    time.sleep(0.05)
+    ctl.heartbeat(it, last=it == 600)
+    if it == 2:
+        open(sys.argv[1], "w").close()
+    code = ctl.agree_stop()
+    if code:
+        open(sys.argv[1] + ".saved", "w").write(str(it))   # (a trainer checkpoints here)
+        sys.exit(code.exit_code())
+"""
+
+
+def test_a_preempted_job_exits_143_after_its_workers_saved(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPTIBLE)
+    up, ev = tmp_path / "training", tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--monitor-interval", "0.05",
+                          "--events", str(ev), str(script), str(up)], cwd=str(tmp_path), env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t_end = time.monotonic() + 20
+        while not up.exists() and time.monotonic() < t_end and p.poll() is None:
+            time.sleep(0.05)
+        assert up.exists(), "the worker never trained"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, err[-3000:]
+    assert "elastor run: preempted: state saved, rerun to resume" in err.splitlines(), err[-2000:]
+    assert 2 <= int((tmp_path / "training.saved").read_text()) < 600
+    evs = [json.loads(x) for x in ev.read_text().splitlines()]
+    assert kinds(evs)[-1] == "preempted" and "finished" not in kinds(evs) and "stopped" not in kinds(evs), kinds(evs)
