@@ -109,6 +109,23 @@ def _rdzv_conf(text: str) -> dict:
     return parse_rdzv_conf(text)
 
 
+def workers_pythonpath(current: str, path: list[str]) -> "str | None":
+    """The workers' ``PYTHONPATH`` so that they import this copy of elastor_ds, or None to leave it
+    as it is. Only when this interpreter found the package through neither ``PYTHONPATH`` nor its
+    own site paths (installed, editable ``.pth``), e.g. ``python -m elastor_ds.cli`` run in a
+    checkout, is the package's folder added, and at the end: put first, a site-packages folder took
+    precedence over the workers' standard library and everything else on ``PYTHONPATH``."""
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    real = os.path.realpath(pkg_root)
+    entries = [x for x in current.split(os.pathsep) if x]
+    from_env = {os.path.realpath(x) for x in entries}
+    # path[0] is the script's or the current folder (not the workers'); then PYTHONPATH, then the site paths
+    site_paths = {os.path.realpath(x) for x in path[1:] if x} - from_env
+    if real in from_env or real in site_paths:
+        return None
+    return os.pathsep.join(entries + [pkg_root])
+
+
 def _check_parent(flag: str, path: "str | None") -> None:
     """An output file's folder must exist, as for ``tee`` or ``cp``: a typo in it is not a reason
     to create a tree of folders."""
@@ -338,8 +355,9 @@ def _run_checked(args: argparse.Namespace) -> int:
         check_parent(os.path.dirname(log_dir), f"--log-dir {log_dir}: its folder")
     _check_log_dir(log_dir)
     # workers import this package through worker_main: make sure they find this copy of it
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.environ["PYTHONPATH"] = os.pathsep.join([pkg_root] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+    pythonpath = workers_pythonpath(os.environ.get("PYTHONPATH", ""), sys.path)
+    if pythonpath is not None:
+        os.environ["PYTHONPATH"] = pythonpath
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
     cfg = RunConfig(script=os.path.abspath(args.script), script_args=list(args.script_args), nproc_per_node=nproc,

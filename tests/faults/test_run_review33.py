@@ -268,3 +268,21 @@ def test_a_preempted_job_exits_143_after_its_workers_saved(tmp_path):
     assert 2 <= int((tmp_path / "training.saved").read_text()) < 600
     evs = [json.loads(x) for x in ev.read_text().splitlines()]
     assert kinds(evs)[-1] == "preempted" and "finished" not in kinds(evs) and "stopped" not in kinds(evs), kinds(evs)
+
+
+# ---------------------------------------------------------------- F13: the workers' PYTHONPATH
+SHOWS_PATH = "import os\nprint('PYTHONPATH=' + os.environ.get('PYTHONPATH', '<unset>'), flush=True)\n"
+
+
+def test_the_package_folder_is_not_put_first_on_the_workers_pythonpath(tmp_path):
+    # found through PYTHONPATH already: left as it is (it was put first a second time)
+    p, _ = elastor_run(tmp_path, SHOWS_PATH, [], env={"PYTHONPATH": ROOT})
+    assert p.returncode == 0 and f"[default0]:PYTHONPATH={ROOT}\n" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    # found only through the current folder (a checkout): appended after the user's entries, not before
+    other = str(tmp_path / "mine")
+    script = tmp_path / "train.py"
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--log-dir",
+                        str(tmp_path / "logs"), str(script)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(ENV, PYTHONPATH=other))
+    assert p.returncode == 0 and f"[default0]:PYTHONPATH={other}{os.pathsep}{ROOT}\n" in p.stdout, \
+        p.stdout[-2000:] + p.stderr[-2000:]
