@@ -47,9 +47,11 @@ behaviour:
               known). The imports are done once per node, in a template interpreter the
               standbys are forked from (--no-standby-fork: each standby imports on its own).
               --no-standby: spawn each worker as torchrun does.
-  multi-node  one fault is one restart for the job: the nodes whose workers failed only because
-              another node's did are recorded as collateral (failure event "collateral_of") and
-              do not count; the node that exhausts --max-restarts closes the rendezvous.
+  multi-node  one fault is one restart for the job: the round's failure is charged to the node
+              that reports it first (not necessarily the one whose worker failed first); the other
+              nodes' failures of that round are recorded as collateral (failure event
+              "collateral_of") and do not count; the node that exhausts --max-restarts closes the
+              rendezvous.
   events      --events FILE gets one JSON line per event (start, launch, failure with ranks,
               devices and causes, probe, decision, scale-up, preemption, worker start-up marks);
               at the end a summary table is printed and a timeline PNG written (--plot).
@@ -191,7 +193,8 @@ def register(sub) -> None:
     a("--events", default=None, help="JSONL event log; also enables the summary table and the timeline plot")
     a("--plot", default=None, help="timeline PNG (default: next to --events, *_timeline.png)")
     a("--log-dir", "--log_dir", dest="log_dir", default=None,
-      help="per-worker stdout/stderr logs and heartbeats (default: next to --events, else ./elastor_logs)")
+      help="per-worker stdout/stderr logs (in DIR/<rdzv id>_<random>/attempt_<launch>/<local rank>/) and heartbeats "
+           "(default: next to --events, else ./elastor_logs)")
     a("--shutdown-timeout", type=positive_float, default=120.0,
       help="seconds the workers get to checkpoint and exit after a stop request before SIGKILL (default 120)")
     a("--exit-barrier-timeout", type=positive_float, default=300.0,
@@ -200,8 +203,8 @@ def register(sub) -> None:
     a("--probe-timeout", type=positive_float, default=60.0, help="seconds per GPU probe (default 60)")
     a("--probe-interval", type=positive_float, default=60.0, help="seconds between re-probes of lost GPUs (default 60)")
     a("--snapshot-dir", default=None,
-      help="this node's memory-snapshot directory, exported as ELASTOR_SNAPSHOT_DIR (default /dev/shm/elastor-"
-           "<rdzv id>-<host>-<pid>); kept across relaunches, removed at the end of the job")
+      help="this node's memory-snapshot directory, exported as ELASTOR_SNAPSHOT_DIR (default a new /dev/shm/elastor-"
+           "<rdzv id>-<host>-<pid>-<random>); kept across relaunches, removed at the end of the job")
     a("--job-secret-file", default=None, metavar="FILE",
       help="the job's secret (>= 32 random bytes, mode 0600, yours; the same file on every node): the key of the "
            "snapshot server's authentication and of peer copies' digests. Multi-node jobs with memory snapshots "

@@ -286,3 +286,18 @@ def test_the_package_folder_is_not_put_first_on_the_workers_pythonpath(tmp_path)
                        env=dict(ENV, PYTHONPATH=other))
     assert p.returncode == 0 and f"[default0]:PYTHONPATH={other}{os.pathsep}{ROOT}\n" in p.stdout, \
         p.stdout[-2000:] + p.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- docs: --help names the real folders
+def test_the_help_names_the_snapshot_and_log_folders_as_they_are_made(tmp_path):
+    import re
+    h = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--help"], capture_output=True, text=True,
+                       timeout=60, env=dict(ENV, COLUMNS="400"))
+    assert "(default a new /dev/shm/elastor-<rdzv id>-<host>-<pid>-<random>)" in h.stdout, h.stdout
+    assert "(in DIR/<rdzv id>_<random>/attempt_<launch>/<local rank>/)" in h.stdout, h.stdout
+    p, _ = elastor_run(tmp_path, "print('ok')\n", ["--rdzv-id", "j7", "--standalone"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    made = re.search(r"memory snapshots of this node: (\S+) \(created\)", p.stderr).group(1)
+    assert re.fullmatch(r"/dev/shm/elastor-j7-[^/]+-\d+-[0-9a-f]+", made), made
+    logs = tmp_path / "ev_logs"
+    assert [x.relative_to(logs).parts[1:] for x in logs.glob("j7_*/*/*/stdout.log")] == [("attempt_0", "0", "stdout.log")]
