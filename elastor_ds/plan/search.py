@@ -1377,13 +1377,15 @@ def _bulk_lpt(classes: Sequence[ClassKey], counts: Sequence[int], cap: dict,
 
 
 # ---- entry point ------------------------------------------------------------------------------
-def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3) -> PlanResult:
-    """Search the best plan. ``layouts="uniform"`` restricts to TP x PP x DP grids."""
+def plan(cost: CostModel, layouts: str = "heterogeneous", top_k: int = 3, explain: bool = True) -> PlanResult:
+    """Search the best plan. ``layouts="uniform"`` restricts to TP x PP x DP grids. ``explain``:
+    when nothing fits, the error says what would (:func:`infeasible_message`, which plans again
+    for larger clusters); else it says only that nothing fits."""
     with gc_paused():
-        return _plan(cost, layouts, top_k)
+        return _plan(cost, layouts, top_k, explain)
 
 
-def _plan(cost: CostModel, layouts: str, top_k: int) -> PlanResult:
+def _plan(cost: CostModel, layouts: str, top_k: int, explain: bool = True) -> PlanResult:
     if layouts not in ("uniform", "heterogeneous"):
         raise PlanningError(f"layouts={layouts!r}: choose 'uniform' or 'heterogeneous'")
     cluster, model, training = cost.cluster, cost.model, cost.training
@@ -1398,7 +1400,7 @@ def _plan(cost: CostModel, layouts: str, top_k: int) -> PlanResult:
     hetero = pl.heterogeneous_plans() if layouts == "heterogeneous" else []
     pool = sorted(uniform + hetero, key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
     if not pool:
-        raise PlanningError(infeasible_message(cost))
+        raise PlanningError(infeasible_message(cost) if explain else "no layout fits")
     # dedupe alternatives by description
     alts, seen = [], set()
     for s in pool:
@@ -1428,6 +1430,41 @@ def _decision(best: ScoredPlan, uniform: list[ScoredPlan], hetero: list[ScoredPl
                                                       " (no uniform grid fits)")
 
 
+def _gpus_that_fit(cost: CostModel, start: int, width: int) -> tuple[int | None, int]:
+    """(GPUs, the most tried): about the fewest GPUs above this cluster's, in nodes of ``width``,
+    on which the uniform search finds a layout that fits: doubling from ``start`` (six tries), then
+    bisecting down to the last count that failed or this cluster's (eight more); None when none
+    fit. A count the message names is one the planner itself accepted."""
+    from .cluster import Cluster, MAX_GPUS
+    cl = cost.cluster
+
+    def fits(g: int) -> bool:
+        trial = Cluster.from_gpus_per_node([width] * (g // width), gpu_memory_gb=cl.gpu_memory_gb,
+                                           intra_node_bandwidth_gbs=cl.intra_node_bandwidth_gbs,
+                                           inter_node_bandwidth_gbs=cl.inter_node_bandwidth_gbs)
+        try:
+            plan(CostModel(cost.model, cost.training, trial, cost.params, cost.profile), layouts="uniform", top_k=1,
+                 explain=False)
+            return True
+        except PlanningError:
+            return False
+    # in nodes: lo failed (or is at most this cluster's count), g is the next count to try
+    lo, g = cl.num_gpus // width, max(-(-start // width), cl.num_gpus // width + 1) * width
+    for _ in range(6):
+        if g > MAX_GPUS:
+            break
+        if fits(g):
+            hi = g // width
+            for _ in range(8):   # bisect between the last failure and the first fit
+                if hi - lo <= 1:
+                    break
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid * width) else (mid, hi)
+            return hi * width, g
+        lo, g = g // width, g * 2
+    return None, lo * width
+
+
 def infeasible_message(cost: CostModel) -> str:
     """Why nothing fits, and what would: the memory per GPU, or the GPU count, that would."""
     m, tr, cl = cost.model, cost.training, cost.cluster
@@ -1451,9 +1488,11 @@ def infeasible_message(cost: CostModel) -> str:
         need_gb = need / GiB / (1 - cost.params.memory_safety_margin)
         msg += f"; with tp={tp} x pp={pp} a GPU would need about {need_gb:.0f} GB"
         per_gpu = limit - cost.params.memory_overhead_gb * GiB
-        if per_gpu > 0:
-            est = math.ceil(total_state / per_gpu * 1.3)
-            msg += f", or about {est} GPUs of {cl.gpu_memory_gb:g} GB"
+        if per_gpu > 0:   # a first guess from the state alone, checked by planning for that many GPUs
+            est = max(math.ceil(total_state / per_gpu * 1.3), n + 1)
+            fits, tried = _gpus_that_fit(cost, est, max(node_max, max(tr.valid_tps(m) or (tp,))))
+            msg += (f", or about {fits} GPUs of {cl.gpu_memory_gb:g} GB" if fits is not None else
+                    f"; {tried} GPUs of {cl.gpu_memory_gb:g} GB found no layout either")
     msg += ("; or raise --zero-stage, lower --micro-batch-size/--seq-length" +
             ("" if tr.nominal_tp >= 8 else ", raise --tensor-model-parallel-size"))
     return msg

@@ -539,3 +539,26 @@ def test_profile_cores_per_node_round_trips_and_bad_values_are_named():
     for bad in (0, -1, True, "2", 2.5):
         with pytest.raises(ConfigError, match="cores_per_node"):
             Profile.from_dict({"layer_time_s": {"1": 0.5}, "cores_per_node": bad})
+
+
+@pytest.mark.parametrize("gpus,mem", [("8", "8"), ("4,4", "10"), ("2", "16")])
+def test_cli_model_does_not_fit_names_a_gpu_count_the_planner_accepts(capsys, gpus, mem):
+    """Review of the thirty-second session: "no layout fits" suggested a GPU count from the state
+    size alone, which could be one that had just failed (activations and pipeline depth were not
+    counted, nor ZeRO's sharding among replicas). The count named now is above the cluster's and
+    one the planner itself accepts; the count one node below it does not fit."""
+    import re
+    flags = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+             "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "64",
+             "--tensor-model-parallel-size", "4", "--gpu-memory-gb", mem]
+    assert cli_main(["plan", *flags, "--gpus-per-node", gpus]) == 1
+    err = capsys.readouterr().err
+    n = int(re.search(rf"or about (\d+) GPUs of {mem} GB", err).group(1))
+    have = sum(int(x) for x in gpus.split(","))
+    width = max(max(int(x) for x in gpus.split(",")), 4)   # nodes as wide as the widest TP (4) at least
+    assert n > have and n % width == 0, err
+    assert cli_main(["plan", *flags, "--layouts", "uniform", "--gpus-per-node", ",".join([str(width)] * (n // width))]) == 0
+    capsys.readouterr()
+    if n - width > have:
+        assert cli_main(["plan", *flags, "--layouts", "uniform",
+                         "--gpus-per-node", ",".join([str(width)] * (n // width - 1))]) == 1
