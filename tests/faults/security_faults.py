@@ -145,11 +145,14 @@ def _node(root: str) -> bytes:
     return data
 
 
-def _sign(key: bytes, method: str, path: str, rng: str = "", when: str = "") -> str:
+def _sign(key: bytes, method: str, path: str, rng: str = "", when: str = "", target: str = "") -> str:
+    """A signed request's headers, by hand (the MAC's fields as docs/security.md gives them): for
+    ``target``, the address the server published (a request signed for another is refused)."""
     nonce, when = secrets.token_hex(16), when or str(int(time.time()))
-    mac = hmac.new(key, b"req\n" + "\n".join([method, path, rng, nonce, when]).encode() + b"\n",
+    mac = hmac.new(key, b"req\n" + "\n".join([method, path, rng, nonce, when, target]).encode() + b"\n",
                    hashlib.sha256).hexdigest()
-    return f"X-Elastor-Nonce: {nonce}\r\nX-Elastor-Time: {when}\r\nX-Elastor-Auth: {mac}\r\n"
+    return (f"X-Elastor-Nonce: {nonce}\r\nX-Elastor-Time: {when}\r\nX-Elastor-Target: {target}\r\n"
+            f"X-Elastor-Auth: {mac}\r\n")
 
 
 def _raw(port: int, req: bytes) -> tuple[int, bytes]:
@@ -170,12 +173,12 @@ def _raw(port: int, req: bytes) -> tuple[int, bytes]:
         return 0, buf
 
 
-def _attacks(key: bytes, port: int) -> dict:
+def _attacks(key: bytes, port: int, target: str = "") -> dict:
     """name -> callable returning (refused, leaked) for one attack."""
     wrong = bytes(32)
 
     def get(path: str, k, extra: str = "") -> bytes:
-        auth = _sign(k, "GET", path) if k else ""
+        auth = _sign(k, "GET", path, target=target) if k else ""
         return f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}{auth}Connection: close\r\n\r\n".encode()
 
     def simple(req: bytes, codes=(401, 403, 404, 416, 431, 400)):
@@ -186,7 +189,7 @@ def _attacks(key: bytes, port: int) -> dict:
 
     def replay():
         path, rng = _DATA, "bytes=0-99"
-        req = (f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', path, rng)}"
+        req = (f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', path, rng, target=target)}"
                f"Connection: close\r\n\r\n").encode()
         first, _ = _raw(port, req)
         again, buf = _raw(port, req)
@@ -194,7 +197,7 @@ def _attacks(key: bytes, port: int) -> dict:
 
     def edited():
         rng = "bytes=0-99"
-        req = (f"GET {_DATA} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', _DATA, rng)}"
+        req = (f"GET {_DATA} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', _DATA, rng, target=target)}"
                f"Connection: close\r\n\r\n").encode()
         st, buf = _raw(port, req.replace(_DATA.encode(), b"/f/weights.pt"))
         return st == 401, b"SECRET" in buf
@@ -209,7 +212,7 @@ def _attacks(key: bytes, port: int) -> dict:
                 s.close()
 
     def range_req(rng: str, path: str = f"/f/local/{_STEP}/big.bin"):
-        return simple(f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', path, rng)}"
+        return simple(f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: {rng}\r\n{_sign(key, 'GET', path, rng, target=target)}"
                       f"Connection: close\r\n\r\n".encode(), (416,))
 
     return {
@@ -221,8 +224,10 @@ def _attacks(key: bytes, port: int) -> dict:
         "signed, outside snapshots: owner marker": simple(get("/f/.elastor-owner", key), (404,)),
         "signed, unlisted file of a committed step": simple(get(f"/f/local/{_STEP}/unlisted.bin", key), (404,)),
         "signed, ../ out": simple(get("/f/local/../weights.pt", key), (404,)),
-        "stale time": simple(f"GET {_DATA} HTTP/1.1\r\nHost: x\r\n{_sign(key, 'GET', _DATA, when='1000')}"
-                             f"Connection: close\r\n\r\n".encode(), (401,)),
+        "stale time": simple(f"GET {_DATA} HTTP/1.1\r\nHost: x\r\n"
+                             f"{_sign(key, 'GET', _DATA, when='1000', target=target)}"
+                             f"Connection: close\r\n\r\n".encode(),
+                             (401,)),
         "500 idle connections": idle500,
         "5000-digit Range": range_req("bytes=" + "9" * 5000 + "-"),
         "17 MiB Range": range_req(f"bytes=0-{(17 << 20) - 1}"),
@@ -259,7 +264,7 @@ def run_snapshot_server(work: str, rng: random.Random, reps: int) -> fc.Row:
                 _node(root)
                 key = os.urandom(32)
                 with SnapshotServer(root, key, head_timeout_s=2.0) as srv:
-                    refused, leaked = _attacks(key, srv.port)[name]()
+                    refused, leaked = _attacks(key, srv.port, srv.address)[name]()
                     served = _legit(key, srv.port, within_s=12)
                 print(f"refused={refused} leaked={leaked} served_after={served}")
                 return 3 if leaked else (0 if refused and served else 1)

@@ -200,7 +200,7 @@ def test_a_byte_changed_on_the_way_fails_the_answer_whether_sent_ahead_or_not(tm
     with SnapshotServer(root, KEY) as srv:
         proxy = _FlipProxy(srv.port)
         try:
-            src = RemoteSource(proxy.address, STEP, KEY)
+            src = RemoteSource(proxy.address, STEP, KEY, target=srv.address)   # the proxy forwards on purpose
             assert src.has(A, len(a))                       # HEAD and index answers pass unchanged
             with pytest.raises(CorruptCheckpointError, match="failed its authentication"):
                 src.read_into(A, 0, [memoryview(bytearray(50_000))])

@@ -260,17 +260,21 @@ class RemoteSource:
 
     Every request is signed with the job key and every answer's MAC is checked before its bytes are
     used (:mod:`.auth`); reads go in pieces of at most :data:`MAX_RANGE` bytes. A busy server
-    (``503``) or a dropped connection is retried for up to ``busy_wait_s``."""
+    (``503``) or a dropped connection is retried for up to ``busy_wait_s``. ``target``: the address
+    the server published, which every request is signed for (default ``address``, the one dialled;
+    another only where something between forwards the connection on purpose)."""
 
     thread_safe = True
 
-    def __init__(self, address: str, step_name: str, key: bytes, timeout_s: float = 30.0, busy_wait_s: float = 30.0):
+    def __init__(self, address: str, step_name: str, key: bytes, timeout_s: float = 30.0, busy_wait_s: float = 30.0,
+                 target: Optional[str] = None):
         host, _, port = address.rpartition(":")
         if not host or not re.fullmatch(r"[0-9]{1,5}", port):
             raise ValueError(f"snapshot server address {address!r}: expected HOST:PORT")
         if not isinstance(key, bytes) or not key:
             raise ValueError("a remote source needs the job key")
         self.address = address
+        self.target = target or address
         self.host, self.port = host.strip("[]"), int(port)
         self.name = f"remote:{address}"
         self.step_name = step_name
@@ -304,8 +308,8 @@ class RemoteSource:
         when = str(int(time.time()))
         # the MAC names the server as published (what this source dials): a server at another address,
         # whoever put it among the peers, cannot relay the request to the real one
-        headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when, "X-Elastor-Target": self.address,
-                   "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when, self.address)}
+        headers = {"X-Elastor-Nonce": nonce, "X-Elastor-Time": when, "X-Elastor-Target": self.target,
+                   "X-Elastor-Auth": request_mac(self.key, method, path, rng, nonce, when, self.target)}
         if rng:
             headers["Range"] = rng
         return headers, nonce
