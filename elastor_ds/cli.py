@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except StoppedEarly as e:
         logging.getLogger("elastor.run").warning("stopped by %s before any worker started: nothing to checkpoint",
                                                  signal.Signals(e.signum).name)
-        return 0
+        return 128 + e.signum   # stopped, not finished: as a preemption of a running job (and torchrun)
 
 
 def _main(argv: list[str] | None) -> int:

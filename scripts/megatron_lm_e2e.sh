@@ -4,7 +4,7 @@
 # TP2 x PP2 from a plan, --no-load-optim / --finetune, a stock-checkpoint --load directory, bf16,
 # the distributed optimizer) and runs under `elastor run --nproc-per-node 4 --on-failure shrink`
 # (a SIGKILLed worker: relaunch on 3, re-plan, restore, losses reproduce; SIGTERM: the current
-# iteration saved durably, exit 0). Results: WORKDIR/summary.json and one PASS/FAIL line per check.
+# iteration saved durably, exit 143). Results: WORKDIR/summary.json and one PASS/FAIL line per check.
 #
 # usage: scripts/megatron_lm_e2e.sh MEGATRON_LM_DIR [--gpu] [--only LIST] [--workdir DIR]
 #   --only LIST      comma-separated cases (default: all): fp32, stock, bf16, distopt, distopt_bf16,

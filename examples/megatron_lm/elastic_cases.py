@@ -11,7 +11,7 @@ Cases (``--only`` names):
   which is the newest committed one; every iteration after it (the re-run iteration 7 included)
   reproduces the uninterrupted run's loss (rtol 1e-4: the layout changed, so sums are reordered),
   and the iterations before the kill equal it exactly (same layout, same data).
-- ``elastic_sigterm``: SIGTERM to the controller mid-run (no periodic saves). Checks: exit 0, the
+- ``elastic_sigterm``: SIGTERM to the controller mid-run (no periodic saves). Checks: exit 143 (preempted), the
   workers stopped before the last iteration, the one committed checkpoint is the iteration they
   stopped at (``elastor inspect --json``: step and Megatron's iteration; ``elastor verify``: every
   chunk's CRC).
@@ -242,8 +242,8 @@ class ElasticCases:
 
         run = self.launch(name, ["--save-interval", "1000"], during=sigterm_after)
         check = self.e.check
-        check(f"{name}: exit 0 after SIGTERM to the controller (sent after iteration {sent.get('at')})",
-              run.rc == 0 and "at" in sent, f"rc {run.rc}" + ("" if run.rc == 0 else f"\n{run.output[-3000:]}"))
+        check(f"{name}: exit 143 (preempted) after SIGTERM to the controller (sent after iteration {sent.get('at')})",
+              run.rc == 143 and "at" in sent, f"rc {run.rc}" + ("" if run.rc == 143 else f"\n{run.output[-3000:]}"))
         logged = sorted(i for ln in run.launches for i in ln)
         last = logged[-1] if logged else None
         check(f"{name}: one launch, stopped before the last iteration", len(run.launches) == 1 and last is not None

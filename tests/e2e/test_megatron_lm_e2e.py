@@ -12,7 +12,7 @@ imports back bit-identical), bf16 with fp32 main params, fp16 and the distribute
 `elastor run --nproc-per-node 4 --on-failure shrink` (examples/megatron_lm/elastic_cases.py):
 elastic_kill (a SIGKILLed rank: relaunch on 3 under --elastor-plan auto's new plan, restore event of
 the newest checkpoint, re-run iterations reproduce the uninterrupted run's losses), elastic_sigterm
-(SIGTERM: the current iteration committed, exit 0) and elastic_memory (with memory snapshots: the
+(SIGTERM: the current iteration committed, exit 143) and elastic_memory (with memory snapshots: the
 restore from this node's memory, 0 bytes from storage). Set MEGATRON_LM_E2E_ONLY=fp32,stock,... or
 elastic_kill,... to run a part. Takes 30-60 minutes on 2 busy cores (about 40 launches of 4 ranks).
 """

@@ -428,8 +428,9 @@ def test_a_log_dir_of_another_user_is_refused_before_any_event(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_before_the_run_command_is_parsed_is_a_clean_stop(monkeypatch, caplog, sig):
     """QA round 9, N2: in the first ~0.4 s (the parser importing the subcommands' modules) a SIGINT
-    was lost when the shell had set it to be ignored, and a SIGTERM gave 143. ``main`` now takes
-    both for ``run`` on its first line; here the signal lands where the parsing would be."""
+    was lost when the shell had set it to be ignored. ``main`` now takes both for ``run`` on its
+    first line; here the signal lands where the parsing would be. The exit is 128 + the signal, as
+    for a preempted job (it exited 0 until the thirty-third session: a stopped job looked finished)."""
     import elastor_ds.cli as cli_mod
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
@@ -441,7 +442,7 @@ def test_a_stop_before_the_run_command_is_parsed_is_a_clean_stop(monkeypatch, ca
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # as a background job of a shell script
         t0 = time.monotonic()
-        assert cli_mod.main(["run", "train.py"]) == 0
+        assert cli_mod.main(["run", "train.py"]) == 128 + sig
         assert time.monotonic() - t0 < 3
     finally:
         for s, h in old.items():
