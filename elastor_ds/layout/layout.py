@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -157,6 +158,8 @@ class Layout:
     def from_json(obj: Mapping[str, Any] | str, num_layers: int | None = None) -> "Layout":
         """Build from a plan document (dict or JSON text). Ranks are assigned in order of appearance
         (replica, stage, TP rank) unless a stage lists ``"ranks"``."""
+        if num_layers is not None:
+            num_layers = _plan_int("num_layers", num_layers, "num_layers=8 (the model's layer count)", lo=1)
         try:
             if isinstance(obj, str):
                 obj = json.loads(obj)
@@ -184,26 +187,32 @@ class Layout:
         reps = []
         for ri, rj in enumerate(obj["replicas"]):
             stages = []
-            for sj in rj["stages"]:
-                tp = int(sj["tp"])
-                if tp < 1:
-                    raise LayoutError(f"plan document: a stage's tp must be at least 1, got {tp}")
+            for si, sj in enumerate(rj["stages"]):
+                where = f"replicas[{ri}].stages[{si}]"
+                tp = _plan_int(f"{where}.tp", sj["tp"], '"tp": 2', lo=1)
                 if next_rank + tp > MAX_DEVICES:
                     # a plan may come from anyone: bounded before anything of that size is built
                     raise LayoutError(f"plan document: a stage of tp {tp:,} brings the plan to {next_rank + tp:,} "
                                       f"ranks; a plan has at most {MAX_DEVICES:,}")
                 if "ranks" in sj:
-                    ranks = tuple(int(r) for r in sj["ranks"])
+                    ranks = tuple(_plan_int(f"{where}.ranks[{i}]", r, '"ranks": [0, 1]', lo=0)
+                                  for i, r in enumerate(_plan_list(f"{where}.ranks", sj["ranks"], '"ranks": [0, 1]')))
                 else:
                     ranks = tuple(range(next_rank, next_rank + tp))
                 next_rank += tp
-                layers = tuple(int(x) for x in sj["layers"])
-                if len(layers) != 2:
+                raw = _plan_list(f"{where}.layers", sj["layers"], '"layers": [0, 4]')
+                if len(raw) != 2:
                     raise LayoutError(f"stage 'layers' must be [first, last_exclusive], got {sj['layers']}")
+                layers = tuple(_plan_int(f"{where}.layers[{i}]", x, '"layers": [0, 4]', lo=0)
+                               for i, x in enumerate(raw))
                 stages.append(Stage(tp, layers, ranks, tuple(sj.get("devices", ()))))  # type: ignore[arg-type]
-            reps.append(Replica(tuple(stages), int(rj.get("micro_batches", 1))))
+            mb = _plan_int(f"replicas[{ri}].micro_batches", rj.get("micro_batches", 1), '"micro_batches": 4', lo=1)
+            reps.append(Replica(tuple(stages), mb))
+        doc_layers = obj.get("num_layers")
+        if doc_layers is not None:
+            doc_layers = _plan_int("num_layers", doc_layers, '"num_layers": 32', lo=1)
         if num_layers is None:
-            num_layers = int(obj.get("num_layers") or max(s.layers[1] for r in reps for s in r.stages))
+            num_layers = doc_layers or max(s.layers[1] for r in reps for s in r.stages)
         return Layout(num_layers, tuple(reps))
 
     def to_json(self) -> dict[str, Any]:
@@ -281,6 +290,30 @@ class Layout:
     def fingerprint(self) -> str:
         """A short hash of :meth:`to_json`: equal for equal layouts (ranks and devices included)."""
         return json_fingerprint(self.to_json())
+
+
+def _plan_int(where: str, v: Any, example: str, lo: int = 0) -> int:
+    """A plan document's integer field: a real int (not a bool, not a float such as 2.0 or 2.9, not
+    a string) of at least ``lo``; else a LayoutError naming the field, the value and an example."""
+    if isinstance(v, bool) or isinstance(v, float) or isinstance(v, str):
+        ok = False
+    else:
+        try:
+            v = operator.index(v)   # int, numpy integers
+            ok = True
+        except TypeError:
+            ok = False
+    if not ok:
+        raise LayoutError(f"plan document: {where} must be an integer, got {v!r} ({type(v).__name__}); e.g. {example}")
+    if v < lo:
+        raise LayoutError(f"plan document: {where} must be at least {lo}, got {v}; e.g. {example}")
+    return v
+
+
+def _plan_list(where: str, v: Any, example: str) -> list:
+    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Sequence):
+        raise LayoutError(f"plan document: {where} must be a list, got {v!r}; e.g. {example}")
+    return list(v)
 
 
 def json_fingerprint(layout_json: Mapping[str, Any]) -> str:
