@@ -53,6 +53,9 @@ class ElastorEngineMixin:
                         exclude_frozen_parameters=False):
         ok = True
         ec = self.elastor
+        rt = getattr(self, "elastor_runtime", None)
+        if rt is not None:   # a heterogeneous plan: DeepSpeed's own files cannot hold it (see _hetero_save)
+            return _hetero_save(self, save_dir, client_state)
         if ec is None or ec.cfg.deepspeed_native:
             if ec is not None and save_latest and _same_dir(save_dir, ec.cfg.dir):
                 # one folder, two `latest` files: DeepSpeed's tag name would replace elastor's step
@@ -74,7 +77,14 @@ class ElastorEngineMixin:
     def load_checkpoint(self, load_dir, tag=None, *args: Any, **kwargs: Any):
         """DeepSpeed's own loader, for DeepSpeed's own files. Without ``tag``, on a folder whose
         ``latest`` is elastor's (it names a ``step_<N>`` directory), DeepSpeed would fail deep
-        inside with a bare AssertionError: say what to do instead."""
+        inside with a bare AssertionError: say what to do instead. Under a heterogeneous plan there
+        are no DeepSpeed files to load (:func:`_hetero_save`): refused, naming elastor's loader."""
+        rt = getattr(self, "elastor_runtime", None)
+        if rt is not None:
+            raise ConfigError(f"engine.load_checkpoint({load_dir}) under heterogeneous plan {rt.layout.describe()}: "
+                              f"DeepSpeed's own checkpoint cannot hold such a plan and none is written; elastor "
+                              f"restores at initialize (\"elastor\": {{\"checkpoint\": {{\"load\": \"latest\"}}}}) "
+                              f"or with engine.elastor.load({load_dir!r})")
         if tag is None and self.elastor is not None:
             from ...checkpoint import commit as commit_mod
             try:
@@ -92,6 +102,50 @@ class ElastorEngineMixin:
     def elastor_client_state(self) -> dict[str, Any]:
         """The client state of the checkpoint resumed from (empty when none)."""
         return dict(self.elastor.state.client_state) if self.elastor is not None else {}
+
+
+def _hetero_save(engine: Any, save_dir: Any, client_state: Any) -> bool:
+    """``engine.save_checkpoint`` under a heterogeneous plan: elastor's checkpoint only.
+
+    DeepSpeed names its files by (stage, TP rank) within a grid with one data-parallel axis
+    (``mp_rank_00_model_states.pt``, ``layer_NN-model_states.pt``): the replicas of a heterogeneous
+    plan would all write the same names, the last writer silently winning, and DeepSpeed's loader
+    then fails. So DeepSpeed's native write is skipped (with a one-time warning when
+    ``deepspeed_native`` was left at its default; an explicit ``true`` is refused at initialize), and
+    elastor's checkpoint, which holds every replica's state, is written."""
+    ec = engine.elastor
+    rt = engine.elastor_runtime
+    plan = rt.layout.describe()
+    if ec is None:
+        raise ConfigError(f"engine.save_checkpoint({save_dir}) under heterogeneous plan {plan}: DeepSpeed's own "
+                          f"checkpoint files cannot hold such a plan (every replica writes the same file names); add "
+                          f"\"elastor\": {{\"checkpoint\": {{\"dir\": \"<dir>\"}}}} to the config and "
+                          f"save_checkpoint writes elastor's checkpoint")
+    if not ec.cfg.on_save_checkpoint:
+        raise ConfigError(f"engine.save_checkpoint({save_dir}) under heterogeneous plan {plan} writes nothing with "
+                          f"\"on_save_checkpoint\": false (DeepSpeed's own files cannot hold such a plan): set "
+                          f"elastor.checkpoint.on_save_checkpoint to true, or save with engine.elastor.save()")
+    if ec.cfg.deepspeed_native and not getattr(engine, "_elastor_warned_native", False):
+        engine._elastor_warned_native = True
+        if rt.rank == 0:
+            log.warning("engine.save_checkpoint(%s) under heterogeneous plan %s: DeepSpeed's own checkpoint files are "
+                        "not written (every replica would write the same file names, the last one winning); "
+                        "elastor's checkpoint in %s holds the state (resume with \"load\": \"latest\"). Set "
+                        "\"deepspeed_native\": false in elastor.checkpoint to silence this", save_dir, plan, ec.cfg.dir)
+    ec.state.client_state = dict(client_state or {})
+    ec.save()
+    return True
+
+
+def _native_requested(config: Any) -> bool:
+    """Whether the elastor section sets ``checkpoint.deepspeed_native`` to true explicitly (the
+    config was validated by split_ds_config already)."""
+    if isinstance(config, (str, os.PathLike)):
+        import json
+        with open(os.fspath(config), encoding="utf-8") as f:
+            config = json.load(f)
+    ck = ((config or {}).get("elastor") or {}).get("checkpoint") or {}
+    return ck.get("deepspeed_native") is True
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -176,6 +230,11 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     rt = getattr(model, "_elastor_runtime", None)
     clip = 0.0
     if rt is not None:  # a heterogeneous plan: this rank's replica runs its own PipelineEngine
+        if ecfg.checkpoint is not None and ecfg.checkpoint.deepspeed_native and _native_requested(config):
+            raise ConfigError(f"elastor.checkpoint.deepspeed_native: true with heterogeneous plan "
+                              f"{rt.layout.describe()}: DeepSpeed's own checkpoint files cannot hold such a plan "
+                              f"(every replica would write the same file names); set \"deepspeed_native\": false "
+                              f"(elastor's checkpoint holds the state) or use a uniform plan")
         from .hetero import install_p2p, prepare_config
         ds_config, clip = prepare_config(ds_config, rt)
         install_p2p()  # before the engine: its constructor already sends between stages
