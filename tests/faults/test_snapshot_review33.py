@@ -319,3 +319,31 @@ def test_one_index_answer_that_times_out_does_not_drop_the_node_a_second_is_aske
     f = Fake2(answer, conns=2)
     src = _source(f.port)
     assert src._get_index() == {"local": True, "peer": []} and not src._down
+
+
+def test_a_connection_that_evicts_an_idle_one_takes_its_slot_without_waiting(tmp_path):
+    """Every slot taken (one idle unauthenticated connection, one authenticated keep-alive), a new
+    connection evicts the idle one. It waited up to 1 s for the evicted connection's thread to
+    free its slot, and got 503 when that thread ran later (a flood of connections on a busy node:
+    each accept waited); now the evicted connection's slot is handed over at once."""
+    root, _ = _node(tmp_path)
+    with SnapshotServer(str(root), KEY, max_connections=2) as srv:
+        inner = srv._srv
+        real = inner._release
+
+        def slow_release(request):   # a handler thread that runs late (a busy node)
+            time.sleep(2.0)
+            real(request)
+        inner._release = slow_release
+        idle = socket.create_connection(("127.0.0.1", srv.port), timeout=10)   # unauthenticated, idle
+        time.sleep(0.2)
+        keep = socket.create_connection(("127.0.0.1", srv.port), timeout=10)   # authenticated, kept alive
+        keep.sendall(_signed(srv, f"/index/{STEP}").replace(b"Connection: close", b"Connection: keep-alive"))
+        assert keep.recv(65536).startswith(b"HTTP/1.1 200 ")
+        t0 = time.monotonic()
+        got = _answer(srv.port, _signed(srv, f"/index/{STEP}"))
+        assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+        assert time.monotonic() - t0 < 0.9
+        assert srv.evicted == 1 and srv.busy_refused == 0
+        for c in (idle, keep):
+            c.close()

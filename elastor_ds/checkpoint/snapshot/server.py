@@ -403,6 +403,7 @@ class _Server(http.server.ThreadingHTTPServer):
         # round trip of connecting, so idle connections from anyone cannot keep it out)
         self._pending: OrderedDict[socket.socket, float] = OrderedDict()
         self._max_pending = max(1, max_connections // 2)
+        self._handed: set = set()   # evicted connections whose slot went to the newer one
         self.evicted = 0
         self._nonces: OrderedDict[str, float] = OrderedDict()
         self._refusals = 0
@@ -419,13 +420,14 @@ class _Server(http.server.ThreadingHTTPServer):
             if len(self._pending) >= self._max_pending:
                 evict, _ = self._pending.popitem(last=False)
                 self._deadlines[evict] = float("inf")
+                self._handed.add(evict)   # its slot is the new connection's now: accept never waits for it
                 self.evicted += 1
         if evict is not None:
             try:
-                evict.shutdown(socket.SHUT_RDWR)   # its thread ends and frees its slot
+                evict.shutdown(socket.SHUT_RDWR)   # its thread ends (and does not free the slot it handed on)
             except OSError:
                 pass
-        if not self._slots.acquire(timeout=1.0 if evict is not None else 0.0):
+        if evict is None and not self._slots.acquire(timeout=0.0):
             self.busy_refused += 1
             try:
                 request.setblocking(False)
@@ -454,7 +456,10 @@ class _Server(http.server.ThreadingHTTPServer):
         with self._lock:
             self._deadlines.pop(request, None)
             self._pending.pop(request, None)
-        self._slots.release()
+            handed = request in self._handed
+            self._handed.discard(request)
+        if not handed:
+            self._slots.release()
 
     def authenticated(self, sock) -> None:
         """``sock`` sent a request with the job's MAC: no longer among those a new connection evicts."""
