@@ -620,3 +620,16 @@ def test_a_legacy_megatron_import_with_a_config_that_does_not_match_names_the_te
     assert not os.path.lexists(dst)
     # the right config (the checkpoint's own) imports
     assert elastor("convert", meg_legacy, dst, "--from", "megatron", "--no-progress").returncode == 0
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_a_megatron_export_says_its_notes_on_stderr_and_only_its_result_on_stdout(tmp_path, gpt, fmt):
+    """Review of the thirty-second session: the Megatron paths printed their notes ("weights only;
+    start Megatron with ...") to stdout, between a script's lines reading the result path."""
+    out = str(tmp_path / fmt)
+    p = elastor("convert", gpt, out, "--to", "megatron", "--megatron-format", fmt, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [f"wrote {out}/iter_0000006"], p.stdout
+    note = ("Megatron-LM's non-distributed optimizers load" if fmt == "legacy"
+            else "start Megatron with --no-load-optim --no-load-rng")
+    assert note in p.stderr, p.stderr

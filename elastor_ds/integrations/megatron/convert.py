@@ -788,7 +788,7 @@ def cli_import(src: str, dst: str, args: Any) -> str:
                           progress=not getattr(args, "no_progress", False), force=bool(getattr(args, "force", False)),
                           trust=bool(getattr(args, "trust_checkpoint", False)))
     if not res["optimizer"]:
-        print(f"note: {src} has no optimizer state elastor can carry; imported weights only")
+        log.warning("%s has no optimizer state elastor can carry; imported weights only", src)
     return res["step_dir"]
 
 
@@ -803,7 +803,7 @@ def cli_export(src: str, dst: str, args: Any) -> str:
     if fmt == "legacy":
         out = export_legacy(src, dst, tp, pp, cfg, optimizer=not weights_only)
         if has_opt and not weights_only:
-            print("note: optimizer state exported in the form Megatron-LM's non-distributed optimizers load "
+            log.info("optimizer state exported in the form Megatron-LM's non-distributed optimizers load "
                   "(FP32Optimizer, or Float16OptimizerWithFloat16Params for --bf16/--fp16) with the LR scheduler; "
                   "start Megatron with --ckpt-format torch --no-load-rng. A --use-distributed-optimizer run reads "
                   "distrib_optim.pt, which elastor does not write: add --no-load-optim there (or resume with --elastor)")
@@ -812,12 +812,12 @@ def cli_export(src: str, dst: str, args: Any) -> str:
         _ensure_single_process_group()
         out = export_torch_dist(src, dst, tp, cfg)
         if has_opt and not weights_only:
-            print("note: --megatron-format torch_dist exports weights only: the optimizer state in the elastor "
+            log.warning("--megatron-format torch_dist exports weights only: the optimizer state in the elastor "
                   "checkpoint is not written (its torch_dist layout depends on Megatron's optimizer wrapper); use "
                   "--megatron-format legacy to carry it, or resume with --elastor")
     else:
         raise ConfigError(f"--megatron-format {fmt!r}: choose legacy or torch_dist")
-    print("note: weights only; start Megatron with --no-load-optim --no-load-rng")
+    log.warning("weights only; start Megatron with --no-load-optim --no-load-rng")
     return out
 
 
