@@ -633,3 +633,47 @@ def test_a_megatron_export_says_its_notes_on_stderr_and_only_its_result_on_stdou
     note = ("Megatron-LM's non-distributed optimizers load" if fmt == "legacy"
             else "start Megatron with --no-load-optim --no-load-rng")
     assert note in p.stderr, p.stderr
+
+
+def _on_a_terminal(*argv: str) -> tuple[int, str]:
+    """``elastor ARGV`` with its stderr on a pseudo-terminal (tqdm draws bars only there): exit code, stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))   # 0 columns: tqdm draws nothing
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", *argv], env=env, stdout=subprocess.DEVNULL,
+                         stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            k = os.read(master, 65536)
+        except OSError:   # EIO: the child closed the terminal
+            break
+        if not k:
+            break
+        out += k
+    os.close(master)
+    return p.wait(timeout=180), out.decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("to", ["deepspeed-universal", "megatron"])
+def test_the_exports_draw_a_progress_bar_on_a_terminal_and_none_with_no_progress(tmp_path, gpt, to):
+    """Review of the thirty-second session: ``--to deepspeed-universal`` and ``--to megatron`` drew
+    no progress bar (the consolidated export and the imports did)."""
+    src = gpt
+    if to == "deepspeed-universal":   # a checkpoint of the DeepSpeed integration's names
+        from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
+        src = str(tmp_path / "el")
+        t = {"model.w": torch.ones(64, 64), "optimizer.exp_avg.w": torch.ones(64, 64),
+             "optimizer.exp_avg_sq.w": torch.ones(64, 64)}
+        write_single_writer_checkpoint(src, 3, sorted(t), {k: v.shape for k, v in t.items()},
+                                       {k: "float32" for k in t}, t.__getitem__, extra={"global_steps": 3},
+                                       progress=False)
+    rc, err = _on_a_terminal("convert", src, str(tmp_path / "bar"), "--to", to)
+    assert rc == 0 and "100%|" in err, err[-2000:]
+    rc, err = _on_a_terminal("convert", src, str(tmp_path / "quiet"), "--to", to, "--no-progress")
+    assert rc == 0 and "100%|" not in err and "%|" not in err, err[-2000:]

@@ -14,7 +14,7 @@ def _importer(source: str):
 
 def _to_universal(src: str, dst: str, args) -> str:
     from .convert import to_universal
-    return to_universal(src, dst)
+    return to_universal(src, dst, progress=not getattr(args, "no_progress", False))
 
 
 def register(subparsers) -> None:

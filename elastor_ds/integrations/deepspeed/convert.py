@@ -352,9 +352,10 @@ def _commit_import(dst: str, step: int, shards: list, extra: dict, step_dir: str
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
+def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20, progress: bool = False) -> str:
     """Write the elastor checkpoint ``src`` (root or step dir) as a DeepSpeed universal checkpoint
-    under ``dst``; returns the tag dir. Reads tensors in batches of about ``batch_bytes``."""
+    under ``dst``; returns the tag dir. Reads tensors in batches of about ``batch_bytes``
+    (``progress``: a bar of the bytes read, on a terminal)."""
     step_dir = commit_mod.resolve(src)
     man = commit_mod.read_manifest(step_dir)
     ex = from_jsonable(man.extra)   # client_state as saved (an inf best loss too)
@@ -368,14 +369,16 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20) -> str:
                                   f"(the universal format keeps one folder per parameter; file systems allow 255 "
                                   f"bytes); nothing was written. Export it with --to consolidated instead")
     with commit_mod.DirCommit.create(dst) as out:
-        _write_universal(out.path, step_dir, man, ex, tag, params, batch_bytes)
+        _write_universal(out.path, step_dir, man, ex, tag, params, batch_bytes, progress)
         out.finalize()
     log.info("wrote DeepSpeed universal checkpoint %s (%d params)", os.path.join(dst, tag), len(params))
     return os.path.join(dst, tag)
 
 
-def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: list[str], batch_bytes: int) -> None:
+def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: list[str], batch_bytes: int,
+                     progress: bool = False) -> None:
     import deepspeed
+    from tqdm import tqdm
 
     from ...checkpoint.shards import full_shard as _full
 
@@ -422,6 +425,7 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
                     save_pt({"cat_dim": 0, "param": fp32(t, n)}, os.path.join(pdir, "fp32.pt"))
 
     size = 0
+    plan: list[list[str]] = []
     for p in params:
         names = [st.optim_name(st.MASTER, p)] if st.optim_name(st.MASTER, p) in man.tensors else [st.model_name(p)]
         names += [st.optim_name(k, p) for k in keys if st.optim_name(k, p) in man.tensors]
@@ -429,10 +433,15 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
         batch += names
         size += sum(man.tensors[n].nbytes for n in names)
         if size >= batch_bytes:
-            flush(batch)
+            plan.append(batch)
             batch, size = [], 0
     if batch:
-        flush(batch)
+        plan.append(batch)
+    with tqdm(total=sum(man.tensors[n].nbytes for b in plan for n in b), unit="B", unit_scale=True, desc=tag,
+              disable=None if progress else True) as bar:
+        for b in plan:
+            flush(b)
+            bar.update(sum(man.tensors[n].nbytes for n in b))
     if lossy:
         log.warning("--to deepspeed-universal stores every tensor as fp32, which does not hold %d of them exactly "
                     "(their values changed in the export): %s%s; keep the elastor checkpoint (or a consolidated "

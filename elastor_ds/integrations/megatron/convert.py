@@ -581,7 +581,7 @@ def _recorded_adam(ex: dict, where: str) -> dict:
 
 
 def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecConfig] = None,
-                  optimizer: bool = True) -> str:
+                  optimizer: bool = True, progress: bool = False) -> str:
     """Write a Megatron-LM legacy checkpoint for TP ``tp`` x PP ``pp`` under ``dst``: weights, and
     (``optimizer`` and the checkpoint has Adam state) the optimizer state in the form Megatron-LM's
     non-distributed optimizers load (:mod:`.legacy_optim`) plus the LR scheduler and counters."""
@@ -609,7 +609,9 @@ def export_legacy(src: str, dst: str, tp: int, pp: int, cfg: Optional[GPTSpecCon
     adam = _recorded_adam(ex, can.step_dir) if has_opt else {}   # refused before any tensor is read
     per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {
         (t, p): {k: {} for k in kinds} for t in range(tp) for p in range(pp)}
-    for spec in specs:  # one canonical tensor in memory at a time (+ its local slices)
+    from tqdm import tqdm
+    # one canonical tensor in memory at a time (+ its local slices); a bar on a terminal only
+    for spec in tqdm(specs, unit="tensor", desc="read", disable=None if progress else True):
         for kind in kinds:
             full = can.get(spec.name if kind == "model" else f"optimizer.{kind}.{spec.name}")
             stages = sorted({0, pp - 1}) if spec.placement == "tied" else [_stage_of(spec, bounds)]
@@ -801,7 +803,8 @@ def cli_export(src: str, dst: str, args: Any) -> str:
     man = commit_mod.read_manifest(commit_mod.resolve(src))
     has_opt = any(n.startswith("optimizer.exp_avg.") for n in man.tensors)
     if fmt == "legacy":
-        out = export_legacy(src, dst, tp, pp, cfg, optimizer=not weights_only)
+        out = export_legacy(src, dst, tp, pp, cfg, optimizer=not weights_only,
+                            progress=not getattr(args, "no_progress", False))
         if has_opt and not weights_only:
             log.info("optimizer state exported in the form Megatron-LM's non-distributed optimizers load "
                   "(FP32Optimizer, or Float16OptimizerWithFloat16Params for --bf16/--fp16) with the LR scheduler; "
