@@ -8,7 +8,9 @@ rank skipped. The callers compute that order as a pure value (``runtime/groups.p
 * :func:`new_group`: one group (members get it, the other ranks get ``None``);
 * :func:`create_groups`: every group of an order, in that order; this rank's groups by rank tuple;
 * :func:`world_rank`, :func:`world_size`: the default world, with a typed error when there is none;
-* :func:`destroy_group`: release a group this module made.
+* :func:`destroy_group`: release a group this module made;
+* :func:`all_gather_world_ints`, :func:`all_gather_world_bytes`: every rank's few integers or bytes
+  over the default world, as tensors (no pickling), e.g. to agree on a plan before creating groups.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from typing import Any, Optional, Sequence
 
 from ..errors import CollectiveError
 
-__all__ = ["create_groups", "destroy_group", "new_group", "world_rank", "world_size"]
+__all__ = ["all_gather_world_bytes", "all_gather_world_ints", "create_groups", "destroy_group", "new_group",
+           "world_rank", "world_size"]
 
 
 def _dist() -> Any:
@@ -80,3 +83,52 @@ def create_groups(order: Sequence[Sequence[int]], backend: Optional[str] = None,
 def destroy_group(group: Any) -> None:
     """Release ``group`` (a group of this process made by :func:`new_group`)."""
     _dist().destroy_process_group(group)
+
+
+def _world_device(dist: Any) -> Any:
+    """Where the default world's collectives take tensors: CPU, unless its backend is NCCL alone
+    (then this process's GPU: LOCAL_RANK's, as DeepSpeed's engine picks it, else the current one)."""
+    import os
+
+    import torch
+
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None and local.isdigit() else torch.cuda.current_device())
+
+
+def all_gather_world_ints(values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (signed 64-bit; every rank passes the same number), in rank order.
+    Collective over the default world: one all-gather of a fixed-size int64 tensor."""
+    import torch
+
+    dist = _dist()
+    dev = _world_device(dist)
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=dev)
+    n = mine.numel()
+    out = torch.empty(dist.get_world_size() * n, dtype=torch.int64, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    gather(out, mine)
+    rows = out.cpu().tolist()
+    return [rows[r * n:(r + 1) * n] for r in range(dist.get_world_size())]
+
+
+def all_gather_world_bytes(data: bytes, limit: int = 4096) -> list[bytes]:
+    """Every rank's ``data`` (at most ``limit`` bytes kept), in rank order. Collective over the
+    default world: the lengths, then the bytes padded to the longest (no pickling)."""
+    import torch
+
+    dist = _dist()
+    data = bytes(data[:limit])
+    lens = [row[0] for row in all_gather_world_ints([len(data)])]
+    width = max(max(lens), 1)
+    dev = _world_device(dist)
+    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+    if data:
+        mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=dev)
+    out = torch.empty(dist.get_world_size() * width, dtype=torch.uint8, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine)
+    raw = bytes(out.cpu().tolist())
+    return [raw[r * width:r * width + n] for r, n in enumerate(lens)]

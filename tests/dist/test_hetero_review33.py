@@ -145,3 +145,66 @@ def test_save_checkpoint_writes_no_clobbered_deepspeed_files(tmp_path):
     assert not [f for f in files if "model_states" in f or "optim_states" in f or f.startswith(("t1", "t2"))], files
     with open(os.path.join(ck, "latest")) as f:
         assert f.read().strip() == "step_000000003"
+
+
+# ---- ranks with different plans -------------------------------------------------------------------
+MIRRORED = {"version": 1, "replicas": [PLAN["replicas"][1], PLAN["replicas"][0]]}
+TWO_DEVICES = {"version": 1, "replicas": [
+    {"micro_batches": 3, "stages": [{"tp": 1, "layers": [0, 3]}, {"tp": 1, "layers": [3, 8]}]}]}
+
+
+def _disagree_worker(rank: int, world: int, plans: dict, out: str) -> None:
+    import faulthandler
+    import sys
+
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(25, exit=True, file=sys.stderr)   # a hang fails the test, bounded
+
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.integrations.deepspeed.hetero import HeteroRuntime
+    from elastor_ds.testing import toy_pipe as toy
+
+    HeteroRuntime.release()
+    try:
+        eds.PipelineModule(toy.layers(num_blocks=6), loss_fn=toy.loss_fn, plan=plans.get(str(rank), PLAN))
+        got = "built"
+    except ConfigError as e:
+        got = str(e)
+    HeteroRuntime.release()
+    faulthandler.cancel_dump_traceback_later()
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(got)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("plans,expect", [
+    # rank 2 holds the mirrored plan: before, the ranks created each other's groups and hung in new_group
+    ({"2": MIRRORED}, "the ranks hold 2 different plans: ranks 0, 1 hold R0(mb3)[tp1:0-3|tp1:3-8] "
+                      "R1(mb1)[tp1:0-8] (fingerprint {a}); rank 2 holds R0(mb1)[tp1:0-8] R1(mb3)[tp1:0-3|tp1:3-8] "
+                      "(fingerprint {b}): give every rank the same plan"),
+    # rank 1 holds a uniform plan for 2 devices: before, rank 1 alone went DeepSpeed's way and raised
+    # ('must provide num_stages or topology') while the others hung creating the heterogeneous groups
+    ({"1": TWO_DEVICES}, "the ranks hold 2 different plans: ranks 0, 2 hold R0(mb3)[tp1:0-3|tp1:3-8] "
+                         "R1(mb1)[tp1:0-8] (fingerprint {a}); rank 1 holds tp1.pp2.dp1(layers [0, 3, 8]) "
+                         "(fingerprint {c}): give every rank the same plan"),
+])
+def test_ranks_with_different_plans_are_told_not_hung(tmp_path, plans, expect):
+    from elastor_ds.layout import Layout
+    fp = {k: Layout.from_json(p, 8).fingerprint()[:15] for k, p in (("a", PLAN), ("b", MIRRORED), ("c", TWO_DEVICES))}
+    out = str(tmp_path / "res")
+    run_world(_disagree_worker, 3, plans, out, timeout_s=30)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            got = f.read()
+        assert got.startswith(expect.format(**fp)), (r, got)
+        assert "\n" not in got
+
+
+def test_ranks_with_the_same_plan_build(tmp_path):
+    out = str(tmp_path / "res")
+    run_world(_disagree_worker, 3, {}, out, timeout_s=30)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            assert f.read() == "built"

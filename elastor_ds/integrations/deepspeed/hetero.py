@@ -157,9 +157,11 @@ class HeteroRuntime:
 
     _current: Optional["HeteroRuntime"] = None
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, agreed: bool = False):
         import deepspeed.comm as dist
         world = dist.get_world_size()
+        if not agreed:   # before anything that could differ per rank: the group creations below
+            agree_on_plan(layout)
         if layout.world_size != world:
             raise ConfigError(f"plan {layout.describe()} has {layout.world_size} devices but WORLD_SIZE is {world}: "
                               f"launch {layout.world_size} processes or give a plan for {world}")
@@ -182,15 +184,16 @@ class HeteroRuntime:
         self.module_names: dict[str, str] = {}             # canonical name -> module parameter name
 
     @classmethod
-    def create(cls, layout: Layout) -> "HeteroRuntime":
-        """The process's runtime for ``layout`` (collective on first call; one layout per process)."""
+    def create(cls, layout: Layout, agreed: bool = False) -> "HeteroRuntime":
+        """The process's runtime for ``layout`` (collective on first call; one layout per process).
+        ``agreed``: every rank is known to hold ``layout`` (:func:`agree_on_plan` ran)."""
         cur = cls._current
         if cur is not None:
             if cur.layout.fingerprint() != layout.fingerprint():
                 raise ConfigError(f"this process already runs plan {cur.layout.describe()}; one heterogeneous "
                                   f"plan (one pipeline engine) per process")
             return cur
-        cls._current = cls(layout)
+        cls._current = cls(layout, agreed)
         return cls._current
 
     @classmethod
@@ -271,6 +274,34 @@ class HeteroRuntime:
 
     def data_of(self, name: str) -> torch.Tensor:
         return self.params[name].data
+
+
+def agree_on_plan(layout: Layout) -> None:
+    """Collective over the world: every rank must hold the same plan. ``new_group`` is collective over
+    the world, so ranks creating the groups of different plans would hang there for good (a plan file
+    per node, ``"plan": "auto"`` with different ``LOCAL_WORLD_SIZE`` or profile inputs). One all-gather
+    of a 60-bit fingerprint of the layout; on a difference, the plans' descriptions follow and every
+    rank raises the same ConfigError."""
+    from ...comm.groups import all_gather_world_bytes, all_gather_world_ints
+    fp = int(layout.fingerprint()[:15], 16)
+    keys = [row[0] for row in all_gather_world_ints([fp])]
+    if len(set(keys)) == 1:
+        return
+    descs = [b.decode("utf-8", "replace") for b in all_gather_world_bytes(layout.describe().encode()[:300])]
+    by_key: dict[int, list[int]] = {}
+    for r, k in enumerate(keys):
+        by_key.setdefault(k, []).append(r)
+
+    def ranks_text(rs: list[int]) -> str:
+        head = ", ".join(str(r) for r in rs[:8])
+        return f"rank{'s' if len(rs) > 1 else ''} {head}" + (f", ... ({len(rs)} ranks)" if len(rs) > 8 else "")
+
+    groups = sorted(by_key.values())
+    parts = [f"{ranks_text(rs)} hold{'s' if len(rs) == 1 else ''} {descs[rs[0]]} (fingerprint {keys[rs[0]]:015x})" for rs in groups[:4]]
+    more = f"; and {len(groups) - 4} more plans" if len(groups) > 4 else ""
+    raise ConfigError(f"the ranks hold {len(groups)} different plans: {'; '.join(parts)}{more}: "
+                      f"give every rank the same plan (one plan file for all nodes, or the same LOCAL_WORLD_SIZE "
+                      f"and profile for \"plan\": \"auto\")")
 
 
 def install_p2p() -> None:

@@ -85,13 +85,16 @@ class PipelineModule(_DSPipelineModule):
         layers = list(layers)
         rt = None
         if plan is not None:
-            from .hetero import HeteroRuntime, needs_hetero
+            from .hetero import HeteroRuntime, agree_on_plan, needs_hetero
             layout = layout_from_plan(plan, len(layers))
             if layout.num_layers != len(layers):
                 raise ConfigError(f"plan covers {layout.num_layers} layers but the PipelineModule has {len(layers)} "
                                   f"layer specs (a plan's layer index is the index in the layer list)")
+            # every rank must hold this plan: a rank building another (uniform or heterogeneous)
+            # plan would create other groups, and the ranks hang in the world-collective new_group
+            agree_on_plan(layout)
             if needs_hetero(layout):
-                rt = HeteroRuntime.create(layout)
+                rt = HeteroRuntime.create(layout, agreed=True)
         object.__setattr__(self, "_elastor_runtime", rt)
         if rt is None:
             super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
