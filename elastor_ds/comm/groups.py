@@ -8,7 +8,7 @@ rank skipped. The callers compute that order as a pure value (``runtime/groups.p
 * :func:`new_group`: one group (members get it, the other ranks get ``None``);
 * :func:`create_groups`: every group of an order, in that order; this rank's groups by rank tuple;
 * :func:`world_rank`, :func:`world_size`: the default world, with a typed error when there is none;
-* :func:`destroy_group`: release a group this module made;
+* :func:`destroy_group`: release a group this module made; :func:`world_barrier` before that;
 * :func:`all_gather_world_ints`, :func:`all_gather_world_bytes`: every rank's few integers or bytes
   over the default world, as tensors (no pickling), e.g. to agree on a plan before creating groups.
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 from ..errors import CollectiveError
 
 __all__ = ["all_gather_world_bytes", "all_gather_world_ints", "create_groups", "destroy_group", "new_group",
-           "world_rank", "world_size"]
+           "world_barrier", "world_rank", "world_size"]
 
 
 def _dist() -> Any:
@@ -83,6 +83,15 @@ def create_groups(order: Sequence[Sequence[int]], backend: Optional[str] = None,
 def destroy_group(group: Any) -> None:
     """Release ``group`` (a group of this process made by :func:`new_group`)."""
     _dist().destroy_process_group(group)
+
+
+def world_barrier() -> None:
+    """A barrier over the default world (on this process's GPU when the world is NCCL alone)."""
+    dist = _dist()
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[_world_device(dist).index])
+    else:
+        dist.barrier()
 
 
 def _world_device(dist: Any) -> Any:

@@ -208,3 +208,56 @@ def test_ranks_with_the_same_plan_build(tmp_path):
     for r in range(3):
         with open(f"{out}.{r}") as f:
             assert f.read() == "built"
+
+
+# ---- release() destroys the runtime's groups ------------------------------------------------------
+def _release_worker(rank: int, world: int, out: str) -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    from elastor_ds.integrations.deepspeed.hetero import HeteroRuntime
+
+    HeteroRuntime.release()
+    res = []
+    for i, zero in enumerate((0, 1, 0)):
+        before = set(c10d._world.pg_map)
+        engine, it = _engine_zero(rank, zero)
+        loss = float(engine.train_batch(it))
+        during = set(c10d._world.pg_map)
+        ours = set(engine.elastor_runtime.groups.values())
+        HeteroRuntime.release()
+        after = set(c10d._world.pg_map)
+        res.append({"loss": loss, "ours": len(ours), "ours_new": ours <= during - before,
+                    "ours_gone": not (ours & after), "rest_kept": after == during - ours})
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def _engine_zero(rank: int, zero: int):
+    import hetero_scenarios as hs
+
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.layout import Layout
+    from elastor_ds.testing import toy_pipe as toy
+    layout = Layout.from_json(PLAN, 8)
+    model = eds.PipelineModule(toy.layers(num_blocks=6), loss_fn=toy.loss_fn, plan=layout)
+    cfg = hs.ds_config(MB, {"zero_optimization": {"stage": zero}})
+    engine, _, _, _ = eds.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+    pos = layout.position(rank)
+    offset = sum(r.micro_batches for r in layout.replicas[:pos.replica])
+    return engine, hs.replica_batches(0, offset, layout.replicas[pos.replica].micro_batches, 4, MB)
+
+
+def test_release_destroys_the_runtime_groups(tmp_path):
+    """Before, release() left every group of the runtime registered: each plan run in one process added
+    its stage, replica, split all-reduce and ZeRO-1 groups for good. Oracle: torch's own registry of
+    process groups (``_world.pg_map``) before, during and after each runtime."""
+    out = str(tmp_path / "res")
+    run_world(_release_worker, 3, out, timeout_s=60)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        # the pp2 ranks: own singleton, replica, one split all-reduce group; the pp1 rank: singleton, two
+        assert [x["ours"] for x in res] == [3, 3, 3], (r, res)
+        assert all(x["ours_new"] and x["ours_gone"] and x["rest_kept"] for x in res), (r, res)
+        # each fresh runtime trains the same first step (ZeRO-1 or not: the same global loss)
+        assert res[0]["loss"] == res[1]["loss"] == res[2]["loss"], (r, res)

@@ -198,8 +198,26 @@ class HeteroRuntime:
 
     @classmethod
     def release(cls) -> None:
-        """Forget the process's runtime (tests running several plans in one process; its groups stay)."""
-        cls._current = None
+        """Forget the process's runtime and destroy its groups (tests running several plans in one
+        process). Collective over the world when there is a runtime: every rank calls it (after the
+        last use of its engine, which cannot run afterwards)."""
+        cur, cls._current = cls._current, None
+        if cur is not None:
+            cur.destroy_groups()
+
+    def destroy_groups(self) -> None:
+        """Destroy every group this runtime made (stage, replica, split all-reduce and ZeRO-1 groups),
+        in creation order, after a world barrier: no peer is still inside a collective on one of them
+        when its sockets close. Each rank destroys the groups it belongs to (the others were never
+        registered on it)."""
+        from ...comm.groups import destroy_group, world_barrier
+        groups = list(self.groups.values())
+        self.groups.clear()
+        self.reducer = None
+        self.zero = None
+        world_barrier()
+        for g in groups:
+            destroy_group(g)
 
     @property
     def tp_group(self) -> Any:
