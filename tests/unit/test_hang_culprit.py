@@ -31,7 +31,7 @@ def _observe(procs, beats, hang_timeout=4.0, startup_timeout=None, iteration=7):
     """``beats``: each worker's newest heartbeat time; ``iteration`` None: they are the records of
     hooks that attached, no iteration done yet."""
     handlers = {lr: SimpleNamespace(proc=p) for lr, p in enumerate(procs)}
-    agent = SimpleNamespace(_handlers=lambda: handlers, _heartbeat=lambda lr: (beats[lr], iteration),
+    agent = SimpleNamespace(_handlers=lambda: handlers, _heartbeat_record=lambda lr: (beats[lr], iteration, False),
                             cfg=SimpleNamespace(hang_timeout=hang_timeout, startup_timeout=startup_timeout),
                             _stopping=None, devices=[0, 1])
     wg = SimpleNamespace(workers=[SimpleNamespace(global_rank=lr) for lr in range(len(procs))])
