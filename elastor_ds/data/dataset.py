@@ -22,30 +22,69 @@ from ..errors import ConfigError
 from .tokenizer import CharTokenizer
 
 
+#: bytes of one record at most (a line, or a JSONL line): a file without newlines (binary, a
+#: compressed corpus) is refused, not read whole into memory for one sample
+MAX_RECORD_BYTES = 64 << 20
+_SCAN = 16 << 20   # bytes read at a time while indexing the lines
+
+
 class RecordDataset:
+    """The records of one text or JSONL file (by name: ``.jsonl``/``.json``, any case). The file is
+    opened once: every record is read from that open file, so a file replaced under the same name
+    during a run is not read with the old file's offsets."""
+
     def __init__(self, path: str, seq_length: int, seed: int = 1234, tokenizer: CharTokenizer | None = None):
-        if not os.path.isfile(path):
-            raise ConfigError(f"--data-path {path} does not exist; give a text or JSONL file, or omit it to use "
-                              f"the built-in corpus")
         self.path = path
         self.seq_length = seq_length
         self.seed = seed
         self.tok = tokenizer or CharTokenizer()
-        self.jsonl = path.endswith((".jsonl", ".json"))
-        self.offsets = self._index(path)
+        self.jsonl = path.lower().endswith((".jsonl", ".json"))
+        self.fd = open_data_file(path)
+        try:
+            self.offsets = self._index(self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
         if len(self.offsets) < 2:
+            os.close(self.fd)
             raise ConfigError(f"{path} has no records")
         self.tokenised = 0  # records tokenised by this object (resume must not tokenise skipped ones)
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
-    @staticmethod
-    def _index(path: str) -> np.ndarray:
-        data = np.fromfile(path, dtype=np.uint8)
-        ends = np.flatnonzero(data == ord("\n")) + 1
-        if len(data) and data[-1] != ord("\n"):
-            ends = np.append(ends, len(data))
-        return np.concatenate([[0], ends]).astype(np.int64)
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _index(self, fd: int) -> np.ndarray:
+        """Offsets of every line start and the end, scanned a piece at a time (memory: the offsets)."""
+        chunks, pos, last, lines = [np.zeros(1, dtype=np.int64)], 0, 0, 0
+        while True:
+            piece = os.pread(fd, _SCAN, pos)
+            if not piece:
+                break
+            nl = np.flatnonzero(np.frombuffer(piece, dtype=np.uint8) == ord("\n")).astype(np.int64) + (pos + 1)
+            if len(nl):
+                long_ = np.flatnonzero(np.diff(nl, prepend=last) > MAX_RECORD_BYTES)
+                if len(long_):
+                    self._too_long(lines + int(long_[0]) + 1)
+                lines += len(nl)
+                last = int(nl[-1])
+                chunks.append(nl)
+            pos += len(piece)
+            if pos - last > MAX_RECORD_BYTES:
+                self._too_long(lines + 1)
+        if pos > last:
+            chunks.append(np.array([pos], dtype=np.int64))
+        return np.concatenate(chunks)
+
+    def _too_long(self, line: int) -> None:
+        raise ConfigError(f"--data-path {self.path}: line {line} is longer than {MAX_RECORD_BYTES >> 20} MiB; records "
+                          f"are lines of text or JSONL (is the file compressed or binary?)")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -58,15 +97,23 @@ class RecordDataset:
         return int(self._perm[i])
 
     def text(self, record: int) -> str:
-        with open(self.path, "rb") as f:
-            f.seek(int(self.offsets[record]))
-            line = f.read(int(self.offsets[record + 1] - self.offsets[record])).decode("utf-8", "replace").strip()
+        a, b = int(self.offsets[record]), int(self.offsets[record + 1])
+        line = os.pread(self.fd, b - a, a).decode("utf-8", "replace").strip()
         if self.jsonl and line:
+            where = f"{self.path}: line {record + 1}"
             try:
-                return str(json.loads(line).get("text", ""))
-            except json.JSONDecodeError:
-                raise ConfigError(f"{self.path}: line {record + 1} is not valid JSON; give plain text lines or "
-                                  f"JSONL with a 'text' field") from None
+                obj = json.loads(line)
+            except (ValueError, RecursionError):   # not JSON, a number too long for int(), nested too deep
+                raise ConfigError(f"{where} is not valid JSON; give plain text lines or JSONL with a 'text' "
+                                  f"field") from None
+            text = obj.get("text") if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                found = (f"its 'text' is {type(text).__name__}" if isinstance(obj, dict) and "text" in obj else
+                         f"its keys are {sorted(map(str, obj))[:5]}" if isinstance(obj, dict) else
+                         f"it is a JSON {type(obj).__name__}")
+                raise ConfigError(f"{where}: a JSONL record is an object with a 'text' string ({found}); fix the "
+                                  f"line, or give a plain text file")
+            return text
         return line
 
     def sample(self, index: int) -> np.ndarray:
@@ -77,6 +124,26 @@ class RecordDataset:
         ids = np.append(ids, CharTokenizer.EOS)[: self.seq_length + 1]
         out[: len(ids)] = ids
         return out
+
+
+def open_data_file(path: str) -> int:
+    """A read-only descriptor of the data file ``path`` (a regular file; a link to one is followed,
+    as a dataset folder of links is common), or ConfigError naming what it is instead."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)   # a FIFO: no wait for a writer
+    except FileNotFoundError:
+        raise ConfigError(f"--data-path {path} does not exist; give a text or JSONL file, or omit it to use "
+                          f"the built-in corpus") from None
+    except OSError as e:
+        raise ConfigError(f"--data-path {path}: cannot open it ({e.strerror}); give a readable text or JSONL "
+                          f"file") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
+        raise ConfigError(f"--data-path {path} is {what}; give a text or JSONL file")
+    return fd
 
 
 def replica_sample_indices(iteration: int, micro_batches: Sequence[int], micro_batch_size: int,

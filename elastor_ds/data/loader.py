@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import ElastorError
+from ..errors import ConfigError, ElastorError
 from ..threads import NamedThread
 
 
@@ -56,8 +56,10 @@ def _worker(conn, path: str, seq_length: int, seed: int, schedule: tuple, start_
                     except queue.Full:
                         pass
                 it += 1
+        except ConfigError as e:   # bad input (the data file): its one line, raised as itself in the trainer
+            ready.put(("error", str(e), True))
         except BaseException:  # noqa: BLE001 - forwarded to the trainer
-            ready.put(("error", traceback.format_exc()))
+            ready.put(("error", traceback.format_exc(), False))
 
     NamedThread(target=produce, name="elastor-data-produce", daemon=True).start()
     try:
@@ -101,6 +103,8 @@ class PrefetchLoader:
             raise ElastorError(f"data worker exited (exit code {self._proc.exitcode}) without "
                                f"sending iteration {self.next_iteration}") from None
         if item[0] == "error":
+            if len(item) > 2 and item[2]:
+                raise ConfigError(item[1])
             raise ElastorError(f"data worker failed:\n{item[1]}")
         it, _, batch, tokenised = item
         assert it == self.next_iteration, (it, self.next_iteration)

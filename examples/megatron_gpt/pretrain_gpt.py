@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
     a("--lr-warmup-iters", type=int, default=10)
     a("--weight-decay", type=float, default=0.0)
-    a("--seed", type=int, default=1234)
+    a("--seed", type=nonnegative_int, default=1234, help="model init, dropout and the data order")
     a("--swiglu", action=argparse.BooleanOptionalAction, default=True, help="gated MLP (linear_fc1 = [gate; up])")
     a("--save", default=None, help="elastor checkpoint directory")
     a("--load", default=None, help="resume from this elastor checkpoint directory (newest committed step)")
@@ -611,6 +611,36 @@ def _close_process_groups() -> None:
         log.debug("destroy_process_group at exit: %s", e)
 
 
+def check_resumed_data(engine, args) -> None:
+    """The data position of iteration ``i`` is sample ``i x --global-batch-size`` and its order
+    follows ``--seed``: a resume with another global batch would skip or repeat samples (refused),
+    one with another seed or data file reads another order (said). The trainer's data settings
+    travel in the checkpoint's client state."""
+    from elastor_ds.errors import ConfigError
+    el = engine.elastor
+    if el is None:
+        return
+    size = os.path.getsize(args.data_path) if args.data_path else None
+    mine = {"global_batch_size": args.global_batch_size, "seed": args.seed,
+            "data": os.path.basename(args.data_path) if args.data_path else "built-in", "data_bytes": size}
+    loaded = el.loaded
+    if loaded is not None and int(engine.global_steps) > 0:
+        saved_gbs = (loaded.extra or {}).get("train_batch_size")
+        if saved_gbs is not None and int(saved_gbs) != args.global_batch_size:
+            raise ConfigError(f"--global-batch-size {args.global_batch_size}: the checkpoint of iteration "
+                              f"{int(engine.global_steps)} was trained with {int(saved_gbs)}; iteration i reads the "
+                              f"data from sample i x the global batch, so another one would skip or repeat samples: "
+                              f"resume with --global-batch-size {int(saved_gbs)}")
+        was = (el.state.client_state or {}).get("pretrain_gpt_data")
+        if isinstance(was, dict):
+            changed = [f"{k} {was.get(k)!r} -> {v!r}" for k, v in mine.items()
+                       if k != "global_batch_size" and was.get(k) != v]
+            if changed and int(os.environ.get("RANK", "0")) == 0:
+                log.warning("resumed with other data settings (%s): the samples from here on are not the ones the "
+                            "uninterrupted run would have read", ", ".join(changed))
+    el.state.client_state = {**(el.state.client_state or {}), "pretrain_gpt_data": mine}
+
+
 def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctl = elastic_attach()
@@ -629,6 +659,9 @@ def _main(argv: list[str] | None = None) -> int:
     elastic_plan_mode(args, world)
     try:
         d = derive(args, world)
+        if args.data_path is not None:   # a missing or odd file: said now, not by the data worker after the set-up
+            from elastor_ds.data.dataset import open_data_file
+            os.close(open_data_file(args.data_path))
     except (UsageError, ElastorError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
@@ -691,6 +724,7 @@ def _main(argv: list[str] | None = None) -> int:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
     layout = d["layout"]
     start = int(engine.global_steps)
+    check_resumed_data(engine, args)
     from elastor_ds.elastic.protocol import ENV_PROFILE_BREAKDOWN
     from elastor_ds.testing import state_memory
     state_mem = state_memory.track(engine)  # training-state bytes (metrics "state_bytes", vs the planner's model)

@@ -136,18 +136,44 @@ def test_trainer_checkpoint_exports_to_megatron_and_back(reference, tmp_path):
     (["--deepspeed_config", "{tmp}/nope.json"], "--deepspeed_config {tmp}/nope.json: cannot read it"),
     (["--deepspeed_config", "{tmp}/bad.json"], "--deepspeed_config {tmp}/bad.json: not valid JSON"),
     (["--save", "{tmp}/afile"], "checkpoint directory {tmp}/afile is a file, not a directory"),
+    # review of the thirty-third session: a traceback from the data worker after the set-up, or numpy's
+    (["--data-path", "{tmp}/nope.txt"], "--data-path {tmp}/nope.txt does not exist"),
+    (["--data-path", "{tmp}"], "--data-path {tmp} is a directory"),
+    (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
+    (["--data-path", "{tmp}/list.jsonl"], "a JSONL record is an object with a 'text' string (it is a JSON list)"),
 ], ids=["mbs0", "log-interval0", "snap-interval0", "save-interval-neg", "peer-copies2", "heads0",
-         "ds-config-missing", "ds-config-not-json", "save-is-a-file"])
+         "ds-config-missing", "ds-config-not-json", "save-is-a-file", "data-missing", "data-dir", "seed-neg",
+         "data-not-objects"])
 def test_user_errors_exit_2_in_one_line_on_every_rank(tmp_path, flags, msg):
     """These divided by zero, or raised FileExistsError / FileNotFoundError / JSONDecodeError with
     a traceback (exit 1, which `elastor run` retried until --max-restarts ran out)."""
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n" * 64)
     flags = [f.format(tmp=tmp_path) for f in flags]
     p = torchrun(2, *flags, "--train-iters", "2", check=False, timeout=180)
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     assert msg.format(tmp=tmp_path) in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_resume_with_another_global_batch_is_refused_naming_the_one_to_give(tmp_path):
+    """Review of the thirty-third session: iteration i reads from sample i x --global-batch-size, so a
+    resume with another global batch skipped (8 -> 16: samples 16-31 never read) or repeated samples,
+    with only a warning. It is refused now; the same global batch resumes."""
+    ck = str(tmp_path / "ck")
+    torchrun(2, "--save", ck, "--save-interval", "2", "--train-iters", "2", "--global-batch-size", "8")
+    p = torchrun(2, "--load", ck, "--save", ck, "--train-iters", "4", "--global-batch-size", "16", check=False,
+                 timeout=180)
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert ("--global-batch-size 16: the checkpoint of iteration 2 was trained with 8" in p.stderr and
+            "resume with --global-batch-size 8" in p.stderr and "Traceback" not in p.stderr), p.stderr[-3000:]
+    torchrun(2, "--load", ck, "--save", ck, "--train-iters", "3", "--global-batch-size", "8", "--metrics-file",
+             str(tmp_path / "m.jsonl"))
+    assert [r["iteration"] for r in map(json.loads, open(tmp_path / "m.jsonl"))] == [3]
+    # another --seed reads another order: said (the data settings travel in the client state)
+    p = torchrun(2, "--load", ck, "--save", ck, "--train-iters", "4", "--global-batch-size", "8", "--seed", "99")
+    assert "resumed with other data settings (seed 1234 -> 99)" in p.stderr, p.stderr[-3000:]
 
 
 @pytest.mark.parametrize("flag, value, words", [("--pipeline-model-parallel-size", "99", "the model has 4 layers"),

@@ -98,3 +98,81 @@ def test_the_data_worker_does_not_outlive_its_trainer(corpus, how):
     assert not alive(), f"data worker {child} still running 10 s after its trainer died"
     left = [path for path in mapped if os.path.exists(path)]
     assert not left, f"named semaphores left in /dev/shm after the trainer and its worker died: {left}"
+
+
+# ---- review of the thirty-third session: hostile or malformed data files --------------------------
+
+@pytest.mark.parametrize("line, words", [
+    ("[1, 2, 3]", "it is a JSON list"),
+    ("42", "it is a JSON int"),
+    ('{"text": ' + "9" * 5000 + "}", "is not valid JSON"),          # int() refuses 5000 digits
+    ('{"text": ' + "[" * 100000 + "]" * 100000 + "}", "is not valid JSON"),   # RecursionError
+    ('{"content": "hello world"}', "its keys are ['content']"),      # trained on EOS alone before
+    ('{"text": null}', "its 'text' is NoneType"),                   # trained on 'None' before
+    ('{"text": {"a": 1}}', "its 'text' is dict"),
+])
+def test_a_jsonl_line_that_is_not_an_object_with_a_text_string_is_named(tmp_path, line, words):
+    """They raised AttributeError/ValueError/RecursionError (a traceback through the data worker),
+    or trained silently on 'None', "{'a': 1}" or an empty sample."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "ok"}\n' + line + "\n")
+    ds = RecordDataset(str(f), 8)
+    assert ds.text(0) == "ok"
+    with pytest.raises(ConfigError, match="line 2") as e:
+        ds.text(1)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_data_path_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
+    """A directory, a FIFO or a device was reported as "does not exist"; a FIFO is not waited on."""
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, words in ((tmp_path, "is a directory"), (fifo, "is not a regular file"), ("/dev/zero", "not a regular")):
+        with pytest.raises(ConfigError, match=words):
+            RecordDataset(str(path), 8)
+    real = tmp_path / "real.txt"
+    real.write_text("a line\n")
+    (tmp_path / "link.txt").symlink_to(real)   # a dataset folder of links: followed
+    assert RecordDataset(str(tmp_path / "link.txt"), 8).text(0) == "a line"
+
+
+def test_a_line_longer_than_the_record_bound_is_refused_while_indexing(tmp_path, monkeypatch):
+    """A file without newlines (compressed, binary) was read whole for one sample (a 40 MiB line cost
+    650 MiB of memory), and the index held the whole file in memory."""
+    from elastor_ds.data import dataset as ds_mod
+    monkeypatch.setattr(ds_mod, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(ds_mod, "_SCAN", 256)   # the bound is checked across scan pieces
+    f = tmp_path / "d.txt"
+    f.write_text("short\n" * 10 + "x" * 999 + "\n" + "short\n")
+    ds = RecordDataset(str(f), 8)
+    assert len(ds) == 12 and ds.text(10) == "x" * 999 and ds.text(11) == "short"
+    f.write_text("short\n" * 10 + "x" * 1001 + "\nshort\n")
+    with pytest.raises(ConfigError, match="line 11 is longer than"):
+        RecordDataset(str(f), 8)
+    f.write_text("short\n" + "y" * 5000)   # no final newline
+    with pytest.raises(ConfigError, match="line 2 is longer than"):
+        RecordDataset(str(f), 8)
+
+
+def test_records_come_from_the_file_that_was_indexed(tmp_path):
+    """Every sample reopened the path by name: a file replaced during the run was read at the old
+    file's offsets (fragments of lines, silently)."""
+    import os
+    f = tmp_path / "d.txt"
+    f.write_text("first record\nsecond record\n")
+    ds = RecordDataset(str(f), 8)
+    new = tmp_path / "new.txt"
+    new.write_text("a much longer replacement line\nanother\n")
+    os.replace(new, f)
+    assert [ds.text(0), ds.text(1)] == ["first record", "second record"]
+
+
+def test_a_bad_data_file_reaches_the_trainer_as_one_line(tmp_path):
+    """The data worker sent its traceback, raised as ElastorError("data worker failed:\\n<traceback>")."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("[1, 2]\n" * 40)
+    with PrefetchLoader(str(f), 16, 7, (2,), 2, replica=0) as loader:
+        with pytest.raises(ConfigError, match=r"line \d+: a JSONL record is an object with a 'text' string") as e:
+            loader.next(timeout=60)
+    assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
