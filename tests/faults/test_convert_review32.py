@@ -677,3 +677,13 @@ def test_the_exports_draw_a_progress_bar_on_a_terminal_and_none_with_no_progress
     assert rc == 0 and "100%|" in err, err[-2000:]
     rc, err = _on_a_terminal("convert", src, str(tmp_path / "quiet"), "--to", to, "--no-progress")
     assert rc == 0 and "100%|" not in err and "%|" not in err, err[-2000:]
+
+
+def test_a_deepspeed_import_draws_a_progress_bar_on_a_terminal_and_none_with_no_progress(tmp_path):
+    """The third direction without a bar (review of the thirty-second session): ``--from deepspeed``
+    and ``--from deepspeed-universal`` read every file of the checkpoint with no sign of progress."""
+    src = universal(tmp_path, 5)
+    rc, err = _on_a_terminal("convert", src, str(tmp_path / "bar"), "--from", "deepspeed-universal")
+    assert rc == 0 and "read: " in err and "B/s]" in err, err[-2000:]
+    rc, err = _on_a_terminal("convert", src, str(tmp_path / "quiet"), "--from", "deepspeed-universal", "--no-progress")
+    assert rc == 0 and "read: " not in err, err[-2000:]

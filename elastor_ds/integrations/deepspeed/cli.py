@@ -8,7 +8,8 @@ def _importer(source: str):
     def run(src: str, dst: str, args) -> str:
         from .convert import convert
         return convert(src, dst, source=source, weights_only=bool(getattr(args, "weights_only", False)),
-                       force=bool(getattr(args, "force", False)), trust=bool(getattr(args, "trust_checkpoint", False)))
+                       force=bool(getattr(args, "force", False)), trust=bool(getattr(args, "trust_checkpoint", False)),
+                       progress=not getattr(args, "no_progress", False))
     return run
 
 

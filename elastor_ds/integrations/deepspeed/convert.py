@@ -136,12 +136,20 @@ def _group_scalars(group: dict[str, Any], state: dict[str, Any]) -> dict[str, An
     return {"hyper": hyper, "scalars": scalars}
 
 
+def _read(path: str, trust: bool, bar: Any) -> Any:
+    """:func:`_load_file`, its size added to the progress ``bar`` (or None)."""
+    obj = _load_file(path, trust)
+    if bar is not None:
+        bar.update(os.path.getsize(path))
+    return obj
+
+
 def native_shards(step_dir: str, weights_only: bool = False,
-                  trust: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
+                  trust: bool = False, bar: Any = None) -> tuple[list[TensorShard], dict[str, Any]]:
     files = os.listdir(step_dir)
 
     def _load(name: str) -> Any:
-        return _load_file(safe_join(step_dir, name, what="DeepSpeed checkpoint file"), trust)
+        return _read(safe_join(step_dir, name, what="DeepSpeed checkpoint file"), trust, bar)
     shards: list[TensorShard] = []
     for f in sorted(files):
         m = _LAYER_RE.match(f)
@@ -242,7 +250,7 @@ def _zero_partition(sd: Any, shapes: Any, where: str, mp_where: str, done: dict,
                     t.view(-1)[fs:fs + fn], start, start + fn))
 
 
-def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorShard], dict[str, Any]]:
+def universal_shards(step_dir: str, trust: bool = False, bar: Any = None) -> tuple[list[TensorShard], dict[str, Any]]:
     zdir = safe_join(step_dir, "zero", what="DeepSpeed universal dir")
     if not os.path.isdir(zdir):
         raise CheckpointNotFoundError(f"{step_dir}: no zero/ directory: not a DeepSpeed universal checkpoint")
@@ -265,7 +273,7 @@ def universal_shards(step_dir: str, trust: bool = False) -> tuple[list[TensorSha
                 continue
             key = f[:-3]
             fpath = safe_join(pdir, f, what="DeepSpeed universal file")
-            t = _load_file(fpath, trust)
+            t = _read(fpath, trust, bar)
             if isinstance(t, dict):
                 if "param" not in t:
                     raise CorruptCheckpointError(f"{fpath} holds a dict without 'param' (keys "
@@ -299,7 +307,7 @@ def _step_value(t: Any, where: str) -> float:
 
 
 def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = False, force: bool = False,
-            trust: bool = False) -> str:
+            trust: bool = False, progress: bool = False) -> str:
     """Convert a DeepSpeed checkpoint (native tag dir, its save dir, or a universal one) into an
     elastor checkpoint under ``dst``; returns the committed step dir.
 
@@ -311,7 +319,10 @@ def convert(src: str, dst: str, source: str = "deepspeed", weights_only: bool = 
         raise ConfigError(f"--from {source!r}: expected 'deepspeed' or 'deepspeed-universal'")
     commit_mod.check_import_destination(dst, None, force)
     universal = source == "deepspeed-universal" or os.path.isdir(os.path.join(step_dir, "zero"))
-    shards, extra = universal_shards(step_dir, trust) if universal else native_shards(step_dir, weights_only, trust)
+    from tqdm import tqdm
+    with tqdm(unit="B", unit_scale=True, desc="read", disable=None if progress else True) as bar:   # a terminal's only
+        shards, extra = (universal_shards(step_dir, trust, bar) if universal else
+                         native_shards(step_dir, weights_only, trust, bar))
     for s in shards:
         check_tensor_name(s.name, f"{step_dir}: ")
         if s.tensor.dtype != torch.float32 and st.is_optim(s.name):
