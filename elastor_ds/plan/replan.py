@@ -42,7 +42,7 @@ from .cluster import Cluster, Device
 from .cost import CostModel
 from .plan_doc import Plan, PlanReplica, PlanStage
 from .search import (Candidate, ClassKey, Group, Planner, PlanResult, ReplicaSolution, ScoredPlan, _bulk_lpt,
-                     _geometric, assign_micro_batches, carve, gc_paused, greedy_parts, plan)
+                     _geometric, assign_micro_batches, carve, distinct_plans, gc_paused, greedy_parts, plan)
 
 log = logging.getLogger(__name__)
 _NAME = operator.attrgetter("name")
@@ -83,7 +83,7 @@ def _replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: i
                                                    f"re-plan's {res.best.cost.iteration_time_s:.4g} s")
                     return full
                 res.uniform = full.uniform
-                res.alternatives = _distinct(sorted(res.alternatives + full.alternatives,
+                res.alternatives = distinct_plans(sorted(res.alternatives + full.alternatives,
                                                     key=lambda x: x.cost.iteration_time_s))
             res.alternatives = res.alternatives[:top_k]
             return res
@@ -92,17 +92,6 @@ def _replan(cost: CostModel, previous: Plan, previous_cluster: Cluster, top_k: i
     res = plan(cost, top_k=top_k)
     res.search_stats["replan"] = f"full search: {why}"
     return res
-
-
-def _distinct(scored: Sequence[ScoredPlan]) -> list[ScoredPlan]:
-    """``scored`` (best first) without repeats of a plan description (the first of each stays)."""
-    out, seen = [], set()
-    for x in scored:
-        d = x.plan.describe()
-        if d not in seen:
-            seen.add(d)
-            out.append(x)
-    return out
 
 
 def _not_applicable(cost: CostModel, previous: Plan, changed: set[str]) -> str | None:
@@ -313,7 +302,7 @@ class _Replanner:
                  else 0, "damaged_replicas": len(damaged), "changed_nodes": len(changed), "candidates": len(best),
                  "reshaped_placed": placed, "estimate_kept": best[0][0] if best else None,
                  "estimate_reshaped": reshaped[0].estimate if reshaped else None}
-        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, _distinct(scored), (), stats,
+        return PlanResult(top, None, top if top.plan.kind != "uniform" else None, distinct_plans(scored), (), stats,
                           self.cluster)
 
     def _kept_bound(self, kept: Sequence[PlanReplica], kinds_kept: dict, mbs: list) -> float:

@@ -1401,19 +1401,24 @@ def _plan(cost: CostModel, layouts: str, top_k: int, explain: bool = True) -> Pl
     pool = sorted(uniform + hetero, key=lambda s: (s.cost.iteration_time_s, _plan_tie(s.plan)))
     if not pool:
         raise PlanningError(infeasible_message(cost) if explain else "no layout fits")
-    # dedupe alternatives by description
-    alts, seen = [], set()
-    for s in pool:
-        d = s.plan.describe()
-        if d not in seen:
-            seen.add(d)
-            alts.append(s)
+    alts = distinct_plans(pool)
     best = alts[0]
     stats = dict(pl.stats)
     stats["decision"] = _decision(best, uniform, hetero, layouts)
     log.debug("planner stats: %s", stats)
     return PlanResult(best, uniform[0] if uniform else None, hetero[0] if hetero else None,
                       alts[:top_k], cluster.device_tuple(), stats, cluster)
+
+
+def distinct_plans(scored: Sequence[ScoredPlan]) -> list[ScoredPlan]:
+    """``scored`` (best first) without repeats of a plan description (the first of each stays)."""
+    out, seen = [], set()
+    for x in scored:
+        d = x.plan.describe()
+        if d not in seen:
+            seen.add(d)
+            out.append(x)
+    return out
 
 
 def _decision(best: ScoredPlan, uniform: list[ScoredPlan], hetero: list[ScoredPlan], layouts: str) -> str:
