@@ -92,11 +92,18 @@ class PrefetchLoader:
         child_end.close()                # the worker holds the only write end: its exit reads as EOF here
         self.next_iteration = start_iteration
         self.tokenised = 0
+        self._first = True
 
     def next(self, timeout: Optional[float] = 120.0) -> np.ndarray:
-        """The next iteration's samples for this replica: int64 [m * mbs, seq_length + 1]."""
+        """The next iteration's samples for this replica: int64 [m * mbs, seq_length + 1]. The first
+        waits as long as the worker lives (it indexes the whole file first: minutes for a large
+        corpus); each later one at most ``timeout`` seconds."""
         try:
-            if not self._conn.poll(timeout):
+            if self._first:
+                while not self._conn.poll(1.0):
+                    if not self._proc.is_alive():
+                        break   # its end of the pipe is closed: recv() says so
+            elif not self._conn.poll(timeout):
                 raise ElastorError(f"data worker produced nothing in {timeout}s (alive={self._proc.is_alive()})")
             item = self._conn.recv()
         except (EOFError, OSError):
@@ -107,6 +114,7 @@ class PrefetchLoader:
                 raise ConfigError(item[1])
             raise ElastorError(f"data worker failed:\n{item[1]}")
         it, _, batch, tokenised = item
+        self._first = False
         assert it == self.next_iteration, (it, self.next_iteration)
         self.next_iteration += 1
         self.tokenised = tokenised

@@ -176,3 +176,28 @@ def test_a_bad_data_file_reaches_the_trainer_as_one_line(tmp_path):
         with pytest.raises(ConfigError, match=r"line \d+: a JSONL record is an object with a 'text' string") as e:
             loader.next(timeout=60)
     assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_first_batch_waits_while_the_worker_indexes(corpus):
+    """The first batch had the same 120 s as every other, while the worker indexes the whole file
+    before it (a large corpus failed with "data worker produced nothing in 120s"): it waits as long
+    as the worker lives; later batches keep the bound. Here the bound is shorter than the worker's
+    start-up (a spawned interpreter)."""
+    with PrefetchLoader(corpus, 16, 7, (2,), 2, replica=0, prefetch=1) as loader:
+        first = loader.next(timeout=0.001)
+        assert first.shape == (4, 17)
+        assert loader.next().shape == (4, 17)
+
+
+def test_a_worker_that_dies_before_its_first_batch_is_said_at_once(tmp_path):
+    """The first batch's unbounded wait ends when the worker is gone."""
+    import time
+    f = tmp_path / "d.txt"
+    f.write_text("a line\n" * 10)
+    loader = PrefetchLoader(str(f), 16, 7, (2,), 2, replica=0)
+    loader._proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="data worker exited"):
+        loader.next()
+    assert time.monotonic() - t0 < 10
+    loader.close()
