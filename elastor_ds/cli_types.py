@@ -38,7 +38,13 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+# a decimal number in ASCII (``float()`` alone also takes ``1_0`` and fullwidth or other scripts' digits)
+_ASCII_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)", re.I)
+
+
 def _finite_float(text: str, *, allow_zero: bool) -> float:
+    if not _ASCII_FLOAT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (ASCII digits, e.g. 2.5)")
     try:
         v = float(text)
     except ValueError:

@@ -60,11 +60,12 @@ def read_user_file(path: str, flag: str, max_bytes: int, what: str, fix: str) ->
 def read_json_file(path: str, flag: str, max_bytes: int, what: str, fix: str, strict: bool = True) -> Any:
     """A JSON document the user names (``flag``: the option or config key that named it): a regular
     file, not followed through a symlink, at most ``max_bytes``, with ``strict`` no NaN/Infinity
-    (without, the caller's field checks name them), nested too deeply refused: every problem a
-    usage error (ConfigError naming the file and ``fix``), never a traceback."""
+    and no number beyond a float's range (without, the caller's field checks name them), nested
+    too deeply refused: every problem a usage error (ConfigError naming the file and ``fix``),
+    never a traceback."""
     data = read_user_file(path, flag, max_bytes, what, fix)
     try:
-        return json.loads(data, parse_constant=no_constant if strict else None)
+        return json.loads(data, parse_constant=no_constant, parse_float=finite) if strict else json.loads(data)
     except RecursionError:
         raise ConfigError(f"{flag} {path}: nested too deeply to be {what}; {fix}") from None
     except (OSError, ValueError) as e:
