@@ -41,6 +41,7 @@ class RecordDataset:
         self.jsonl = path.lower().endswith((".jsonl", ".json"))
         self.fd = open_data_file(path)
         try:
+            _refuse_compressed(self.fd, path)
             self.offsets = self._index(self.fd)
         except BaseException:
             os.close(self.fd)
@@ -124,6 +125,19 @@ class RecordDataset:
         ids = np.append(ids, CharTokenizer.EOS)[: self.seq_length + 1]
         out[: len(ids)] = ids
         return out
+
+
+#: the first bytes of compressed files (gzip, zstd, bzip2, xz, zip): records are lines of plain text
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+               b"PK\x03\x04": "zip"}
+
+
+def _refuse_compressed(fd: int, path: str) -> None:
+    head = os.pread(fd, 8, 0)
+    kind = next((k for magic, k in _COMPRESSED.items() if head.startswith(magic)), None)
+    if kind is not None:   # its bytes would be read as lines of text (and trained on)
+        raise ConfigError(f"--data-path {path} is {kind}-compressed; decompress it first (records are lines of "
+                          f"plain text or JSONL)")
 
 
 def open_data_file(path: str) -> int:

@@ -201,3 +201,19 @@ def test_a_worker_that_dies_before_its_first_batch_is_said_at_once(tmp_path):
         loader.next()
     assert time.monotonic() - t0 < 10
     loader.close()
+
+
+@pytest.mark.parametrize("name", ["d.jsonl.gz", "d.txt.bz2", "d.jsonl.zst"])
+def test_a_compressed_data_file_is_refused_not_trained_on(tmp_path, name):
+    """A ``.jsonl.gz`` was read as plain text (the format follows the name): training on compressed
+    bytes, silently."""
+    import bz2
+    import gzip
+    raw = b'{"text": "hello"}\n' * 50
+    data = {"gz": gzip.compress(raw), "bz2": bz2.compress(raw),
+            "zst": b"\x28\xb5\x2f\xfd" + b"\x00" * 40}[name.rsplit(".", 1)[1]]
+    f = tmp_path / name
+    f.write_bytes(data)
+    kind = {"gz": "gzip", "bz2": "bzip2", "zst": "zstd"}[name.rsplit(".", 1)[1]]
+    with pytest.raises(ConfigError, match=f"is {kind}-compressed; decompress it first"):
+        RecordDataset(str(f), 8)
