@@ -33,3 +33,31 @@ def test_bf16_zero1_resume_under_new_pipeline(tmp_path):
     got = json.load(open(os.path.join(out, "pp1dp2.json")))
     assert got["start"] == 3
     assert got["losses"] == pytest.approx(ref[3:], rel=1e-2)
+
+
+def test_bf16_resumes_from_its_deepspeed_universal_export_imported_back(tmp_path):
+    """The universal format keeps every tensor in fp32: a bf16 model exported ``--to
+    deepspeed-universal`` and imported back holds fp32 weights, and a bf16 engine's resume refused
+    them (TensorMismatchError: "pass allow_cast=True", which a config cannot give). They are cast on
+    load into the bf16 parameters, as DeepSpeed's own universal load does, and the run continues with
+    the uninterrupted run's losses."""
+    from elastor_ds.cli import main
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    os.makedirs(out)
+    base = dict(name="ref", pp=1, dp=2, mb=2, gas=2, zero=1, steps=6, bf16=True,
+                elastor={"checkpoint": {"dir": ck, "load": "latest", "async": False, "interval_steps": 3}})
+    run_world(run_specs, 2, [base], out, timeout_s=120)
+    uni, back = str(tmp_path / "uni"), str(tmp_path / "back")
+    assert main(["convert", os.path.join(ck, "step_000000003"), uni, "--to", "deepspeed-universal",
+                 "--no-progress"]) == 0
+    assert main(["convert", os.path.join(uni, "global_step3"), back, "--from", "deepspeed-universal",
+                 "--no-progress"]) == 0
+    man = commit_mod.read_manifest(commit_mod.resolve(back))
+    assert {t.dtype for n, t in man.tensors.items() if not n.startswith("optimizer.")} == {"float32"}
+    res = dict(name="from_universal", pp=1, dp=2, mb=2, gas=2, zero=1, steps=3, bf16=True,
+               elastor={"checkpoint": {"dir": str(tmp_path / "ck2"), "load": back, "async": False}})
+    run_world(run_specs, 2, [res], out, timeout_s=120)
+    ref = json.load(open(os.path.join(out, "ref.json")))["losses"]
+    got = json.load(open(os.path.join(out, "from_universal.json")))
+    assert got["start"] == 3
+    assert got["losses"] == pytest.approx(ref[3:], rel=1e-2)

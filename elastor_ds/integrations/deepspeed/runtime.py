@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import torch
+
 from ...checkpoint import LoadResult, Manifest
 from ...checkpoint.engine import RankExtra
 from ...checkpoint.session import Collected, CheckpointSession, check_roots_apart
@@ -167,7 +169,7 @@ class DeepSpeedState:
         eng = self.engine
         names = set(man.tensors)
         keys = st.state_keys_in(names)
-        shards = st.model_shards(eng)
+        shards = self._fp32_weights_for_half(man, st.model_shards(eng))
         old = [sh.name for sh in shards if sh.name not in names and not sh.tensor.is_floating_point()]
         if old and names:   # written before integer buffers were saved: they keep the module's values
             log.warning("checkpoint %s has no integer buffers (written by an older elastor_ds): %s keep the "
@@ -183,8 +185,29 @@ class DeepSpeedState:
             log.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", man.step)
         return shards
 
+    def _fp32_weights_for_half(self, man: Manifest, shards: list) -> list:
+        """A checkpoint with fp32 weights for this bf16/fp16 model (a DeepSpeed universal export
+        imported back: that format keeps every tensor in fp32): those weights are read into fp32
+        buffers and cast into the parameters by :meth:`restore`, as DeepSpeed's own universal load
+        does; any other dtype mismatch is the reader's to refuse."""
+        self._casts: list = []
+        for sh in shards:
+            e = man.tensors.get(sh.name)
+            if e is not None and e.dtype == "float32" and sh.tensor.dtype in (torch.bfloat16, torch.float16):
+                tmp = torch.empty(sh.tensor.shape, dtype=torch.float32, device=sh.tensor.device)
+                self._casts.append((tmp, sh.tensor))
+                sh.tensor = tmp
+        if self._casts and self.comm is not None and self.comm.rank == 0:
+            log.info("checkpoint %s holds fp32 weights for this %s model: cast on load", man.step,
+                     str(self._casts[0][1].dtype).replace("torch.", ""))
+        return shards
+
     def restore(self, res: LoadResult, same_layout: bool) -> None:
         eng = self.engine
+        for tmp, param in getattr(self, "_casts", ()):   # fp32 weights read for bf16/fp16 parameters
+            with torch.no_grad():
+                param.copy_(tmp)
+        self._casts = []
         ex = res.extra
         if ex.get("format") not in (None, FORMAT):
             raise ConfigError(f"checkpoint {res.step_dir} has format {ex.get('format')!r}; this reader knows {FORMAT}")
