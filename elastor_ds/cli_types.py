@@ -84,6 +84,8 @@ _ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # controls (C0, C1), invisible formatting characters (bidirectional overrides and isolates, zero-width
 # spaces and joiners, the byte order mark, ...), line and paragraph separators, lone surrogates
 _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+# letters (category Lo) that print as nothing: the Hangul fillers
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
 
 
 def has_control_chars(text: str) -> bool:
@@ -94,4 +96,4 @@ def has_control_chars(text: str) -> bool:
     names of a cluster file, a profile's sources)."""
     if text.isascii():   # the usual text: one C-speed scan
         return _ASCII_CONTROL.search(text) is not None
-    return any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in text)
+    return any(unicodedata.category(c) in _HIDDEN_CATEGORIES or c in _BLANK_LETTERS for c in text)

@@ -43,3 +43,11 @@ def test_a_strict_json_file_refuses_a_number_beyond_a_float(tmp_path):
         read_json_file(str(f), "--cluster", 1 << 20, "a cluster file", "fix it")
     f.write_text('{"x": 1e300}')
     assert read_json_file(str(f), "--cluster", 1 << 20, "a cluster file", "fix it") == {"x": 1e300}
+
+
+@pytest.mark.parametrize("ch", ["\u115f", "\u1160", "\u3164", "\uffa0"])
+def test_the_hangul_fillers_count_as_hidden(ch):
+    """Letters (category Lo) that print as nothing: a name holding one reads as another."""
+    from elastor_ds.cli_types import has_control_chars
+    assert has_control_chars(f"layer{ch}.weight")
+    assert not has_control_chars("layer.\uac00weight")   # a Hangul syllable prints
