@@ -172,16 +172,16 @@ def read_latest(root: str) -> Optional[str]:
     return path
 
 
-def check_latest_replaceable(root: str) -> None:
-    """Raise :class:`UnsafeCheckpointError` when ``root/latest`` exists and elastor did not write it
-    (DeepSpeed's ``save_checkpoint`` names its ``global_stepN`` tag there): a commit would replace a
-    pointer someone else relies on."""
+def check_latest_replaceable(root: str) -> Optional[str]:
+    """The name ``root/latest`` holds (None: none, or unreadable); :class:`UnsafeCheckpointError`
+    when elastor did not write it (DeepSpeed's ``save_checkpoint`` names its ``global_stepN`` tag
+    there): a commit would replace a pointer someone else relies on."""
     try:
         name = _latest_name(root)
     except CheckpointError:
-        return   # unreadable: the save's own commit says why
+        return None   # unreadable: the save's own commit says why
     if name is None or _STEP_RE.match(name) or _TMP_RE.match(name):
-        return
+        return name
     whose = ("DeepSpeed's save_checkpoint wrote it" if _DS_TAG_RE.fullmatch(name)
              else "not a step_<N> directory: elastor did not write it")
     raise UnsafeCheckpointError(
@@ -436,8 +436,8 @@ class StepCommit(AtomicCommit):
                 raise CheckpointError(f"the step about to be committed under {self.root} would be refused by every "
                                       f"reader ({e}); nothing was committed") from None
         final = self.final_dir
-        if self.latest is not LatestPolicy.NEVER:   # never replace a `latest` someone else wrote
-            check_latest_replaceable(self.root)
+        # never replace a `latest` someone else wrote (read once: it also decides whether to move it)
+        cur = check_latest_replaceable(self.root) if self.latest is not LatestPolicy.NEVER else None
         try:
             st = os.lstat(final)
         except FileNotFoundError:
@@ -457,7 +457,7 @@ class StepCommit(AtomicCommit):
             self._replace_without_exchange(final)
         self.finalized = True
         self._sync_root()
-        if self._should_move_latest():
+        if self._should_move_latest(cur):
             self._write(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         if retention:
             apply_retention(self.root, keep, protect=final)
@@ -479,15 +479,12 @@ class StepCommit(AtomicCommit):
         self._write(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         shutil.rmtree(aside, ignore_errors=True)
 
-    def _should_move_latest(self) -> bool:
+    def _should_move_latest(self, cur: Optional[str]) -> bool:
+        """``cur``: the name ``latest`` held before this commit (read by :meth:`finalize`)."""
         if self.latest is LatestPolicy.ALWAYS:
             return True
         if self.latest is LatestPolicy.NEVER:
             return False
-        try:
-            cur = _latest_name(self.root)
-        except CheckpointError:
-            cur = None
         cur_step = step_of(cur) if cur else None
         return cur_step is None or cur_step <= self.step
 
