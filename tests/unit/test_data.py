@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from elastor_ds.data import CharTokenizer, PrefetchLoader, RecordDataset, replica_sample_indices, write_synthetic_corpus
-from elastor_ds.errors import ConfigError
+from elastor_ds.errors import ConfigError, ElastorError
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_a_worker_that_dies_before_its_first_batch_is_said_at_once(tmp_path):
     loader = PrefetchLoader(str(f), 16, 7, (2,), 2, replica=0)
     loader._proc.kill()
     t0 = time.monotonic()
-    with pytest.raises(Exception, match="data worker exited"):
+    with pytest.raises(ElastorError, match="data worker exited"):
         loader.next()
     assert time.monotonic() - t0 < 10
     loader.close()
