@@ -104,7 +104,12 @@ class RunConfig:
 
 
 class _PreemptedInRendezvous(Exception):
-    """SIGTERM/SIGINT while waiting in the rendezvous: no worker runs, nothing to checkpoint."""
+    """A stop signal while waiting in the rendezvous, or before this launch's workers were started:
+    no worker runs, nothing to checkpoint."""
+
+    def __init__(self, during: str = "rendezvous"):
+        super().__init__(during)
+        self.during = during    # "rendezvous" | "start"
 
 
 class _Stopping:
@@ -153,6 +158,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self._force = False
         self._scale_up = False
         self._stopping: _Stopping | None = None
+        self._stop_at_start = False   # the stop signal came before this launch's workers had been started
         self._in_rendezvous = False
         self._last_probe = time.monotonic()
         self._hb_dir = os.path.join(cfg.log_dir, "heartbeat")
@@ -234,8 +240,13 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         # torch names the per-rank log folder attempt_<TORCHELASTIC_RESTART_COUNT> (max_restarts minus
         # its remaining restarts, which this loop never spends): one folder per launch, not one for all
         self._remaining_restarts = worker_group.spec.max_restarts - self.round
+        if self._preempt:   # the stop came after the rendezvous, before the workers: start none
+            raise _PreemptedInRendezvous("start")
         pids = super()._start_workers(worker_group)
         self.install_signal_handlers()   # the process context installed torch's own handlers
+        # a stop that came while they were being started (the first start waits seconds for the standby
+        # template's imports): they had not begun; one ending on it before attaching hooks lost nothing
+        self._stop_at_start = self._preempt
         self.events.emit(EventKind.LAUNCH, round=self.round, world_size=world, procs_per_node=self.procs_per_node,
                          node_rank=worker_group.group_rank, local_world_size=n, devices=list(self.devices),
                          global_ranks=[w.global_rank for w in worker_group.workers], pids=list(pids.values()),
@@ -256,11 +267,11 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             if self.standby is not None:   # the first launch's workers import while the rendezvous runs
                 self.standby.fill()
             return self._invoke_run(role)
-        except _PreemptedInRendezvous:
-            self.events.emit(EventKind.PREEMPTED, stop_s=0.0, during="rendezvous")
-            log.warning("preempted while waiting in the rendezvous: no worker was running, nothing to checkpoint")
-            self._preempted("preempted while waiting in the rendezvous (no worker was running, nothing to "
-                            "checkpoint); rerun to resume")
+        except _PreemptedInRendezvous as e:
+            where = "waiting in the rendezvous" if e.during == "rendezvous" else "starting the workers"
+            self.events.emit(EventKind.PREEMPTED, stop_s=0.0, during=e.during)
+            log.warning("preempted while %s: no worker was running, nothing to checkpoint", where)
+            self._preempted(f"preempted while {where} (no worker was running, nothing to checkpoint); rerun to resume")
             return self._result(True)
         finally:
             if self.beacon is not None:
@@ -577,6 +588,17 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 
     def _on_failure(self, wg, outs: list[WorkerOutcome], lost_nodes: list[int] | None = None) -> RunResult | None:
         failed = [o for o in outs if o.failed]
+        if (not lost_nodes and self._stop_at_start and self._stopping is not None and self._stopping.kind == "preempt"
+                and all(o.signal in (signal.SIGTERM, signal.SIGINT) for o in failed)):
+            # the stop came while this launch's workers were being started: those that ended on it had
+            # not attached their hooks, so had not begun (a restore at most): a preemption, not a failure
+            dur = self._kill_all()
+            self.events.emit(EventKind.TEARDOWN, duration_s=dur)
+            self.events.emit(EventKind.PREEMPTED, stop_s=time.monotonic() - self._stopping.t0, during="start")
+            log.warning("preempted while the workers started: they had not begun training, nothing to checkpoint")
+            self._preempted("preempted while the workers started (they had not begun training, nothing to "
+                            "checkpoint); rerun to resume")
+            return self._result(True)
         if self._stopping is not None and self._stopping.kind == "scale_up":
             # the workers were stopping to grow onto devices that came back: they still have, whatever
             # failed on the way (the relaunch below clears the stop, and with it the request)

@@ -598,6 +598,35 @@ def test_a_stop_while_the_first_workers_start_is_a_preemption(tmp_path):
     assert p.returncode == 143 and "preempted" in kinds and "Traceback" not in err, (p.returncode, kinds, err[-2000:])
 
 
+def test_a_stop_while_the_workers_are_being_started_is_a_preemption(tmp_path):
+    """The first start waits for the standby template's imports (made 6 s here by a slow preload). A
+    SIGTERM in that wait reached the workers as soon as they were forked, before they attached their
+    hooks (4 s of a trainer's imports here): they ended on it and elastor run exited 1 ("a worker ended on the stop signal before confirming a
+    checkpoint"), or 143 when the signal came a moment earlier (CI saw both). They had not begun
+    training: a preemption, exit 143, a `preempted` event during the start, no failure."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(6)\n")
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(4)   # a trainer's imports, before it attaches its hooks\n"
+                      + STOPS_WHEN_ASKED)
+    events = tmp_path / "ev.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "elastor_ds.cli", "run", "--standalone", "--nproc-per-node", "2",
+                          "--standby-preload", "slow_preload", "--events", str(events), str(script)],
+                         cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", CUDA_VISIBLE_DEVICES=""))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60 and '"rendezvous"' not in (events.read_text() if events.exists() else ""):
+        time.sleep(0.02)
+    time.sleep(1.5)                          # in the start: the template sleeps 6 s in its preload
+    before = [json.loads(x)["event"] for x in events.read_text().splitlines()]
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
+    assert "rendezvous" in before and "launch" not in before, before
+    assert p.returncode == 143, (p.returncode, kinds, err[-2000:])
+    assert "preempted" in kinds and "failure" not in kinds and "stopped" not in kinds, kinds
+    assert "Traceback" not in err and "rerun to resume" in err, err[-2000:]
+
+
 def test_the_events_file_and_the_log_folder_are_this_users_only(tmp_path):
     """The events name the script, its pids, hosts and snapshot-server addresses; the log folder
     holds the workers' logs. Made 0600 and 0700 (they were 0644 and 0755: readable by every user)."""
