@@ -686,6 +686,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
     newer than the oldest step kept stays (for a look), an older one goes as any old step does."""
     keep = max(1, keep)
     removed = []
+    left: list[tuple[str, str]] = []   # (path, why) of what retention leaves alone
     committed = list_committed(root)
     bad = {os.path.abspath(p) for p in unusable}
     good = [(s, p) for s, p in committed if os.path.abspath(p) not in bad]
@@ -707,6 +708,11 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
             continue
         if os.path.islink(path):   # a link someone put there: never followed, never removed
             continue
+        if recycle_dir is None:   # storage (a memory snapshot's folder is private to the job)
+            why = _not_ours(path)
+            if why:   # another user's, or files added to it: retention deletes only what saves made
+                left.append((path, f"a committed step, but {why}"))
+                continue
         if recycle_dir is not None:
             recycle_data_files(path, recycle_dir, recycle_names)
         if _remove_via_trash(root, path, step):
@@ -722,11 +728,9 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         if tmp_step is None or os.path.abspath(p) in keep_paths:
             continue
         if tmp_step <= newest:
-            why = _not_our_temp_dir(p)
+            why = _not_ours(p)
             if why:
-                if p not in _left_alone:
-                    _left_alone.add(p)
-                    log.warning("retention leaves %s alone: named like a save's temp dir, but %s", p, why)
+                left.append((p, f"named like a save's temp dir, but {why}"))
                 continue
             if _remove_via_trash(root, p, tmp_step):
                 removed.append(p)
@@ -740,6 +744,7 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
                 os.unlink(os.path.join(recycle_dir, n))
             except OSError as e:
                 log.debug("could not remove %s/%s: %s", recycle_dir, n, e)
+    _say_left_alone(left)
     if removed:   # memory snapshots (recycle_dir) retire a step every iteration: not worth an INFO line each
         log.log(logging.DEBUG if recycle_dir is not None else logging.INFO, "retention removed %s",
                 ", ".join(os.path.basename(p) for p in removed))
@@ -766,10 +771,23 @@ _STATE_ENTRY = re.compile(r"^rank_\d{5,}\.json$")
 _left_alone: set = set()   # temp-dir-like entries retention already said it leaves (said once each)
 
 
-def _not_our_temp_dir(path: str) -> str:
-    """Why ``path`` (named ``.tmp_step_*``) is not a temp dir a save of ours left, or "" when it
-    is one: a real directory of this user holding only the files a save writes (data files, CRC
-    tables, rank state files, the manifest and its temp names). Retention deletes nothing else."""
+def _say_left_alone(left: list[tuple[str, str]]) -> None:
+    """One warning for the entries retention leaves alone that it has not named before (a few by
+    name, then a count: a root sprayed with thousands of look-alike folders is one line)."""
+    new = [(p, why) for p, why in left if p not in _left_alone]
+    if not new:
+        return
+    if len(_left_alone) < 100_000:
+        _left_alone.update(p for p, _ in new)
+    named = "; ".join(f"{p}: {why}" for p, why in new[:3])
+    more = f" (and {len(new) - 3} more such entries)" if len(new) > 3 else ""
+    log.warning("retention leaves alone what no save of this user made: %s%s", named, more)
+
+
+def _not_ours(path: str) -> str:
+    """Why ``path`` (a ``step_*`` or ``.tmp_step_*`` folder) is not one a save of ours made, or ""
+    when it is one: a real directory of this user holding only the files a save writes (data files,
+    CRC tables, rank state files, the manifest and its temp names). Retention deletes nothing else."""
     try:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode):

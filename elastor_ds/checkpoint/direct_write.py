@@ -85,7 +85,7 @@ def write_stream_direct(path: str, header: bytes, buffers: Iterable["memoryview 
         return write_stream(path, header, materialize(mvs), fsync=fsync, chunk_crcs=chunk_crcs, block_crcs=block_crcs,
                             block_size=block_size)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

@@ -65,11 +65,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import hashlib
+import hmac
 import logging
 import numbers
 import operator
 import os
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -297,6 +300,7 @@ class CheckpointEngine:
         self._plan: Optional[SavePlan] = None
         self._local_key: tuple = ()
         self._session = ""
+        self._session_key = ""   # the plan's secret: each save's temp dir name carries a MAC of its number
         self._job: Optional[_Job] = None
         self._saves = 0
         self._newest_step = -1   # the newest step this engine committed (a lower save moves `latest` back: warned)
@@ -401,7 +405,7 @@ class CheckpointEngine:
                 plan = self._plan
                 items = plan.items[rank]
                 spans = self.staging.snapshot(items, shards, defer=self.defer_device_copies, whole_boxes=True)
-        tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")
+        tmp_dir = self.storage.temp_dir(step, self._temp_nonce(self._saves))
         job = _Job(step, t0=t0, stale=stale)
         if live and not stale and not self.in_place:
             job.gate = self._live_gate(items, shards, step)
@@ -411,7 +415,7 @@ class CheckpointEngine:
                 self._plan_again(key, shards, self.writer_comm)
                 plan = self._plan
                 items = plan.items[rank]
-                tmp_dir = self.storage.temp_dir(step, f"{self._session}_{self._saves}")   # the new plan's
+                tmp_dir = self.storage.temp_dir(step, self._temp_nonce(self._saves))   # the new plan's
             pending = None
         if pending is not None:
             job.agreement, job.key, job.shards, job.nonce = pending, key, list(shards), self._saves
@@ -454,18 +458,26 @@ class CheckpointEngine:
             self.wait()
         return stats
 
+    def _temp_nonce(self, save: int) -> str:
+        """The nonce of save number ``save``'s temp dir (the same on every rank): the plan's session,
+        the number, and a keyed hash of it that no one without the session's key can compute."""
+        tag = hmac.new(self._session_key.encode(), str(save).encode(), hashlib.sha256).hexdigest()[:16]
+        return f"{self._session}_{save}_{tag}"
+
     def _plan_again(self, key: tuple, shards: Sequence[TensorShard], comm: Optional[Comm] = None) -> None:
         """Collective (on ``comm``, default the engine's group): gather every rank's shard metadata
         and make the save plan (same on every rank). A rank's problem with its own shards travels
         in the gather, so every rank raises it."""
-        nonce = f"{os.getpid()}_{int(time.time() * 1000)}"
+        # with a key for the temp dirs' names: another user of a shared root who can list it must not
+        # be able to guess the next save's folder (and make it first)
+        nonce = (f"{os.getpid()}_{int(time.time() * 1000)}", secrets.token_hex(16))
         metas = [ShardMeta(*k) for k in key]
         gathered = (comm or self.comm).all_gather_object(([m.to_tuple() for m in metas], nonce, conflicting_duplicate(shards)))
         bad = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
         if bad:
             raise ShardingError(f"rank {bad[0][0]}: {bad[0][1]}")
         self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g[0]] for g in gathered])
-        self._session = gathered[0][1]
+        self._session, self._session_key = gathered[0][1]
         self._local_key = key
 
     def _take_file(self, items, tmp_dir: str) -> "tuple[StagedFile, int]":
@@ -536,7 +548,7 @@ class CheckpointEngine:
                 job.stats.live = gate is not None
                 job.stats.bytes_written = sum(sp[1] for sp in spans)
             # the temp dir's name carries the plan's session: the same on every rank again
-            return plan, items, spans, self.storage.temp_dir(job.step, f"{self._session}_{job.nonce}")
+            return plan, items, spans, self.storage.temp_dir(job.step, self._temp_nonce(job.nonce))
         finally:
             job.resolved.set()
 

@@ -182,7 +182,7 @@ def write_stream(path: str, header: bytes, buffers: Iterable["memoryview | RowRu
        ``chunk_crcs``); the file's CRC is combined from the buffers' CRCs (:func:`crc32_combine`).
     Raises OSError on failure."""
     mvs = [b if isinstance(b, RowRuns) else memoryview(b).cast("B") for b in buffers]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     start = _writeback_starter() if fsync else None
     try:
         write_all(fd, memoryview(header))

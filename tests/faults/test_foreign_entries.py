@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from elastor_ds.checkpoint import CheckpointEngine
+from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.shards import full_shard
 from elastor_ds.errors import CheckpointError
 
@@ -93,3 +94,78 @@ def test_retention_deletes_only_temp_dirs_a_save_left(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "retention leaves" in r.getMessage()]
     assert len([m for m in said if str(user) in m]) == 1 and "holds 'f', which no save writes" in " ".join(said)
     eng.finalize()
+
+
+def test_a_temp_dir_another_user_made_first_is_never_written_through(tmp_path):
+    """A shared root (sticky, writable by all): another user who made the next save's temp dir first,
+    with a link in it to a file of the job's user, had the save write through the link (the file
+    became a CRC table) and commit a step that user owned. The temp dir's name now carries a keyed
+    hash (not to be guessed from earlier names), and a folder the job did not make is refused: the
+    save fails, the file is intact, nothing is committed."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    eng = CheckpointEngine(str(root), keep=5, async_save=False)
+    _save(eng, 1)
+    first = eng._temp_nonce(1)
+    assert eng._temp_nonce(2) != first.rsplit("_", 2)[0] + "_2", "the next name follows from the last one"
+    # the attacker guessed right (here: given the name): made the folder and the links before the save
+    planted = root / commit_mod.tmp_dirname(2, eng._temp_nonce(eng._saves))
+    planted.mkdir()
+    for name in ("data_00000.safetensors", "data_00000.crc32", "manifest.json"):
+        os.symlink(victim, planted / name)
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o777)
+    with pytest.raises(CheckpointError, match="belongs to uid 65534"):
+        eng.save(2, [full_shard("w", torch.arange(8.0) + 2)])
+        eng.wait()
+    assert victim.read_text() == "precious"
+    assert not (root / "step_000000002").exists() and sorted(os.listdir(planted)) == [
+        "data_00000.crc32", "data_00000.safetensors", "manifest.json"]
+    _save(eng, 3)   # the next save has a folder of its own
+    out = torch.zeros(8)
+    assert eng.load(None, [full_shard("w", out)]).step == 3 and torch.equal(out, torch.arange(8.0) + 3)
+    eng.finalize()
+
+
+def test_a_link_in_the_save_folder_is_not_followed_by_the_data_writers(tmp_path):
+    """The writers open their files without following a link (the folder check above aside)."""
+    from elastor_ds.checkpoint.direct_write import write_stream_direct
+    from elastor_ds.checkpoint.fileformat import write_stream
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    for i, write in enumerate((write_stream, write_stream_direct)):
+        link = tmp_path / f"data_{i}.safetensors"
+        os.symlink(victim, link)
+        with pytest.raises(OSError):
+            write(str(link), b"x" * 4096, [memoryview(bytearray(8192))])
+    assert victim.read_text() == "precious"
+
+
+def test_retention_leaves_committed_steps_it_did_not_make(tmp_path, caplog):
+    """keep=1 deleted a step of another user (copied in by a colleague) and a step holding a file
+    the user had added (notes beside the data) whole. Both stay now, said in one warning; the
+    steps saves made still go."""
+    caplog.set_level(logging.WARNING)
+    root = tmp_path / "root"
+    eng = CheckpointEngine(str(root), keep=1, async_save=False)
+    for step in (1, 2, 3):
+        _save(eng, step)
+    # (step 1 is gone by now; make two more old steps as a colleague and the user would have)
+    for step in (0, 1):
+        eng2 = CheckpointEngine(str(tmp_path / f"other{step}"), keep=5, async_save=False)
+        _save(eng2, step)
+        eng2.finalize()
+        os.rename(tmp_path / f"other{step}" / f"step_{step:09d}", root / f"step_{step:09d}")
+    os.chown(root / "step_000000000", 4242, 4242)
+    (root / "step_000000001" / "eval_notes.txt").write_text("mine")
+    _save(eng, 4)
+    _save(eng, 5)
+    eng.finalize()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        "step_000000000", "step_000000001", "step_000000005"]
+    assert (root / "step_000000001" / "eval_notes.txt").read_text() == "mine"
+    said = [r.getMessage() for r in caplog.records if "retention leaves alone" in r.getMessage()]
+    assert len(said) == 1 and "belongs to uid 4242" in said[0] and "'eval_notes.txt'" in said[0], said

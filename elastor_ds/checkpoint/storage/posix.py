@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ...comm.collectives import Comm
-from ...errors import CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .. import commit as commit_mod
 from ..direct_write import write_stream_direct
 from ..fileformat import write_all, write_stream
@@ -53,7 +54,7 @@ class PosixStorage(Storage):
 
     def write_data_file(self, path: str, header: bytes, buffers: Sequence[memoryview], *, chunk_crcs: list[int],
                         block_crcs: list[list[int]], block_size: int) -> tuple[int, int]:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        own_dir(os.path.dirname(path))
         if self.direct_io:
             return write_stream_direct(path, header, buffers, fsync=self.sync, chunk_crcs=chunk_crcs,
                                        block_crcs=block_crcs, block_size=block_size)
@@ -61,8 +62,8 @@ class PosixStorage(Storage):
                             block_crcs=block_crcs, block_size=block_size)
 
     def write_file(self, path: str, data: bytes) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        own_dir(os.path.dirname(path))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             write_all(fd, memoryview(data))
             if self.sync:
@@ -94,7 +95,12 @@ class PosixStorage(Storage):
         return commit_mod.commit_text(self.root, tmp_dir, step, manifest_text, sync=self.sync)
 
     def abort(self, tmp_dir: str) -> None:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        try:
+            st = os.lstat(tmp_dir)
+        except OSError:
+            return
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():   # not another user's (own_dir refused it)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def retain(self, keep: int, protect: str, unusable: "frozenset[str]" = frozenset()) -> list[str]:
         return commit_mod.apply_retention(self.root, keep, protect=protect, unusable=unusable)
@@ -130,3 +136,18 @@ class PosixStorage(Storage):
 
     def source(self, step_dir: str) -> ChunkSource:
         return DirSource(step_dir, STORAGE)
+
+
+def own_dir(path: str) -> None:
+    """Make the folder a save writes into (and its missing parents) and check that it is a real
+    folder of this user. The checkpoint root may be shared (a team folder, sticky and writable by
+    all): another user who made a folder under this save's name first, with links in it to files of
+    the job's user, would have had the save write through them (and the step it commits be theirs).
+    Raises :class:`UnsafeCheckpointError` for such a folder."""
+    os.makedirs(path, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "is not a folder" if not stat.S_ISDIR(st.st_mode) else f"belongs to uid {st.st_uid}"
+        raise UnsafeCheckpointError(f"{path} {what}: another user made this save's folder before it (a shared "
+                                    f"checkpoint folder?); nothing is written through it. Give a checkpoint folder "
+                                    f"only this user can write to")
