@@ -1,6 +1,7 @@
 """Records -> fixed-length samples, and which global sample indices each replica takes.
 
-A sample is one record (a line of a text file, or the ``"text"`` field of a JSONL line) tokenised,
+A sample is one record (a line of a text file, or the ``"text"`` field of a JSONL line; a line of
+only whitespace is no record: it would train on an empty sample) tokenised,
 with EOS appended, truncated or PAD-padded to ``seq_length + 1`` tokens. The record behind global
 sample ``i`` is ``perm_epoch(i mod N)``: a seeded permutation per epoch, so the sample order is a
 function of the global sample index only, never of the layout. A line-offset index (found by
@@ -26,6 +27,7 @@ from .tokenizer import CharTokenizer
 #: compressed corpus) is refused, not read whole into memory for one sample
 MAX_RECORD_BYTES = 64 << 20
 _SCAN = 16 << 20   # bytes read at a time while indexing the lines
+_WHITESPACE = np.frombuffer(b" \t\r\n\v\f", dtype=np.uint8)   # what str.strip() removes from a line, in ASCII
 
 
 class RecordDataset:
@@ -42,11 +44,11 @@ class RecordDataset:
         self.fd = open_data_file(path)
         try:
             _refuse_compressed(self.fd, path)
-            self.offsets = self._index(self.fd)
+            self.starts, self.ends = self._index(self.fd)
         except BaseException:
             os.close(self.fd)
             raise
-        if len(self.offsets) < 2:
+        if not len(self.starts):
             os.close(self.fd)
             raise ConfigError(f"{path} has no records")
         self.tokenised = 0  # records tokenised by this object (resume must not tokenise skipped ones)
@@ -61,34 +63,50 @@ class RecordDataset:
             except OSError:
                 pass
 
-    def _index(self, fd: int) -> np.ndarray:
-        """Offsets of every line start and the end, scanned a piece at a time (memory: the offsets)."""
-        chunks, pos, last, lines = [np.zeros(1, dtype=np.int64)], 0, 0, 0
+    def _index(self, fd: int) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) offsets of every line holding more than whitespace, scanned a piece at a time
+        (memory: the offsets)."""
+        bounds, pos, last, lines = [np.zeros(1, dtype=np.int64)], 0, 0, 0
+        filled: list[np.ndarray] = []   # per line: whether it holds a byte that is not whitespace
+        carry = 0   # such bytes since the last line start, from earlier pieces
         while True:
             piece = os.pread(fd, _SCAN, pos)
             if not piece:
                 break
-            nl = np.flatnonzero(np.frombuffer(piece, dtype=np.uint8) == ord("\n")).astype(np.int64) + (pos + 1)
+            arr = np.frombuffer(piece, dtype=np.uint8)
+            nl_rel = np.flatnonzero(arr == ord("\n"))
+            nl = nl_rel.astype(np.int64) + (pos + 1)
+            cs = np.cumsum(~np.isin(arr, _WHITESPACE), dtype=np.int64)
             if len(nl):
                 long_ = np.flatnonzero(np.diff(nl, prepend=last) > MAX_RECORD_BYTES)
                 if len(long_):
                     self._too_long(lines + int(long_[0]) + 1)
+                at = cs[nl_rel]
+                counts = np.diff(at, prepend=0)
+                counts[0] += carry
+                filled.append(counts > 0)
+                carry = int(cs[-1] - at[-1])
                 lines += len(nl)
                 last = int(nl[-1])
-                chunks.append(nl)
+                bounds.append(nl)
+            else:
+                carry += int(cs[-1])
             pos += len(piece)
             if pos - last > MAX_RECORD_BYTES:
                 self._too_long(lines + 1)
         if pos > last:
-            chunks.append(np.array([pos], dtype=np.int64))
-        return np.concatenate(chunks)
+            bounds.append(np.array([pos], dtype=np.int64))
+            filled.append(np.array([carry > 0]))
+        edges = np.concatenate(bounds)
+        keep = np.concatenate(filled) if filled else np.zeros(0, dtype=bool)
+        return edges[:-1][keep], edges[1:][keep]
 
     def _too_long(self, line: int) -> None:
         raise ConfigError(f"--data-path {self.path}: line {line} is longer than {MAX_RECORD_BYTES >> 20} MiB; records "
                           f"are lines of text or JSONL (is the file compressed or binary?)")
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.starts)
 
     def record_of(self, sample: int) -> int:
         epoch, i = divmod(sample, len(self))
@@ -98,10 +116,10 @@ class RecordDataset:
         return int(self._perm[i])
 
     def text(self, record: int) -> str:
-        a, b = int(self.offsets[record]), int(self.offsets[record + 1])
+        a, b = int(self.starts[record]), int(self.ends[record])
         line = os.pread(self.fd, b - a, a).decode("utf-8", "replace").strip()
         if self.jsonl and line:
-            where = f"{self.path}: line {record + 1}"
+            where = f"{self.path}: line {self._line_number(a)}"
             try:
                 obj = json.loads(line)
             except (ValueError, RecursionError):   # not JSON, a number too long for int(), nested too deep
@@ -116,6 +134,18 @@ class RecordDataset:
                                   f"line, or give a plain text file")
             return text
         return line
+
+    def _line_number(self, offset: int) -> int:
+        """The 1-based line number of the line starting at ``offset`` (an error's message: blank lines
+        are no records, so a record's number is not its line's)."""
+        n, pos = 0, 0
+        while pos < offset:
+            piece = os.pread(self.fd, min(_SCAN, offset - pos), pos)
+            if not piece:
+                break
+            n += piece.count(b"\n")
+            pos += len(piece)
+        return n + 1
 
     def sample(self, index: int) -> np.ndarray:
         """Tokens of global sample ``index``: ``seq_length + 1`` int64 (inputs = [:-1], labels = [1:])."""

@@ -217,3 +217,33 @@ def test_a_compressed_data_file_is_refused_not_trained_on(tmp_path, name):
     kind = {"gz": "gzip", "bz2": "bzip2", "zst": "zstd"}[name.rsplit(".", 1)[1]]
     with pytest.raises(ConfigError, match=f"is {kind}-compressed; decompress it first"):
         RecordDataset(str(f), 8)
+
+
+def test_lines_of_only_whitespace_are_no_records(tmp_path, monkeypatch):
+    """A blank line (a JSONL file's trailing one, the empty lines between paragraphs) was a record of
+    its own: a sample of EOS and padding. Such lines are skipped now, also when a line crosses the
+    pieces the index is read in (brute force against splitting the bytes by hand), and an error
+    names the line's number in the file, not the record's."""
+    import elastor_ds.data.dataset as dataset_mod
+    rng = np.random.default_rng(7)
+    pieces = [b"", b" ", b"\t \r", b"ab", b" x ", b"hello world", b"\x0b\x0c"]
+    for trial in range(200):
+        monkeypatch.setattr(dataset_mod, "_SCAN", int(rng.integers(1, 12)))
+        data = b"\n".join(pieces[i] for i in rng.integers(0, len(pieces), int(rng.integers(1, 12))))
+        data += b"\n" if trial % 2 else b""
+        path = tmp_path / f"c{trial}.txt"
+        path.write_bytes(data)
+        lines = data.split(b"\n")
+        want = [ln.decode().strip() for ln in lines if ln.strip(b" \t\r\n\x0b\x0c")]
+        if not want:
+            with pytest.raises(ConfigError, match="has no records"):
+                RecordDataset(str(path), 16)
+            continue
+        ds = RecordDataset(str(path), 16)
+        assert [ds.text(i) for i in range(len(ds))] == want, data
+    jl = tmp_path / "c.jsonl"
+    jl.write_text('{"text": "a"}\n\n   \n{"text": "b"}\n[1]\n\n')
+    ds = RecordDataset(str(jl), 16)
+    assert len(ds) == 3 and [ds.text(0), ds.text(1)] == ["a", "b"]
+    with pytest.raises(ConfigError, match=r"c\.jsonl: line 5: a JSONL record is an object"):
+        ds.text(2)
