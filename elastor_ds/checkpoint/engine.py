@@ -1,8 +1,8 @@
 """CheckpointEngine: asynchronous, deduplicated, partition-agnostic save and resharding load.
 
 Save (``save``), one in flight at a time:
-1. Wait for the previous save; if it failed on any rank, raise :class:`AsyncSaveError` here, on
-   every rank.
+1. Wait for the previous save; if it failed on any rank, raise its :class:`AsyncSaveError` here, on
+   every rank, and start nothing (the message says this step was not saved: call ``save`` again).
 2. Agree on the save plan: one ``all_equal`` (on a group with liveness checks, through the
    arrival marks in the store; else one tiny all-reduce) says whether every rank's shard metadata
    still matches the cached plan; if so reuse it, else all-gather the metadata and compute the plan
@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import enum
 import hashlib
 import hmac
@@ -91,7 +92,7 @@ from .planning.manifest import Manifest
 from .planning.save_plan import SavePlan, ShardMeta, plan_save
 from .reader import read_shards
 from .sources import SourcesFor
-from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dtype_name
+from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dtype_name, read_only_destination
 from .crc import crc32
 from .fileformat import RowRuns
 from .planning.manifest import BLOCK_SIZE, crc_table_name
@@ -272,6 +273,12 @@ class CheckpointEngine:
             raise ValueError(f"keep={keep}: must be >= 1 (the last good checkpoint is never deleted)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be >= 1 byte")
+        for key, val in (("async_save", async_save), ("live_write", live_write)):
+            if not isinstance(val, bool):   # bool("no") is True: a string would turn the switch on
+                raise ConfigError(f"CheckpointEngine({key}={val!r}): must be True or False")
+        if isinstance(writer_nice, bool) or not isinstance(writer_nice, numbers.Integral):
+            raise ConfigError(f"CheckpointEngine(writer_nice={writer_nice!r}): must be an integer 0..19 (added to the "
+                              f"writer thread's nice value; 0 keeps the training thread's)")
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice={writer_nice}: must be 0..19 (added to the writer thread's nice value)")
         self.writer_nice = int(writer_nice)
@@ -307,7 +314,7 @@ class CheckpointEngine:
         self._warned_backwards = False
         self._unusable: set[str] = set()   # step dirs of this root a load fell back past (not kept by retention)
         self.optimistic_plan = optimistic_plan
-        self.live_write = bool(live_write)
+        self.live_write = live_write
         self.saves_dropped = 0
         self._queue: Optional[queue.SimpleQueue] = None
         self._thread: Optional[threading.Thread] = None
@@ -332,7 +339,13 @@ class CheckpointEngine:
              rank_state: Optional[Mapping[str, Any]] = None, model: Optional[Mapping[str, Any]] = None,
              layout: Optional[Mapping[str, Any]] = None, rank_extra: Optional[RankExtra] = None) -> SaveStats:
         """Start saving ``shards`` as checkpoint ``step``; returns after the snapshot (async) or the commit.
-        ``rank_extra``: what each rank adds to ``extra`` (gathered by the writer, :class:`RankExtra`)."""
+        ``rank_extra``: what each rank adds to ``extra`` (gathered by the writer, :class:`RankExtra`).
+
+        The previous save is waited for first. When it failed (on any rank), this call raises its
+        :class:`AsyncSaveError` on every rank and does **not** start: ``step`` is not saved (the
+        message says so); call ``save(step, ...)`` again to save it. As with a
+        ``torch.distributed.checkpoint.async_save`` future that is waited for before the next save,
+        no error is dropped: :meth:`wait` after each save reports a failure before the next one."""
         step = _check_step(step)
         if not isinstance(shards, (list, tuple)) or not all(isinstance(s, TensorShard) for s in shards):
             bad = shards if not isinstance(shards, (list, tuple)) else next(s for s in shards if not isinstance(s, TensorShard))
@@ -340,7 +353,10 @@ class CheckpointEngine:
                             f"wrap a whole tensor as full_shard(name, tensor), or build TensorShard(name, shape, "
                             f"region, tensor) for a piece of a global tensor")
         tw = time.perf_counter()
-        self.wait()
+        try:
+            self.wait()
+        except AsyncSaveError as e:   # the same error on every rank: every rank refuses this save
+            raise _not_started(e, step) from e.__cause__
         t0 = time.perf_counter()
         if step < self._newest_step and not self._warned_backwards and self.comm.rank == 0:
             self._warned_backwards = True   # once: a run that rewinds on purpose need not hear it every save
@@ -673,6 +689,25 @@ class CheckpointEngine:
             if t is not threading.current_thread():
                 t.join(join_s)
 
+    def _report_at_exit(self) -> None:
+        """At exit (the program never called :meth:`wait` or :meth:`finalize` after its last
+        save): say on this rank, at ERROR, when that save failed or did not end, since no exception
+        will. The exit status is the program's own."""
+        job = self._job
+        if job is None or (job.done.is_set() and job.error is None):
+            return
+        try:
+            resume = f"'latest' under {self.root} names {os.path.basename(self.storage.resolve(self.root))}"
+        except Exception:  # noqa: BLE001 - only for the message
+            resume = f"no step is committed under {self.root}"
+        if not job.done.is_set():
+            log.error("checkpoint save of step %d FAILED: the program exited before it was written (it waited "
+                      "%.0f s at most), and nothing was committed for it; %s. Call finalize() before exiting",
+                      job.step, EXIT_SAVE_WAIT_S, resume)
+            return
+        log.error("checkpoint save of step %d FAILED and nothing was committed for it: %s; %s. The program exited "
+                  "without wait() or finalize(), which raise this error", job.step, job.error, resume)
+
     def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
                           model, layout, rank_extra: Optional[tuple] = None) -> None:
         rank = self.comm.rank
@@ -917,7 +952,11 @@ class CheckpointEngine:
         ``sources``: ``(step_dir, manifest) -> [ChunkSource, ...]`` (:mod:`.sources`), called for the
         checkpoint actually read: each file comes from the first source holding it whole and falls
         back to the next one when its bytes fail their checks (default: the step dir's own files).
-        With sources, "full" checks only the files this rank reads (whole-file CRC per source)."""
+        With sources, "full" checks only the files this rank reads (whole-file CRC per source).
+
+        A save of this process still in flight that reads the live tensors (``live_write``) or
+        waits for device copies out of them is fenced first (:meth:`fence`): the load writes into
+        memory without bumping version counters, so its step keeps the state at ``save()``."""
         try:
             mode = VerifyMode(verify_checksums)
         except ValueError:
@@ -928,6 +967,7 @@ class CheckpointEngine:
             bad = shards if not isinstance(shards, (list, tuple)) else next(s for s in shards if not isinstance(s, TensorShard))
             raise TypeError(f"load(path, shards): shards must be a list of TensorShard or a function of the manifest "
                             f"returning one (got {type(bad).__name__}); wrap a whole tensor as full_shard(name, tensor)")
+        self._fence_saves_in_flight()
         todo: list[tuple[str, Optional[Manifest]]]
         if isinstance(path, OpenCheckpoint):
             fallback, fell_back, last_err = path.fallback, path.fell_back, path.error
@@ -953,6 +993,15 @@ class CheckpointEngine:
                     raise
                 log.error("checkpoint %s is unusable (%s); falling back to the previous one", step_dir, e)
         raise CorruptCheckpointError(f"no usable checkpoint: {last_err}")  # pragma: no cover
+
+    def _fence_saves_in_flight(self) -> None:
+        """Before a load writes into tensors: fence this engine's save in flight and every other
+        engine's of this process (a session's memory snapshots read the same tensors). A load
+        fills memory through ``pread`` and numpy, which no version counter sees: into the live
+        tensors of an unfenced live save, the save committed the loaded bytes. Only the training
+        thread's fence is taken (nothing waits for a write to end)."""
+        for eng in [self, *(e for e in list(_AT_EXIT) if e is not self)]:
+            eng.fence()
 
     def _mark_unusable(self, step_dir: str) -> None:
         """A committed step of this root that failed its load with a data error: retention does not
@@ -985,7 +1034,7 @@ class CheckpointEngine:
         t0 = time.perf_counter()
         if man is None:
             man = self.storage.read_manifest(step_dir)
-        shards = list(shards_arg(man)) if callable(shards_arg) else list(shards_arg)
+        shards = _returned_shards(shards_arg, man) if callable(shards_arg) else list(shards_arg)
         if sources is None:
             if mode is VerifyMode.FULL:
                 mine = [f for i, f in enumerate(sorted(man.files)) if i % self.comm.world_size == self.comm.rank]
@@ -997,6 +1046,9 @@ class CheckpointEngine:
         alias = aliased_destinations(shards_found)
         if alias is not None:   # a caller's error, not a corrupt checkpoint (and no reason to fall back)
             raise ShardingError(alias)
+        ro = read_only_destination(shards_found)
+        if ro is not None:   # the reads would fail with EFAULT, or a copy into it kill the process
+            raise ShardingError(ro)
         if strict and len(shards_found) != len(shards):
             missing = next(s.name for s in shards if s.name not in man.tensors)
             raise TensorMismatchError(f"tensor {missing!r} is not in checkpoint {step_dir} (it has "
@@ -1027,6 +1079,36 @@ class CheckpointEngine:
         return LoadResult(man.step, step_dir, from_jsonable(dict(man.extra)), from_jsonable(rank_state), man, read,
                           lplan.bytes_needed,
                           time.perf_counter() - t0, bytes_by_source=by_source)
+
+
+def _returned_shards(fn: Callable, man: Manifest) -> list:
+    """What a ``shards_for(manifest)`` function of :meth:`CheckpointEngine.load` returned, checked:
+    a list of :class:`TensorShard`."""
+    got = fn(man)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        if isinstance(got, (str, bytes, Mapping)):
+            raise TypeError
+        shards = list(got)
+    except TypeError:
+        raise ConfigError(f"load(path, shards_for): {name}(manifest) returned {type(got).__name__}; a shards_for "
+                          f"function must return a list of TensorShard to fill for that checkpoint (an empty list "
+                          f"loads no tensor)") from None
+    bad = next((s for s in shards if not isinstance(s, TensorShard)), None)
+    if bad is not None:
+        raise ConfigError(f"load(path, shards_for): {name}(manifest) returned a list holding a "
+                          f"{type(bad).__name__}; a shards_for function must return a list of TensorShard "
+                          f"(full_shard(name, tensor) for a whole tensor)")
+    return shards
+
+
+def _not_started(e: AsyncSaveError, step: int) -> AsyncSaveError:
+    """The previous save's failure ``e``, as ``save(step)`` raises it: of the same class (so ``except
+    LiveStateChangedError`` still matches), saying that this save was not started."""
+    err = copy.copy(e)
+    err.args = (f"{e} -- so save({step}) did not start: step {step} was not saved; call save({step}, ...) again "
+                f"to save it (wait() after each save reports a failure before the next one)",)
+    return err
 
 
 def _one_step(steps: Sequence[int], outcomes: list) -> list:
@@ -1076,6 +1158,7 @@ def _stop_writers() -> None:
                             job.step if job is not None else "?", max(0.0, deadline - time.monotonic()))
                 engine.writer_priority.urgent("exit")
             engine._stop_writer(join_s=max(0.1, deadline - time.monotonic()))
+            engine._report_at_exit()
         except KeyboardInterrupt:   # the second interrupt: abandon the waits, still tell every writer to stop
             log.warning("checkpoint saves still being written at exit were abandoned")
             deadline = time.monotonic()

@@ -30,9 +30,12 @@ What guards the contract: each tensor's autograd version counter, which in-place
 ``save`` and compared at the fence and when the writer releases the gate; a change means the bytes
 the writer read may mix two states, so the save fails on every rank
 (:class:`~elastor_ds.errors.LiveStateChangedError`) and nothing is committed. Writes that bypass the
-counter (through ``.data``, numpy views, another process, and batch norm's running statistics on
-CPU, which torch updates without bumping it) are not seen: only turn live writes on where the
-optimizer step (behind the fence) is the only thing that changes saved tensors. The DeepSpeed
+counter are not seen: through ``.data``, numpy views or another process; batch norm's running
+statistics on CPU; torch's fused optimizers (``fused=True``: Adam, AdamW, SGD, Adagrad; torch 2.13
+on CPU), whose kernels write the parameters and moments without bumping it (behind the fence they
+are safe, but a missing fence commits the state after their step); and :meth:`~.engine.CheckpointEngine.load`,
+which fences every save of its process in flight first for that reason. Only turn live writes on
+where the optimizer step (behind the fence) is the only thing that changes saved tensors. The DeepSpeed
 integration's shards are ``detach()`` views (a ``.data`` alias would have a counter of its own),
 and a session whose model has batch norm with running statistics keeps live writes off with a
 warning. A fence interrupted part way (Ctrl-C in the step pre-hook) drops the save.

@@ -6,12 +6,18 @@ ZeRO flat partition (see :mod:`elastor_ds.layout.zero`).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+import operator
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..errors import ShardingError
 from ..layout.region import Piece, Region
 from ..layout.zero import flat_partition_pieces
 
@@ -29,10 +35,35 @@ class TensorShard:
                             f"Region.full(shape) for a whole tensor")
         if not isinstance(self.tensor, torch.Tensor):
             raise TypeError(f"shard {self.name}: tensor must be a torch.Tensor (got {type(self.tensor).__name__})")
-        self.shape = tuple(int(s) for s in self.shape)
+        self.shape = _global_shape(self.name, self.shape)
+        if len(self.shape) != self.region.ndim:
+            raise ShardingError(f"shard {self.name}: region {self.region} has {self.region.ndim} dimension(s), the "
+                                f"global shape {self.shape} has {len(self.shape)}; give the region one offset and one "
+                                f"size per dimension of the shape (Region.full(shape) for a whole tensor)")
         if tuple(self.tensor.shape) != tuple(self.region.sizes):
             raise ValueError(f"shard {self.name}: tensor shape {tuple(self.tensor.shape)} != region sizes "
                              f"{self.region.sizes}")
+
+
+def _global_shape(name: str, shape: object) -> tuple[int, ...]:
+    """A shard's global shape as ints: each dimension an integer >= 0 (numpy and torch integers
+    too); a float (4.7) is refused, not truncated."""
+    try:
+        if isinstance(shape, (str, bytes)):
+            raise TypeError
+        out = tuple(map(_dim, shape))   # type: ignore[call-overload]
+    except TypeError:
+        raise ShardingError(f"shard {name}: global shape {shape!r} must be a sequence of integers >= 0 (e.g. "
+                            f"tuple(tensor.shape))") from None
+    if any(d < 0 for d in out):
+        raise ShardingError(f"shard {name}: global shape {shape!r} has a negative size")
+    return out
+
+
+def _dim(d: object) -> int:
+    if isinstance(d, bool):
+        raise TypeError
+    return operator.index(d)   # type: ignore[arg-type]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -125,6 +156,42 @@ def aliased_destinations(shards: Sequence[TensorShard]) -> "str | None":
                             f"load fills each destination once: give each shard its own tensor (or views that do not "
                             f"overlap)")
             active.append((lo, hi, s))
+    return None
+
+
+def read_only_destination(shards: Sequence[TensorShard]) -> "str | None":
+    """A message when a destination shard of a load lies in memory this process may not write (a
+    read-only mapping: ``torch.frombuffer`` over ``mmap(prot=PROT_READ)``); None otherwise. A read
+    into it fails with EFAULT, and a copy into it (a strided or cast shard) kills the process with
+    SIGSEGV. Memory torch allocated (a resizable storage) is writable; of the rest (``frombuffer``,
+    ``from_numpy``, mapped files) the first byte of each CPU shard (each page once) goes through a
+    pipe back onto itself, unchanged, which the kernel refuses with EFAULT where the page is
+    read-only."""
+    pages: set[int] = set()
+    r = w = -1
+    try:
+        for s in shards:
+            t = s.tensor
+            if t.device.type != "cpu" or t.numel() == 0 or t.untyped_storage().resizable():
+                continue
+            ptr = t.data_ptr()
+            if ptr // mmap.PAGESIZE in pages:
+                continue
+            pages.add(ptr // mmap.PAGESIZE)
+            if r < 0:
+                r, w = os.pipe()
+            os.write(w, ctypes.string_at(ptr, 1))
+            try:
+                os.readv(r, [(ctypes.c_char * 1).from_address(ptr)])
+            except OSError as e:
+                if e.errno != errno.EFAULT:
+                    raise
+                return (f"destination shard {s.name} {s.region} lies in read-only memory (e.g. torch.frombuffer over "
+                        f"a read-only mmap): a load cannot fill it; load into a writable tensor (.clone() it)")
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
     return None
 
 

@@ -280,7 +280,8 @@ def _tensor_from_json(spec: Any) -> torch.Tensor:
 
 def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) -> Any:
     """Recursively convert tensors/numpy/tuples to JSON types; raise TypeError naming the key
-    otherwise. With ``deferred`` (a list), a one-element CUDA tensor becomes a
+    otherwise. Dict keys become strings (``str(key)``); two keys that become the same string
+    (``1`` and ``"1"``) are a :class:`~elastor_ds.errors.ConfigError` naming both. With ``deferred`` (a list), a one-element CUDA tensor becomes a
     :class:`DeviceScalar` (no device sync here), also appended to ``deferred``; the caller resolves
     them off the training thread (:func:`resolve_deferred`). Without it, they are read now."""
     if isinstance(obj, float):
@@ -303,7 +304,10 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
     if isinstance(obj, np.ndarray):
         return to_jsonable(obj.tolist(), where)
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v, f"{where}.{k}", deferred) for k, v in obj.items()}
+        out = {str(k): to_jsonable(v, f"{where}.{k}", deferred) for k, v in obj.items()}
+        if len(out) != len(obj):
+            raise _colliding_keys(obj, where)
+        return out
     if isinstance(obj, (list, tuple)):
         types = set(map(type, obj))
         if _SCALARS.issuperset(types):   # e.g. an RNG state: 600+ ints, no per-item call
@@ -311,3 +315,17 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
         return [to_jsonable(v, f"{where}[{i}]", deferred) for i, v in enumerate(obj)]
     raise TypeError(f"{where}: value of type {type(obj).__name__} cannot be stored in a checkpoint's JSON state; "
                     f"convert it to numbers/strings/lists/dicts (or save it as a tensor shard)")
+
+
+
+def _colliding_keys(obj: dict, where: str) -> Exception:
+    """The error for a dict two of whose keys are one JSON key (``1`` and ``"1"``): one value would be
+    lost without a word."""
+    from ..errors import ConfigError
+    first: dict[str, Any] = {}
+    for k in obj:
+        first.setdefault(str(k), k)
+    a, b = next((first[str(k)], k) for k in obj if first[str(k)] is not k)
+    return ConfigError(f"{where}: keys {a!r} ({type(a).__name__}) and {b!r} ({type(b).__name__}) are both the JSON "
+                       f"key {str(b)!r}, so one value would be lost; give the dict keys that differ as strings (or "
+                       f"store it as a list of [key, value] pairs)")

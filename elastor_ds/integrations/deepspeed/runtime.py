@@ -90,7 +90,10 @@ class DeepSpeedState:
     def live_write_hazard(self) -> Optional[str]:
         """What makes live writes unsafe for this model, or None: a module whose forward pass changes a
         saved buffer in place (batch norm's running statistics), before the optimizer step's fence;
-        on CPU torch does not bump those buffers' version counters, so the guard would not see it."""
+        on CPU torch does not bump those buffers' version counters, so the guard would not see it.
+        The optimizer is not inspected: torch's fused optimizers (``fused=True``) do not bump the
+        counters either, but they write in ``step()``, after the session's fence (its step pre-hook),
+        which is the contract; only a caller who skips the fence would commit their step unseen."""
         for name, m in self.engine.module.named_modules():
             # torch's batch and instance norms (and look-alikes) that track running statistics
             if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None:
