@@ -36,18 +36,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from elastor_ds.checkpoint.direct_write import private_buffer  # noqa: E402
-from elastor_ds.checkpoint.engine import CheckpointEngine  # noqa: E402
-from elastor_ds.checkpoint.shards import TensorShard  # noqa: E402
-from elastor_ds.checkpoint.storage.posix import PosixStorage  # noqa: E402
-from elastor_ds.comm import TorchComm  # noqa: E402
-from elastor_ds.layout.region import Region  # noqa: E402
+from elastor_ds.cli_types import nonnegative_float, nonnegative_int, positive_int  # noqa: E402
+
+from _args import output_file, writable_dir  # noqa: E402
+# torch, numpy and the engine are imported where they are used (worker, main after the argument
+# checks): a bad flag is refused in a fraction of a second, before any process starts
 
 COLS = 8192
 PIECE = 32 << 20
@@ -104,6 +98,17 @@ def reset_peak() -> None:
 
 
 def worker(rank: int, world: int, port: int, args, out_path: str, tmp: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from elastor_ds.checkpoint.direct_write import private_buffer
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.checkpoint.storage.posix import PosixStorage
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.layout.region import Region
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     # one rank per core share, as torchrun runs workers (it sets OMP_NUM_THREADS=1 for nproc > 1):
@@ -559,6 +564,7 @@ def direct_write_floor(fpath: str, nbytes: int, dist, src: memoryview | None = N
     which would flatter the floor). None where the file system refuses O_DIRECT."""
     if src is None:
         if not _ALIGNED:
+            from elastor_ds.checkpoint.direct_write import private_buffer
             # private memory on huge pages where the kernel allows (the writer's own bounce buffers):
             # an O_DIRECT write from 4 KiB pages was about 1.4x slower here, which would flatter the ratio
             m = private_buffer(PIECE)
@@ -653,9 +659,9 @@ def report(path: str) -> bool:
         ("  the same, median try / median try (load tries against the floor's, slowest rank)", None,
          max(statistics.median(r["elastor_load_tries_s"]) for r in rs)
          / (max(statistics.median(r["read_tries_s"]) for r in rs) * need_frac)
-         if all(r.get("elastor_load_tries_s") and r.get("read_tries_s") for r in rs) else float("nan")),
+         if all(r.get("elastor_load_tries_s") and r.get("read_tries_s") for r in rs) else None),
         ("  cold-read floor: buffered read / O_DIRECT read into the destination", None,
-         worst("read_buffered_s") / worst("read_direct_s") if all(r.get("read_direct_s") for r in rs) else float("nan")),
+         worst("read_buffered_s") / worst("read_direct_s") if all(r.get("read_direct_s") for r in rs) else None),
         ("load with reshard from tmpfs (a local-memory source) / cached-read floor", None,
          worst("elastor_load_tmpfs_s") / (worst(tmpfs_floor) * need_frac)
          if all(r.get("elastor_load_tmpfs_s") for r in rs) else None),
@@ -704,38 +710,61 @@ def report(path: str) -> bool:
     return all_met
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--mib-per-rank", type=int, default=256)
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--saves", type=int, default=5)
-    ap.add_argument("--dcp-saves", type=int, default=3, help="DCP saves of each kind (0: no DCP phase)")
-    ap.add_argument("--slowdown-reps", type=int, default=2, help="saves measured for the compute slowdown")
-    ap.add_argument("--load-tries", type=int, default=4,
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's arguments, every one checked here (before torch is imported or a rank starts)."""
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=positive_int, default=2, help="gloo ranks (processes)")
+    ap.add_argument("--mib-per-rank", type=positive_int, default=256)
+    ap.add_argument("--tensors", type=positive_int, default=16,
+                    help=f"tensors per rank (at most 32 per MiB: a tensor holds whole rows of {COLS} fp32 columns)")
+    ap.add_argument("--saves", type=positive_int, default=5,
+                    help="saves (>= 2: the first warms the staging buffer and is not measured; >= 3 with --live-write)")
+    ap.add_argument("--dcp-saves", type=nonnegative_int, default=3, help="DCP saves of each kind (0: no DCP phase)")
+    ap.add_argument("--slowdown-reps", type=positive_int, default=2, help="saves measured for the compute slowdown")
+    ap.add_argument("--load-tries", type=positive_int, default=4,
                     help="cold resharded loads, each after a cold-read floor (the best of each is compared), and "
-                         "DCP loads of the same reshard")
+                         "DCP loads of the same reshard (the floor's O_DIRECT read needs 2)")
     ap.add_argument("--buffered-writer", action="store_true",
                     help="write the data files through the page cache (PosixStorage(direct_io=False)), for an A/B")
-    ap.add_argument("--writer-nice", type=int, default=None, help="the engine's writer_nice (default: its default)")
+    ap.add_argument("--writer-nice", type=nonnegative_int, default=None,
+                    help="the engine's writer_nice, 0..19 (default: its default)")
     ap.add_argument("--writer-sched", choices=["idle", "nice"], default=None,
                     help="the engine's writer_sched (default: its default, idle)")
     ap.add_argument("--live-write", action="store_true",
                     help="CheckpointEngine(live_write=True): the writer reads the live tensors until fence(); odd "
                          "saves fence at once (their stall is the stall figure), even ones after durable (their "
                          "time to durable is the persist figure)")
-    ap.add_argument("--live-fence-after", type=float, default=0.0,
+    ap.add_argument("--live-fence-after", type=nonnegative_float, default=0.0,
                     help="with --live-write: the fenced saves compute this many seconds before the fence (the "
                          "forward and backward before an optimizer step); their stall is save + fence")
-    ap.add_argument("--slowdown-window", type=float, default=3.0,
+    ap.add_argument("--slowdown-window", type=nonnegative_float, default=3.0,
                     help="compute for at most this many seconds of each of those saves")
     ap.add_argument("--no-tmpfs-load", dest="tmpfs_load", action="store_false",
                     help="skip the load from a copy of the checkpoint in /dev/shm")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ckpt_bench.json"))
-    args = ap.parse_args()
+    ap.add_argument("--dir", type=writable_dir, default=None,
+                    help="an existing writable directory to write in (default: a temp dir on the same disk as /tmp)")
+    ap.add_argument("--out", type=output_file,
+                    default=os.path.join(os.path.dirname(__file__), "results", "ckpt_bench.json"))
+    args = ap.parse_args(argv)
+    least = 3 if args.live_write else 2
+    if args.saves < least:
+        ap.error(f"argument --saves: {args.saves} must be >= {least} (the first save warms the staging buffer and "
+                 f"is not measured" + ("; with --live-write odd saves give the stall, even ones persist)"
+                                       if args.live_write else ")"))
+    if args.tensors > args.mib_per_rank * 2**20 // 4 // COLS:
+        ap.error(f"argument --tensors: {args.tensors} tensors of {COLS} fp32 columns need --mib-per-rank >= "
+                 f"{-(-args.tensors // 32)} (a tensor holds at least one row per rank, 32 rows per MiB)")
+    if args.writer_nice is not None and args.writer_nice > 19:
+        ap.error(f"argument --writer-nice: {args.writer_nice} must be 0..19")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    import torch.multiprocessing as mp
+
     tmp = tempfile.mkdtemp(dir=args.dir)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

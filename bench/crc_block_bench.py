@@ -10,6 +10,7 @@ For each candidate block size B this prints, in one run:
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -34,6 +35,8 @@ def ratio(block: int, cols: int, itemsize: int, box: Region) -> float:
 
 
 def main() -> None:
+    # no options: --help describes the bench, and a stray argument is refused instead of ignored
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0]).parse_args()
     patterns = []
     for cols, it, label in [(4096, 2, "8 KiB rows (bf16 h=4096)"), (4096, 4, "16 KiB rows (fp32 h=4096)"),
                             (8192, 4, "32 KiB rows (fp32 h=8192)")]:

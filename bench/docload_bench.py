@@ -15,6 +15,7 @@ after the loss is made before the clocks start, with its device tuple unless ``-
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -23,9 +24,12 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: an A/B run picks the tree
 
+from elastor_ds.cli_types import positive_int  # noqa: E402
 from elastor_ds.plan import Cluster, CostModel, TrainingSpec, plan  # noqa: E402
 
 from plan_bench import MODELS, failed_cluster  # noqa: E402
+
+from _args import dir_to_make  # noqa: E402
 
 NODES, GBS = 16384, 16384
 CASES = {"70B-1": ("70B", "1"), "70B-node": ("70B", "node"), "7B-1": ("7B", "1"), "7B-node": ("7B", "node")}
@@ -109,7 +113,7 @@ def ab(d: Path, case: str, n: int, trees: list[str], flags: list[str]) -> None:
     for _ in range(n):
         for t in trees:
             env = dict(os.environ, PYTHONPATH=t)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "time", str(d), case] + flags
+            cmd = [sys.executable, str(Path(__file__).resolve()), "time", str(d.resolve()), case] + flags
             r = json.loads(subprocess.run(cmd, env=env, cwd=t, check=True, capture_output=True, text=True).stdout)
             assert Path(r["tree"]) == Path(t).resolve(), (r["tree"], t)
             runs[t].append(r)
@@ -123,14 +127,60 @@ def ab(d: Path, case: str, n: int, trees: list[str], flags: list[str]) -> None:
     print(json.dumps(runs), file=sys.stderr)
 
 
-if __name__ == "__main__":
-    cmd, d = sys.argv[1], Path(sys.argv[2])
-    if cmd == "gen":
-        gen(d)
-    elif cmd == "ab":
-        ab(d, sys.argv[3], int(sys.argv[4]), sys.argv[5:7], [f for f in ("--replan", "--fresh-cluster")
-                                                               if f in sys.argv])
-    elif cmd == "time":
-        print(json.dumps(run(d, sys.argv[3], "--replan" in sys.argv, "--fresh-cluster" in sys.argv)))
+def existing_dir(text: str) -> Path:
+    """A directory that ``gen`` filled (the previous plans and the clusters after the loss)."""
+    d = Path(text)
+    missing = [f for f in ("70B.json", "7B.json", *(f"{c}.cluster.json" for c in CASES)) if not (d / f).is_file()]
+    if not d.is_dir() or missing:
+        raise argparse.ArgumentTypeError(f"{text!r} {'is not a directory' if not d.is_dir() else 'lacks ' + missing[0]}"
+                                         f": run `docload_bench.py gen {text}` first")
+    return d
+
+
+def tree(text: str) -> str:
+    """A source tree to A/B: a directory holding the ``elastor_ds`` package."""
+    if not (Path(text) / "elastor_ds" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} holds no elastor_ds/__init__.py (give a checkout's root)")
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0],
+                                 epilog="CASE: " + ", ".join(CASES) + " (model, what the cluster lost)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{gen,time,ab,profile}")
+    g = sub.add_parser("gen", allow_abbrev=False, help="write the documents and clusters (full searches) into DIR")
+    g.add_argument("dir", metavar="DIR", type=lambda t: Path(dir_to_make(t)))
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--replan", action="store_true", help="re-plan after the load (and read every device)")
+    flags.add_argument("--fresh-cluster", action="store_true", help="the cluster's device tuple not made beforehand")
+    t = sub.add_parser("time", allow_abbrev=False, parents=[flags], help="one run: a JSON line")
+    t.add_argument("dir", metavar="DIR", type=existing_dir)
+    t.add_argument("case", metavar="CASE", choices=list(CASES))
+    a = sub.add_parser("ab", allow_abbrev=False, parents=[flags],
+                       help="N runs of each tree, alternating, one process each: min (median)")
+    a.add_argument("dir", metavar="DIR", type=existing_dir)
+    a.add_argument("case", metavar="CASE", choices=list(CASES))
+    a.add_argument("n", metavar="N", type=positive_int)
+    a.add_argument("trees", metavar="TREE", nargs=2, type=tree, help="OLD_TREE NEW_TREE")
+    p = sub.add_parser("profile", allow_abbrev=False, help="cProfile of the load")
+    p.add_argument("dir", metavar="DIR", type=existing_dir)
+    p.add_argument("case", metavar="CASE", choices=list(CASES))
+    return ap.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.cmd == "gen":
+        gen(args.dir)
+    elif args.cmd == "ab":
+        ab(args.dir, args.case, args.n, args.trees,
+           [f for f, on in (("--replan", args.replan), ("--fresh-cluster", args.fresh_cluster)) if on])
+    elif args.cmd == "time":
+        print(json.dumps(run(args.dir, args.case, args.replan, args.fresh_cluster)))
     else:
-        profile(d, sys.argv[3])
+        profile(args.dir, args.case)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from elastor_ds.cli_types import positive_int  # noqa: E402
+
+from _args import dir_to_make  # noqa: E402
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -152,13 +157,16 @@ def _worker(rank: int, world: int, port: int, args, root: str, result_path: str)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--root", default=None, help="scratch dir (default: a temp dir, removed afterwards)")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=positive_int, default=512, help="the toy pipeline's hidden size")
+    ap.add_argument("--blocks", type=positive_int, default=8, help="its MLP blocks (between embedding and head)")
+    ap.add_argument("--root", type=dir_to_make, default=None,
+                    help="scratch dir, kept (made if missing; default: a temp dir, removed afterwards)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
+    if args.root:
+        os.makedirs(args.root, exist_ok=True)
     root = args.root or tempfile.mkdtemp(prefix="ds_bench_")
     result_path = os.path.join(root, "result.json")
     with socket.socket() as s:

@@ -25,18 +25,34 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from elastor_ds.cli_types import positive_int  # noqa: E402
+
+from _args import output_file, writable_dir  # noqa: E402
+
+COLS = 4096
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    """The run's arguments, checked before torch is imported."""
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=positive_int, default=1024, help="MiB of fp32 state on the GPU")
+    ap.add_argument("--tensors", type=positive_int, default=16,
+                    help=f"tensors of {COLS} fp32 columns (at most 64 per MiB: a tensor holds whole rows)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="measurements of each figure (medians)")
+    ap.add_argument("--root", type=writable_dir, default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="an existing writable directory (a memory root: tmpfs; default /dev/shm)")
+    ap.add_argument("--json", type=output_file, default=None)
+    a = ap.parse_args(argv)
+    if a.tensors > a.mib * 2 ** 20 // 4 // COLS:
+        ap.error(f"argument --tensors: {a.tensors} tensors of {COLS} fp32 columns need --mib >= "
+                 f"{-(-a.tensors // 64)} (a tensor holds at least one row, 64 rows per MiB)")
+    return a
 
 
 def main() -> int:
+    a = parse_args()
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--root", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_snapshot_bench: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 2
@@ -44,7 +60,7 @@ def main() -> int:
     from elastor_ds.checkpoint.storage import PosixStorage, TmpfsStorage
     from elastor_ds.layout.region import Region
 
-    cols = 4096
+    cols = COLS
     rows = a.mib * 2 ** 20 // 4 // cols // a.tensors
     ts = [torch.randn(rows, cols, device="cuda") for _ in range(a.tensors)]
     nbytes = sum(t.numel() * 4 for t in ts)
@@ -183,6 +199,7 @@ def main() -> int:
     for k, v in ratios.items():
         print(f"  {k:<62} {v:7.2f}")
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0

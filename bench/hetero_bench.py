@@ -43,6 +43,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from elastor_ds.cli_types import positive_int  # noqa: E402
+
+from _args import csv_of, output_file  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 SIM = {1: 0.048, 2: 0.027, 4: 0.015}   # seconds per layer per micro-batch (7B layer: TP2 0.56x, TP4 0.31x)
 LAYERS, MICRO_BATCHES, MAX_TP1_LAYERS = 12, 32, 4
@@ -168,19 +171,21 @@ def run(layout, iters: int, tmp: str, name: str) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--sizes", default="8,7", help="process counts to run, comma-separated (default 8,7)")
-    ap.add_argument("--tp-row-sizes", default="7", help="process counts at which the best plan with a TP > 1 stage "
-                    "also runs (checks the TP collectives' and cross-width p2p pricing; '' for none)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "hetero.json"))
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=positive_int, default=5, help="iterations per plan (the median from the third)")
+    ap.add_argument("--sizes", type=csv_of(positive_int), default="8,7",
+                    help="process counts to run, comma-separated (default 8,7)")
+    ap.add_argument("--tp-row-sizes", type=csv_of(positive_int, allow_empty=True), default="7",
+                    help="process counts at which the best plan with a TP > 1 stage also runs (checks the TP "
+                         "collectives' and cross-width p2p pricing; '' for none)")
+    ap.add_argument("--out", type=output_file, default=os.path.join(ROOT, "bench", "results", "hetero.json"))
     ap.add_argument("--worker-comm", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker_comm:
         comm_worker(a.worker_comm)
         return 0
     from elastor_ds.plan import Profile
-    tp_sizes = {int(x) for x in a.tp_row_sizes.split(",") if x.strip()}
+    tp_sizes = set(a.tp_row_sizes)
     t_start = time.time()
     mem_gb = device_memory_gb()
     out: dict = {"sim_layer_s": SIM, "device_memory_gb": mem_gb}
@@ -188,7 +193,7 @@ def main() -> int:
         ovh = measure_layer_overhead(tmp)
         out["layer_cpu_overhead_s"] = ovh
         print(f"measured per-layer CPU cost on top of the sleep: {ovh * 1e3:.1f} ms", flush=True)
-        for n in [int(x) for x in a.sizes.split(",")]:
+        for n in a.sizes:
             comm = measure_comm(n, tmp)
             prof = Profile.from_dict({"version": 1, "micro_batch_size": 1, "seq_length": 32,
                                       "device": f"cpu: simulated compute + measured gloo on {n} processes",
@@ -221,7 +226,7 @@ def main() -> int:
         out[f"kept_{kind}"] = {"measured": kept, "predicted": pred}
     out["bench_seconds"] = time.time() - t_start
     print(f"bench took {out['bench_seconds']:.0f} s")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -18,8 +18,10 @@ of the iteration outside every instruction is the schedule's own Python (``other
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import runpy
 import sys
 import threading
@@ -29,6 +31,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 SKIP_ITERS = 2
+RANK_FILE = re.compile(r"rank(\d+)\.json")
 
 _acc: dict[str, float] = defaultdict(float)
 _cnt: dict[str, int] = defaultdict(int)
@@ -117,7 +120,7 @@ def _install() -> None:
 def summarize(folder: str) -> str:
     """A table: per rank, seconds per iteration by part."""
     rows = []
-    for fn in sorted(os.listdir(folder), key=lambda s: int(s[4:-5])):
+    for fn in sorted((f for f in os.listdir(folder) if RANK_FILE.fullmatch(f)), key=lambda s: int(s[4:-5])):
         d = json.load(open(os.path.join(folder, fn)))
         n = max(1, d["iters"])
         s, c = d["seconds"], d["calls"]
@@ -156,11 +159,34 @@ def summarize(folder: str) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--summarize":
-        print(summarize(sys.argv[2]))
-        raise SystemExit(0)
+def trace_folder(text: str) -> str:
+    """A folder holding the ``rank<r>.json`` files of a traced run."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not any(RANK_FILE.fullmatch(f) for f in os.listdir(text)):
+        raise argparse.ArgumentTypeError(f"{text!r} holds no rank<r>.json (the folder ELASTOR_TRACE_OUT named)")
+    return text
+
+
+def main() -> int:
+    if len(sys.argv) >= 2 and sys.argv[1] in ("--summarize", "-h", "--help"):
+        ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0],
+                                     epilog="Without --summarize every argument is the trainer's, and "
+                                            "ELASTOR_TRACE_OUT names the trace folder.")
+        ap.add_argument("--summarize", metavar="FOLDER", type=trace_folder, required=True,
+                        help="print the per-rank table of a traced run's folder")
+        print(summarize(ap.parse_args().summarize))
+        return 0
+    if not os.environ.get("ELASTOR_TRACE_OUT"):
+        print(f"{os.path.basename(__file__)}: error: ELASTOR_TRACE_OUT is not set: name the folder each rank writes "
+              f"its trace to (nothing would be recorded)", file=sys.stderr)
+        return 2
     sys.path.insert(0, os.path.dirname(TRAINER))
     _install()
     sys.argv = [TRAINER] + sys.argv[1:]
     runpy.run_path(TRAINER, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "helpers"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from elastor_ds.cli_types import positive_int  # noqa: E402
+
+HEADS = 8   # attention heads of the bench's GPT (4 query groups)
 
 
 def _worker(rank, world, root, hidden, layers):
@@ -32,7 +36,7 @@ def _worker(rank, world, root, hidden, layers):
     from elastor_ds.integrations.megatron.model import build_gpt
     from elastor_ds.layout import Layout
 
-    cfg = GPTSpecConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
+    cfg = GPTSpecConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=HEADS, num_query_groups=4,
                         vocab_size=4096, ffn_hidden_size=4 * hidden, gated_linear_unit=True,
                         make_vocab_size_divisible_by=128, max_sequence_length=256)
     src, dst = Layout.uniform(2, 1, 1, layers), Layout.uniform(1, 2, 1, layers)
@@ -82,10 +86,14 @@ def _worker(rank, world, root, hidden, layers):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=positive_int, default=256, help=f"hidden size, a multiple of {HEADS} (heads)")
+    ap.add_argument("--layers", type=positive_int, default=8, help="transformer layers, >= 2 (the target is PP2)")
     a = ap.parse_args()
+    if a.hidden % HEADS:
+        ap.error(f"argument --hidden: {a.hidden} must be a multiple of {HEADS} (the model's attention heads)")
+    if a.layers < 2:
+        ap.error(f"argument --layers: {a.layers} must be >= 2 (the layout change goes to 2 pipeline stages)")
     from dist_utils import run_world
     root = tempfile.mkdtemp(prefix="mbench_")
     try:

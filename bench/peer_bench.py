@@ -31,6 +31,9 @@ import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from elastor_ds.cli_types import nonnegative_int, positive_int  # noqa: E402
+
+from _args import output_file, writable_dir  # noqa: E402
 
 
 def _step(x, dist, matmuls: int = 6):
@@ -235,12 +238,14 @@ def part2(mib: int, storage_dir: str, reps: int = 3) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--matmuls", type=int, default=6, help="384x384 matmuls per step (the step's compute)")
-    ap.add_argument("--storage-dir", default=os.getcwd())
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=positive_int, default=64, help="MiB per snapshot (part 1) and per file (part 2)")
+    ap.add_argument("--steps", type=positive_int, default=12, help="part 1: training steps per measurement")
+    ap.add_argument("--matmuls", type=nonnegative_int, default=6,
+                    help="384x384 matmuls per step (the step's compute)")
+    ap.add_argument("--storage-dir", type=writable_dir, default=os.getcwd(),
+                    help="part 2: an existing writable directory on the storage disk (default: here)")
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--part", choices=["1", "2", "all"], default="all")
     a = ap.parse_args()
     res = {"uptime_load": os.getloadavg()}
@@ -250,6 +255,7 @@ def main() -> int:
         res["restore"] = part2(a.mib, a.storage_dir)
     print(json.dumps(res, indent=1))
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0

@@ -33,6 +33,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from elastor_ds.cli_types import positive_int  # noqa: E402
+
+from _args import output_file  # noqa: E402
 COLS = 4096
 
 
@@ -110,10 +113,12 @@ def _floor(addr: str, key: bytes, off: int, nbytes: int, into: memoryview) -> fl
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=256, help="MiB in the snapshot (fp32, 4 tensors of COLS columns)")
-    ap.add_argument("--reps", type=int, default=4, help="alternations of the floor and the load")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=positive_int, default=256,
+                    help=f"MiB in the snapshot (fp32, 4 tensors of {COLS} columns)")
+    ap.add_argument("--reps", type=positive_int, default=4, help="alternations of the floor and the load")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     ap.add_argument("--serve", nargs=3, metavar=("ROOT", "KEY_FILE", "DATA_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -194,6 +199,7 @@ def main() -> int:
         print(f"  load / floor: {out['load_over_floor_median']:.2f} (medians), {out['load_over_floor_best']:.2f} "
               f"(best of each); no goal in issue 23 beyond stating them")
         if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
         return 0

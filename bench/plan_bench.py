@@ -23,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastor_ds.plan import Cluster, CostModel, ModelSpec, TrainingSpec, plan  # noqa: E402
 
+from _args import csv_choices  # noqa: E402
+
+SECTIONS = ("planner", "replan", "metadata", "retained")
+
 
 def llama(layers: int, hidden: int, ffn: int, heads: int, groups: int) -> ModelSpec:
     return ModelSpec(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
@@ -205,13 +209,13 @@ def retained(model_name: str, nodes: int, failed: int, gbs: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip the 16,384- and 131,072-GPU cases")
     ap.add_argument("--skip-retained", action="store_true", help="skip the throughput-retained table")
-    ap.add_argument("--sections", default="planner,replan,metadata,retained",
-                    help="comma-separated subset of planner, replan, metadata, retained")
+    ap.add_argument("--sections", type=csv_choices(*SECTIONS), default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {', '.join(SECTIONS)}")
     a = ap.parse_args()
-    want = set(a.sections.split(","))
+    want = set(a.sections)
     if a.skip_retained:
         want.discard("retained")
     if "planner" in want:

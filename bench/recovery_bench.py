@@ -32,7 +32,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from elastor_ds.cli_types import positive_int  # noqa: E402
 from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
+
+from _args import csv_choices, dir_to_make, output_file  # noqa: E402
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 MODEL = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
@@ -140,21 +143,24 @@ def one_run(variant: str, d: str, a: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--fail-at", type=int, default=30)
-    ap.add_argument("--save-interval", type=int, default=10)
-    ap.add_argument("--train-iters", type=int, default=100000, help="never reached: each run stops after its recovery")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--keep", default=None, help="keep the runs' folders here")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=positive_int, default=2)
+    ap.add_argument("--variants", type=csv_choices(*VARIANTS), default=",".join(VARIANTS))
+    ap.add_argument("--nproc", type=positive_int, default=4, help="processes before the fault: a multiple of 4 "
+                    "(the job is TP2 x PP2)")
+    ap.add_argument("--fail-at", type=positive_int, default=30, help="the iteration after which a worker is killed")
+    ap.add_argument("--save-interval", type=positive_int, default=10)
+    ap.add_argument("--train-iters", type=positive_int, default=100000,
+                    help="never reached: each run stops after its recovery (> --fail-at)")
+    ap.add_argument("--json", type=output_file, default=None)
+    ap.add_argument("--keep", type=dir_to_make, default=None, help="keep the runs' folders here")
     a = ap.parse_args()
-    variants = [v for v in a.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        print(f"--variants: unknown {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
-        return 2
+    if a.nproc % 4:
+        ap.error(f"argument --nproc: {a.nproc} must be a multiple of 4 (the job runs TP2 x PP2)")
+    if a.train_iters <= a.fail_at:
+        ap.error(f"argument --train-iters: {a.train_iters} must be > --fail-at {a.fail_at} (the job must still be "
+                 f"training when the worker is killed)")
+    variants = a.variants
     base = a.keep or tempfile.mkdtemp(prefix="recovery_bench_")
     t0 = time.time()
     load0 = os.getloadavg()[0]
@@ -185,6 +191,7 @@ def main() -> int:
         print(f"  {r['variant']:<11} run {r['repeat']}: {r.get('launch_mode') or ''} "
               + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("parts") or {}).items()))
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"results": results, "median_s": med, "load": [load0, load1]}, f, indent=1)
     if not a.keep:

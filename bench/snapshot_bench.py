@@ -52,7 +52,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from elastor_ds.elastic.events import EventKind, read_jsonl  # noqa: E402
 from elastor_ds.elastic.overhead import paired_overhead, writer_effect  # noqa: E402
-from elastor_ds.checkpoint.snapshot.tier import tree_bytes  # noqa: E402
+from elastor_ds.cli_types import nonnegative_int, positive_int  # noqa: E402
+
+from _args import csv_choices, dir_to_make, output_file  # noqa: E402
+# torch and the engine (elastor_ds.checkpoint) are imported where they are used: a bad flag is
+# refused before any of them loads
 TRAINER = os.path.join(ROOT, "examples", "megatron_gpt", "pretrain_gpt.py")
 COLS = 4096
 
@@ -86,6 +90,7 @@ def _engine_worker(rank: int, world: int, port: int, args, mem_dir: str, storage
     from elastor_ds.checkpoint.storage import TmpfsStorage
     from elastor_ds.checkpoint import commit as commit_mod
     from elastor_ds.checkpoint.shards import TensorShard
+    from elastor_ds.checkpoint.snapshot.tier import tree_bytes
     from elastor_ds.checkpoint.sources import LOCAL_MEMORY, STORAGE, DirSource
     from elastor_ds.comm import TorchComm
     from elastor_ds.layout.region import Region
@@ -307,6 +312,7 @@ def writer_rows(args) -> dict:
     start while the writer writes against those that neither save nor overlap a write, in the same
     run (:func:`elastor_ds.elastic.overhead.writer_effect`); the first save's cycle is warm-up (its
     stall allocates the staging buffer)."""
+    from elastor_ds.checkpoint.snapshot.tier import tree_bytes
     work = tempfile.mkdtemp(prefix="snapshot_bench_writer_", dir=args.storage)
     try:
         every = args.writer_save_every
@@ -528,39 +534,75 @@ def goal_table(doc: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="restore,overhead,lost", help="comma-separated: restore (includes memory), "
-                   "overhead, peer, writer, lost")
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--mib-per-rank", type=int, default=64)
-    p.add_argument("--tensors", type=int, default=4)
-    p.add_argument("--snapshots", type=int, default=5)
-    p.add_argument("--storage", default=os.path.join(HERE, "results"), help="a directory on the storage disk")
-    p.add_argument("--trainer-procs", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--iters", type=int, default=15)
-    p.add_argument("--pairs", type=int, default=3, help="overhead row: runs without/with snapshots, alternated")
-    p.add_argument("--paired-iters", type=int, default=200, help="overhead row: iterations of the one run that "
-                   "alternates blocks with and without snapshots (0: skip it)")
-    p.add_argument("--block", type=int, default=4, help="overhead row: iterations per block in that run")
-    p.add_argument("--peer-copy-interval", type=int, default=8, help="peer row: the copy interval of its third run "
-                   "(also its block length, so each block with snapshots holds one copy)")
-    p.add_argument("--writer-hidden", type=int, default=1024, help="writer row: the trainer's hidden size (1024: "
-                   "about 270 MiB of checkpoint per rank with 2 ranks)")
-    p.add_argument("--writer-save-every", type=int, default=4, help="writer row: iterations between storage saves")
-    p.add_argument("--writer-iters", type=int, default=30, help="writer row: iterations of its one run")
+ROWS = ("restore", "memory", "overhead", "peer", "writer", "lost")   # memory: measured by the restore row
+WARMUP = 3   # the trainer rows' first iterations, not measured (``_train``'s skip)
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    """The run's arguments, every one checked here (before torch is imported or a process starts)."""
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=csv_choices(*ROWS), default="restore,overhead,lost",
+                   help="comma-separated: restore (includes memory), overhead, peer, writer, lost")
+    p.add_argument("--world", type=positive_int, default=4)
+    p.add_argument("--mib-per-rank", type=positive_int, default=64)
+    p.add_argument("--tensors", type=positive_int, default=4)
+    p.add_argument("--snapshots", type=positive_int, default=5)
+    p.add_argument("--storage", type=dir_to_make, default=os.path.join(HERE, "results"),
+                   help="a directory on the storage disk (made if missing)")
+    p.add_argument("--trainer-procs", type=positive_int, default=2)
+    p.add_argument("--hidden", type=positive_int, default=256, help="a multiple of 4 (the trainer's attention heads)")
+    p.add_argument("--iters", type=positive_int, default=15, help=f"overhead row: iterations per run (> {WARMUP}: "
+                   "the first are warm-up)")
+    p.add_argument("--pairs", type=positive_int, default=3, help="overhead row: runs without/with snapshots, "
+                   "alternated")
+    p.add_argument("--paired-iters", type=nonnegative_int, default=200, help="overhead row: iterations of the one "
+                   "run that alternates blocks with and without snapshots (0: skip it); also the peer row's runs")
+    p.add_argument("--block", type=positive_int, default=4, help="overhead row: iterations per block in that run")
+    p.add_argument("--peer-copy-interval", type=positive_int, default=8, help="peer row: the copy interval of its "
+                   "third run (also its block length, so each block with snapshots holds one copy)")
+    p.add_argument("--writer-hidden", type=positive_int, default=1024, help="writer row: the trainer's hidden size "
+                   "(1024: about 270 MiB of checkpoint per rank with 2 ranks)")
+    p.add_argument("--writer-save-every", type=positive_int, default=4, help="writer row: iterations between storage "
+                   "saves")
+    p.add_argument("--writer-iters", type=positive_int, default=30, help="writer row: iterations of its one run "
+                   "(>= 2 x --writer-save-every + 1: a warm-up cycle, then one measured)")
     p.add_argument("--writer-live-write", action="store_true", help="writer row: checkpoint.live_write on (the "
                    "writer reads the live tensors until the next optimizer step's fence, which copies the rest)")
     p.add_argument("--snapshot-live-write", action="store_true", help="overhead and peer rows: "
                    "memory_snapshot.live_write on (the snapshot writer copies the live tensors on idle cycles until "
                    "the next optimizer step's fence, which copies the rest)")
-    p.add_argument("--kill-at", type=int, default=7)
-    p.add_argument("--storage-interval", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "snapshot_bench.json"))
-    args = p.parse_args()
+    p.add_argument("--kill-at", type=positive_int, default=7)
+    p.add_argument("--storage-interval", type=positive_int, default=5)
+    p.add_argument("--out", type=output_file, default=os.path.join(HERE, "results", "snapshot_bench.json"))
+    args = p.parse_args(argv)
+    rows = set(args.rows)
+    for flag in ("hidden", "writer_hidden"):
+        if getattr(args, flag) % 4:
+            p.error(f"argument --{flag.replace('_', '-')}: {getattr(args, flag)} must be a multiple of 4 (the "
+                    f"trainer's 4 attention heads)")
+    if "overhead" in rows and args.iters <= WARMUP:
+        p.error(f"argument --iters: {args.iters} must be >= {WARMUP + 1} (the first {WARMUP} are warm-up)")
+    # a paired run measures after the warm-up, and needs a block with snapshots and one without
+    need = {"overhead": args.block if args.paired_iters else 0,
+            "peer": max(args.block, args.peer_copy_interval)}
+    for row, block in need.items():
+        if row in rows and block and args.paired_iters < WARMUP + 2 * block:
+            p.error(f"argument --paired-iters: {args.paired_iters} must be >= {WARMUP + 2 * block} for the {row} "
+                    f"row ({WARMUP} warm-up iterations, then a block of {block} with snapshots and one without)"
+                    + ("; 0 skips the overhead row's paired run" if row == "overhead" else ""))
+    if "writer" in rows and args.writer_iters < 2 * args.writer_save_every + 1:
+        p.error(f"argument --writer-iters: {args.writer_iters} must be >= {2 * args.writer_save_every + 1} "
+                f"(2 x --writer-save-every + 1: a warm-up save cycle, then one measured)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     os.makedirs(args.storage, exist_ok=True)
-    rows = set(args.rows.split(","))
+    rows = set(args.rows)
+    if "memory" in rows:   # the restore row measures the memory figures
+        rows.add("restore")
     doc: dict = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "load_average": os.getloadavg()}
     if "restore" in rows:
         doc["restore"] = engine_rows(args)
@@ -580,7 +622,7 @@ def main() -> int:
     doc["load_average_end"] = os.getloadavg()
     if "overhead" in rows or "peer" in rows or "writer" in rows:
         print(f"\nload average {doc['load_average']} -> {doc['load_average_end']}\n" + goal_table(doc), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {args.out}")

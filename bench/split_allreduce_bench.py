@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+from elastor_ds.cli_types import positive_int  # noqa: E402
 
 
 def specs():
@@ -120,9 +121,10 @@ def worker(rank: int, world: int, reps: int, out: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=10)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=positive_int, default=7, help="gloo ranks (processes)")
+    ap.add_argument("--reps", type=positive_int, default=10, help="repetitions of each exchange (the first is "
+                    "warm-up when there are 2 or more)")
     a = ap.parse_args()
     import tempfile
 
