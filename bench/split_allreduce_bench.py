@@ -43,10 +43,31 @@ def specs():
     return gpt_tensor_specs(cfg)
 
 
+def _odd_world(text: str) -> int:
+    n = positive_int(text)
+    if n < 7 or n % 2 == 0:
+        raise argparse.ArgumentTypeError(f"{n}: an odd number >= 7 (a TP1+TP2 replica and k >= 2 TP2 replicas: 3 + 2k; the uniform grid takes 6)")
+    return n
+
+
 def plans(world: int):
-    import hetero_bench
-    best, uni = hetero_bench.planner(world)
-    return best.plan.to_layout(), uni.plan.to_layout()
+    """The layouts this bench compares on ``world`` (odd, >= 7) ranks: the heterogeneous plan of the
+    recorded run, R0 [TP1 0-3 | TP2 3-8] + k x [TP2 0-8] (world = 3 + 2k), and the uniform grid
+    tp1.pp3.dp2 on the first 6 ranks (ranks beyond a grid's size idle). Fixed here: the planner's
+    choice for this tiny model depends on the machine's measured costs (bench/hetero_bench.py)."""
+    from elastor_ds.plan.cluster import Device
+    from elastor_ds.plan.plan_doc import Plan, PlanReplica, PlanStage
+
+    def devs(*ids: int) -> tuple:
+        return tuple(Device(0, "node0", i) for i in ids)
+    k = (world - 3) // 2
+    het = [PlanReplica((PlanStage(1, (0, 3), devs(0)), PlanStage(2, (3, 8), devs(1, 2))), 10)]
+    het += [PlanReplica((PlanStage(2, (0, 8), devs(3 + 2 * j, 4 + 2 * j)),), 22 // k + (j < 22 % k))
+            for j in range(k)]
+    uni = [PlanReplica(tuple(PlanStage(1, lay, devs(3 * r + s)) for s, lay in enumerate(((0, 3), (3, 6), (6, 8)))),
+                       16) for r in range(2)]
+    return (Plan(8, tuple(het), kind="heterogeneous").to_layout(),
+            Plan(8, tuple(uni), unused=devs(*range(6, world)), kind="uniform").to_layout())
 
 
 def worker(rank: int, world: int, reps: int, out: str) -> None:
@@ -122,7 +143,8 @@ def worker(rank: int, world: int, reps: int, out: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=positive_int, default=7, help="gloo ranks (processes)")
+    ap.add_argument("--world", type=_odd_world, default=7,
+                    help="gloo ranks (processes): odd, >= 7 (the heterogeneous plan: 3 + 2k ranks)")
     ap.add_argument("--reps", type=positive_int, default=10, help="repetitions of each exchange (the first is "
                     "warm-up when there are 2 or more)")
     a = ap.parse_args()

@@ -52,6 +52,7 @@ CASES = [
     ("recovery_bench.py", ["--nproc", "3"], "--nproc", "--json"),
     ("recovery_bench.py", ["--fail-at", "30", "--train-iters", "30"], "--train-iters", "--json"),
     ("split_allreduce_bench.py", ["--world", "0"], "--world", None),
+    ("split_allreduce_bench.py", ["--world", "8"], "--world", None),
     ("split_allreduce_bench.py", ["--reps", "0"], "--reps", None),
     ("ds_bench.py", ["--hidden", "0"], "--hidden", None),
     ("ds_bench.py", ["--blocks", "0"], "--blocks", None),
