@@ -464,11 +464,13 @@ def test_the_documented_reader_reads_an_engine_checkpoint(tmp_path):
     w = torch.randn(256, 2048, generator=g)                  # 2 MiB: stored as column tiles
     b = torch.randn(300, generator=g).to(torch.bfloat16)
     steps = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    f8 = torch.randn(40, generator=g).to(torch.float8_e4m3fn)   # a documented dtype the reader once lacked
     eng = CheckpointEngine(str(tmp_path))
     # two row halves from one process: two writers' worth of chunks
     eng.save(5, [TensorShard("w", (256, 2048), Region((0, 0), (128, 2048)), w[:128]),
                  TensorShard("w", (256, 2048), Region((128, 0), (128, 2048)), w[128:]),
-                 full_shard("b", b), full_shard("optimizer.step.w", steps)])
+                 full_shard("b", b), full_shard("optimizer.step.w", steps), full_shard("f8", f8),
+                 full_shard("empty", torch.zeros(0, 3))])
     eng.wait()
     r = doc_reader()
     step_dir = r["resolve"](str(tmp_path))
@@ -478,6 +480,11 @@ def test_the_documented_reader_reads_an_engine_checkpoint(tmp_path):
     assert np.array_equal(r["read_tensor"](step_dir, "w", man), w.numpy())
     assert np.array_equal(r["read_tensor"](step_dir, "b", man), b.view(torch.int16).numpy().view(np.uint16))
     assert np.array_equal(r["read_tensor"](step_dir, "optimizer.step.w", man), steps.numpy())
+    assert np.array_equal(r["read_tensor"](step_dir, "f8", man), f8.view(torch.uint8).numpy())
+    assert r["read_tensor"](step_dir, "empty", man).shape == (0, 3)
+    # `latest` naming a temp dir that was renamed into place (commit step 3, without exchange)
+    (tmp_path / "latest").write_text(".tmp_step_000000005_1234_0\n")
+    assert r["resolve"](str(tmp_path)) == step_dir
     # a flipped byte inside a chunk of w fails its block CRC
     c = man["tensors"]["w"]["chunks"][1]
     p = os.path.join(step_dir, c["file"])
