@@ -4,7 +4,8 @@ Megatron-LM's code and the elastor patches are not changed: this runner patches 
 megatron symbols in memory, then runs ``pretrain_gpt.py`` as ``__main__`` with the remaining
 arguments. Dev/test use only (the real thing runs on GPUs, where :func:`install` is a no-op).
 
-usage (one process per rank; set MASTER_ADDR/PORT or use torchrun)::
+usage (one process per rank; set MASTER_ADDR/PORT or use torchrun; ``CUDA_DEVICE_MAX_CONNECTIONS``
+defaults to 1, which Megatron-LM asserts for ``--tensor-model-parallel-size`` above 1)::
 
     PYTHONPATH=MEGATRON_LM_DIR:ELASTOR_DS_DIR \\
     torchrun --nproc-per-node 2 examples/megatron_lm/cpu_pretrain_gpt.py \\
@@ -265,6 +266,9 @@ def main(argv: list[str]) -> None:
     if mlm not in sys.path:
         sys.path.insert(0, mlm)
     os.environ.setdefault("PYENV_VERSION", "%d.%d.%d" % sys.version_info[:3])
+    # Megatron-LM's validate_args asserts it for TP (or CP) > 1 below Blackwell (arch 0 here): the CUDA
+    # setting its GPU launch scripts export, meaningless on CPU
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     install(cuda_types=any(f in argv for f in ("--bf16", "--fp16", "--use-distributed-optimizer")))
     install_fault(os.environ.get("ELASTOR_MLM_FAULT", ""))
     sys.argv = [script] + argv

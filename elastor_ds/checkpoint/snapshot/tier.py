@@ -61,9 +61,11 @@ def node_dir(mcfg: MemorySnapshotConfig) -> str:
         return ensure_private_dir(mcfg.dir, "elastor.memory_snapshot.dir")
     d = launch_context().snapshot_dir
     if not d:
-        raise ConfigError("memory snapshots need a node directory: run under `elastor run` (it creates one on /dev/shm "
-                          f"and exports {ENV_SNAPSHOT_DIR}) or set \"elastor\": {{\"memory_snapshot\": {{\"dir\": "
-                          "\"/dev/shm/<job>\"}} (one directory per node, in memory)")
+        raise ConfigError("memory snapshots need a node directory (one per node, in memory): run under `elastor run` "
+                          f"(it creates one on /dev/shm and exports {ENV_SNAPSHOT_DIR}), export "
+                          f"{ENV_SNAPSHOT_DIR}=/dev/shm/<job>, or name one in the trainer's settings (Megatron-LM: "
+                          "--elastor-memory-snapshot-dir /dev/shm/<job>; DeepSpeed config: \"elastor\": "
+                          "{\"memory_snapshot\": {\"dir\": \"/dev/shm/<job>\"}})")
     return ensure_private_dir(d, ENV_SNAPSHOT_DIR)
 
 

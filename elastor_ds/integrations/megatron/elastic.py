@@ -15,7 +15,10 @@ calls, with ``--elastor``:
       On a stop: save this iteration through ``save`` (Megatron-LM's ``save_checkpoint_and_time``,
       i.e. the elastor hooks), wait until it is committed (:func:`training_hooks.finalize`) and
       return the exit code, ``EXIT_OK`` (0) for a preemption (SIGTERM/SIGINT), ``EXIT_RESIZE`` (75)
-      for a resize (SIGUSR1);
+      for a resize (SIGUSR1). The stop ends the loop before Megatron-LM's own exit checks, so on an
+      iteration where Megatron-LM would end the run (``--exit-interval``, ``--phase-transition-iterations``)
+      a resize exits 0 too: the job ends there, as it would have without the stop, instead of a
+      relaunch training on past it (:func:`megatron_exits_at`);
    b. otherwise a memory snapshot when one is due (:func:`training_hooks.after_iteration`,
       ``--elastor-memory-snapshot-interval``) and None.
 
@@ -29,11 +32,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from ...elastic.protocol import StopCode
+from ...elastic.protocol import EXIT_OK, StopCode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerHooks", "ElasticLoop", "attach", "iteration_end", "describe_layout"]
+__all__ = ["WorkerHooks", "ElasticLoop", "attach", "iteration_end", "describe_layout", "megatron_exits_at"]
 
 
 class WorkerHooks(Protocol):
@@ -103,7 +106,8 @@ def iteration_end(loop: ElasticLoop, iteration: int, model: Any, optimizer: Any,
     from . import training_hooks
 
     if loop.worker is not None:
-        loop.worker.heartbeat(iteration, last=iteration == getattr(loop.args, "train_iters", None))
+        last = iteration == getattr(loop.args, "train_iters", None) or megatron_exits_at(loop.args, iteration)
+        loop.worker.heartbeat(iteration, last=last)
         code = loop.worker.agree_stop()
         if code != StopCode.NONE:
             return _stop(loop, code, iteration, save)
@@ -112,18 +116,30 @@ def iteration_end(loop: ElasticLoop, iteration: int, model: Any, optimizer: Any,
     return None
 
 
+def megatron_exits_at(args: Any, iteration: int) -> bool:
+    """Whether Megatron-LM's ``checkpoint_and_decide_exit`` ends the run after ``iteration``
+    (``--exit-interval``, ``--phase-transition-iterations`` as validate_args leaves it: a list of ints;
+    core_v0.16.1's conditions)."""
+    every = getattr(args, "exit_interval", None)
+    phases = getattr(args, "phase_transition_iterations", None)
+    return bool(every and iteration % every == 0) or bool(phases and iteration in phases)
+
+
 def _stop(loop: ElasticLoop, code: StopCode, iteration: int, save: Callable[[], Any]) -> int:
-    """Save ``iteration`` and wait until it is committed (data, manifest, latest), then the exit code."""
+    """Save ``iteration`` and wait until it is committed (data, manifest, latest), then the exit code:
+    the stop's, or 0 where Megatron-LM would end the run after this iteration (the job ends)."""
     from . import training_hooks
 
+    exit_code = EXIT_OK if megatron_exits_at(loop.args, iteration) else code.exit_code()
+    why = "" if exit_code == code.exit_code() else "; Megatron-LM's exit interval ends the run here"
     if not loop.saves:
         if loop.rank == 0:
-            log.warning("elastor: stop requested (%s) at iteration %d; no --save, so nothing is saved; exiting "
-                        "with %d", code.name.lower(), iteration, code.exit_code())
-        return code.exit_code()
+            log.warning("elastor: stop requested (%s) at iteration %d; no --save, so nothing is saved%s; exiting "
+                        "with %d", code.name.lower(), iteration, why, exit_code)
+        return exit_code
     save()
     training_hooks.finalize()
     if loop.rank == 0:
-        log.info("elastor: stop requested (%s): iteration %d saved durably; exiting with %d",
-                 code.name.lower(), iteration, code.exit_code())
-    return code.exit_code()
+        log.info("elastor: stop requested (%s): iteration %d saved durably%s; exiting with %d",
+                 code.name.lower(), iteration, why, exit_code)
+    return exit_code

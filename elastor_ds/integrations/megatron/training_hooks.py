@@ -50,10 +50,12 @@ import torch
 from ...checkpoint import commit as commit_mod
 from ...checkpoint.engine import LoadResult, SaveStats
 from ...checkpoint.session import Collected, CheckpointSession
-from ...checkpoint.settings import CheckpointConfig, MemorySnapshotConfig, parse_memory_snapshot
+from ...checkpoint.settings import MAX_KEEP, MAX_STEPS, CheckpointConfig, MemorySnapshotConfig, parse_memory_snapshot
 from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_pieces
 from ...checkpoint.state import capture_rng_state, restore_rng_state, scalar
-from ...errors import CheckpointNotFoundError, ConfigError, LayoutError
+from ...errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                       FormatVersionError, IncompleteCheckpointError, LayoutError, TensorMismatchError,
+                       UnreadableCheckpointError, UnsafeCheckpointError)
 from ...layout import Layout
 from . import autoplan, overrides
 from .model import spec_config_from_model
@@ -68,11 +70,35 @@ MAIN_PREFIX = "optimizer.fp32_param."
 
 
 # ------------------------------------------------------------------ flags and parallel init
+# what a user must act on, never a bug: a flag, plan or folder to change (exit 2, as `elastor`'s CLI: the same
+# on every relaunch), or a checkpoint whose contents cannot be used (exit 1: corrupt, incomplete, unreadable,
+# unsafe, of an unknown format, or not matching the model the flags build); the message names the
+# checkpoint and the fix. Not here (a traceback): a save that failed in the background, a live tensor
+# changed mid-save, another writer in the same root, and every other exception
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointNotFoundError, CorruptCheckpointError,
+                                                IncompleteCheckpointError, UnreadableCheckpointError,
+                                                UnsafeCheckpointError, FormatVersionError, TensorMismatchError)
+
+
+def user_error_line(value: BaseException) -> Optional[tuple[str, int]]:
+    """The one line (no newline) and exit code for a user error from :data:`USER_ERRORS`, else None
+    (reads ``RANK`` only). A checkpoint error names its class (``CorruptCheckpointError: ...``)."""
+    if not isinstance(value, USER_ERRORS):
+        return None
+    from ...checkpoint.paths import printable
+    text = printable(" | ".join(x.strip() for x in str(value).splitlines() if x.strip()) or type(value).__name__)
+    usage = isinstance(value, (ConfigError, CheckpointNotFoundError))
+    kind = f"{type(value).__name__}: " if isinstance(value, CheckpointError) else ""   # gathered: the same name
+    rank = os.environ.get("RANK")
+    return f"elastor: error{f' (rank {rank})' if rank else ''}: {kind}{text}", 2 if usage else 1
+
+
 def _one_line_user_errors() -> None:
-    """Outside ``elastor run`` (torchrun, as docs/megatron-lm.md launches it): an uncaught
-    :class:`ConfigError` (a flag, plan or folder the user must change; the same on every relaunch)
-    ends the process with one line on stderr and exit 2, as ``elastor run``'s worker entry point
-    does, instead of a traceback through Megatron-LM's frames on every rank (torchrun still prints
+    """Outside ``elastor run`` (torchrun, as docs/megatron-lm.md launches it): an uncaught user error
+    (:data:`USER_ERRORS`: a flag, plan or folder the user must change, or a checkpoint whose contents
+    cannot be used, e.g. a corrupt newest one under ``--no-elastor-fallback``) ends the process with
+    one line on stderr (:func:`user_error_line`) and exit 2 (usage) or 1 (checkpoint), as ``elastor``'s
+    CLI does, instead of a traceback through Megatron-LM's frames on every rank (torchrun still prints
     its own summary). Other exceptions keep the interpreter's hook. Installed once, by
     :func:`add_arguments` (the first hook Megatron-LM's patched code calls)."""
     from ...elastic.protocol import launch_context
@@ -81,15 +107,15 @@ def _one_line_user_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind: type, value: BaseException, tb: Any) -> None:
-        if isinstance(value, ConfigError):
-            rank = os.environ.get("RANK")
+        line = user_error_line(value)
+        if line is not None:
             try:
                 sys.stdout.flush()
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
             # straight to fd 2: through sys.stderr the line was lost under Megatron-LM (QA round 7, Q7-2)
-            os.write(2, f"elastor: error{f' (rank {rank})' if rank else ''}: {value}\n".encode("utf-8", "replace"))
-            os._exit(2)   # no teardown: a failed rank's peers may be gone (as worker_main's _exit_now)
+            os.write(2, f"{line[0]}\n".encode("utf-8", "replace"))
+            os._exit(line[1])   # no teardown: a failed rank's peers may be gone (as worker_main's _exit_now)
         previous(kind, value, tb)
     hook._elastor = True  # type: ignore[attr-defined]
     sys.excepthook = hook
@@ -116,9 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "run` first launched and plans (as auto) once it changed; FILE: a plan JSON "
                         "(`elastor plan ... --homogeneous --json`)")
     g.add_argument("--elastor-memory-snapshot-interval", type=int, default=None, metavar="N",
-                   help="also snapshot every N iterations into this node's memory (tmpfs; $ELASTOR_SNAPSHOT_DIR "
-                        "from `elastor run`); a restart restores from memory first, storage only for what no "
-                        "memory holds (needs --save)")
+                   help="also snapshot every N iterations into this node's memory (tmpfs: --elastor-memory-"
+                        "snapshot-dir, default $ELASTOR_SNAPSHOT_DIR, which `elastor run` makes); a restart "
+                        "restores from memory first, storage only for what no memory holds (needs --save)")
     g.add_argument("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
                    help="copies of each snapshot on other nodes (0 or 1; default 1)")
     g.add_argument("--elastor-memory-snapshot-peer-copy-interval", type=int, default=None, metavar="N",
@@ -126,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "interval; default: every snapshot)")
     g.add_argument("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
                    help="memory snapshots kept per node (default 1)")
+    g.add_argument("--elastor-memory-snapshot-dir", default=None, metavar="DIR",
+                   help="this node's snapshot directory, in memory (e.g. /dev/shm/<job>; one per node, private to "
+                        "you); default $ELASTOR_SNAPSHOT_DIR (`elastor run` makes and exports one: leave this unset "
+                        "under it)")
     return parser
 
 
@@ -184,9 +214,12 @@ def configure(args: Any) -> Optional[Layout]:
     keep = CheckpointConfig.keep if keep is None else keep
     if keep < 1:
         raise ConfigError(f"--elastor-keep {keep}: must be >= 1")
-    if memory_config(args) is not None and not getattr(args, "save", None):
-        raise ConfigError("--elastor-memory-snapshot-interval needs --save DIR too (storage stays the durable tier; "
-                          "--save-interval can be large)")
+    mem = memory_config(args)
+    if mem is not None:
+        if not getattr(args, "save", None):
+            raise ConfigError("--elastor-memory-snapshot-interval needs --save DIR too (storage stays the durable "
+                              "tier; --save-interval can be large)")
+        _check_memory_dir(mem)
     mp = _parallel_ns(args)
     bad = [(f, v) for f, v in (("--context-parallel-size", getattr(mp, "context_parallel_size", 1)),
                                ("--expert-model-parallel-size", getattr(mp, "expert_model_parallel_size", 1)))
@@ -312,19 +345,92 @@ def _comm(args: Any) -> Any:
     return _S.comm
 
 
+# --elastor-memory-snapshot-NAME -> (MemorySnapshotConfig field, smallest, largest, an example value)
+_MEM_FLAGS = (("interval", "interval_steps", 1, MAX_STEPS, "1 (a snapshot after every iteration)"),
+              ("keep", "keep", 1, MAX_KEEP, "2"),
+              ("peer_copies", "peer_copies", 0, 1, "1 (0: no copy on another node)"),
+              ("peer_copy_interval", "peer_copy_interval_steps", 1, MAX_STEPS, "10 (every 10th iteration's snapshot)"),
+              ("dir", "dir", None, None, "/dev/shm/<job>"))
+_MEM_WHERE = "--elastor-memory-snapshot-*"
+
+
+def _mem_flag(name: str) -> str:
+    return "--elastor-memory-snapshot-" + name.replace("_", "-")
+
+
 def memory_config(args: Any) -> Optional[MemorySnapshotConfig]:
-    """``--elastor-memory-snapshot-*`` as the memory tier's settings (None: no snapshots)."""
-    interval = getattr(args, "elastor_memory_snapshot_interval", None)
-    if interval is None:
-        return None
-    d = {"interval_steps": interval}
-    for flag, key in (("elastor_memory_snapshot_keep", "keep"), ("elastor_memory_snapshot_peer_copies", "peer_copies"),
-                      ("elastor_memory_snapshot_peer_copy_interval", "peer_copy_interval_steps"),
-                      ("elastor_memory_snapshot_dir", "dir")):
-        v = getattr(args, flag, None)
+    """``--elastor-memory-snapshot-*`` as the memory tier's settings (None: no snapshots). Errors
+    name the flags: each value, then the flags together; the other flags without ``-interval`` are
+    an error (they would be ignored: no snapshot is taken)."""
+    given = {}
+    for name, key, lo, hi, example in _MEM_FLAGS:
+        v = getattr(args, "elastor_memory_snapshot_" + name, None)
         if v is not None:
-            d[key] = v
-    return parse_memory_snapshot(d, where="--elastor-memory-snapshot-*")
+            given[key] = _mem_value(_mem_flag(name), v, lo, hi, example)
+    if "interval_steps" not in given:
+        if given:
+            shown = " ".join(f"{_mem_flag(n)} {getattr(args, 'elastor_memory_snapshot_' + n)}"
+                             for n, k, *_ in _MEM_FLAGS if k in given)
+            raise ConfigError(f"{shown} without --elastor-memory-snapshot-interval N: no memory snapshot is taken, so "
+                              f"this does nothing; add --elastor-memory-snapshot-interval 1 (a snapshot after every "
+                              f"iteration) or drop {'it' if len(given) == 1 else 'them'}")
+        return None
+    _check_mem_together(given)
+    try:
+        return parse_memory_snapshot(given, where=_MEM_WHERE)
+    except ConfigError as e:   # a check of the settings' own not mirrored here: its keys as the flags
+        msg = str(e)
+        for name, key, *_ in _MEM_FLAGS:
+            msg = msg.replace(f"{_MEM_WHERE}.{key}", _mem_flag(name))
+        raise ConfigError(msg) from None
+
+
+def _mem_value(flag: str, v: Any, lo: Optional[int], hi: Optional[int], example: str) -> Any:
+    """One ``--elastor-memory-snapshot-*`` value, checked: an integer in [lo, hi], or a directory."""
+    if lo is None:   # the directory: as the settings check it (a path alone, not the root), named by its flag
+        p = os.path.expanduser(str(v))
+        if not p or p != p.strip() or any(ord(c) < 32 or ord(c) == 127 for c in p):
+            raise ConfigError(f"{flag} {v!r}: empty, or surrounding spaces or control characters; write the path "
+                              f"alone, e.g. {flag} {example}")
+        if os.path.normpath(os.path.abspath(p)) == os.sep:
+            raise ConfigError(f"{flag} {v}: the root directory; name a directory of its own, e.g. {flag} {example}")
+        return p
+    if v < lo or v > hi:   # type=int: argparse refused what is not an integer
+        bound = f"at least {lo}" if v < lo else f"at most {hi}"
+        raise ConfigError(f"{flag} {v}: must be {bound}; e.g. {flag} {example}")
+    return v
+
+
+def _check_mem_together(given: Mapping[str, Any]) -> None:
+    """The flags against each other: the copy interval is a multiple of the snapshot interval, and with
+    peer copies ``keep`` holds every snapshot between two copies (the default follows by itself)."""
+    snap, every, keep = given["interval_steps"], given.get("peer_copy_interval_steps"), given.get("keep")
+    if every is not None and every % snap:
+        raise ConfigError(f"--elastor-memory-snapshot-peer-copy-interval {every}: not a multiple of "
+                          f"--elastor-memory-snapshot-interval {snap} (only snapshots are copied); use e.g. "
+                          f"{snap * max(1, round(every / snap))}")
+    if keep is None or given.get("peer_copies", MemorySnapshotConfig.peer_copies) == 0:
+        return
+    need = MemorySnapshotConfig(interval_steps=snap, peer_copy_interval_steps=every).keep_for_copies()
+    if keep < need:
+        raise ConfigError(f"--elastor-memory-snapshot-keep {keep}: with a peer copy every {every} iterations and a "
+                          f"snapshot every {snap}, a node must keep {need} so that the newest copied step is still in "
+                          f"its own memory when another node is lost; pass --elastor-memory-snapshot-keep {need}, or "
+                          f"drop it (the default follows the copy interval)")
+
+
+def _check_memory_dir(mem: MemorySnapshotConfig) -> None:
+    """The node directory of the snapshots, at start-up: ``--elastor-memory-snapshot-dir`` checked (and
+    made, 0700) as ``elastor run`` checks its own, else one ``elastor run`` (or the user) exported."""
+    from ...checkpoint.private_dir import ensure_private_dir
+    from ...elastic.protocol import ENV_SNAPSHOT_DIR, launch_context
+    if mem.dir:
+        ensure_private_dir(mem.dir, "--elastor-memory-snapshot-dir")
+    elif not launch_context().snapshot_dir:
+        raise ConfigError(f"--elastor-memory-snapshot-interval {mem.interval_steps}: no node directory for the "
+                          f"snapshots; launch with `elastor run` (it makes one on /dev/shm), or pass "
+                          f"--elastor-memory-snapshot-dir /dev/shm/<job> (or export "
+                          f"{ENV_SNAPSHOT_DIR}=/dev/shm/<job>): one directory per node, in memory")
 
 
 def session(args: Any, root: str, keep: Optional[int] = None, model: Any = None, optimizer: Any = None,
