@@ -166,6 +166,15 @@ def _error_classes() -> dict[str, type]:
     return {n: c for n, c in globals().items() if isinstance(c, type) and issubclass(c, ElastorError)}
 
 
+#: what a user must act on, never a bug: a flag, plan or folder to change, or a checkpoint whose
+#: contents cannot be used (corrupt, incomplete, unreadable, unsafe, of an unknown format, or not
+#: matching the model): one line, not a traceback. Not here: a save that failed in the background, a
+#: live tensor changed mid-save, another writer in the same root, every other exception.
+USER_ERRORS: "tuple[type[BaseException], ...]" = (ConfigError, CheckpointNotFoundError, CorruptCheckpointError,
+                                                  IncompleteCheckpointError, UnreadableCheckpointError,
+                                                  UnsafeCheckpointError, FormatVersionError, TensorMismatchError)
+
+
 def ranks_failed(what: str, failures: "list[RankFailure]", world_size: int,
                  base: type = RanksFailedError) -> RanksFailedError:
     """One error for ``failures`` gathered from every rank: a ``base`` (RanksFailedError) that is

@@ -53,10 +53,14 @@ def run_script(argv: list[str]) -> None:
         _ignore_stop_signals()
         raise
     except BaseException as e:   # noqa: BLE001 - the worker failed: report it, exit 1, skip the teardown
-        from elastor_ds.errors import ConfigError
-        if isinstance(e, ConfigError):   # a bad key, flag or value: the same on every relaunch, so exit 2 (not retried)
-            print(f"elastor worker: {type(e).__name__}: {e}", file=sys.stderr)
-            _exit_now(2)
+        from elastor_ds.errors import USER_ERRORS, ConfigError
+        if isinstance(e, USER_ERRORS):   # the user's to fix (its message names what and how): one line
+            from elastor_ds.checkpoint.paths import printable
+            text = " | ".join(x.strip() for x in str(e).splitlines() if x.strip())
+            print(f"elastor worker: {type(e).__name__}: {printable(text)}", file=sys.stderr)
+            # a bad key, flag or value: the same on every relaunch, so exit 2 (not retried); a checkpoint
+            # that cannot be used: a failure (1)
+            _exit_now(2 if isinstance(e, ConfigError) else 1)
         traceback.print_exc()
         _exit_now(1)
     _ignore_stop_signals()

@@ -84,3 +84,21 @@ def test_a_stop_signal_during_the_teardown_of_a_finished_worker_is_not_its_death
         assert p.wait(timeout=60) == 0, (p.returncode, sent, p.stderr.read()[-2000:])
         assert sent > 0
         p.stderr.close()
+
+
+@pytest.mark.parametrize("err, code", [("CorruptCheckpointError", 1), ("IncompleteCheckpointError", 1),
+                                       ("ConfigError", 2)])
+def test_a_checkpoint_the_user_must_replace_is_one_line_not_a_traceback(tmp_path, err, code):
+    """A corrupt newest checkpoint under --no-elastor-fallback (a trainer under elastor run) printed a
+    traceback through the trainer's frames; its message already names the file and the fix. One line
+    now (control characters escaped), the exit code unchanged: 1 (a failure), 2 for a ConfigError."""
+    script = tmp_path / "train.py"
+    script.write_text(f"from elastor_ds.errors import {err}\n"
+                      f"raise {err}('ck/step_3/data_00001.safetensors: block 2 fails its CRC\\x1b[2J\\nuse an older step')\n")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.elastic.worker_main", str(script)],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == code, (p.returncode, p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert "Traceback" not in p.stderr and len(lines) == 1 and lines[0].startswith(f"elastor worker: {err}: ck/step_3"), \
+        p.stderr[-2000:]
+    assert "\x1b" not in p.stderr and "use an older step" in lines[0]

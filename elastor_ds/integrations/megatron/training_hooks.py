@@ -53,9 +53,8 @@ from ...checkpoint.session import Collected, CheckpointSession
 from ...checkpoint.settings import MAX_KEEP, MAX_STEPS, CheckpointConfig, MemorySnapshotConfig, parse_memory_snapshot
 from ...checkpoint.shards import full_shard, shards_from_flat, shards_from_pieces
 from ...checkpoint.state import capture_rng_state, restore_rng_state, scalar
-from ...errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                       FormatVersionError, IncompleteCheckpointError, LayoutError, TensorMismatchError,
-                       UnreadableCheckpointError, UnsafeCheckpointError)
+from ... import errors
+from ...errors import CheckpointError, CheckpointNotFoundError, ConfigError, LayoutError
 from ...layout import Layout
 from . import autoplan, overrides
 from .model import spec_config_from_model
@@ -70,14 +69,10 @@ MAIN_PREFIX = "optimizer.fp32_param."
 
 
 # ------------------------------------------------------------------ flags and parallel init
-# what a user must act on, never a bug: a flag, plan or folder to change (exit 2, as `elastor`'s CLI: the same
-# on every relaunch), or a checkpoint whose contents cannot be used (exit 1: corrupt, incomplete, unreadable,
-# unsafe, of an unknown format, or not matching the model the flags build); the message names the
-# checkpoint and the fix. Not here (a traceback): a save that failed in the background, a live tensor
-# changed mid-save, another writer in the same root, and every other exception
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointNotFoundError, CorruptCheckpointError,
-                                                IncompleteCheckpointError, UnreadableCheckpointError,
-                                                UnsafeCheckpointError, FormatVersionError, TensorMismatchError)
+# what a user must act on (errors.USER_ERRORS): exit 2 for a flag, plan or folder to change (as `elastor`'s CLI: the
+# same on every relaunch), exit 1 for a checkpoint whose contents cannot be used; the message names the
+# checkpoint and the fix
+USER_ERRORS = errors.USER_ERRORS
 
 
 def user_error_line(value: BaseException) -> Optional[tuple[str, int]]:
