@@ -14,7 +14,7 @@ import warnings
 import os
 import sys
 
-from .errors import CheckpointNotFoundError, ConfigError, ElastorError, StoppedEarly
+from .errors import CheckpointNotFoundError, ConfigError, ElastorError, PlanningError, StoppedEarly
 
 _SUBCOMMAND_MODULES = (
     "elastor_ds.checkpoint.cli",   # inspect, verify, convert
@@ -35,7 +35,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         from .checkpoint.paths import printable   # a value given on the command line may hold escapes
-        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {printable(self._without_remainders(message))} (see {self.prog} --help)\n")
+
+    def _without_remainders(self, message: str) -> str:
+        """argparse lists a trailing ``nargs=REMAINDER`` positional (``elastor run``'s script_args) as
+        required when nothing is given; it may be empty: name only the positionals that are needed."""
+        head = "the following arguments are required: "
+        if not message.startswith(head):
+            return message
+        optional = {a.dest for a in self._actions if a.nargs == argparse.REMAINDER}
+        names = [n for n in message[len(head):].split(", ") if n not in optional]
+        return head + ", ".join(names) if names else message
 
 
 def _version() -> str:
@@ -92,8 +102,43 @@ def _stop_early(signum: int, _frame) -> None:
     raise StoppedEarly(signum)
 
 
+def _reopen_closed_std_streams() -> None:
+    """A standard stream the caller closed (``elastor convert ... >&-``, ``2>&-``) is opened on
+    /dev/null, as ``>/dev/null`` would be: Python leaves ``sys.stdout`` None there, and the next
+    file a command opens would get descriptor 1 or 2 (a stray write to it would land in that file)."""
+    for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                nfd = os.open(os.devnull, flags)
+                if nfd != fd:
+                    os.dup2(nfd, fd)
+                    os.close(nfd)
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError):
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False, encoding="utf-8",
+                                        errors="backslashreplace"))
+
+
+class _EscapeFilter(logging.Filter):
+    """Log lines with non-printable characters escaped, as the error lines are: a path or name in a
+    message (``converted SRC -> DST``) is anyone's and may hold terminal escapes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .checkpoint.paths import printable
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed call: logging reports it as it would have
+            return True
+        if not msg.isprintable():
+            record.msg, record.args = printable(msg), None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     import signal
+    _reopen_closed_std_streams()
     words = sys.argv[1:] if argv is None else list(argv)
     if next((a for a in words if not a.startswith("-")), None) == "run":
         # elastor run's stop handling from the first line on (its own handlers replace these once
@@ -121,6 +166,10 @@ def _main(argv: list[str] | None) -> int:
         subs.get(getattr(args, "command", None) or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "run":   # (the controller relays its workers' lines as they are)
+        for h in logging.getLogger().handlers:
+            if not any(isinstance(f, _EscapeFilter) for f in h.filters):   # main() may run again in-process
+                h.addFilter(_EscapeFilter())
     if not args.verbose:   # megatron-core's import-time notes (no Transformer Engine / Apex on this host) are not ours
         logging.getLogger("megatron").setLevel(logging.WARNING)
         logging.getLogger("torch").setLevel(logging.WARNING)   # e.g. "FakeTensor cache stats" at exit
@@ -131,12 +180,16 @@ def _main(argv: list[str] | None) -> int:
     log = logging.getLogger("elastor")
     try:
         code = int(args.func(args) or 0)
-        sys.stdout.flush()   # a reader that left shows here (BrokenPipeError), not in the exit's flush
+        if sys.stdout is not None:
+            sys.stdout.flush()   # a reader that left shows here (BrokenPipeError), not in the exit's flush
         return code
     except ElastorError as e:
         if isinstance(e, (ConfigError, CheckpointNotFoundError)):   # usage: a wrong path or value
             sys.stderr.write(f"elastor {args.command}: error: {_one_line(e)}\n")   # as the parser's own errors
             return 2
+        if isinstance(e, PlanningError) and args.command == "plan":   # no layout fits: says why and what would
+            sys.stderr.write(f"elastor plan: infeasible: {_one_line(e)}\n")
+            return 1
         log.error("%s", _one_line(e))
         return 1
     except BrokenPipeError:  # `elastor plan ... | head`: the reader left; stop quietly, as a shell tool does

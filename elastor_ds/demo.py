@@ -1,4 +1,7 @@
-"""The README's main job (until the example trainer lands): save under one layout, load under another.
+"""The checkpoint engine alone, without training: save under one layout, load under another.
+
+(The README's main job, a GPT trained through a lost worker and its return, is
+``examples/megatron_gpt/elastic_demo.py``, which ``scripts/demo.sh`` runs.)
 
 Phase ``save`` (e.g. 4 processes, TP2 x PP2 with Adam moments): every rank builds its shards of
 a synthetic GPT state (vocab-parallel tied embedding, fused QKV with grouped query heads, gated
@@ -7,7 +10,10 @@ its stall and time to durable. Phase ``load`` (e.g. 3 processes, a heterogeneous
 two TP1 stages with uneven layers, replica 1 one TP1 stage) loads the same checkpoint into the new
 layout and checks every tensor bit-for-bit against the global tensors.
 
-Run with torchrun; see ``scripts/demo.sh``.
+Run with torchrun, one process per rank of the layout::
+
+    torchrun --nproc-per-node 4 -m elastor_ds.demo --phase save --ckpt /tmp/ck --layout tp=2,pp=2
+    torchrun --nproc-per-node 3 -m elastor_ds.demo --phase load --ckpt /tmp/ck --layout plan.json
 """
 from __future__ import annotations
 
@@ -21,34 +27,77 @@ import sys
 import torch.distributed as dist
 
 from .checkpoint.engine import CheckpointEngine
+from .checkpoint.paths import printable
+from .cli_types import positive_int
 from .comm import TorchComm
+from .errors import ElastorError
 from .layout import Layout
 from .testing.synthetic import GPTShape, check_rank_state, global_tensors, gpt_specs, optimizer_specs, rank_state
 
 log = logging.getLogger("elastor.demo")
 
 
+LAYOUT_FORMS = "tp=2,pp=2,dp=1[,boundaries=0:3:8], a plan JSON document, or a file holding one"
+_LAYOUT_KEYS = ("tp", "pp", "dp", "boundaries")
+# torchrun's environment: without it init_process_group fails with a traceback about RANK
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class UsageError(Exception):
+    """A bad flag value or launch: one line on stderr, exit 2."""
+
+
 def parse_layout(text: str, num_layers: int) -> Layout:
+    """``--layout`` as a :class:`Layout`; :class:`UsageError` naming the value and the forms it takes."""
+    try:
+        return _parse_layout(text, num_layers)
+    except (ElastorError, ValueError, OSError) as e:   # LayoutError, json's, int()'s, a file's
+        raise UsageError(f"--layout {printable(text)[:200]}: {printable(e)}; give {LAYOUT_FORMS}") from None
+
+
+def _parse_layout(text: str, num_layers: int) -> Layout:
     if os.path.isfile(text):
         with open(text, encoding="utf-8") as f:
             return Layout.from_json(json.load(f), num_layers)
-    if text.startswith("{"):
+    if text.lstrip().startswith("{"):
         return Layout.from_json(json.loads(text), num_layers)
-    parts = dict(p.split("=") for p in text.split(","))
+    parts: dict[str, str] = {}
+    for p in text.split(","):
+        key, eq, value = p.partition("=")
+        if not eq or key.strip() not in _LAYOUT_KEYS or key.strip() in parts:
+            raise ValueError(f"{p!r} is not one of {', '.join(k + '=...' for k in _LAYOUT_KEYS)} (each once)")
+        parts[key.strip()] = value.strip()
     b = [int(x) for x in parts["boundaries"].split(":")] if "boundaries" in parts else None
     return Layout.uniform(int(parts.get("tp", 1)), int(parts.get("pp", 1)), int(parts.get("dp", 1)), num_layers, b)
 
 
+def check_launch(nproc: int) -> None:
+    """Started by torchrun (or another launcher that sets its environment), else :class:`UsageError`
+    saying how to start it for a layout of ``nproc`` ranks."""
+    missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise UsageError(f"not started by torchrun ({', '.join(missing)} not set); run it as torchrun "
+                         f"--nproc-per-node {nproc} -m elastor_ds.demo ... (one process per rank of the layout)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m elastor_ds.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--phase", choices=["save", "load"], required=True)
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--layout", required=True, help="tp=2,pp=2,dp=1[,boundaries=0:3:8] or plan JSON (text or file)")
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--ckpt", required=True, help="checkpoint root: written by --phase save, read by --phase load")
+    ap.add_argument("--layout", required=True, help=LAYOUT_FORMS)
+    ap.add_argument("--num-layers", type=positive_int, default=8)
+    ap.add_argument("--hidden-size", type=positive_int, default=256, help="a multiple of 8 (8 heads)")
     ap.add_argument("--zero", action="store_true", help="ZeRO-1 partition the Adam moments across replicas")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
+    try:
+        if args.hidden_size % 8:
+            raise UsageError(f"--hidden-size {args.hidden_size}: give a multiple of 8 (the model has 8 heads)")
+        layout = parse_layout(args.layout, args.num_layers)
+        check_launch(layout.world_size)
+    except UsageError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(message)s")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
     h = args.hidden_size
     shape = GPTShape(num_layers=args.num_layers, hidden=h, ffn=4 * h, heads=8, groups=4, vocab=1000, pad_multiple=128)
-    layout = parse_layout(args.layout, shape.num_layers)
     if layout.world_size != world:
         log.error("layout %s needs %d processes but %d were launched; launch with --nproc-per-node %d",
                   layout.describe(), layout.world_size, world, layout.world_size)

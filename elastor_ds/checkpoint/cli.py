@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 
 from ..cli_types import positive_int
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, UnreadableCheckpointError,
+                      UnsafeCheckpointError)
 from . import commit as commit_mod
 from .paths import printable
 
@@ -17,6 +21,13 @@ log = logging.getLogger("elastor")
 # format name -> (importer(src, dst, args), exporter(src, dst, args)); integrations add theirs
 IMPORTERS: dict = {}
 EXPORTERS: dict = {}
+# the names --help lists (the integrations register theirs after this parser is built; a test checks
+# these lists against IMPORTERS and EXPORTERS)
+SOURCE_FORMATS = ("elastor", "consolidated", "deepspeed", "deepspeed-universal", "megatron")
+TARGET_FORMATS = ("elastor", "consolidated", "deepspeed-universal", "megatron")
+# the top module of an optional package a format may need -> (its pip name, the extra of elastor_ds
+# that installs it: setup.py's extras_require)
+EXTRAS = {"deepspeed": ("deepspeed", "deepspeed"), "megatron": ("megatron-core", "megatron")}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,17 +37,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check completeness and checksums (exit 0 good, 1 corrupt, 2 usage)")
-    p.add_argument("ckpt")
+    p.add_argument("ckpt", help="checkpoint root (uses 'latest') or a step directory")
     p.add_argument("--no-checksums", action="store_true", help="sizes and headers only (fast)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("convert", help="convert between elastor and other checkpoint formats")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--from", dest="src_format", default="elastor",
-                   help="source format: elastor (default), consolidated, or an integration's format")
-    p.add_argument("--to", dest="dst_format", default="elastor",
-                   help="target format: elastor (default), consolidated, or an integration's format")
+    p.add_argument("src", help="the checkpoint to read (an elastor root or step directory, a consolidated directory, "
+                               "a DeepSpeed or Megatron checkpoint: see --from)")
+    p.add_argument("dst", help="where to write it: absent or empty (an import with --force: an elastor root)")
+    p.add_argument("--from", dest="src_format", default="elastor", metavar="FORMAT",
+                   help=f"source format: {', '.join(SOURCE_FORMATS)}; all but elastor import into an elastor "
+                        f"checkpoint (default elastor)")
+    p.add_argument("--to", dest="dst_format", default="elastor", metavar="FORMAT",
+                   help=f"target format: {', '.join(TARGET_FORMATS)}; all but elastor export an elastor checkpoint "
+                        f"(default elastor)")
     p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="--to megatron: TP of the export")
     p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="--to megatron: PP of the export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,13 +86,13 @@ def cmd_inspect(args) -> int:
             layout = Layout.from_json(man.layout).describe()
         except Exception:  # noqa: BLE001 - informational only
             layout = "unreadable"
-    print(f"checkpoint  {step_dir}")
+    print(f"checkpoint  {printable(step_dir)}")
     print(f"step        {man.step}")
     print(f"format      elastor v{man.format_version}")
     print(f"written by  {_n(man.world_size, 'rank')}, layout {layout}")
     print(f"files       {len(man.files)}, {man.total_bytes / 2**20:.2f} MiB")
     if man.extra:
-        print(f"extra       {json.dumps(man.extra)[:200]}")
+        print(f"extra       {_clip(json.dumps(man.extra), 200)}")
     print(f"tensors     {len(man.tensors)}")
     width = max((len(n) for n in man.tensors), default=4)
     for n, t in sorted(man.tensors.items()):
@@ -89,6 +103,14 @@ def cmd_inspect(args) -> int:
 def _line(e: object) -> str:
     """A message on one line, non-printable characters escaped (names from disk are anyone's)."""
     return printable(" | ".join(x.strip() for x in str(e).splitlines() if x.strip()))
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters after a comma, with " ... (--json shows all)"."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(", ", 0, limit)
+    return text[:cut if cut > 0 else limit] + ", ... (--json shows all)"
 
 
 def _n(count: int, noun: str) -> str:
@@ -109,20 +131,31 @@ def cmd_verify(args) -> int:
         print(f"CORRUPT/INCOMPLETE: {_line(e)}", file=sys.stderr)
         return 1
     from .verify import verify  # torch-free CLI start: heavy modules load on use
-    problems = verify(step_dir, checksums=not args.no_checksums, progress=sys.stderr.isatty(), manifest=man)
+    problems = verify(step_dir, checksums=not args.no_checksums, manifest=man,
+                      progress=sys.stderr is not None and sys.stderr.isatty())
     if problems:
         for p in problems:
-            print(f"CORRUPT: {_line(p)}", file=sys.stderr)
-        print(f"{step_dir}: {len(problems)} problem(s)", file=sys.stderr)
+            print(f"CORRUPT: {_line(_problem_text(p))}", file=sys.stderr)
+        print(f"{printable(step_dir)}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print(f"OK {step_dir}: step {man.step}, {_n(len(man.files), 'file')}, {_n(len(man.tensors), 'tensor')}, "
+    print(f"OK {printable(step_dir)}: step {man.step}, {_n(len(man.files), 'file')}, {_n(len(man.tensors), 'tensor')}, "
           f"{man.total_bytes / 2**20:.2f} MiB, checksums {'skipped' if args.no_checksums else 'match'}")
     extra = _unlisted(step_dir, man)
     if extra:   # never read by a load; worth a look (a merged or hand-edited folder)
-        print(f"note: {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} in {step_dir} the manifest does not list (never read): "
+        print(f"note: {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} in {printable(step_dir)} the manifest "
+              f"does not list (never read): "
               f"{', '.join(n if n.isprintable() else ascii(n) for n in extra[:5])}{' ...' if len(extra) > 5 else ''}",
               file=sys.stderr)   # names on disk are anyone's: a terminal escape in one is shown escaped
     return 0
+
+
+def _problem_text(p) -> str:
+    """A verify problem as ``FILE: what``; the file named once (a header error's own message starts
+    with the file's path too)."""
+    where, what = getattr(p, "where", None), getattr(p, "what", None)
+    if isinstance(where, str) and isinstance(what, str) and what.startswith(f"{where}: "):
+        return f"{where}: {what[len(where) + 2:]}"
+    return str(p)
 
 
 def _unlisted(step_dir: str, man) -> list[str]:
@@ -181,10 +214,10 @@ def cmd_convert(args) -> int:
     importing = dst_f == "elastor" and (src_f == "consolidated" or src_f in IMPORTERS)
     exporting = src_f == "elastor" and (dst_f == "consolidated" or dst_f in EXPORTERS)
     if not (importing or exporting):
-        known_from = ["elastor", "consolidated", *IMPORTERS]
-        known_to = ["elastor", "consolidated", *EXPORTERS]
-        raise ConfigError(f"cannot convert --from {src_f} --to {dst_f}; supported: --from {known_from} "
-                          f"(to elastor) or --to {known_to} (from elastor)")
+        known_from = ", ".join(["consolidated", *IMPORTERS])
+        known_to = ", ".join(["consolidated", *EXPORTERS])
+        raise ConfigError(f"cannot convert --from {src_f} --to {dst_f}; supported: --from one of {known_from} "
+                          f"--to elastor (an import), or --from elastor --to one of {known_to} (an export)")
     _check_convert_flags(args, src_f, dst_f)
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ConfigError(f"source and destination are both {args.src}; choose a new destination")
@@ -205,11 +238,42 @@ def cmd_convert(args) -> int:
     elif src_f == "consolidated" and dst_f == "elastor":
         out = from_consolidated(args.src, args.dst, progress=progress, force=args.force)
     elif importing:
-        out = IMPORTERS[src_f](args.src, args.dst, args)
+        with _optional_package(f"--from {src_f}"):
+            out = IMPORTERS[src_f](args.src, args.dst, args)
     else:
         try:
-            out = EXPORTERS[dst_f](args.src, args.dst, args)
+            with _optional_package(f"--to {dst_f}"):
+                out = EXPORTERS[dst_f](args.src, args.dst, args)
         except OSError as e:   # a full disk, a permission: name the destination (the file may be a temp one)
             raise OSError(e.errno, f"{e.strerror or e} (exporting {args.src} to {args.dst})") from e
-    print(f"wrote {out}")
+    print(f"wrote {printable(out)}")
     return 0
+
+
+def missing_extra_error(what: str, module: str, detail: str, hint: str = "") -> ConfigError:
+    """A usage error for a conversion that needs the optional package of ``module`` (``deepspeed``,
+    ``megatron``), which is not installed: names the extra of elastor_ds that installs it."""
+    package, extra = EXTRAS.get(module, (module, module))
+    return ConfigError(f"{what} needs {package}, which is not installed here ({detail}); install it with "
+                       f"pip install 'elastor_ds[{extra}]'{hint}")
+
+
+@contextlib.contextmanager
+def _optional_package(what: str):
+    """A converter that reached for an optional package (deepspeed, megatron-core) that is not
+    installed: a one-line usage error naming the extra, not "unexpected ModuleNotFoundError".
+    The converters read and check their sources before they write, and remove what they wrote on
+    failure, so nothing is left behind."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        raise missing_extra_error(what, top, f"No module named {e.name!r}") from None
+    except UnsafeCheckpointError as e:   # a pickled type of a package that is not installed (never unpickled)
+        m = re.search(r"GLOBAL ((\w+)\.[\w.]+)", str(e))
+        if m is None or m.group(2) not in EXTRAS or importlib.util.find_spec(m.group(2)) is not None:
+            raise
+        raise missing_extra_error(what, m.group(2), f"{_line(e).split(' needs a type', 1)[0]} holds a "
+                                                    f"{m.group(1)}") from None

@@ -17,12 +17,13 @@ import sys
 from typing import Any, Callable
 
 from ..cli_types import ascii_int, bounded_float
-from ..errors import ConfigError, PlanningError
+from ..errors import ConfigError
 from ..user_json import read_json_file
 from .cluster import HARDWARE_RANGES, Cluster
 from .cost import GPU_TFLOPS_RANGE, CostModel, CostParams, GiB, Profile
 from .model import ModelSpec, TrainingSpec
 from .plan_doc import COMPACT_ABOVE_GPUS, device_ranges, plan_document, plan_from_document
+from .replan import FULL_SEARCH_BELOW
 from .search import PlanResult, plan
 
 # Upper bounds of the sizes the planner accepts (flag -> bound). The largest public models have
@@ -64,7 +65,7 @@ def bounded_int(flag: str) -> Callable[[str], int]:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="choose the best layout for the usable GPUs",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0].replace("``", ""))
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=bounded_int("--num-layers"), required=True, help="transformer layers")
     g.add_argument("--hidden-size", type=bounded_int("--hidden-size"), required=True, help="hidden size")
@@ -104,7 +105,7 @@ def register(subparsers: Any) -> None:
     c.add_argument("--inter-node-bandwidth-gbs", type=bounded_float(*HARDWARE_RANGES["inter_node_bandwidth_gbs"]),
                    default=None, help="per GPU, GB/s (default 25)")
     c.add_argument("--gpu-tflops", type=bounded_float(*GPU_TFLOPS_RANGE), default=CostParams.gpu_tflops,
-                   help="achieved TFLOP/s per GPU")
+                   help=f"achieved dense TFLOP/s per GPU (default {CostParams.gpu_tflops:g})")
     s = p.add_argument_group("search")
     s.add_argument("--profile", help="per-layer time profile JSON (elastor_ds.plan.profile)")
     s.add_argument("--top-k", type=bounded_int("--top-k"), default=3, help="alternatives to list")
@@ -116,7 +117,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--json", action="store_true", help="print the plan JSON document to stdout")
     s.add_argument("--from-plan", metavar="PREV.json",
                    help="re-plan from this previous plan document (--json output) after a small change of the "
-                        "cluster: undamaged replicas are kept (fast at any scale); no uniform baseline is computed")
+                        f"cluster: undamaged replicas are kept (fast at any scale); up to {FULL_SEARCH_BELOW:,} GPUs "
+                        "the full search runs too and the faster plan wins, printed with the best uniform grid; "
+                        "above, no uniform baseline")
     s.add_argument("--full", action="store_true", help="print every replica and stage (the table folds repeats)")
     p.set_defaults(func=run)
 
@@ -158,30 +161,22 @@ def read_previous(path: str, cluster: Cluster):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cost = build_inputs(args)
-        previous = read_previous(args.from_plan, cost.cluster) if args.from_plan else None
-    except ConfigError as e:
-        print(f"elastor plan: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        if getattr(args, "homogeneous", False):
-            if previous is not None:
-                raise ConfigError("--homogeneous plans grids from scratch; drop --from-plan")
-            result = homogeneous_result(cost)
-        elif previous is not None:
-            if args.layouts == "uniform":
-                raise ConfigError("--from-plan re-plans heterogeneous plans; drop --layouts uniform")
-            from .replan import replan
-            result = replan(cost, previous[0], previous[1], top_k=args.top_k)
-        else:
-            result = plan(cost, layouts=args.layouts, top_k=args.top_k)
-    except PlanningError as e:
-        print(f"elastor plan: infeasible: {e}", file=sys.stderr)
-        return 1
-    except ConfigError as e:
-        print(f"elastor plan: error: {e}", file=sys.stderr)
-        return 2
+    """A ConfigError (exit 2) and a PlanningError (exit 1, "infeasible") go to :mod:`elastor_ds.cli`,
+    which prints them on one line with non-printable characters escaped (a path given here may hold
+    terminal escapes)."""
+    cost = build_inputs(args)
+    previous = read_previous(args.from_plan, cost.cluster) if args.from_plan else None
+    if getattr(args, "homogeneous", False):
+        if previous is not None:
+            raise ConfigError("--homogeneous plans grids from scratch; drop --from-plan")
+        result = homogeneous_result(cost)
+    elif previous is not None:
+        if args.layouts == "uniform":
+            raise ConfigError("--from-plan re-plans heterogeneous plans; drop --layouts uniform")
+        from .replan import replan
+        result = replan(cost, previous[0], previous[1], top_k=args.top_k)
+    else:
+        result = plan(cost, layouts=args.layouts, top_k=args.top_k)
     tr = cost.training
     # --json above COMPACT_ABOVE_GPUS: version 2 (replica groups and device ranges, under 1 MB at
     # 131,072 GPUs instead of 10-17 MB); the table reads version 1

@@ -45,6 +45,53 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 log = logging.getLogger("elastic_demo")
 
+# --out: the file that marks a folder as this demo's output, and the entries the demo writes there;
+# a rerun removes those entries only (a folder of anything else is refused, never emptied)
+OUT_MARKER = ".elastor_demo_output"
+OUT_ENTRIES = ("ckpt", "logs", "metrics.jsonl", "events.jsonl", "timeline.png", "summary.json", "elastor_run.log")
+OUT_TEMP_PREFIX = "overhead_"   # measure_overhead's work folder (removed at its end; a killed run leaves it)
+
+
+class UsageError(Exception):
+    """A bad flag value: one line on stderr, exit 2."""
+
+
+def prepare_out(out: str) -> None:
+    """Make ``out`` ready for a run: create it, or take it as it is when empty, or, when it holds an
+    earlier output of this demo (its :data:`OUT_MARKER`), remove the entries the demo writes
+    (:data:`OUT_ENTRIES`, leftover ``overhead_*`` folders) and nothing else. Any other non-empty
+    folder, or a file, is refused (:class:`UsageError`): the demo never deletes what it did not make.
+    The marker is written first, so that a run killed half way can be rerun into the same folder."""
+    from elastor_ds.checkpoint.paths import printable
+    shown = printable(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {shown} exists and is not a directory; give a new or empty directory")
+    if os.path.isdir(out):
+        names = os.listdir(out)
+        if names and OUT_MARKER not in names:
+            raise UsageError(f"--out {shown} is not empty and is not an earlier output of this demo (no {OUT_MARKER} "
+                             f"in it; the demo deletes only what it wrote): give a new or empty directory, or empty "
+                             f"this one yourself (an output of a demo older than the marker, say)")
+        marker = os.path.join(out, OUT_MARKER)
+        if names and not (os.path.isfile(marker) and not os.path.islink(marker)):
+            raise UsageError(f"--out {shown}: its {OUT_MARKER} is not a regular file; give a new or empty directory")
+        for name in names:
+            if name in OUT_ENTRIES or (name.startswith(OUT_TEMP_PREFIX) and os.path.isdir(os.path.join(out, name))):
+                _remove(os.path.join(out, name))
+    else:
+        os.makedirs(out)
+    with open(os.path.join(out, OUT_MARKER), "w") as f:
+        f.write("written by examples/megatron_gpt/elastic_demo.py: a rerun with this --out replaces only "
+                + ", ".join(OUT_ENTRIES) + f" and {OUT_TEMP_PREFIX}* folders\n")
+
+
+def _remove(path: str) -> None:
+    """``path`` itself: a link (even to a directory) is unlinked, never followed."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
 
 def model_flags(a: argparse.Namespace, train_iters: int | None = None) -> list[str]:
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads", "4",
@@ -110,9 +157,12 @@ def measure_overhead(a: argparse.Namespace, env: dict, nproc: int) -> dict:
             "median_stall_over_iter": statistics.median(stalls) / res["median_iter_s_with"] if stalls else None}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "elastic_demo"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "elastic_demo"),
+                    help="output directory (default runs/elastic_demo): new, empty, or an earlier output of this "
+                         f"demo, whose outputs ({', '.join(OUT_ENTRIES)}) are replaced; any other non-empty "
+                         "directory is refused")
     ap.add_argument("--gpus", action="store_true", help="run on this node's GPUs (NCCL) instead of CPU processes")
     ap.add_argument("--nproc", type=int, default=None, help="processes before the failure (default 4, or #GPUs)")
     ap.add_argument("--tp", type=int, default=2)
@@ -135,7 +185,7 @@ def main() -> int:
                     help="first measure the snapshots' step overhead (torchrun, same model and layout, one run with "
                          "snapshots paused in every other block of 4 iterations)")
     ap.add_argument("--overhead-iters", type=int, default=200)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.snapshot_interval < 0:
         ap.error(f"--snapshot-interval {a.snapshot_interval}: give 0 (no memory snapshots) or a positive number")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -150,8 +200,11 @@ def main() -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("DS_ACCELERATOR", "cpu")
     n0 = a.nproc or a.tp * a.pp
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
+    try:
+        prepare_out(a.out)
+    except UsageError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     ck, mfile, efile = (os.path.join(a.out, x) for x in ("ckpt", "metrics.jsonl", "events.jsonl"))
     png = os.path.join(a.out, "timeline.png")
     overhead = measure_overhead(a, env, n0) if a.measure_overhead and a.snapshot_interval else None

@@ -23,10 +23,13 @@ ZeRO-0 checkpoint can be imported with ``weights_only``).
 from __future__ import annotations
 
 import glob
+import importlib.metadata
+import importlib.util
 import logging
 import math
 import os
 import re
+import sys
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -386,9 +389,31 @@ def to_universal(src: str, dst: str, batch_bytes: int = 256 << 20, progress: boo
     return os.path.join(dst, tag)
 
 
+# ``ds_version`` of an export when DeepSpeed is not installed (a plain ``pip install elastor_ds``):
+# the least version the ``deepspeed`` extra installs (setup.py: deepspeed>=0.16). DeepSpeed's
+# universal load reads the field from zero/optimizer_state.pt only in its ZeRO-1/2 optimizer
+# (DeepSpeedZeroOptimizer._load_global_state, deepspeed 0.19.8): it must be a non-empty version
+# string packaging.version parses, at least 0.3.17 for ZeRO-1; its BF16 optimizer and ZeRO-3 ignore it.
+# In mp_rank_00_model_states.pt it is informational (zero_to_fp32 prints it).
+DS_VERSION_WITHOUT_DEEPSPEED = "0.16.0"
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version, read without importing it (its import takes seconds and is
+    not needed to write files); :data:`DS_VERSION_WITHOUT_DEEPSPEED` when it is not installed."""
+    v = getattr(sys.modules.get("deepspeed"), "__version__", None)
+    if isinstance(v, str) and v:
+        return v
+    try:
+        if importlib.util.find_spec("deepspeed") is not None:
+            return importlib.metadata.version("deepspeed")
+    except (ImportError, ValueError):   # (importlib.metadata.PackageNotFoundError is an ImportError)
+        pass
+    return DS_VERSION_WITHOUT_DEEPSPEED
+
+
 def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: list[str], batch_bytes: int,
                      progress: bool = False) -> None:
-    import deepspeed
     from tqdm import tqdm
 
     from ...checkpoint.shards import full_shard as _full
@@ -464,7 +489,8 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
     for g in opt_groups or [{"hyper": {}}]:
         h = {k: (tuple(v) if isinstance(v, list) else v) for k, v in g.get("hyper", {}).items()}
         groups.append(dict(h, params=[0]))
-    save_pt({"param_groups": groups, "ds_version": deepspeed.__version__,
+    ds_version = deepspeed_version()
+    save_pt({"param_groups": groups, "ds_version": ds_version,
                 "zero_stage": int(ex.get("zero_stage", 1))}, os.path.join(zdir, "optimizer_state.pt"))
     from collections import OrderedDict
     mp = {"module": None, "buffer_names": [], "optimizer": None,
@@ -473,7 +499,7 @@ def _write_universal(dst: str, step_dir: str, man, ex: dict, tag: str, params: l
           "lr_scheduler": ex.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
           "skipped_steps": int(ex.get("skipped_steps", 0)), "global_steps": step,
           "global_samples": int(ex.get("global_samples", 0)), "dp_world_size": 1, "mp_world_size": 1,
-          "ds_version": deepspeed.__version__, "universal_checkpoint_info": {}}
+          "ds_version": ds_version, "universal_checkpoint_info": {}}
     mp.update(ex.get("client_state") or {})   # as saved: tensors as tensors (from_jsonable above)
     save_pt(mp, os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
     with open(os.path.join(dst, "latest_universal"), "w") as f:

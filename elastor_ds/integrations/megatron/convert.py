@@ -785,6 +785,20 @@ def _ensure_single_process_group() -> None:
                             timeout=datetime.timedelta(seconds=600))
 
 
+def _require_dist_checkpointing() -> None:
+    """``--megatron-format torch_dist`` writes through megatron-core's ``dist_checkpointing``: without
+    megatron-core (a plain ``pip install elastor_ds``) a one-line usage error naming the extra."""
+    try:
+        import megatron.core.dist_checkpointing  # noqa: F401
+    except ImportError as e:
+        from ...checkpoint.cli import missing_extra_error
+        what, hint = "--to megatron --megatron-format torch_dist", "; --megatron-format legacy needs no megatron-core"
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "megatron":
+            raise missing_extra_error(what, "megatron", f"No module named {e.name!r}", hint) from None
+        raise ConfigError(f"{what}: megatron.core.dist_checkpointing cannot be imported ({type(e).__name__}: {e}); "
+                          f"reinstall it with pip install 'elastor_ds[megatron]'{hint}") from None
+
+
 def cli_import(src: str, dst: str, args: Any) -> str:
     res = import_megatron(src, dst, _load_config(getattr(args, "model_config", None)),
                           progress=not getattr(args, "no_progress", False), force=bool(getattr(args, "force", False)),
@@ -812,6 +826,7 @@ def cli_export(src: str, dst: str, args: Any) -> str:
                   "distrib_optim.pt, which elastor does not write: add --no-load-optim there (or resume with --elastor)")
             return out
     elif fmt == "torch_dist":
+        _require_dist_checkpointing()   # before anything is written
         _ensure_single_process_group()
         out = export_torch_dist(src, dst, tp, cfg)
         if has_opt and not weights_only:
