@@ -104,8 +104,13 @@ def load_pt(path: str, trust: bool = False, mmap: bool = False) -> Any:
 
 
 def _load_weights_only(path: str, src: Any, mmap: bool) -> Any:
+    # only what is not registered yet: torch's context manager removes on exit every global it was
+    # given, also one the process had registered before (megatron-core registers argparse.Namespace at
+    # import), after which the process's own loads of such files failed
+    registered = torch.serialization.get_safe_globals()
+    extra = [g for g in allowed_globals() if g not in registered]
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals(extra):
             return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         m = _UNSUPPORTED_RE.search(str(e))

@@ -40,7 +40,8 @@ def tiny_cfg():
                          max_sequence_length=8)
 
 
-def gpt_checkpoint(root: str, step: int = 6, hyper: list | None = None, adam: dict | None = None) -> str:
+def gpt_checkpoint(root: str, step: int = 6, hyper: list | None = None, adam: dict | None = None,
+                   counters: dict | None = None) -> str:
     """An elastor checkpoint of a tiny megatron-core GPT with Adam moments, written as the DeepSpeed
     integration records its optimizer (``extra["optimizer"][i]["hyper"]``)."""
     from elastor_ds.checkpoint.convert import write_single_writer_checkpoint
@@ -58,6 +59,7 @@ def gpt_checkpoint(root: str, step: int = 6, hyper: list | None = None, adam: di
                                                                "dtype": "float32"}}} for h in hyper]
     if adam is not None:
         extra["adam"] = adam
+    extra.update(counters or {})
     write_single_writer_checkpoint(root, step, sorted(full), {n: t.shape for n, t in full.items()},
                                    {n: "float32" for n in full}, full.__getitem__, extra=extra,
                                    model=cfg.to_json(), progress=False)
@@ -687,3 +689,30 @@ def test_a_deepspeed_import_draws_a_progress_bar_on_a_terminal_and_none_with_no_
     assert rc == 0 and "read: " in err and "B/s]" in err, err[-2000:]
     rc, err = _on_a_terminal("convert", src, str(tmp_path / "quiet"), "--from", "deepspeed-universal", "--no-progress")
     assert rc == 0 and "read: " not in err, err[-2000:]
+
+
+def test_a_torch_dist_export_carries_what_megatrons_loader_needs_to_resume(tmp_path):
+    """The torch_dist export's common state was empty: stock Megatron-LM, started as the export
+    advised (--no-load-optim --no-load-rng), printed "unable to load iteration from checkpoint" and
+    exited 0 without training (a reviewer's run against Megatron-LM core_v0.16.1). It now holds the
+    iteration, the checkpoint version and args with the sample counters, read back here by
+    megatron-core's own loader of the common state; an import takes the counters back."""
+    from megatron.core import dist_checkpointing
+    src = gpt_checkpoint(str(tmp_path / "el"), step=6, counters={
+        "consumed_train_samples": 48, "skipped_train_samples": 1, "consumed_valid_samples": 8,
+        "num_floating_point_operations_so_far": 1.5e9})
+    out = str(tmp_path / "td")
+    p = elastor("convert", src, out, "--to", "megatron", "--megatron-format", "torch_dist", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    common = dist_checkpointing.load_common_state_dict(os.path.join(out, "iter_0000006"))
+    assert common["iteration"] == 6 and common["checkpoint_version"] == 3.0, common
+    a = common["args"]
+    assert (a.num_layers, a.hidden_size, a.num_attention_heads) == (tiny_cfg().num_layers, tiny_cfg().hidden_size,
+                                                                    tiny_cfg().num_attention_heads)
+    assert (a.consumed_train_samples, a.skipped_train_samples, a.consumed_valid_samples) == (48, 1, 8)
+    assert common["num_floating_point_operations_so_far"] == 1.5e9
+    back = str(tmp_path / "back")
+    p = elastor("convert", out, back, "--from", "megatron", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    man = json.loads(open(os.path.join(back, "step_000000006", "manifest.json")).read())
+    assert man["extra"]["consumed_train_samples"] == 48 and man["extra"]["consumed_valid_samples"] == 8

@@ -639,3 +639,23 @@ def test_plain_non_ascii_tensor_names_still_round_trip(tmp_path):
     out = torch.zeros(SHAPE)
     CheckpointEngine(root, async_save=False).load(None, [TensorShard(name, SHAPE, Region.full(SHAPE), out)])
     assert torch.equal(out, torch.ones(SHAPE))
+
+
+def test_a_safe_load_leaves_the_processs_own_safe_globals_registered(tmp_path):
+    """torch's safe_globals context manager removes on exit every global it was given, also those the
+    process had registered before: after one of our safe loads, argparse.Namespace (which
+    megatron-core registers at import, for its own checkpoints' args) was gone, and megatron-core's
+    dist_checkpointing.load of a checkpoint holding args failed in the same process."""
+    import argparse
+    from elastor_ds.integrations.safe_load import load_pt
+    path = tmp_path / "x.pt"
+    torch.save({"args": argparse.Namespace(num_layers=2)}, path)
+    before = argparse.Namespace in torch.serialization.get_safe_globals()   # megatron.core imported already?
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    try:
+        assert load_pt(str(path), False)["args"].num_layers == 2
+        assert argparse.Namespace in torch.serialization.get_safe_globals()
+        assert torch.load(path, weights_only=True)["args"].num_layers == 2   # the process's own load
+    finally:
+        if not before:
+            torch.serialization._weights_only_unpickler._remove_safe_globals([argparse.Namespace])

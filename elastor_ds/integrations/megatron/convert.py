@@ -275,7 +275,8 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
         return t.contiguous()
     names.sort(key=lambda n: (source[n][0], source[n][1] or 0))
     step_dir = write_single_writer_checkpoint(dst, it, names, shapes, dtypes, get,
-                                              extra={"source": "megatron-torch_dist", "iteration": it},
+                                              extra={"source": "megatron-torch_dist", "iteration": it,
+                                                     **legacy_counters(common)},
                                               model=cfg.to_json(), layout=None, progress=progress, force=force)
     return {"format": "torch_dist", "step": it, "tensors": len(names), "optimizer": have_opt, "step_dir": step_dir}
 
@@ -513,6 +514,22 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def megatron_common_state(cfg: GPTSpecConfig, tp: int, pp: int, it: int, extra: dict) -> dict[str, Any]:
+    """What Megatron-LM's loader reads besides tensors, in every rank file of a legacy checkpoint and
+    in a torch_dist checkpoint's common state: the iteration (without it a resume exits at once,
+    "unable to load iteration"), the checkpoint version, and the args with the sample counters
+    (without them a resume reads the data from sample 0 again) and the FLOPs so far."""
+    args = legacy_args(cfg, tp, pp, it)
+    for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        if isinstance(extra.get(k), int) and not isinstance(extra.get(k), bool):
+            setattr(args, k, extra[k])
+    out: dict[str, Any] = {"iteration": it, "checkpoint_version": 3.0, "args": args}
+    flops = extra.get("num_floating_point_operations_so_far")
+    if isinstance(flops, (int, float)) and not isinstance(flops, bool):
+        out["num_floating_point_operations_so_far"] = flops
+    return out
+
+
 def legacy_args(cfg: GPTSpecConfig, tp: int, pp: int, it: int) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -663,17 +680,11 @@ def _write_legacy(dst: str, per_rank: dict, cfg: GPTSpecConfig, tp: int, pp: int
             sd["output_layer._extra_state"] = None
         name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
         os.makedirs(os.path.join(it_dir, name), exist_ok=True)
-        args = legacy_args(cfg, tp, pp, it)
-        for k in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-            if isinstance(extra.get(k), int):
-                setattr(args, k, extra[k])
-        rank_sd: dict[str, Any] = {"model": sd, "iteration": it, "checkpoint_version": 3.0, "args": args}
+        rank_sd: dict[str, Any] = {"model": sd, **megatron_common_state(cfg, tp, pp, it, extra)}
         if (t, p) in optim:
             rank_sd["optimizer"] = optim[(t, p)]
             if isinstance(extra.get("opt_param_scheduler"), dict):
                 rank_sd["opt_param_scheduler"] = dict(extra["opt_param_scheduler"])
-        if isinstance(extra.get("num_floating_point_operations_so_far"), (int, float)):
-            rank_sd["num_floating_point_operations_so_far"] = extra["num_floating_point_operations_so_far"]
         save_pt(rank_sd, os.path.join(it_dir, name, "model_optim_rng.pt"))
     with open(os.path.join(dst, TRACKER), "w", encoding="utf-8") as f:
         f.write(str(it))
@@ -714,6 +725,8 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
         for layer in range(cfg.num_layers):
             sd[f"decoder.layers.{layer}.{lin}._extra_state"] = ShardedObject(
                 f"decoder.layers.{lin}._extra_state", None, (cfg.num_layers,), (layer,), replica_id=rank)
+    # the common state (common.pt): a resume without --finetune needs the iteration and the counters
+    sd.update(megatron_common_state(cfg, tp, 1, it, from_jsonable(dict(can.man.extra or {}))))
     # rank 0 creates the temporary directory and tells the others its name; rank 0 renames it
     out = commit_mod.DirCommit.create(dst) if rank == 0 else None
     tmp = [out.path if out else None]
@@ -835,7 +848,8 @@ def cli_export(src: str, dst: str, args: Any) -> str:
                   "--megatron-format legacy to carry it, or resume with --elastor")
     else:
         raise ConfigError(f"--megatron-format {fmt!r}: choose legacy or torch_dist")
-    log.warning("weights only; start Megatron with --no-load-optim --no-load-rng")
+    log.warning("weights only; start Megatron with --no-load-optim --no-load-rng (it resumes at iteration %d with "
+                "the saved sample counters; --finetune starts from iteration 0)", man.step)
     return out
 
 
