@@ -217,12 +217,12 @@ def _import_torch_dist(d: str, it: int, dst: str, cfg: Optional[GPTSpecConfig], 
         common = load_pt(cp, trust)
         if not isinstance(common, dict):
             raise CheckpointError(f"{cp} holds a {type(common).__name__}, expected a dict")
-    cfg_from = "--model-config" if cfg is not None else "the checkpoint's Megatron args"
+    cfg_from = "--model-config" if cfg is not None else MODEL_SIDECAR
+    if cfg is None:   # an elastor export's exact config first (its args, read by Megatron-LM, hold less)
+        cfg = _sidecar_config(os.path.dirname(os.path.abspath(d)))
     if cfg is None and common.get("args") is not None:
         cfg = config_from_args(common["args"])
-    if cfg is None:
-        cfg = _sidecar_config(os.path.dirname(os.path.abspath(d)))
-        cfg_from = MODEL_SIDECAR
+        cfg_from = "the checkpoint's Megatron args"
     if cfg is None:
         raise ConfigError(f"{d} carries no Megatron args: pass --model-config FILE.json (GPTSpecConfig fields: "
                           f"num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, "
