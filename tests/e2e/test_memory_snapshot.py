@@ -256,13 +256,21 @@ def test_corrupt_memory_chunk_falls_back_to_storage_and_losses_stay_exact(tmp_pa
     checkpoint of the same step (logged), the rest from memory; the losses equal the uninterrupted run's."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"elastor": {"checkpoint": {"async": False}}}))   # storage N committed with N
+    # memory and storage hold the same newest step N from the background commit of memory's N until
+    # storage's N + 2, which is saved before memory's N + 2 waits for N: a snapshot still writing then
+    # leaves no such moment for N. Each layer sleeps per micro-batch (the example model's bench hook,
+    # numerics unchanged), so the writer commits within the next iteration even on a loaded machine
+    # (without it, on a machine loaded by 6 busy processes and another test run, 3 of 5 runs found none)
+    env = dict(os.environ, ELASTOR_SIM_LAYER_S=json.dumps({"1": 0.05}))
     job = MemJob(tmp_path, nproc=2, iters=ITERS, save_interval=2, snap_dir=snap_dir, interval=2,
-                 ctl_args=["--on-failure", "restart"], trainer_args=["--deepspeed-config", str(cfg)])
+                 ctl_args=["--on-failure", "restart"], trainer_args=["--deepspeed-config", str(cfg)], env=env)
     mem_root = os.path.join(snap_dir, "local")
     try:
-        step = None
+        step, seen = None, 0
         for _ in range(3):   # freeze the workers when memory and storage both hold the same newest step
-            job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 2 and (job.latest(mem_root) or 0) >= 2,
+            # each try after a newer memory snapshot than the last try saw (an immediate retry sees the
+            # same moment again)
+            job.wait_for(lambda r: bool(r) and r[-1]["iteration"] >= 2 and (job.latest(mem_root) or 0) > max(seen, 1),
                          what="a memory snapshot")
             pids = list(job.workers().values())
             for p in pids:
@@ -271,12 +279,18 @@ def test_corrupt_memory_chunk_falls_back_to_storage_and_losses_stay_exact(tmp_pa
             if m == s and m is not None and m < ITERS:
                 step = m
                 break
+            seen = m or seen
             for p in pids:
                 os.kill(p, signal.SIGCONT)
             time.sleep(0.05)
         assert step is not None, "could not freeze the job at a step held by both memory and storage"
         _flip_middle_byte(os.path.join(mem_root, f"step_{step:09d}", "data_00000.safetensors"))
+        # both die frozen: a commit in flight at the freeze cannot land after it. With rank 1 killed
+        # alone, rank 0 went on and committed storage's step 4, whose files both ranks had written
+        # before the freeze, over the frozen pair's step 2: the relaunch restored storage's step 4
+        # (tier "storage"; seen with 6 busy processes on the 2 cores, iterations ~0.05 s apart)
         job.signal_worker(1, signal.SIGKILL)
+        job.signal_worker(0, signal.SIGKILL)
         for p in pids:
             try:
                 os.kill(p, signal.SIGCONT)
