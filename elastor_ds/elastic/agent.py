@@ -128,6 +128,26 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
+_PF_EXITING = 0x4          # a task's flags (/proc/PID/stat field 9): it has begun to exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _proc_exiting(pid: int) -> bool:
+    """The OS shows ``pid`` (our child, not reaped) on its way out: a SIGKILL pending, its exit
+    begun, or a zombie (possibly a group leader whose other threads still exit). A killed worker
+    closes its sockets inside its exit, so its peers can fail on them and be reaped before it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X", "x") or int(fields[6]) & _PF_EXITING:
+            return True
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(ln.split()[1], 16) for ln in f if ln.startswith(("SigPnd:", "ShdPnd:"))]
+        return any(p & _SIGKILL_BIT for p in pending)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, cfg: RunConfig, events: EventLog, book: DeviceBook,
                  logs_specs: DefaultLogsSpecs):
@@ -403,11 +423,14 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             for r in rows:
                 if r[2] is None and not r[3] and _proc_state(r[1].proc.pid) in ("T", "t"):
                     r[3] = r[4] = True
+        # a worker failed: those still running may be on their way out (killed: see policy.settle)
+        failing = any(r[2] not in (None, 0, EXIT_RESIZE) for r in rows)
         outs = []
         for lr, h, rc, hung, stopped in rows:
             dev = self.devices[lr] if lr < len(self.devices) else lr
             outs.append(WorkerOutcome(local_rank=lr, device=dev, global_rank=wg.workers[lr].global_rank, exitcode=rc,
-                                      hung=hung, stopped=stopped, stop_signalled=self._stopping is not None))
+                                      hung=hung, stopped=stopped, stop_signalled=self._stopping is not None,
+                                      exiting=failing and rc is None and _proc_exiting(h.proc.pid)))
         return outs
 
     def _worker_error(self, local_rank: int) -> str:

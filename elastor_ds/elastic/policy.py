@@ -6,7 +6,9 @@ runs on ``usable[i]``. A worker is a *culprit* when it died of a signal the cont
 (SIGKILL, SIGSEGV, ...) or was found stopped (SIGSTOP) while hung; a worker that exited non-zero
 on its own is not (its peers' loss makes survivors fail with a communication error). Because those
 survivors can end before the killed worker can be reaped, a failure whose every worker merely
-exited non-zero is looked at again for up to :data:`SETTLE_S` (:func:`settle`). Policies:
+exited non-zero is looked at again for up to :data:`SETTLE_S`, and for as long as the OS shows a
+worker on its way out (killed, or exiting but not reapable yet), up to :data:`SETTLE_EXITING_S`
+(:func:`settle`). Policies:
 
 - ``shrink``: culprits' devices are lost; relaunch on the rest (no culprit: same devices again).
 - ``restart``: relaunch on the same devices (a transient fault).
@@ -58,6 +60,8 @@ class WorkerOutcome:
     stopped: bool = False            # process state T (SIGSTOP) at detection
     stop_signalled: bool = False     # the controller had sent it a stop signal (SIGTERM/SIGUSR1)
     peer_lost: bool = False          # running, but a node of its round was lost (see liveness)
+    exiting: bool = False            # running, but the OS shows it on its way out (SIGKILL pending, exit
+                                     # in progress, a zombie not reapable yet): its exit status follows
 
     @property
     def signal(self) -> int | None:
@@ -98,23 +102,33 @@ class WorkerOutcome:
 # can fail on the reset connection (exit 1) and be seen first: judged then, the failure names no
 # culprit and ``shrink`` relaunches on the dead worker's device (seen in CI under load).
 SETTLE_S = 0.3
+# The killed worker is already on its way out when its peer fails (its sockets close inside its
+# exit), but its exit can take far longer than SETTLE_S to end: on a loaded node it waits for a CPU,
+# and a GPU process releases its memory and its device files first. While the OS shows a running
+# worker exiting (WorkerOutcome.exiting), the judgement waits for its exit status, up to this bound
+# (an exit stuck for longer, in the driver, is judged as it is). It ends as soon as the worker is reaped.
+SETTLE_EXITING_S = 30.0
 SETTLE_POLL_S = 0.02
 
 
 def settle(observe, outcomes: list[WorkerOutcome], window_s: float = SETTLE_S, poll_s: float = SETTLE_POLL_S,
-           clock=None, sleep=None) -> list[WorkerOutcome]:
+           clock=None, sleep=None, exiting_s: float = SETTLE_EXITING_S) -> list[WorkerOutcome]:
     """``outcomes`` (some failed), or a later ``observe()`` of the same workers: while every failure
     is a plain exit (no signal death, hang or lost node yet) and some worker still runs, look again
-    every ``poll_s`` for up to ``window_s``; return as soon as a failure of another cause shows, or
-    every worker has ended."""
+    every ``poll_s`` for up to ``window_s``, or up to ``exiting_s`` while some running worker is
+    ``exiting``; return as soon as a failure of another cause shows, or every worker has ended."""
     clock = clock or _time.monotonic
     sleep = sleep or _time.sleep
-    deadline = clock() + window_s
+    t0 = clock()
+    deadline, exiting_deadline = t0 + window_s, t0 + max(window_s, exiting_s)
 
     def undecided(outs: list[WorkerOutcome]) -> bool:
         return (all(o.cause in (Cause.EXIT, Cause.REJECTED) for o in outs if o.failed)
                 and any(o.exitcode is None for o in outs))
-    while undecided(outcomes) and clock() < deadline:
+
+    def dying(outs: list[WorkerOutcome]) -> bool:
+        return any(o.exiting for o in outs if o.exitcode is None)
+    while undecided(outcomes) and clock() < (exiting_deadline if dying(outcomes) else deadline):
         sleep(poll_s)
         outcomes = observe()
     return outcomes
