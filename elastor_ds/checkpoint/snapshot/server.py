@@ -21,17 +21,22 @@ Authentication (:mod:`elastor_ds.checkpoint.auth`): every request carries ``X-El
 hex), ``X-Elastor-Time`` (unix seconds, within :data:`CLOCK_SKEW_S`) and ``X-Elastor-Auth``
 (HMAC-SHA256 under the job key over method, path, ``Range``, nonce, time and this server's address
 as published, :attr:`SnapshotServer.address`: a request meant for another address, such as one a
-fake peer in the unauthenticated store relays, is refused); a nonce is accepted once. Anything else is ``401`` and the connection is closed. Every answer to an authenticated
-request carries ``X-Elastor-Auth`` over the nonce, status, ``Content-Range``, ``X-File-Size`` and
-the body (GMAC under a key derived for responses, a random nonce each; HMAC-SHA256 without the
+fake peer in the unauthenticated store relays, is refused); a nonce is accepted once (beyond
+:data:`MAX_NONCES` remembered, a request stamped no later than a forgotten one is refused).
+Anything else is ``401`` and the connection is closed. Every answer to an authenticated request
+carries ``X-Elastor-Auth`` over the nonce, status, ``Content-Range``, ``X-File-Size`` and the body
+(GMAC under a key derived for responses, a random nonce each; HMAC-SHA256 without the
 ``cryptography`` package), so the client also knows the bytes came from this server unchanged.
 
 Bounds: at most :data:`MAX_CONNECTIONS` connections (more get ``503`` and are closed at once); a
 request head of at most :data:`MAX_HEAD` bytes (``431``) that must arrive within
 :data:`HEAD_TIMEOUT_S` of the connection (or of the previous answer, :data:`IDLE_TIMEOUT_S`); a
 ``Range`` of at most :data:`~elastor_ds.checkpoint.snapshot.peer_sources.MAX_RANGE` bytes (``416``).
-Refusals are logged with a short, escaped prefix of the name, and rate-limited (warnings; a job
-member's authenticated request of a file this node does not hold is a debug line).
+A request that announces a body (``Content-Length`` other than 0, ``Transfer-Encoding``) or an
+``Expect`` is refused before its MAC is checked (``413``, ``417``; closed), and no ``100 Continue``
+is ever sent: nobody is invited to send a body, none is read. Refusals are logged with a short,
+escaped prefix of the name, and rate-limited (warnings; a job member's authenticated request of a
+file this node does not hold is a debug line).
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ from ...threads import NamedThread
 log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotServer", "NodeSnapshots", "COMPLETE", "MANIFEST", "advertised_host", "MAX_CONNECTIONS",
-           "MAX_HEAD", "HEAD_TIMEOUT_S", "IDLE_TIMEOUT_S", "CLOCK_SKEW_S"]
+           "MAX_HEAD", "HEAD_TIMEOUT_S", "IDLE_TIMEOUT_S", "CLOCK_SKEW_S", "MAX_NONCES"]
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -70,6 +75,7 @@ HEAD_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 60.0
 CLOCK_SKEW_S = 300.0
+MAX_NONCES = 200_000               # nonces remembered (each for 2 * CLOCK_SKEW_S); see _Server.fresh_nonce
 _MAX_RECORD = 256 << 20            # a manifest or COMPLETE record larger than this is not ours
 _STEP_RE = re.compile(r"step_[0-9]{9,}")
 _ORIGIN_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,200}")
@@ -255,6 +261,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command not in ("GET", "HEAD"):
             self.close_connection = True
             return self._plain(405, "read-only server: GET and HEAD only")
+        why = _body_refusal(self.headers)
+        if why is not None:   # before authentication: no byte of a body is invited, buffered or parsed
+            self.close_connection = True
+            self.server.refused(self, why[0], why[1])
+            return self._plain(*why)
         try:
             self._nonce = self._authenticate()
         except _Refused as e:
@@ -264,6 +275,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.authenticated(self.connection)
         self._serve(head=self.command == "HEAD")
         self.wfile.flush()
+
+    def handle_expect_100(self) -> bool:
+        """Never ``100 Continue``: this server takes no request body (a request that announces one is
+        refused before it is authenticated, :func:`_body_refusal`), so nobody is invited to send one."""
+        return True
 
     def _authenticate(self) -> str:
         nonce = self.headers.get("X-Elastor-Nonce", "")
@@ -281,7 +297,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _Refused(401, "authentication failed")
         if abs(time.time() - int(when)) > CLOCK_SKEW_S:
             raise _Refused(401, f"request time off by more than {CLOCK_SKEW_S:.0f} s")
-        if not self.server.fresh_nonce(nonce):
+        if not self.server.fresh_nonce(nonce, int(when)):
             raise _Refused(401, "replayed request")
         return nonce
 
@@ -370,6 +386,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.count_bytes(sent)
 
 
+def _body_refusal(headers) -> Optional[tuple[int, str]]:
+    """(status, why) for a request head that announces a body or an expectation (a ``Content-Length``
+    other than 0, any ``Transfer-Encoding``, any ``Expect``); None for a plain GET/HEAD. Checked
+    before the MAC: a body is never read, and one left on a keep-alive connection would be parsed
+    as the next request."""
+    if headers.get("Expect") is not None:
+        return 417, "no expectation is supported (this server takes no request body)"
+    lengths = headers.get_all("Content-Length") or []
+    if headers.get("Transfer-Encoding") is not None or any(v.strip() != "0" for v in lengths):
+        return 413, "this server takes no request body (GET and HEAD only)"
+    return None
+
+
 def _pieces(fd: int, lo: int, n: int):
     pos = 0
     while pos < n:
@@ -405,7 +434,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self._max_pending = max(1, max_connections // 2)
         self._handed: set = set()   # evicted connections whose slot went to the newer one
         self.evicted = 0
-        self._nonces: OrderedDict[str, float] = OrderedDict()
+        self._nonces: OrderedDict[str, tuple[float, int]] = OrderedDict()   # nonce -> (seen, its request's time)
+        self._nonce_floor = -1   # requests stamped at or before this are refused (their nonces may be forgotten)
         self._refusals = 0
         self.busy_refused = 0
         super().__init__(addr, _Handler)
@@ -494,15 +524,29 @@ class _Server(http.server.ThreadingHTTPServer):
         super().server_close()
 
     # ------------------------------------------------------------------ bookkeeping
-    def fresh_nonce(self, nonce: str) -> bool:
+    def fresh_nonce(self, nonce: str, when: Optional[int] = None) -> bool:
+        """Whether ``nonce`` (of a request stamped ``when``, unix seconds; now by default) was not seen
+        yet (then it is remembered). Nonces are forgotten once their request is past the clock skew;
+        when more than :data:`MAX_NONCES` are within it, the oldest go, and every request stamped at or
+        before the latest such nonce's time is refused from then on: a forgotten nonce is never
+        accepted again, within its window or not."""
         now = time.time()
+        when = int(now) if when is None else int(when)
         with self._lock:
-            while self._nonces and (len(self._nonces) > 200_000
-                                    or now - next(iter(self._nonces.values())) > 2 * CLOCK_SKEW_S):
-                self._nonces.popitem(last=False)
-            if nonce in self._nonces:
+            if when <= self._nonce_floor:
                 return False
-            self._nonces[nonce] = now
+            while self._nonces:
+                old, (seen, stamped) = next(iter(self._nonces.items()))
+                if now - seen > 2 * CLOCK_SKEW_S:
+                    self._nonces.popitem(last=False)
+                elif len(self._nonces) >= MAX_NONCES:
+                    self._nonces.popitem(last=False)
+                    self._nonce_floor = max(self._nonce_floor, stamped)
+                else:
+                    break
+            if nonce in self._nonces or when <= self._nonce_floor:
+                return False
+            self._nonces[nonce] = (now, when)
             return True
 
     def count_bytes(self, n: int) -> None:
