@@ -400,19 +400,21 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         handlers = sorted(self._handlers().items())
         check = self._stopping is None and bool(self.cfg.hang_timeout or self.cfg.startup_timeout)
         beats = {lr: self._heartbeat_record(lr) for lr, _ in handlers} if check else {}
-        if beats and all(last for _, _, last in beats.values()):
-            # every worker beat its run's last iteration: what is left (a final save, an evaluation,
-            # finalize) has no heartbeat, so it cannot be timed as a hang (a finished job was killed,
-            # relaunched and exited 1). A collective stuck there still ends the workers through their own
-            # collective timeout (ELASTOR_COLLECTIVE_TIMEOUT_S where the trainer applies it), and an exit or a signal is still a failure
-            check = False
         for lr, h in handlers:
             rc = h.proc.poll()
             hung = stopped = False
             if rc is None and check:
-                t_hb, it, _ = beats[lr]
-                # before its first iteration a worker has --startup-timeout from attaching its hooks
-                limit = self.cfg.hang_timeout if it is not None else self.cfg.startup_timeout
+                t_hb, it, last = beats[lr]
+                # a worker whose newest beat was its run's last iteration is not timed: what it does
+                # next (a final save, an evaluation, finalize, waiting for the others to finish) has no
+                # heartbeat. Judged on its own beat, not on the others': one rank can finish long before
+                # another still training (which is timed as before), and a rank that exited, with or
+                # without a heartbeat, says nothing about the rest. A collective stuck after the last
+                # beat still ends the workers through their own collective timeout
+                # (ELASTOR_COLLECTIVE_TIMEOUT_S where the trainer applies it); an exit or a signal is
+                # still a failure. Before its first iteration a worker has --startup-timeout from
+                # attaching its hooks; without a heartbeat record (no hooks) it is never timed
+                limit = None if last else self.cfg.hang_timeout if it is not None else self.cfg.startup_timeout
                 if t_hb is not None and limit and now - t_hb > limit:
                     hung = True
                     stopped = _proc_state(h.proc.pid) in ("T", "t")
