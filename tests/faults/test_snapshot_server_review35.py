@@ -16,9 +16,10 @@ import zlib
 
 import pytest
 
+from dist_utils import run_world
 from elastor_ds.checkpoint.snapshot.server import SnapshotServer
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 STEP = "step_000000007"
 KEY = bytes(range(7, 39))
@@ -75,6 +76,7 @@ def _statuses(buf: bytes) -> list[int]:
 
 
 # ------------------------------------------------------------------ 1. the "100-continue" phase
+@pytest.mark.unit
 def test_an_unauthenticated_expect_100_continue_is_not_invited_to_send_its_body(tmp_path):
     """Before: any client that announced a 1 TB body with ``Expect: 100-continue`` got ``100
     Continue`` (an invitation to send it) before its MAC was even looked at. Now: 417, closed."""
@@ -89,6 +91,7 @@ def test_an_unauthenticated_expect_100_continue_is_not_invited_to_send_its_body(
         assert srv.bytes_served == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("framing", ["Content-Length", "Transfer-Encoding"])
 def test_a_signed_request_that_carries_a_body_is_refused_and_its_body_never_parsed(tmp_path, framing):
     """A signed GET whose body is a second signed request (a member's client, or whoever captured
@@ -114,6 +117,7 @@ def test_a_signed_request_that_carries_a_body_is_refused_and_its_body_never_pars
 
 
 # ------------------------------------------------------------------ 3. replay
+@pytest.mark.unit
 def test_a_captured_request_is_not_replayable_after_its_nonce_is_forgotten_under_load(tmp_path):
     """The server remembers at most MAX_NONCES (200 000) nonces. Before: past that it forgot the
     oldest, so a request captured on the wire was served again within its 300 s clock window once
@@ -137,3 +141,107 @@ def test_a_captured_request_is_not_replayable_after_its_nonce_is_forgotten_under
         while int(time.time()) <= floor:   # the wall clock's next second: what a new request is stamped with
             time.sleep(0.05)
         assert _statuses(_exchange(srv.port, _signed_get(srv.port))) == [206]
+
+
+# ------------------------------------------------------------------ 1. the peer copy's header phase (gloo)
+STEP5 = "step_000000005"
+
+
+def _files_of(rank: int) -> dict[str, bytes]:
+    body = bytes(((rank + 3) * 17 + i) % 251 for i in range(30_000 + 1000 * rank))
+    return {f"data_{rank:05d}.safetensors": body, f"rank_state/rank_{rank:05d}.json": json.dumps({"r": rank}).encode()}
+
+
+def _write_step(nodedir: str, rank: int, world: int) -> str:
+    """This rank's files of step 5 and the whole step's manifest (every rank's files, their writer)."""
+    from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
+    d = os.path.join(nodedir, "local", STEP5)
+    for rel, b in _files_of(rank).items():
+        os.makedirs(os.path.dirname(os.path.join(d, rel)), exist_ok=True)
+        with open(os.path.join(d, rel), "wb") as f:
+            f.write(b)
+    files = {rel: FileEntry(rel, len(b), zlib.crc32(b), r) for r in range(world) for rel, b in _files_of(r).items()}
+    tmp = os.path.join(d, f".manifest.{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(Manifest(step=5, tensors={}, files=files, world_size=world).dumps())
+    os.replace(tmp, os.path.join(d, "manifest.json"))
+    return d
+
+
+def _header(cp, entry: list) -> bytes:
+    return json.dumps({"origin": cp.origin, "step": STEP5, "seq": 1, "src": 1, "files": entry}).encode()
+
+
+def _dup(cp, rel, body):       # its own file, correctly MAC'd, listed twice
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
+    e = [rel, len(body), zlib.crc32(body), pc.file_mac(cp.key, cp.origin, STEP5, rel, body)]
+    return _header(cp, [e, list(e)])
+
+
+BAD_HEADERS = {
+    "duplicate": _dup,
+    "bad-entry": lambda cp, rel, body: _header(cp, [["x"]]),
+    "deep": lambda cp, rel, body: b"[" * 200_000,               # json.loads: RecursionError
+    "not-an-object": lambda cp, rel, body: b"[1, 2, 3]",
+}
+
+
+def _bad_header_worker(rank, world, base, kind):
+    """Ranks 0 and 2 run the real copier (node 0 = ranks 0, 1 sends to rank 2; rank 2 sends to rank
+    0). Rank 1 speaks the protocol by hand: a header that is not a valid one, then (as a sender
+    does) its data sends, one per listed file, not waited for."""
+    import torch
+
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
+    node = 0 if rank < 2 else 1
+    nodedir = os.path.join(base, f"elastor-node{node}")
+    os.makedirs(nodedir, exist_ok=True)
+    secret = os.path.join(base, "job.secret")
+    if not os.path.exists(secret):
+        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(f"{secret}.{os.getpid()}", secret)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    cp = pc.PeerCopier.create([2, 1], nodedir, peer_copies=1, timeout_s=30)
+    d = _write_step(nodedir, rank, world)
+    if rank != 1:
+        t0 = time.monotonic()
+        st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank).items()])
+        cp.wait()
+        with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+            json.dump({"error": st.error, "s": time.monotonic() - t0}, f)
+        assert cp.close(timeout_s=30)
+        return
+    rel, body = next((r, b) for r, b in _files_of(1).items() if r.endswith(".safetensors"))
+    header = BAD_HEADERS[kind](cp, rel, body)
+    tr = cp.transport
+    tr.isend(torch.tensor([len(header)], dtype=torch.int64), 2, tag=1).wait()
+    tr.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), 2, tag=2).wait()
+    for k in range(2):
+        tr.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), 2, tag=16 + k)   # not waited for
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", sorted(BAD_HEADERS))
+def test_a_bad_header_refuses_that_sender_only_and_allocates_nothing_for_it(tmp_path, kind):
+    """Before: a header that failed to parse (not JSON, nested 200 000 deep, not an object, a bad
+    entry) failed the receiver's whole exchange: the honest sender of the same step never got its
+    answer (here its copy failed when the receiver moved on; in a live job it waits for the
+    transport's timeout, and the failed transport fails every later copy of the launch). A file listed twice passed every check and was allocated,
+    received and moved twice (the second move failed the exchange). Now that sender alone is
+    refused, before anything is allocated for it; the honest sender's files arrive."""
+    run_world(_bad_header_worker, 3, str(tmp_path), kind, timeout_s=120)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r2 = json.loads((tmp_path / "rank2.json").read_text())
+    assert r0["error"] is None and r2["error"] is None, (r0, r2)
+    assert r0["s"] < 20 and r2["s"] < 20, (r0, r2)   # not the transport's 30 s timeout
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
+    got = tmp_path / "elastor-node1" / "peer" / origin_id(str(tmp_path / "elastor-node0")) / STEP5
+    on_disk = {str(p.relative_to(got)): p.read_bytes() for p in got.rglob("*") if p.is_file()}
+    assert not (got / "COMPLETE").exists()
+    assert {k: v for k, v in on_disk.items() if not k.startswith(".from_")} == _files_of(0), sorted(on_disk)
+    back = tmp_path / "elastor-node0" / "peer" / origin_id(str(tmp_path / "elastor-node1")) / STEP5
+    assert (back / "COMPLETE").exists()
+    for rel, b in _files_of(2).items():
+        assert (back / rel).read_bytes() == b

@@ -13,7 +13,8 @@ over a :class:`~elastor_ds.comm.transport.Transport` of the whole world (a dedic
 2. a receiver trusts no size it is sent: every file must be listed in its own node's committed
    manifest of that step (read from a descriptor opened at :meth:`submit`: retention cannot pull
    it), with the manifest's size and CRC32 and written by that sender; the bytes it has to allocate
-   must fit the node's free tmpfs. A lying sender's files are not received (its copy fails); a copy
+   must fit the node's free tmpfs, each name once. A lying sender's files are not received (its copy
+   fails), nor those of a sender whose header is not one (that sender alone is refused); a copy
    that does not fit (at the budget check, or ENOSPC when its files are made) is received into a
    scratch buffer and dropped;
 3. every receiver answers each sender: it receives the data or not; a sender sends only what will
@@ -510,17 +511,38 @@ class _Incoming:
 
     @staticmethod
     def parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
+        """The sender's header, checked before a byte of data is received. One that is not a header
+        (not JSON, nested too deep, a bad field, another copy, a file listed twice) refuses that sender
+        alone: it is answered "no" like a lying one, and the exchange goes on with the others (before,
+        it failed this rank's whole exchange: no sender got its answer, and each waited for the
+        transport's timeout, which failed the transport for the rest of the launch)."""
+        try:
+            return _Incoming._parse(raw, t, cp)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes: refused, never the whole exchange
+            log.warning("peer copy %d: refusing the copy rank %d announces: %s", cp.seq, t.src,
+                        str(e)[:300] if isinstance(e, CollectiveError) else f"not a header ({type(e).__name__})")
+            return _Incoming(t, "", "", cp.seq, None, cp.snapshot_dir)
+
+    @staticmethod
+    def _parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
         h = json.loads(raw)
+        if not isinstance(h, dict):
+            raise CollectiveError(f"peer copy: rank {t.src} sent a header that is not a JSON object")
         origin, step, seq, files = h.get("origin"), h.get("step"), h.get("seq"), h.get("files")
         if not isinstance(origin, str) or not _ID_RE.fullmatch(origin) or origin == cp.origin:
-            raise CollectiveError(f"peer copy: bad origin {origin!r} from rank {t.src}")
+            raise CollectiveError(f"peer copy: bad origin {ascii(origin)[:80]} from rank {t.src}")
         if not isinstance(step, str) or not _STEP_RE.fullmatch(step) or seq != cp.seq:
-            raise CollectiveError(f"peer copy: rank {t.src} sent {step!r} copy {seq!r}, expected copy {cp.seq}")
+            raise CollectiveError(f"peer copy: rank {t.src} sent {ascii(step)[:80]} copy {ascii(seq)[:40]}, expected "
+                                  f"copy {cp.seq}")
         if files is not None:
             for f in files:
                 if not (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and isinstance(f[1], int)
                         and f[1] >= 0 and isinstance(f[2], int) and isinstance(f[3], str) and _MAC_RE.fullmatch(f[3])):
-                    raise CollectiveError(f"peer copy: bad file entry {f!r} from rank {t.src}")
+                    raise CollectiveError(f"peer copy: bad file entry {ascii(f)[:200]} from rank {t.src}")
+            names = [f[0] for f in files]
+            if len(set(names)) != len(names):   # each name once: a repeat would be allocated, received, moved twice
+                dup = next(n for n in names if names.count(n) > 1)
+                raise CollectiveError(f"peer copy: rank {t.src} lists {ascii(dup[:80])} more than once")
         else:
             log.warning("peer copy of %s: rank %d could not send its files", step, t.src)
         return _Incoming(t, origin, step, seq, files, cp.snapshot_dir)
