@@ -24,6 +24,12 @@ Rows (ratios are within this run):
             iterations that start while the writer writes against the idle ones of the same run,
             turned into the compute rate while it writes (see ``writer_effect``). ``--writer-live-write``:
             with ``checkpoint.live_write`` (also the fence's time and the share of the bytes it copied).
+  peer-read a restore's reads from another node's memory against their floor: runs
+            ``bench/peer_read_bench.py --mib --peer-read-mib --reps --peer-read-reps`` (a second
+            process serves a snapshot through the real snapshot server; a column half of every
+            tensor is loaded from it, every byte MACed and CRC-checked, alternated with the floor:
+            the same bytes ``sendfile``d over one loopback TCP connection into preallocated memory)
+            and states both as GB/s. The floor of a read from tmpfs is ``bench/ckpt_bench.py``'s.
   lost      ``elastor run`` on the example trainer, a worker SIGKILLed at iteration ``--kill-at``:
             iterations lost (last logged before the kill - step resumed from) with memory snapshots
             every iteration vs storage checkpoints every ``--storage-interval`` only.
@@ -418,6 +424,20 @@ def peer_rows(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def peer_read_rows(args) -> dict:
+    """The peer-read row: ``bench/peer_read_bench.py`` in its own process (it starts the serving peer
+    itself), its JSON result kept whole."""
+    with tempfile.TemporaryDirectory(prefix="elastor-peer-read-") as tmp:
+        out = os.path.join(tmp, "peer_read.json")
+        cmd = [sys.executable, os.path.join(HERE, "peer_read_bench.py"), "--mib", str(args.peer_read_mib),
+               "--reps", str(args.peer_read_reps), "--out", out]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"peer-read row: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
 def _lost_run(args, work: str, name: str, memory: bool) -> dict:
     metrics = os.path.join(work, f"{name}.jsonl")
     events = os.path.join(work, f"{name}_events.jsonl")
@@ -509,6 +529,13 @@ def goal_table(doc: dict) -> str:
             rows.append(f"| the same with live writes: the fence (next optimizer step) over an idle iteration; the "
                         f"share of the bytes it copied, median of {wr['live_saves']} saves | "
                         f"{_share(wr['live_fence_over_iter'])}; {_share(wr['live_fence_share_of_bytes'])} | | |")
+    rd = doc.get("peer_read")
+    if rd:
+        rows.append(f"| restore's reads from a peer's memory ({rd['bytes_needed'] / 2**20:.0f} MiB, a column half, every "
+                    f"byte MACed and CRC-checked): GB/s against the floor (the same bytes sendfile'd over one loopback "
+                    f"TCP connection into preallocated memory), medians of {rd['reps']} alternations; load / floor "
+                    f"(medians; best of each) | {rd['load_gb_s']:.2f} GB/s vs {rd['floor_gb_s']:.2f} GB/s; "
+                    f"{rd['load_over_floor_median']:.2f} ({rd['load_over_floor_best']:.2f}) | stated, no goal | - |")
     pr = doc.get("peer")
     if pr:
         only = pr["snapshots_only"]
@@ -534,7 +561,7 @@ def goal_table(doc: dict) -> str:
     return "\n".join(rows)
 
 
-ROWS = ("restore", "memory", "overhead", "peer", "writer", "lost")   # memory: measured by the restore row
+ROWS = ("restore", "memory", "overhead", "peer", "peer-read", "writer", "lost")   # memory: measured by the restore row
 WARMUP = 3   # the trainer rows' first iterations, not measured (``_train``'s skip)
 
 
@@ -543,7 +570,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=csv_choices(*ROWS), default="restore,overhead,lost",
-                   help="comma-separated: restore (includes memory), overhead, peer, writer, lost")
+                   help="comma-separated: restore (includes memory), overhead, peer, peer-read, writer, lost")
     p.add_argument("--world", type=positive_int, default=4)
     p.add_argument("--mib-per-rank", type=positive_int, default=64)
     p.add_argument("--tensors", type=positive_int, default=4)
@@ -561,6 +588,10 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--block", type=positive_int, default=4, help="overhead row: iterations per block in that run")
     p.add_argument("--peer-copy-interval", type=positive_int, default=8, help="peer row: the copy interval of its "
                    "third run (also its block length, so each block with snapshots holds one copy)")
+    p.add_argument("--peer-read-mib", type=positive_int, default=256, help="peer-read row: MiB in the served "
+                   "snapshot (a column half of it is read)")
+    p.add_argument("--peer-read-reps", type=positive_int, default=4, help="peer-read row: alternations of the "
+                   "floor and the load")
     p.add_argument("--writer-hidden", type=positive_int, default=1024, help="writer row: the trainer's hidden size "
                    "(1024: about 270 MiB of checkpoint per rank with 2 ranks)")
     p.add_argument("--writer-save-every", type=positive_int, default=4, help="writer row: iterations between storage "
@@ -613,6 +644,9 @@ def main() -> int:
     if "peer" in rows:
         doc["peer"] = peer_rows(args)
         print(json.dumps({"peer": doc["peer"]}, indent=1), flush=True)
+    if "peer-read" in rows:
+        doc["peer_read"] = peer_read_rows(args)
+        print(json.dumps({"peer_read": doc["peer_read"]}, indent=1), flush=True)
     if "writer" in rows:
         doc["writer"] = writer_rows(args)
         print(json.dumps({"writer": doc["writer"]}, indent=1), flush=True)
@@ -620,7 +654,7 @@ def main() -> int:
         doc["lost"] = lost_rows(args)
         print(json.dumps({"lost": doc["lost"]}, indent=1), flush=True)
     doc["load_average_end"] = os.getloadavg()
-    if "overhead" in rows or "peer" in rows or "writer" in rows:
+    if rows & {"overhead", "peer", "peer-read", "writer"}:
         print(f"\nload average {doc['load_average']} -> {doc['load_average_end']}\n" + goal_table(doc), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
