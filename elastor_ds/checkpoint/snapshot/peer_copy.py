@@ -367,15 +367,20 @@ class PeerCopier:
         works += [tr.irecv(b, t.src, tag=_T_LEN) for b, t in zip(lens_in, self.recvs)]
         for w in works:
             w.wait()
-        for n, t in zip(lens_in, self.recvs):
-            if not 0 < int(n) <= _MAX_HEADER:
-                raise CollectiveError(f"peer copy: header of {int(n)} bytes from rank {t.src}")
+        # a sender announcing a header of no bytes or more than _MAX_HEADER is refused alone (its header
+        # is not received: nothing of its size is allocated); the exchange goes on with the others
+        sizes = [int(n) if 0 < int(n) <= _MAX_HEADER else -1 for n in lens_in]
+        for n, k, t in zip(lens_in, sizes, self.recvs):
+            if k < 0:
+                log.warning("peer copy %d: refusing the copy rank %d announces: a header of %d bytes (1 to %d)",
+                            st.seq, t.src, int(n), _MAX_HEADER)
         works = [tr.isend(htensor, t.dst, tag=_T_HDR) for t in self.sends]
-        hdrs_in = [torch.empty(int(n), dtype=torch.uint8) for n in lens_in]
-        works += [tr.irecv(b, t.src, tag=_T_HDR) for b, t in zip(hdrs_in, self.recvs)]
+        hdrs_in = [torch.empty(max(k, 0), dtype=torch.uint8) for k in sizes]
+        works += [tr.irecv(b, t.src, tag=_T_HDR) for b, k, t in zip(hdrs_in, sizes, self.recvs) if k > 0]
         for w in works:
             w.wait()
-        incoming = [_Incoming.parse(bytes(b.numpy()), t, self) for b, t in zip(hdrs_in, self.recvs)]
+        incoming = [_Incoming.parse(bytes(b.numpy()), t, self) if k > 0 else _Incoming.refused(t, self)
+                    for b, k, t in zip(hdrs_in, sizes, self.recvs)]
         for inc in incoming:
             inc.staging = self.recv_files
         for inc in incoming:
@@ -521,7 +526,12 @@ class _Incoming:
         except Exception as e:  # noqa: BLE001 - whatever the bytes: refused, never the whole exchange
             log.warning("peer copy %d: refusing the copy rank %d announces: %s", cp.seq, t.src,
                         str(e)[:300] if isinstance(e, CollectiveError) else f"not a header ({type(e).__name__})")
-            return _Incoming(t, "", "", cp.seq, None, cp.snapshot_dir)
+            return _Incoming.refused(t, cp)
+
+    @staticmethod
+    def refused(t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
+        """A sender whose header was refused: answered "no", nothing received, no origin touched."""
+        return _Incoming(t, "", "", cp.seq, None, cp.snapshot_dir)
 
     @staticmethod
     def _parse(raw: bytes, t: PeerTransfer, cp: PeerCopier) -> "_Incoming":
