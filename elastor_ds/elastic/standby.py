@@ -122,25 +122,47 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-def _wait_group_leader(pid: int, timeout: float = 5.0) -> None:
-    """Wait until our adopted standby ``pid`` leads its own process group (it leaves the template's
-    once adopted: a signal to its group must reach it and nothing else)."""
-    deadline = time.monotonic() + timeout
-    while True:
+# How long a standby from the template may take to lead its own session once the template replied:
+# it needs a CPU first, which a loaded node (training on every core) may not give it for seconds
+ADOPT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Request:
+    """A fork request out to the template (the lock held for every change)."""
+    stdin_w: int                  # the new standby's assignment pipe (our end)
+    ready_r: int                  # its readiness pipe (our end)
+    reaper: contextlib.ExitStack  # this process is a child subreaper until the standby is ours
+    t_sent: float
+    pid: int | None = None        # the standby (our child) once the template replied; None again once reaped
+    t_reply: float = 0.0
+
+    def leads_group(self) -> bool:
+        """One look: the standby leads its own process group (it leaves the template's once adopted:
+        a signal to its group must reach it and nothing else). False: not yet; OSError: it exited,
+        or it did not within :data:`ADOPT_TIMEOUT_S` of the reply."""
+        pid = self.pid
         try:
             if os.getpgid(pid) == pid:
-                return
+                return True
             gone = os.waitpid(pid, os.WNOHANG)[0] == pid
         except (ProcessLookupError, ChildProcessError):
             gone = True
         if gone:
+            self.pid = None
             raise OSError(f"the standby {pid} from the template exited before it was handed over")
-        if time.monotonic() > deadline:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            raise OSError(f"the standby {pid} from the template did not start its own session within {timeout:g} s")
-        time.sleep(0.0005)
+        if time.monotonic() > self.t_reply + ADOPT_TIMEOUT_S:
+            raise OSError(f"the standby {pid} from the template did not start its own session within "
+                          f"{ADOPT_TIMEOUT_S:g} s")
+        return False
+
+    def wait_group_leader(self) -> None:
+        """:meth:`leads_group`, waiting (a launch needs the standby now): looks 0.5 ms apart at first,
+        then further apart (20 ms at most), so a slow standby costs no CPU."""
+        pause = 0.0005
+        while not self.leads_group():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
 
 class _AdoptedProcess(subprocess.Popen):
@@ -182,7 +204,7 @@ class StandbyTemplate:
         self.import_timeout = import_timeout
         self.t_spawn = time.time()
         self._lock = threading.Lock()
-        self._pending = None       # (standby's stdin, its ready pipe, the subreaper, time sent) of a request out
+        self._pending: _Request | None = None   # the fork request out
 
     def _wait_ready(self, block: bool = True) -> bool:
         if self.state == "importing":
@@ -255,47 +277,58 @@ class StandbyTemplate:
         finally:
             os.close(stdin_r)
             os.close(ready_w)
-        self._pending = (stdin_w, ready_r, reaper, time.monotonic())
+        self._pending = _Request(stdin_w, ready_r, reaper, time.monotonic())
         return True
 
     def _collect(self, python: str, block: bool):
         """The reply to the request that is out (lock held): the adopted standby, None when the
-        template failed, or :data:`PENDING` (``block`` False, no reply yet)."""
-        stdin_w, ready_r, reaper, t_sent = self._pending
-        deadline = t_sent + self.import_timeout   # it may import the learned modules first
+        template failed, or :data:`PENDING` (``block`` False: no reply yet, or the standby does not
+        lead its own session yet; one look at each, the loop asks again at its next tick)."""
+        req = self._pending
         try:
-            self.sock.settimeout(max(0.0, deadline - time.monotonic()) if block else 0.0)
-            try:
-                raw = self.sock.recv(4096)
-            except (BlockingIOError, socket.timeout):
-                if not block and time.monotonic() < deadline:
-                    return PENDING
-                raise OSError(f"no reply to a fork request within {self.import_timeout:g} s") from None
-            reply = json.loads(raw or b"{}")
-            pid = reply.get("pid") if isinstance(reply, dict) else None
-            if not isinstance(pid, int) or pid <= 0:
-                raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
-            if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
-                raise OSError(f"pid {pid} from the template is not this controller's child")
-            _wait_group_leader(pid)
+            if req.pid is None:
+                deadline = req.t_sent + self.import_timeout   # it may import the learned modules first
+                self.sock.settimeout(max(0.0, deadline - time.monotonic()) if block else 0.0)
+                try:
+                    raw = self.sock.recv(4096)
+                except (BlockingIOError, socket.timeout):
+                    if not block and time.monotonic() < deadline:
+                        return PENDING
+                    raise OSError(f"no reply to a fork request within {self.import_timeout:g} s") from None
+                reply = json.loads(raw or b"{}")
+                pid = reply.get("pid") if isinstance(reply, dict) else None
+                if not isinstance(pid, int) or pid <= 0:
+                    raise OSError(f"the template did not fork a standby ({reply.get('error') if isinstance(reply, dict) else reply})")
+                if _parent_of(pid) != os.getpid():   # never signal or wait on a pid that is not our child
+                    raise OSError(f"pid {pid} from the template is not this controller's child")
+                req.pid, req.t_reply = pid, time.monotonic()
+            if block:
+                req.wait_group_leader()
+            elif not req.leads_group():
+                return PENDING
         except (OSError, ValueError) as e:
             self._drop_pending()
             self._unusable(e)
             return None
         self._pending = None
-        reaper.close()
-        os.set_blocking(ready_r, False)
-        return _AdoptedProcess(pid, os.fdopen(stdin_w, "wb"),
-                               [python, "-m", "elastor_ds.elastic.standby_template", "(fork)"]), ready_r
+        req.reaper.close()
+        os.set_blocking(req.ready_r, False)
+        return _AdoptedProcess(req.pid, os.fdopen(req.stdin_w, "wb"),
+                               [python, "-m", "elastor_ds.elastic.standby_template", "(fork)"]), req.ready_r
 
     def _drop_pending(self) -> None:
-        if self._pending is not None:
-            stdin_w, ready_r, reaper, _ = self._pending
-            self._pending = None
-            reaper.close()
-            for fd in (stdin_w, ready_r):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        req, self._pending = self._pending, None
+        if req is None:
+            return
+        if req.pid is not None:   # forked, our child, not handed over: it must not outlive the request
+            with contextlib.suppress(OSError):
+                os.kill(req.pid, signal.SIGKILL)
+                os.waitpid(req.pid, 0)
+            req.pid = None
+        req.reaper.close()
+        for fd in (req.stdin_w, req.ready_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _unusable(self, e: Exception) -> None:
         log.warning("standby template pid %d: %s; standbys are spawned one by one from now on", self.proc.pid, e)
