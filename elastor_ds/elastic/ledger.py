@@ -15,10 +15,18 @@ failed round once, to the first node that reports it:
 
 Stores are duck-typed (``compare_set``, or ``add``/``set``/``wait``/``get`` where there is none): no torch import here. Without a usable store
 (another rendezvous backend, a store that died with its node) the node counts on its own.
+
+The store is not authenticated (a c10d ``TCPStore`` takes writes from anyone who reaches its
+port), so what is read back is checked before it is used: the primary's name must look like a node
+name (:data:`NODE_NAME_RE`: no control characters, bounded; it goes into log lines and the
+decision's reason) and the job's count is never below this node's own primaries. A forged name is
+logged (as ``repr``) and the failure is counted here; a forged count cannot give this node's
+failures back.
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,6 +35,8 @@ log = logging.getLogger("elastor.run")
 ROUND_KEY = "elastor/failure"
 ROUND_SEQ_KEY = "elastor/failure_seq"   # stores without compare-and-set: the first to add 1 is the primary
 NAME_WAIT_S = 30.0                       # how long a collateral node waits for the primary's name there
+# a node name as agent.node_name makes it (host:pid): printable, no spaces or control characters, bounded
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9._@+:-]{1,300}")
 
 
 @dataclass(frozen=True)
@@ -48,8 +58,7 @@ class FailureLedger:
         the store has it; torch's ``EtcdStore`` has not (``RuntimeError: ... Not implemented``): there
         an atomic ``add`` elects the primary, which then writes its name under ``ROUND_KEY``."""
         try:
-            got = store.compare_set(ROUND_KEY, "", self.node)
-            return got.decode() if isinstance(got, bytes) else str(got)
+            return self._name(store.compare_set(ROUND_KEY, "", self.node))
         except RuntimeError as e:
             if "not implemented" not in str(e).lower():
                 raise
@@ -57,14 +66,25 @@ class FailureLedger:
             store.set(ROUND_KEY, self.node)
             return self.node
         store.wait([ROUND_KEY], timedelta(seconds=NAME_WAIT_S))
-        got = store.get(ROUND_KEY)
-        return got.decode() if isinstance(got, bytes) else str(got)
+        return self._name(store.get(ROUND_KEY))
+
+    def _name(self, got) -> str:
+        """The primary's name read back from the store: this node's, or one shaped like a node name
+        (anything else was not written by an agent: :class:`ValueError`, and the failure is counted here)."""
+        name = got.decode("utf-8", "replace") if isinstance(got, bytes) else str(got)
+        if name != self.node and not NODE_NAME_RE.fullmatch(name):
+            raise ValueError(f"the round's failure record is not a node name ({name[:80]!r}, {len(name)} "
+                             f"characters): not written by an elastor agent")
+        return name
 
     def claim(self, round_store) -> Claim:
         by = self.node
         if round_store is not None:
             try:
                 by = self._first_reporter(round_store)
+            except ValueError as e:   # a record no agent wrote (the store takes anyone's writes)
+                log.warning("failure ledger: %s; counting this failure here", e)
+                by = self.node
             except Exception as e:  # noqa: BLE001 - a store gone with its node: count here
                 log.warning("failure ledger: the round's store is unusable (%s); counting this failure here", e)
                 by = self.node
@@ -78,4 +98,9 @@ class FailureLedger:
             except Exception as e:  # noqa: BLE001
                 log.warning("failure ledger: the rendezvous store is unusable (%s); counting on this node", e)
                 self.job_store = None
+            if failures < self.local_failures:   # every primary of this node added 1 there: the count was rewritten
+                log.warning("failure ledger: the job's failure count in the rendezvous store (%d) is below this "
+                            "node's own failures (%d): it was rewritten; counting %d", failures, self.local_failures,
+                            self.local_failures)
+                failures = self.local_failures
         return Claim(primary=primary, by=by, failures=failures)

@@ -1,0 +1,105 @@
+"""Review 35: another local user (uid ``nobody``) against what ``elastor run`` keeps in, and reads
+back from, the rendezvous store and the files it creates.
+
+The c10d store (``TCPStore``) takes writes from anyone who reaches its port. The failure ledger
+read the round's failure record and the job's failure count back unchecked: a record of
+terminal escapes and newlines went into the decision's reason (a log line on the operator's
+terminal), and a rewritten count (-10**12) made every relaunch "collateral" or never reach
+``--max-restarts``: the job restarted without end. Now a record that is not a node name is
+logged (``repr``) and the failure counted here, and the count is never below this node's own
+failures.
+
+The attacker is a real process of uid ``nobody`` (a fork of the test that drops its uid) writing
+through its own ``TCPStore`` client to the real store the ledger reads."""
+from __future__ import annotations
+
+import os
+import pwd
+from datetime import timedelta
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def nobody():
+    if os.getuid() != 0:
+        pytest.skip("needs root to run the attacker as another user (CI runs as root)")
+    pw = pwd.getpwnam("nobody")
+    return pw.pw_uid, pw.pw_gid
+
+
+def _as_other_user(uid_gid, fn) -> None:
+    """Run ``fn()`` in a forked child that first becomes ``uid_gid``; fail unless it exits 0."""
+    uid, gid = uid_gid
+    pid = os.fork()
+    if pid == 0:   # the attacker
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            assert os.getuid() == uid and os.geteuid() == uid
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+FORGED = "\x1b]0;owned\x07\x1b[2J\nFAKE LOG LINE " + "x" * 100
+
+
+def test_forged_ledger_records_in_the_store_neither_reach_the_log_nor_lift_the_restart_budget(nobody, caplog):
+    import torch.distributed as dist
+
+    from elastor_ds.elastic.ledger import FailureLedger
+    from elastor_ds.elastic.policy import Action, DeviceBook, OnFailure, decide_after_failure
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def forge():
+        c = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        for r in (1, 2, 3):   # the record of every round the job will have
+            dist.PrefixStore(f"round{r}", c).set("elastor/failure", FORGED)
+        c.set("elastor/run/failures", str(-10 ** 12))
+    _as_other_user(nobody, forge)
+    assert server.get("elastor/run/failures") == str(-10 ** 12).encode()   # the attacker's writes landed
+
+    node = "victim-host:4242"
+    ledger = FailureLedger(node, server, "run")
+    max_restarts = 2
+    book = DeviceBook((0, 1))
+    actions, reasons = [], []
+    for r in (1, 2, 3):
+        claim = ledger.claim(dist.PrefixStore(f"round{r}", server))
+        # nobody else failed in these rounds: each failure is this node's, counted 1, 2, 3
+        assert (claim.primary, claim.by, claim.failures) == (True, node, r)
+        used = claim.failures - 1 if claim.primary else claim.failures
+        dec = decide_after_failure(OnFailure.SHRINK, book, [], used, max_restarts,
+                                   collateral_of=None if claim.primary else claim.by)
+        actions.append(dec.action)
+        reasons.append(dec.reason)
+    assert actions == [Action.RELAUNCH, Action.RELAUNCH, Action.STOP]   # the budget ends the job as without the attacker
+    assert reasons[2] == "--max-restarts 2 exhausted (2 relaunches after failures); raise --max-restarts to keep going"
+    assert not any("\x1b" in m or "FAKE LOG LINE" in m for m in reasons)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "\x1b" not in logged and "\x07" not in logged and "\nFAKE" not in logged
+    assert "not a node name" in logged and "is below this node's own failures" in logged
+
+
+def test_a_real_collateral_record_is_still_honoured():
+    """The check lets an agent's own name through: a failure first reported by another node is
+    collateral here (not counted), as before."""
+    import torch.distributed as dist
+
+    from elastor_ds.elastic.ledger import FailureLedger
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    a, b = FailureLedger("node-a.cluster:101", server, "run"), FailureLedger("node-b.cluster:202", server, "run")
+    r1 = dist.PrefixStore("round1", server)
+    ca, cb = a.claim(r1), b.claim(r1)
+    assert (ca.primary, ca.by, ca.failures) == (True, "node-a.cluster:101", 1)
+    assert (cb.primary, cb.by, cb.failures) == (False, "node-a.cluster:101", 1)
