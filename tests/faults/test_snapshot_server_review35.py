@@ -168,8 +168,13 @@ def _write_step(nodedir: str, rank: int, world: int) -> str:
     return d
 
 
-def _header(cp, entry: list) -> bytes:
-    return json.dumps({"origin": cp.origin, "step": STEP5, "seq": 1, "src": 1, "files": entry}).encode()
+def _header(cp, entry: list, origin: str | None = None) -> bytes:
+    return json.dumps({"origin": origin or cp.origin, "step": STEP5, "seq": 1, "src": 1, "files": entry}).encode()
+
+
+def _spoof(cp, rel, body):     # its own file, correctly MAC'd, under another node's origin id
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
+    return _header(cp, [[rel, len(body), zlib.crc32(body), pc.file_mac(cp.key, "node-x", STEP5, rel, body)]], "node-x")
 
 
 def _dup(cp, rel, body):       # its own file, correctly MAC'd, listed twice
@@ -183,6 +188,7 @@ BAD_HEADERS = {
     "bad-entry": lambda cp, rel, body: _header(cp, [["x"]]),
     "deep": lambda cp, rel, body: b"[" * 200_000,               # json.loads: RecursionError
     "not-an-object": lambda cp, rel, body: b"[1, 2, 3]",
+    "other-origin": _spoof,
     "over-1-MiB": lambda cp, rel, body: b" " * ((1 << 20) + 1),   # more than a header may be: never received
 }
 
@@ -233,8 +239,9 @@ def test_a_bad_header_refuses_that_sender_only_and_allocates_nothing_for_it(tmp_
     sender of the same step never got its answer (here its copy failed when the receiver moved on;
     in a live job it waits for the transport's timeout, and the failed transport fails every later
     copy of the launch). A file listed twice passed every check and was allocated, received and
-    moved twice (the second move failed the exchange). Now that sender alone is refused, before
-    anything is allocated for it; the honest sender's files arrive."""
+    moved twice (the second move failed the exchange); one under another node's origin id was written
+    into that node's copies. Now that sender alone is refused, before anything is allocated for it;
+    the honest sender's files arrive."""
     run_world(_bad_header_worker, 3, str(tmp_path), kind, timeout_s=120)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r2 = json.loads((tmp_path / "rank2.json").read_text())
@@ -245,7 +252,60 @@ def test_a_bad_header_refuses_that_sender_only_and_allocates_nothing_for_it(tmp_
     on_disk = {str(p.relative_to(got)): p.read_bytes() for p in got.rglob("*") if p.is_file()}
     assert not (got / "COMPLETE").exists()
     assert {k: v for k, v in on_disk.items() if not k.startswith(".from_")} == _files_of(0), sorted(on_disk)
+    assert os.listdir(tmp_path / "elastor-node1" / "peer") == [got.parent.name]   # nothing under another origin
     back = tmp_path / "elastor-node0" / "peer" / origin_id(str(tmp_path / "elastor-node1")) / STEP5
     assert (back / "COMPLETE").exists()
     for rel, b in _files_of(2).items():
         assert (back / rel).read_bytes() == b
+
+
+# ------------------------------------------------------------------ origin ids: two nodes with one name
+@pytest.mark.unit
+def test_node_origins_tell_apart_nodes_that_share_an_id():
+    from elastor_ds.checkpoint.snapshot.peer_copy import node_origins
+    # ranks: node0 = 0, 1; node1 = 2; node2 = 3 (nodes 0 and 2: the same host name and directory name)
+    assert node_origins([2, 1, 1], ["h-snap", "h-snap", "g-snap", "h-snap"]) == \
+        ["h-snap-n0", "h-snap-n0", "g-snap", "h-snap-n2"]
+    assert node_origins([1, 1], ["a", "b"]) == ["a", "b"]
+    # a suffixed id that meets another node's own id: every node numbered
+    assert node_origins([1, 1, 1], ["a", "a", "a-n1"]) == ["a-n0", "a-n1", "a-n1-n2"]
+
+
+def _same_name_worker(rank, world, base):
+    """Two nodes of one rank each whose snapshot directories have the same name (base/n<rank>/snap)
+    on one host: the same origin id, as two containers given one host name."""
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
+    nodedir = os.path.join(base, f"n{rank}", "snap")
+    os.makedirs(nodedir, exist_ok=True)
+    secret = os.path.join(base, "job.secret")
+    if not os.path.exists(secret):
+        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(f"{secret}.{os.getpid()}", secret)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
+    d = _write_step(nodedir, rank, world)
+    st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank).items()])
+    cp.wait()
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": st.error, "completed": st.completed}, f)
+    assert cp.close(timeout_s=30)
+
+
+@pytest.mark.timeout(150)
+def test_two_nodes_with_the_same_origin_id_copy_to_each_other(tmp_path):
+    """Before: each node refused its partner's copy as its own (the same origin id): no node held a
+    copy of the other, and a restore after losing one read storage. Now they are told apart."""
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
+    run_world(_same_name_worker, 2, str(tmp_path), timeout_s=120)
+    same = origin_id(str(tmp_path / "n0" / "snap"))
+    assert same == origin_id(str(tmp_path / "n1" / "snap"))
+    for me, other in ((0, 1), (1, 0)):
+        r = json.loads((tmp_path / f"rank{me}.json").read_text())
+        assert r == {"error": None, "completed": [f"{same}-n{other}"]}, r
+        got = tmp_path / f"n{me}" / "snap" / "peer"
+        assert os.listdir(got) == [f"{same}-n{other}"]
+        assert (got / f"{same}-n{other}" / STEP5 / "COMPLETE").exists()
+        for rel, b in _files_of(other).items():
+            assert (got / f"{same}-n{other}" / STEP5 / rel).read_bytes() == b

@@ -65,7 +65,7 @@ from ...threads import NamedThread
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE", "origin_id"]
+__all__ = ["PeerCopier", "PeerCopyStats", "PeerFile", "COMPLETE", "origin_id", "node_origins"]
 
 COMPLETE = "COMPLETE"
 PEER_DIR = "peer"
@@ -201,6 +201,21 @@ def origin_id(snapshot_dir: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:\-]", "_", raw).lstrip(".-:")[:200] or "node"
 
 
+def node_origins(procs_per_node: Sequence[int], ids: Sequence[str]) -> list[str]:
+    """Every rank's origin id (pure; every rank computes the same): its node's first rank's
+    :func:`origin_id`. Nodes that share one (the same host name and snapshot directory name, e.g.
+    containers given one host name) get ``-n<node>`` appended, so two nodes' copies never share a
+    directory and no node refuses its partner's copy as its own."""
+    firsts, r = [], 0
+    for n in procs_per_node:
+        firsts.append(ids[r])
+        r += n
+    per_node = [f"{o[:190]}-n{i}" if firsts.count(o) > 1 else o for i, o in enumerate(firsts)]
+    if len(set(per_node)) < len(per_node):   # a suffixed id met a node's own: number them all
+        per_node = [f"{o[:190]}-n{i}" for i, o in enumerate(firsts)]
+    return [per_node[node_of_rank(list(procs_per_node), k)] for k in range(sum(procs_per_node))]
+
+
 def _pieces(n: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + _PIECE)) for a in range(0, n, _PIECE)] or []
 
@@ -209,10 +224,13 @@ class PeerCopier:
     """Runs the peer copies of one rank (see the module docstring)."""
 
     def __init__(self, transport: Transport, procs_per_node: Sequence[int], snapshot_dir: str, origin: str,
-                 peer_copies: int = 1, key: Optional[bytes] = None, mac_scheme: str = "gmac"):
+                 peer_copies: int = 1, key: Optional[bytes] = None, mac_scheme: str = "gmac",
+                 origins: Optional[Sequence[str]] = None):
         """``transport``: over the whole world (its ranks are the plan's global ranks). ``mac_scheme``:
         the files' keyed digest (:class:`~elastor_ds.checkpoint.auth.FileMac`: "gmac", or "hmac" when
-        a rank lacks GMAC; a receiver checks either)."""
+        a rank lacks GMAC; a receiver checks either). ``origins``: every rank's origin id
+        (:func:`node_origins`; :meth:`create` gathers them): a sender's header must name its own
+        node's, so no sender writes into another node's copies."""
         if not key:
             raise ValueError("peer copies need the job key (elastor run --job-secret-file)")
         if tuple(transport.ranks) != tuple(range(sum(procs_per_node))):
@@ -226,6 +244,9 @@ class PeerCopier:
         self.procs_per_node = list(procs_per_node)
         self.snapshot_dir = snapshot_dir
         self.origin = origin
+        self.origins = list(origins) if origins is not None else None
+        if self.origins is not None and len(self.origins) != sum(procs_per_node):
+            raise ValueError(f"peer copy: {len(self.origins)} origin ids for {sum(procs_per_node)} ranks")
         self.plan = plan_peer_copies(self.procs_per_node, peer_copies)
         self.node = node_of_rank(self.procs_per_node, self.rank)
         self.sends = [t for t in self.plan if t.src == self.rank]
@@ -265,20 +286,24 @@ class PeerCopier:
         except Exception as e:  # noqa: BLE001 - a bad secret file: this rank has no key (agreed below)
             log.warning("peer copy: the job secret file is unusable here: %s", e)
             key = None
-        have = transport.all_gather_object((bool(key), GMAC_AVAILABLE))
-        if not all(k for k, _ in have):
+        have = transport.all_gather_object((bool(key), GMAC_AVAILABLE, origin_id(snapshot_dir)))
+        if not all(h[0] for h in have):
             if rank == 0:
                 log.warning("memory snapshots: no peer copies: they need the job key on every node (elastor run "
                             "--job-secret-file FILE, the same file on every node); restores of a lost node read "
                             "storage")
             transport.close()
             return None
-        origin = origin_id(snapshot_dir)
-        scheme = "gmac" if all(g for _, g in have) else "hmac"
+        origins = node_origins(procs_per_node, [h[2] for h in have])
+        if rank == 0 and len(set(origins)) > len(set(h[2] for h in have)):
+            log.warning("peer copies: nodes share an origin id (host name and snapshot directory name: %s); their "
+                        "copies are told apart by node number (%s)", sorted({h[2] for h in have}),
+                        sorted(set(origins)))
+        scheme = "gmac" if all(h[1] for h in have) else "hmac"
         if rank == 0 and scheme == "hmac":
             log.warning("peer copies: a rank lacks the cryptography package; files carry HMAC-SHA256 digests (about "
                         "10x the CPU of GMAC per copied byte); pip install cryptography")
-        return PeerCopier(transport, procs_per_node, snapshot_dir, origin, peer_copies, key, scheme)
+        return PeerCopier(transport, procs_per_node, snapshot_dir, origins[rank], peer_copies, key, scheme, origins)
 
     # ------------------------------------------------------------------ API
     def submit(self, step_dir: str, files: Sequence[PeerFile], search_dirs: Sequence[str] = (),
@@ -541,6 +566,9 @@ class _Incoming:
         origin, step, seq, files = h.get("origin"), h.get("step"), h.get("seq"), h.get("files")
         if not isinstance(origin, str) or not _ID_RE.fullmatch(origin) or origin == cp.origin:
             raise CollectiveError(f"peer copy: bad origin {ascii(origin)[:80]} from rank {t.src}")
+        if cp.origins is not None and origin != cp.origins[t.src]:
+            raise CollectiveError(f"peer copy: rank {t.src} announces origin {ascii(origin)[:80]}, its node's is "
+                                  f"{cp.origins[t.src]}")
         if not isinstance(step, str) or not _STEP_RE.fullmatch(step) or seq != cp.seq:
             raise CollectiveError(f"peer copy: rank {t.src} sent {ascii(step)[:80]} copy {ascii(seq)[:40]}, expected "
                                   f"copy {cp.seq}")
