@@ -69,6 +69,18 @@ class EventLog:
         self._broken = False
         if path:
             check_events_file(path)
+            # create it now, ours and checked: once it exists in a sticky folder nobody else can swap
+            # it, so nothing another user plants at the name later is appended to or read back
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o600)
+            except OSError as e:
+                from ..errors import ConfigError
+                raise ConfigError(f"--events {path}: cannot create it ({e.strerror}; a symlink is never followed); "
+                                  f"remove it or name a file in a folder of your own") from None
+            try:
+                _check_ours(fd, path)
+            finally:
+                os.close(fd)
 
     def emit(self, kind: EventKind | str, **fields: Any) -> dict:
         rec = {"event": EventKind(kind).value, "time": fields.pop("time", None) or time.time(), "node": self.node}
@@ -129,20 +141,24 @@ def append_line(path: str, rec: dict) -> None:
 
 def read_jsonl(path: str | None) -> list[dict]:
     """Records of a JSONL file; a torn last line (being written) is skipped. Only a regular file
-    is read (a FIFO would block: opened non-blocking, then checked), of at most
+    of this user that other users may not write is read (its records make the run's report), never
+    through a symlink (a FIFO would block: opened non-blocking, then checked), of at most
     :data:`MAX_JSONL_BYTES`; anything else reads as no records (logged)."""
-    if not path or not os.path.exists(path):
+    if not path or not os.path.lexists(path):
         return []
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
     except OSError as e:
-        log.warning("cannot read %s: %s", path, e)
+        log.warning("cannot read %s: %s%s", path, e, " (a symlink is never followed)" if os.path.islink(path) else "")
         return []
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSONL_BYTES:
+    why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+           f"owned by uid {st.st_uid}, not by you (uid {os.geteuid()})" if st.st_uid != os.geteuid() else
+           f"any user may write it (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & stat.S_IWOTH else
+           f"{st.st_size:,} bytes, more than {MAX_JSONL_BYTES:,}" if st.st_size > MAX_JSONL_BYTES else None)
+    if why:
         os.close(fd)
-        log.warning("not reading %s: %s", path, "not a regular file" if not stat.S_ISREG(st.st_mode) else
-                    f"{st.st_size:,} bytes, more than {MAX_JSONL_BYTES:,}")
+        log.warning("not reading %s: %s", path, why)
         return []
     out = []
     with os.fdopen(fd, encoding="utf-8", errors="replace") as f:

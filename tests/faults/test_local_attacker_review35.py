@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from datetime import timedelta
 
 import pytest
@@ -30,6 +31,19 @@ def nobody():
     return pw.pw_uid, pw.pw_gid
 
 
+@pytest.fixture
+def shared():
+    """A /tmp-like folder (world-writable, sticky, root's) that the other user can reach (pytest's
+    own tmp_path sits under a 0700 folder)."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="elastor-review35-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    from pathlib import Path
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _as_other_user(uid_gid, fn) -> None:
     """Run ``fn()`` in a forked child that first becomes ``uid_gid``; fail unless it exits 0."""
     uid, gid = uid_gid
@@ -43,6 +57,9 @@ def _as_other_user(uid_gid, fn) -> None:
             assert os.getuid() == uid and os.geteuid() == uid
             fn()
             code = 0
+        except BaseException:  # noqa: BLE001 - shown in the test's output
+            import traceback
+            traceback.print_exc()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -103,3 +120,69 @@ def test_a_real_collateral_record_is_still_honoured():
     ca, cb = a.claim(r1), b.claim(r1)
     assert (ca.primary, ca.by, ca.failures) == (True, "node-a.cluster:101", 1)
     assert (cb.primary, cb.by, cb.failures) == (False, "node-a.cluster:101", 1)
+
+
+FORGED_RECORDS = ('{"event": "start", "time": 1.0, "node": "x", "pid": 1}\n'
+                  '{"event": "worker_started", "time": 2.0, "node": "workers", "metrics_file": "/etc/shadow"}\n')
+
+
+def test_events_file_in_a_shared_sticky_folder_is_ours_from_the_start(tmp_path, nobody, shared):
+    """``--events`` in a shared ``/tmp``-like folder: the name was checked at start, but the file
+    was created only by the first event, so another user could plant a symlink (or a file) there
+    in between: the job's events were lost (every append refused) and the run's report was read
+    through the link, from the attacker's records (a metrics file of its choosing included). Now
+    the EventLog creates the file, ours, 0600, when it is made, and the report reads only a regular
+    file of ours that nobody else may write, never through a link."""
+    from elastor_ds.elastic.events import EventKind, EventLog, read_jsonl
+
+    uid, _ = nobody
+    forged = shared / "forged.jsonl"
+    path = shared / "events.jsonl"
+    events = EventLog(str(path), node="n0")   # the controller's log, after its start-up checks
+
+    def plant():
+        with open(forged, "w") as f:
+            f.write(FORGED_RECORDS)
+        os.chmod(forged, 0o644)
+        try:
+            os.unlink(path)          # ours already: the sticky bit refuses another user's removal
+        except FileNotFoundError:
+            pass                     # not created yet: the name is free to take
+        except PermissionError:
+            return
+        os.symlink(forged, path)
+    _as_other_user(nobody, plant)
+
+    st = os.lstat(path)
+    assert (stat.S_ISREG(st.st_mode), st.st_uid, stat.S_IMODE(st.st_mode)) == (True, os.getuid(), 0o600)
+    start = events.emit(EventKind.START, pid=os.getpid())
+    recs = read_jsonl(str(path))
+    assert recs == [start]                        # our record, read back from our file
+    assert os.stat(forged).st_uid == uid
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_report_never_reads_another_users_records(tmp_path, nobody, shared, planted, caplog):
+    """What the report reads (the events file, the metrics file named in it) is never another
+    user's: not through a symlink that user planted, not a file that user owns."""
+    from elastor_ds.elastic.events import read_jsonl
+
+    uid, _ = nobody
+    name = shared / "events.jsonl"
+
+    def plant():
+        src = shared / "forged.jsonl"
+        with open(src, "w") as f:
+            f.write(FORGED_RECORDS)
+        os.chmod(src, 0o644)
+        if planted == "symlink":
+            os.symlink(src, name)
+        else:
+            os.rename(src, name)
+    _as_other_user(nobody, plant)
+    assert os.lstat(name).st_uid == uid
+    assert read_jsonl(str(name)) == []
+    assert "not reading" in caplog.text or "symlink is never followed" in caplog.text
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text(FORGED_RECORDS)
+    assert [r["event"] for r in read_jsonl(str(ours))] == ["start", "worker_started"]   # ours is read as before
