@@ -309,3 +309,79 @@ def test_two_nodes_with_the_same_origin_id_copy_to_each_other(tmp_path):
         assert (got / f"{same}-n{other}" / STEP5 / "COMPLETE").exists()
         for rel, b in _files_of(other).items():
             assert (got / f"{same}-n{other}" / STEP5 / rel).read_bytes() == b
+
+
+# ------------------------------------------------------------------ 4. answers: a member's server answering other bytes
+def _keyed_fake(answer_range: str, size: int, body: bytes):
+    """A server of the job (it has the key; keep-alive): its index says it holds ``local/STEP``, a
+    HEAD gives the file's size as 100 000, and a GET is answered with ``answer_range`` of a file of
+    ``size`` bytes, correctly MAC'd for that request: a buggy member, not a forger."""
+    import threading
+
+    from elastor_ds.checkpoint.auth import response_mac
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+
+    def answer(c, head: bytes) -> None:
+        line, *fields = head.split(b"\r\n")
+        nonce = next(f.split(b":", 1)[1].strip().decode() for f in fields if f.lower().startswith(b"x-elastor-nonce:"))
+        if line.startswith(b"GET /index/"):
+            idx = json.dumps({"local": True, "peer": []}).encode()
+            out = (200, "", "", idx, idx)
+        elif line.startswith(b"HEAD "):
+            out = (200, "", "100000", b"", b"")
+        else:
+            out = (206, answer_range, str(size), body, body)
+        code, crange, fsize, mac_body, sent = out
+        mac = response_mac(KEY, nonce, code, crange, fsize, [mac_body])
+        extra = (f"Content-Range: {crange}\r\n" if crange else "") + (f"X-File-Size: {fsize}\r\n" if fsize else "")
+        length = len(body) if code == 206 else (0 if line.startswith(b"HEAD ") else len(sent))
+        c.sendall(f"HTTP/1.1 {code} X\r\nContent-Length: {length}\r\n{extra}X-Elastor-Auth: {mac}\r\n\r\n".encode()
+                  + sent)
+
+    def conn(c):
+        with c:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    k = c.recv(65536)
+                    if not k:
+                        return
+                    buf += k
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                answer(c, head)
+
+    def serve():
+        while True:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                return
+            threading.Thread(target=conn, args=(c,), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return ls
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("answer", ["other-range", "other-size"])
+def test_an_answer_for_other_bytes_than_asked_is_refused_before_its_body_is_taken(answer):
+    """Asked bytes 10..19 of a 100 000-byte file (its HEAD said so), a server of the job answers
+    bytes 0..9, or bytes 10..19 of a file now 200 000 bytes long, MAC'd correctly. Before: the client
+    took the bytes (the MAC covers the range, but nobody compared it with the request): 0..9 landed
+    where 10..19 belong. Now: CorruptCheckpointError naming both, the destination untouched."""
+    from elastor_ds.checkpoint.snapshot.peer_sources import RemoteSource
+    from elastor_ds.errors import CorruptCheckpointError
+    rng, size, body = (("bytes 0-9/100000", 100_000, DATA[:10]) if answer == "other-range" else
+                       ("bytes 10-19/200000", 200_000, DATA[10:20]))
+    ls = _keyed_fake(rng, size, body)
+    src = RemoteSource(f"127.0.0.1:{ls.getsockname()[1]}", STEP, KEY, timeout_s=10, busy_wait_s=1)
+    buf = bytearray(b"\xee" * 10)
+    try:
+        assert src.has("data_00000.safetensors", 100_000)
+        with pytest.raises(CorruptCheckpointError, match=r"asked for 10-19/100000, answered"):
+            src.read_into("data_00000.safetensors", 10, [memoryview(buf)])
+    finally:
+        src.close()
+        ls.close()
+    assert buf == b"\xee" * 10

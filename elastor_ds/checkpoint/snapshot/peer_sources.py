@@ -286,6 +286,7 @@ class RemoteSource:
         self._lock = threading.Lock()
         self._index: Optional[dict] = None
         self._where: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}   # candidate path -> the file size its HEAD answer gave (the manifest's)
         self._down = False
         self._ahead_conns: list[http.client.HTTPConnection] = []   # every ahead connection (any thread): closed by close()
 
@@ -442,6 +443,7 @@ class RemoteSource:
             if r.status == 200 and r.getheader("X-File-Size") == str(size):
                 with self._lock:
                     self._where[relpath] = cand
+                    self._sizes[cand] = size
                 return True
         return False
 
@@ -601,6 +603,17 @@ class RemoteSource:
                 drop()
                 raise IncompleteCheckpointError(f"{self.name}: {cand} bytes {offset}..{offset + n - 1}: HTTP {r.status}"
                                                 f" with {r.getheader('Content-Length')} bytes")
+            size = self._sizes.get(cand)
+            want = f"bytes {offset}-{offset + n - 1}/{size}"
+            if size is not None and (r.getheader("Content-Range") != want or r.getheader("X-File-Size") != str(size)):
+                # (both are under the answer's MAC: only a server of this job can get here, answering
+                # other bytes than asked or a file that changed size since its HEAD)
+                r.close()
+                self._done(w, drop)
+                drop()
+                raise CorruptCheckpointError(f"{self.name}: {cand}: asked for {want[6:]}, answered "
+                                             f"{ascii(r.getheader('Content-Range'))[:80]} of a file of "
+                                             f"{ascii(r.getheader('X-File-Size'))[:40]} bytes")
             tag = r.getheader("X-Elastor-Auth") or ""
             check = response_checker(self.key, nonce, r.status, r.getheader("Content-Range") or "",
                                      r.getheader("X-File-Size") or "", tag)
