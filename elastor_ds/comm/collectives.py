@@ -8,16 +8,20 @@ is the single-process version used by the CLI and unit tests.
 
 :func:`agree` runs a local function on every rank and gathers the outcome: if it raised anywhere,
 every rank raises :class:`CollectiveError` naming the failing ranks and their errors.
+:func:`agree_world` and :func:`world_outcome` do the same over the default world without a comm
+(set-up steps before any comm exists: a rank that failed there would otherwise leave the others
+waiting in their next collective until the process group's timeout).
 """
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional, Protocol, TypeVar
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 from ..errors import CollectiveError, PeerFailedError, RankFailure, ranks_failed
 from ..threads import NamedThread
@@ -475,15 +479,10 @@ class TorchComm:
         """Every rank's ``values`` (signed 64-bit ints, at most ``width``, zero-padded to it), in rank
         order: one fixed-size all-gather, no pickling and no size exchange (the object collectives
         cost two rounds each)."""
-        import torch
-        import torch.distributed as dist
+        from .groups import all_gather_int_rows
 
-        mine = torch.tensor(_padded(values, width), dtype=torch.int64)
-        out = torch.empty(self.world_size * width, dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
-        self._run("all_gather_ints", lambda: gather(out, mine, group=self.group))
-        rows = out.tolist()
-        return [rows[r * width:(r + 1) * width] for r in range(self.world_size)]
+        row = _padded(values, width)   # a row too long is the caller's error, not a peer's
+        return self._run("all_gather_ints", lambda: all_gather_int_rows(row, group=self.group))
 
     def broadcast_ints(self, values: list[int], src: int = 0) -> list[int]:
         """``values`` of rank ``src`` (every rank passes a list of the same length)."""
@@ -539,4 +538,86 @@ def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> T:
         if local is not None:
             raise err from local
         raise err
+    return result
+
+
+#: bytes of one rank's failure sent by :func:`world_outcome` (its class names and message, as JSON)
+FAILURE_BYTES = 2048
+
+
+def _failure_bytes(rank: int, e: BaseException) -> bytes:
+    """``e`` as JSON ``[class name, message, class names]``, at most :data:`FAILURE_BYTES` (the
+    message cut shorter until it fits)."""
+    f = RankFailure.of(rank, e)
+    mro = [n[:80] for n in f.mro[:12]]
+    for cut in (1000, 300, 60, 0):
+        data = json.dumps([f.type_name[:80], f.message[:cut], mro]).encode()
+        if len(data) <= FAILURE_BYTES:
+            return data
+    return json.dumps([f.type_name[:80], "", []]).encode()
+
+
+def _failure_of(rank: int, data: bytes) -> RankFailure:
+    try:
+        name, message, mro = json.loads(data.decode("utf-8"))
+        return RankFailure(rank, str(name), str(message), tuple(str(n) for n in mro))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return RankFailure(rank, "Error", f"(undecodable failure report: {data[:60]!r})")
+
+
+def world_outcome(local: Optional[BaseException], what: str, values: Sequence[int] = ()) -> list[list[int]]:
+    """Collective over the default world: tell every rank whether this one failed (``local``, the
+    exception it caught, or None) and gather ``values`` (ints; the same count on every rank: a
+    failed rank passes zeros) in the same all-gather. No rank failed: every rank's ``values``, in
+    rank order. Some ranks failed: each failed rank's class and message follow (JSON bytes, no
+    pickling, at most :data:`FAILURE_BYTES` each) and every rank raises one
+    :class:`~elastor_ds.errors.RanksFailedError` naming them (also an instance of the elastor error
+    class they share, e.g. ConfigError: :func:`~elastor_ds.errors.ranks_failed`). Every rank
+    failed: each raises its own exception (no rank waits; the messages stay as they were). Without
+    an initialised world, or with one rank: ``local`` is raised as is."""
+    import torch.distributed as dist
+
+    from .groups import all_gather_int_rows, all_gather_world_bytes
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if local is not None:
+            raise local
+        return [[int(v) for v in values]]
+    rows = all_gather_int_rows([0 if local is None else 1, *[int(v) for v in values]])
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if not failed:
+        return [row[1:] for row in rows]
+    if local is not None and len(failed) == len(rows):
+        raise local
+    rank = dist.get_rank()
+    blobs = all_gather_world_bytes(_failure_bytes(rank, local) if local is not None else b"", FAILURE_BYTES)
+    raise_failures([_failure_of(r, blobs[r]) for r in failed], len(rows), local, what)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def raise_failures(failures: list[RankFailure], world_size: int, local: Optional[BaseException], what: str) -> None:
+    """The verdict on outcomes every rank gathered: nothing when ``failures`` is empty; this rank's
+    own ``local`` exception when every rank failed; else one typed
+    :class:`~elastor_ds.errors.RanksFailedError` naming the failing ranks (:func:`~elastor_ds.errors.ranks_failed`)."""
+    if not failures:
+        return
+    if local is not None and len(failures) == world_size:
+        raise local
+    err = ranks_failed(what, failures, world_size)
+    if local is not None:
+        raise err from local
+    raise err
+
+
+def agree_world(fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` (a local set-up step) and agree on its outcome over the default world
+    (:func:`world_outcome`): if it raised on some rank, every rank raises a typed error naming
+    those ranks and their errors. Returns the local result. Collective: every rank calls it at the
+    same point, whether or not its own earlier steps succeeded."""
+    try:
+        result = fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised on every rank by world_outcome
+        world_outcome(e, what)
+        raise   # unreachable: world_outcome raised
+    world_outcome(None, what)
     return result

@@ -10,7 +10,8 @@ rank skipped. The callers compute that order as a pure value (``runtime/groups.p
 * :func:`world_rank`, :func:`world_size`: the default world, with a typed error when there is none;
 * :func:`destroy_group`: release a group this module made; :func:`world_barrier` before that;
 * :func:`all_gather_world_ints`, :func:`all_gather_world_bytes`: every rank's few integers or bytes
-  over the default world, as tensors (no pickling), e.g. to agree on a plan before creating groups.
+  over the default world, as tensors (no pickling), e.g. to agree on a plan before creating groups;
+  :func:`all_gather_int_rows`: the same integers over any group (the checkpoint comm's too).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from typing import Any, Optional, Sequence
 
 from ..errors import CollectiveError
 
-__all__ = ["all_gather_world_bytes", "all_gather_world_ints", "create_groups", "destroy_group", "new_group",
-           "world_barrier", "world_rank", "world_size"]
+__all__ = ["all_gather_int_rows", "all_gather_world_bytes", "all_gather_world_ints", "create_groups", "destroy_group",
+           "new_group", "world_barrier", "world_rank", "world_size"]
 
 
 def _dist() -> Any:
@@ -107,26 +108,39 @@ def _world_device(dist: Any) -> Any:
     return torch.device("cuda", int(local) if local is not None and local.isdigit() else torch.cuda.current_device())
 
 
+def all_gather_int_rows(values: Sequence[int], group: Any = None, device: Any = None) -> list[list[int]]:
+    """Every member's ``values`` (signed 64-bit; every member passes the same number), in group rank
+    order: one all-gather of a fixed-size int64 tensor, no pickling. ``group``: ``None`` for the
+    default world (on its device, :func:`_world_device`), else a group of this module's (gloo: CPU
+    unless ``device`` says otherwise). The one implementation behind :func:`all_gather_world_ints`
+    and :meth:`~.collectives.TorchComm.all_gather_ints`."""
+    import torch
+
+    from .tensors import all_gather_into
+
+    dist = _dist()
+    dev = device if device is not None else (_world_device(dist) if group is None else torch.device("cpu"))
+    size = dist.get_world_size(group)
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=dev)
+    n = mine.numel()
+    out = torch.empty(size * n, dtype=torch.int64, device=dev)
+    all_gather_into(out, mine, group)
+    rows = out.cpu().tolist()
+    return [rows[r * n:(r + 1) * n] for r in range(size)]
+
+
 def all_gather_world_ints(values: Sequence[int]) -> list[list[int]]:
     """Every rank's ``values`` (signed 64-bit; every rank passes the same number), in rank order.
     Collective over the default world: one all-gather of a fixed-size int64 tensor."""
-    import torch
-
-    dist = _dist()
-    dev = _world_device(dist)
-    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=dev)
-    n = mine.numel()
-    out = torch.empty(dist.get_world_size() * n, dtype=torch.int64, device=dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
-    gather(out, mine)
-    rows = out.cpu().tolist()
-    return [rows[r * n:(r + 1) * n] for r in range(dist.get_world_size())]
+    return all_gather_int_rows(values)
 
 
 def all_gather_world_bytes(data: bytes, limit: int = 4096) -> list[bytes]:
     """Every rank's ``data`` (at most ``limit`` bytes kept), in rank order. Collective over the
     default world: the lengths, then the bytes padded to the longest (no pickling)."""
     import torch
+
+    from .tensors import all_gather_into
 
     dist = _dist()
     data = bytes(data[:limit])
@@ -137,7 +151,6 @@ def all_gather_world_bytes(data: bytes, limit: int = 4096) -> list[bytes]:
     if data:
         mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=dev)
     out = torch.empty(dist.get_world_size() * width, dtype=torch.uint8, device=dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine)
+    all_gather_into(out, mine, None)
     raw = bytes(out.cpu().tolist())
     return [raw[r * width:r * width + n] for r, n in enumerate(lens)]

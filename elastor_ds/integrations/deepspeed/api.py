@@ -1,7 +1,8 @@
 """``initialize``: a drop-in for ``deepspeed.initialize`` that adds elastor checkpointing.
 
 1. Split the ``"elastor"`` section off the DeepSpeed config and validate it (:mod:`.config`);
-   check the DeepSpeed version; on CPU avoid just-in-time op builds.
+   check the DeepSpeed version; on CPU avoid just-in-time op builds. A rank that fails here (or in
+   step 4's checks) makes every rank raise a typed error naming it (one agreement over the world).
 2. Call ``deepspeed.initialize`` with the rest of the config, unchanged otherwise.
 3. Give the returned engine elastor behaviour: its class becomes a subclass of its own class
    (``ElastorPipelineEngine`` for a ``PipelineEngine``) whose ``train_batch``/``step`` save when the
@@ -204,10 +205,70 @@ def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
 
 
 def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwargs: Any):
-    """Same arguments and return values as ``deepspeed.initialize``; reads the ``"elastor"`` section."""
+    """Same arguments and return values as ``deepspeed.initialize``; reads the ``"elastor"`` section.
+
+    A set-up step of this rank that fails before the next collective (its config or ``"elastor"``
+    section unreadable or invalid, a check of the engine) is agreed on over the world
+    (:func:`~elastor_ds.comm.collectives.agree_world`): where other ranks succeeded, every rank raises
+    a typed error naming the failing ranks and their errors (a
+    :class:`~elastor_ds.errors.RanksFailedError` that is also the failures' common error class,
+    e.g. ConfigError), instead of the others waiting in their next collective until the process
+    group's timeout. The distributed backend is therefore initialised first (as
+    ``deepspeed.initialize`` would, with its ``distributed_port`` and ``dist_init_required``)."""
     check_version()
     import deepspeed
 
+    from ...comm.collectives import agree_world
+    _init_world(kwargs)
+    ds_config, ecfg, rt, clip, args, kwargs = agree_world(
+        lambda: _prepare(args, config, config_params, kwargs), "elastor initialize (reading the config)")
+    engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
+    if rt is not None:
+        from .hetero import HeteroPipelineEngine
+        overrides.reclass(engine, _elastor_class(HeteroPipelineEngine))
+        # collective; a rank's local failure in it travels in its gathers (hetero._gathered)
+        engine.hetero_setup(rt, clip, int(ds_config["train_micro_batch_size_per_gpu"]) * rt.total_micro_batches)
+    else:
+        overrides.reclass(engine, _elastor_class(type(engine)))
+    engine.elastor_config = ecfg
+    engine.elastor = None
+
+    def check_engine() -> None:
+        _check_plan(engine, ecfg)
+        if ecfg.checkpoint is not None:
+            from .state import check_optimizer
+            check_optimizer(engine)   # an unsupported wrapper is refused now, not at the first save
+    agree_world(check_engine, "elastor initialize (checking the engine)")
+    if ecfg.checkpoint is not None:
+        engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
+        if ecfg.checkpoint.load != "none":
+            try:
+                engine.elastor.load()
+            except BaseException:
+                engine.elastor.discard_if_unused()   # a rejected load leaves no empty folders of ours
+                raise
+    return engine, optimizer, loader, sched
+
+
+def _init_world(kwargs: dict) -> None:
+    """The distributed backend, initialised now where ``deepspeed.initialize`` would initialise it
+    (it then finds it ready): the set-up agreements of :func:`initialize` run over it."""
+    import torch.distributed as dist
+    if not dist.is_available() or dist.is_initialized() or kwargs.get("dist_init_required") is False:
+        return
+    from deepspeed.accelerator import get_accelerator
+    extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
+    init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                     dist_init_required=kwargs.get("dist_init_required"), **extra)
+
+
+def _prepare(args: tuple, config: Any, config_params: Any, kwargs: dict) -> tuple:
+    """This rank's local set-up before ``deepspeed.initialize``: the config (a dict or a JSON path,
+    from ``config``, ``config_params`` or ``args.deepspeed_config``) split into DeepSpeed's part and
+    the validated ``"elastor"`` section; for a heterogeneous plan, the replica's DeepSpeed config and
+    the p2p routing. Returns (ds_config, ElastorConfig, runtime or None, clip, args, kwargs) with
+    ``args``/``kwargs`` as ``deepspeed.initialize`` gets them. No collective."""
+    kwargs = dict(kwargs)
     ds_args = kwargs.get("args", args[0] if args else None)
     if config is None:
         config = config_params
@@ -238,27 +299,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
         from .hetero import install_p2p, prepare_config
         ds_config, clip = prepare_config(ds_config, rt)
         install_p2p()  # before the engine: its constructor already sends between stages
-    engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
-    if rt is not None:
-        from .hetero import HeteroPipelineEngine
-        overrides.reclass(engine, _elastor_class(HeteroPipelineEngine))
-        engine.hetero_setup(rt, clip, int(ds_config["train_micro_batch_size_per_gpu"]) * rt.total_micro_batches)
-    else:
-        overrides.reclass(engine, _elastor_class(type(engine)))
-    engine.elastor_config = ecfg
-    engine.elastor = None
-    _check_plan(engine, ecfg)
-    if ecfg.checkpoint is not None:
-        from .state import check_optimizer
-        check_optimizer(engine)   # an unsupported wrapper is refused now, not at the first save
-        engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
-        if ecfg.checkpoint.load != "none":
-            try:
-                engine.elastor.load()
-            except BaseException:
-                engine.elastor.discard_if_unused()   # a rejected load leaves no empty folders of ours
-                raise
-    return engine, optimizer, loader, sched
+    return ds_config, ecfg, rt, clip, args, kwargs
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> None:

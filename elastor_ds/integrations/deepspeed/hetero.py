@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections import namedtuple
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from deepspeed.runtime.pipe import schedule
@@ -174,7 +174,9 @@ class HeteroRuntime:
         self.micro_batches = layout.replicas[self.pos.replica].micro_batches
         self.total_micro_batches = sum(r.micro_batches for r in layout.replicas)
         self.weight = self.micro_batches / self.total_micro_batches
-        self.groups = create_groups(creation_order(layout))
+        order = creation_order(layout)
+        self.groups = create_groups(order)
+        self._made: set[tuple[int, ...]] = set(order)   # every group created (the same set on every rank)
         self.topology = HeteroTopology(layout, self.rank)
         self.grid: Optional[HeteroGrid] = None
         self.reducer: Optional[SplitAllReduce] = None
@@ -182,6 +184,7 @@ class HeteroRuntime:
         self.zero: Optional[HeteroZero1] = None
         self.shapes: dict[str, tuple[int, ...]] = {}       # canonical name -> global shape
         self.module_names: dict[str, str] = {}             # canonical name -> module parameter name
+        self._dropped: set[int] = set()                    # id() of modules whose world group is destroyed
 
     @classmethod
     def create(cls, layout: Layout, agreed: bool = False) -> "HeteroRuntime":
@@ -213,11 +216,27 @@ class HeteroRuntime:
         from ...comm.groups import destroy_group, world_barrier
         groups = list(self.groups.values())
         self.groups.clear()
+        self._made.clear()
         self.reducer = None
         self.zero = None
         world_barrier()
         for g in groups:
             destroy_group(g)
+
+    def drop_module_world_group(self, module: Any) -> None:
+        """Destroy the world-sized group DeepSpeed's ``PipelineModule.__init__`` creates
+        (``module.world_group``) for a module built under this runtime. It serves the constructor
+        only (this rank's rank and world size; the grid it would build is the runtime's
+        :class:`HeteroGrid`), but nothing destroyed it: every hetero initialize left one world group
+        (its sockets and threads under gloo) in the process for good. Called once the engine is built
+        and a world collective has run since the module's construction (every rank has created the
+        group: none is still connecting to it); a module seen again is left alone."""
+        from ...comm.groups import destroy_group
+        g = getattr(module, "world_group", None)
+        if g is None or id(module) in self._dropped or any(g is h for h in self.groups.values()):
+            return
+        self._dropped.add(id(module))
+        destroy_group(g)
 
     @property
     def tp_group(self) -> Any:
@@ -236,19 +255,26 @@ class HeteroRuntime:
         from .state import _place
         held = []
         self.params: dict[str, torch.nn.Parameter] = {}
-        for n, p in engine.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            cname, gshape, pieces = _place(engine, n, tuple(p.shape))
-            held.append((cname, tuple(gshape), tuple(pieces)))
-            self.params[cname] = p
-            self.shapes[cname] = tuple(gshape)
-            self.module_names[cname] = n
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, held)
+        local: Optional[BaseException] = None
+        try:
+            for n, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                cname, gshape, pieces = _place(engine, n, tuple(p.shape))
+                held.append((cname, tuple(gshape), tuple(pieces)))
+                self.params[cname] = p
+                self.shapes[cname] = tuple(gshape)
+                self.module_names[cname] = n
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _gathered
+            local = e
+        everyone = _gathered(held, local, "announcing the parameters for the split all-reduce")
         rep = {r: self.layout.position(r).replica for r in range(len(everyone))}
         plan = split_reduce_plan(dict(enumerate(everyone)), rep)
-        new = [g for g in reduce_groups(plan) if g not in set(creation_order(self.layout))]
+        # a second engine under this runtime reuses the groups of the first (the same plan gives the same
+        # groups; creating them again left the first ones alive, never destroyed); the filter is the
+        # same on every rank, as create_groups needs
+        new = [g for g in reduce_groups(plan) if g not in self._made]
+        self._made.update(new)
         self.groups.update(create_groups(new))
         self.reducer = SplitAllReduce(plan[self.rank], self.groups)
         return self.reducer
@@ -256,19 +282,13 @@ class HeteroRuntime:
     def build_zero(self, optimizer: Any) -> HeteroZero1:
         """ZeRO-1 over the holders of each block (collective): the optimizer's param groups are
         re-pointed from this rank's parameters to its shares of the optimizer state."""
-        import torch.distributed as dist
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"ZeRO-1 with a heterogeneous plan needs a torch optimizer, got {type(optimizer).__name__}")
-        if optimizer.state:
-            raise ConfigError("ZeRO-1 with a heterogeneous plan: the optimizer already has state (build it fresh)")
-        group_of_param = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        missing = [n for n, p in self.params.items() if id(p) not in group_of_param]
-        if missing:
-            raise ConfigError(f"parameters {missing[:4]} require grad but are not in the optimizer; ZeRO-1 with a "
-                              f"heterogeneous plan shards every trained parameter")
-        group_of = {n: group_of_param[id(p)] for n, p in self.params.items()}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, group_of)
+        local: Optional[BaseException] = None
+        group_of: dict[str, int] = {}
+        try:
+            group_of = self._param_groups_of(optimizer)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _gathered
+            local = e
+        everyone = _gathered(group_of, local, "ZeRO-1 set-up")
         seen: dict[str, tuple[int, int]] = {}
         for r, gm in enumerate(everyone):
             for n, gi in gm.items():
@@ -286,6 +306,20 @@ class HeteroRuntime:
                   sum(p.numel() for p in self.params.values()))
         return self.zero
 
+    def _param_groups_of(self, optimizer: Any) -> dict[str, int]:
+        """Canonical parameter name -> its param group in ``optimizer`` (this rank's checks of ZeRO-1)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"ZeRO-1 with a heterogeneous plan needs a torch optimizer, got "
+                              f"{type(optimizer).__name__}")
+        if optimizer.state:
+            raise ConfigError("ZeRO-1 with a heterogeneous plan: the optimizer already has state (build it fresh)")
+        group_of_param = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [n for n, p in self.params.items() if id(p) not in group_of_param]
+        if missing:
+            raise ConfigError(f"parameters {missing[:4]} require grad but are not in the optimizer; ZeRO-1 with a "
+                              f"heterogeneous plan shards every trained parameter")
+        return {n: group_of_param[id(p)] for n, p in self.params.items()}
+
     def grad_of(self, name: str) -> Optional[torch.Tensor]:
         p = self.params[name]
         return None if p.grad is None else p.grad.data
@@ -294,17 +328,55 @@ class HeteroRuntime:
         return self.params[name].data
 
 
+def _gathered(mine: Any, local: Optional[BaseException], what: str) -> list:
+    """Every rank's ``mine`` (one ``all_gather_object`` over the world), where a rank whose local
+    step raised (``local``) sends its error instead (class names and message: plain strings): then
+    every rank raises the typed error naming it (:func:`~elastor_ds.comm.collectives.raise_failures`)
+    rather than the others waiting for it in their next collective."""
+    import torch.distributed as dist
+
+    from ...comm.collectives import raise_failures
+    from ...errors import RankFailure
+    rank = dist.get_rank()
+    row = ("ok", mine) if local is None else ("error", RankFailure.of(rank, local).to_wire())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, row)
+    raise_failures([RankFailure.from_wire(r[1]) for r in everyone if r[0] != "ok"], len(everyone), local, what)
+    return [r[1] for r in everyone]
+
+
 def agree_on_plan(layout: Layout) -> None:
-    """Collective over the world: every rank must hold the same plan. ``new_group`` is collective over
+    """Collective over the world: every rank must hold ``layout`` (:func:`agreed_plan`)."""
+    agreed_plan(lambda: layout)
+
+
+def agreed_plan(load: Callable[[], Layout], what: str = "loading the plan") -> Layout:
+    """Collective over the world: this rank's plan, ``load()`` (a plan file read, a plan resolved
+    from the config), once every rank is known to hold the same one. ``new_group`` is collective over
     the world, so ranks creating the groups of different plans would hang there for good (a plan file
     per node, ``"plan": "auto"`` with different ``LOCAL_WORLD_SIZE`` or profile inputs). One all-gather
-    of a 60-bit fingerprint of the layout; on a difference, the plans' descriptions follow and every
-    rank raises the same ConfigError."""
-    from ...comm.groups import all_gather_world_bytes, all_gather_world_ints
-    fp = int(layout.fingerprint()[:15], 16)
-    keys = [row[0] for row in all_gather_world_ints([fp])]
+    of an ok flag and a 60-bit fingerprint of the layout (no pickling):
+
+    1. a rank whose ``load`` raised (an unreadable or invalid plan) still takes part; every rank then
+       raises a typed error naming it and its error (:func:`~elastor_ds.comm.collectives.world_outcome`)
+       instead of the others waiting in this all-gather until the process group's timeout;
+    2. on a difference of fingerprints, the plans' descriptions follow and every rank raises the same
+       ConfigError naming which ranks hold which plan."""
+    from ...comm.collectives import world_outcome
+    from ...comm.groups import all_gather_world_bytes
+    layout: Any = None
+    local: Optional[BaseException] = None
+    fp = 0
+    try:
+        layout = load()
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"{what}: expected a Layout, got {type(layout).__name__}")
+        fp = int(layout.fingerprint()[:15], 16)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by world_outcome
+        local = e
+    keys = [row[0] for row in world_outcome(local, what, [fp])]
     if len(set(keys)) == 1:
-        return
+        return layout
     descs = [b.decode("utf-8", "replace") for b in all_gather_world_bytes(layout.describe().encode()[:300])]
     by_key: dict[int, list[int]] = {}
     for r, k in enumerate(keys):
@@ -467,6 +539,7 @@ class HeteroPipelineEngine(PipelineEngine):
             log.info("heterogeneous plan %s: %d split all-reduce groups", rt.layout.describe(),
                      len(reduce_groups_of(rt)))
         log.debug("rank %d: split all-reduce sends %d bytes per step", rt.rank, reducer.bytes_sent)
+        rt.drop_module_world_group(self.module)
 
     def _sync_initial_weights(self, rt: HeteroRuntime) -> None:
         """Replicas build their stages from their own RNG streams: make every copy of every weight
