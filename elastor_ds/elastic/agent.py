@@ -51,6 +51,7 @@ from .ledger import FailureLedger
 from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
+from .rdzv_auth import rendezvous_key, signed_handler
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
                        ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, STARTED_BEAT, collective_bound, heartbeat_path,
@@ -719,11 +720,15 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
     params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.rdzv_id,
                                   min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr,
                                   **cfg.rdzv_conf)
+    # the dynamic rendezvous's state is a pickle torch reads from the store: signed with the job's key
+    key = rendezvous_key(cfg.job_secret_file, cfg.max_nodes > 1) if cfg.rdzv_backend in ("c10d", "etcd-v2") else None
     if cfg.rdzv_backend == "etcd-v2":   # every etcd member listed, not only the first (torch's handler)
         from .etcd_rdzv import create_handler
         from .rdzv_args import check_endpoints
         handler = create_handler(params, check_endpoints(cfg.rdzv_endpoint, cfg.rdzv_backend, lambda h, p: None),
-                                 cfg.local_addr)
+                                 cfg.local_addr, key=key)
+    elif cfg.rdzv_backend == "c10d":
+        handler = signed_handler(params, key)
     else:
         try:
             handler = rdzv_registry.get_rendezvous_handler(params)

@@ -207,7 +207,7 @@ def register(sub) -> None:
            "<rdzv id>-<host>-<pid>-<random>); kept across relaunches, removed at the end of the job")
     a("--job-secret-file", default=None, metavar="FILE",
       help="the job's secret (>= 32 random bytes, mode 0600, yours; the same file on every node): the key of the "
-           "snapshot server's authentication and of peer copies' digests. Multi-node jobs with memory snapshots "
+           "snapshot server's authentication, of peer copies' digests and of the rendezvous state's MACs. Multi-node jobs with memory snapshots "
            "need it for cross-node restores and peer copies; create it with (umask 077; head -c 32 /dev/urandom "
            "> FILE)")
     a("--standby", action=argparse.BooleanOptionalAction, default=True,

@@ -31,8 +31,10 @@ def member_order(members: Sequence[tuple[str, int]], local_addr: str | None) -> 
     return tuple(mine + [m for m in members if m not in mine])
 
 
-def create_handler(params, members: Sequence[tuple[str, int]], local_addr: str | None = None):
-    """A ``DynamicRendezvousHandler`` whose state and store live in the etcd cluster of ``members``."""
+def create_handler(params, members: Sequence[tuple[str, int]], local_addr: str | None = None,
+                   key: bytes | None = None):
+    """A ``DynamicRendezvousHandler`` whose state and store live in the etcd cluster of ``members``;
+    its state signed with ``key`` (:mod:`.rdzv_auth`; None: unsigned)."""
     try:
         import etcd
     except ModuleNotFoundError:
@@ -57,4 +59,7 @@ def create_handler(params, members: Sequence[tuple[str, int]], local_addr: str |
         raise RendezvousConnectionError(f"no member of the etcd cluster answered "
                                         f"({', '.join(f'{h}:{p}' for h, p in members)}): {e}") from e
     backend = EtcdRendezvousBackend(client, params.run_id, key_prefix=STATE_PREFIX)
-    return dynamic_handler(EtcdStore(client, STORE_PREFIX), backend, params)
+    if key is None:
+        return dynamic_handler(EtcdStore(client, STORE_PREFIX), backend, params)
+    from .rdzv_auth import signed_handler
+    return signed_handler(params, key, store=EtcdStore(client, STORE_PREFIX), backend=backend)

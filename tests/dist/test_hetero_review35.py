@@ -135,8 +135,8 @@ def _run(scenario: str, d: str) -> dict:
 
 
 @pytest.mark.parametrize("scenario,what,error", [
-    ("bad_config_file", "elastor initialize (reading the config)", "ConfigError: DeepSpeed config file "),
-    ("plan_differs", "elastor initialize (checking the engine)",
+    ("bad_config_file", "eds.initialize (reading the config)", "ConfigError: DeepSpeed config file "),
+    ("plan_differs", "eds.initialize (checking the engine)",
      "ConfigError: elastor.plan R0(mb2)[tp1:0-3|tp1:3-8] R1(mb2)[tp1:0-8] differs from the plan the "
      "PipelineModule was built with (R0(mb3)[tp1:0-3|tp1:3-8] R1(mb1)[tp1:0-8])"),
     ("plan_file_unreadable", "loading the plan", "ConfigError: elastor.plan: '"),

@@ -58,14 +58,16 @@ def test_only_comm_and_integrations_touch_distributed():
         # elastic/: the controller is built on torch.distributed.elastic (agent.py) and the workers'
         # stop agreement is one all-reduce (worker.py); standby.py plugs standby workers into its
         # agent's process start; store_main.py hosts the c10d rendezvous store (a TCPStore); etcd_rdzv.py
-        # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; overrides.py lists (and
+        # builds torch elastic's etcd-v2 rendezvous handler over every etcd member; rdzv_auth.py wraps its
+    # rendezvous backends (the state signed); overrides.py lists (and
         # patches) the torch elastic internals; its pure modules are checked above
         if rel.startswith(("comm/", "integrations/", "testing/")) or rel in ("demo.py", "deepspeed.py",
                                                                               "elastic/agent.py", "elastic/worker.py",
                                                                               "elastic/standby.py",
                                                                               "elastic/overrides.py",
                                                                               "elastic/store_main.py",
-                                                                              "elastic/etcd_rdzv.py"):
+                                                                              "elastic/etcd_rdzv.py",
+                                                                              "elastic/rdzv_auth.py"):
             continue
         for mod in imports(f):
             if mod.startswith("torch.distributed") or mod.split(".")[0] in ("deepspeed", "megatron"):

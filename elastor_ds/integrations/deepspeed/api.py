@@ -221,7 +221,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     from ...comm.collectives import agree_world
     _init_world(kwargs)
     ds_config, ecfg, rt, clip, args, kwargs = agree_world(
-        lambda: _prepare(args, config, config_params, kwargs), "elastor initialize (reading the config)")
+        lambda: _prepare(args, config, config_params, kwargs), "eds.initialize (reading the config)")
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
     if rt is not None:
         from .hetero import HeteroPipelineEngine
@@ -238,7 +238,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
         if ecfg.checkpoint is not None:
             from .state import check_optimizer
             check_optimizer(engine)   # an unsupported wrapper is refused now, not at the first save
-    agree_world(check_engine, "elastor initialize (checking the engine)")
+    agree_world(check_engine, "eds.initialize (checking the engine)")
     if ecfg.checkpoint is not None:
         engine.elastor = ElastorCheckpointer(engine, ecfg.checkpoint, ecfg.memory_snapshot)
         if ecfg.checkpoint.load != "none":
