@@ -52,6 +52,7 @@ from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .rdzv_auth import rendezvous_key, signed_handler
+from ..checkpoint.paths import printable
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
                        ENV_SNAPSHOT_SERVER_HOST, EXIT_RESIZE, STARTED_BEAT, collective_bound, heartbeat_path,
@@ -131,6 +132,7 @@ def _proc_state(pid: int) -> str:
 
 _PF_EXITING = 0x4          # a task's flags (/proc/PID/stat field 9): it has begun to exit
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+ERROR_TAIL_BYTES = 64 * 1024   # of a failed worker's stderr log read for its last error line
 
 
 def _proc_exiting(pid: int) -> bool:
@@ -442,10 +444,13 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         path = errs.get(local_rank)
         if not path or not os.path.exists(path):
             return ""
-        with open(path, errors="replace") as f:
-            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        with open(path, "rb") as f:   # its tail only: a worker may have written gigabytes
+            f.seek(max(0, os.fstat(f.fileno()).st_size - ERROR_TAIL_BYTES))
+            text = f.read(ERROR_TAIL_BYTES).decode("utf-8", errors="replace")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         hits = [ln for ln in lines if "error" in ln.lower()]
-        return (hits or lines or [""])[-1][:500]
+        # the worker's text goes into the stop reason, the log and the terminal: escapes shown, not run
+        return printable((hits or lines or [""])[-1][:500])
 
     def _launch(self) -> None:
         wg = self._worker_group

@@ -68,6 +68,7 @@ class PeerBook:
     """Last counter value and the local (monotonic) time it last changed, per peer node rank."""
     timeout: float
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+    forged: set[int] = field(default_factory=set)   # ranks whose key held something else (warned once)
 
     def observe(self, rank: int, value: int, now: float) -> None:
         old = self.seen.get(rank)
@@ -193,7 +194,22 @@ def read_peers(store, book: PeerBook, ranks, now: float) -> list[int]:
     for r in ranks:
         key = KEY.format(r)
         if store.check([key]):
-            book.observe(r, int(store.get(key)), now)
+            raw = store.get(key)
+            value = _counter(raw)
+            if value is None:   # not a counter (the store takes anyone's writes): as no beat, said once
+                if r not in book.forged:
+                    book.forged.add(r)
+                    log.warning("liveness: the store's %s holds %r, not a beat counter; counted as no beat from "
+                                "node %d (someone else writes to the store)", key, bytes(raw[:40]), r)
+                value = book.seen.get(r, (0, now))[0]
+            book.observe(r, value, now)
         else:   # no beat yet: counted silent from the first read on
             book.observe(r, 0, now)
     return book.lost(now)
+
+
+def _counter(raw: bytes) -> "int | None":
+    """A beat counter as the store holds it (``add``'s decimal ASCII), or None for anything else."""
+    if not isinstance(raw, (bytes, bytearray)) or not 0 < len(raw) <= 20 or not raw.isdigit():
+        return None
+    return int(raw)
