@@ -385,3 +385,62 @@ def test_an_answer_for_other_bytes_than_asked_is_refused_before_its_body_is_take
         src.close()
         ls.close()
     assert buf == b"\xee" * 10
+
+
+# ------------------------------------------------------------------ 1. an honest header too long to be taken
+def _many_files(rank: int) -> dict[str, bytes]:
+    """Rank 0: 8 files with 200-character names (a header of ~2.6 KB); rank 1: the usual two files."""
+    if rank == 0:
+        return {f"data_{'x' * 200}_{i}.safetensors": bytes([i]) * (1000 + i) for i in range(8)}
+    return _files_of(rank)
+
+
+def _big_header_worker(rank, world, base):
+    """Two nodes of one rank each; a header may hold 2 000 bytes here (_MAX_HEADER, 1 MiB in a job)."""
+    from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
+    from elastor_ds.checkpoint.snapshot import peer_copy as pc
+    pc._MAX_HEADER = 2000
+    nodedir = os.path.join(base, f"elastor-node{rank}")
+    os.makedirs(nodedir, exist_ok=True)
+    secret = os.path.join(base, "job.secret")
+    if not os.path.exists(secret):
+        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(f"{secret}.{os.getpid()}", secret)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
+    d = os.path.join(nodedir, "local", STEP5)
+    for rel, b in _many_files(rank).items():
+        os.makedirs(os.path.dirname(os.path.join(d, rel)), exist_ok=True)
+        with open(os.path.join(d, rel), "wb") as f:
+            f.write(b)
+    files = {rel: FileEntry(rel, len(b), zlib.crc32(b), r) for r in range(world) for rel, b in _many_files(r).items()}
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        f.write(Manifest(step=5, tensors={}, files=files, world_size=world).dumps())
+    t0 = time.monotonic()
+    st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _many_files(rank).items()])
+    cp.wait()
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": st.error, "s": time.monotonic() - t0, "sent": st.bytes_sent}, f)
+    assert cp.close(timeout_s=30)
+
+
+@pytest.mark.timeout(150)
+def test_a_header_longer_than_a_receiver_takes_fails_that_copy_only_and_at_once(tmp_path):
+    """Before: the sender sent it anyway; the receiver failed its whole exchange on it, so the
+    partner's copy the other way failed too, and the sender's header send waited for a receive that
+    never came until the transport's timeout (30 s here), which fails the transport. Now the sender sends an empty header, its copy
+    fails at once saying why, and the copy the other way arrives."""
+    from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
+    run_world(_big_header_worker, 2, str(tmp_path), timeout_s=120)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["error"] and "more than a receiver takes (2000)" in r0["error"] and r0["sent"] == 0, r0
+    assert r1["error"] is None and r1["sent"] == sum(len(b) for b in _files_of(1).values()), r1
+    assert max(r0["s"], r1["s"]) < 20, (r0, r1)
+    assert not (tmp_path / "elastor-node1" / "peer").exists() or not os.listdir(tmp_path / "elastor-node1" / "peer")
+    got = tmp_path / "elastor-node0" / "peer" / origin_id(str(tmp_path / "elastor-node1")) / STEP5
+    assert (got / "COMPLETE").exists()
+    for rel, b in _files_of(1).items():
+        assert (got / rel).read_bytes() == b

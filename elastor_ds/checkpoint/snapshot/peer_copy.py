@@ -385,6 +385,12 @@ class PeerCopier:
                   "files": [[o.file.relpath, o.file.size, o.crc, self._mac(st.step_name, o)] for o in opened]
                   if opened is not None else None}
         hbytes = json.dumps(header).encode()
+        if len(hbytes) > _MAX_HEADER:   # more than a receiver takes: it would refuse it and this send would hang
+            st.error = (f"this rank's header lists {len(opened or [])} files in {len(hbytes)} bytes, more than a "
+                        f"receiver takes ({_MAX_HEADER}); not copied")
+            log.warning("peer copy %d of %s: %s", st.seq, st.step_name, st.error)
+            header["files"], opened = None, None
+            hbytes = json.dumps(header).encode()
         htensor = torch.frombuffer(bytearray(hbytes), dtype=torch.uint8)
         lens_out = torch.tensor([len(hbytes)], dtype=torch.int64)
         works = [tr.isend(lens_out, t.dst, tag=_T_LEN) for t in self.sends]
