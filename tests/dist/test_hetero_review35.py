@@ -82,8 +82,19 @@ def _plan_file_unreadable(rank: int, d: str) -> None:
     agreed_plan(lambda: layout_from_plan(path, 8))
 
 
+def _module_plan_file_unreadable(rank: int, d: str) -> None:
+    """Each rank builds its PipelineModule from its plan file (a node's copy); rank 1's is truncated."""
+    from elastor_ds import deepspeed as eds
+    from elastor_ds.testing import toy_pipe as toy
+    path = os.path.join(d, f"plan_{rank}.json")
+    with open(path, "w") as f:
+        f.write(json.dumps(PLAN)[:40] if rank == 1 else json.dumps(PLAN))
+    eds.PipelineModule(toy.layers(num_blocks=6), loss_fn=toy.loss_fn, plan=path)
+
+
 SCENARIOS = {"bad_config_file": _bad_config_file, "plan_differs": _plan_differs,
-             "plan_file_unreadable": _plan_file_unreadable}
+             "plan_file_unreadable": _plan_file_unreadable,
+             "module_plan_file_unreadable": _module_plan_file_unreadable}
 
 
 def _entry(rank: int, port: int, scenario: str, d: str, reports, release) -> None:
@@ -140,6 +151,7 @@ def _run(scenario: str, d: str) -> dict:
      "ConfigError: elastor.plan R0(mb2)[tp1:0-3|tp1:3-8] R1(mb2)[tp1:0-8] differs from the plan the "
      "PipelineModule was built with (R0(mb3)[tp1:0-3|tp1:3-8] R1(mb1)[tp1:0-8])"),
     ("plan_file_unreadable", "loading the plan", "ConfigError: elastor.plan: '"),
+    ("module_plan_file_unreadable", "PipelineModule(plan=...)", "ConfigError: elastor.plan: '"),
 ])
 def test_one_ranks_setup_failure_is_raised_on_every_rank(tmp_path, scenario, what, error):
     got = _run(scenario, str(tmp_path))
@@ -154,7 +166,8 @@ def test_one_ranks_setup_failure_is_raised_on_every_rank(tmp_path, scenario, wha
     # the message is rank 1's own error, the same on every rank
     assert len({got[r][2] for r in range(WORLD)}) == 1
     tail = {"bad_config_file": "ds_config_1.json' is not valid JSON: ", "plan_differs": ": pass the same plan to both",
-            "plan_file_unreadable": "plan_1.json' is not valid JSON: "}[scenario]
+            "plan_file_unreadable": "plan_1.json' is not valid JSON: ",
+            "module_plan_file_unreadable": "plan_1.json' is not valid JSON: "}[scenario]
     assert tail in got[0][2], got[0][2]
 
 

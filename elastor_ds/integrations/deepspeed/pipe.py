@@ -85,14 +85,18 @@ class PipelineModule(_DSPipelineModule):
         layers = list(layers)
         rt = None
         if plan is not None:
-            from .hetero import HeteroRuntime, agree_on_plan, needs_hetero
-            layout = layout_from_plan(plan, len(layers))
-            if layout.num_layers != len(layers):
-                raise ConfigError(f"plan covers {layout.num_layers} layers but the PipelineModule has {len(layers)} "
-                                  f"layer specs (a plan's layer index is the index in the layer list)")
+            from .hetero import HeteroRuntime, agreed_plan, needs_hetero
+
+            def load() -> Layout:
+                got = layout_from_plan(plan, len(layers))
+                if got.num_layers != len(layers):
+                    raise ConfigError(f"plan covers {got.num_layers} layers but the PipelineModule has {len(layers)} "
+                                      f"layer specs (a plan's layer index is the index in the layer list)")
+                return got
             # every rank must hold this plan: a rank building another (uniform or heterogeneous)
-            # plan would create other groups, and the ranks hang in the world-collective new_group
-            agree_on_plan(layout)
+            # plan would create other groups, and the ranks hang in the world-collective new_group;
+            # a rank whose plan does not load still takes part, and every rank raises its error
+            layout = agreed_plan(load, "PipelineModule(plan=...)")
             if needs_hetero(layout):
                 rt = HeteroRuntime.create(layout, agreed=True)
         object.__setattr__(self, "_elastor_runtime", rt)
