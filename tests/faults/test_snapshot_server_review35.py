@@ -143,6 +143,28 @@ def test_a_captured_request_is_not_replayable_after_its_nonce_is_forgotten_under
         assert _statuses(_exchange(srv.port, _signed_get(srv.port))) == [206]
 
 
+
+@pytest.mark.unit
+def test_a_member_whose_clock_runs_ahead_does_not_push_the_others_requests_out_under_load(tmp_path):
+    """The companion of the test above (it guards the fix's design; the server before it had no such
+    rule): a member's request stamped 200 s ahead (within the 300 s skew), then 200 001 others. The
+    nonces forgotten first are the earliest stamped, so the refusal floor stays at those: the others'
+    next requests are served (forgetting in arrival order would have put the floor 200 s ahead)."""
+    root = _node(tmp_path)
+    with SnapshotServer(str(root), KEY) as srv:
+        path = f"/f/local/{STEP}/data_00000.safetensors"
+        ahead = (f"GET {path} HTTP/1.1\r\nHost: x\r\nRange: bytes=0-9\r\n"
+                 f"{_auth('GET', path, 'bytes=0-9', srv.port, when=str(int(time.time()) + 200))}"
+                 f"Connection: close\r\n\r\n").encode()
+        assert _statuses(_exchange(srv.port, ahead)) == [206]
+        for _ in range(200_001):
+            srv._srv.fresh_nonce(secrets.token_hex(16))
+        floor = int(time.time())
+        while int(time.time()) <= floor:   # the wall clock's next second: what a new request is stamped with
+            time.sleep(0.05)
+        assert _statuses(_exchange(srv.port, _signed_get(srv.port))) == [206]
+        assert _statuses(_exchange(srv.port, ahead)) == [401]   # and the one ahead is still not replayable
+
 # ------------------------------------------------------------------ 1. the peer copy's header phase (gloo)
 STEP5 = "step_000000005"
 

@@ -40,6 +40,7 @@ file this node does not hold is a debug line).
 """
 from __future__ import annotations
 
+import heapq
 import hmac
 import http.server
 import io
@@ -434,7 +435,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self._max_pending = max(1, max_connections // 2)
         self._handed: set = set()   # evicted connections whose slot went to the newer one
         self.evicted = 0
-        self._nonces: OrderedDict[str, tuple[float, int]] = OrderedDict()   # nonce -> (seen, its request's time)
+        self._nonces: set[str] = set()
+        self._nonce_heap: list[tuple[int, str]] = []   # (its request's time, nonce): earliest first
         self._nonce_floor = -1   # requests stamped at or before this are refused (their nonces may be forgotten)
         self._refusals = 0
         self.busy_refused = 0
@@ -526,27 +528,24 @@ class _Server(http.server.ThreadingHTTPServer):
     # ------------------------------------------------------------------ bookkeeping
     def fresh_nonce(self, nonce: str, when: Optional[int] = None) -> bool:
         """Whether ``nonce`` (of a request stamped ``when``, unix seconds; now by default) was not seen
-        yet (then it is remembered). Nonces are forgotten once their request is past the clock skew;
-        when more than :data:`MAX_NONCES` are within it, the oldest go, and every request stamped at or
-        before the latest such nonce's time is refused from then on: a forgotten nonce is never
-        accepted again, within its window or not."""
+        yet (then it is remembered). A nonce is forgotten once its request's time is past the clock
+        skew (the request is refused for its time from then on). When more than :data:`MAX_NONCES`
+        are within it, those stamped earliest go first, and every request stamped no later than one
+        of them is refused from then on: a forgotten nonce is never accepted again, and a member
+        whose clock runs ahead cannot push the others' requests out."""
         now = time.time()
         when = int(now) if when is None else int(when)
         with self._lock:
-            if when <= self._nonce_floor:
-                return False
-            while self._nonces:
-                old, (seen, stamped) = next(iter(self._nonces.items()))
-                if now - seen > 2 * CLOCK_SKEW_S:
-                    self._nonces.popitem(last=False)
-                elif len(self._nonces) >= MAX_NONCES:
-                    self._nonces.popitem(last=False)
+            heap = self._nonce_heap
+            while heap and (now - heap[0][0] > CLOCK_SKEW_S or len(heap) >= MAX_NONCES):
+                stamped, old = heapq.heappop(heap)
+                self._nonces.discard(old)
+                if now - stamped <= CLOCK_SKEW_S:   # forgotten within its window: nothing that old from now on
                     self._nonce_floor = max(self._nonce_floor, stamped)
-                else:
-                    break
-            if nonce in self._nonces or when <= self._nonce_floor:
+            if when <= self._nonce_floor or nonce in self._nonces:
                 return False
-            self._nonces[nonce] = (now, when)
+            self._nonces.add(nonce)
+            heapq.heappush(heap, (when, nonce))
             return True
 
     def count_bytes(self, n: int) -> None:
