@@ -452,8 +452,8 @@ def _big_header_worker(rank, world, base):
 def test_a_header_longer_than_a_receiver_takes_fails_that_copy_only_and_at_once(tmp_path):
     """Before: the sender sent it anyway; the receiver failed its whole exchange on it, so the
     partner's copy the other way failed too, and the sender's header send waited for a receive that
-    never came until the transport's timeout (30 s here), which fails the transport. Now the sender sends an empty header, its copy
-    fails at once saying why, and the copy the other way arrives."""
+    never came until the transport's timeout (30 s here), which fails the transport. Now the sender
+    sends an empty header, its copy fails at once saying why, and the copy the other way arrives."""
     from elastor_ds.checkpoint.snapshot.peer_copy import origin_id
     run_world(_big_header_worker, 2, str(tmp_path), timeout_s=120)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
