@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from ..comm import TorchComm
-from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, RanksFailedError,
-                      UnsafeCheckpointError)
+from ..errors import (CheckpointError, CheckpointNotFoundError, CollectiveError, ConfigError,
+                      IncompleteCheckpointError, RanksFailedError, UnsafeCheckpointError)
 from ..layout import Layout
 from . import commit as commit_mod
 from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, RankExtra, SaveStats, VerifyMode
@@ -124,6 +124,38 @@ def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig]) -
         check_roots_apart(storage, snap)
 
 
+def _check_writable(cfg: CheckpointConfig) -> None:
+    """``cfg.dir`` (made by the engine when absent) must take this process's saves when any will
+    come (periodic saves); a read-only folder used only to load is a warning."""
+    root = os.path.abspath(cfg.dir)
+    if os.access(root, os.W_OK | os.X_OK):
+        return
+    why = "a read-only file system" if _read_only_fs(root) else "no write permission for this user"
+    if cfg.periodic:
+        raise ConfigError(f"checkpoint.dir {root}: this process cannot write there ({why}), so the first save "
+                          f"would fail; give a directory you may write, or fix its permissions")
+    log.warning("checkpoint.dir %s: this process cannot write there (%s): checkpoints load from it, but an "
+                "explicit or end-of-run save would fail", root, why)
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _world_initialised() -> bool:
+    """Whether torch.distributed has a world: a one-process session on ``LocalComm`` (no
+    ``init_process_group``) has no other node, so no peer copies and no other node's sources."""
+    from ..comm.groups import world_size
+    try:
+        world_size()
+    except CollectiveError:   # torch.distributed absent or not initialised
+        return False
+    return True
+
+
 class CheckpointSession:
     """Collective constructor: every rank of the job, same point."""
 
@@ -147,13 +179,14 @@ class CheckpointSession:
     def _set_up(self, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig], comm: Any, policy_comm: Any,
                 memory_comm: Any, cross_node: bool) -> None:
         state = self.state
-        self.comm = comm if comm is not None else TorchComm.create(cfg.timeout_s)
+        self.comm = comm if comm is not None else self._new_comm(None)
         # main-thread agreement (policy, load) gets its own group: the background writer runs
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group
-        self.policy_comm = policy_comm if policy_comm is not None else TorchComm.create(cfg.timeout_s)
+        self.policy_comm = policy_comm if policy_comm is not None else self._new_comm(comm)
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
                                      storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io),
                                      writer_sched=cfg.writer_sched, writer_deadline_s=cfg.writer_deadline_s)
+        _check_writable(cfg)   # a read-only folder: refused now, not at the first save hours later
         try:   # a folder of DeepSpeed's own checkpoints: refused now, not at the first commit
             commit_mod.check_latest_replaceable(cfg.dir)
         except UnsafeCheckpointError as e:
@@ -171,9 +204,9 @@ class CheckpointSession:
         if memory is not None:
             from .snapshot.tier import MemoryTier, node_dir
             check_roots_apart(cfg.dir, node_dir(memory))
-            self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else TorchComm.create(cfg.timeout_s))
+            self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else self._new_comm(comm))
             self.memory.check_budget(state.snapshot_bytes(self.policy_comm), self.policy_comm, estimated=True)
-            if cross_node:
+            if cross_node and _world_initialised():
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)
                 attach(self, cfg.timeout_s)
         live_mem = memory is not None and memory.live_write
@@ -197,6 +230,17 @@ class CheckpointSession:
             if on and not self.device_fence:
                 log.warning("%s is on, but this trainer's optimizer has no step pre-hook for the fence (e.g. "
                             "Megatron-LM's optimizers): %s copy the state at save time instead", key, what)
+
+    def _new_comm(self, given: Any) -> Any:
+        """A group of the session's own: a new gloo group of the torch.distributed world; without
+        one, a duplicate of the ``comm`` the caller gave (``LocalComm()`` for one process)."""
+        if _world_initialised():
+            return TorchComm.create(self.cfg.timeout_s)
+        if given is not None:
+            return given.duplicate()
+        raise ConfigError("CheckpointSession: torch.distributed is not initialised; call "
+                          "torch.distributed.init_process_group first (every rank), or pass comm=LocalComm() "
+                          "(elastor_ds.comm.collectives) for a single process")
 
     @property
     def layout(self) -> Layout:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import difflib
 import enum
+import logging
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Optional
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SECTION = "elastor"
 DEFAULT_KEEP = 2   # committed checkpoints kept: the one place this default is written
@@ -254,6 +257,10 @@ def parse_memory_snapshot(d: Any, where: str = f"{SECTION}.memory_snapshot") -> 
                               f"{(MAX_KEEP - 1) * snap}")
         kw["peer_copy_interval_steps"] = every
     cfg = MemorySnapshotConfig(**kw)
+    if cfg.peer_copies == 0 and cfg.peer_copy_interval_steps is not None:
+        log.warning("%s.peer_copy_interval_steps %d does nothing with peer_copies 0 (no copy is made); set "
+                    "\"peer_copies\": 1 to copy one snapshot every %d steps to the next node, or drop it", where,
+                    cfg.peer_copy_interval_steps, cfg.peer_copy_interval_steps)
     need = cfg.keep_for_copies()
     if cfg.peer_copies > 0 and "keep" not in d and cfg.keep < need:   # the default follows the copy interval
         cfg = MemorySnapshotConfig(**{**kw, "keep": need})

@@ -257,9 +257,17 @@ class MemoryTier:
         older step, e.g. after reloading a storage checkpoint) and is never restored."""
         try:
             steps = dict(commit_mod.list_committed(self.root))
-            cur = commit_mod.read_latest(self.root)
         except Exception as e:  # noqa: BLE001 - nothing usable here: restore elsewhere
             log.debug("no usable memory snapshot under %s: %s", self.root, e)
+            return {}
+        try:
+            cur = commit_mod.read_latest(self.root)
+        except Exception as e:  # noqa: BLE001 - nothing usable here: restore elsewhere
+            if steps:   # snapshots are there, but which trajectory they belong to is unknown: said, not hidden
+                log.warning("memory snapshots of step(s) %s under %s are not used: %s; restoring from another "
+                            "node's copy or storage instead", ", ".join(map(str, sorted(steps))), self.root, e)
+            else:
+                log.debug("no usable memory snapshot under %s: %s", self.root, e)
             return {}
         top = commit_mod.step_of(os.path.basename(cur)) if cur else None
         return steps if top is None else {s: d for s, d in steps.items() if s <= top}
