@@ -124,18 +124,25 @@ def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig]) -
         check_roots_apart(storage, snap)
 
 
-def _check_writable(cfg: CheckpointConfig) -> None:
-    """``cfg.dir`` (made by the engine when absent) must take this process's saves when any will
-    come (periodic saves); a read-only folder used only to load is a warning."""
+def _check_writable(cfg: CheckpointConfig, policy_comm: Any) -> None:
+    """Collective. ``cfg.dir`` must take this process's saves when any will come (periodic saves);
+    a read-only folder used only to load is a warning. Judged where it exists (rank 0 made it; the
+    others may not see it yet on shared storage), agreed so that every rank raises the same error."""
     root = os.path.abspath(cfg.dir)
-    if os.access(root, os.W_OK | os.X_OK):
+    why = None
+    if os.path.isdir(root) and not os.access(root, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only_fs(root) else "no write permission for this user"
+    bad = [(r, w) for r, w in enumerate(policy_comm.all_gather_object(why)) if w]
+    if not bad:
         return
-    why = "a read-only file system" if _read_only_fs(root) else "no write permission for this user"
+    rank, why = bad[0]
+    on = f" (rank {rank})" if policy_comm.world_size > 1 else ""
     if cfg.periodic:
-        raise ConfigError(f"checkpoint.dir {root}: this process cannot write there ({why}), so the first save "
+        raise ConfigError(f"checkpoint.dir {root}: this process{on} cannot write there ({why}), so the first save "
                           f"would fail; give a directory you may write, or fix its permissions")
-    log.warning("checkpoint.dir %s: this process cannot write there (%s): checkpoints load from it, but an "
-                "explicit or end-of-run save would fail", root, why)
+    if policy_comm.rank == rank:
+        log.warning("checkpoint.dir %s: this process cannot write there (%s): checkpoints load from it, but an "
+                    "explicit or end-of-run save would fail", root, why)
 
 
 def _read_only_fs(path: str) -> bool:
@@ -186,7 +193,7 @@ class CheckpointSession:
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
                                      storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io),
                                      writer_sched=cfg.writer_sched, writer_deadline_s=cfg.writer_deadline_s)
-        _check_writable(cfg)   # a read-only folder: refused now, not at the first save hours later
+        _check_writable(cfg, self.policy_comm)   # a read-only folder: refused now, not at the first save
         try:   # a folder of DeepSpeed's own checkpoints: refused now, not at the first commit
             commit_mod.check_latest_replaceable(cfg.dir)
         except UnsafeCheckpointError as e:
@@ -204,7 +211,8 @@ class CheckpointSession:
         if memory is not None:
             from .snapshot.tier import MemoryTier, node_dir
             check_roots_apart(cfg.dir, node_dir(memory))
-            self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else self._new_comm(comm))
+            self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else self._new_comm(comm),
+                                     storage_root=cfg.dir)
             self.memory.check_budget(state.snapshot_bytes(self.policy_comm), self.policy_comm, estimated=True)
             if cross_node and _world_initialised():
                 from .snapshot.peer import attach   # cross-node half: peer copies and restore sources (collective)

@@ -45,6 +45,9 @@ from ..settings import MemorySnapshotConfig
 log = logging.getLogger(__name__)
 
 LOCAL = "local"
+# in ``local/``: the storage root (checkpoint.dir, real path) of the session whose snapshots these are,
+# written after its first snapshot commits; a session of another storage root restores none of them
+STORAGE_MARK = ".storage-root"
 
 
 class MemoryBudgetError(ConfigError):
@@ -88,7 +91,7 @@ def _gib(n: float) -> str:
 class MemoryTier:
     """One rank's handle on its node's memory snapshots. Collective constructor."""
 
-    def __init__(self, mcfg: MemorySnapshotConfig, comm: Any):
+    def __init__(self, mcfg: MemorySnapshotConfig, comm: Any, storage_root: Optional[str] = None):
         self.cfg = mcfg
         self.dir = node_dir(mcfg)
         self.root = os.path.join(self.dir, LOCAL)
@@ -110,6 +113,12 @@ class MemoryTier:
         self.nodes = 1
         self.dropped_for_space = 0     # snapshots dropped because they did not fit (SnapshotSpaceError)
         self._space_ok_since_drop = True
+        # the session's checkpoint.dir: snapshots left here by a session of another one (a new run that
+        # kept the snapshot folder) are not this run's state and are never restored
+        self.storage_root = os.path.realpath(storage_root) if storage_root else None
+        self._storage_marked = False
+        if self.storage_root is not None:
+            self.ckpt.after_commit.append(self._mark_storage_root)
 
     def use_live_writes(self) -> None:
         """``memory_snapshot.live_write`` (the session installed the fence before every optimizer
@@ -270,7 +279,42 @@ class MemoryTier:
                 log.debug("no usable memory snapshot under %s: %s", self.root, e)
             return {}
         top = commit_mod.step_of(os.path.basename(cur)) if cur else None
-        return steps if top is None else {s: d for s, d in steps.items() if s <= top}
+        steps = steps if top is None else {s: d for s, d in steps.items() if s <= top}
+        other = self._other_storage_root() if steps else None
+        if other is not None:
+            log.warning("memory snapshots of step(s) %s under %s are not used: they belong to the run whose "
+                        "checkpoint.dir is %s, not this run's %s; restoring from storage instead (give each run a "
+                        "snapshot folder of its own, or \"load\": \"none\" to start fresh)",
+                        ", ".join(map(str, sorted(steps))), self.root, other, self.storage_root)
+            return {}
+        return steps
+
+    def _other_storage_root(self) -> Optional[str]:
+        """The storage root the snapshots here were written for, when it is not this session's
+        (None: this session's, or unknown: no mark, as before marks were written)."""
+        if self.storage_root is None:
+            return None
+        try:
+            with open(os.path.join(self.root, STORAGE_MARK), encoding="utf-8", errors="replace") as f:
+                mark = f.read(4097).strip()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.debug("cannot read %s: %s", os.path.join(self.root, STORAGE_MARK), e)
+            return None
+        return None if mark == self.storage_root else (mark[:4096] or "(an empty mark)")
+
+    def _mark_storage_root(self, _info: Any) -> None:
+        """after_commit (writer thread, every rank): name this session's storage root beside the
+        snapshots, once per process, atomically (its own temp name, then a rename)."""
+        if self._storage_marked or self.storage_root is None:
+            return
+        path = os.path.join(self.root, STORAGE_MARK)
+        tmp = f"{path}.{os.getpid()}.{self.comm.rank}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.storage_root + "\n")
+        os.replace(tmp, path)
+        self._storage_marked = True
 
     def newest_local_step(self) -> tuple[Optional[int], Optional[str]]:
         """(step, step dir) of the newest committed snapshot in this node's directory."""
