@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from other_user import as_other_user
 
 from elastor_ds.checkpoint.settings import parse_checkpoint, parse_memory_snapshot
 from elastor_ds.errors import ConfigError
@@ -254,25 +255,7 @@ def nobody():
     return pw.pw_uid, pw.pw_gid
 
 
-def _as_user(uid_gid, fn) -> None:
-    """``fn()`` in a forked child that first becomes ``uid_gid``; fails unless the child exits 0."""
-    uid, gid = uid_gid
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            fn()
-            code = 0
-        except BaseException:  # noqa: BLE001 - shown in the test's output
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+_as_user = as_other_user
 
 
 def test_read_only_checkpoint_dir_refused_at_set_up(nobody):

@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import pytest
 
+from other_user import as_other_user  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -44,26 +46,7 @@ def shared():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _as_other_user(uid_gid, fn) -> None:
-    """Run ``fn()`` in a forked child that first becomes ``uid_gid``; fail unless it exits 0."""
-    uid, gid = uid_gid
-    pid = os.fork()
-    if pid == 0:   # the attacker
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            assert os.getuid() == uid and os.geteuid() == uid
-            fn()
-            code = 0
-        except BaseException:  # noqa: BLE001 - shown in the test's output
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+_as_other_user = as_other_user
 
 
 FORGED = "\x1b]0;owned\x07\x1b[2J\nFAKE LOG LINE " + "x" * 100

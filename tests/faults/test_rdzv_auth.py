@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from other_user import as_other_user  # noqa: E402
+
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,24 +47,11 @@ def _attack_as_nobody(port: int, run_id: str, marker: str) -> None:
 
     import torch.distributed as dist
     blob = base64.b64encode(pickle.dumps(_Payload(marker))).decode()
-    pid = os.fork()
-    if pid == 0:   # the attacker: another uid, no access to the job's files
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            assert os.getuid() == NOBODY and os.geteuid() == NOBODY
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-            store.set("torch.rendezvous." + run_id, blob)
-            code = 0
-        except BaseException:  # noqa: BLE001 - shown in the test's output
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the attacker's store write failed"
+
+    def attack() -> None:   # another uid, no access to the job's files
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store.set("torch.rendezvous." + run_id, blob)
+    as_other_user((NOBODY, NOBODY), attack)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as user nobody")
