@@ -348,7 +348,7 @@ def test_unusable_snapshot_without_a_storage_twin_falls_back_to_storages_newest(
         return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     p = torchrun("--exit-after-iters", "3")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(os.listdir(os.path.join(snap_dir, "local"))) == ["latest", "step_000000003"]
+    assert sorted(os.listdir(os.path.join(snap_dir, "local"))) == [".storage-root", "latest", "step_000000003"]   # the mark: whose run these are
     _flip_middle_byte(os.path.join(snap_dir, "local", "step_000000003", "data_00001.safetensors"))
     env["ELASTOR_EVENTS_FILE"] = str(tmp_path / "events.jsonl")
     p = torchrun()
