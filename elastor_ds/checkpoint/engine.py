@@ -323,6 +323,8 @@ class CheckpointEngine:
         # save waits for them); an exception is logged, never fails the save (e.g. peer copies)
         self.after_commit: list[Callable[[CommitInfo], None]] = []
         self.storage.set_up(self.comm, keep)
+        if self.in_place:   # its retired files are released at exit even without a writer thread (async_save=False)
+            _stop_at_exit(self)
 
     @property
     def in_place(self) -> bool:
@@ -707,6 +709,17 @@ class CheckpointEngine:
             return
         log.error("checkpoint save of step %d FAILED and nothing was committed for it: %s; %s. The program exited "
                   "without wait() or finalize(), which raise this error", job.step, job.error, resume)
+
+    def _drop_cache_at_exit(self) -> None:
+        """At exit without :meth:`finalize`: what the storage keeps only as a cache for the next
+        save (memory snapshots: the retired data file in ``.recycle``, a snapshot's worth of this
+        node's memory that outlived the process until the next start) is released; committed
+        steps stay for the relaunch. Not while this rank's last save is still being written (the
+        exit gave up waiting for it: its writer may still commit, and retire a file there)."""
+        job = self._job
+        if job is not None and not job.done.is_set():
+            return
+        self.storage.drop_cache(self.committer)
 
     def _write_and_commit(self, job: _Job, plan: SavePlan, items, spans, tmp_dir: str, extra, rank_state,
                           model, layout, rank_extra: Optional[tuple] = None) -> None:
@@ -1159,6 +1172,7 @@ def _stop_writers() -> None:
                 engine.writer_priority.urgent("exit")
             engine._stop_writer(join_s=max(0.1, deadline - time.monotonic()))
             engine._report_at_exit()
+            engine._drop_cache_at_exit()
         except KeyboardInterrupt:   # the second interrupt: abandon the waits, still tell every writer to stop
             log.warning("checkpoint saves still being written at exit were abandoned")
             deadline = time.monotonic()

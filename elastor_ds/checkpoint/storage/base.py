@@ -149,6 +149,12 @@ class StorageWriter(abc.ABC):
     def close(self, committer: bool) -> None:
         """The engine is finishing (no save in flight); ``committer``: rank 0 or :attr:`commits_copy`."""
 
+    def drop_cache(self, committer: bool) -> None:
+        """The program exits without the engine's ``finalize`` (e.g. an exception out of the training
+        loop; the engine's exit handler calls this after its writer stopped): release what this
+        backend holds only as a cache of this job (not collective; the other ranks may be gone or
+        still running). Never a committed step: the relaunch restores from those."""
+
 
 class StorageReader(abc.ABC):
     """The read half. Paths may lie outside the root (a load can name any root or step dir)."""

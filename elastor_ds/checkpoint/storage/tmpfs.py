@@ -64,6 +64,7 @@ class TmpfsStorage(PosixStorage):
         self._multi_node = False
         self._recycle_names: set[str] = set()   # data files a rank of this job will take (others are deleted)
         self._committed: list[str] = []         # step dirs committed while this storage was used, oldest first
+        self._own_name: Optional[str] = None    # this rank's data file name (set_up)
 
     @property
     def commits_copy(self) -> bool:
@@ -79,6 +80,7 @@ class TmpfsStorage(PosixStorage):
         self.created = make_root(self.root, "memory snapshot directory")
         key = (socket.gethostname(), os.path.realpath(self.root))
         keys = comm.all_gather_object(key)
+        self._own_name = data_file_name(comm.rank)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
         self._multi_node = len(set(keys)) > 1
         # the data files this node's ranks take (a rank of another node never takes one from here: the
@@ -143,4 +145,20 @@ class TmpfsStorage(PosixStorage):
         if self.files is not None:
             self.files.close()
         if committer:   # every rank's last save took its file before rank 0 could finish it
+            shutil.rmtree(self.recycle_dir, ignore_errors=True)
+
+    def drop_cache(self, committer: bool) -> None:
+        """At exit without ``finalize``: the retired data files kept in ``.recycle`` for the next
+        snapshot to write over are a snapshot's worth of this node's memory each, and no relaunch
+        restores from them (it reads the committed step dirs; its first snapshots allocate anew).
+        Removed: this rank's own file; a committer (the rank that moves retired files there) the
+        whole folder, after its writer stopped. The committed steps, the mappings (gone with the
+        process) and the files a save still holds are left alone; a rank of this node still
+        running simply allocates a new file for its next snapshot."""
+        if self._own_name is not None:
+            try:
+                os.unlink(os.path.join(self.recycle_dir, self._own_name))
+            except FileNotFoundError:
+                pass
+        if committer:
             shutil.rmtree(self.recycle_dir, ignore_errors=True)
