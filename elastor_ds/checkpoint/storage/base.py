@@ -208,6 +208,18 @@ def check_root(storage: Storage, root: str) -> Optional[str]:
     return None
 
 
+def make_root_agreed(comm: Comm, root: str, what: str, create: bool) -> Optional[str]:
+    """:func:`make_root` on every rank of ``comm`` (``create``: this rank makes it), its outcome
+    agreed: when it failed on any rank, every rank raises the same typed error (a
+    :class:`~elastor_ds.errors.ConfigError` naming the rank and the path) at once, instead of the
+    ranks that succeeded waiting in the next collective for the one that raised alone. Collective
+    (one tiny all-reduce; none on one rank)."""
+    if comm.world_size <= 1:
+        return make_root(root, what, create=create)
+    from ...comm.collectives import agree
+    return agree(comm, lambda: make_root(root, what, create=create), what=f"set-up of the {what} {root}")
+
+
 def make_root(root: str, what: str = "checkpoint directory", create: bool = True) -> Optional[str]:
     """``mkdir -p root`` (with ``create``; every rank checks, one creates), or
     :class:`~elastor_ds.errors.ConfigError` naming the path and the fix when it is a file, lies

@@ -27,7 +27,7 @@ from ..fileformat import write_all, write_stream
 from ..live import materialize
 from ..planning.manifest import Manifest
 from ..sources import STORAGE, ChunkSource, DirSource
-from .base import Capabilities, Storage, make_root
+from .base import Capabilities, Storage, make_root_agreed
 
 if TYPE_CHECKING:
     from ..verify import Problem
@@ -47,7 +47,8 @@ class PosixStorage(Storage):
     # ------------------------------------------------------------------ write
     def set_up(self, comm: Comm, keep: int) -> None:
         self.keep = keep
-        self.created = make_root(self.root, create=comm.rank == 0)   # every rank raises the same typed error for a file
+        # rank 0 makes it; its failure (a path it may not create) is every rank's error, at once
+        self.created = make_root_agreed(comm, self.root, "checkpoint directory", create=comm.rank == 0)
 
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))

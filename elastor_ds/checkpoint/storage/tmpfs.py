@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ...comm.collectives import Comm
-from ...errors import CheckpointError, SnapshotSpaceError
+from ...errors import CheckpointError, RankFailure, SnapshotSpaceError, ranks_failed
 from .. import commit as commit_mod
 from ..snapshot.file_staging import FileStaging, StagedFile
 from ..writer import data_file_name
@@ -77,9 +77,24 @@ class TmpfsStorage(PosixStorage):
     def set_up(self, comm: Comm, keep: int) -> None:
         """Collective (one all-gather of (host, real path of the root))."""
         self.keep = keep
-        self.created = make_root(self.root, "memory snapshot directory")
+        # every node makes its own; one that cannot is every rank's error, raised at once after the
+        # gather (a rank raising alone before it left the others waiting there for the timeout)
+        failed = None
+        try:
+            self.created = make_root(self.root, "memory snapshot directory")
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            if comm.world_size <= 1:
+                raise
+            failed = e
         key = (socket.gethostname(), os.path.realpath(self.root))
-        keys = comm.all_gather_object(key)
+        rows = comm.all_gather_object((key, None if failed is None else RankFailure.of(comm.rank, failed).to_wire()))
+        failures = [RankFailure.from_wire(r[1]) for r in rows if r[1] is not None]
+        if failures:
+            err = ranks_failed(f"set-up of the memory snapshot directory {self.root}", failures, comm.world_size)
+            if failed is not None:
+                raise err from failed
+            raise err
+        keys = [r[0] for r in rows]
         self._own_name = data_file_name(comm.rank)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
         self._multi_node = len(set(keys)) > 1
