@@ -969,7 +969,13 @@ class CheckpointEngine:
 
         A save of this process still in flight that reads the live tensors (``live_write``) or
         waits for device copies out of them is fenced first (:meth:`fence`): the load writes into
-        memory without bumping version counters, so its step keeps the state at ``save()``."""
+        memory without bumping version counters, so its step keeps the state at ``save()``.
+
+        When it raises, the destinations are not a state to use: each byte holds verified bytes of
+        the checkpoint tried last (or of an older one tried before it), its value before the call,
+        or zero (a read that failed or failed its check is zeroed where it landed, never left
+        unverified: :func:`~.reader.read_shards`). A caller that goes on after the raise must load
+        another checkpoint into every destination, or initialise them again, before it trains."""
         try:
             mode = VerifyMode(verify_checksums)
         except ValueError:

@@ -47,7 +47,12 @@ def read_shards(step_dir: str, man: Manifest, shards: Sequence[TensorShard], all
     """Fill ``shards`` from the committed checkpoint ``step_dir`` (rank-local, not collective);
     ``check_crc``: verify every byte read against the block CRCs (whole chunks for format 1).
     ``sources``: where each file is read from, nearest first (:mod:`.sources`; default: the files
-    of ``step_dir``); a file that fails its checks from one source is read from the next."""
+    of ``step_dir``); a file that fails its checks from one source is read from the next.
+
+    When it raises, each destination byte holds verified bytes of this checkpoint, its value
+    before the call, or zero (a read into the destination that failed or failed its check is
+    zeroed, logged): never bytes that failed their check. The destinations as a whole are then a
+    mix, not a state to train from."""
     requests = []
     targets = []
     for s in shards:
@@ -232,7 +237,11 @@ class _Reader:
                     # into the destinations: not before the tables are known good (a load that
                     # fails on a forged table leaves no byte of that file in the destinations)
                     self._tables_loaded()
-                    src.read_into(op.file, op.offset, direct)
+                    try:
+                        src.read_into(op.file, op.offset, direct)
+                    except BaseException:
+                        _scrub(direct, op, src, "its read failed")   # part of a read is unverified bytes
+                        raise
                     job = (op, direct, None)
                 elif goes_direct(i):
                     job = self._read_direct(read_direct, op, astages, i % 2)
@@ -245,7 +254,12 @@ class _Reader:
                     src.read_into(op.file, op.offset, [mv])  # buffer k's previous user (op i-2) is done
                     job = (op, [mv], buf)
                 if pending is not None:
-                    pending.result()
+                    try:
+                        pending.result()
+                    except BaseException:
+                        if job[2] is None:   # read straight into the destinations, never checked
+                            _scrub(job[1], job[0], src, "an earlier read of its file failed")
+                        raise
                 pending = pool.submit(self._finish, *job)
             if pending is not None:
                 p, pending = pending, None
@@ -341,11 +355,18 @@ class _Reader:
             self._fail(chk, 0, op, [mv], lo - a, got, want)
 
     def _finish(self, op: ReadOp, views: Sequence[memoryview], buf: Optional[torch.Tensor]) -> None:
-        """Check a read's bytes, then (staged reads) copy them into the destinations."""
+        """Check a read's bytes, then (staged reads) copy them into the destinations. A read that
+        landed in the destinations (``buf`` None) and fails its check is zeroed there."""
+        if buf is None:
+            try:
+                self._tables_loaded()
+                self._verify(op, views, 0)
+            except BaseException:
+                _scrub(views, op, self.src, "they failed their check")
+                raise
+            return
         self._tables_loaded()
         self._verify(op, views, 0)
-        if buf is None:
-            return
         for c in op.copies:
             raw = buf[c.buf_offset:c.buf_offset + _span_bytes(c)]
             src = raw.view(_torch_dtype(c.dtype)).as_strided(c.sizes, c.src_strides)
@@ -406,8 +427,12 @@ class _Reader:
             rs = v.stride(0) * t.element_size()
             for k in range(op.repeat):
                 dst = mv[base + k * rs: base + k * rs + row]
-                src.read_into(op.file, op.offset + k * op.stride, [dst])
-                self._verify(op, [dst], k)
+                try:
+                    src.read_into(op.file, op.offset + k * op.stride, [dst])
+                    self._verify(op, [dst], k)
+                except BaseException:
+                    _scrub([dst], op, src, "its read or check failed")
+                    raise
             return
         buf = torch.empty(row, dtype=torch.uint8)
         bmv = memoryview(buf.numpy())
@@ -530,6 +555,19 @@ def _entries(data: bytes) -> "array.array[int]":
     if sys.byteorder != "little":
         arr.byteswap()
     return arr
+
+
+def _scrub(views: Sequence[memoryview], op: ReadOp, src: ChunkSource, why: str) -> None:
+    """Zero destination bytes that a read put there unchecked when the read or its check failed
+    (a corrupt copy; a peer whose bytes fail their MAC): after a failed load a destination byte is
+    verified checkpoint bytes, its value before the load, or zero, never bytes that failed their
+    check (they may be an attacker's). A fallback source reads the whole file again."""
+    n = 0
+    for v in views:
+        np.frombuffer(v, dtype=np.uint8)[:] = 0
+        n += len(v)
+    log.warning("%s: %d bytes at offset %d read into the destination tensors were zeroed: %s",
+                describe_source(src, op.file), n, op.offset, why)
 
 
 def _numel(sizes: Sequence[int]) -> int:

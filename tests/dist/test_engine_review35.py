@@ -38,9 +38,10 @@ from dist_utils import run_world
 from elastor_ds.checkpoint import commit as commit_mod
 from elastor_ds.checkpoint.engine import CheckpointEngine
 from elastor_ds.checkpoint.shards import full_shard
+from elastor_ds.checkpoint.sources import STORAGE, DirSource
 from elastor_ds.checkpoint.storage import TmpfsStorage
 from elastor_ds.comm import TorchComm
-from elastor_ds.errors import ConfigError
+from elastor_ds.errors import ConfigError, CorruptCheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 1 << 20   # floats: 4 MiB per snapshot
@@ -150,3 +151,96 @@ def test_a_checkpoint_folder_one_rank_cannot_make_is_every_ranks_error(tmp_path,
     run_world(_posix_worker if kind == "posix" else _tmpfs_worker, world, str(base), str(out),
               timeout_s=PG_TIMEOUT_S)
     assert sorted(os.listdir(out)) == [f"rank{r}" for r in range(world)]
+
+
+# ---------------------------------------------------------------- finding 3: unverified bytes after a failed load
+M = 4096   # floats per tensor
+BEFORE = 7.0   # every destination element before the load
+
+
+def _saved(tmp_path):
+    """A committed step of tensors "a" (-1, -2, ...) and "b" (0.5, 1.5, ...): no value twice."""
+    root = str(tmp_path / "ck")
+    eng = CheckpointEngine(root, async_save=False)
+    a = -torch.arange(1, M + 1, dtype=torch.float32)
+    b = torch.arange(M, dtype=torch.float32) + 0.5
+    eng.save(1, [full_shard("a", a), full_shard("b", b)])
+    eng.finalize()
+    return root, commit_mod.resolve(root), a, b
+
+
+def _destinations():
+    return torch.full((M,), BEFORE), torch.full((M,), BEFORE)
+
+
+def _only_allowed(got: torch.Tensor, saved: torch.Tensor) -> None:
+    """Every element is the checkpoint's, the value before the load, or zero."""
+    ok = (got == saved) | (got == BEFORE) | (got == 0)
+    bad = (~ok).nonzero().flatten()[:5].tolist()
+    assert not bad, f"elements {bad} hold {got[bad].tolist()}: neither checkpoint, previous nor zero"
+
+
+@pytest.mark.timeout(120)
+def test_a_load_that_fails_its_crc_leaves_no_corrupt_bytes_in_the_destination(tmp_path):
+    """A bit flipped in the data file on storage (the only source): the read lands in the destination
+    and fails its block CRC. The corrupt value stayed in the destination after the raise."""
+    root, step_dir, a, b = _saved(tmp_path)
+    data = os.path.join(step_dir, "data_00000.safetensors")
+    with open(data, "rb") as f:
+        raw = f.read()
+    pat = torch.tensor([5.5], dtype=torch.float32).numpy().tobytes()   # b[5]
+    assert raw.count(pat) == 1
+    at = raw.index(pat)
+    with open(data, "r+b") as f:
+        f.seek(at)
+        f.write(torch.tensor([99.0], dtype=torch.float32).numpy().tobytes())
+    da, db = _destinations()
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+        CheckpointEngine(root).load(None, [full_shard("a", da), full_shard("b", db)])
+    assert float(db[5]) == 0.0          # the failed read's bytes, zeroed (was 99.0)
+    assert not bool((db == 99.0).any()) and not bool((da == 99.0).any())
+    _only_allowed(da, a)
+    _only_allowed(db, b)
+
+
+class ForgingSource(DirSource):
+    """A peer that answers with forged bytes: they reach the reader's buffer, then the MAC check
+    (as the peer sources do it, after the bytes arrived) fails."""
+
+    def __init__(self, step_dir: str):
+        super().__init__(step_dir, "peer-memory")
+        self.in_memory = False
+        self.forged = 0
+
+    def read_into(self, relpath, offset, views):
+        super().read_into(relpath, offset, views)
+        if relpath.endswith(".safetensors"):
+            for v in views:
+                v[:] = b"\x5a" * len(v)
+            self.forged += 1
+            raise CorruptCheckpointError(f"peer-memory: {relpath} bytes {offset}..: MAC mismatch (forged)")
+
+
+@pytest.mark.timeout(120)
+def test_a_load_whose_every_source_forges_bytes_leaves_none_of_them_in_the_destination(tmp_path):
+    root, step_dir, a, b = _saved(tmp_path)
+    forged = float(torch.frombuffer(bytearray(b"\x5a" * 4), dtype=torch.float32)[0])
+    srcs = []
+
+    def sources(d, man):
+        srcs[:] = [ForgingSource(d), ForgingSource(d)]   # two peers, both forging: the load fails
+        return list(srcs)
+    da, db = _destinations()
+    with pytest.raises(CorruptCheckpointError, match="MAC mismatch"):
+        CheckpointEngine(root).load(None, [full_shard("a", da), full_shard("b", db)], sources=sources)
+    assert all(s.forged for s in srcs)
+    for got, saved in ((da, a), (db, b)):
+        assert not bool((got == forged).any()), "the forged bytes stayed in the destination"
+        _only_allowed(got, saved)
+    # with storage behind the forging peer, the load reads the file again from storage: every byte right
+    da, db = _destinations()
+
+    def with_storage(d, man):
+        return [ForgingSource(d), DirSource(d, STORAGE)]
+    res = CheckpointEngine(root).load(None, [full_shard("a", da), full_shard("b", db)], sources=with_storage)
+    assert res.step == 1 and torch.equal(da, a) and torch.equal(db, b)
