@@ -37,12 +37,24 @@ def spec_config_from_model(model: Any, vocab_size: int, make_vocab_size_divisibl
 
 def build_gpt(cfg: GPTSpecConfig, grid: MegatronGrid, parallel_output: bool = True,
               **overrides: Any) -> Any:
-    """A GPTModel (local spec) for this rank's pipeline stage. parallel_state must be initialised."""
+    """A GPTModel (local spec) for this rank's pipeline stage. parallel_state must be initialised
+    for ``grid`` (:func:`~.parallel.initialize_from_layout`); otherwise a :class:`ConfigError` saying so."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if not ps.model_parallel_is_initialized():
+        raise ConfigError(f"build_gpt: megatron-core's parallel_state is not initialised (never, or torn down by "
+                          f"teardown()/destroy_model_parallel()); call initialize_from_layout(layout) first, with "
+                          f"the layout of this grid (tp {grid.tp} x pp {grid.pp} x dp {grid.dp})")
+    running = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_data_parallel_world_size())
+    if running != (grid.tp, grid.pp, grid.dp):
+        raise ConfigError(f"build_gpt: the grid tp {grid.tp} x pp {grid.pp} x dp {grid.dp} is not the one "
+                          f"megatron-core's parallel_state runs (tp {running[0]} x pp {running[1]} x dp "
+                          f"{running[2]}); pass the grid initialize_from_layout returned, or initialise "
+                          f"parallel_state for this grid first")
     cfg.check_tp(grid.tp)
     dtype = getattr(torch, cfg.dtype)
     kw: dict[str, Any] = dict(

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...errors import LayoutError
+from ...errors import ConfigError, LayoutError
 from ...layout import Layout
 from . import overrides
 
@@ -83,17 +83,27 @@ def pipeline_layer_layout(grid: MegatronGrid) -> Optional[list[list[str]]]:
 def initialize_from_layout(layout: Layout, seed: int = 1234, timeout_minutes: int = 2) -> MegatronGrid:
     """Initialise megatron-core's parallel_state (and its RNG tracker) for ``layout``.
 
-    Needs torch.distributed initialised with world size == layout.world_size. Collective."""
+    Needs torch.distributed initialised with world size == layout.world_size. Collective. A
+    parallel_state already initialised (by this function or by megatron's own
+    ``initialize_model_parallel``, any sizes) is torn down first and replaced (logged); models built
+    for it must be rebuilt."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     grid = check_layout(layout)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(f"initialize_from_layout: torch.distributed is not initialised; call "
+                          f"torch.distributed.init_process_group(...) on {grid.world_size} ranks first "
+                          f"(the layout {layout.describe()} needs tp({grid.tp}) * pp({grid.pp}) * dp({grid.dp}))")
     world = dist.get_world_size()
     if world != grid.world_size:
         raise LayoutError(f"layout {layout.describe()} needs {grid.world_size} ranks "
                           f"(tp({grid.tp}) * pp({grid.pp}) * dp({grid.dp})) but WORLD_SIZE={world}")
     if ps.model_parallel_is_initialized():
+        log.info("megatron parallel_state (tp %d x pp %d x dp %d) replaced by %s",
+                 ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_data_parallel_world_size(), layout.describe())
         teardown()
     ps.initialize_model_parallel(tensor_model_parallel_size=grid.tp, pipeline_model_parallel_size=grid.pp,
                                  order=MEGATRON_ORDER, distributed_timeout_minutes=timeout_minutes)

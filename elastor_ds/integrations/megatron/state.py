@@ -19,6 +19,7 @@ import torch
 
 from ...checkpoint.engine import CheckpointEngine, LoadResult
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_pieces
+from ...comm.collectives import agree
 from ...errors import ShardingError
 from ...layout import Layout, RuleKind, TensorSpec, rank_tensors
 from .specs import GPTSpecConfig, canonical_name, gpt_tensor_specs, local_to_global
@@ -27,13 +28,18 @@ log = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_NAME = "optimizer.step"
+WRAPPER_PREFIX = "module."   # megatron-core's DistributedDataParallel / Float16Module hold the model as .module
 
 
 def named_local_params(model: Any, cfg: GPTSpecConfig, first_layer: int) -> dict[str, torch.nn.Parameter]:
     """The model's parameters under their global spec names (Transformer Engine's fused layer-norm
-    names mapped to the canonical ones: :func:`.specs.canonical_name`)."""
+    names mapped to the canonical ones: :func:`.specs.canonical_name`). A model inside megatron-core's
+    wrappers (``DistributedDataParallel``, ``Float16Module``: parameter names ``module.<name>``) is
+    the model it wraps."""
     out: dict[str, torch.nn.Parameter] = {}
     for name, p in model.named_parameters():
+        while name.startswith(WRAPPER_PREFIX):
+            name = name[len(WRAPPER_PREFIX):]
         g = canonical_name(local_to_global(name, first_layer))
         if g in out:
             raise ShardingError(f"parameter {name} maps to {g}, which the model already has (a model with both "
@@ -149,19 +155,40 @@ def _set_steps(optimizer: torch.optim.Optimizer, step: torch.Tensor) -> None:
                     st["step"] = float(step)
 
 
+def _agreed_shards(what: str, engine: CheckpointEngine, model: Any, cfg: GPTSpecConfig, layout: Layout,
+                   optimizer: Optional[torch.optim.Optimizer], for_load: bool) -> list[TensorShard]:
+    """This rank's shards, or one error on every rank when the layout's world is not the engine's or
+    any rank's model does not fit (one rank raising alone left the others in the engine's collectives
+    until the peer timeout)."""
+    comm = engine.comm
+    if layout.world_size != comm.world_size:   # the same on every rank: every rank raises it
+        raise ShardingError(f"{what}: the layout {layout.describe()} has {layout.world_size} ranks but the "
+                            f"checkpoint engine's comm has {comm.world_size}; pass the layout this world runs "
+                            f"(the one given to initialize_from_layout)")
+    if comm.world_size == 1:
+        return gpt_shards(model, cfg, layout, comm.rank, optimizer, for_load=for_load)
+    return agree(comm, lambda: gpt_shards(model, cfg, layout, comm.rank, optimizer, for_load=for_load),
+                 what=f"{what}: matching the model to the config and layout")
+
+
 def save_gpt(engine: CheckpointEngine, step: int, model: Any, cfg: GPTSpecConfig, layout: Layout,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Optional[Mapping[str, Any]] = None,
              rank_state: Optional[Mapping[str, Any]] = None):
-    """Collective: save this rank's part of the GPT (and Adam state) as checkpoint ``step``."""
-    shards = gpt_shards(model, cfg, layout, engine.comm.rank, optimizer)
+    """Collective: save this rank's part of the GPT (and Adam state) as checkpoint ``step``.
+
+    A model, config or layout that does not fit on any rank raises one error on every rank (a
+    :class:`~elastor_ds.errors.RanksFailedError` that is also a :class:`ShardingError`), before the
+    engine's collectives: the ranks that fit do not wait for the ones that failed."""
+    shards = _agreed_shards("save_gpt", engine, model, cfg, layout, optimizer, for_load=False)
     return engine.save(step, shards, extra=extra, rank_state=rank_state, model=cfg.to_json(),
                        layout=layout.to_json())
 
 
 def load_gpt(engine: CheckpointEngine, path: Optional[str], model: Any, cfg: GPTSpecConfig, layout: Layout,
              optimizer: Optional[torch.optim.Optimizer] = None, **kw: Any) -> LoadResult:
-    """Collective: fill the GPT (and Adam state) from a checkpoint saved under any layout."""
-    shards = gpt_shards(model, cfg, layout, engine.comm.rank, optimizer, for_load=True)
+    """Collective: fill the GPT (and Adam state) from a checkpoint saved under any layout. A model,
+    config or layout that does not fit on any rank: one error on every rank, as in :func:`save_gpt`."""
+    shards = _agreed_shards("load_gpt", engine, model, cfg, layout, optimizer, for_load=True)
     step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
     res = engine.load(path, shards, **kw)
     if optimizer is not None and step_t is not None:
