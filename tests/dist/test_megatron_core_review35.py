@@ -274,3 +274,39 @@ def test_docs_megatron_core_example_runs_as_written_and_resumes_under_another_la
     second = _launch(str(script), str(tmp_path), 1, 2)
     assert "trained steps 4..6 under tp1 x pp2" in second[0]
     assert open(tmp_path / "ckpt" / "latest").read().strip() == "step_000000006"
+
+
+# ---------------------------------------------------------------- an optimizer whose state is not on the model's params
+def _optimizer_on_copies(rank: int, world: int, root: str) -> None:
+    import torch
+
+    from elastor_ds.testing import megatron_cpu
+    megatron_cpu.apply()
+    from elastor_ds.checkpoint.engine import CheckpointEngine
+    from elastor_ds.comm import TorchComm
+    from elastor_ds.errors import ShardingError
+    from elastor_ds.integrations.megatron import initialize_from_layout, save_gpt
+    from elastor_ds.integrations.megatron.model import build_gpt
+    from elastor_ds.layout import Layout
+    from elastor_ds.testing.megatron_gpt import tiny_gpt_config
+
+    cfg = tiny_gpt_config(num_layers=2)
+    layout = Layout.uniform(2, 1, 1, cfg.num_layers)
+    model = build_gpt(cfg, initialize_from_layout(layout), parallel_output=False)
+    # what megatron-core's mixed-precision optimizer does: Adam over fp32 main copies of the parameters
+    main = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.Adam(main, lr=1e-2)
+    for q in main:
+        q.grad = torch.ones_like(q)
+    opt.step()
+    eng = CheckpointEngine(os.path.join(root, "ckpt"), TorchComm.create(45))
+    with pytest.raises(ShardingError, match=rf"rank {rank}: the optimizer \(Adam\) holds none of this rank's "
+                                            rf"\d+ trainable parameters .* so its Adam state would not be saved"):
+        save_gpt(eng, 1, model, cfg, layout, opt)
+    eng.finalize()
+    assert not any(n.startswith("step_") for n in os.listdir(os.path.join(root, "ckpt")))
+
+
+def test_optimizer_holding_none_of_the_model_params_is_refused_not_dropped(tmp_path):
+    """Was: the save committed the weights alone, silently (every parameter counted as frozen)."""
+    run_world(_optimizer_on_copies, 2, str(tmp_path), timeout_s=120)

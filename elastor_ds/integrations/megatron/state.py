@@ -115,6 +115,7 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
         ensure_adam_state(optimizer)
     step_t: Optional[torch.Tensor] = None
     group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
+    skipped = []
     for spec, h, p in plan:
         group = group_of.get(id(p))
         st = optimizer.state.get(p)
@@ -122,6 +123,7 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
             # outside every parameter group and without state (frozen): its weights only. (A wrapper
             # such as Megatron-LM's mixed-precision view lists its fp32 copies in its groups and maps
             # the model parameter to their state: state, no group.)
+            skipped.append((spec.name, p))
             continue
         if not st:
             raise ShardingError(f"optimizer has no state for {spec.name}: take one optimizer step or call "
@@ -139,6 +141,17 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
             step_t = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
             if step_t.dtype != torch.float32:
                 step_t = step_t.float()
+    trainable = [name for name, p in skipped if p.requires_grad]
+    if len(skipped) == len(plan) and trainable:
+        # not one parameter known to the optimizer: its state lives elsewhere (megatron-core's
+        # mixed-precision / distributed optimizers keep it on fp32 copies); saving the weights alone
+        # would drop it silently
+        raise ShardingError(f"rank {rank}: the optimizer ({type(optimizer).__name__}) holds none of this rank's "
+                            f"{len(trainable)} trainable parameters (e.g. {trainable[0]}) in its groups or state, "
+                            f"so its Adam state would not be saved; pass the torch optimizer over the model's own "
+                            f"parameters (megatron-core's mixed-precision and distributed optimizers keep the state "
+                            f"on fp32 copies: Megatron-LM with --elastor maps those), or optimizer=None for the "
+                            f"weights alone")
     if step_t is not None:
         shards.append(full_shard(STEP_NAME, step_t.reshape(())))
     return shards
