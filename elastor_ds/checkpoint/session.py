@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from ..comm import TorchComm
 from ..errors import (CheckpointError, CheckpointNotFoundError, CollectiveError, ConfigError,
-                      IncompleteCheckpointError, RanksFailedError, UnsafeCheckpointError)
+                      CorruptCheckpointError, IncompleteCheckpointError, RanksFailedError, UnsafeCheckpointError)
 from ..layout import Layout
 from . import commit as commit_mod
 from .engine import DATA_ERRORS, CheckpointEngine, LoadResult, RankExtra, SaveStats, VerifyMode
@@ -428,7 +428,9 @@ class CheckpointSession:
         holds, at least storage's newest; when its bytes cannot all be found (e.g. a lost node's
         files of a step that was not peer-copied), the next older such step. None (nothing loaded)
         when no step qualifies or every candidate fails its checks (logged; the caller then loads
-        storage)."""
+        storage). When every candidate failed and storage holds no checkpoint, CorruptCheckpointError
+        on every rank: the failed loads wrote into the tensors, which must not be trained as a fresh
+        start."""
         mem = self.memory
         if mem is None:
             return None
@@ -452,11 +454,20 @@ class CheckpointSession:
             res = self._load_memory_step(step, local[step], sdir, sstep, best_storage)
             if res is not None:
                 return res
-            if self.comm.rank == 0:
-                if i + 1 < len(cands):
+            if i + 1 < len(cands):
+                if self.comm.rank == 0:
                     log.warning("trying the older memory snapshot of step %d", cands[i + 1])
-                else:
-                    log.error("no usable memory snapshot; restoring from storage instead")
+            elif best_storage < 0:
+                # the failed loads wrote into the tensors (bytes they could not verify zeroed), and
+                # storage holds nothing to load over them: a "fresh start" would train from those
+                raise CorruptCheckpointError(
+                    f"no usable memory snapshot (step(s) {', '.join(map(str, cands))} failed their checks, logged "
+                    f"above) and no storage checkpoint under {self.cfg.dir} to restore instead; the failed loads "
+                    f"wrote into this process's model and optimizer tensors, so training cannot start fresh from "
+                    f"them. Remove the unusable snapshots under {mem.root} to start fresh (or relaunch with a new "
+                    f"snapshot folder)")
+            elif self.comm.rank == 0:
+                log.error("no usable memory snapshot; restoring from storage instead")
         return None
 
     def _load_memory_step(self, mstep: int, mdir: str, sdir: Optional[str], sstep: Optional[int],

@@ -354,3 +354,35 @@ def test_snapshots_of_another_checkpoint_dir_are_not_restored(tmp_path, caplog):
     s.finalize()
     assert res.step == 1 and s.restore["tier"] == "memory" and torch.equal(again.t, torch.arange(6.0))
     assert (tmp_path / "snap" / "local" / ".storage-root").read_text() == f"{tmp_path / 'a'}\n"
+
+
+def test_a_failed_memory_restore_without_storage_is_an_error_not_a_fresh_start(tmp_path, caplog):
+    """Memory holds step 1, storage nothing, and a byte of the snapshot is flipped: the load fails its
+    CRC check after writing into the tensor (the unverified bytes are zeroed). Before, the session
+    then said "starting fresh" and training went on from that tensor (neither the initial values
+    nor the snapshot's); now every rank raises, and the message says how to start fresh."""
+    from elastor_ds.checkpoint.session import CheckpointSession
+    from elastor_ds.comm.collectives import LocalComm
+    from elastor_ds.errors import CorruptCheckpointError
+    mem = parse_memory_snapshot({"dir": str(tmp_path / "snap"), "peer_copies": 0})
+    cfg = parse_checkpoint({"dir": str(tmp_path / "ck"), "interval_steps": 100})   # nothing in storage
+    comms = {"comm": LocalComm(), "policy_comm": LocalComm(), "memory_comm": LocalComm(), "cross_node": False}
+    st = _State()
+    st.t.copy_(torch.arange(6.0) + 100)
+    s = CheckpointSession(st, cfg, mem, **comms)
+    s.maybe_save()   # the memory snapshot of step 1: 100..105
+    s.finalize()
+    (data,) = [p for p in (tmp_path / "snap" / "local" / "step_000000001").iterdir() if p.suffix == ".safetensors"]
+    raw = bytearray(data.read_bytes())
+    raw[-8] ^= 0xFF   # inside the tensor's bytes (the last of the file)
+    data.write_bytes(bytes(raw))
+    fresh = _State()
+    fresh.t.fill_(-1.0)
+    s = CheckpointSession(fresh, cfg, mem, **comms)
+    with pytest.raises(CorruptCheckpointError, match=r"no usable memory snapshot \(step\(s\) 1 failed their checks") as ei:
+        s.load()
+    s.finalize()
+    assert f"no storage checkpoint under {tmp_path / 'ck'}" in str(ei.value)
+    assert f"Remove the unusable snapshots under {tmp_path / 'snap' / 'local'} to start fresh" in str(ei.value)
+    # why it must not start fresh: the failed load wrote into the tensor (verified bytes, zeroes)
+    assert not torch.equal(fresh.t, torch.full((6,), -1.0)), fresh.t
