@@ -693,6 +693,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
 def store_lost_reason(cfg: RunConfig, err: BaseException, then: str) -> str:
     """The one message for a store that stopped answering, whichever call met it first (the monitor
     loop's liveness read, or the next round's rendezvous after the workers exited)."""
+    from .rdzv_auth import ForgedStateError
+    forged = _in_chain(err, ForgedStateError)
+    if forged is not None:   # the store answered, with a state this job did not write
+        return f"{forged}; this node leaves the job, {then}"
     reason = (f"lost contact with the rendezvous store at {cfg.rdzv_endpoint} ({type(err).__name__}: {err}); "
               f"this node leaves the job, {then}")
     if cfg.rdzv_backend == "c10d":
@@ -700,6 +704,18 @@ def store_lost_reason(cfg: RunConfig, err: BaseException, then: str) -> str:
                    "(python -m elastor_ds.elastic.store_main, --rdzv-conf is_host=0) or use --rdzv-backend "
                    "etcd-v2 with every etcd member in --rdzv-endpoint")
     return reason
+
+
+def _in_chain(err: BaseException, cls: type) -> "BaseException | None":
+    """The first exception of class ``cls`` in ``err``'s cause / context chain, or None."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def store_unreachable(err: BaseException) -> bool:

@@ -48,6 +48,10 @@ def rendezvous_key(secret_file: Optional[str], multi_node: bool) -> Optional[byt
     return None
 
 
+class ForgedStateError(RendezvousStateError):
+    """The store holds a rendezvous state whose MAC does not verify with the job's key."""
+
+
 class SignedBackend(RendezvousBackend):
     """A :class:`RendezvousBackend` whose states carry a MAC under ``key`` (see the module docstring);
     ``inner`` stores them (torch's c10d or etcd backend)."""
@@ -75,7 +79,7 @@ class SignedBackend(RendezvousBackend):
             tag, state = blob[len(MAGIC):len(MAGIC) + _TAG], blob[len(MAGIC) + _TAG:]
             if hmac.compare_digest(tag, self._tag(state)):
                 return state
-        raise RendezvousStateError(
+        raise ForgedStateError(
             f"the rendezvous state of run {self._run_id!r} in the store was not written by this job (its MAC does "
             f"not verify with the job's key, {len(blob) if isinstance(blob, bytes) else '?'} bytes): another job "
             f"uses the same --rdzv-id on this store, a node was given another --job-secret-file, or someone "
