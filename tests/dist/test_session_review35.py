@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pwd
 import re
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from other_user import as_other_user
+from other_user import as_other_user, nobody_ids
 
 from elastor_ds.checkpoint.settings import parse_checkpoint, parse_memory_snapshot
 from elastor_ds.errors import ConfigError
@@ -249,10 +248,7 @@ def test_one_process_without_torch_distributed_needs_only_comm(tmp_path):
 
 @pytest.fixture
 def nobody():
-    if os.getuid() != 0:
-        pytest.skip("needs root to run the session as another user (CI runs as root)")
-    pw = pwd.getpwnam("nobody")
-    return pw.pw_uid, pw.pw_gid
+    return nobody_ids()
 
 
 _as_user = as_other_user

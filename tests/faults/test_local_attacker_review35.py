@@ -14,23 +14,19 @@ through its own ``TCPStore`` client to the real store the ledger reads."""
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 from datetime import timedelta
 
 import pytest
 
-from other_user import as_other_user  # noqa: E402
+from other_user import as_other_user, nobody_ids  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def nobody():
-    if os.getuid() != 0:
-        pytest.skip("needs root to run the attacker as another user (CI runs as root)")
-    pw = pwd.getpwnam("nobody")
-    return pw.pw_uid, pw.pw_gid
+    return nobody_ids()
 
 
 @pytest.fixture

@@ -26,6 +26,17 @@ KEY = bytes(range(7, 39))
 DATA = bytes((i * 13 + 5) % 256 for i in range(100_000))
 
 
+
+def _job_secret(base: str) -> str:
+    """The job's secret file under ``base`` (written once, atomically, by whichever rank comes first)."""
+    secret = os.path.join(base, "job.secret")
+    if not os.path.exists(secret):
+        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(f"{secret}.{os.getpid()}", secret)
+    return secret
+
 def _node(tmp_path):
     """A node directory holding one committed memory snapshot (one data file)."""
     from elastor_ds.checkpoint.planning.manifest import FileEntry, Manifest
@@ -225,13 +236,7 @@ def _bad_header_worker(rank, world, base, kind):
     node = 0 if rank < 2 else 1
     nodedir = os.path.join(base, f"elastor-node{node}")
     os.makedirs(nodedir, exist_ok=True)
-    secret = os.path.join(base, "job.secret")
-    if not os.path.exists(secret):
-        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, bytes(range(32)))
-        os.close(fd)
-        os.replace(f"{secret}.{os.getpid()}", secret)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
     cp = pc.PeerCopier.create([2, 1], nodedir, peer_copies=1, timeout_s=30)
     d = _write_step(nodedir, rank, world)
     if rank != 1:
@@ -299,13 +304,7 @@ def _same_name_worker(rank, world, base):
     from elastor_ds.checkpoint.snapshot import peer_copy as pc
     nodedir = os.path.join(base, f"n{rank}", "snap")
     os.makedirs(nodedir, exist_ok=True)
-    secret = os.path.join(base, "job.secret")
-    if not os.path.exists(secret):
-        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, bytes(range(32)))
-        os.close(fd)
-        os.replace(f"{secret}.{os.getpid()}", secret)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
     cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
     d = _write_step(nodedir, rank, world)
     st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank).items()])
@@ -424,13 +423,7 @@ def _big_header_worker(rank, world, base):
     pc._MAX_HEADER = 2000
     nodedir = os.path.join(base, f"elastor-node{rank}")
     os.makedirs(nodedir, exist_ok=True)
-    secret = os.path.join(base, "job.secret")
-    if not os.path.exists(secret):
-        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, bytes(range(32)))
-        os.close(fd)
-        os.replace(f"{secret}.{os.getpid()}", secret)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = secret
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
     cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
     d = os.path.join(nodedir, "local", STEP5)
     for rel, b in _many_files(rank).items():
