@@ -706,8 +706,8 @@ def store_lost_reason(cfg: RunConfig, err: BaseException, then: str) -> str:
     return reason
 
 
-def _in_chain(err: BaseException, cls: type) -> "BaseException | None":
-    """The first exception of class ``cls`` in ``err``'s cause / context chain, or None."""
+def _in_chain(err: BaseException, cls: "type | tuple[type, ...]") -> "BaseException | None":
+    """The first exception of class ``cls`` (or of one of the classes) in ``err``'s cause / context chain, or None."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
@@ -722,14 +722,7 @@ def store_unreachable(err: BaseException) -> bool:
     """The rendezvous failed because the store's connection broke (not because a node closed it)."""
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (RendezvousConnectionError, DistNetworkError, DistStoreError, ConnectionError)):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    return _in_chain(err, (RendezvousConnectionError, DistNetworkError, DistStoreError, ConnectionError)) is not None
 
 
 def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:

@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ...comm.collectives import Comm
-from ...errors import CheckpointError, RankFailure, SnapshotSpaceError, ranks_failed
+from ...comm.collectives import Comm, raise_failures
+from ...errors import CheckpointError, RankFailure, SnapshotSpaceError
 from .. import commit as commit_mod
 from ..snapshot.file_staging import FileStaging, StagedFile
 from ..writer import data_file_name
@@ -88,12 +88,8 @@ class TmpfsStorage(PosixStorage):
             failed = e
         key = (socket.gethostname(), os.path.realpath(self.root))
         rows = comm.all_gather_object((key, None if failed is None else RankFailure.of(comm.rank, failed).to_wire()))
-        failures = [RankFailure.from_wire(r[1]) for r in rows if r[1] is not None]
-        if failures:
-            err = ranks_failed(f"set-up of the memory snapshot directory {self.root}", failures, comm.world_size)
-            if failed is not None:
-                raise err from failed
-            raise err
+        raise_failures([RankFailure.from_wire(r[1]) for r in rows if r[1] is not None], comm.world_size, failed,
+                       f"set-up of the memory snapshot directory {self.root}")
         keys = [r[0] for r in rows]
         self._own_name = data_file_name(comm.rank)
         self._committer = comm.rank != 0 and keys.index(key) == comm.rank and key != keys[0]
