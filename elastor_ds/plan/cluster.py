@@ -163,7 +163,8 @@ class Cluster:
         unknown = set(d) - {"gpu_memory_gb", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs",
                             "gpus_per_node", "nodes"}
         if unknown:
-            raise ConfigError(f"cluster file has unknown keys {sorted(map(_show, unknown))}")
+            raise ConfigError(f"cluster file has unknown keys {_show_keys(unknown)}; it has gpus_per_node or nodes, and "
+                              f"optionally gpu_memory_gb, intra_node_bandwidth_gbs, inter_node_bandwidth_gbs")
         kw: dict[str, Any] = {k: _number(d[k], k) for k in ("gpu_memory_gb", "intra_node_bandwidth_gbs",
                                                              "inter_node_bandwidth_gbs") if k in d}
         kw.update({k: v for k, v in overrides.items() if v is not None})
@@ -179,7 +180,7 @@ class Cluster:
                                   f"{type(nd).__name__}")
             extra = set(nd) - {"name", "gpus", "speed"}
             if extra:
-                raise ConfigError(f"cluster file nodes[{i}]: unknown keys {sorted(map(_show, extra))}; a node has "
+                raise ConfigError(f"cluster file nodes[{i}]: unknown keys {_show_keys(extra)}; a node has "
                                   f"name, gpus and speed")
             name = _node_name(nd.get("name", f"node{i}"), i)
             where = f"node {name}"
@@ -306,6 +307,14 @@ def _show(v: Any) -> str:
     except ValueError:   # an int of more than 4,300 digits
         return f"<an integer of {v.bit_length():,} bits>"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _show_keys(keys: Any, most: int = 5) -> str:
+    """Unknown keys of a user's file as an error shows them: the first ``most`` (sorted, each by
+    :func:`_show`) and how many more, so a wrong file named by mistake is not echoed whole."""
+    shown = sorted(map(_show, keys))
+    more = len(shown) - most
+    return ", ".join(shown[:most]) + (f" and {more:,} more" if more > 0 else "")
 
 
 def _whole(v: Any, where: str, what: str) -> int:
