@@ -52,6 +52,7 @@ from .liveness import Beacon, LivenessConfig, PeerBook, bounded, read_peers
 from .private import private_dir
 from .policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure, decide_scale_up, settle
 from .rdzv_auth import rendezvous_key, signed_handler
+from .store_auth import Purpose, SealedStore, StoreAuth
 from ..checkpoint.paths import printable
 from .protocol import (ENV_COLLECTIVE_TIMEOUT, ENV_DEVICES, ENV_EVENTS_FILE, ENV_GPU_MEMORY_GB, ENV_HEARTBEAT_DIR,
                        ENV_INITIAL_WORLD, ENV_PROCS_PER_NODE, ENV_PYTHON, ENV_ROUND, ENV_SNAPSHOT_DIR,
@@ -153,7 +154,7 @@ def _proc_exiting(pid: int) -> bool:
 
 class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, cfg: RunConfig, events: EventLog, book: DeviceBook,
-                 logs_specs: DefaultLogsSpecs):
+                 logs_specs: DefaultLogsSpecs, store_auth: StoreAuth | None = None):
         super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
                          exit_barrier_timeout=cfg.exit_barrier_timeout, shutdown_timeout=int(cfg.shutdown_timeout))
         self.cfg, self.events, self.book = cfg, events, book
@@ -166,7 +167,10 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         # SIGQUIT never came back. Only SIGPWR (whose default is to terminate anyway) is left to it
         os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGPWR" if hasattr(signal, "SIGPWR") else "SIGTERM")
         self._unrequested_resizes = 0   # relaunches after an EXIT_RESIZE no rank had agreed on (count as restarts)
-        self.ledger = FailureLedger(cfg.node_name)
+        # elastor's values in the store (ledger, beats, snapshot servers) sealed with the job key (None: unsigned)
+        self.store_auth = store_auth
+        self._rdzv_round = ""   # the rendezvous round of the current worker group (bound into sealed values)
+        self.ledger = FailureLedger(cfg.node_name, auth=store_auth)
         self.round = 0
         self.restarts_used = 0
         self.initial_world: int | None = None
@@ -189,7 +193,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
         self._visible = [x for x in (self._visible_env or "").split(",") if x.strip()]
         # liveness of the other nodes of a round (multi-node only) and this node's self-fencing
         self.liveness = LivenessConfig.from_rdzv_conf(cfg.rdzv_conf) if cfg.max_nodes > 1 else None
-        self.beacon = Beacon(self.liveness, self._fence) if self.liveness else None
+        self.beacon = Beacon(self.liveness, self._fence, auth=store_auth) if self.liveness else None
         self._peer_book: PeerBook | None = None
         self._peer_ranks: list[int] = []
         self._next_peer_read = 0.0
@@ -230,9 +234,14 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
     def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
         workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
         self.procs_per_node = overrides.local_world_sizes(store, group_world_size)
-        self.snapshots.publish(store, group_rank, group_world_size)
+        # the round's number: its store's key prefix, bound into every sealed value of the round
+        self._rdzv_round = str(overrides.rendezvous_round(spec.rdzv_handler))
+        auth = self.store_auth
+        self.snapshots.publish(store if auth is None else SealedStore(
+            store, auth, Purpose.SNAPSHOT_SERVER, self._rdzv_round, "read as a node without a snapshot server"),
+            group_rank, group_world_size)
         if self.beacon is not None:
-            self.beacon.retarget(store, group_rank)
+            self.beacon.retarget(store, group_rank, self._rdzv_round)
             self._peer_book = PeerBook(self.liveness.timeout)
             self._peer_ranks = [r for r in range(group_world_size) if r != group_rank]
             self._next_peer_read = 0.0
@@ -382,7 +391,8 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             return []
         self._next_peer_read = now + self.liveness.interval
         store = self._worker_group.store
-        return self._bounded(lambda: read_peers(store, self._peer_book, self._peer_ranks, now), "liveness read")
+        return self._bounded(lambda: read_peers(store, self._peer_book, self._peer_ranks, now, self.store_auth,
+                                                self._rdzv_round), "liveness read")
 
     def _bounded(self, fn, what: str):
         """A store call of the monitor loop: at most the store's read timeout, less once fenced."""
@@ -635,7 +645,7 @@ class ElastorAgent(StandbyAgentMixin, LocalElasticAgent):
             # failed on the way (the relaunch below clears the stop, and with it the request)
             back = self.book.restore(self._stopping.devices)
             log.info("a failure while scaling up: device(s) %s stay in the next launch's pool", list(back))
-        claim = self.ledger.claim(wg.store)   # first: the node that reports first is the round's primary
+        claim = self.ledger.claim(wg.store, self._rdzv_round)   # first: the node that reports first is the round's primary
         preempting = self._stopping is not None and self._stopping.kind == "preempt"
         last_hb = [t for t in (self._heartbeat(o.local_rank)[0] for o in failed if o.hung) if t]
         primary = sorted(failed, key=lambda o: (o.cause.value != "signal", o.cause.value != "hang", o.local_rank))[0]
@@ -757,9 +767,11 @@ def build_agent(cfg: RunConfig, events: EventLog) -> ElastorAgent:
                       max_restarts=cfg.max_restarts, monitor_interval=cfg.monitor_interval)
     logs = DefaultLogsSpecs(log_dir=cfg.log_dir, redirects=Std.ALL, tee=Std.ALL if cfg.tee else Std.NONE)
     book = DeviceBook(tuple(range(cfg.nproc_per_node)))
-    agent = ElastorAgent(spec, cfg, events, book, logs)
+    # elastor's own store values are sealed with the same job key (per purpose, run, round and key)
+    auth = StoreAuth(key, handler.get_run_id()) if key is not None else None
+    agent = ElastorAgent(spec, cfg, events, book, logs, store_auth=auth)
     # the rendezvous's own store outlives rounds: the job's failure count lives there (c10d backend)
-    agent.ledger = FailureLedger(cfg.node_name, overrides.rendezvous_store(handler), handler.get_run_id())
+    agent.ledger = FailureLedger(cfg.node_name, overrides.rendezvous_store(handler), handler.get_run_id(), auth=auth)
     if cfg.standby:
         agent.standby = StandbyPool(size=cfg.nproc_per_node, folder=os.path.join(cfg.log_dir, "standby"),
                                     preload=tuple(cfg.standby_preload), python=spec.entrypoint, fork=cfg.standby_fork,

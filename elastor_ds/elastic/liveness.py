@@ -22,6 +22,14 @@ between two namespaces, an ``add`` after the link was cut had not returned after
 timeout). :func:`bounded` runs a call in a daemon thread and gives up after the deadline, or as
 soon as this node is fenced.
 
+Authenticated beats (a job key: ``--job-secret-file``, see :mod:`.store_auth`): a beat is then not
+``add`` but a ``set`` of this controller's own beat number, sealed with the run id, the rendezvous
+round and the key (so node 1's beats cannot be copied under node 0's key, nor an earlier round's
+into this one). A reader takes a value as a beat only when it verifies and is above the last one
+it took from that key: anyone who reaches the store can still silence a node (delete its key: a
+denial of service, a live node seen as lost), but no longer keep a dead node "alive" with forged
+or replayed beats. Without a key the counters stay ``add`` counters, unauthenticated.
+
 ``timeout`` = the rendezvous's own dead-node bound (``keep_alive_interval`` x
 ``keep_alive_max_attempt``: after it torch's rendezvous drops the node too, so the survivors'
 next round can complete); ``fence_after`` = ``timeout`` - ``interval``.
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..threads import NamedThread
+from .store_auth import Purpose, StoreAuth
 
 log = logging.getLogger("elastor.run")
 
@@ -70,9 +79,11 @@ class PeerBook:
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
     forged: set[int] = field(default_factory=set)   # ranks whose key held something else (warned once)
 
-    def observe(self, rank: int, value: int, now: float) -> None:
+    def observe(self, rank: int, value: int, now: float, increasing: bool = False) -> None:
+        """``value`` read from ``rank``'s key at ``now``: a beat when it changed (``increasing``: when
+        it rose; a sealed beat replayed from earlier is no beat)."""
         old = self.seen.get(rank)
-        if old is None or old[0] != value:
+        if old is None or (value > old[0] if increasing else old[0] != value):
             self.seen[rank] = (value, now)
 
     def lost(self, now: float) -> list[int]:
@@ -86,22 +97,26 @@ class Beacon:
     """The controller's beat (a thread) and its self-fencing watchdog (another thread: a beat may
     block in the store for the store's read timeout, the watchdog never touches the network)."""
 
-    def __init__(self, cfg: LivenessConfig, on_fence: Callable[[float], None]):
+    def __init__(self, cfg: LivenessConfig, on_fence: Callable[[float], None], auth: Optional[StoreAuth] = None):
         self.cfg = cfg
         self.on_fence = on_fence
+        self.auth = auth          # sealed beats (None: ``add`` counters)
         self._lock = threading.Lock()
         self._store = None
         self._key = ""
+        self._round = ""
+        self._seq = 0             # this controller's beat number (sealed beats; never reset)
         self._last_ok = time.monotonic()
         self.fenced_at: Optional[float] = None   # monotonic time of the fence
         self._stop = threading.Event()
         self._disarmed = False
         self._threads: list[threading.Thread] = []
 
-    def retarget(self, store, node_rank: int) -> None:
-        """Beat into this round's store under this node's rank from now on (a beat now, synchronously)."""
+    def retarget(self, store, node_rank: int, round_id: str = "") -> None:
+        """Beat into this round's store (rendezvous round ``round_id``) under this node's rank from now
+        on (a beat now, synchronously)."""
         with self._lock:
-            self._store, self._key = store, KEY.format(node_rank)
+            self._store, self._key, self._round = store, KEY.format(node_rank), round_id
         self._beat()
         if not self._threads:
             for fn, name in ((self._beat_loop, "elastor-beacon"), (self._watch_loop, "elastor-fence")):
@@ -126,10 +141,14 @@ class Beacon:
         must not hold back the next beat, which a newly elected leader answers."""
         with self._lock:
             store, key = self._store, self._key
+            if self.auth is not None:
+                self._seq += 1
+                sealed = self.auth.seal(Purpose.LIVENESS, key, str(self._seq), self._round)
         if store is None:
             return
+        beat = (lambda: store.add(key, 1)) if self.auth is None else (lambda: store.set(key, sealed))
         try:
-            bounded(lambda: store.add(key, 1), self.cfg.interval, "beat", give_up=self._stop.is_set)
+            bounded(beat, self.cfg.interval, "beat", give_up=self._stop.is_set)
         except Exception as e:  # noqa: BLE001 - the watchdog decides what a missed beat means
             log.debug("liveness beat failed: %s", e)
             return
@@ -186,26 +205,36 @@ def bounded(fn: Callable[[], object], timeout: float, what: str, give_up: Callab
     return box.get("value")
 
 
-def read_peers(store, book: PeerBook, ranks, now: float) -> list[int]:
+def read_peers(store, book: PeerBook, ranks, now: float, auth: Optional[StoreAuth] = None,
+               round_id: str = "") -> list[int]:
     """One read of every peer's counter into ``book``; returns the peers lost by now. A plain read
     (``check``, then ``get`` of a key that exists: never a wait for a key), not ``add(key, 0)``:
     etcd serves reads from any member at once, while a write waits for a leader (seconds after the
-    leader's node was lost, when the counters matter most)."""
+    leader's node was lost, when the counters matter most). With ``auth``: sealed beats of round
+    ``round_id``, a beat only when the number rose."""
     for r in ranks:
         key = KEY.format(r)
         if store.check([key]):
             raw = store.get(key)
-            value = _counter(raw)
+            value = _counter(raw) if auth is None else _sealed_counter(auth, key, raw, round_id)
             if value is None:   # not a counter (the store takes anyone's writes): as no beat, said once
-                if r not in book.forged:
+                if auth is not None:
+                    auth.forged(f"counted as no beat from node {r}", key, raw, round_id)
+                elif r not in book.forged:
                     book.forged.add(r)
                     log.warning("liveness: the store's %s holds %r, not a beat counter; counted as no beat from "
                                 "node %d (someone else writes to the store)", key, bytes(raw[:40]), r)
                 value = book.seen.get(r, (0, now))[0]
-            book.observe(r, value, now)
-        else:   # no beat yet: counted silent from the first read on
-            book.observe(r, 0, now)
+            book.observe(r, value, now, increasing=auth is not None)
+        else:   # no beat yet: counted silent from the first read on (sealed: a deleted key is no beat)
+            book.observe(r, 0, now, increasing=auth is not None)
     return book.lost(now)
+
+
+def _sealed_counter(auth: StoreAuth, key: str, raw, round_id: str) -> "int | None":
+    """A sealed beat number of ``key`` in round ``round_id``, or None (forged, another key's or round's)."""
+    v = auth.open(Purpose.LIVENESS, key, raw, round_id)
+    return _counter(v) if v is not None else None
 
 
 def _counter(raw: bytes) -> "int | None":

@@ -8,7 +8,8 @@ Where the controller reaches into torch elastic:
   ``_pcontext``, ``_worker_group`` and ``_remaining_restarts``;
 * each launch reads every node's local world size from the round's store through torch's private
   ``_RoleInstanceInfo`` record (:func:`local_world_sizes`); the failure ledger lives in the
-  rendezvous handler's private ``_store`` (:func:`rendezvous_store`);
+  rendezvous handler's private ``_store`` (:func:`rendezvous_store`); the round just joined, bound
+  into elastor's sealed store values, is its private ``_state_holder``'s (:func:`rendezvous_round`);
 * standby workers (:mod:`.standby`): ``local_elastic_agent.start_processes`` is replaced while the
   agent starts workers (:func:`replaced_start_processes`), by a ``SubprocessContext`` whose
   ``SubprocessHandler`` s override the private ``_start`` / ``_popen``;
@@ -84,6 +85,11 @@ TABLE: tuple[Override, ...] = (
     _t("torch.distributed.elastic.rendezvous.dynamic_rendezvous:DynamicRendezvousHandler._store", Kind.READ,
        (_AGENT,), "the rendezvous store outlives rounds: the job's failure ledger lives there", instance=True,
        routed=True),
+    _t("torch.distributed.elastic.rendezvous.dynamic_rendezvous:DynamicRendezvousHandler._state_holder", Kind.READ,
+       (_AGENT,), "the round just joined (its store's key prefix is torch.rendezvous.<run id>.<round>): bound "
+       "into elastor's sealed store values", instance=True, routed=True),
+    _t("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState.round", Kind.READ, (_AGENT,),
+       "that round's number", instance=True, routed=True),
     # --- standby workers (standby.py)
     _t(_START_PROCESSES, Kind.WRAP, (_STANDBY,), "while the agent starts workers, a StandbyContext is built "
        "instead (a callable entry point still goes to the original)",
@@ -139,6 +145,13 @@ def matches_machine_hostname(host: str) -> bool:
     """torch's own rule for "``host`` is this machine" (the c10d backend then hosts the store)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
     return bool(_matches_machine_hostname(host))
+
+
+def rendezvous_round(handler: Any) -> Any:
+    """The round a dynamic rendezvous handler has joined (read right after ``next_rendezvous``: the
+    round changes only once every participant left it), or None for a handler without one."""
+    holder = getattr(handler, "_state_holder", None)
+    return getattr(getattr(holder, "state", None), "round", None)
 
 
 def rendezvous_store(handler: Any) -> Any:

@@ -10,6 +10,9 @@ The key: derived from ``--job-secret-file`` (the same file on every node); a sin
 one makes a random key for its lifetime (only its own agent joins). A multi-node job without a
 secret file cannot agree on a key: its state stays unsigned, and the controller says so once.
 
+The same key seals elastor's own values in the store (the failure ledger, the liveness beats, the
+snapshot servers' addresses: :mod:`.store_auth`, per purpose, run, round and key).
+
 What it does not cover (see docs/security.md): the store's other keys (the gloo and NCCL bootstrap
 addresses, torch's own), which torch reads unauthenticated; replay of an older state this job wrote
 (the store keeps only the newest, and a stale one fails torch's own round checks); and an attacker
@@ -43,8 +46,9 @@ def rendezvous_key(secret_file: Optional[str], multi_node: bool) -> Optional[byt
     if not multi_node:
         return os.urandom(32)
     log.warning("the rendezvous state is not authenticated: torch unpickles it from the store, so anyone who can "
-                "reach the store can run code in every agent of this job; give every node the same "
-                "--job-secret-file (or keep the store's port reachable only by the job's nodes)")
+                "reach the store can run code in every agent of this job (and forge the failure ledger and the "
+                "liveness beats); give every node the same --job-secret-file (or keep the store's port "
+                "reachable only by the job's nodes)")
     return None
 
 
