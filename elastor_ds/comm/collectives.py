@@ -1,7 +1,8 @@
 """Small object collectives over a process group, with failures raised on every rank.
 
 :class:`Comm` is the one interface the checkpoint engine talks to: ``rank``, ``world_size``,
-``all_gather_object``, ``broadcast_object``, ``barrier``. :class:`TorchComm` implements it over a
+``all_gather_object``, ``broadcast_object``, ``barrier``; the objects are plain data, sent through
+the restricted codec (:mod:`.wire`, :mod:`.objects`), never pickled. :class:`TorchComm` implements it over a
 dedicated gloo group (created once, collectively, with its own timeout, so checkpoint traffic
 never mixes with training collectives and works from a background thread). :class:`LocalComm`
 is the single-process version used by the CLI and unit tests.
@@ -25,6 +26,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 from ..errors import CollectiveError, PeerFailedError, RankFailure, ranks_failed
 from ..threads import NamedThread
+from . import objects, wire
+from .objects import FAILURE_BYTES, _failure_bytes, _failure_of  # noqa: F401 - world_outcome's report format
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,13 +71,18 @@ class Comm(Protocol):
 
 
 class LocalComm:
+    """One process: the object collectives return the value itself, after checking that a
+    :class:`TorchComm` could send it (plain data, :mod:`.wire`: else :class:`.wire.WireTypeError`)."""
+
     rank = 0
     world_size = 1
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        wire.encode(obj)
         return [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        wire.encode(obj)
         return obj
 
     def barrier(self) -> None:
@@ -408,8 +416,8 @@ class TorchComm:
         td = datetime.timedelta(seconds=timeout_s)
         group = dist.new_group(backend="gloo", timeout=td)
         writer = dist.new_group(backend="gloo", timeout=td)
-        box = [f"{os.getpid():x}{int(time.time() * 1e6):x}"]
-        dist.broadcast_object_list(box, group=group, group_src=0)  # one tag for this comm on every rank
+        box = [objects.broadcast_object(f"{os.getpid():x}{int(time.time() * 1e6):x}", 0, group,
+                                        what="TorchComm.create")]  # one tag for this comm on every rank
         rank, world = dist.get_rank(), dist.get_world_size()
         liveness = writer_liveness = None
         if world > 1:
@@ -456,19 +464,17 @@ class TorchComm:
                                   [RankFailure(-1, type(e).__name__, str(e)[:500])], what) from e
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        self._run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
+        """Every rank's ``obj`` in rank order. ``obj`` is plain data (:mod:`.wire`; never pickled):
+        another type raises :class:`.wire.WireTypeError` here and a RanksFailedError on the other
+        ranks; a peer's malformed bytes raise :class:`.wire.WireFormatError`; a peer that died, a
+        PeerFailedError (:mod:`.objects`)."""
+        return objects.all_gather_object(obj, self.group, what="all_gather_object",
+                                         run=lambda fn: self._run("all_gather_object", fn))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        # src: rank within this group
-        self._run("broadcast_object", lambda: dist.broadcast_object_list(box, group=self.group, group_src=src))
-        return box[0]
+        """``obj`` of rank ``src`` (a rank of this group) on every rank, as :meth:`all_gather_object`."""
+        return objects.broadcast_object(obj, src, self.group, what="broadcast_object",
+                                        run=lambda fn: self._run("broadcast_object", fn))
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -539,30 +545,6 @@ def agree(comm: Comm, fn: Callable[[], T], what: str = "operation") -> T:
             raise err from local
         raise err
     return result
-
-
-#: bytes of one rank's failure sent by :func:`world_outcome` (its class names and message, as JSON)
-FAILURE_BYTES = 2048
-
-
-def _failure_bytes(rank: int, e: BaseException) -> bytes:
-    """``e`` as JSON ``[class name, message, class names]``, at most :data:`FAILURE_BYTES` (the
-    message cut shorter until it fits)."""
-    f = RankFailure.of(rank, e)
-    mro = [n[:80] for n in f.mro[:12]]
-    for cut in (1000, 300, 60, 0):
-        data = json.dumps([f.type_name[:80], f.message[:cut], mro]).encode()
-        if len(data) <= FAILURE_BYTES:
-            return data
-    return json.dumps([f.type_name[:80], "", []]).encode()
-
-
-def _failure_of(rank: int, data: bytes) -> RankFailure:
-    try:
-        name, message, mro = json.loads(data.decode("utf-8"))
-        return RankFailure(rank, str(name), str(message), tuple(str(n) for n in mro))
-    except (ValueError, TypeError, UnicodeDecodeError):
-        return RankFailure(rank, "Error", f"(undecodable failure report: {data[:60]!r})")
 
 
 def world_outcome(local: Optional[BaseException], what: str, values: Sequence[int] = ()) -> list[list[int]]:

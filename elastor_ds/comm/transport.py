@@ -11,7 +11,8 @@ rank ``i``). What it offers is what peer copies of memory snapshots need
   they were posted. Both sides post in the same order (a backend without tags relies on that);
 * buffers: a contiguous tensor (its bytes move: the receiver's buffer has the same byte size) or
   a bytes-like object (writable for a receive). Zero-byte buffers are allowed;
-* :meth:`Transport.all_gather_object`, :meth:`Transport.barrier`: small agreements among the members;
+* :meth:`Transport.all_gather_object`, :meth:`Transport.barrier`: small agreements among the members
+  (plain data through :mod:`.wire`, never pickled);
 * errors: a transfer that does not complete within the timeout raises
   :class:`~elastor_ds.errors.TransportTimeoutError`, any other failure
   :class:`~elastor_ds.errors.TransportError`, on the rank that waited. A failed transport stays
@@ -44,6 +45,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from ..errors import TransportError, TransportTimeoutError
 from .groups import destroy_group, new_group
+from .objects import all_gather_object
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +171,10 @@ class GlooTransport:
 
     # ------------------------------------------------------------------ small agreements
     def all_gather_object(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        self._call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
+        """Every member's ``obj`` (plain data, never pickled: :mod:`.objects`), in transport rank order."""
+        self._check()
+        return all_gather_object(obj, self.group, what="all_gather_object",
+                                 run=lambda fn: self._call("all_gather_object", fn))
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -216,10 +217,10 @@ class GlooTransport:
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for every failure
             raise self._failed(what, self.timeout_s, e) from e
 
-    def _call(self, what: str, fn: Any) -> None:
+    def _call(self, what: str, fn: Any) -> Any:
         self._check()
         try:
-            fn()
+            return fn()
         except Exception as e:  # noqa: BLE001
             raise self._failed(what, self.timeout_s, e) from e
 

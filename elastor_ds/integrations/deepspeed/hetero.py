@@ -329,18 +329,19 @@ class HeteroRuntime:
 
 
 def _gathered(mine: Any, local: Optional[BaseException], what: str) -> list:
-    """Every rank's ``mine`` (one ``all_gather_object`` over the world), where a rank whose local
+    """Every rank's ``mine`` (plain data: one object all-gather over the world, never pickled:
+    :mod:`~elastor_ds.comm.objects`), where a rank whose local
     step raised (``local``) sends its error instead (class names and message: plain strings): then
     every rank raises the typed error naming it (:func:`~elastor_ds.comm.collectives.raise_failures`)
     rather than the others waiting for it in their next collective."""
     import torch.distributed as dist
 
     from ...comm.collectives import raise_failures
+    from ...comm.objects import all_gather_object
     from ...errors import RankFailure
     rank = dist.get_rank()
     row = ("ok", mine) if local is None else ("error", RankFailure.of(rank, local).to_wire())
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, row)
+    everyone = all_gather_object(row, what=what)
     raise_failures([RankFailure.from_wire(r[1]) for r in everyone if r[0] != "ok"], len(everyone), local, what)
     return [r[1] for r in everyone]
 

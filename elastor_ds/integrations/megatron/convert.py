@@ -730,8 +730,9 @@ def export_torch_dist(src: str, dst: str, tp: int, cfg: Optional[GPTSpecConfig] 
     # rank 0 creates the temporary directory and tells the others its name; rank 0 renames it
     out = commit_mod.DirCommit.create(dst) if rank == 0 else None
     tmp = [out.path if out else None]
-    if world > 1:
-        dist.broadcast_object_list(tmp, src=0)
+    if world > 1:   # plain data, never pickled
+        from ...comm.objects import broadcast_object
+        tmp = [broadcast_object(tmp[0], 0, what="the temporary directory's name")]
     try:
         tmp_it = os.path.join(tmp[0], f"iter_{it:07d}")
         if rank == 0:
