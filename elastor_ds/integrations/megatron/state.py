@@ -9,6 +9,15 @@ scalar ``optimizer.step``; so it reshards exactly like the weights. A parameter 
 parameter group of the optimizer (a frozen one) is saved as weights only.
 
 Vocabulary padding rows are not saved; on load they are zero-filled (weights and moments).
+
+The optimizer: a torch optimizer (Adam/AdamW), an object with the same ``param_groups`` and ``state``
+(megatron-core's ``FP32Optimizer``), or megatron-core's ``ChainedOptimizer`` of those (its own
+``state`` is a proxy keyed by ``(index, key)``: the state is read from each of its
+``chained_optimizers``). Anything else is a :class:`~elastor_ds.errors.ConfigError`.
+
+A :func:`load_gpt` that raises leaves the model and the optimizer as they were: padding rows are
+zeroed and Adam state is created only once the load succeeded, and the bytes a failed read had
+written are restored from a host copy taken before it (``restore_on_failure``).
 """
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ import torch
 from ...checkpoint.engine import CheckpointEngine, LoadResult
 from ...checkpoint.shards import TensorShard, full_shard, shards_from_pieces
 from ...comm.collectives import agree
-from ...errors import ShardingError
+from ...errors import ConfigError, ShardingError
 from ...layout import Layout, RuleKind, TensorSpec, rank_tensors
 from .specs import GPTSpecConfig, canonical_name, gpt_tensor_specs, local_to_global
 
@@ -89,36 +98,120 @@ def _moments(group: Mapping[str, Any]) -> tuple[str, ...]:
     return MOMENTS + ((AMSGRAD_MOMENT,) if group.get("amsgrad") else ())
 
 
-def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create zero Adam state (step 0) for parameters that have none yet, so it can be loaded into."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32)
-                for m in _moments(group):
-                    st[m] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def state_holders(optimizer: Any) -> list:
+    """The optimizers that hold the per-parameter state: ``[optimizer]``, or the ``chained_optimizers``
+    of a megatron-core ``ChainedOptimizer`` (recursively); a megatron stub optimizer (no parameters
+    on this rank) holds none. Each must have ``param_groups`` and a ``state`` mapping with ``get``."""
+    if optimizer is None:
+        return []
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is not None:
+        return [h for o in subs for h in state_holders(o)]
+    if getattr(optimizer, "is_stub_optimizer", False):
+        return []
+    state = getattr(optimizer, "state", None)
+    groups = getattr(optimizer, "param_groups", None)
+    if not callable(getattr(state, "get", None)) or not isinstance(groups, (list, tuple)):
+        raise ConfigError(f"optimizer {type(optimizer).__module__}.{type(optimizer).__name__} has no param_groups "
+                          f"list and state mapping (state is {type(state).__name__}), so elastor cannot find its "
+                          f"Adam state; pass a torch optimizer (torch.optim.Adam/AdamW) over the model's parameters, "
+                          f"megatron-core's FP32Optimizer or ChainedOptimizer of those, or optimizer=None for the "
+                          f"weights alone")
+    return [optimizer]
+
+
+def _state_of(holders: list, p: Any) -> Optional[dict]:
+    for h in holders:
+        st = h.state.get(p)
+        if st:
+            return st
+    return None
+
+
+def _zero_state(group: Mapping[str, Any], p: torch.Tensor) -> dict:
+    st: dict = {"step": torch.zeros((), dtype=torch.float32)}
+    for m in _moments(group):
+        st[m] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
+def ensure_adam_state(optimizer: Any) -> None:
+    """Create zero Adam state (step 0) for parameters that have none yet, so it can be loaded into
+    (every optimizer of a megatron-core ``ChainedOptimizer``)."""
+    for h in state_holders(optimizer):
+        for group in h.param_groups:
+            for p in group["params"]:
+                if not h.state.get(p):
+                    h.state[p] = _zero_state(group, p)
+
+
+class _Staged:
+    """What a :func:`load_gpt` changes besides the bytes it reads: applied once the load succeeded
+    (:meth:`commit`), dropped when it failed after the read-into tensors were put back (:meth:`undo`)."""
+
+    def __init__(self, backup: bool):
+        self.backup = backup
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []   # (destination, host copy before the load)
+        self.new_state: list[tuple[Any, Any, dict]] = []            # (optimizer, param, zero state loaded into)
+        self.pad: list[tuple[TensorSpec, Any, torch.Tensor]] = []   # vocabulary padding rows to zero
+
+    def keep(self, t: torch.Tensor) -> None:
+        if self.backup:
+            self.saved.append((t, t.detach().to("cpu", copy=True)))
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for t, b in self.saved:
+                t.copy_(b)
+        self.saved.clear()
+
+    def commit(self) -> None:
+        self.saved.clear()
+        for h, p, st in self.new_state:
+            if not h.state.get(p):
+                h.state[p] = st
+        with torch.no_grad():
+            for spec, pieces, t in self.pad:
+                _zero_padding(spec, pieces, t)
 
 
 def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
-               optimizer: Optional[torch.optim.Optimizer] = None, for_load: bool = False) -> list[TensorShard]:
-    """Shards of this rank's weights (and Adam moments + step when ``optimizer`` is given)."""
+               optimizer: Optional[Any] = None, for_load: bool = False) -> list[TensorShard]:
+    """Shards of this rank's weights (and Adam moments + step when ``optimizer`` is given).
+    ``for_load``: zero the vocabulary padding rows and create zero Adam state where there is none
+    now, in place (:func:`load_gpt` defers both until its load succeeded)."""
+    return _gpt_shards(model, cfg, layout, rank, optimizer, for_load, None)
+
+
+def _gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int, optimizer: Optional[Any],
+                for_load: bool, staged: Optional[_Staged]) -> list[TensorShard]:
     plan = _plan(model, cfg, layout, rank)
+    holders = state_holders(optimizer)
     shards: list[TensorShard] = []
     for spec, h, p in plan:
-        if for_load:
+        if staged is not None:
+            staged.keep(p.data)
+            if spec.rule.kind == RuleKind.VOCAB:
+                staged.pad.append((spec, h.pieces, p.data))
+        elif for_load:
             _zero_padding(spec, h.pieces, p.data)
         shards += shards_from_pieces(spec.name, spec.shape, p.detach(), h.pieces)   # p's version counter
     if optimizer is None:
         return shards
-    if for_load:
+    if for_load and staged is None:
         ensure_adam_state(optimizer)
     step_t: Optional[torch.Tensor] = None
-    group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
+    group_of = {id(q): (g, o) for o in holders for g in o.param_groups for q in g["params"]}
     skipped = []
     for spec, h, p in plan:
-        group = group_of.get(id(p))
-        st = optimizer.state.get(p)
+        group, holder = group_of.get(id(p), (None, None))
+        st = _state_of(holders, p)
+        fresh = False
+        if not st and staged is not None and group is not None:
+            st, fresh = _zero_state(group, p), True   # loaded into; installed by _Staged.commit
+            staged.new_state.append((holder, p, st))
+        elif st and staged is not None and torch.is_tensor(st.get("step")):
+            staged.keep(st["step"])
         if group is None and not st:
             # outside every parameter group and without state (frozen): its weights only. (A wrapper
             # such as Megatron-LM's mixed-precision view lists its fp32 copies in its groups and maps
@@ -134,7 +227,12 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
             if m not in st:
                 raise ShardingError(f"optimizer state of {spec.name} has no {m!r} (keys {sorted(st)}); only "
                                     f"Adam/AdamW state is supported")
-            if for_load:
+            if staged is not None:
+                if not fresh:
+                    staged.keep(st[m])
+                if spec.rule.kind == RuleKind.VOCAB:
+                    staged.pad.append((spec, h.pieces, st[m]))
+            elif for_load:
                 _zero_padding(spec, h.pieces, st[m])
             shards += shards_from_pieces(f"optimizer.{m}.{spec.name}", spec.shape, st[m], h.pieces)
         if step_t is None:
@@ -157,19 +255,21 @@ def gpt_shards(model: Any, cfg: GPTSpecConfig, layout: Layout, rank: int,
     return shards
 
 
-def _set_steps(optimizer: torch.optim.Optimizer, step: torch.Tensor) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p)
-            if st and "step" in st:
-                if torch.is_tensor(st["step"]):
-                    st["step"].copy_(step.to(st["step"].dtype))
-                else:
-                    st["step"] = float(step)
+def _set_steps(optimizer: Any, step: torch.Tensor) -> None:
+    for h in state_holders(optimizer):
+        for group in h.param_groups:
+            for p in group["params"]:
+                st = h.state.get(p)
+                if st and "step" in st:
+                    if torch.is_tensor(st["step"]):
+                        st["step"].copy_(step.to(st["step"].dtype))
+                    else:
+                        st["step"] = float(step)
 
 
 def _agreed_shards(what: str, engine: CheckpointEngine, model: Any, cfg: GPTSpecConfig, layout: Layout,
-                   optimizer: Optional[torch.optim.Optimizer], for_load: bool) -> list[TensorShard]:
+                   optimizer: Optional[Any], for_load: bool,
+                   staged: Optional[_Staged] = None) -> list[TensorShard]:
     """This rank's shards, or one error on every rank when the layout's world is not the engine's or
     any rank's model does not fit (one rank raising alone left the others in the engine's collectives
     until the peer timeout)."""
@@ -178,14 +278,14 @@ def _agreed_shards(what: str, engine: CheckpointEngine, model: Any, cfg: GPTSpec
         raise ShardingError(f"{what}: the layout {layout.describe()} has {layout.world_size} ranks but the "
                             f"checkpoint engine's comm has {comm.world_size}; pass the layout this world runs "
                             f"(the one given to initialize_from_layout)")
+    build = lambda: _gpt_shards(model, cfg, layout, comm.rank, optimizer, for_load, staged)  # noqa: E731
     if comm.world_size == 1:
-        return gpt_shards(model, cfg, layout, comm.rank, optimizer, for_load=for_load)
-    return agree(comm, lambda: gpt_shards(model, cfg, layout, comm.rank, optimizer, for_load=for_load),
-                 what=f"{what}: matching the model to the config and layout")
+        return build()
+    return agree(comm, build, what=f"{what}: matching the model to the config and layout")
 
 
 def save_gpt(engine: CheckpointEngine, step: int, model: Any, cfg: GPTSpecConfig, layout: Layout,
-             optimizer: Optional[torch.optim.Optimizer] = None, extra: Optional[Mapping[str, Any]] = None,
+             optimizer: Optional[Any] = None, extra: Optional[Mapping[str, Any]] = None,
              rank_state: Optional[Mapping[str, Any]] = None):
     """Collective: save this rank's part of the GPT (and Adam state) as checkpoint ``step``.
 
@@ -198,12 +298,28 @@ def save_gpt(engine: CheckpointEngine, step: int, model: Any, cfg: GPTSpecConfig
 
 
 def load_gpt(engine: CheckpointEngine, path: Optional[str], model: Any, cfg: GPTSpecConfig, layout: Layout,
-             optimizer: Optional[torch.optim.Optimizer] = None, **kw: Any) -> LoadResult:
+             optimizer: Optional[Any] = None, *, restore_on_failure: bool = True, **kw: Any) -> LoadResult:
     """Collective: fill the GPT (and Adam state) from a checkpoint saved under any layout. A model,
-    config or layout that does not fit on any rank: one error on every rank, as in :func:`save_gpt`."""
-    shards = _agreed_shards("load_gpt", engine, model, cfg, layout, optimizer, for_load=True)
+    config or layout that does not fit on any rank: one error on every rank, as in :func:`save_gpt`.
+    ``kw``: :meth:`CheckpointEngine.load`'s options (``fallback``, ``verify_checksums``, ...).
+
+    When it raises, the model and the optimizer are as they were before the call: the vocabulary
+    padding rows are zeroed, Adam state is created for parameters without any and the step is set
+    only after the load succeeded, and the weights and existing Adam state the engine read into
+    (a corrupt or truncated checkpoint fails part-way, :meth:`CheckpointEngine.load`) are copied
+    back from a host copy taken first: for the duration of the call, host memory for one copy of
+    this rank's weights and Adam state. ``restore_on_failure=False`` skips that copy; a failure
+    while reading then leaves the bytes the engine wrote (verified checkpoint bytes or zeros) in the
+    weights and existing Adam state, and still creates no state and zeroes no padding row."""
+    staged = _Staged(backup=restore_on_failure)
+    shards = _agreed_shards("load_gpt", engine, model, cfg, layout, optimizer, for_load=True, staged=staged)
     step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
-    res = engine.load(path, shards, **kw)
+    try:
+        res = engine.load(path, shards, **kw)
+    except BaseException:
+        staged.undo()
+        raise
+    staged.commit()
     if optimizer is not None and step_t is not None:
         _set_steps(optimizer, step_t)
     return res
