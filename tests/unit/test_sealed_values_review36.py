@@ -202,3 +202,50 @@ def test_snapshot_server_addresses_are_sealed_and_a_forged_one_reads_as_none(tmp
     assert snaps.publish(view, 0, 2) == ["", "10.0.0.2:5555"]
     assert r.get("elastor/snapshot_server/1") == _expected(K, "snapshot-server", RUN, "0",
                                                             "elastor/snapshot_server/1", b"10.0.0.2:5555")
+
+
+def test_sealed_ledger_on_a_store_without_compare_set():
+    """torch's EtcdStore (etcd-v2) has no compare_set: the first ``add`` elects the primary, which
+    writes its sealed name over whatever the forger put there; the job count is a sealed ``set``."""
+    import torch.distributed as dist
+
+    from elastor_ds.elastic.ledger import ROUND_KEY, FailureLedger
+    from elastor_ds.elastic.store_auth import StoreAuth
+
+    class NoCasStore(dist.Store):          # the methods torch's EtcdStore implements, over a HashStore
+        def __init__(self):
+            super().__init__()
+            self.kv = dist.HashStore()
+
+        def set(self, key, value):
+            self.kv.set(key, value)
+
+        def get(self, key):
+            return self.kv.get(key)
+
+        def add(self, key, num):
+            return self.kv.add(key, num)
+
+        def wait(self, keys, override_timeout=None):
+            self.kv.wait(keys, override_timeout) if override_timeout else self.kv.wait(keys)
+
+        def check(self, keys):
+            return self.kv.check(keys)
+
+        def delete_key(self, key):
+            return self.kv.delete_key(key)
+
+    job = NoCasStore()
+    a = FailureLedger("node-a:1", job, RUN, auth=StoreAuth(K, RUN))
+    b = FailureLedger("node-b:2", job, RUN, auth=StoreAuth(K, RUN))
+    r0 = dist.PrefixStore("round0", job)
+    r0.set(ROUND_KEY, "gpu-node-7.cluster:31337")
+    job.set(f"elastor/{RUN}/failures", str(-10 ** 12))
+    ca, cb = a.claim(r0, "0"), b.claim(r0, "0")
+    assert (ca.primary, ca.by, ca.failures) == (True, "node-a:1", 1)
+    assert (cb.primary, cb.by, cb.failures) == (False, "node-a:1", 1)
+    r1 = dist.PrefixStore("round1", job)
+    r1.set(ROUND_KEY, r0.get(ROUND_KEY))                   # round 0's genuine record, replayed
+    r1.add("elastor/failure_seq", 1)                       # and the election taken: b must read the record
+    cb1 = b.claim(r1, "1")
+    assert (cb1.primary, cb1.failures) == (True, 2), cb1
