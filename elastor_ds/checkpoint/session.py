@@ -145,6 +145,34 @@ def _check_writable(cfg: CheckpointConfig, policy_comm: Any) -> None:
                     "explicit or end-of-run save would fail", root, why)
 
 
+def _check_snapshot_dir_writable(memory: MemorySnapshotConfig, node: str, policy_comm: Any) -> None:
+    """Collective. The node's memory-snapshot folder ``node`` (and its ``local/`` when there) must take
+    this process's snapshots: refused at set-up naming the setting the user gave and its value (the
+    snapshot storage's own error named ``<dir>/local``, a folder the user never named). Agreed so that
+    every rank raises the same error."""
+    from .snapshot.tier import LOCAL
+    why = None
+    for p in (node, os.path.join(node, LOCAL)):
+        if os.path.isdir(p) and not os.access(p, os.W_OK | os.X_OK):
+            why = "a read-only file system" if _read_only_fs(p) else "no write permission for this user"
+            if p != node:
+                why = f"its snapshot folder {p} allows no writes: {why}"
+            break
+    bad = [(r, w) for r, w in enumerate(policy_comm.all_gather_object(why)) if w]
+    if not bad:
+        return
+    rank, why = bad[0]
+    on = f" (rank {rank})" if policy_comm.world_size > 1 else ""
+    if memory.dir:
+        setting, value = "elastor.memory_snapshot.dir", memory.dir
+    else:
+        from ..elastic.protocol import ENV_SNAPSHOT_DIR
+        setting, value = ENV_SNAPSHOT_DIR, os.environ.get(ENV_SNAPSHOT_DIR, node)
+    raise ConfigError(f"{setting} {value}: this process{on} cannot write there ({why}), so no memory snapshot "
+                      f"could be taken; give a directory you may write (one per node, in memory: /dev/shm/<job>), "
+                      f"or fix its permissions")
+
+
 def _read_only_fs(path: str) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
@@ -210,7 +238,9 @@ class CheckpointSession:
         self.extra_memory_sources: list[Callable[[str, Manifest], list]] = []
         if memory is not None:
             from .snapshot.tier import MemoryTier, node_dir
-            check_roots_apart(cfg.dir, node_dir(memory))
+            snap_dir = node_dir(memory)
+            check_roots_apart(cfg.dir, snap_dir)
+            _check_snapshot_dir_writable(memory, snap_dir, self.policy_comm)   # before local/ is made in it
             self.memory = MemoryTier(memory, memory_comm if memory_comm is not None else self._new_comm(comm),
                                      storage_root=cfg.dir)
             self.memory.check_budget(state.snapshot_bytes(self.policy_comm), self.policy_comm, estimated=True)
