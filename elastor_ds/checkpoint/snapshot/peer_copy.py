@@ -9,7 +9,10 @@ over a :class:`~elastor_ds.comm.transport.Transport` of the whole world (a dedic
 1. every sender posts a JSON header (origin node id, step, files with sizes, CRC32 and a keyed
    digest under the job key, :class:`~elastor_ds.checkpoint.auth.FileMac`: GMAC, or HMAC-SHA256
    without the ``cryptography`` package) to its receiver; every
-   receiver posts the receives of its senders' headers (lengths first);
+   receiver posts the receives of its senders' headers. Lengths first: a receiver tells each sender
+   whether it takes a header of that length (1 byte to 1 MiB), and a sender posts its header only
+   to the receivers that take it (a gloo send waits for its receive: a header sent to a receiver
+   that refused its length waited for the transport's timeout); a refused one fails that copy at once;
 2. a receiver trusts no size it is sent: every file must be listed in its own node's committed
    manifest of that step (read from a descriptor opened at :meth:`submit`: retention cannot pull
    it), with the manifest's size and CRC32 and written by that sender; the bytes it has to allocate
@@ -34,7 +37,9 @@ over a :class:`~elastor_ds.comm.transport.Transport` of the whole world (a dedic
 Peer copies need the job key (``elastor run --job-secret-file``): without it on any rank there are
 none (decided collectively, logged).
 
-The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``).
+The next :meth:`submit` waits for the previous exchange (back-pressure, reported as ``wait_s``);
+:meth:`close` waits for it and for this rank's replies to its senders (bounded: a receiver that
+left before a slow sender took its "no" left that sender's receive to fail on a closed connection).
 :meth:`create` makes the transport: it is collective, every rank calls it at the same point
 relative to its other group creations (see RUNTIME_FACTS.md: group creation order). A transfer that
 fails or times out fails that copy (logged); a failed transport stays failed, so every later copy
@@ -75,7 +80,7 @@ _MAX_HEADER = 1 << 20
 _MAC_RE = re.compile(r"(?:[0-9a-f]{64}|g1\.[0-9a-f]{24}\.[0-9a-f]{32})")   # HMAC-SHA256 | GMAC (auth.FileMac)
 _CHECK_PIECE = 1 << 20      # the receiver's CRC and MAC run over each piece while it is in cache
 _PIECE = 256 << 20          # one send/recv op moves at most this many bytes
-_T_LEN, _T_HDR, _T_OK, _T_DATA = 1, 2, 3, 16
+_T_LEN, _T_HDR, _T_OK, _T_HDR_OK, _T_DATA = 1, 2, 3, 4, 16
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,10 @@ class PeerCopier:
                                   f"needs the whole world of {sum(procs_per_node)} processes {list(procs_per_node)}")
         self.key = key
         self.mac_scheme = mac_scheme
-        self._answers: list = []   # the sends of this rank's answers to its senders (a dropped handle cancels)
+        # the sends of this rank's replies to its senders (header taken or not, files taken or not), not
+        # waited for in the exchange; kept until the next one (a dropped gloo handle cancels its send) and
+        # waited for by close()
+        self._answers: list = []
         self.transport = transport
         self.rank = transport.rank
         self.procs_per_node = list(procs_per_node)
@@ -343,8 +351,11 @@ class PeerCopier:
             self._thread = None
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """At the end of training: let the last copy finish (bounded: a partner that died leaves it
-        to the gloo timeout). True when no copy is left running."""
+        """At the end of training: let the last copy finish, and this rank's replies to its senders
+        be taken (a sender this rank refused may listen for its "no" after this rank's exchange
+        ended: leaving then broke its receive). Bounded by ``timeout_s`` in all (a partner that died
+        leaves it to the gloo timeout). True when no copy is left running."""
+        end = time.monotonic() + timeout_s
         t = self._thread
         if t is not None:
             t.join(timeout_s)
@@ -352,6 +363,14 @@ class PeerCopier:
                 log.warning("peer copy %d still running after %.0f s at shutdown; leaving it", self.seq, timeout_s)
                 return False
         self._thread = None
+        answers, self._answers = self._answers, []
+        for dst, w in answers:
+            try:
+                w.wait(timeout_s=max(0.001, end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - the sender left or never listens: said, not raised
+                log.warning("peer copy %d: rank %d did not take this rank's reply at shutdown: %s", self.seq, dst,
+                            str(e)[:300])
+                break   # a failed wait fails the transport: the other replies cannot be taken either
         self.recv_files.close()
         return True
 
@@ -405,7 +424,21 @@ class PeerCopier:
             if k < 0:
                 log.warning("peer copy %d: refusing the copy rank %d announces: a header of %d bytes (1 to %d)",
                             st.seq, t.src, int(n), _MAX_HEADER)
-        works = [tr.isend(htensor, t.dst, tag=_T_HDR) for t in self.sends]
+        # each sender learns whether its header is taken before it sends it: a send of a header its
+        # receiver does not take waited for a receive that never came until the transport's timeout
+        # (the replies are not waited for here: a sender that does not listen cannot hold this rank)
+        replies = [(t.src, tr.isend(torch.tensor([1 if k > 0 else 0], dtype=torch.int64), t.src, tag=_T_HDR_OK))
+                   for k, t in zip(sizes, self.recvs)]
+        self._answers = replies
+        taken = [torch.zeros(1, dtype=torch.int64) for _ in self.sends]
+        for w in [tr.irecv(v, t.dst, tag=_T_HDR_OK) for v, t in zip(taken, self.sends)]:
+            w.wait()
+        refused_hdr = [t.dst for v, t in zip(taken, self.sends) if int(v) != 1]
+        if refused_hdr:
+            st.error = (f"rank(s) {refused_hdr} refused this rank's header of {len(hbytes)} bytes (more than they "
+                        f"take, or none: see their logs); not copied there")
+            log.warning("peer copy %d of %s: %s", st.seq, st.step_name, st.error)
+        works = [tr.isend(htensor, t.dst, tag=_T_HDR) for v, t in zip(taken, self.sends) if int(v) == 1]
         hdrs_in = [torch.empty(max(k, 0), dtype=torch.uint8) for k in sizes]
         works += [tr.irecv(b, t.src, tag=_T_HDR) for b, k, t in zip(hdrs_in, sizes, self.recvs) if k > 0]
         for w in works:
@@ -422,13 +455,14 @@ class PeerCopier:
         # hang until the transport's timeout, and fail the transport for the rest of the launch). The
         # answers are not waited for: a sender that does not listen must not hold this receiver
         # (the send handles are kept until the next exchange: a dropped gloo handle cancels its send)
-        self._answers = [tr.isend(torch.tensor([0 if inc.files is None else 1], dtype=torch.int64), inc.t.src,
-                                  tag=_T_OK) for inc in incoming]
+        self._answers = replies + [(inc.t.src, tr.isend(torch.tensor([0 if inc.files is None else 1],
+                                                                     dtype=torch.int64), inc.t.src, tag=_T_OK))
+                                   for inc in incoming]
         answers = [torch.zeros(1, dtype=torch.int64) for _ in self.sends]
         for w in [tr.irecv(v, t.dst, tag=_T_OK) for v, t in zip(answers, self.sends)]:
             w.wait()
         accepted = [t for v, t in zip(answers, self.sends) if int(v) == 1]
-        if opened is not None and len(accepted) < len(self.sends):
+        if opened is not None and len(accepted) < len(self.sends) and not st.error:
             st.error = (f"rank(s) {[t.dst for v, t in zip(answers, self.sends) if int(v) != 1]} did not accept this "
                         f"rank's files (see their logs)")
         # 3. data, straight from / into memory-mapped files
