@@ -15,9 +15,9 @@ The optimizer: a torch optimizer (Adam/AdamW), an object with the same ``param_g
 ``state`` is a proxy keyed by ``(index, key)``: the state is read from each of its
 ``chained_optimizers``). Anything else is a :class:`~elastor_ds.errors.ConfigError`.
 
-A :func:`load_gpt` that raises leaves the model and the optimizer as they were: padding rows are
-zeroed and Adam state is created only once the load succeeded, and the bytes a failed read had
-written are restored from a host copy taken before it (``restore_on_failure``).
+A :func:`load_gpt` that raises zeroes no padding row and creates no Adam state (both happen only
+once the load succeeded); the bytes a failed read had written (verified checkpoint bytes or zeros)
+stay, unless ``restore_on_failure=True`` asked for a host copy taken before it to put them back.
 """
 from __future__ import annotations
 
@@ -298,19 +298,19 @@ def save_gpt(engine: CheckpointEngine, step: int, model: Any, cfg: GPTSpecConfig
 
 
 def load_gpt(engine: CheckpointEngine, path: Optional[str], model: Any, cfg: GPTSpecConfig, layout: Layout,
-             optimizer: Optional[Any] = None, *, restore_on_failure: bool = True, **kw: Any) -> LoadResult:
+             optimizer: Optional[Any] = None, *, restore_on_failure: bool = False, **kw: Any) -> LoadResult:
     """Collective: fill the GPT (and Adam state) from a checkpoint saved under any layout. A model,
     config or layout that does not fit on any rank: one error on every rank, as in :func:`save_gpt`.
     ``kw``: :meth:`CheckpointEngine.load`'s options (``fallback``, ``verify_checksums``, ...).
 
-    When it raises, the model and the optimizer are as they were before the call: the vocabulary
-    padding rows are zeroed, Adam state is created for parameters without any and the step is set
-    only after the load succeeded, and the weights and existing Adam state the engine read into
-    (a corrupt or truncated checkpoint fails part-way, :meth:`CheckpointEngine.load`) are copied
-    back from a host copy taken first: for the duration of the call, host memory for one copy of
-    this rank's weights and Adam state. ``restore_on_failure=False`` skips that copy; a failure
-    while reading then leaves the bytes the engine wrote (verified checkpoint bytes or zeros) in the
-    weights and existing Adam state, and still creates no state and zeroes no padding row."""
+    When it raises, the vocabulary padding rows are not zeroed, no Adam state is created and the
+    step is not set (all three happen only after the load succeeded); a failure while reading (a
+    corrupt or truncated checkpoint fails part-way, :meth:`CheckpointEngine.load`) leaves the bytes
+    the engine wrote (verified checkpoint bytes or zeros) in the weights and existing Adam state.
+    ``restore_on_failure=True``: the model and optimizer are bit for bit as before the call, the
+    weights and existing Adam state copied back from a host copy taken first (host memory for one
+    copy of this rank's weights and Adam state for the duration of the call; off by default, as a
+    resume that fails usually ends the job)."""
     staged = _Staged(backup=restore_on_failure)
     shards = _agreed_shards("load_gpt", engine, model, cfg, layout, optimizer, for_load=True, staged=staged)
     step_t = next((s.tensor for s in shards if s.name == STEP_NAME), None)
