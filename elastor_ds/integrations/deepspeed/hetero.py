@@ -50,7 +50,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from ...runtime.hetero_comm import HeteroZero1, SplitAllReduce, create_groups, global_mean
 from ...errors import ConfigError
-from ...layout import Layout
+from ...layout import Layout, Piece, Region
 from . import overrides
 from ...runtime import (creation_order, recv_source, reduce_groups, send_targets, split_reduce_plan,
                          zero_partition)
@@ -267,7 +267,9 @@ class HeteroRuntime:
                 self.module_names[cname] = n
         except Exception as e:  # noqa: BLE001 - raised on every rank by _gathered
             local = e
-        everyone = _gathered(held, local, "announcing the parameters for the split all-reduce")
+        rows = _gathered([(n, s, [_piece_row(p) for p in ps]) for n, s, ps in held], local,
+                         "announcing the parameters for the split all-reduce")
+        everyone = [[(n, tuple(s), tuple(_piece_of(p) for p in ps)) for n, s, ps in row] for row in rows]
         rep = {r: self.layout.position(r).replica for r in range(len(everyone))}
         plan = split_reduce_plan(dict(enumerate(everyone)), rep)
         # a second engine under this runtime reuses the groups of the first (the same plan gives the same
@@ -326,6 +328,15 @@ class HeteroRuntime:
 
     def data_of(self, name: str) -> torch.Tensor:
         return self.params[name].data
+
+
+def _piece_row(p: Piece) -> tuple:
+    """``p`` as plain data for :func:`_gathered` (the object collectives carry no dataclasses)."""
+    return (tuple(p.local.offsets), tuple(p.local.sizes), tuple(p.global_.offsets), tuple(p.global_.sizes))
+
+
+def _piece_of(row: Any) -> Piece:
+    return Piece(Region(tuple(row[0]), tuple(row[1])), Region(tuple(row[2]), tuple(row[3])))
 
 
 def _gathered(mine: Any, local: Optional[BaseException], what: str) -> list:
