@@ -107,11 +107,15 @@ def _enc_float(v: float, out: bytearray, depth: int) -> None:
 
 def _enc_str(v: str, out: bytearray, depth: int) -> None:
     data = v.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_BYTES:
+        raise _Refused(f"a str of {len(data)} bytes (at most {MAX_BYTES})", WireLimitError)
     out += _TAG_U32(b"s", len(data))
     out += data
 
 
 def _enc_bytes(v: bytes, out: bytearray, depth: int) -> None:
+    if len(v) > MAX_BYTES:
+        raise _Refused(f"bytes of length {len(v)} (at most {MAX_BYTES})", WireLimitError)
     out += _TAG_U32(b"b", len(v))
     out += v
 

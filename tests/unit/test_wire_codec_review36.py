@@ -99,6 +99,7 @@ class Text(str):
 @pytest.mark.parametrize("value, type_name", [
     (Meta("w"), "Meta"), (Colour.RED, "Colour"), (Kind.A, "Kind"), ({1, 2}, "set"), (frozenset(), "frozenset"),
     (ValueError("x"), "ValueError"), (np.int64(3), "numpy.int64"), (np.float32(1.0), "numpy.float32"),
+    (np.float64(1.0), "numpy.float64"), (np.bool_(True), "numpy.bool"),
     (torch.Size([2, 3]), "torch.Size"), (Pair(1, 2), "Pair"), (bytearray(b"x"), "bytearray"),
     (Text("s"), "Text"), (torch.zeros(1), "Tensor"), (object(), "object"), (len, "builtin_function_or_method"),
     (complex(1, 2), "complex"),
