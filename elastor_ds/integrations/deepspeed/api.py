@@ -55,6 +55,11 @@ class ElastorEngineMixin:
         ok = True
         ec = self.elastor
         rt = getattr(self, "elastor_runtime", None)
+        if ec is not None and ec.cfg.on_save_checkpoint:
+            # the client state is checked (on every rank, agreed) before anything is written: a value JSON
+            # cannot hold is refused with DeepSpeed's files unwritten and the session's client state as it was
+            # (was: DeepSpeed's files written, then the refusal, and every later periodic save refused too)
+            _set_client_state(ec, client_state)
         if rt is not None:   # a heterogeneous plan: DeepSpeed's own files cannot hold it (see _hetero_save)
             return _hetero_save(self, save_dir, client_state)
         if ec is None or ec.cfg.deepspeed_native:
@@ -71,7 +76,6 @@ class ElastorEngineMixin:
             ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,  # type: ignore[misc]
                                          save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         if ec is not None and ec.cfg.on_save_checkpoint:
-            ec.state.client_state = dict(client_state or {})
             ec.save()
         return ok
 
@@ -133,9 +137,34 @@ def _hetero_save(engine: Any, save_dir: Any, client_state: Any) -> bool:
                         "not written (every replica would write the same file names, the last one winning); "
                         "elastor's checkpoint in %s holds the state (resume with \"load\": \"latest\"). Set "
                         "\"deepspeed_native\": false in elastor.checkpoint to silence this", save_dir, plan, ec.cfg.dir)
-    ec.state.client_state = dict(client_state or {})
     ec.save()
     return True
+
+
+def _set_client_state(ec: Any, client_state: Any) -> None:
+    """``save_checkpoint``'s ``client_state`` as the session's, once its JSON form is made on every
+    rank (:func:`~elastor_ds.comm.collectives.agree_world`: a rank whose value JSON cannot hold makes
+    every rank raise, naming it, instead of the others waiting in the save's collectives). On a
+    refusal nothing changes: the next periodic save carries the previous client state."""
+    from ...comm.collectives import agree_world
+    from .runtime import _client_json
+
+    def made() -> tuple:
+        try:
+            cs = dict(client_state or {})
+        except (TypeError, ValueError):
+            raise ConfigError(f"engine.save_checkpoint: client_state must be a dict (as DeepSpeed's), got "
+                              f"{type(client_state).__name__}") from None
+        try:
+            return cs, _client_json(cs)
+        except ConfigError as e:
+            raise ConfigError(f"engine.save_checkpoint: {e}; nothing was written. Or set "
+                              f"elastor.checkpoint.on_save_checkpoint to false: save_checkpoint then writes "
+                              f"DeepSpeed's files only, which pickle it") from None
+
+    cs, js = agree_world(made, "engine.save_checkpoint (its client_state)")
+    ec.state.client_state = cs
+    ec.state._client_json = (cs, js)
 
 
 def _native_requested(config: Any) -> bool:

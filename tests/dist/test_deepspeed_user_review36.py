@@ -1,0 +1,75 @@
+"""Review 36 of the DeepSpeed integration, used as a DeepSpeed user would use it: gloo ranks on CPU,
+a plain ``nn.Module``, ``engine.save_checkpoint`` calls a DeepSpeed script already has.
+
+Oracles: the files on disk (DeepSpeed's own folder written or not), the steps elastor committed,
+and the client state a resume hands back.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from dist_utils import run_world  # noqa: E402
+
+
+def _engine(ck: str, world: int, load: str = "latest"):
+    from elastor_ds import deepspeed as eds
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * world, "zero_optimization": {"stage": 1},
+           "steps_per_print": 10 ** 9, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "elastor": {"checkpoint": {"dir": ck, "interval_steps": 2, "keep": 5, "load": load, "async": False,
+                                      "timeout_s": 20}}}
+    engine, *_ = eds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _train(engine, n: int) -> None:
+    for _ in range(n):
+        loss = engine(torch.randn(2, 8)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def _steps(ck: str) -> list[str]:
+    return sorted(n for n in os.listdir(ck) if n.startswith("step_"))
+
+
+# --- 1. a client_state JSON cannot hold ----------------------------------------------------------
+
+def _client_state_worker(rank: int, world: int, d: str) -> None:
+    from elastor_ds.errors import ConfigError, RanksFailedError
+    ck, native = os.path.join(d, "ck"), os.path.join(d, "native")
+    engine = _engine(ck, world)
+    _train(engine, 3)                                              # step 2 committed
+    engine.save_checkpoint(native, client_state={"epoch": 1})     # a good one first: elastor step 3
+    with pytest.raises(ConfigError) as ei:                         # argparse args, as DeepSpeed scripts pickle
+        engine.save_checkpoint(native, tag="bad", client_state={"args": argparse.Namespace(lr=1.0)})
+    msg = str(ei.value)
+    assert "client_state.args" in msg and "Namespace" in msg and "on_save_checkpoint" in msg, msg
+    assert not os.path.exists(os.path.join(native, "bad")), "DeepSpeed's files were written before the refusal"
+    # one rank's value only: every rank raises, naming it, instead of the other waiting in the save
+    cs = {"args": argparse.Namespace(lr=1.0)} if rank == 1 else {"epoch": 2}
+    with pytest.raises(RanksFailedError) as ei:
+        engine.save_checkpoint(native, tag="bad1", client_state=cs)
+    assert "rank 1" in str(ei.value) and "Namespace" in str(ei.value), str(ei.value)
+    assert isinstance(ei.value, ConfigError)
+    assert not os.path.exists(os.path.join(native, "bad1"))
+    _train(engine, 2)             # the periodic save of step 5 (2 after 3) carries the last good client state
+    engine.elastor.finalize()
+    assert _steps(ck) == ["step_000000002", "step_000000003", "step_000000005"], _steps(ck)
+    del engine
+    again = _engine(ck, world)
+    assert int(again.global_steps) == 5
+    assert again.elastor_client_state() == {"epoch": 1}
+
+
+def test_unstorable_client_state_is_refused_before_anything_is_written(tmp_path):
+    """Was: DeepSpeed's files written, then the refusal; the bad client state stayed the session's, so
+    every later periodic save was refused too (training with it caught stopped saving)."""
+    run_world(_client_state_worker, 2, str(tmp_path), timeout_s=180)
