@@ -286,8 +286,10 @@ def to_jsonable(obj: Any, where: str = "state", deferred: "list | None" = None) 
     them off the training thread (:func:`resolve_deferred`). Without it, they are read now."""
     if isinstance(obj, float):
         return _float(obj)
-    if obj is None or isinstance(obj, (bool, int, str)):
+    if obj is None or type(obj) in (bool, int, str):
         return obj
+    if isinstance(obj, (bool, int, str)):   # an IntEnum, a str Enum, numpy's bool_ is not one: their plain value,
+        return bool(obj) if isinstance(obj, bool) else (int(obj) if isinstance(obj, int) else str.__str__(obj))
     if isinstance(obj, DeviceScalar):
         if deferred is None:
             return obj.value()
