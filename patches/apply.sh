@@ -59,14 +59,15 @@ fits() {  # fits PATCH [reverse]: does it apply (or, reversed, is it applied)?
   if [ $use_git = 1 ]; then
     git -C "$dir" apply --check ${rev:+--reverse} "$p" 2>/dev/null
   else
-    # --forward --fuzz=0: an applied patch must not "fit" again with fuzz (it would leave a .rej)
-    patch -p1 --dry-run --forward --fuzz=0 --silent ${rev:+--reverse} -d "$dir" < "$p" >/dev/null 2>&1
+    # --forward --fuzz=0: an applied patch must not "fit" again with fuzz (it would leave a .rej);
+    # --no-backup-if-mismatch: a hunk placed at an offset (lines moved above it) leaves no *.orig behind
+    patch -p1 --dry-run --forward --fuzz=0 --no-backup-if-mismatch --silent ${rev:+--reverse} -d "$dir" < "$p" >/dev/null 2>&1
   fi
 }
 run() {
   local p=$1 rev=${2:-}
   if [ $use_git = 1 ]; then git -C "$dir" apply ${rev:+--reverse} "$p"
-  else patch -p1 --forward --fuzz=0 --silent ${rev:+--reverse} -d "$dir" < "$p"; fi
+  else patch -p1 --forward --fuzz=0 --no-backup-if-mismatch --silent ${rev:+--reverse} -d "$dir" < "$p"; fi
 }
 
 # 2. check every patch first; 3. then apply (or reverse) them all
@@ -84,9 +85,35 @@ for p in "${patches[@]}"; do
   fi
 done
 [ $mode = check ] && { echo "apply.sh: all ${#patches[@]} patches fit $dir"; exit 0; }
+# 3a. every file to change (and its folder: git apply and patch write a new file beside it) is writable;
+# a fitting patch says nothing about that, and a tree only partly writable would be left half patched
 for p in "${todo[@]}"; do
-  if [ $mode = reverse ]; then run "$p" reverse; echo "dropped  $(basename "$p")"
-  else run "$p"; echo "applied  $(basename "$p")"; fi
+  while IFS= read -r f; do
+    d=$(dirname "$dir/$f")
+    if [ ! -w "$dir/$f" ] || [ ! -w "$d" ]; then
+      die "$dir/$f (or its folder) is not writable by $(id -un 2>/dev/null || id -u): nothing was changed. Make the tree writable \
+(or patch a copy of it) and rerun"
+    fi
+  done < <(sed -n 's|^+++ b/||p' "$p")
+done
+rollback() {  # undo the patches of this run already applied, newest first, after one failed
+  local failed=$1 i
+  for ((i = ${#done_[@]} - 1; i >= 0; i--)); do
+    if [ $mode = reverse ]; then run "${done_[$i]}" >/dev/null 2>&1 || return 1
+    else run "${done_[$i]}" reverse >/dev/null 2>&1 || return 1; fi
+  done
+}
+done_=()
+for p in "${todo[@]}"; do
+  if [ $mode = reverse ]; then run "$p" reverse || { rollback "$p" && \
+      die "dropping $(basename "$p") failed (above); the ${#done_[@]} dropped before it were applied again: nothing was changed" \
+      || die "dropping $(basename "$p") failed and putting back the ${#done_[@]} before it failed too: rerun apply.sh on a fresh checkout"; }
+    echo "dropped  $(basename "$p")"
+  else run "$p" || { rollback "$p" && \
+      die "applying $(basename "$p") failed (above); the ${#done_[@]} applied before it were dropped again: nothing was changed" \
+      || die "applying $(basename "$p") failed and dropping the ${#done_[@]} before it failed too: rerun apply.sh on a fresh checkout"; }
+    echo "applied  $(basename "$p")"; fi
+  done_+=("$p")
 done
 if [ $mode = reverse ]; then echo "apply.sh: ${#todo[@]} patches dropped from $dir"
 else echo "apply.sh: ${#todo[@]} patches applied to $dir; the elastor path is on only with --elastor"; fi

@@ -116,8 +116,38 @@ def _one_line_user_errors() -> None:
     sys.excepthook = hook
 
 
+def _int_flag(flag: str, lo: int, hi: int, example: str) -> Any:
+    """An argparse ``type`` for an integer flag in [lo, hi]: a value out of range is Megatron-LM's own
+    usage error (``pretrain_gpt.py: error: argument FLAG: ...``, exit 2) naming the bound and a value
+    to pass, on every rank before any process group exists."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; e.g. {flag} {example}") from None
+        if v < lo or v > hi:
+            raise argparse.ArgumentTypeError(f"{v}: must be {f'at least {lo}' if v < lo else f'at most {hi}'}; "
+                                             f"e.g. {flag} {example}")
+        return v
+    parse.__name__ = "int"   # argparse names the type in its own messages
+    return parse
+
+
+def _plan_flag(text: str) -> str:
+    """``--elastor-plan``: a mode or a path, never empty (``--elastor-plan "$PLAN"`` with PLAN unset
+    would otherwise run without the plan the user meant)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: empty; pass auto, on-change or a plan file "
+                                         f"(`elastor plan ... --homogeneous --json > plan.json`), or drop the flag")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--elastor*`` flags (an ``extra_args_provider`` for Megatron-LM's parse_args)."""
+    """Add the ``--elastor*`` flags (an ``extra_args_provider`` for Megatron-LM's parse_args). Integer
+    values are range-checked by argparse itself (Megatron-LM's usage error, exit 2); :func:`configure`
+    checks them again for namespaces argparse did not make (``--yaml-cfg``)."""
+    mem = {name: _int_flag(_mem_flag(name), lo, hi, example) for name, _key, lo, hi, example in _MEM_FLAGS
+           if lo is not None}
     _one_line_user_errors()
     g = parser.add_argument_group("elastor", "elastic, partition-agnostic checkpoints (off by default)")
     g.add_argument("--elastor", action="store_true", default=False,
@@ -125,27 +155,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--elastor-async", dest="elastor_async", action=argparse.BooleanOptionalAction,
                    default=CheckpointConfig.async_save,
                    help="write checkpoints in a background thread (default on)")
-    g.add_argument("--elastor-keep", type=int, default=CheckpointConfig.keep,
+    g.add_argument("--elastor-keep", type=_int_flag("--elastor-keep", 1, MAX_KEEP, "2"),
+                   default=CheckpointConfig.keep, metavar="N",
                    help=f"committed checkpoints to keep (default {CheckpointConfig.keep})")
     g.add_argument("--elastor-fallback", dest="elastor_fallback", action=argparse.BooleanOptionalAction,
                    default=CheckpointConfig.fallback_to_previous,
                    help="when the newest checkpoint is corrupt or incomplete, load the previous "
                         "committed one (default on)")
-    g.add_argument("--elastor-plan", default=None, metavar="auto|on-change|FILE",
+    g.add_argument("--elastor-plan", type=_plan_flag, default=None, metavar="auto|on-change|FILE",
                    help="sets TP, PP and the (uneven) pipeline stage boundaries: 'auto' plans the best TP x PP x DP "
                         "for the launched world; 'on-change' keeps the parallel-size flags on the world `elastor "
                         "run` first launched and plans (as auto) once it changed; FILE: a plan JSON "
                         "(`elastor plan ... --homogeneous --json`)")
-    g.add_argument("--elastor-memory-snapshot-interval", type=int, default=None, metavar="N",
+    g.add_argument("--elastor-memory-snapshot-interval", type=mem["interval"], default=None, metavar="N",
                    help="also snapshot every N iterations into this node's memory (tmpfs: --elastor-memory-"
                         "snapshot-dir, default $ELASTOR_SNAPSHOT_DIR, which `elastor run` makes); a restart "
                         "restores from memory first, storage only for what no memory holds (needs --save)")
-    g.add_argument("--elastor-memory-snapshot-peer-copies", type=int, default=None, metavar="K",
+    g.add_argument("--elastor-memory-snapshot-peer-copies", type=mem["peer_copies"], default=None, metavar="K",
                    help="copies of each snapshot on other nodes (0 or 1; default 1)")
-    g.add_argument("--elastor-memory-snapshot-peer-copy-interval", type=int, default=None, metavar="N",
+    g.add_argument("--elastor-memory-snapshot-peer-copy-interval", type=mem["peer_copy_interval"], default=None, metavar="N",
                    help="copy only every N-th iteration's snapshot to the next node (a multiple of the snapshot "
                         "interval; default: every snapshot)")
-    g.add_argument("--elastor-memory-snapshot-keep", type=int, default=None, metavar="K",
+    g.add_argument("--elastor-memory-snapshot-keep", type=mem["keep"], default=None, metavar="K",
                    help="memory snapshots kept per node (default 1)")
     g.add_argument("--elastor-memory-snapshot-dir", default=None, metavar="DIR",
                    help="this node's snapshot directory, in memory (e.g. /dev/shm/<job>; one per node, private to "
@@ -174,7 +205,8 @@ def plan_layout(args: Any) -> Optional[Layout]:
             return None
         return autoplan.auto_plan(args, world, honour_flags=path == autoplan.AUTO).layout
     if not os.path.isfile(path):
-        raise ConfigError(f"--elastor-plan {path}: no such file (write one with `elastor plan ... --json`)")
+        raise ConfigError(f"--elastor-plan {path}: no such file; pass auto, on-change or a plan file (write one "
+                          f"with `elastor plan ... --homogeneous --json > plan.json`)")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -207,8 +239,13 @@ def configure(args: Any) -> Optional[Layout]:
     flags describe the first world and are replaced (logged). A heterogeneous plan is refused."""
     keep = getattr(args, "elastor_keep", None)
     keep = CheckpointConfig.keep if keep is None else keep
-    if keep < 1:
-        raise ConfigError(f"--elastor-keep {keep}: must be >= 1")
+    if not 1 <= keep <= MAX_KEEP:
+        raise ConfigError(f"--elastor-keep {keep}: must be {'at least 1' if keep < 1 else f'at most {MAX_KEEP}'}; "
+                          f"e.g. --elastor-keep 2")
+    plan = getattr(args, "elastor_plan", None)
+    if plan is not None and not str(plan).strip():
+        raise ConfigError(f"--elastor-plan {plan!r}: empty; pass auto, on-change or a plan file "
+                          f"(`elastor plan ... --homogeneous --json > plan.json`), or drop the flag")
     mem = memory_config(args)
     if mem is not None:
         if not getattr(args, "save", None):
