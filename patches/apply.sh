@@ -81,6 +81,12 @@ for p in "${patches[@]}"; do
   elif fits "$p" reverse; then
     echo "applied  $name (already)"
   else
+    f=$(sed -n 's|^+++ b/||p' "$p" | head -n 1)
+    if grep -q "elastor" "$dir/$f" 2>/dev/null; then   # patched by another elastor_ds version's patch
+      restore="restore it ($([ $use_git = 1 ] && echo "git -C '$dir' checkout -- $f" || echo "a fresh copy at $PINNED_TAG"))"
+      die "$name does not apply to $dir: its $f holds another version of this patch (from an earlier or later \
+elastor_ds). Drop that version with its own apply.sh --reverse, or $restore, then rerun. Nothing was changed."
+    fi
     die "$name does not apply to $dir: the file differs from $PINNED_TAG. Nothing was changed."
   fi
 done

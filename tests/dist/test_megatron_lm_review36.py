@@ -249,3 +249,19 @@ def test_preimage_tree_is_what_the_patches_expect():
                         "megatron/training/checkpointing.py", "megatron/training/async_utils.py",
                         "megatron/training/yaml_arguments.py", "megatron/training/training.py"}
     assert stat.S_ISREG(os.stat(APPLY).st_mode)
+
+
+def test_another_version_of_a_patch_is_named(tree):
+    """A tree patched by another elastor_ds version (0001's body differs): the message says so and how
+    to get back, instead of only "the file differs from core_v0.16.1"; nothing changes."""
+    assert _apply(tree).returncode == 0
+    path = os.path.join(tree, "pretrain_gpt.py")
+    text = open(path).read()
+    assert "needs elastor_ds" in text
+    with open(path, "w") as f:
+        f.write(text.replace("needs elastor_ds", "requires elastor_ds"))
+    before = _snapshot(tree)
+    r = _apply(tree)
+    assert r.returncode == 1
+    assert "holds another version of this patch" in r.stderr and "--reverse" in r.stderr, r.stderr
+    assert _snapshot(tree) == before
