@@ -171,9 +171,9 @@ def _native_requested(config: Any) -> bool:
     """Whether the elastor section sets ``checkpoint.deepspeed_native`` to true explicitly (the
     config was validated by split_ds_config already)."""
     if isinstance(config, (str, os.PathLike)):
-        import json
-        with open(os.fspath(config), encoding="utf-8") as f:
-            config = json.load(f)
+        from .config import read_json_file
+        config = read_json_file(os.fspath(config), "DeepSpeed config file", "give the path of the DeepSpeed config "
+                                "JSON file")
     ck = ((config or {}).get("elastor") or {}).get("checkpoint") or {}
     return ck.get("deepspeed_native") is True
 

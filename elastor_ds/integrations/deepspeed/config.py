@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -115,13 +116,7 @@ def split_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple
     """(DeepSpeed config without the ``"elastor"`` key, validated :class:`ElastorConfig`)."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"DeepSpeed config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+        config = read_json_file(path, "DeepSpeed config file", "give the path of the DeepSpeed config JSON file")
     if not isinstance(config, Mapping):
         raise ConfigError(f"DeepSpeed config: expected a dict or a JSON file path, got {type(config).__name__}")
     ds = dict(config)
@@ -134,15 +129,55 @@ def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The plan JSON document named by ``plan`` (a path) or the inline dict."""
     if isinstance(plan, Mapping):
         return dict(plan)
+    return read_json_file(plan, f"{SECTION}.plan:", "run `elastor plan` to make one, or use \"plan\": "
+                          "\"auto\"")
+
+
+MAX_JSON_BYTES = 64 * 2 ** 20   # a config or plan file: a plan for 100,000 devices is a few MiB
+
+
+def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON document in the regular file ``path``, or a :class:`ConfigError` naming ``what``, the
+    path and ``fix``. A file may come from someone else (a plan shared between nodes or users): a
+    directory, a FIFO or a device (which would block or never end), more than ``max_bytes``, text
+    that is not UTF-8 or JSON nested too deeply for the parser are each refused with that error, never
+    a traceback of another type, a hang or unbounded memory."""
     try:
-        with open(plan, encoding="utf-8") as f:
-            return json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise ConfigError(f"{SECTION}.plan: plan file {plan!r} does not exist; run `elastor plan` to make one, "
-                          f"or use \"plan\": \"auto\"") from None
+        raise ConfigError(f"{what} {path!r} does not exist; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path!r} cannot be opened ({e.strerror or e}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
+            raise ConfigError(f"{what} {path!r} is {kind}; {fix}")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{what} {path!r} has {st.st_size} bytes, more than the {max_bytes} read here; {fix}")
+        chunks, n = [], 0
+        while n <= max_bytes:
+            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    except OSError as e:
+        raise ConfigError(f"{what} {path!r} cannot be read ({e.strerror or e}); {fix}") from None
+    finally:
+        os.close(fd)
+    if n > max_bytes:   # grew while read
+        raise ConfigError(f"{what} {path!r} has more than the {max_bytes} bytes read here; {fix}")
+    try:
+        return json.loads(b"".join(chunks).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path!r} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start}); "
+                          f"{fix}") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{SECTION}.plan: {plan!r} is not valid JSON: {e}") from None
+        raise ConfigError(f"{what} {path!r} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path!r} is not valid JSON here: nested too deeply for the parser; {fix}") from None
 
 
 __all__ = ["CheckpointConfig", "MemorySnapshotConfig", "parse_memory_snapshot", "save_due", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
-           "split_ds_config", "load_plan_document", "SECTION"]
+           "split_ds_config", "load_plan_document", "read_json_file", "SECTION"]

@@ -1,0 +1,70 @@
+"""Review 36: the DeepSpeed config file and a plan file, read as files someone else may have made.
+
+A directory, a FIFO, a device, JSON nested deeper than the parser goes, text that is not UTF-8: each
+is one ConfigError naming the setting, the path and the fix; never a traceback of another type, a
+read that blocks for good (a FIFO) or never ends (``/dev/zero``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elastor_ds.errors import ConfigError
+from elastor_ds.integrations.deepspeed.config import load_plan_document, split_ds_config
+
+
+def _bad_files(d) -> dict:
+    os.makedirs(d / "adir")
+    (d / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (d / "binary.json").write_bytes(b"\xff\xfe\x00{}")
+    return {"adir": str(d / "adir"), "deep": str(d / "deep.json"), "binary": str(d / "binary.json")}
+
+
+@pytest.mark.parametrize("kind", ["adir", "deep", "binary"])
+def test_bad_plan_or_config_file_is_one_config_error(tmp_path, kind):
+    path = _bad_files(tmp_path)[kind]
+    with pytest.raises(ConfigError) as ei:
+        load_plan_document(path)
+    assert str(ei.value).startswith(f"elastor.plan: {path!r} "), str(ei.value)
+    assert "elastor plan" in str(ei.value) or "not valid JSON" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        split_ds_config(path)
+    assert str(ei.value).startswith(f"DeepSpeed config file {path!r} "), str(ei.value)
+
+
+_CHILD = textwrap.dedent("""
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))   # /dev/zero read whole: MemoryError, not swap
+    from elastor_ds.errors import ConfigError
+    from elastor_ds.integrations.deepspeed.config import load_plan_document, split_ds_config
+    for f in (load_plan_document, split_ds_config):
+        try:
+            f(sys.argv[1])
+        except ConfigError as e:
+            print("ConfigError:", e)
+        else:
+            print("accepted")
+""")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_fifo_or_device_is_refused_not_read(tmp_path, kind):
+    """Was: a FIFO blocked the rank in open() for good (the others then wait in the next collective);
+    /dev/zero was read until memory ran out."""
+    if kind == "fifo":
+        path = str(tmp_path / "plan.json")
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading {path} did not return in 60 s")
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert lines[0].startswith(f"ConfigError: elastor.plan: {path!r} is not a regular file"), lines
+    assert lines[1].startswith(f"ConfigError: DeepSpeed config file {path!r} is not a regular file"), lines
