@@ -82,6 +82,13 @@ for p in "${patches[@]}"; do
     echo "applied  $name (already)"
   else
     f=$(sed -n 's|^+++ b/||p' "$p" | head -n 1)
+    link=""; part=$dir   # never written through (git apply and patch refuse it too): it may point anywhere
+    IFS=/ read -ra comps <<< "$f"
+    for c in "${comps[@]}"; do part="$part/$c"; if [ -L "$part" ]; then link=$part; break; fi; done
+    if [ -n "$link" ]; then
+      die "$name: $link is a symbolic link; apply.sh patches regular files in real folders only (put the file or \
+folder itself there). Nothing was changed."
+    fi
     if grep -q "elastor" "$dir/$f" 2>/dev/null; then   # patched by another elastor_ds version's patch
       restore="restore it ($([ $use_git = 1 ] && echo "git -C '$dir' checkout -- $f" || echo "a fresh copy at $PINNED_TAG"))"
       die "$name does not apply to $dir: its $f holds another version of this patch (from an earlier or later \

@@ -265,3 +265,30 @@ def test_another_version_of_a_patch_is_named(tree):
     assert r.returncode == 1
     assert "holds another version of this patch" in r.stderr and "--reverse" in r.stderr, r.stderr
     assert _snapshot(tree) == before
+
+
+def test_a_symlinked_target_is_named_and_not_followed(tree, tmp_path):
+    """pretrain_gpt.py a link to a file elsewhere: refused naming the link (was: "differs from the
+    release"), the file it points to untouched."""
+    target = tmp_path / "elsewhere.py"
+    link = os.path.join(tree, "pretrain_gpt.py")
+    shutil.move(link, target)
+    os.symlink(target, link)
+    kept = target.read_bytes()
+    r = _apply(tree)
+    assert r.returncode == 1
+    assert "pretrain_gpt.py is a symbolic link" in r.stderr and "Nothing was changed" in r.stderr, r.stderr
+    assert target.read_bytes() == kept and os.path.islink(link)
+
+
+def test_a_symlinked_folder_is_named_and_not_followed(tree, tmp_path):
+    """megatron/training a link to a folder elsewhere: refused naming it, nothing there changed."""
+    target = tmp_path / "training"
+    link = os.path.join(tree, "megatron", "training")
+    shutil.move(link, target)
+    os.symlink(target, link)
+    kept = _snapshot(str(target))
+    r = _apply(tree)
+    assert r.returncode == 1
+    assert "megatron/training is a symbolic link" in r.stderr and "Nothing was changed" in r.stderr, r.stderr
+    assert _snapshot(str(target)) == kept
