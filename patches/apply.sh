@@ -104,13 +104,13 @@ for p in "${todo[@]}"; do
   while IFS= read -r f; do
     d=$(dirname "$dir/$f")
     if [ ! -w "$dir/$f" ] || [ ! -w "$d" ]; then
-      die "$dir/$f (or its folder) is not writable by $(id -un 2>/dev/null || id -u): nothing was changed. Make the tree writable \
-(or patch a copy of it) and rerun"
+      die "$dir/$f (or its folder) is not writable by $(id -un 2>/dev/null || id -u): nothing was changed. \
+Make the tree writable (or patch a copy of it) and rerun"
     fi
   done < <(sed -n 's|^+++ b/||p' "$p")
 done
 rollback() {  # undo the patches of this run already applied, newest first, after one failed
-  local failed=$1 i
+  local i
   for ((i = ${#done_[@]} - 1; i >= 0; i--)); do
     if [ $mode = reverse ]; then run "${done_[$i]}" >/dev/null 2>&1 || return 1
     else run "${done_[$i]}" reverse >/dev/null 2>&1 || return 1; fi
@@ -118,11 +118,11 @@ rollback() {  # undo the patches of this run already applied, newest first, afte
 }
 done_=()
 for p in "${todo[@]}"; do
-  if [ $mode = reverse ]; then run "$p" reverse || { rollback "$p" && \
+  if [ $mode = reverse ]; then run "$p" reverse || { rollback && \
       die "dropping $(basename "$p") failed (above); the ${#done_[@]} dropped before it were applied again: nothing was changed" \
       || die "dropping $(basename "$p") failed and putting back the ${#done_[@]} before it failed too: rerun apply.sh on a fresh checkout"; }
     echo "dropped  $(basename "$p")"
-  else run "$p" || { rollback "$p" && \
+  else run "$p" || { rollback && \
       die "applying $(basename "$p") failed (above); the ${#done_[@]} applied before it were dropped again: nothing was changed" \
       || die "applying $(basename "$p") failed and dropping the ${#done_[@]} before it failed too: rerun apply.sh on a fresh checkout"; }
     echo "applied  $(basename "$p")"; fi
