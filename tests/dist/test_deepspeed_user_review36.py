@@ -73,3 +73,34 @@ def test_unstorable_client_state_is_refused_before_anything_is_written(tmp_path)
     """Was: DeepSpeed's files written, then the refusal; the bad client state stayed the session's, so
     every later periodic save was refused too (training with it caught stopped saving)."""
     run_world(_client_state_worker, 2, str(tmp_path), timeout_s=180)
+
+
+# --- 2. save_checkpoint into elastor's own folder: the warning once per job ----------------------
+
+def _same_dir_worker(rank: int, world: int, d: str) -> None:
+    import logging
+    ck = os.path.join(d, "ck")
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("elastor_ds.integrations.deepspeed.api").addHandler(Keep(level=logging.WARNING))
+    engine = _engine(ck, world)
+    _train(engine, 1)
+    engine.save_checkpoint(ck)      # the usual migration: DeepSpeed's save_dir is elastor's folder
+    _train(engine, 1)
+    engine.save_checkpoint(ck)
+    engine.elastor.finalize()
+    mine = [m for m in records if "is also the elastor checkpoint directory" in m]
+    with open(os.path.join(d, f"warnings_{rank}.txt"), "w") as f:
+        f.write(str(len(mine)))
+    assert sorted(os.listdir(os.path.join(ck, "global_step2"))), "DeepSpeed's own files are still written"
+
+
+def test_same_dir_warning_once_per_job_not_per_rank(tmp_path):
+    """Was: every rank logged it (512 copies on 512 GPUs); the docs say once."""
+    run_world(_same_dir_worker, 2, str(tmp_path), timeout_s=180)
+    counts = [int((tmp_path / f"warnings_{r}.txt").read_text()) for r in range(2)]
+    assert counts == [1, 0], counts

@@ -69,10 +69,11 @@ class ElastorEngineMixin:
                 save_latest = False
                 if not getattr(self, "_elastor_warned_latest", False):
                     self._elastor_warned_latest = True
-                    log.warning("engine.save_checkpoint(%s): this is also the elastor checkpoint directory, whose "
-                                "'latest' names elastor's newest step; DeepSpeed's own files are written there "
-                                "without DeepSpeed's 'latest' (load them with engine.load_checkpoint(dir, "
-                                "tag='global_step<N>')), or give save_checkpoint a directory of its own", save_dir)
+                    if int(getattr(self, "global_rank", 0)) == 0:   # once per job, not once per rank
+                        log.warning("engine.save_checkpoint(%s): this is also the elastor checkpoint directory, "
+                                    "whose 'latest' names elastor's newest step; DeepSpeed's own files are written "
+                                    "there without DeepSpeed's 'latest' (load them with engine.load_checkpoint(dir, "
+                                    "tag='global_step<N>')), or give save_checkpoint a directory of its own", save_dir)
             ok = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,  # type: ignore[misc]
                                          save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         if ec is not None and ec.cfg.on_save_checkpoint:
