@@ -89,7 +89,7 @@ from ..errors import (AsyncSaveError, CheckpointError, ConfigError, CorruptCheck
 from ..threads import NamedThread
 from . import commit as commit_mod
 from .planning.manifest import Manifest
-from .planning.save_plan import SavePlan, ShardMeta, plan_save
+from .planning.save_plan import SavePlan, ShardMeta, metas_from_text, metas_to_text, plan_save
 from .reader import read_shards
 from .sources import SourcesFor
 from .shards import TensorShard, aliased_destinations, conflicting_duplicate, dtype_name, read_only_destination
@@ -490,11 +490,11 @@ class CheckpointEngine:
         # be able to guess the next save's folder (and make it first)
         nonce = (f"{os.getpid()}_{int(time.time() * 1000)}", secrets.token_hex(16))
         metas = [ShardMeta(*k) for k in key]
-        gathered = (comm or self.comm).all_gather_object(([m.to_tuple() for m in metas], nonce, conflicting_duplicate(shards)))
+        gathered = (comm or self.comm).all_gather_object((metas_to_text(metas), nonce, conflicting_duplicate(shards)))
         bad = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
         if bad:
             raise ShardingError(f"rank {bad[0][0]}: {bad[0][1]}")
-        self._plan = plan_save([[ShardMeta.from_tuple(t) for t in g[0]] for g in gathered])
+        self._plan = plan_save([metas_from_text(g[0], r) for r, g in enumerate(gathered)])
         self._session, self._session_key = gathered[0][1]
         self._local_key = key
 

@@ -106,13 +106,13 @@ class DeepSpeedState:
         plan of the model's shards (deduplicated like a real save) scaled by the optimizer's fp32
         per-element state (Adam-like: 2 moments; else 1) and the fp32 master when it is separate.
         Collective (one all-gather of shard metadata)."""
-        from ...checkpoint.planning.save_plan import ShardMeta, plan_save
+        from ...checkpoint.planning.save_plan import ShardMeta, metas_from_text, metas_to_text, plan_save
         from ...checkpoint.shards import dtype_name
         eng = self.engine
         shards = st.model_shards(eng)
         metas = [ShardMeta(sh.name, sh.shape, dtype_name(sh.tensor.dtype), sh.region) for sh in shards]
-        gathered = comm.all_gather_object([m.to_tuple() for m in metas])
-        plan = plan_save([[ShardMeta.from_tuple(t) for t in g] for g in gathered])
+        gathered = comm.all_gather_object(metas_to_text(metas))
+        plan = plan_save([metas_from_text(g, r) for r, g in enumerate(gathered)])
         mine = plan.items[comm.rank]
         model_bytes = sum(it.nbytes for it in mine)
         itemsize = max(1, shards[0].tensor.element_size()) if shards else 4
