@@ -104,3 +104,43 @@ def test_same_dir_warning_once_per_job_not_per_rank(tmp_path):
     run_world(_same_dir_worker, 2, str(tmp_path), timeout_s=180)
     counts = [int((tmp_path / f"warnings_{r}.txt").read_text()) for r in range(2)]
     assert counts == [1, 0], counts
+
+
+# --- 3. "plan": "auto" used as the docs say: no warning that it had no effect --------------------
+
+def _auto_plan_worker(rank: int, world: int, d: str) -> None:
+    import logging
+    from elastor_ds import deepspeed as eds
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("elastor_ds").addHandler(Keep(level=logging.WARNING))
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": 1},
+           "elastor": {"plan": "auto", "model": {"hidden_size": 16, "num_attention_heads": 2, "seq_length": 8,
+                                                 "vocab_size": 32},
+                       "checkpoint": {"dir": os.path.join(d, "ck"), "interval_steps": 2, "async": False}}}
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(4)]
+    layout = eds.resolve_plan(cfg, num_layers=len(layers))          # docs/deepspeed.md, "Heterogeneous plans"
+    model = eds.PipelineModule(layers, loss_fn=lambda y, t: (y - t).pow(2).mean(), plan=layout,
+                               num_stages=len(layout.replicas[0].stages))
+    engine, *_ = eds.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    it = iter(lambda: (torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g)), None)
+    for _ in range(2):
+        engine.train_batch(it)
+    engine.elastor.finalize()
+    assert engine.module.parts == layout.boundaries(layout.position(rank).replica)   # the planner's boundaries
+    bad = [m for m in records if "has no effect" in m]
+    assert not bad, bad
+
+
+def test_plan_auto_with_the_module_built_from_it_does_not_warn_it_had_no_effect(tmp_path):
+    """Was: initialize warned on rank 0 that "plan": "auto" had no effect and the module was not built
+    from the plan, for a module built exactly as the docs say, from resolve_plan(config, ...)."""
+    run_world(_auto_plan_worker, 2, str(tmp_path), timeout_s=180)

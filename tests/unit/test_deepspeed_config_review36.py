@@ -68,3 +68,21 @@ def test_fifo_or_device_is_refused_not_read(tmp_path, kind):
     assert out.returncode == 0 and len(lines) == 2, (out.returncode, out.stdout, out.stderr[-2000:])
     assert lines[0].startswith(f"ConfigError: elastor.plan: {path!r} is not a regular file"), lines
     assert lines[1].startswith(f"ConfigError: DeepSpeed config file {path!r} is not a regular file"), lines
+
+
+def test_auto_plan_model_num_layers_other_than_the_layer_list_is_refused_naming_it():
+    """docs/deepspeed.md's config gives "model": {"num_layers": 24, ...}; a plan's layer index is the
+    index in the PipelineModule's layer list (embedding and head included). Was: the section's 24
+    replaced the layer list's length, a plan over 24 layers came back for a list of 26, and the
+    PipelineModule then refused "the plan" without naming the key that caused it."""
+    from elastor_ds.integrations.deepspeed.autoplan import resolve_plan
+    model = {"num_layers": 24, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "vocab_size": 1000}
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+           "elastor": {"plan": "auto", "model": model}}
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(ConfigError) as ei:
+        resolve_plan(cfg, num_layers=26, env=env)
+    assert "elastor.model.num_layers is 24" in str(ei.value) and "26 layer specs" in str(ei.value), str(ei.value)
+    assert resolve_plan(cfg, num_layers=24, env=env).num_layers == 24          # the same count: as given
+    del model["num_layers"]
+    assert resolve_plan(cfg, num_layers=26, env=env).num_layers == 26          # left out: the list's length

@@ -211,6 +211,8 @@ def _check_plan(engine: Any, ecfg: ElastorConfig) -> None:
                                   f"with ({rt.layout.describe()}): pass the same plan to both")
         return
     if ecfg.plan == "auto":   # the planner never ran: say so where the user looks (it was INFO, unseen)
+        if getattr(engine.module, "_elastor_plan", None) is not None:
+            return   # built as documented, PipelineModule(layers, plan=resolve_plan(config, ...)): it did run
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
             log.warning("elastor.plan='auto' has no effect here: the module was not built from the plan, so the "

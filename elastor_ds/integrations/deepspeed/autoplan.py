@@ -57,6 +57,14 @@ def auto_layout(ds: Mapping[str, Any], ecfg: ElastorConfig, num_layers: int,
     if not ecfg.model:
         raise ConfigError('elastor.plan="auto" needs the model description: add "model": {"hidden_size": ..., '
                           '"num_attention_heads": ..., "seq_length": ..., "vocab_size": ...} to the "elastor" section')
+    given = ecfg.model.get("num_layers")
+    if given is not None and given != num_layers:
+        # a plan's layer index is the index in the module's layer list: a plan over another count
+        # would be refused by the PipelineModule (or, were it built from it, cut the wrong layers)
+        raise ConfigError(f"elastor.model.num_layers is {given!r} but the PipelineModule has {num_layers} layer specs "
+                          f"(a plan's layer index is the index in the layer list, embedding and head included): "
+                          f"leave num_layers out of \"model\" (the layer list's length is used) or set it to "
+                          f"{num_layers}")
     nodes = launch_world(env)
     world = sum(nodes)
     mbs = int(ds.get("train_micro_batch_size_per_gpu") or 0)
