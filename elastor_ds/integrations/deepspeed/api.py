@@ -174,7 +174,7 @@ def _native_requested(config: Any) -> bool:
     if isinstance(config, (str, os.PathLike)):
         from .config import read_json_file
         config = read_json_file(os.fspath(config), "DeepSpeed config file", "give the path of the DeepSpeed config "
-                                "JSON file")
+                                "JSON file", follow_symlink=True)
     ck = ((config or {}).get("elastor") or {}).get("checkpoint") or {}
     return ck.get("deepspeed_native") is True
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -116,7 +115,8 @@ def split_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple
     """(DeepSpeed config without the ``"elastor"`` key, validated :class:`ElastorConfig`)."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        config = read_json_file(path, "DeepSpeed config file", "give the path of the DeepSpeed config JSON file")
+        config = read_json_file(path, "DeepSpeed config file", "give the path of the DeepSpeed config JSON file",
+                                follow_symlink=True)
     if not isinstance(config, Mapping):
         raise ConfigError(f"DeepSpeed config: expected a dict or a JSON file path, got {type(config).__name__}")
     ds = dict(config)
@@ -136,40 +136,22 @@ def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
 MAX_JSON_BYTES = 64 * 2 ** 20   # a config or plan file: a plan for 100,000 devices is a few MiB
 
 
-def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYTES,
+                   follow_symlink: bool = False) -> Any:
     """The JSON document in the regular file ``path``, or a :class:`ConfigError` naming ``what``, the
-    path and ``fix``. A file may come from someone else (a plan shared between nodes or users): a
-    directory, a FIFO or a device (which would block or never end), more than ``max_bytes``, text
-    that is not UTF-8 or JSON nested too deeply for the parser are each refused with that error, never
-    a traceback of another type, a hang or unbounded memory."""
+    path and ``fix``. Read as :func:`elastor_ds.user_json.read_user_file` reads a file someone else
+    may have made (a plan shared between nodes or users): a directory, a FIFO or a device (which would
+    block or never end), a symlink, more than ``max_bytes``, text that is not UTF-8 and JSON nested too
+    deeply for the parser are each refused with that error, never a traceback of another type, a hang
+    or unbounded memory. ``follow_symlink``: the path is the user's own (the DeepSpeed config file, as
+    DeepSpeed reads it): a symlink there is resolved first."""
+    from ...user_json import read_user_file
+    if not os.path.lexists(path):
+        raise ConfigError(f"{what} {path!r} does not exist; {fix}")
+    data = read_user_file(os.path.realpath(path) if follow_symlink else path, what, max_bytes, "a JSON file read here",
+                          fix)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path!r} does not exist; {fix}") from None
-    except OSError as e:
-        raise ConfigError(f"{what} {path!r} cannot be opened ({e.strerror or e}); {fix}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
-            raise ConfigError(f"{what} {path!r} is {kind}; {fix}")
-        if st.st_size > max_bytes:
-            raise ConfigError(f"{what} {path!r} has {st.st_size} bytes, more than the {max_bytes} read here; {fix}")
-        chunks, n = [], 0
-        while n <= max_bytes:
-            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-    except OSError as e:
-        raise ConfigError(f"{what} {path!r} cannot be read ({e.strerror or e}); {fix}") from None
-    finally:
-        os.close(fd)
-    if n > max_bytes:   # grew while read
-        raise ConfigError(f"{what} {path!r} has more than the {max_bytes} bytes read here; {fix}")
-    try:
-        return json.loads(b"".join(chunks).decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} {path!r} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start}); "
                           f"{fix}") from None
