@@ -254,6 +254,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     _init_world(kwargs)
     ds_config, ecfg, rt, clip, args, kwargs = agree_world(
         lambda: _prepare(args, config, config_params, kwargs), "eds.initialize (reading the config)")
+    _agree_checkpoint_dir(ecfg)
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
     if rt is not None:
         from .hetero import HeteroPipelineEngine
@@ -280,6 +281,38 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
                 engine.elastor.discard_if_unused()   # a rejected load leaves no empty folders of ours
                 raise
     return engine, optimizer, loader, sched
+
+
+def _agree_checkpoint_dir(ecfg: ElastorConfig) -> None:
+    """Collective over the world: every rank names the same ``elastor.checkpoint.dir`` (or none).
+    A checkpoint is one folder every rank writes into: a path that differs by rank (a config made
+    per node or per rank, a relative path under different working directories) failed only at the
+    first save, as another writer's interference, and a rank without the section left the others
+    waiting in the checkpoint set-up. One all-gather of a 60-bit hash of the absolute path (no
+    pickling); on a difference, the paths follow and every rank raises the same ConfigError."""
+    import hashlib
+
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from ...comm.collectives import world_outcome
+    from ...comm.groups import all_gather_world_bytes
+    mine = os.path.abspath(ecfg.checkpoint.dir) if ecfg.checkpoint is not None else ""
+    key = int(hashlib.sha256(mine.encode("utf-8", "surrogateescape")).hexdigest()[:15], 16)
+    keys = [row[0] for row in world_outcome(None, "eds.initialize (comparing elastor.checkpoint.dir)", [key])]
+    if len(set(keys)) == 1:
+        return
+    paths = [b.decode("utf-8", "replace") for b in all_gather_world_bytes(mine.encode("utf-8", "surrogateescape")[:300])]
+    by_key: dict[int, list[int]] = {}
+    for r, k in enumerate(keys):
+        by_key.setdefault(k, []).append(r)
+    parts = []
+    for rs in sorted(by_key.values())[:4]:
+        who = f"rank{'s' if len(rs) > 1 else ''} " + ", ".join(str(r) for r in rs[:8]) + (" ..." if len(rs) > 8 else "")
+        parts.append(f"{who}: {paths[rs[0]]!r}" if paths[rs[0]] else f"{who}: no \"checkpoint\" section")
+    raise ConfigError(f"elastor.checkpoint.dir differs between ranks ({'; '.join(parts)}"
+                      f"{'; ...' if len(by_key) > 4 else ''}): give every rank the same directory, an absolute path "
+                      f"on storage every node shares (one checkpoint is one folder all ranks write into)")
 
 
 def _init_world(kwargs: dict) -> None:
