@@ -182,31 +182,37 @@ def test_zero2_accumulation_and_scheduler_resume_at_another_dp_and_stage(tmp_pat
         assert torch.allclose(ref[k], got[k], rtol=0, atol=1e-6), (k, (ref[k] - got[k]).abs().max())
 
 
-# --- 5. elastor.checkpoint.dir that differs between ranks ----------------------------------------
+# --- 5. an "elastor" section that differs between ranks ------------------------------------------
 
 def _dir_differs_worker(rank: int, world: int, d: str, case: str) -> None:
     from elastor_ds.errors import ConfigError
+    ck, every = os.path.join(d, "ck"), 1
     if case == "per_rank":
         ck = os.path.join(d, f"ck_{rank}")      # e.g. a config made per node, or a relative path per cwd
-        want = [repr(os.path.join(d, f"ck_{r}")) for r in range(world)]
-    else:                                        # one node's copy of the config has no checkpoint section
-        ck = os.path.join(d, "ck") if rank == 0 else None
-        want = [repr(os.path.join(d, "ck")), 'no "checkpoint" section']
+        want = ["elastor.checkpoint.dir (rank 0: " + repr(os.path.join(d, "ck_0")),
+                "rank 1: " + repr(os.path.join(d, "ck_1"))]
+    elif case == "missing_on_one":               # one node's copy of the config has no checkpoint section
+        ck = ck if rank == 0 else None
+        want = ["elastor.checkpoint (rank 0: 'set'; rank 1: 'none')"]
+    else:                                        # one node's copy is older: another interval
+        every = 2 if rank == 0 else 3
+        want = ["elastor.checkpoint.interval_steps (rank 0: 2; rank 1: 3)"]
     from elastor_ds import deepspeed as eds
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * world, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-           "elastor": {"checkpoint": {"dir": ck, "interval_steps": 1}} if ck else {}}
+           "elastor": {"checkpoint": {"dir": ck, "interval_steps": every}} if ck else {}}
     with pytest.raises(ConfigError) as ei:
         eds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     msg = str(ei.value)
-    assert msg.startswith("elastor.checkpoint.dir differs between ranks") and all(w in msg for w in want), msg
+    assert msg.startswith('the "elastor" section differs between ranks: ') and all(w in msg for w in want), msg
     assert not [n for n in os.listdir(d) if n.startswith("ck")], os.listdir(d)   # nothing created
 
 
-@pytest.mark.parametrize("case", ["per_rank", "missing_on_one"])
-def test_checkpoint_dir_that_differs_between_ranks_is_refused_at_initialize(tmp_path, case):
+@pytest.mark.parametrize("case", ["per_rank", "missing_on_one", "interval"])
+def test_elastor_section_that_differs_between_ranks_is_refused_at_initialize(tmp_path, case):
     """Was: initialize passed; the first save failed as 'another writer removed this save's temporary
-    folder' (per_rank), or rank 0 waited in the checkpoint set-up for a rank that had no section."""
+    folder' (per_rank), or the ranks waited for each other in the checkpoint set-up (missing_on_one)
+    or in the first save only some ranks made (interval) until the timeout."""
     run_world(_dir_differs_worker, 2, str(tmp_path), case, timeout_s=60)

@@ -254,7 +254,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     _init_world(kwargs)
     ds_config, ecfg, rt, clip, args, kwargs = agree_world(
         lambda: _prepare(args, config, config_params, kwargs), "eds.initialize (reading the config)")
-    _agree_checkpoint_dir(ecfg)
+    _agree_settings(ecfg)
     engine, optimizer, loader, sched = deepspeed.initialize(*args, config=ds_config, **kwargs)
     if rt is not None:
         from .hetero import HeteroPipelineEngine
@@ -283,36 +283,74 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
     return engine, optimizer, loader, sched
 
 
-def _agree_checkpoint_dir(ecfg: ElastorConfig) -> None:
-    """Collective over the world: every rank names the same ``elastor.checkpoint.dir`` (or none).
-    A checkpoint is one folder every rank writes into: a path that differs by rank (a config made
-    per node or per rank, a relative path under different working directories) failed only at the
-    first save, as another writer's interference, and a rank without the section left the others
-    waiting in the checkpoint set-up. One all-gather of a 60-bit hash of the absolute path (no
-    pickling); on a difference, the paths follow and every rank raises the same ConfigError."""
+def _agreed_settings(ecfg: ElastorConfig) -> dict:
+    """The settings of the ``"elastor"`` section every rank must share, flat (``checkpoint.dir`` as an
+    absolute path); not the node's own: ``memory_snapshot.dir`` and ``max_bytes``. The plan is
+    agreed where the module is built (:func:`.hetero.agreed_plan`)."""
+    import dataclasses
+    out: dict = {}
+    for name in ("checkpoint", "memory_snapshot"):
+        part = getattr(ecfg, name)
+        out[name] = "none" if part is None else "set"
+        if part is None:
+            continue
+        for k, v in dataclasses.asdict(part).items():
+            if name == "memory_snapshot" and k in ("dir", "max_bytes"):
+                continue
+            if name == "checkpoint" and k == "dir":
+                v = os.path.abspath(v)
+            out[f"{name}.{k}"] = v.value if hasattr(v, "value") else v
+    return out
+
+
+def _agree_settings(ecfg: ElastorConfig) -> None:
+    """Collective over the world: every rank holds the same ``"elastor"`` checkpoint settings
+    (:func:`_agreed_settings`). A checkpoint is one folder every rank writes into, and a save is
+    collective: a ``checkpoint.dir`` that differs by rank (a config made per node, a relative path
+    under different working directories) failed only at the first save, as another writer's
+    interference; a different ``interval_steps`` on one node, or a rank without the section, left the
+    others waiting in a save or in the checkpoint set-up until the timeout. One all-gather of a 60-bit
+    hash (no pickling); on a difference, each rank's settings follow as JSON and every rank raises the
+    same ConfigError naming the keys, the ranks and their values."""
     import hashlib
+    import json
 
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     from ...comm.collectives import world_outcome
     from ...comm.groups import all_gather_world_bytes
-    mine = os.path.abspath(ecfg.checkpoint.dir) if ecfg.checkpoint is not None else ""
-    key = int(hashlib.sha256(mine.encode("utf-8", "surrogateescape")).hexdigest()[:15], 16)
-    keys = [row[0] for row in world_outcome(None, "eds.initialize (comparing elastor.checkpoint.dir)", [key])]
+    mine = json.dumps(_agreed_settings(ecfg), sort_keys=True, ensure_ascii=True)
+    key = int(hashlib.sha256(mine.encode()).hexdigest()[:15], 16)
+    keys = [row[0] for row in world_outcome(None, "eds.initialize (comparing the \"elastor\" sections)", [key])]
     if len(set(keys)) == 1:
         return
-    paths = [b.decode("utf-8", "replace") for b in all_gather_world_bytes(mine.encode("utf-8", "surrogateescape")[:300])]
-    by_key: dict[int, list[int]] = {}
-    for r, k in enumerate(keys):
-        by_key.setdefault(k, []).append(r)
+    rows = []
+    for b in all_gather_world_bytes(mine.encode(), 16384):
+        try:
+            rows.append(json.loads(b.decode()))
+        except ValueError:   # cut at the limit: compared as unreadable
+            rows.append({})
+    names = sorted({k for r in rows for k in r})
+    # a section some ranks have and others lack: that is the difference, not each of its keys
+    split = {k for k in ("checkpoint", "memory_snapshot") if len({r.get(k) for r in rows}) > 1}
     parts = []
-    for rs in sorted(by_key.values())[:4]:
-        who = f"rank{'s' if len(rs) > 1 else ''} " + ", ".join(str(r) for r in rs[:8]) + (" ..." if len(rs) > 8 else "")
-        parts.append(f"{who}: {paths[rs[0]]!r}" if paths[rs[0]] else f"{who}: no \"checkpoint\" section")
-    raise ConfigError(f"elastor.checkpoint.dir differs between ranks ({'; '.join(parts)}"
-                      f"{'; ...' if len(by_key) > 4 else ''}): give every rank the same directory, an absolute path "
-                      f"on storage every node shares (one checkpoint is one folder all ranks write into)")
+    for k in names:
+        if k.split(".")[0] in split and "." in k:
+            continue
+        vals = [r.get(k, "?") for r in rows]
+        if len({json.dumps(v) for v in vals}) == 1:
+            continue
+        by: dict[str, list[int]] = {}
+        for rank, v in enumerate(vals):
+            by.setdefault(repr(v), []).append(rank)
+        shown = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
+                          f": {v}" for v, rs in sorted(by.items(), key=lambda kv: kv[1])[:4])
+        parts.append(f"elastor.{k} ({shown})")
+    raise ConfigError(f"the \"elastor\" section differs between ranks: {', '.join(parts[:6])}"
+                      f"{' ...' if len(parts) > 6 else ''}: give every rank the same section (one config for every "
+                      f"node); checkpoint.dir an absolute path on storage every node shares (one checkpoint is one "
+                      f"folder all ranks write into)")
 
 
 def _init_world(kwargs: dict) -> None:
