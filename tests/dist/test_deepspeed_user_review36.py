@@ -153,7 +153,8 @@ def _zero2_worker(rank: int, world: int, d: str, name: str, zero: int, steps: in
     gas = 2
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    cfg = {"train_micro_batch_size_per_gpu": 4 // world, "gradient_accumulation_steps": gas, "train_batch_size": 4 * gas,
+    cfg = {"train_micro_batch_size_per_gpu": 4 // world, "gradient_accumulation_steps": gas,
+           "train_batch_size": 4 * gas,
            "zero_optimization": {"stage": zero}, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,

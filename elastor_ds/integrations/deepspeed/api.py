@@ -344,8 +344,9 @@ def _agree_settings(ecfg: ElastorConfig) -> None:
         by: dict[str, list[int]] = {}
         for rank, v in enumerate(vals):
             by.setdefault(repr(v), []).append(rank)
-        shown = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
-                          f": {v}" for v, rs in sorted(by.items(), key=lambda kv: kv[1])[:4])
+        def who(rs: list[int]) -> str:
+            return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
+        shown = "; ".join(f"{who(rs)}: {v}" for v, rs in sorted(by.items(), key=lambda kv: kv[1])[:4])
         parts.append(f"elastor.{k} ({shown})")
     raise ConfigError(f"the \"elastor\" section differs between ranks: {', '.join(parts[:6])}"
                       f"{' ...' if len(parts) > 6 else ''}: give every rank the same section (one config for every "
