@@ -99,3 +99,27 @@ def test_auto_plan_model_num_layers_other_than_the_layer_list_is_refused_naming_
     assert resolve_plan(cfg, num_layers=24, env=env).num_layers == 24          # the same count: as given
     del model["num_layers"]
     assert resolve_plan(cfg, num_layers=26, env=env).num_layers == 26          # left out: the list's length
+
+
+def test_config_file_is_read_as_deepspeed_reads_it(tmp_path):
+    """deepspeed.initialize reads a config file as hjson (comments, trailing commas), refuses a key
+    given twice, and takes a base64 string for a config. Was: eds.initialize, the drop-in, refused the
+    first ("not valid JSON"), took the last of two "elastor" sections silently, and refused the third
+    ("does not exist")."""
+    import base64
+    import json
+    p = tmp_path / "ds.json"
+    p.write_text('{\n  // ZeRO-1 on 8 ranks\n  "train_batch_size": 8,  # per step\n'
+                 '  "elastor": {"checkpoint": {"dir": "/ckpt/run1", "interval_steps": 5,},},\n}\n')
+    rest, cfg = split_ds_config(str(p))
+    assert rest == {"train_batch_size": 8} and cfg.checkpoint.dir == "/ckpt/run1"
+    assert cfg.checkpoint.interval_steps == 5
+    p.write_text('{"train_batch_size": 8, "elastor": {"checkpoint": {"dir": "/a"}}, "elastor": {}}')
+    with pytest.raises(ConfigError, match="key 'elastor' given twice"):
+        split_ds_config(str(p))
+    doc = {"train_batch_size": 4, "elastor": {"checkpoint": {"dir": "/b", "keep": 3}}}
+    b64 = base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()
+    rest, cfg = split_ds_config(b64)
+    assert rest == {"train_batch_size": 4} and cfg.checkpoint.keep == 3
+    with pytest.raises(ConfigError, match="does not exist"):   # neither a path nor base64 of a config
+        split_ds_config(str(tmp_path / "missing.json"))

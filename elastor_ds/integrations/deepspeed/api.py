@@ -172,9 +172,8 @@ def _native_requested(config: Any) -> bool:
     """Whether the elastor section sets ``checkpoint.deepspeed_native`` to true explicitly (the
     config was validated by split_ds_config already)."""
     if isinstance(config, (str, os.PathLike)):
-        from .config import read_json_file
-        config = read_json_file(os.fspath(config), "DeepSpeed config file", "give the path of the DeepSpeed config "
-                                "JSON file", follow_symlink=True)
+        from .config import read_ds_config_file
+        config = read_ds_config_file(config)
     ck = ((config or {}).get("elastor") or {}).get("checkpoint") or {}
     return ck.get("deepspeed_native") is True
 

@@ -115,14 +115,80 @@ def split_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple
     """(DeepSpeed config without the ``"elastor"`` key, validated :class:`ElastorConfig`)."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        config = read_json_file(path, "DeepSpeed config file", "give the path of the DeepSpeed config JSON file",
-                                follow_symlink=True)
+        config = read_ds_config_file(path)
     if not isinstance(config, Mapping):
         raise ConfigError(f"DeepSpeed config: expected a dict or a JSON file path, got {type(config).__name__}")
     ds = dict(config)
     section = ds.pop(SECTION, None)
     ecfg = parse_elastor_section(section) if section is not None else ElastorConfig()
     return ds, ecfg
+
+
+def read_ds_config_file(config: Union[str, os.PathLike]) -> Any:
+    """The DeepSpeed config named by ``config``, read as DeepSpeed reads it
+    (``deepspeed.runtime.config.DeepSpeedConfig``): an existing path as hjson (JSON that may carry
+    comments, trailing commas and unquoted keys), a key given twice in one object refused; a string
+    that is no path, as base64 of such a document. Only the read is elastor's: a regular file, at most
+    :data:`MAX_JSON_BYTES`, a FIFO or a device never read (:func:`elastor_ds.user_json.read_user_file`);
+    a symlink is resolved first (the user's own file, as DeepSpeed follows it)."""
+    from ...user_json import read_user_file
+    path = os.fspath(config)
+    fix = "give the path of the DeepSpeed config JSON file"
+    what = f"DeepSpeed config file {path!r}"
+    if not os.path.lexists(path):
+        doc = _base64_config(path)
+        if doc is None:
+            raise ConfigError(f"{what} does not exist (nor is it a base64-encoded config, which DeepSpeed also "
+                              f"takes); {fix}")
+        return doc
+    data = read_user_file(os.path.realpath(path), "DeepSpeed config file", MAX_JSON_BYTES, "a JSON file read here", fix)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    return _parse_ds_json(text, what, fix)
+
+
+def _parse_ds_json(text: str, what: str, fix: str) -> Any:
+    try:
+        import hjson   # DeepSpeed's own config parser (a dependency of deepspeed)
+    except ImportError:   # pragma: no cover - deepspeed absent: plain JSON
+        hjson = None
+
+    def pairs(items: list) -> dict:
+        d = dict(items)
+        if len(d) != len(items):
+            seen: set = set()
+            twice = sorted({str(k) for k, _ in items if k in seen or seen.add(k)})
+            raise _DuplicateKeys(twice)
+        return d
+    try:
+        return (hjson.loads(text, object_pairs_hook=pairs) if hjson is not None
+                else json.loads(text, object_pairs_hook=pairs))
+    except _DuplicateKeys as e:
+        raise ConfigError(f"{what}: key {', '.join(repr(k) for k in e.keys)} given twice in one object "
+                          f"(DeepSpeed refuses it too); keep one") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is not valid JSON here: nested too deeply for the parser; {fix}") from None
+    except ValueError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+
+
+class _DuplicateKeys(Exception):
+    def __init__(self, keys: list) -> None:
+        super().__init__(keys)
+        self.keys = keys
+
+
+def _base64_config(text: str) -> Optional[dict]:
+    """``text`` as DeepSpeed's base64 form of a config (the launcher's), or None when it is not one."""
+    import base64
+    try:
+        decoded = base64.b64decode(text, altchars=b"-_", validate=True).decode("utf-8")   # urlsafe, strict
+        doc = _parse_ds_json(decoded, "a base64 DeepSpeed config", "") if decoded.strip() else None
+    except (ValueError, UnicodeDecodeError, ConfigError):
+        return None
+    return doc if isinstance(doc, Mapping) else None
 
 
 def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -136,20 +202,17 @@ def load_plan_document(plan: Union[str, Mapping[str, Any]]) -> dict[str, Any]:
 MAX_JSON_BYTES = 64 * 2 ** 20   # a config or plan file: a plan for 100,000 devices is a few MiB
 
 
-def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYTES,
-                   follow_symlink: bool = False) -> Any:
+def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """The JSON document in the regular file ``path``, or a :class:`ConfigError` naming ``what``, the
     path and ``fix``. Read as :func:`elastor_ds.user_json.read_user_file` reads a file someone else
     may have made (a plan shared between nodes or users): a directory, a FIFO or a device (which would
     block or never end), a symlink, more than ``max_bytes``, text that is not UTF-8 and JSON nested too
     deeply for the parser are each refused with that error, never a traceback of another type, a hang
-    or unbounded memory. ``follow_symlink``: the path is the user's own (the DeepSpeed config file, as
-    DeepSpeed reads it): a symlink there is resolved first."""
+    or unbounded memory."""
     from ...user_json import read_user_file
     if not os.path.lexists(path):
         raise ConfigError(f"{what} {path!r} does not exist; {fix}")
-    data = read_user_file(os.path.realpath(path) if follow_symlink else path, what, max_bytes, "a JSON file read here",
-                          fix)
+    data = read_user_file(path, what, max_bytes, "a JSON file read here", fix)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -162,4 +225,4 @@ def read_json_file(path: str, what: str, fix: str, max_bytes: int = MAX_JSON_BYT
 
 
 __all__ = ["CheckpointConfig", "MemorySnapshotConfig", "parse_memory_snapshot", "save_due", "ElastorConfig", "parse_elastor_section", "parse_checkpoint", "parse_plan",
-           "split_ds_config", "load_plan_document", "read_json_file", "SECTION"]
+           "split_ds_config", "load_plan_document", "read_json_file", "read_ds_config_file", "SECTION"]
