@@ -18,6 +18,7 @@ import pickle
 import pytest
 
 from dist_utils import run_world
+from plain_values import same
 from elastor_ds.comm import GlooTransport, TorchComm
 from elastor_ds.errors import RanksFailedError
 
@@ -43,16 +44,6 @@ def value_of(rank: int):
     """A value of every kind the codec carries, different per rank."""
     return {"rank": rank, "shape": (rank + 1, 4), "names": [f"w{rank}", "b"], "crc": 2**40 + rank,
             "ratio": rank / 3, "raw": bytes([rank]) * 3, 7: None, "flags": (True, False), "nested": [(rank,), []]}
-
-
-def same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def _round_trips(rank: int, world: int) -> None:

@@ -16,23 +16,13 @@ import zlib
 
 import pytest
 
-from dist_utils import run_world
+from dist_utils import job_secret_file, run_world
 
 pytestmark = [pytest.mark.timeout(150)]
 
 STEP5 = "step_000000005"
 SLOW_S = 4.0     # the slow sender's delay before it listens for its answer
 TIMEOUT_S = 30   # the transport's timeout
-
-
-def _job_secret(base: str) -> str:
-    secret = os.path.join(base, "job.secret")
-    if not os.path.exists(secret):
-        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, bytes(range(32)))
-        os.close(fd)
-        os.replace(f"{secret}.{os.getpid()}", secret)
-    return secret
 
 
 def _files_of(rank: int) -> dict[str, bytes]:
@@ -65,7 +55,7 @@ def _close_worker(rank, world, base):
     node = 0 if rank < 2 else 1
     nodedir = os.path.join(base, f"elastor-node{node}")
     os.makedirs(nodedir, exist_ok=True)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = job_secret_file(base)
     cp = pc.PeerCopier.create([2, 1], nodedir, peer_copies=1, timeout_s=TIMEOUT_S)
     d = _write_step(nodedir, rank, world, refuse=1 if rank == 2 else -1)
     if rank == 1:   # between its header and listening for the answer (the budget check of its receives)
@@ -112,7 +102,7 @@ def _refused_header_worker(rank, world, base):
         pc._MAX_HEADER = 2000
     nodedir = os.path.join(base, f"elastor-node{rank}")
     os.makedirs(nodedir, exist_ok=True)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = job_secret_file(base)
     cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=TIMEOUT_S)
     d = os.path.join(nodedir, "local", STEP5)
     os.makedirs(d, exist_ok=True)

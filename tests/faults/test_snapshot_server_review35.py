@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-from dist_utils import run_world
+from dist_utils import job_secret_file, run_world
 from elastor_ds.checkpoint.snapshot.server import SnapshotServer
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -25,17 +25,6 @@ STEP = "step_000000007"
 KEY = bytes(range(7, 39))
 DATA = bytes((i * 13 + 5) % 256 for i in range(100_000))
 
-
-
-def _job_secret(base: str) -> str:
-    """The job's secret file under ``base`` (written once, atomically, by whichever rank comes first)."""
-    secret = os.path.join(base, "job.secret")
-    if not os.path.exists(secret):
-        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, bytes(range(32)))
-        os.close(fd)
-        os.replace(f"{secret}.{os.getpid()}", secret)
-    return secret
 
 def _node(tmp_path):
     """A node directory holding one committed memory snapshot (one data file)."""
@@ -154,7 +143,6 @@ def test_a_captured_request_is_not_replayable_after_its_nonce_is_forgotten_under
         assert _statuses(_exchange(srv.port, _signed_get(srv.port))) == [206]
 
 
-
 @pytest.mark.unit
 def test_a_member_whose_clock_runs_ahead_does_not_push_the_others_requests_out_under_load(tmp_path):
     """The companion of the test above (it guards the fix's design; the server before it had no such
@@ -236,7 +224,7 @@ def _bad_header_worker(rank, world, base, kind):
     node = 0 if rank < 2 else 1
     nodedir = os.path.join(base, f"elastor-node{node}")
     os.makedirs(nodedir, exist_ok=True)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = job_secret_file(base)
     cp = pc.PeerCopier.create([2, 1], nodedir, peer_copies=1, timeout_s=30)
     d = _write_step(nodedir, rank, world)
     if rank != 1:
@@ -304,7 +292,7 @@ def _same_name_worker(rank, world, base):
     from elastor_ds.checkpoint.snapshot import peer_copy as pc
     nodedir = os.path.join(base, f"n{rank}", "snap")
     os.makedirs(nodedir, exist_ok=True)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = job_secret_file(base)
     cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
     d = _write_step(nodedir, rank, world)
     st = cp.submit(d, [pc.PeerFile(rel, len(b), zlib.crc32(b)) for rel, b in _files_of(rank).items()])
@@ -423,7 +411,7 @@ def _big_header_worker(rank, world, base):
     pc._MAX_HEADER = 2000
     nodedir = os.path.join(base, f"elastor-node{rank}")
     os.makedirs(nodedir, exist_ok=True)
-    os.environ["ELASTOR_JOB_SECRET_FILE"] = _job_secret(base)
+    os.environ["ELASTOR_JOB_SECRET_FILE"] = job_secret_file(base)
     cp = pc.PeerCopier.create([1, 1], nodedir, peer_copies=1, timeout_s=30)
     d = os.path.join(nodedir, "local", STEP5)
     for rel, b in _many_files(rank).items():

@@ -93,3 +93,15 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 90.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any fails."""
     mp.start_processes(_entry, args=(world_size, free_port(), fn, args, timeout_s), nprocs=world_size,
                        join=True, start_method=_start_method())
+
+
+def job_secret_file(base: str) -> str:
+    """The job's secret file under ``base`` (32 fixed bytes, mode 0600), written once, atomically,
+    by whichever rank comes first; its path (for ``ELASTOR_JOB_SECRET_FILE``)."""
+    secret = os.path.join(base, "job.secret")
+    if not os.path.exists(secret):
+        fd = os.open(f"{secret}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(range(32)))
+        os.close(fd)
+        os.replace(f"{secret}.{os.getpid()}", secret)
+    return secret

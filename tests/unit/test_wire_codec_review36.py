@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import os
 import pickle
 import random
@@ -21,22 +20,9 @@ import pytest
 import torch
 
 from elastor_ds.comm import LocalComm, wire
+from plain_values import same
 from elastor_ds.comm.wire import WireFormatError, WireLimitError, WireTypeError, decode, encode
 from elastor_ds.errors import CollectiveError
-
-
-def same(a, b) -> bool:
-    """Equal values of exactly the same types, all the way down (NaN equals NaN)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(type(k) is type(kb) for k, kb in zip(a, b)) and \
-            all(same(a[k], b[k]) for k in a)
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    return a == b
 
 
 VALUES = [
