@@ -197,3 +197,34 @@ def wait_until(cond, nodes, timeout: float, what: str):
                                      f"{n.output()[-6000:]}")
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(n.output()[-4000:] for n in nodes))
+
+
+def no_cas_store():
+    """A store with only the methods torch's ``EtcdStore`` implements (no ``compare_set``), over a
+    ``HashStore``: what the failure ledger sees on the etcd-v2 backend."""
+    import torch.distributed as dist
+
+    class NoCasStore(dist.Store):
+        def __init__(self):
+            super().__init__()
+            self.kv = dist.HashStore()
+
+        def set(self, key, value):
+            self.kv.set(key, value)
+
+        def get(self, key):
+            return self.kv.get(key)
+
+        def add(self, key, num):
+            return self.kv.add(key, num)
+
+        def wait(self, keys, override_timeout=None):
+            self.kv.wait(keys, override_timeout) if override_timeout else self.kv.wait(keys)
+
+        def check(self, keys):
+            return self.kv.check(keys)
+
+        def delete_key(self, key):
+            return self.kv.delete_key(key)
+
+    return NoCasStore()

@@ -4,6 +4,7 @@ world the workers read."""
 from __future__ import annotations
 
 import pytest
+from elastic_utils import no_cas_store
 
 from elastor_ds.elastic.events import EventLog, phases, read_jsonl, recoveries
 from elastor_ds.elastic.policy import (Action, Cause, DeviceBook, OnFailure, WorkerOutcome, culprits,
@@ -91,27 +92,7 @@ def test_one_failure_is_one_restart_on_a_store_without_compare_set():
 
     from elastor_ds.elastic.ledger import FailureLedger
 
-    class NoCasStore(dist.Store):          # the methods torch's EtcdStore implements, over a HashStore
-        def __init__(self):
-            super().__init__()
-            self.kv = dist.HashStore()
-
-        def set(self, key, value):
-            self.kv.set(key, value)
-
-        def get(self, key):
-            return self.kv.get(key)
-
-        def add(self, key, num):
-            return self.kv.add(key, num)
-
-        def wait(self, keys, override_timeout=None):
-            self.kv.wait(keys, override_timeout) if override_timeout else self.kv.wait(keys)
-
-        def check(self, keys):
-            return self.kv.check(keys)
-
-    job = NoCasStore()
+    job = no_cas_store()
     with pytest.raises(RuntimeError, match="Not implemented"):
         dist.PrefixStore("probe", job).compare_set("k", "", "v")
     a, b = FailureLedger("A", job, "run"), FailureLedger("B", job, "run")

@@ -11,6 +11,7 @@ import logging
 import os
 
 import pytest
+from elastic_utils import no_cas_store
 
 pytestmark = pytest.mark.unit
 
@@ -212,30 +213,7 @@ def test_sealed_ledger_on_a_store_without_compare_set():
     from elastor_ds.elastic.ledger import ROUND_KEY, FailureLedger
     from elastor_ds.elastic.store_auth import StoreAuth
 
-    class NoCasStore(dist.Store):          # the methods torch's EtcdStore implements, over a HashStore
-        def __init__(self):
-            super().__init__()
-            self.kv = dist.HashStore()
-
-        def set(self, key, value):
-            self.kv.set(key, value)
-
-        def get(self, key):
-            return self.kv.get(key)
-
-        def add(self, key, num):
-            return self.kv.add(key, num)
-
-        def wait(self, keys, override_timeout=None):
-            self.kv.wait(keys, override_timeout) if override_timeout else self.kv.wait(keys)
-
-        def check(self, keys):
-            return self.kv.check(keys)
-
-        def delete_key(self, key):
-            return self.kv.delete_key(key)
-
-    job = NoCasStore()
+    job = no_cas_store()
     a = FailureLedger("node-a:1", job, RUN, auth=StoreAuth(K, RUN))
     b = FailureLedger("node-b:2", job, RUN, auth=StoreAuth(K, RUN))
     r0 = dist.PrefixStore("round0", job)
