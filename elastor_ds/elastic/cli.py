@@ -155,6 +155,68 @@ def _check_log_dir(log_dir: str) -> None:
     check_parent(log_dir, "--log-dir")
 
 
+# torchrun's flags that elastor run has no counterpart for: (spellings, takes a value, what to do).
+# Parsed (hidden from --help) so that a command copied from torchrun is refused naming the flag and
+# the fix (exit 2) rather than with a bare "unrecognized arguments" (QA round 36).
+_TORCHRUN_ONLY = (
+    (("--node-rank", "--node_rank"), True,
+     "elastor run ranks the nodes in its c10d rendezvous (sorted by --local-addr), not by --node-rank; drop it "
+     "(one node: --standalone; several: the same --rdzv-endpoint HOST:PORT and --rdzv-id on every node)"),
+    (("--master-addr", "--master_addr"), True,
+     "torchrun's static rendezvous is not supported; drop it and give --rdzv-endpoint HOST:PORT (the same on "
+     "every node) with --rdzv-id JOB, or --standalone on one node"),
+    (("--master-port", "--master_port"), True,
+     "torchrun's static rendezvous is not supported; drop it and give --rdzv-endpoint HOST:PORT (the same on "
+     "every node) with --rdzv-id JOB, or --standalone on one node (it picks a free port)"),
+    (("--role",), True, "elastor run runs one worker role, 'default' (ROLE_NAME); drop --role"),
+    (("-m", "--module"), False,
+     "elastor run takes the script's path, not a module name; give the module's file instead "
+     "(python -c 'import MOD; print(MOD.__file__)')"),
+    (("--no-python", "--no_python"), False,
+     "elastor run starts the script with Python (its hooks and standby interpreters are Python); drop "
+     "--no-python and give a Python script (start another program from it with subprocess)"),
+    (("--local-ranks-filter", "--local_ranks_filter"), True,
+     "elastor run shows every local rank's lines on the console, each prefixed [default<local rank>]:, "
+     "and keeps each rank's whole output in --log-dir; drop it (e.g. filter with grep '^\\[default0\\]')"),
+    (("--logs-specs", "--logs_specs"), True, "elastor run writes its own per-rank logs (--log-dir); drop it"),
+    (("--log-line-prefix-template", "--log_line_prefix_template"), True,
+     "elastor run prefixes each console line with [default<local rank>]:; drop it"),
+)
+
+
+def _add_torchrun_flags(a) -> None:
+    """torchrun's flags: the ones with the same meaning here, and the ones refused by
+    :func:`_check_torchrun_flags` (hidden from --help)."""
+    a("--redirects", "-r", dest="redirects", default=None, metavar="0|3",
+      help="torchrun's: 3 writes the workers' stdout and stderr to --log-dir only, not the console (unless --tee 3); "
+           "0 (default) shows them. elastor run always keeps them in --log-dir as well")
+    a("--tee", "-t", dest="tee", default=None, metavar="0|3",
+      help="torchrun's: 3 shows the workers' stdout and stderr on the console as well as in --log-dir (the default here)")
+    a("--run-path", "--run_path", dest="run_path", action="store_true",
+      help="torchrun's: run the script with runpy.run_path (what elastor run always does; accepted for torchrun's commands)")
+    a("--start-method", "--start_method", dest="start_method", default=None, choices=["spawn", "fork", "forkserver"],
+      help="torchrun's; it only applies to a function entry point, never to a script: accepted and without effect, as in torchrun")
+    for names, takes_value, _why in _TORCHRUN_ONLY:
+        a(*names, dest="torchrun_" + names[-1].lstrip("-").replace("-", "_"), default=None,
+          **({} if takes_value else {"action": "store_const", "const": True}), help=argparse.SUPPRESS)
+
+
+def _check_torchrun_flags(args: argparse.Namespace) -> bool:
+    """Refuse torchrun's flags that elastor run has no counterpart for; return whether the workers'
+    output goes to the console (``--redirects``/``--tee``, as torchrun reads them)."""
+    for names, _takes_value, why in _TORCHRUN_ONLY:
+        value = getattr(args, "torchrun_" + names[-1].lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            shown = "/".join(n for n in names if "_" not in n) + ("" if value is True else f" {value}")
+            raise ConfigError(f"{shown}: a torchrun flag elastor run does not take: {why}")
+    for flag, value in (("--redirects", getattr(args, "redirects", None)), ("--tee", getattr(args, "tee", None))):
+        if value is not None and value not in ("0", "3"):
+            raise ConfigError(f"{flag} {value}: elastor run takes 0 or 3 (stdout and stderr together, every local rank): "
+                              f"--redirects 3 keeps the workers' output in --log-dir only, --tee 3 or no flag shows it "
+                              f"on the console too")
+    return not (getattr(args, "redirects", None) == "3" and getattr(args, "tee", None) != "3")
+
+
 def register(sub) -> None:
     p = sub.add_parser("run", help="launch a trainer like torchrun and keep it alive through failures",
                        description="Launch SCRIPT on this node's processes (torchrun's flags) and keep the job "
@@ -221,6 +283,7 @@ def register(sub) -> None:
            "on its own (default on)")
     a("--standby-preload", default=",".join(DEFAULT_PRELOAD),
       help="comma-separated modules a standby imports besides the learned list (default: %(default)s)")
+    _add_torchrun_flags(a)
     a("script", help="the training script (run with this Python, as torchrun does)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=run)
@@ -266,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_checked(args: argparse.Namespace) -> int:
     # every check that needs no torch first: a bad flag exits 2 in a fraction of a second
+    tee = _check_torchrun_flags(args)
     if not os.path.isfile(args.script):
         what = ("is a directory" if os.path.isdir(args.script) else
                 "is not a regular file" if os.path.exists(args.script) else "does not exist")
@@ -375,7 +439,7 @@ def _run_checked(args: argparse.Namespace) -> int:
                     probe_interval=args.probe_interval, use_gpu=use_gpu, node_name=node_name(), standby=args.standby,
                     standby_preload=tuple(m.strip() for m in args.standby_preload.split(",") if m.strip()),
                     standby_fork=args.standby_fork,
-                    local_addr=args.local_addr,
+                    local_addr=args.local_addr, tee=tee,
                     job_secret_file=os.path.abspath(args.job_secret_file) if args.job_secret_file else None)
     if cfg.job_secret_file:   # a bad secret file is a usage error before anything is created
         from ..checkpoint.auth import load_key

@@ -1,0 +1,79 @@
+"""``elastor run`` given a command copied from torchrun (review 36): torchrun's flags that have no
+counterpart are refused with one line naming the flag and what to do (exit 2, nothing started);
+before, they exited 2 with a bare "unrecognized arguments", and --redirects/--tee/--run-path/
+--start-method, which have the same meaning here, were refused too. The controller in a
+subprocess, as a user runs it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def elastor_run(tmp_path, source: str, flags: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    cmd = [sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--monitor-interval", "0.05",
+           "--log-dir", str(tmp_path / "logs"), *flags, str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path), env=ENV)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--node-rank", "0"], "--node-rank 0: a torchrun flag elastor run does not take: elastor run ranks the nodes"),
+    (["--node_rank", "1"], "--node-rank 1: a torchrun flag"),
+    (["--master-addr", "127.0.0.1"], "--master-addr 127.0.0.1: a torchrun flag elastor run does not take: torchrun's "
+                                     "static rendezvous is not supported; drop it and give --rdzv-endpoint HOST:PORT"),
+    (["--master_port", "29500"], "--master-port 29500: a torchrun flag"),
+    (["--role", "trainer"], "--role trainer: a torchrun flag elastor run does not take: elastor run runs one worker "
+                            "role, 'default'"),
+    (["-m"], "-m/--module: a torchrun flag elastor run does not take: elastor run takes the script's path"),
+    (["--module"], "-m/--module: a torchrun flag"),
+    (["--no-python"], "--no-python: a torchrun flag elastor run does not take: elastor run starts the script with "
+                      "Python"),
+    (["--no_python"], "--no-python: a torchrun flag"),
+    (["--local-ranks-filter", "0"], "--local-ranks-filter 0: a torchrun flag elastor run does not take"),
+    (["--logs-specs", "x"], "--logs-specs x: a torchrun flag"),
+    (["--redirects", "1"], "--redirects 1: elastor run takes 0 or 3"),
+    (["-t", "0:3,1:0"], "--tee 0:3,1:0: elastor run takes 0 or 3"),
+])
+def test_a_torchrun_flag_without_a_counterpart_is_one_line_naming_it(tmp_path, flags, says):
+    marker = tmp_path / "ran"
+    p = elastor_run(tmp_path, f"open({str(marker)!r}, 'w').close()\n", flags, timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastor run: error: ") and says in lines[0], p.stderr[-2000:]
+    assert "unrecognized" not in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists() and not (tmp_path / "logs").exists()   # nothing started, no folder made
+
+
+HELLO = "import os\nprint('hello-from-rank', os.environ['RANK'], flush=True)\n"
+
+
+def _console_and_logs(tmp_path, flags):
+    p = elastor_run(tmp_path, HELLO, ["--nproc-per-node", "2", *flags])
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    console = (p.stdout + p.stderr).count("hello-from-rank")
+    logged = 0
+    for folder, _dirs, files in os.walk(tmp_path / "logs"):
+        for f in files:
+            if f == "stdout.log":
+                logged += open(os.path.join(folder, f)).read().count("hello-from-rank")
+    return console, logged
+
+
+@pytest.mark.parametrize("flags, on_console", [
+    ([], 2),                                   # elastor run's default: console and --log-dir
+    (["--tee", "3"], 2),
+    (["-r", "3", "-t", "3"], 2),
+    (["--redirects", "0"], 2),
+    (["--redirects", "3"], 0),                 # torchrun: the workers' output in the log files only
+    (["-r", "3", "--start-method", "spawn", "--run-path"], 0),
+])
+def test_redirects_and_tee_mean_what_they_mean_in_torchrun(tmp_path, flags, on_console):
+    console, logged = _console_and_logs(tmp_path, flags)
+    assert (console, logged) == (on_console, 2)
