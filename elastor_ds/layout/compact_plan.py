@@ -37,6 +37,9 @@ from ..errors import LayoutError
 COMPACT_FORMAT_VERSION = 2
 MAX_DEVICES = 1 << 18       # 262,144, the planner's bound on usable GPUs
 MAX_GPUS_PER_NODE = 64
+# micro-batches of one optimizer step, all replicas together: the planner's own bound (global batch /
+# micro-batch size, elastor_ds.plan.cli.MAX_MICRO_BATCHES); a plan from someone else is held to it
+MAX_MICRO_BATCHES = 1 << 22
 MAX_GPU_ID = 1 << 20
 _IDS = {k: tuple(range(k)) for k in range(MAX_GPUS_PER_NODE + 1)}
 
@@ -201,7 +204,7 @@ def decode(doc: Mapping[str, Any]) -> CompactPlan:
         if not isinstance(gj, dict):
             raise LayoutError(f"plan document {w}: expected an object")
         count = _int(gj.get("count"), w + ".count", 1, MAX_DEVICES)
-        mb = _int(gj.get("micro_batches"), w + ".micro_batches", 1, 1 << 30)
+        mb = _int(gj.get("micro_batches"), w + ".micro_batches", 1, MAX_MICRO_BATCHES)
         stages = []
         expect = 0
         for si, sj in enumerate(_list(gj.get("stages"), w + ".stages")):

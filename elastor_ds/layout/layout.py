@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import LayoutError
-from .compact_plan import COMPACT_FORMAT_VERSION, MAX_DEVICES, decode, to_replicas_json
+from .compact_plan import COMPACT_FORMAT_VERSION, MAX_DEVICES, MAX_MICRO_BATCHES, decode, to_replicas_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -184,6 +184,7 @@ class Layout:
         if "replicas" not in obj:
             raise LayoutError("plan JSON has no 'replicas' list")
         next_rank = 0
+        total_mb = 0
         reps = []
         for ri, rj in enumerate(obj["replicas"]):
             stages = []
@@ -206,7 +207,13 @@ class Layout:
                 layers = tuple(_plan_int(f"{where}.layers[{i}]", x, '"layers": [0, 4]', lo=0)
                                for i, x in enumerate(raw))
                 stages.append(Stage(tp, layers, ranks, tuple(sj.get("devices", ()))))  # type: ignore[arg-type]
-            mb = _plan_int(f"replicas[{ri}].micro_batches", rj.get("micro_batches", 1), '"micro_batches": 4', lo=1)
+            mb = _plan_int(f"replicas[{ri}].micro_batches", rj.get("micro_batches", 1), '"micro_batches": 4', lo=1,
+                           hi=MAX_MICRO_BATCHES)
+            total_mb += mb
+            if total_mb > MAX_MICRO_BATCHES:   # the planner's bound on one step's micro-batches
+                raise LayoutError(f"plan document: replicas[{ri}].micro_batches {mb:,} brings the plan to {total_mb:,} "
+                                  f"micro-batches per optimizer step, all replicas together; a plan has at most "
+                                  f"{MAX_MICRO_BATCHES:,} (global batch / micro-batch size)")
             reps.append(Replica(tuple(stages), mb))
         doc_layers = obj.get("num_layers")
         if doc_layers is not None:
@@ -292,9 +299,10 @@ class Layout:
         return json_fingerprint(self.to_json())
 
 
-def _plan_int(where: str, v: Any, example: str, lo: int = 0) -> int:
+def _plan_int(where: str, v: Any, example: str, lo: int = 0, hi: int | None = None) -> int:
     """A plan document's integer field: a real int (not a bool, not a float such as 2.0 or 2.9, not
-    a string) of at least ``lo``; else a LayoutError naming the field, the value and an example."""
+    a string) of at least ``lo`` (and at most ``hi``); else a LayoutError naming the field, the value
+    and an example."""
     if isinstance(v, bool) or isinstance(v, float) or isinstance(v, str):
         ok = False
     else:
@@ -307,6 +315,8 @@ def _plan_int(where: str, v: Any, example: str, lo: int = 0) -> int:
         raise LayoutError(f"plan document: {where} must be an integer, got {v!r} ({type(v).__name__}); e.g. {example}")
     if v < lo:
         raise LayoutError(f"plan document: {where} must be at least {lo}, got {v}; e.g. {example}")
+    if hi is not None and v > hi:
+        raise LayoutError(f"plan document: {where} must be at most {hi:,}, got {v:,}; e.g. {example}")
     return v
 
 
