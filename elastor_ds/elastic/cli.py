@@ -128,6 +128,14 @@ def workers_pythonpath(current: str, path: list[str]) -> "str | None":
     return os.pathsep.join(entries + [pkg_root])
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as torchrun's ``--nproc-per-node cpu``)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _check_parent(flag: str, path: "str | None") -> None:
     """An output file's folder must exist, as for ``tee`` or ``cp``: a typo in it is not a reason
     to create a tree of folders."""
@@ -226,7 +234,8 @@ def register(sub) -> None:
     a = p.add_argument
     a("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
     a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
-      help="processes on this node: an integer, 'gpu' (one per visible GPU) or 'auto' (GPUs, else 1)")
+      help="processes on this node: an integer, 'gpu' (one per visible GPU), 'cpu' (one per CPU this process may "
+           "run on) or 'auto' (GPUs, else CPUs), as torchrun counts them")
     a("--standalone", action="store_true", help="single node: local c10d rendezvous on a free port")
     a("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
     a("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
@@ -337,11 +346,11 @@ def _run_checked(args: argparse.Namespace) -> int:
     lo, hi = _nnodes(args.nnodes)
     _check_rdzv_id(args.rdzv_id)
     npn = args.nproc_per_node
-    if npn not in ("gpu", "auto"):
+    if npn not in ("gpu", "cpu", "auto"):
         try:
             int(npn)
         except ValueError:
-            raise ConfigError(f"--nproc-per-node {npn!r}: expected an integer, 'gpu' or 'auto'") from None
+            raise ConfigError(f"--nproc-per-node {npn!r}: expected an integer, 'gpu', 'cpu' or 'auto'") from None
     if args.monitor_interval <= 0 or args.shutdown_timeout <= 0:
         raise ConfigError("--monitor-interval and --shutdown-timeout must be > 0")
     if args.max_restarts < 0:
@@ -383,10 +392,11 @@ def _run_checked(args: argparse.Namespace) -> int:
         check_local_addr(args.local_addr)
     import torch
     n_gpu = torch.cuda.device_count()
-    if npn in ("gpu", "auto"):
+    if npn in ("gpu", "cpu", "auto"):
         if npn == "gpu" and n_gpu == 0:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible; give a process count")
-        nproc = n_gpu or 1
+        # as torchrun: 'auto' without a GPU is one process per CPU (was 1: a torchrun command gave one worker)
+        nproc = n_gpu if npn == "gpu" or (npn == "auto" and n_gpu) else _usable_cpus()
     else:
         nproc = int(npn)
     if nproc < 1:

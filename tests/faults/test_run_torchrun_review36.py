@@ -77,3 +77,22 @@ def _console_and_logs(tmp_path, flags):
 def test_redirects_and_tee_mean_what_they_mean_in_torchrun(tmp_path, flags, on_console):
     console, logged = _console_and_logs(tmp_path, flags)
     assert (console, logged) == (on_console, 2)
+
+
+@pytest.mark.parametrize("value", ["auto", "cpu"])
+def test_nproc_per_node_auto_without_a_gpu_is_one_worker_per_cpu_as_torchrun(tmp_path, value):
+    """torchrun's ``--nproc-per-node auto`` without an accelerator, and ``cpu``, start one worker per
+    CPU of the launcher's affinity; elastor run started one for ``auto`` and refused ``cpu``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    script = tmp_path / "train.py"
+    script.write_text(f"import os\nopen(os.path.join({str(tmp_path)!r}, 'w' + os.environ['RANK']), 'w')"
+                      ".write(os.environ['WORLD_SIZE'])\n")
+    p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", "--no-standby", "--nproc-per-node", value,
+                        "--log-dir", str(tmp_path / "logs"), str(script)], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path), env=ENV,
+                       preexec_fn=lambda: os.sched_setaffinity(0, cpus[:2]))   # two CPUs: two workers
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    written = sorted(f.name for f in tmp_path.iterdir() if f.name.startswith("w"))
+    assert written == ["w0", "w1"] and (tmp_path / "w0").read_text() == "2", (written, p.stderr[-2000:])
