@@ -689,7 +689,12 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
     left: list[tuple[str, str]] = []   # (path, why) of what retention leaves alone
     committed = list_committed(root)
     bad = {os.path.abspath(p) for p in unusable}
-    good = [(s, p) for s, p in committed if os.path.abspath(p) not in bad]
+    limit = step_of(os.path.basename(protect)) if protect else None
+    # the ``keep`` newest are counted up to the step just committed: steps above it are another
+    # trajectory's (a run started over with load "none" in a used folder, or one that went back to
+    # an older step), kept for a look, never counted; counted, they made retention delete this
+    # run's own previous step, which then was missing as the fallback of its newest
+    good = [(s, p) for s, p in committed if os.path.abspath(p) not in bad and (limit is None or s <= limit)]
     newest_good = {os.path.abspath(p) for _, p in good[-keep:]}
     oldest_kept = min((s for s, p in good[-keep:]), default=None)
     keep_paths = {os.path.abspath(p) for p in (protect,) if p}
@@ -699,7 +704,6 @@ def apply_retention(root: str, keep: int, protect: str | None = None, recycle_di
         cur = None
     if cur:
         keep_paths.add(os.path.abspath(cur))
-    limit = step_of(os.path.basename(protect)) if protect else None
     for step, path in committed:
         ap = os.path.abspath(path)
         if ap in newest_good or ap in keep_paths or (limit is not None and step > limit):

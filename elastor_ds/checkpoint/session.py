@@ -106,11 +106,12 @@ def check_roots_apart(storage: str, snapshots: str) -> None:
                           f"directories, e.g. --save on shared storage and --snapshot-dir on /dev/shm")
 
 
-def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig]) -> None:
+def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig], dir_setting: str = "checkpoint.dir"
+                         ) -> None:
     """Neither root lies in a checkpoint's step directory (that run's retention would delete it
     with the step), and they do not overlap; checked before either is made."""
     from ..elastic.protocol import launch_context
-    roots = [("checkpoint directory", storage)]
+    roots = [(f"checkpoint directory ({dir_setting})", storage)]
     snap = (memory.dir or launch_context().snapshot_dir) if memory is not None else None
     if snap:
         roots.append(("memory-snapshot directory", snap))
@@ -124,7 +125,7 @@ def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig]) -
         check_roots_apart(storage, snap)
 
 
-def _check_writable(cfg: CheckpointConfig, policy_comm: Any) -> None:
+def _check_writable(cfg: CheckpointConfig, policy_comm: Any, dir_setting: str = "checkpoint.dir") -> None:
     """Collective. ``cfg.dir`` must take this process's saves when any will come (periodic saves);
     a read-only folder used only to load is a warning. Judged where it exists (rank 0 made it; the
     others may not see it yet on shared storage), agreed so that every rank raises the same error."""
@@ -138,11 +139,29 @@ def _check_writable(cfg: CheckpointConfig, policy_comm: Any) -> None:
     rank, why = bad[0]
     on = f" (rank {rank})" if policy_comm.world_size > 1 else ""
     if cfg.periodic:
-        raise ConfigError(f"checkpoint.dir {root}: this process{on} cannot write there ({why}), so the first save "
-                          f"would fail; give a directory you may write, or fix its permissions")
+        raise ConfigError(f"{dir_setting} {_shown(cfg.dir)}: this process{on} cannot write there ({why}), so the "
+                          f"first save would fail; give a directory you may write, or fix its permissions")
     if policy_comm.rank == rank:
-        log.warning("checkpoint.dir %s: this process cannot write there (%s): checkpoints load from it, but an "
-                    "explicit or end-of-run save would fail", root, why)
+        log.warning("%s %s: this process cannot write there (%s): checkpoints load from it, but an explicit or "
+                    "end-of-run save would fail", dir_setting, _shown(cfg.dir), why)
+
+
+def _say_started_over(cfg: CheckpointConfig, dir_setting: str) -> None:
+    """``load`` "none" in a folder that holds committed steps: this run starts over beside them."""
+    steps = [s for s, _ in commit_mod.list_committed(os.path.abspath(cfg.dir))]
+    if steps:
+        log.warning("%s %s holds committed steps of an earlier run (%s) and load is \"none\": this run starts "
+                    "over; its saves move `latest` to its own steps, and a resume loads those. The earlier steps "
+                    "above this run's newest are kept beside them (never counted by keep) until a save of the same "
+                    "step number replaces one; give each run its own directory to keep them apart", dir_setting,
+                    _shown(cfg.dir), ", ".join(map(str, steps[-3:])) if len(steps) <= 3
+                    else f"{steps[0]} .. {steps[-1]}, {len(steps)} steps")
+
+
+def _shown(path: str) -> str:
+    """A directory setting's value as written, with its absolute path when that differs."""
+    a = os.path.abspath(path)
+    return path if a == path else f"{path} ({a})"
 
 
 def _check_snapshot_dir_writable(memory: MemorySnapshotConfig, node: str, policy_comm: Any) -> None:
@@ -195,10 +214,15 @@ class CheckpointSession:
     """Collective constructor: every rank of the job, same point."""
 
     def __init__(self, state: TrainerState, cfg: CheckpointConfig, memory: Optional[MemorySnapshotConfig] = None,
-                 *, comm: Any = None, policy_comm: Any = None, memory_comm: Any = None, cross_node: bool = True):
+                 *, comm: Any = None, policy_comm: Any = None, memory_comm: Any = None, cross_node: bool = True,
+                 dir_setting: str = "checkpoint.dir"):
+        """``dir_setting``: the name of the setting ``cfg.dir`` came from, as the user wrote it
+        (``elastor.checkpoint.dir`` in a DeepSpeed config, ``--save`` for Megatron-LM): errors about
+        the folder name it."""
         self.state = state
         self.cfg = cfg
-        check_root_placement(cfg.dir, memory)   # before anything is made on disk
+        self.dir_setting = str(dir_setting)
+        check_root_placement(cfg.dir, memory, self.dir_setting)   # before anything is made on disk
         if cfg.load not in ("latest", "none") and not os.path.lexists(cfg.load):
             raise CheckpointNotFoundError(f"elastor.checkpoint.load: {os.path.abspath(cfg.load)} does not exist; give "
                                           f"a checkpoint directory or step directory, \"latest\" (the newest under "
@@ -219,13 +243,16 @@ class CheckpointSession:
         # collectives on ``self.comm`` and two threads must never interleave collectives on one group
         self.policy_comm = policy_comm if policy_comm is not None else self._new_comm(comm)
         self.ckpt = CheckpointEngine(cfg.dir, self.comm, keep=cfg.keep, async_save=cfg.async_save,
-                                     storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io),
+                                     storage=PosixStorage(cfg.dir, direct_io=cfg.direct_io, setting=self.dir_setting),
                                      writer_sched=cfg.writer_sched, writer_deadline_s=cfg.writer_deadline_s)
-        _check_writable(cfg, self.policy_comm)   # a read-only folder: refused now, not at the first save
+        # a read-only folder: refused now, not at the first save
+        _check_writable(cfg, self.policy_comm, self.dir_setting)
         try:   # a folder of DeepSpeed's own checkpoints: refused now, not at the first commit
             commit_mod.check_latest_replaceable(cfg.dir)
         except UnsafeCheckpointError as e:
-            raise ConfigError(f"checkpoint.dir: {e}") from None
+            raise ConfigError(f"{self.dir_setting}: {e}") from None
+        if cfg.load == "none" and self.policy_comm.rank == 0:
+            _say_started_over(cfg, self.dir_setting)
         self.last_save_step: Optional[int] = None
         self.last_save_time = time.monotonic()
         self.stats: list[SaveStats] = []

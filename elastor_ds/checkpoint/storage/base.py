@@ -208,31 +208,45 @@ def check_root(storage: Storage, root: str) -> Optional[str]:
     return None
 
 
-def make_root_agreed(comm: Comm, root: str, what: str, create: bool) -> Optional[str]:
+def make_root_agreed(comm: Comm, root: str, what: str, create: bool, setting: Optional[str] = None,
+                     given: Optional[str] = None) -> Optional[str]:
     """:func:`make_root` on every rank of ``comm`` (``create``: this rank makes it), its outcome
     agreed: when it failed on any rank, every rank raises the same typed error (a
     :class:`~elastor_ds.errors.ConfigError` naming the rank and the path) at once, instead of the
     ranks that succeeded waiting in the next collective for the one that raised alone. Collective
-    (one tiny all-reduce; none on one rank)."""
+    (one tiny all-reduce; none on one rank). ``setting``/``given``: see :func:`make_root`."""
+    def make() -> Optional[str]:
+        return make_root(root, what, create=create, setting=setting, given=given)
     if comm.world_size <= 1:
-        return make_root(root, what, create=create)
+        return make()
     from ...comm.collectives import agree
-    return agree(comm, lambda: make_root(root, what, create=create), what=f"set-up of the {what} {root}")
+    return agree(comm, make, what=f"set-up of the {what} {root}")
 
 
-def make_root(root: str, what: str = "checkpoint directory", create: bool = True) -> Optional[str]:
+def make_root(root: str, what: str = "checkpoint directory", create: bool = True, setting: Optional[str] = None,
+              given: Optional[str] = None) -> Optional[str]:
     """``mkdir -p root`` (with ``create``; every rank checks, one creates), or
-    :class:`~elastor_ds.errors.ConfigError` naming the path and the fix when it is a file, lies
-    under one, or cannot be made (a user's path, not an internal error). Returns the top-most
-    folder this call created, None when ``root`` was there."""
+    :class:`~elastor_ds.errors.ConfigError` naming the path and the fix when it is a file, a link
+    to nothing, lies under a file, or cannot be made (a user's path, not an internal error).
+    ``setting``: the name of the setting the user wrote the path in (``elastor.checkpoint.dir``,
+    ``--save``, ``checkpoint.dir``) and ``given`` its value as written; the error then starts with
+    them and says what to set. Returns the top-most folder this call created, None when ``root``
+    was there."""
     from ...errors import ConfigError
+    root_abs = os.path.abspath(root)
+    head = (f"{setting} {given if given is not None else root}: the {what} {root_abs}" if setting
+            else f"{what} {root}")
+    give = f"set {setting} to" if setting else "give"
+    if os.path.islink(root) and not os.path.exists(root):   # a dangling link: mkdir would not follow it
+        raise ConfigError(f"{head} is a symbolic link to {os.readlink(root)}, which does not exist; {give} an "
+                          f"existing directory or a path to create (a link is not followed to make its target)")
     if os.path.lexists(root) and not os.path.isdir(root):
-        raise ConfigError(f"{what} {root} is a file, not a directory; give the path of a directory (it is created "
-                          f"when absent)")
+        raise ConfigError(f"{head} is a file, not a directory; {give} the path of a directory (it is created when "
+                          f"absent)")
     if not create:
         return None
     missing = []   # the absent folders, top-most last
-    d = os.path.abspath(root)
+    d = root_abs
     while not os.path.lexists(d) and os.path.dirname(d) != d:
         missing.append(d)
         d = os.path.dirname(d)
@@ -249,9 +263,29 @@ def make_root(root: str, what: str = "checkpoint directory", create: bool = True
                 top = d
         os.makedirs(root, exist_ok=True)   # raises if root exists as something else meanwhile
     except NotADirectoryError:
-        raise ConfigError(f"{what} {root}: a component of the path is a file, not a directory; give a directory "
-                          f"path") from None
+        comp = _file_in_path(root_abs)
+        raise ConfigError(f"{head}: a component of the path is a file, not a directory"
+                          + (f" ({comp})" if comp else "") + f"; {give} a directory path") from None
     except OSError as e:
-        raise ConfigError(f"{what} {root}: cannot create it ({e.strerror or e}); give a directory you may "
+        where = f" in {_nearest_dir(root_abs)}" if setting else ""
+        raise ConfigError(f"{head}: cannot create it ({e.strerror or e}{where}); {give} a directory you may "
                           f"write") from None
     return top
+
+
+def _nearest_dir(path: str) -> str:
+    """The nearest folder of ``path`` (itself or an ancestor) that exists."""
+    d = path
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    return d
+
+
+def _file_in_path(path: str) -> Optional[str]:
+    """The first component of ``path`` that exists and is not a directory, else None."""
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):
+        d = os.sep.join(parts[:i])
+        if os.path.lexists(d) and not os.path.isdir(d):
+            return d
+    return None

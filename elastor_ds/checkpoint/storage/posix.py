@@ -15,9 +15,10 @@ The read half (also the tmpfs backend's) reads the step directory through
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import stat
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from ...comm.collectives import Comm
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
@@ -36,7 +37,11 @@ if TYPE_CHECKING:
 class PosixStorage(Storage):
     """A checkpoint root on a posix file system (see the module docstring)."""
 
-    def __init__(self, root: str, *, sync: bool = True, direct_io: bool = True):
+    def __init__(self, root: str, *, sync: bool = True, direct_io: bool = True, setting: Optional[str] = None):
+        """``setting``: the name of the setting ``root`` came from (``elastor.checkpoint.dir``,
+        ``--save``, ``checkpoint.dir``): set-up errors name it and ``root`` as written."""
+        self.given = root
+        self.setting = setting
         self.root = os.path.abspath(root)
         self.sync = bool(sync)
         self.direct_io = bool(direct_io)
@@ -48,7 +53,66 @@ class PosixStorage(Storage):
     def set_up(self, comm: Comm, keep: int) -> None:
         self.keep = keep
         # rank 0 makes it; its failure (a path it may not create) is every rank's error, at once
-        self.created = make_root_agreed(comm, self.root, "checkpoint directory", create=comm.rank == 0)
+        self.created = make_root_agreed(comm, self.root, "checkpoint directory", create=comm.rank == 0,
+                                        setting=self.setting, given=self.given)
+        if comm.world_size > 1:
+            try:
+                self._check_shared(comm)
+            except BaseException:
+                self.remove_if_unused()   # the engine was not made: nobody else removes what set-up made
+                raise
+
+    def _check_shared(self, comm: Comm) -> None:
+        """Collective: every rank sees the folder rank 0 made, with its content, else every rank
+        raises a ConfigError naming it. A path on node-local storage (``/tmp/ckpt`` on each node) is
+        a different, empty folder on each node: each node's ranks would write their files into their
+        own, and the first save fail as another writer's interference (rank 0 missing their files).
+        Rank 0 writes a file of a random name and content into the root, every rank reads it back,
+        rank 0 removes it: one broadcast of five ints and one tiny agreement. A folder rank 0 cannot
+        write (one only loaded from) is not probed."""
+        from ...comm.collectives import agree
+        token = secrets.token_hex(16) if comm.rank == 0 else ""
+        probe = os.path.join(self.root, f"{PROBE_PREFIX}{token}")
+        written = 0
+        if comm.rank == 0:
+            try:
+                _write_probe(probe, token)
+                written = 1
+            except OSError:   # a folder only loaded from (read-only): the session's own check says so
+                pass
+        got = comm.broadcast_ints([written] + [int(token[i:i + 8], 16) for i in range(0, 32, 8)] if token
+                                  else [0] * 5)
+        if not got[0]:
+            return
+        token = "".join("%08x" % v for v in got[1:])
+        probe = os.path.join(self.root, f"{PROBE_PREFIX}{token}")
+        try:
+            agree(comm, lambda: self._read_probe(probe, token),
+                  what=f"set-up of the checkpoint directory {self.root}")
+        finally:
+            if comm.rank == 0:
+                try:
+                    os.unlink(probe)
+                except OSError:
+                    pass
+
+    def _read_probe(self, probe: str, token: str) -> None:
+        from ...errors import ConfigError
+        if _probe_says(probe) == token:
+            return
+        # a network file system may still hold this node's earlier look-up of the (then absent)
+        # folder: a mkdir goes to the server, fails there (the folder exists) and drops that entry
+        if _mkdirs_made(self.root):   # it did not exist here: this node's own storage
+            seen = "does not exist on this rank's node"
+        elif _probe_says(probe) == token:
+            return
+        else:
+            seen = "exists on this rank's node, but without the file rank 0 just wrote into it"
+        setting = self.setting or "the checkpoint directory"
+        raise ConfigError(f"{setting} {self.given}: the folder {self.root} {seen}: it is not the "
+                          f"same folder on every node (node-local storage, such as /tmp or a local disk, at the "
+                          f"same path on each node?); a checkpoint is one folder every rank writes into: give a "
+                          f"directory on storage every node shares (a parallel or network file system)")
 
     def temp_dir(self, step: int, nonce: str) -> str:
         return os.path.join(self.root, commit_mod.tmp_dirname(step, nonce))
@@ -137,6 +201,49 @@ class PosixStorage(Storage):
 
     def source(self, step_dir: str) -> ChunkSource:
         return DirSource(step_dir, STORAGE)
+
+
+#: the file :meth:`PosixStorage.set_up` writes into the root for a moment (a probe of shared storage)
+PROBE_PREFIX = ".elastor-probe-"
+
+
+def _write_probe(path: str, token: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        write_all(fd, memoryview(token.encode()))
+    finally:
+        os.close(fd)
+
+
+def _probe_says(path: str) -> Optional[str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 64).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+
+
+def _mkdirs_made(root: str) -> bool:
+    """``mkdir`` each folder of ``root``, top-down; True when one of them was made here (then
+    removed again, bottom-up): the path did not exist in this node's view."""
+    parts = os.path.abspath(root).split(os.sep)
+    made = []
+    for i in range(2, len(parts) + 1):
+        d = os.sep.join(parts[:i])
+        try:
+            os.mkdir(d, 0o700)
+        except OSError:
+            continue
+        made.append(d)
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    return bool(made)
 
 
 def own_dir(path: str) -> None:

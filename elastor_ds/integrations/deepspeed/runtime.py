@@ -268,7 +268,7 @@ def ElastorCheckpointer(engine: Any, cfg: CheckpointConfig, memory: Optional[Mem
                         ) -> CheckpointSession:
     """Collective: the job's checkpoint session over a DeepSpeed engine (``engine.elastor``)."""
     state = DeepSpeedState(engine)
-    session = CheckpointSession(state, cfg, memory)
+    session = CheckpointSession(state, cfg, memory, dir_setting="elastor.checkpoint.dir")
     state.comm = session.policy_comm
     return session
 

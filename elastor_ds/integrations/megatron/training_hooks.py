@@ -490,7 +490,8 @@ def session(args: Any, root: str, keep: Optional[int] = None, model: Any = None,
         if model is not None:
             state.bind(args, model, optimizer, scheduler)
         sess = CheckpointSession(state, cfg, mem, comm=comm, policy_comm=_S.policy_comm,
-                                 memory_comm=memory_comm, cross_node=_distributed())
+                                 memory_comm=memory_comm, cross_node=_distributed(),
+                                 dir_setting="--save" if key == os.path.abspath(getattr(args, "save", None) or "//") else "--load")
         _S.sessions[key] = sess
     return sess
 
