@@ -39,7 +39,9 @@ def run_script(argv: list[str]) -> None:
               f"started); restore it and start the job again", file=sys.stderr)
         _exit_now(2)
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    # as `python SCRIPT` (and torchrun): the folder of the script's real file, its links resolved, so that a
+    # trainer linked into a run folder imports the modules beside its real file (was: the link's folder)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

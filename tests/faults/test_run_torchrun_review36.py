@@ -96,3 +96,25 @@ def test_nproc_per_node_auto_without_a_gpu_is_one_worker_per_cpu_as_torchrun(tmp
     assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
     written = sorted(f.name for f in tmp_path.iterdir() if f.name.startswith("w"))
     assert written == ["w0", "w1"] and (tmp_path / "w0").read_text() == "2", (written, p.stderr[-2000:])
+
+
+def test_a_linked_script_imports_the_modules_beside_its_real_file_as_python_does(tmp_path):
+    """``python link/train.py`` and torchrun put the folder of the real file first on ``sys.path``;
+    elastor run's workers put the link's folder there, and the trainer's own imports failed."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "real" / "helper_review36.py").write_text("VALUE = 'beside the real file'\n")
+    (tmp_path / "real" / "train.py").write_text(
+        f"import helper_review36, sys\nopen({str(tmp_path / 'out')!r}, 'w').write(helper_review36.VALUE)\n")
+    os.symlink(os.path.join("..", "real", "train.py"), tmp_path / "run" / "train.py")
+    oracle = subprocess.run([sys.executable, str(tmp_path / "run" / "train.py")], env=ENV, capture_output=True,
+                            text=True, timeout=60)   # what Python itself does with the link
+    assert oracle.returncode == 0, oracle.stderr
+    os.remove(tmp_path / "out")
+    for standby in ("--no-standby", "--standby"):
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", standby, "--max-restarts", "0",
+                            "--log-dir", str(tmp_path / "logs"), str(tmp_path / "run" / "train.py")],
+                           capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=ENV)
+        assert p.returncode == 0, (standby, p.returncode, p.stderr[-3000:])
+        assert (tmp_path / "out").read_text() == "beside the real file"
+        os.remove(tmp_path / "out")
