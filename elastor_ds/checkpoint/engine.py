@@ -1040,8 +1040,13 @@ class CheckpointEngine:
             first = None
         cands = [first] if first else []
         if fallback:
+            # the committed steps older than the one named, newest first: a step numbered above it
+            # is not this run's past (a run that started over with load "none" beside an earlier
+            # run's higher steps: its corrupt newest step must not fall back to that run's)
             root = path if not self.storage.is_step(path) else os.path.dirname(path)
-            older = [p for _, p in reversed(self.storage.list_steps(root)) if p != first]
+            steps = self.storage.list_steps(root)
+            below = next((s for s, p in steps if p == first), None) if first else None
+            older = [p for s, p in reversed(steps) if p != first and (below is None or s < below)]
             cands.extend(older)
         if not cands:
             raise IncompleteCheckpointError(f"{path}: no committed checkpoint to load")

@@ -56,12 +56,24 @@ def no_launcher(monkeypatch):
 
 # ------------------------------------------------------------------ 1, 2: memory snapshot flags
 @pytest.mark.parametrize("argv, flag", [
-    (["--elastor-memory-snapshot-interval", "0"], "--elastor-memory-snapshot-interval 0: "),
-    (["--elastor-memory-snapshot-interval", "-1"], "--elastor-memory-snapshot-interval -1: "),
+    # out of a flag's own range: argparse's usage error at parse time (review 36: was a ConfigError at configure)
+    (["--elastor-memory-snapshot-interval", "0"], "argument --elastor-memory-snapshot-interval: 0: must be at least 1"),
+    (["--elastor-memory-snapshot-interval", "-1"], "argument --elastor-memory-snapshot-interval: -1: must be at least 1"),
     (["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copies", "2"],
-     "--elastor-memory-snapshot-peer-copies 2: "),
+     "argument --elastor-memory-snapshot-peer-copies: 2: must be at most 1"),
     (["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-keep", "0"],
-     "--elastor-memory-snapshot-keep 0: "),
+     "argument --elastor-memory-snapshot-keep: 0: must be at least 1"),
+])
+def test_memory_snapshot_flag_out_of_range_is_a_usage_error(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(argv + ["--save", "ck"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, flag", [
     (["--elastor-memory-snapshot-interval", "2", "--elastor-memory-snapshot-peer-copy-interval", "5"],
      "--elastor-memory-snapshot-peer-copy-interval 5: "),
     (["--elastor-memory-snapshot-interval", "1", "--elastor-memory-snapshot-peer-copy-interval", "4",

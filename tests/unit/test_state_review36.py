@@ -40,3 +40,27 @@ def test_save_with_enum_in_rank_extra_and_extra(tmp_path):
     eng.finalize()
     man = json.loads((tmp_path / "step_000000003" / "manifest.json").read_text())
     assert man["extra"] == {"mode": "train", "stages": [{"stage": 2}]}
+
+
+def test_fallback_never_takes_a_step_newer_than_the_one_named(tmp_path):
+    """A run that started over (load none) beside an earlier run's step 200 saves 40 and 50; its
+    step 50 is corrupt: the fallback loads 40, not the other run's 200."""
+    from elastor_ds.checkpoint.shards import full_shard as fs
+
+    root = str(tmp_path)
+    old_run = CheckpointEngine(root, comm=LocalComm(), async_save=False)
+    old_run.save(200, [fs("w", torch.full((256,), 200.0))])
+    old_run.finalize()
+    new_run = CheckpointEngine(root, comm=LocalComm(), async_save=False)
+    for step in (40, 50):
+        new_run.save(step, [fs("w", torch.full((256,), float(step)))])
+    new_run.finalize()
+    assert (tmp_path / "latest").read_text().strip().endswith("50")
+    data = tmp_path / "step_000000050" / "data_00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-8] ^= 0xFF     # a byte of the tensor's data
+    data.write_bytes(bytes(raw))
+    dst = torch.zeros(256)
+    res = CheckpointEngine(root, comm=LocalComm()).load(root, [fs("w", dst)], fallback=True)
+    assert res.step == 40
+    assert torch.equal(dst, torch.full((256,), 40.0))
