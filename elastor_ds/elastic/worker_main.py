@@ -63,9 +63,21 @@ def run_script(argv: list[str]) -> None:
             # a bad key, flag or value: the same on every relaunch, so exit 2 (not retried); a checkpoint
             # that cannot be used: a failure (1)
             _exit_now(2 if isinstance(e, ConfigError) else 1)
-        traceback.print_exc()
+        traceback.print_exception(type(e), e, _from_the_script(e.__traceback__))
         _exit_now(1)
     _ignore_stop_signals()
+
+
+def _from_the_script(tb):
+    """The traceback from the script's first frame on, as ``python SCRIPT`` prints it: this module's
+    and runpy's frames above it are the launcher's, not the user's (all of it if none is the script's)."""
+    import runpy
+    ours = {os.path.realpath(__file__), os.path.realpath(runpy.__file__), "<frozen runpy>"}
+    first = tb
+    while first is not None and (first.tb_frame.f_code.co_filename in ours
+                                 or os.path.realpath(first.tb_frame.f_code.co_filename) in ours):
+        first = first.tb_next
+    return first if first is not None else tb
 
 
 def _ignore_stop_signals() -> None:

@@ -118,3 +118,34 @@ def test_a_linked_script_imports_the_modules_beside_its_real_file_as_python_does
         assert p.returncode == 0, (standby, p.returncode, p.stderr[-3000:])
         assert (tmp_path / "out").read_text() == "beside the real file"
         os.remove(tmp_path / "out")
+
+
+RAISES = """
+def inner():
+    try:
+        {}['missing']
+    except KeyError as e:
+        raise ValueError('boom in the trainer') from e
+
+inner()
+"""
+
+
+def test_a_worker_exception_prints_the_traceback_python_prints(tmp_path):
+    """A trainer's exception: the worker's stderr holds the traceback ``python SCRIPT`` prints (the
+    chained one included), without the launcher's runpy and worker_main frames above the script."""
+    script = tmp_path / "train.py"
+    script.write_text(RAISES)
+    oracle = subprocess.run([sys.executable, str(script)], env=ENV, capture_output=True, text=True, timeout=60)
+    assert oracle.returncode == 1 and "ValueError: boom in the trainer" in oracle.stderr
+    for standby in ("--no-standby", "--standby"):
+        logs = tmp_path / f"logs{standby}"
+        p = subprocess.run([sys.executable, "-m", "elastor_ds.cli", "run", standby, "--max-restarts", "0",
+                            "--log-dir", str(logs), str(script)],
+                           capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=ENV)
+        assert p.returncode == 1, (standby, p.returncode, p.stderr[-3000:])
+        stderr = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f == "stderr.log"]
+        assert len(stderr) == 1, stderr
+        text = open(stderr[0]).read()
+        assert text.endswith(oracle.stderr), (standby, text[-3000:], oracle.stderr)
+        assert "runpy" not in text and "worker_main" not in text, text[-3000:]
