@@ -29,6 +29,30 @@ def _seconds(lo_exclusive: bool) -> Callable[[str, str], float]:
     return parse
 
 
+def _whole_seconds(lo_exclusive: bool) -> Callable[[str, str], int]:
+    """A time torch's rendezvous reads as whole seconds (``get_as_int``): a fraction was truncated
+    there (``keep_alive_interval=0.5`` became 0 and the rendezvous never completed; torchrun refuses it)."""
+    parse_float = _seconds(lo_exclusive)
+
+    def parse(key: str, v: str) -> int:
+        x = parse_float(key, v)
+        if not x.is_integer() or (lo_exclusive and x < 1):
+            raise ConfigError(f"--rdzv-conf {key}={v}: torch's rendezvous takes whole seconds"
+                              f"{' (at least 1)' if lo_exclusive else ''}; give e.g. {key}={max(1, math.ceil(x))}")
+        return int(x)
+    return parse
+
+
+# options torch takes without error but nothing reads (torch 2.x's c10d backend and elastor run): refused,
+# not ignored in silence
+NO_EFFECT = {
+    "use_agent_store": "the workers' store is chosen by the rendezvous backend (TORCHELASTIC_USE_AGENT_STORE), "
+                       "not by an option",
+    "use_libuv": "the c10d store's transport is chosen by torch (environment USE_LIBUV), not by an option",
+    "heartbeat": "torch's key is heartbeat_timeout",
+}
+
+
 def _count(key: str, v: str) -> int:
     try:
         x = int(v)
@@ -56,10 +80,10 @@ def _text(key: str, v: str) -> str:
 
 # key -> parser; the c10d and etcd backends' options, and elastor run's liveness options
 KEYS: dict[str, Callable[[str, str], Any]] = {
-    "join_timeout": _seconds(True), "last_call_timeout": _seconds(False), "close_timeout": _seconds(True),
-    "timeout": _seconds(True), "read_timeout": _seconds(True), "heartbeat": _seconds(True),
-    "keep_alive_interval": _seconds(True), "keep_alive_max_attempt": _count,
-    "is_host": _flag, "use_libuv": _flag, "use_agent_store": _flag,
+    "join_timeout": _whole_seconds(True), "last_call_timeout": _whole_seconds(False),
+    "close_timeout": _whole_seconds(True), "timeout": _whole_seconds(True), "read_timeout": _whole_seconds(True),
+    "heartbeat_timeout": _whole_seconds(True), "keep_alive_interval": _whole_seconds(True),
+    "keep_alive_max_attempt": _count, "is_host": _flag,
     "protocol": _text, "cacert": _text, "cert": _text, "key": _text, "etcd_prefix": _text,
 }
 
@@ -72,6 +96,8 @@ def parse_rdzv_conf(text: str) -> dict:
             raise ConfigError(f"--rdzv-conf {text!r}: expected key=value pairs separated by commas, "
                               f"e.g. join_timeout=600,read_timeout=60")
         k, v = (x.strip() for x in kv.split("=", 1))
+        if k in NO_EFFECT:
+            raise ConfigError(f"--rdzv-conf {k}={v}: has no effect ({NO_EFFECT[k]}); drop it")
         if k not in KEYS:
             raise ConfigError(f"--rdzv-conf {k}={v}: unknown option {k!r}; known: {', '.join(sorted(KEYS))}")
         out[k] = KEYS[k](k, v)

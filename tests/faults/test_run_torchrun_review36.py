@@ -40,6 +40,13 @@ def elastor_run(tmp_path, source: str, flags: list[str], timeout: float = 120) -
     (["--logs-specs", "x"], "--logs-specs x: a torchrun flag"),
     (["--redirects", "1"], "--redirects 1: elastor run takes 0 or 3"),
     (["-t", "0:3,1:0"], "--tee 0:3,1:0: elastor run takes 0 or 3"),
+    # torch reads these as whole seconds: 0.5 became 0 and the rendezvous never completed (a hang)
+    (["--rdzv-conf", "keep_alive_interval=0.5"],
+     "--rdzv-conf keep_alive_interval=0.5: torch's rendezvous takes whole seconds (at least 1); give e.g. "
+     "keep_alive_interval=1"),
+    (["--rdzv-conf", "join_timeout=10.5"], "--rdzv-conf join_timeout=10.5: torch's rendezvous takes whole seconds"),
+    (["--rdzv-conf", "use_libuv=0"], "--rdzv-conf use_libuv=0: has no effect"),
+    (["--rdzv-conf", "heartbeat=5"], "--rdzv-conf heartbeat=5: has no effect (torch's key is heartbeat_timeout)"),
 ])
 def test_a_torchrun_flag_without_a_counterpart_is_one_line_naming_it(tmp_path, flags, says):
     marker = tmp_path / "ran"
@@ -149,3 +156,14 @@ def test_a_worker_exception_prints_the_traceback_python_prints(tmp_path):
         text = open(stderr[0]).read()
         assert text.endswith(oracle.stderr), (standby, text[-3000:], oracle.stderr)
         assert "runpy" not in text and "worker_main" not in text, text[-3000:]
+
+
+def test_rdzv_conf_takes_torchs_heartbeat_timeout_in_whole_seconds(tmp_path):
+    """torch's dynamic rendezvous reads ``heartbeat_timeout`` (elastor run refused it as unknown and
+    took ``heartbeat``, which nothing reads) and every time as an integer."""
+    from elastor_ds.elastic.rdzv_args import parse_rdzv_conf
+    conf = parse_rdzv_conf("heartbeat_timeout=30,join_timeout=60.0,last_call_timeout=0,read_timeout=7")
+    assert conf == {"heartbeat_timeout": 30, "join_timeout": 60, "last_call_timeout": 0, "read_timeout": 7}
+    assert all(type(v) is int for v in conf.values())
+    p = elastor_run(tmp_path, HELLO, ["--rdzv-conf", "heartbeat_timeout=30,join_timeout=60"])
+    assert p.returncode == 0 and "hello-from-rank 0" in p.stdout + p.stderr, (p.returncode, p.stderr[-3000:])
