@@ -435,8 +435,10 @@ def _run_checked(args: argparse.Namespace) -> int:
     pythonpath = workers_pythonpath(os.environ.get("PYTHONPATH", ""), sys.path)
     if pythonpath is not None:
         os.environ["PYTHONPATH"] = pythonpath
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:   # as torchrun, and said as torchrun says it
         os.environ["OMP_NUM_THREADS"] = "1"
+        log.warning("OMP_NUM_THREADS is set to 1 for every worker (%d on this node; as torchrun does) to keep them "
+                    "from oversubscribing the CPUs; set it yourself to tune it", nproc)
     cfg = RunConfig(script=os.path.abspath(args.script), script_args=list(args.script_args), nproc_per_node=nproc,
                     min_nodes=lo, max_nodes=hi, rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint,
                     rdzv_id=rdzv_id, rdzv_conf=rdzv_conf, max_restarts=args.max_restarts,

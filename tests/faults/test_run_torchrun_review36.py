@@ -5,6 +5,7 @@ before, they exited 2 with a bare "unrecognized arguments", and --redirects/--te
 subprocess, as a user runs it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -167,3 +168,39 @@ def test_rdzv_conf_takes_torchs_heartbeat_timeout_in_whole_seconds(tmp_path):
     assert all(type(v) is int for v in conf.values())
     p = elastor_run(tmp_path, HELLO, ["--rdzv-conf", "heartbeat_timeout=30,join_timeout=60"])
     assert p.returncode == 0 and "hello-from-rank 0" in p.stdout + p.stderr, (p.returncode, p.stderr[-3000:])
+
+
+ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+DUMP = """
+import json, os, sys
+keys = {keys!r}
+with open(os.path.join({out!r}, os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({{"env": {{k: os.environ.get(k) for k in keys}}, "argv": sys.argv[1:], "name": __name__,
+               "run_id_is_set": bool(os.environ.get("TORCHELASTIC_RUN_ID")),
+               "master_port": os.environ.get("MASTER_PORT", "").isdigit()}}, f, sort_keys=True)
+"""
+
+
+def test_the_workers_environment_is_torchruns(tmp_path):
+    """The same trainer under torchrun (torch.distributed.run) and elastor run, three processes, one
+    node: the same torchrun variables (ports and run ids aside), the same arguments, OMP_NUM_THREADS=1
+    set and said by both."""
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    dumps = {}
+    for who in ("torchrun", "elastor"):
+        out = tmp_path / who
+        out.mkdir()
+        script = tmp_path / f"dump_{who}.py"
+        script.write_text(DUMP.format(keys=ENV_KEYS, out=str(out)))
+        launcher = ([sys.executable, "-m", "torch.distributed.run"] if who == "torchrun" else
+                    [sys.executable, "-m", "elastor_ds.cli", "run", "--log-dir", str(tmp_path / "logs")])
+        p = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "3", "--max-restarts", "2", str(script),
+                            "--max-restarts", "9", "-x"], capture_output=True, text=True, timeout=180,
+                           cwd=str(tmp_path), env=env)
+        assert p.returncode == 0, (who, p.returncode, p.stderr[-3000:])
+        assert "OMP_NUM_THREADS" in p.stderr, (who, p.stderr[-3000:])
+        dumps[who] = {f.name: json.loads(f.read_text()) for f in out.iterdir()}
+    assert sorted(dumps["torchrun"]) == ["0.json", "1.json", "2.json"]
+    assert dumps["elastor"] == dumps["torchrun"]
