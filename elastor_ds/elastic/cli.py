@@ -380,6 +380,10 @@ def _run_checked(args: argparse.Namespace) -> int:
                           + (" (or HOST:PORT,HOST:PORT,... every member)" if args.rdzv_backend == "etcd-v2" else "")
                           + "; or leave --rdzv-backend out for c10d")
     rdzv_conf = _rdzv_conf(args.rdzv_conf)
+    if "timeout" in rdzv_conf and args.rdzv_backend != "etcd":   # torch reads it in etcd (v1)'s handler only
+        raise ConfigError(f"--rdzv-conf timeout={rdzv_conf['timeout']}: only "
+                          f"--rdzv-backend etcd reads it (the rendezvous's whole wait); with {args.rdzv_backend} "
+                          f"give join_timeout=SECONDS")
     endpoint = args.rdzv_endpoint
     if endpoint and not args.standalone:
         check_endpoints(endpoint, args.rdzv_backend)

@@ -48,6 +48,8 @@ def elastor_run(tmp_path, source: str, flags: list[str], timeout: float = 120) -
     (["--rdzv-conf", "join_timeout=10.5"], "--rdzv-conf join_timeout=10.5: torch's rendezvous takes whole seconds"),
     (["--rdzv-conf", "use_libuv=0"], "--rdzv-conf use_libuv=0: has no effect"),
     (["--rdzv-conf", "heartbeat=5"], "--rdzv-conf heartbeat=5: has no effect (torch's key is heartbeat_timeout)"),
+    # torch's c10d and etcd-v2 handlers never read "timeout" (only etcd v1's does)
+    (["--rdzv-conf", "join_timeout=60,timeout=30"], "--rdzv-conf timeout=30: only --rdzv-backend etcd reads it"),
 ])
 def test_a_torchrun_flag_without_a_counterpart_is_one_line_naming_it(tmp_path, flags, says):
     marker = tmp_path / "ran"
