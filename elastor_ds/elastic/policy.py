@@ -142,6 +142,28 @@ def culprits(outcomes: list[WorkerOutcome]) -> list[WorkerOutcome]:
     return sorted(sig + stopped, key=lambda o: o.local_rank)
 
 
+def failure_summary(outcomes: list[WorkerOutcome]) -> str:
+    """The failure of a launch in a few words, as a job's last line names it (torchrun's summary
+    names its root cause): the culprits (signal deaths, hung workers found stopped) first, else the
+    hung, the ones whose node was lost, the ones that exited non-zero; "" when none failed."""
+    failed = [o for o in outcomes if o.failed]
+    if not failed:
+        return ""
+    picked = culprits(outcomes) or [o for o in failed if o.hung] or [o for o in failed if o.peer_lost] or failed
+    o = picked[0]
+    who = f"local rank {o.local_rank}" + (f" (rank {o.global_rank})" if o.global_rank >= 0 else "")
+    if o.hung:
+        how = "hung (stopped)" if o.stopped else "hung"
+    elif o.peer_lost:
+        how = "stopped by the loss of a node of its round"
+    elif o.signal is not None:
+        how = f"killed by {o.signal_name()}"
+    else:
+        how = f"exited with code {o.exitcode}"
+    more = f" (and {len(failed) - 1} other worker(s) of this node)" if len(failed) > 1 else ""
+    return f"{who} {how}{more}"
+
+
 @dataclass
 class DeviceBook:
     """The node's device slots: which are usable, which were lost (and may return)."""
@@ -189,8 +211,10 @@ def decide_after_failure(policy: OnFailure, book: DeviceBook, outcomes: list[Wor
                                             f"plan) or a world the model cannot run on; see the worker's error "
                                             f"above")
     if collateral_of is None and restarts_used >= max_restarts:
+        last = failure_summary(outcomes)
         return Decision(Action.STOP, reason=f"--max-restarts {max_restarts} exhausted ({restarts_used} relaunches "
-                                            f"after failures); raise --max-restarts to keep going")
+                                            f"after failures){f'; the last failure: {last}' if last else ''}; "
+                                            f"raise --max-restarts to keep going")
     current = book.usable
     if policy is OnFailure.RESTART:
         lost: tuple[int, ...] = ()

@@ -41,3 +41,20 @@ def test_cli_cluster_file_of_many_unknown_lines_exit_2_short_message(tmp_path):
     assert "Traceback" not in r.stderr
     assert "and 495 more" in r.stderr and "user499" not in r.stderr
     assert len(r.stderr) < 1000
+
+
+def test_max_restarts_exhausted_names_the_failure():
+    """The job's last line names what failed, as torchrun's summary names its root cause."""
+    import signal
+
+    from elastor_ds.elastic.policy import Action, DeviceBook, OnFailure, WorkerOutcome, decide_after_failure
+
+    outs = [WorkerOutcome(0, 0, global_rank=4, exitcode=1), WorkerOutcome(1, 1, global_rank=5, exitcode=-signal.SIGKILL)]
+    d = decide_after_failure(OnFailure.SHRINK, DeviceBook((0, 1)), outs, 1, 1)
+    assert d.action is Action.STOP
+    assert d.reason == ("--max-restarts 1 exhausted (1 relaunches after failures); the last failure: local rank 1 "
+                        "(rank 5) killed by SIGKILL (and 1 other worker(s) of this node); raise --max-restarts to "
+                        "keep going")
+    d = decide_after_failure(OnFailure.SHRINK, DeviceBook((0, 1)), [WorkerOutcome(0, 0, exitcode=3)], 0, 0)
+    assert d.reason == ("--max-restarts 0 exhausted (0 relaunches after failures); the last failure: local rank 0 "
+                        "exited with code 3; raise --max-restarts to keep going")

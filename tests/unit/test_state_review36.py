@@ -64,3 +64,4 @@ def test_fallback_never_takes_a_step_newer_than_the_one_named(tmp_path):
     res = CheckpointEngine(root, comm=LocalComm()).load(root, [fs("w", dst)], fallback=True)
     assert res.step == 40
     assert torch.equal(dst, torch.full((256,), 40.0))
+
