@@ -163,7 +163,9 @@ def _main(argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:   # named by the subcommand's parser (its --help), as the other usage errors are
         subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
-        subs.get(getattr(args, "command", None) or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        hint = ("; -v/--verbose is elastor's own option: it goes before the command (elastor -v "
+                f"{args.command} ...)") if set(extra) & {"-v", "--verbose"} and getattr(args, "command", None) else ""
+        subs.get(getattr(args, "command", None) or "", parser).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command != "run":   # (the controller relays its workers' lines as they are)

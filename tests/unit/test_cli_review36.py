@@ -58,3 +58,11 @@ def test_max_restarts_exhausted_names_the_failure():
     d = decide_after_failure(OnFailure.SHRINK, DeviceBook((0, 1)), [WorkerOutcome(0, 0, exitcode=3)], 0, 0)
     assert d.reason == ("--max-restarts 0 exhausted (0 relaunches after failures); the last failure: local rank 0 "
                         "exited with code 3; raise --max-restarts to keep going")
+
+
+@pytest.mark.parametrize("command", [["run", "-v", "--nproc-per-node", "1", "x.py"], ["verify", "-v", "ckpt"]])
+def test_verbose_after_the_command_says_where_it_goes(command):
+    r = subprocess.run([sys.executable, "-m", "elastor_ds.cli", *command], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"-v/--verbose is elastor's own option: it goes before the command (elastor -v {command[0]} ...)" in r.stderr
+    assert "Traceback" not in r.stderr
