@@ -125,6 +125,16 @@ def check_root_placement(storage: str, memory: Optional[MemorySnapshotConfig], d
         check_roots_apart(storage, snap)
 
 
+def _first_problem(why: Optional[str], policy_comm: Any) -> Optional[tuple[int, str, str]]:
+    """Collective: the first rank's problem of all ranks' ``why`` (None: none), as (rank, why, " (rank
+    R)" or "" on one rank), the same on every rank; None when no rank has one."""
+    bad = [(r, w) for r, w in enumerate(policy_comm.all_gather_object(why)) if w]
+    if not bad:
+        return None
+    rank, first = bad[0]
+    return rank, first, (f" (rank {rank})" if policy_comm.world_size > 1 else "")
+
+
 def _check_writable(cfg: CheckpointConfig, policy_comm: Any, dir_setting: str = "checkpoint.dir") -> None:
     """Collective. ``cfg.dir`` must take this process's saves when any will come (periodic saves);
     a read-only folder used only to load is a warning. Judged where it exists (rank 0 made it; the
@@ -133,11 +143,10 @@ def _check_writable(cfg: CheckpointConfig, policy_comm: Any, dir_setting: str = 
     why = None
     if os.path.isdir(root) and not os.access(root, os.W_OK | os.X_OK):
         why = "a read-only file system" if _read_only_fs(root) else "no write permission for this user"
-    bad = [(r, w) for r, w in enumerate(policy_comm.all_gather_object(why)) if w]
-    if not bad:
+    agreed = _first_problem(why, policy_comm)
+    if agreed is None:
         return
-    rank, why = bad[0]
-    on = f" (rank {rank})" if policy_comm.world_size > 1 else ""
+    rank, why, on = agreed
     if cfg.periodic:
         raise ConfigError(f"{dir_setting} {_shown(cfg.dir)}: this process{on} cannot write there ({why}), so the "
                           f"first save would fail; give a directory you may write, or fix its permissions")
@@ -177,11 +186,10 @@ def _check_snapshot_dir_writable(memory: MemorySnapshotConfig, node: str, policy
             if p != node:
                 why = f"its snapshot folder {p} allows no writes: {why}"
             break
-    bad = [(r, w) for r, w in enumerate(policy_comm.all_gather_object(why)) if w]
-    if not bad:
+    agreed = _first_problem(why, policy_comm)
+    if agreed is None:
         return
-    rank, why = bad[0]
-    on = f" (rank {rank})" if policy_comm.world_size > 1 else ""
+    _, why, on = agreed
     if memory.dir:
         setting, value = "elastor.memory_snapshot.dir", memory.dir
     else:
